@@ -1,0 +1,53 @@
+// The only pybind11 file: exposes the backend as mooncake_pg._C (private).
+#include <pybind11/chrono.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/python.h>
+
+#include "pg/backend.hpp"
+#include "transport/shm.hpp"
+
+namespace py = pybind11;
+
+#ifndef MOONCAKE_TORCH_VERSION
+#define MOONCAKE_TORCH_VERSION "unknown"
+#endif
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "mooncake_pg private extension";
+  {
+    std::string running = py::module::import("torch").attr("__version__").cast<std::string>();
+    if (running != MOONCAKE_TORCH_VERSION) {
+      throw py::import_error(std::string("mooncake_pg._C was built for torch ") + MOONCAKE_TORCH_VERSION +
+                             " but torch " + running + " is running; rebuild with "
+                             "`pip install --no-build-isolation -e .`");
+    }
+  }
+  m.attr("TORCH_VERSION") = MOONCAKE_TORCH_VERSION;
+  py::module::import("torch.distributed");
+
+  py::class_<mooncake::BackendConfig>(m, "BackendConfig")
+      .def(py::init<>())
+      .def_readwrite("timeout_s", &mooncake::BackendConfig::timeout_s)
+      .def_readwrite("transport", &mooncake::BackendConfig::transport)
+      .def_readwrite("host_id", &mooncake::BackendConfig::host_id)
+      .def_readwrite("listen_host", &mooncake::BackendConfig::listen_host)
+      .def_readwrite("shm_slot_bytes", &mooncake::BackendConfig::shm_slot_bytes)
+      .def_readwrite("p2p_ring_bytes", &mooncake::BackendConfig::p2p_ring_bytes)
+      .def_readwrite("debug", &mooncake::BackendConfig::debug)
+      .def_readwrite("group_name", &mooncake::BackendConfig::group_name);
+
+  py::class_<mooncake::MooncakeBackend, c10d::Backend, c10::intrusive_ptr<mooncake::MooncakeBackend>>(
+      m, "MooncakeBackend")
+      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                       const mooncake::BackendConfig& cfg) {
+             return c10::make_intrusive<mooncake::MooncakeBackend>(store, rank, size, cfg);
+           }),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("config"),
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("transport", &mooncake::MooncakeBackend::transport_name)
+      .def_property_readonly("ops_issued", &mooncake::MooncakeBackend::ops_issued);
+
+  m.def("available_cpus", &mooncake::available_cpus);
+}

@@ -1,0 +1,1350 @@
+#include "pg/backend.hpp"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+#include <sstream>
+
+#include "transport/shm.hpp"
+#include "transport/tcp.hpp"
+
+namespace mooncake {
+
+namespace {
+
+constexpr uint32_t kMagic = 0x4d434b31;  // "MCK1"
+constexpr uint32_t kP2PMagic = 0x4d435032;
+
+enum OpCode : uint32_t {
+  OP_ALLREDUCE = 1,
+  OP_REDUCE,
+  OP_BROADCAST,
+  OP_ALLGATHER,
+  OP_GATHER,
+  OP_REDUCE_SCATTER,
+  OP_SCATTER,
+  OP_ALLTOALL,
+  OP_BARRIER,
+};
+
+const char* op_name(uint32_t op) {
+  switch (op) {
+    case OP_ALLREDUCE: return "all_reduce";
+    case OP_REDUCE: return "reduce";
+    case OP_BROADCAST: return "broadcast";
+    case OP_ALLGATHER: return "all_gather";
+    case OP_GATHER: return "gather";
+    case OP_REDUCE_SCATTER: return "reduce_scatter";
+    case OP_SCATTER: return "scatter";
+    case OP_ALLTOALL: return "all_to_all";
+    case OP_BARRIER: return "barrier";
+  }
+  return "unknown op";
+}
+
+// Exchanged in the first round of every collective, before any user buffer is written.
+struct OpHeader {
+  uint32_t magic;
+  uint32_t op;
+  int32_t dtype;
+  int32_t redop;
+  int64_t root;
+  int64_t count;
+  uint64_t seq;
+  uint32_t nextra;  // int64 values following the header
+  uint32_t pad;
+};
+static_assert(sizeof(OpHeader) == 48, "OpHeader layout");
+
+struct P2PHeader {
+  uint32_t magic;
+  int32_t tag;
+  uint64_t nbytes;
+  int32_t dtype;
+  int32_t pad;
+  uint64_t reserved;
+};
+static_assert(sizeof(P2PHeader) == 32, "P2PHeader layout");
+
+constexpr size_t kSmallAllreduce = 16 << 10;
+
+size_t hdr_cap_for(int size) { return (sizeof(OpHeader) + 16 * static_cast<size_t>(size) + 63) / 64 * 64; }
+
+std::string dtype_name(int32_t dt) { return c10::toString(static_cast<c10::ScalarType>(dt)); }
+
+std::string describe(const OpHeader& h) {
+  std::ostringstream o;
+  o << op_name(h.op);
+  if (h.op != OP_BARRIER) {
+    o << " of " << h.count << (h.op == OP_ALLTOALL ? " element(s) per row" : " element(s)")
+      << " of dtype " << dtype_name(h.dtype);
+  }
+  if (h.op == OP_ALLREDUCE || h.op == OP_REDUCE || h.op == OP_REDUCE_SCATTER)
+    o << " with ReduceOp " << red_op_name(static_cast<RedOp>(h.redop));
+  if (h.op == OP_REDUCE || h.op == OP_BROADCAST || h.op == OP_GATHER || h.op == OP_SCATTER)
+    o << " (root " << h.root << ")";
+  o << " [op #" << h.seq << "]";
+  return o.str();
+}
+
+bool data_dtype_ok(c10::ScalarType dt) {
+  using ST = c10::ScalarType;
+  switch (dt) {
+    case ST::Double: case ST::Float: case ST::Half: case ST::BFloat16:
+    case ST::Float8_e4m3fn: case ST::Float8_e5m2: case ST::Char: case ST::Short:
+    case ST::Int: case ST::Long: case ST::Byte: case ST::UInt16: case ST::UInt32:
+    case ST::UInt64: case ST::Bool: case ST::ComplexFloat: case ST::ComplexDouble:
+      return true;
+    default:
+      return false;
+  }
+}
+
+RedOp to_redop(const c10d::ReduceOp& op, double* premul) {
+  *premul = 1.0;
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM: return RedOp::SUM;
+    case c10d::ReduceOp::AVG: return RedOp::AVG;
+    case c10d::ReduceOp::PRODUCT: return RedOp::PRODUCT;
+    case c10d::ReduceOp::MIN: return RedOp::MIN;
+    case c10d::ReduceOp::MAX: return RedOp::MAX;
+    case c10d::ReduceOp::BAND: return RedOp::BAND;
+    case c10d::ReduceOp::BOR: return RedOp::BOR;
+    case c10d::ReduceOp::BXOR: return RedOp::BXOR;
+    case c10d::ReduceOp::PREMUL_SUM: {
+      auto* sup = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+      TORCH_CHECK_VALUE(sup != nullptr, "MooncakeBackend: PREMUL_SUM without a factor");
+      *premul = sup->tensor_factor.defined() ? sup->tensor_factor.item<double>() : sup->double_factor;
+      return RedOp::PREMUL_SUM;
+    }
+    default:
+      TORCH_CHECK_VALUE(false, "MooncakeBackend: unsupported ReduceOp ", static_cast<int>(op.op_));
+  }
+}
+
+}  // namespace
+
+// ===================================================================================
+// Work
+// ===================================================================================
+MooncakeWork::MooncakeWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs)
+    : c10d::Work(rank, type), outputs_(std::move(outputs)) {
+  future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+}
+
+bool MooncakeWork::isCompleted() {
+  std::lock_guard<std::mutex> g(mu_);
+  return done_;
+}
+
+bool MooncakeWork::isSuccess() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return done_ && !err_;
+}
+
+std::exception_ptr MooncakeWork::exception() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return err_;
+}
+
+int MooncakeWork::sourceRank() const { return source_rank; }
+
+std::vector<at::Tensor> MooncakeWork::result() { return outputs_; }
+
+void MooncakeWork::add_output(const std::vector<at::Tensor>& ts) {
+  outputs_.insert(outputs_.end(), ts.begin(), ts.end());
+}
+
+bool MooncakeWork::wait(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (timeout == kNoTimeout) {
+    cv_.wait(lk, [&] { return done_; });
+  } else if (!cv_.wait_for(lk, timeout, [&] { return done_; })) {
+    C10_THROW_ERROR(DistBackendError,
+                    "MooncakeWork::wait: timed out after " + std::to_string(timeout.count()) +
+                        " ms; the op goes on and no rank is declared failed");
+  }
+  if (err_) std::rethrow_exception(err_);
+  return true;
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> MooncakeWork::getFuture() { return future_; }
+
+void MooncakeWork::finish(std::exception_ptr err) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (done_) return;
+    done_ = true;
+    err_ = err;
+  }
+  cv_.notify_all();
+}
+
+void MooncakeWork::complete_future() {
+  if (future_->completed()) return;
+  std::exception_ptr e = exception();
+  if (e) {
+    future_->setError(e);
+  } else {
+    future_->markCompleted(c10::IValue(outputs_));
+  }
+}
+
+bool MooncakeWork::child_done(std::exception_ptr err) {
+  std::lock_guard<std::mutex> g(child_mu_);
+  if (err && !child_err_) child_err_ = err;
+  return --pending_children_ == 0;
+}
+
+// ===================================================================================
+// Set-up
+// ===================================================================================
+MooncakeBackend::MooncakeBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                 BackendConfig cfg)
+    : c10d::Backend(rank, size),
+      cfg_(std::move(cfg)),
+      timeout_(static_cast<int64_t>(cfg_.timeout_s * 1000)) {
+  setup(store);
+}
+
+MooncakeBackend::~MooncakeBackend() { shutdown(); }
+
+static std::string store_get_str(const c10::intrusive_ptr<c10d::Store>& store, const std::string& k) {
+  auto v = store->get(k);
+  return std::string(v.begin(), v.end());
+}
+
+static void store_set_str(const c10::intrusive_ptr<c10d::Store>& store, const std::string& k,
+                          const std::string& v) {
+  store->set(k, std::vector<uint8_t>(v.begin(), v.end()));
+}
+
+void MooncakeBackend::setup(const c10::intrusive_ptr<c10d::Store>& store) {
+  const int W = size_;
+  const std::string& t = cfg_.transport;
+  TORCH_CHECK_VALUE(t == "auto" || t == "shm" || t == "tcp" || t == "rdma",
+                    "MooncakeBackend::setup: unknown transport '", t, "'");
+  TORCH_CHECK(t != "rdma",
+              "MooncakeBackend::setup: transport 'rdma' needs a build with ibverbs; this build has "
+              "shm and tcp only");
+  TORCH_CHECK_VALUE(cfg_.shm_slot_bytes >= 4096, "MooncakeBackend::setup: shm_slot_bytes must be >= 4096");
+  const size_t slot = static_cast<size_t>(cfg_.shm_slot_bytes) / 64 * 64;
+  const size_t hcap = hdr_cap_for(W);
+
+  // 1. who shares a host (and agree on the transport)
+  store_set_str(store, "mc/host/" + std::to_string(rank_), cfg_.host_id + "|" + t + "|" + std::to_string(slot));
+  bool one_host = true;
+  for (int j = 0; j < W; ++j) {
+    std::string v = store_get_str(store, "mc/host/" + std::to_string(j));
+    std::string mine = cfg_.host_id + "|" + t + "|" + std::to_string(slot);
+    auto host_of = [](const std::string& s) { return s.substr(0, s.find('|')); };
+    if (host_of(v) != cfg_.host_id) one_host = false;
+    TORCH_CHECK_VALUE(v.substr(v.find('|')) == mine.substr(mine.find('|')),
+                      "MooncakeBackend::setup: rank ", j, " uses transport/slot '",
+                      v.substr(v.find('|') + 1), "' but rank ", rank_, " uses '",
+                      mine.substr(mine.find('|') + 1), "'; MOONCAKE_TRANSPORT and shm_slot_bytes must agree across ranks");
+  }
+  bool use_shm = (t == "shm") || (t == "auto" && one_host);
+  TORCH_CHECK(!(t == "shm" && !one_host),
+              "MooncakeBackend::setup: transport 'shm' needs every rank on one host (MOONCAKE_HOST_ID differs)");
+
+  if (use_shm) {
+    ShmLayout layout(W, slot, hcap, static_cast<size_t>(cfg_.p2p_ring_bytes));
+    shm_ = std::make_shared<ShmSegment>();
+    if (rank_ == 0) {
+      std::random_device rd;
+      std::string name = "/mooncake-" + std::to_string(getpid()) + "-" + std::to_string(rd());
+      shm_->create(name, layout.total);
+      store_set_str(store, "mc/shm", name);
+    } else {
+      shm_->open(store_get_str(store, "mc/shm"), layout.total);
+    }
+    store_set_str(store, "mc/mapped/" + std::to_string(rank_), "1");
+    if (rank_ == 0) {
+      std::vector<std::string> keys;
+      for (int j = 0; j < W; ++j) keys.push_back("mc/mapped/" + std::to_string(j));
+      store->wait(keys);
+      shm_->unlink();  // every rank has it mapped: nothing is left behind if one dies
+    }
+    bool spin = W <= available_cpus();
+    coll_ = std::make_unique<ShmEngine>(rank_, W, shm_, layout, spin);
+    p2p_ = std::make_unique<ShmP2P>(rank_, W, shm_, layout);
+  } else {
+    TcpListener lc(cfg_.listen_host), lp(cfg_.listen_host);
+    store_set_str(store, "mc/addr/" + std::to_string(rank_),
+                  cfg_.listen_host + " " + std::to_string(lc.port()) + " " + std::to_string(lp.port()));
+    std::vector<int> cfds(W, -1), pfds(W, -1);
+    const int64_t tmo = std::max<int64_t>(timeout_.count(), 60000);
+    for (int j = 0; j < rank_; ++j) {
+      std::istringstream in(store_get_str(store, "mc/addr/" + std::to_string(j)));
+      std::string host;
+      int pc = 0, pp = 0;
+      in >> host >> pc >> pp;
+      int32_t me = rank_;
+      cfds[j] = tcp_connect(host, pc, tmo);
+      send_all_blocking(cfds[j], &me, sizeof(me));
+      pfds[j] = tcp_connect(host, pp, tmo);
+      send_all_blocking(pfds[j], &me, sizeof(me));
+    }
+    for (int n = rank_ + 1; n < W; ++n) {
+      for (TcpListener* l : {&lc, &lp}) {
+        int fd = l->accept_fd(tmo);
+        int32_t who = -1;
+        recv_all_blocking(fd, &who, sizeof(who), tmo);
+        TORCH_CHECK(who > rank_ && who < W, "MooncakeBackend::setup: bad handshake from rank ", who);
+        (l == &lc ? cfds : pfds)[who] = fd;
+      }
+    }
+    coll_ = std::make_unique<TcpEngine>(rank_, W, slot, hcap, cfds);
+    p2p_ = std::make_unique<TcpP2P>(rank_, W, pfds);
+  }
+}
+
+void MooncakeBackend::setTimeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
+
+int64_t MooncakeBackend::deadline_for(std::chrono::milliseconds t) const {
+  auto ms = (t.count() > 0) ? t : timeout_;
+  return now_ns() + static_cast<int64_t>(ms.count()) * 1000000LL;
+}
+
+void MooncakeBackend::shutdown() {
+  {
+    std::lock_guard<std::mutex> g(qmu_);
+    if (stop_) return;
+    stop_ = true;
+  }
+  qcv_.notify_all();
+  ccv_.notify_all();
+  if (p2p_) p2p_->notify();
+  if (progress_thread_.joinable()) progress_thread_.join();
+  if (p2p_thread_.joinable()) p2p_thread_.join();
+  if (completion_thread_.joinable()) completion_thread_.join();
+}
+
+void MooncakeBackend::ensure_threads(bool p2p) {
+  // called with qmu_ held
+  if (!completion_thread_.joinable()) completion_thread_ = std::thread([this] { completion_loop(); });
+  if (!p2p && !progress_thread_.joinable()) progress_thread_ = std::thread([this] { progress_loop(); });
+  if (p2p && !p2p_thread_.joinable()) p2p_thread_ = std::thread([this] { p2p_loop(); });
+}
+
+// ===================================================================================
+// Scheduling
+// ===================================================================================
+void MooncakeBackend::deliver(const c10::intrusive_ptr<MooncakeWork>& w, std::exception_ptr err,
+                              bool inline_future) {
+  if (!err && w->after) {
+    try {
+      w->after();
+    } catch (...) {
+      err = std::current_exception();
+    }
+  }
+  w->finish(err);
+  std::vector<c10::intrusive_ptr<MooncakeWork>> done{w};
+  if (w->parent && w->parent->child_done(err)) {
+    w->parent->finish(w->parent->child_error());
+    done.push_back(w->parent);
+  }
+  if (inline_future) {
+    for (auto& d : done) d->complete_future();
+  } else {
+    {
+      std::lock_guard<std::mutex> g(qmu_);
+      for (auto& d : done) completions_.push_back(d);
+    }
+    ccv_.notify_all();
+  }
+}
+
+c10::intrusive_ptr<MooncakeWork> MooncakeBackend::submit(c10d::OpType type,
+                                                         std::vector<at::Tensor> outputs,
+                                                         bool async_op,
+                                                         std::chrono::milliseconds timeout, Job job,
+                                                         std::function<void()> after) {
+  auto w = c10::make_intrusive<MooncakeWork>(rank_, type, outputs);
+  w->after = std::move(after);
+  if (coalescing_) {
+    w->parent = coalesce_parent_;
+    coalesce_parent_->add_child(outputs);
+  }
+  ++seq_;
+  auto run = [this, job, timeout]() -> std::exception_ptr {
+    std::lock_guard<std::mutex> g(engine_mu_);
+    try {
+      if (!broken_.empty()) C10_THROW_ERROR(DistBackendError, broken_);
+      job(deadline_for(timeout));
+    } catch (const PeerTimeout& e) {
+      broken_ = std::string("MooncakeBackend: the group is unusable after an earlier failure: ") + e.what();
+      return std::make_exception_ptr(
+          c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, __LINE__},
+                                std::string("MooncakeBackend (rank ") + std::to_string(rank_) + "): " + e.what()));
+    } catch (const c10::ValueError&) {
+      return std::current_exception();
+    } catch (const c10::Error&) {
+      return std::current_exception();
+    } catch (const std::exception& e) {
+      broken_ = std::string("MooncakeBackend: the group is unusable after an earlier failure: ") + e.what();
+      return std::make_exception_ptr(c10::DistBackendError(
+          c10::SourceLocation{__func__, __FILE__, __LINE__},
+          std::string("MooncakeBackend (rank ") + std::to_string(rank_) + "): " + e.what()));
+    }
+    return nullptr;
+  };
+  if (!async_op) {
+    bool can_inline = false;
+    {
+      std::lock_guard<std::mutex> g(qmu_);
+      TORCH_CHECK(!stop_, "MooncakeBackend: the process group was shut down");
+      if (inflight_ == 0) {
+        inflight_++;
+        can_inline = true;
+      }
+    }
+    if (can_inline) {
+      std::exception_ptr err = run();
+      {
+        std::lock_guard<std::mutex> g(qmu_);
+        inflight_--;
+      }
+      deliver(w, err, /*inline_future=*/true);
+      return w;
+    }
+  }
+  {
+    std::lock_guard<std::mutex> g(qmu_);
+    TORCH_CHECK(!stop_, "MooncakeBackend: the process group was shut down");
+    ensure_threads(false);
+    inflight_++;
+    queue_.push_back([this, w, run]() { deliver(w, run(), false); });
+  }
+  qcv_.notify_all();
+  return w;
+}
+
+void MooncakeBackend::progress_loop() {
+  while (true) {
+    std::function<void()> fn;
+    {
+      std::unique_lock<std::mutex> lk(qmu_);
+      qcv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      fn = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    fn();
+    {
+      std::lock_guard<std::mutex> g(qmu_);
+      inflight_--;
+    }
+  }
+}
+
+void MooncakeBackend::completion_loop() {
+  while (true) {
+    c10::intrusive_ptr<MooncakeWork> w;
+    {
+      std::unique_lock<std::mutex> lk(qmu_);
+      ccv_.wait(lk, [&] { return stop_ || !completions_.empty(); });
+      if (completions_.empty()) return;
+      w = completions_.front();
+      completions_.pop_front();
+    }
+    try {
+      w->complete_future();
+    } catch (...) {
+    }
+  }
+}
+
+void MooncakeBackend::startCoalescing() {
+  TORCH_CHECK(!coalescing_, "MooncakeBackend::startCoalescing: already coalescing");
+  coalescing_ = true;
+  coalesce_parent_ = c10::make_intrusive<MooncakeWork>(rank_, c10d::OpType::COALESCED,
+                                                       std::vector<at::Tensor>{});
+  coalesce_parent_->add_child({});  // guard released by endCoalescing
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::endCoalescing() {
+  TORCH_CHECK(coalescing_, "MooncakeBackend::endCoalescing: not coalescing");
+  coalescing_ = false;
+  auto p = coalesce_parent_;
+  coalesce_parent_.reset();
+  if (p->child_done(nullptr)) {
+    p->finish(p->child_error());
+    p->complete_future();
+  }
+  return p;
+}
+
+// ===================================================================================
+// Collective bodies
+// ===================================================================================
+void MooncakeBackend::exchange(const PeerRanges* sends, size_t hdr_len, int64_t dl, const char*) {
+  coll_->exchange(sends, hdr_len, dl);
+}
+
+static void write_header(CollEngine* e, uint64_t k, OpHeader h, const std::vector<int64_t>& extra) {
+  h.magic = kMagic;
+  h.nextra = static_cast<uint32_t>(extra.size());
+  std::memcpy(e->my_hdr(k), &h, sizeof(h));
+  if (!extra.empty()) std::memcpy(e->my_hdr(k) + sizeof(h), extra.data(), extra.size() * 8);
+}
+
+static size_t header_len(const std::vector<int64_t>& extra) { return sizeof(OpHeader) + extra.size() * 8; }
+
+// Compares every rank's header of round k with the reference rank's; throws ValueError on
+// every rank (they all see the same headers) naming the ranks that differ.
+static void check_headers(CollEngine* e, uint64_t k, int ref) {
+  const int W = e->size();
+  OpHeader r;
+  std::memcpy(&r, e->peer_hdr(ref, k), sizeof(r));
+  std::vector<int> bad;
+  OpHeader first_bad{};
+  for (int j = 0; j < W; ++j) {
+    OpHeader h;
+    std::memcpy(&h, e->peer_hdr(j, k), sizeof(h));
+    bool same = h.magic == kMagic && h.op == r.op && h.dtype == r.dtype && h.redop == r.redop &&
+                h.root == r.root && h.count == r.count && h.seq == r.seq && h.nextra == r.nextra;
+    if (same && r.op != OP_ALLTOALL && h.nextra > 0)
+      same = std::memcmp(e->peer_hdr(j, k) + sizeof(h), e->peer_hdr(ref, k) + sizeof(h), h.nextra * 8) == 0;
+    if (!same) {
+      if (bad.empty()) first_bad = h;
+      bad.push_back(j);
+    }
+  }
+  if (r.op == OP_ALLTOALL && bad.empty()) {
+    // rank i's send split to j must equal rank j's receive split from i
+    std::vector<char> flagged(W, 0);
+    std::string detail;
+    for (int i = 0; i < W; ++i) {
+      const int64_t* xi = reinterpret_cast<const int64_t*>(e->peer_hdr(i, k) + sizeof(OpHeader));
+      for (int j = 0; j < W; ++j) {
+        const int64_t* xj = reinterpret_cast<const int64_t*>(e->peer_hdr(j, k) + sizeof(OpHeader));
+        if (xi[j] != xj[W + i]) {
+          if (detail.empty())
+            detail = "rank " + std::to_string(i) + " sends " + std::to_string(xi[j]) + " row(s) to rank " +
+                     std::to_string(j) + " but rank " + std::to_string(j) + " expects " +
+                     std::to_string(xj[W + i]) + " from it";
+          if (i != ref) flagged[i] = 1;
+          if (j != ref) flagged[j] = 1;
+        }
+      }
+    }
+    if (!detail.empty()) {
+      std::string who;
+      for (int j = 0; j < W; ++j)
+        if (flagged[j]) who += (who.empty() ? "" : ", ") + std::to_string(j);
+      TORCH_CHECK_VALUE(false, "mooncake all_to_all (rank ", e->rank(), "): cross-rank mismatch of split sizes: ",
+                        detail, "; offending rank(s): ", who,
+                        ". The op was cancelled on every rank and no output was modified.");
+    }
+    return;
+  }
+  if (!bad.empty()) {
+    std::string who;
+    for (int j : bad) who += (who.empty() ? "" : ", ") + std::to_string(j);
+    TORCH_CHECK_VALUE(false, "mooncake ", op_name(r.op), " (rank ", e->rank(),
+                      "): cross-rank mismatch: rank ", bad[0], " called ", describe(first_bad),
+                      " but rank ", ref, " called ", describe(r), "; offending rank(s): ", who,
+                      ". The op was cancelled on every rank and no output was modified.");
+  }
+}
+
+static void copy_in(void* dst, const void* src, size_t n_elems, size_t esize, c10::ScalarType dt,
+                    RedOp op, double premul) {
+  if (op == RedOp::PREMUL_SUM && premul != 1.0)
+    scale_copy(dst, src, n_elems, dt, premul);
+  else
+    std::memcpy(dst, src, n_elems * esize);
+}
+
+void MooncakeBackend::run_allreduce(at::Tensor& t, RedOp op, double premul, int root, int64_t dl) {
+  // root < 0: all_reduce; else reduce to `root` (other ranks' tensors stay untouched)
+  CollEngine* e = coll_.get();
+  const int W = size_, r = rank_;
+  const auto dt = t.scalar_type();
+  const size_t E = t.element_size();
+  const size_t n = static_cast<size_t>(t.numel());
+  uint8_t* data = static_cast<uint8_t*>(t.data_ptr());
+  const bool all = root < 0;
+  OpHeader h{};
+  h.op = all ? OP_ALLREDUCE : OP_REDUCE;
+  h.dtype = static_cast<int32_t>(dt);
+  h.redop = static_cast<int32_t>(op == RedOp::PREMUL_SUM ? RedOp::PREMUL_SUM : op);
+  h.root = all ? -1 : root;
+  h.count = static_cast<int64_t>(n);
+  h.seq = seq_exec_++;
+  const std::vector<int64_t> noextra;
+  const size_t S = e->slot_bytes();
+  const int ref = all ? 0 : root;
+
+  if (n * E <= std::min(kSmallAllreduce, S)) {
+    // one round: every rank reduces the whole (small) tensor in rank order
+    const uint64_t k = e->next_round();
+    copy_in(e->my_slot(k), data, n, E, dt, op, premul);
+    write_header(e, k, h, noextra);
+    PeerRanges sends(W);
+    for (int j = 0; j < W; ++j)
+      if (j != r && (all || j == root)) sends[j].push_back({0, n * E});
+    exchange(&sends, header_len(noextra), dl, "all_reduce");
+    check_headers(e, k, ref);
+    if (n == 0 || !(all || r == root)) return;
+    std::vector<const void*> srcs(W);
+    for (int j = 0; j < W; ++j) srcs[j] = e->peer_slot(j, k);
+    reduce_buffers(data, srcs.data(), W, n, dt, op);
+    return;
+  }
+
+  // pipelined reduce-scatter + all-gather: slot = [A: input piece | B: reduced sub-chunk]
+  const size_t half = S / 2 / 64 * 64;
+  size_t P = half / (W * E) * W;  // elements per piece
+  if (P == 0) P = W;
+  const size_t npieces = (n + P - 1) / P;
+  auto piece_len = [&](size_t p) { return std::min(P, n - p * P); };
+  auto sub = [&](size_t L, int j, size_t* off, size_t* len) {
+    size_t c = (L + W - 1) / W;
+    size_t b = std::min(L, c * j), en = std::min(L, c * (j + 1));
+    *off = b;
+    *len = en - b;
+  };
+  std::vector<const void*> srcs(W);
+  for (size_t p = 0; p <= npieces; ++p) {
+    const uint64_t k = e->next_round();
+    PeerRanges sends(W);
+    if (p < npieces) {
+      const size_t L = piece_len(p);
+      copy_in(e->my_slot(k), data + p * P * E, L, E, dt, op, premul);
+      for (int j = 0; j < W; ++j) {
+        if (j == r) continue;
+        size_t o, l;
+        sub(L, j, &o, &l);
+        sends[j].push_back({o * E, l * E});
+      }
+    }
+    if (p > 0) {
+      size_t o, l;
+      sub(piece_len(p - 1), r, &o, &l);
+      for (int j = 0; j < W; ++j)
+        if (j != r && (all || j == root)) sends[j].push_back({half, l * E});
+    }
+    if (p == 0) write_header(e, k, h, noextra);
+    exchange(&sends, p == 0 ? header_len(noextra) : 0, dl, "all_reduce");
+    if (p == 0) check_headers(e, k, ref);
+    if (p > 0 && (all || r == root)) {
+      const size_t L = piece_len(p - 1);
+      for (int j = 0; j < W; ++j) {
+        if (j == r) continue;
+        size_t o, l;
+        sub(L, j, &o, &l);
+        if (l) std::memcpy(data + ((p - 1) * P + o) * E, e->peer_slot(j, k) + half, l * E);
+      }
+    }
+    if (p < npieces) {
+      const size_t L = piece_len(p);
+      size_t o, l;
+      sub(L, r, &o, &l);
+      if (l) {
+        for (int j = 0; j < W; ++j) srcs[j] = e->peer_slot(j, k) + o * E;
+        uint8_t* red = e->my_slot(k + 1) + half;  // next round's slot (see engine.hpp)
+        reduce_buffers(red, srcs.data(), W, l, dt, op);
+        if (all || r == root) std::memcpy(data + (p * P + o) * E, red, l * E);
+      }
+    }
+  }
+}
+
+void MooncakeBackend::run_broadcast(at::Tensor& t, int root, int64_t dl) {
+  CollEngine* e = coll_.get();
+  const int W = size_, r = rank_;
+  const size_t nbytes = t.numel() * t.element_size();
+  uint8_t* data = static_cast<uint8_t*>(t.data_ptr());
+  OpHeader h{};
+  h.op = OP_BROADCAST;
+  h.dtype = static_cast<int32_t>(t.scalar_type());
+  h.root = root;
+  h.count = t.numel();
+  h.seq = seq_exec_++;
+  const std::vector<int64_t> noextra;
+  const size_t S = e->slot_bytes();
+  const size_t npieces = std::max<size_t>(1, (nbytes + S - 1) / S);
+  for (size_t p = 0; p < npieces; ++p) {
+    const uint64_t k = e->next_round();
+    const size_t off = p * S, len = std::min(S, nbytes - std::min(nbytes, off));
+    PeerRanges sends(W);
+    if (r == root) {
+      if (len) std::memcpy(e->my_slot(k), data + off, len);
+      for (int j = 0; j < W; ++j)
+        if (j != r) sends[j].push_back({0, len});
+    }
+    if (p == 0) write_header(e, k, h, noextra);
+    exchange(&sends, p == 0 ? header_len(noextra) : 0, dl, "broadcast");
+    if (p == 0) check_headers(e, k, root);
+    if (r != root && len) std::memcpy(data + off, e->peer_slot(root, k), len);
+  }
+}
+
+void MooncakeBackend::run_allgather(const at::Tensor& in, const std::vector<uint8_t*>& outs,
+                                    int opcode, int root, int64_t dl) {
+  // opcode OP_ALLGATHER: outs[j] for every j; OP_GATHER: outs only on root
+  CollEngine* e = coll_.get();
+  const int W = size_, r = rank_;
+  const size_t nbytes = in.numel() * in.element_size();
+  const uint8_t* data = static_cast<const uint8_t*>(in.data_ptr());
+  OpHeader h{};
+  h.op = static_cast<uint32_t>(opcode);
+  h.dtype = static_cast<int32_t>(in.scalar_type());
+  h.root = opcode == OP_GATHER ? root : -1;
+  h.count = in.numel();
+  h.seq = seq_exec_++;
+  const std::vector<int64_t> noextra;
+  const size_t S = e->slot_bytes();
+  const size_t npieces = std::max<size_t>(1, (nbytes + S - 1) / S);
+  const bool receiver = opcode == OP_ALLGATHER || r == root;
+  for (size_t p = 0; p < npieces; ++p) {
+    const uint64_t k = e->next_round();
+    const size_t off = p * S, len = std::min(S, nbytes - std::min(nbytes, off));
+    if (len) std::memcpy(e->my_slot(k), data + off, len);
+    PeerRanges sends(W);
+    for (int j = 0; j < W; ++j)
+      if (j != r && (opcode == OP_ALLGATHER || j == root)) sends[j].push_back({0, len});
+    if (p == 0) write_header(e, k, h, noextra);
+    exchange(&sends, p == 0 ? header_len(noextra) : 0, dl, op_name(opcode));
+    if (p == 0) check_headers(e, k, opcode == OP_GATHER ? root : 0);
+    if (receiver && len)
+      for (int j = 0; j < W; ++j) std::memcpy(outs[j] + off, e->peer_slot(j, k), len);
+  }
+}
+
+void MooncakeBackend::run_reduce_scatter(const std::vector<const uint8_t*>& ins, at::Tensor& out,
+                                         RedOp op, double premul, int64_t dl) {
+  CollEngine* e = coll_.get();
+  const int W = size_, r = rank_;
+  const auto dt = out.scalar_type();
+  const size_t E = out.element_size();
+  const size_t n = out.numel();
+  uint8_t* data = static_cast<uint8_t*>(out.data_ptr());
+  OpHeader h{};
+  h.op = OP_REDUCE_SCATTER;
+  h.dtype = static_cast<int32_t>(dt);
+  h.redop = static_cast<int32_t>(op);
+  h.root = -1;
+  h.count = static_cast<int64_t>(n);
+  h.seq = seq_exec_++;
+  const std::vector<int64_t> noextra;
+  const size_t S = e->slot_bytes();
+  size_t q = S / W / 64 * 64 / E;  // elements per sub-slot
+  if (q == 0) q = std::max<size_t>(1, S / W / E);
+  const size_t npieces = std::max<size_t>(1, (n + q - 1) / q);
+  std::vector<const void*> srcs(W);
+  for (size_t p = 0; p < npieces; ++p) {
+    const uint64_t k = e->next_round();
+    const size_t off = p * q, len = std::min(q, n - std::min(n, off));
+    PeerRanges sends(W);
+    for (int j = 0; j < W; ++j) {
+      if (len) copy_in(e->my_slot(k) + j * q * E, ins[j] + off * E, len, E, dt, op, premul);
+      if (j != r) sends[j].push_back({j * q * E, len * E});
+    }
+    if (p == 0) write_header(e, k, h, noextra);
+    exchange(&sends, p == 0 ? header_len(noextra) : 0, dl, "reduce_scatter");
+    if (p == 0) check_headers(e, k, 0);
+    if (len) {
+      for (int j = 0; j < W; ++j) srcs[j] = e->peer_slot(j, k) + r * q * E;
+      reduce_buffers(data + off * E, srcs.data(), W, len, dt, op);
+    }
+  }
+}
+
+void MooncakeBackend::run_scatter(const std::vector<const uint8_t*>& ins, at::Tensor& out, int root,
+                                  int64_t dl) {
+  CollEngine* e = coll_.get();
+  const int W = size_, r = rank_;
+  const size_t E = out.element_size();
+  const size_t n = out.numel();
+  uint8_t* data = static_cast<uint8_t*>(out.data_ptr());
+  OpHeader h{};
+  h.op = OP_SCATTER;
+  h.dtype = static_cast<int32_t>(out.scalar_type());
+  h.root = root;
+  h.count = static_cast<int64_t>(n);
+  h.seq = seq_exec_++;
+  const std::vector<int64_t> noextra;
+  const size_t S = e->slot_bytes();
+  size_t q = S / W / 64 * 64 / E;
+  if (q == 0) q = std::max<size_t>(1, S / W / E);
+  const size_t npieces = std::max<size_t>(1, (n + q - 1) / q);
+  for (size_t p = 0; p < npieces; ++p) {
+    const uint64_t k = e->next_round();
+    const size_t off = p * q, len = std::min(q, n - std::min(n, off));
+    PeerRanges sends(W);
+    if (r == root) {
+      for (int j = 0; j < W; ++j) {
+        if (len) std::memcpy(e->my_slot(k) + j * q * E, ins[j] + off * E, len * E);
+        if (j != r) sends[j].push_back({j * q * E, len * E});
+      }
+    }
+    if (p == 0) write_header(e, k, h, noextra);
+    exchange(&sends, p == 0 ? header_len(noextra) : 0, dl, "scatter");
+    if (p == 0) check_headers(e, k, root);
+    if (len) std::memcpy(data + off * E, e->peer_slot(root, k) + r * q * E, len * E);
+  }
+}
+
+void MooncakeBackend::run_alltoall(const uint8_t* in, uint8_t* out, c10::ScalarType dt,
+                                   int64_t row_elems, const std::vector<int64_t>& in_rows,
+                                   const std::vector<int64_t>& out_rows, int64_t dl) {
+  CollEngine* e = coll_.get();
+  const int W = size_, r = rank_;
+  const size_t R = static_cast<size_t>(row_elems) * c10::elementSize(dt);
+  std::vector<size_t> soff(W + 1, 0), roff(W + 1, 0);
+  for (int j = 0; j < W; ++j) {
+    soff[j + 1] = soff[j] + in_rows[j] * R;
+    roff[j + 1] = roff[j] + out_rows[j] * R;
+  }
+  std::vector<int64_t> extra(in_rows);
+  extra.insert(extra.end(), out_rows.begin(), out_rows.end());
+  OpHeader h{};
+  h.op = OP_ALLTOALL;
+  h.dtype = static_cast<int32_t>(dt);
+  h.root = -1;
+  h.count = row_elems;
+  h.seq = seq_exec_++;
+  const size_t S = e->slot_bytes();
+  size_t Q = S / W / 64 * 64;
+  if (Q == 0) Q = std::max<size_t>(1, S / W);
+  size_t rounds = 1;  // known after round 1 (needs every rank's splits)
+  for (size_t p = 0; p < rounds; ++p) {
+    const uint64_t k = e->next_round();
+    PeerRanges sends(W);
+    for (int j = 0; j < W; ++j) {
+      if (j == r) continue;
+      const size_t tot = soff[j + 1] - soff[j];
+      const size_t off = p * Q, len = std::min(Q, tot - std::min(tot, off));
+      if (len) std::memcpy(e->my_slot(k) + j * Q, in + soff[j] + off, len);
+      sends[j].push_back({j * Q, len});
+    }
+    if (p == 0) write_header(e, k, h, extra);
+    exchange(&sends, p == 0 ? header_len(extra) : 0, dl, "all_to_all");
+    if (p == 0) {
+      check_headers(e, k, 0);
+      size_t maxb = 0;
+      for (int i = 0; i < W; ++i) {
+        const int64_t* xi = reinterpret_cast<const int64_t*>(e->peer_hdr(i, k) + sizeof(OpHeader));
+        for (int j = 0; j < W; ++j)
+          if (i != j) maxb = std::max(maxb, static_cast<size_t>(xi[j]) * R);
+      }
+      rounds = std::max<size_t>(1, (maxb + Q - 1) / Q);
+      const size_t self = soff[r + 1] - soff[r];
+      if (self) std::memmove(out + roff[r], in + soff[r], self);
+    }
+    for (int i = 0; i < W; ++i) {
+      if (i == r) continue;
+      const size_t tot = roff[i + 1] - roff[i];
+      const size_t off = p * Q, len = std::min(Q, tot - std::min(tot, off));
+      if (len) std::memcpy(out + roff[i] + off, e->peer_slot(i, k) + r * Q, len);
+    }
+  }
+}
+
+void MooncakeBackend::run_barrier(int64_t dl) {
+  CollEngine* e = coll_.get();
+  OpHeader h{};
+  h.op = OP_BARRIER;
+  h.root = -1;
+  h.seq = seq_exec_++;
+  const std::vector<int64_t> noextra;
+  const uint64_t k = e->next_round();
+  write_header(e, k, h, noextra);
+  PeerRanges sends(size_);
+  exchange(&sends, header_len(noextra), dl, "barrier");
+  check_headers(e, k, 0);
+}
+
+// ===================================================================================
+// Argument checks and the c10d entry points
+// ===================================================================================
+namespace {
+
+void check_tensor(const at::Tensor& t, const char* op, int rank) {
+  TORCH_CHECK_VALUE(t.defined(), "mooncake ", op, " (rank ", rank, "): undefined tensor");
+  TORCH_CHECK_VALUE(t.device().is_cpu(), "mooncake ", op, " (rank ", rank,
+                    "): expected a CPU tensor, got one on ", t.device(),
+                    " (CUDA tensors need a build with CUDA)");
+  TORCH_CHECK_VALUE(t.layout() == c10::kStrided, "mooncake ", op, " (rank ", rank,
+                    "): expected a dense (strided) tensor, got layout ", t.layout());
+  TORCH_CHECK_VALUE(data_dtype_ok(t.scalar_type()), "mooncake ", op, " (rank ", rank,
+                    "): unsupported dtype ", t.scalar_type());
+}
+
+void check_same(const at::Tensor& a, const at::Tensor& b, const char* op, int rank,
+                const char* what) {
+  TORCH_CHECK_VALUE(a.scalar_type() == b.scalar_type(), "mooncake ", op, " (rank ", rank, "): ", what,
+                    " has dtype ", b.scalar_type(), ", expected ", a.scalar_type());
+}
+
+void check_single(const std::vector<at::Tensor>& ts, const char* op, int rank) {
+  TORCH_CHECK_VALUE(ts.size() == 1, "mooncake ", op, " (rank ", rank,
+                    "): expected exactly one tensor, got ", ts.size());
+  check_tensor(ts[0], op, rank);
+}
+
+void check_root(int64_t root, int size, const char* op, int rank) {
+  TORCH_CHECK_VALUE(root >= 0 && root < size, "mooncake ", op, " (rank ", rank, "): root ", root,
+                    " is out of range [0, ", size, ")");
+}
+
+void check_reduce(c10::ScalarType dt, RedOp op, const char* opname, int rank) {
+  std::string why = check_reduce_supported(dt, op);
+  TORCH_CHECK_VALUE(why.empty(), "mooncake ", opname, " (rank ", rank, "): ", why);
+}
+
+// A contiguous tensor to work on; copies back into `user` afterwards when they differ.
+at::Tensor contiguous_out(const at::Tensor& user, std::vector<std::function<void()>>& backs) {
+  if (user.is_contiguous()) return user;
+  at::Tensor tmp = user.contiguous();
+  backs.push_back([user, tmp]() mutable { user.copy_(tmp); });
+  return tmp;
+}
+
+std::function<void()> join_backs(std::vector<std::function<void()>> backs) {
+  if (backs.empty()) return nullptr;
+  return [backs]() {
+    for (auto& b : backs) b();
+  };
+}
+
+std::vector<at::Tensor> flat_outputs(std::vector<std::vector<at::Tensor>>& outs) {
+  std::vector<at::Tensor> v;
+  for (auto& l : outs)
+    for (auto& t : l) v.push_back(t);
+  return v;
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce(std::vector<at::Tensor>& tensors,
+                                                          const c10d::AllreduceOptions& opts) {
+  const char* op = "all_reduce";
+  check_single(tensors, op, rank_);
+  double premul;
+  RedOp rop = to_redop(opts.reduceOp, &premul);
+  check_reduce(tensors[0].scalar_type(), rop, op, rank_);
+  std::vector<std::function<void()>> backs;
+  at::Tensor t = contiguous_out(tensors[0], backs);
+  return submit(c10d::OpType::ALLREDUCE, tensors, opts.asyncOp, opts.timeout,
+                [this, t, rop, premul](int64_t dl) mutable { run_allreduce(t, rop, premul, -1, dl); },
+                join_backs(backs));
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  const char* op = "all_reduce_coalesced";
+  double premul;
+  RedOp rop = to_redop(opts.reduceOp, &premul);
+  std::vector<std::function<void()>> backs;
+  std::vector<at::Tensor> work;
+  for (auto& t : tensors) {
+    check_tensor(t, op, rank_);
+    check_reduce(t.scalar_type(), rop, op, rank_);
+    work.push_back(contiguous_out(t, backs));
+  }
+  return submit(c10d::OpType::ALLREDUCE_COALESCED, tensors, opts.asyncOp, opts.timeout,
+                [this, work, rop, premul](int64_t dl) mutable {
+                  for (auto& t : work) run_allreduce(t, rop, premul, -1, dl);
+                },
+                join_backs(backs));
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce(std::vector<at::Tensor>& tensors,
+                                                       const c10d::ReduceOptions& opts) {
+  const char* op = "reduce";
+  check_single(tensors, op, rank_);
+  check_root(opts.rootRank, size_, op, rank_);
+  double premul;
+  RedOp rop = to_redop(opts.reduceOp, &premul);
+  check_reduce(tensors[0].scalar_type(), rop, op, rank_);
+  std::vector<std::function<void()>> backs;
+  at::Tensor t = contiguous_out(tensors[0], backs);
+  int root = static_cast<int>(opts.rootRank);
+  return submit(c10d::OpType::REDUCE, tensors, opts.asyncOp, opts.timeout,
+                [this, t, rop, premul, root](int64_t dl) mutable { run_allreduce(t, rop, premul, root, dl); },
+                join_backs(backs));
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::broadcast(std::vector<at::Tensor>& tensors,
+                                                          const c10d::BroadcastOptions& opts) {
+  const char* op = "broadcast";
+  check_single(tensors, op, rank_);
+  check_root(opts.rootRank, size_, op, rank_);
+  std::vector<std::function<void()>> backs;
+  at::Tensor t = contiguous_out(tensors[0], backs);
+  int root = static_cast<int>(opts.rootRank);
+  if (rank_ == root) backs.clear();  // the root's tensor is only read
+  return submit(c10d::OpType::BROADCAST, tensors, opts.asyncOp, opts.timeout,
+                [this, t, root](int64_t dl) mutable { run_broadcast(t, root, dl); }, join_backs(backs));
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                          std::vector<at::Tensor>& inputs,
+                                                          const c10d::AllgatherOptions& opts) {
+  const char* op = "all_gather";
+  check_single(inputs, op, rank_);
+  TORCH_CHECK_VALUE(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size_, "mooncake ", op,
+                    " (rank ", rank_, "): expected one list of ", size_, " output tensors, got ",
+                    outputs.size() == 1 ? outputs[0].size() : outputs.size());
+  at::Tensor in = inputs[0].contiguous();
+  std::vector<std::function<void()>> backs;
+  std::vector<at::Tensor> outs;
+  std::vector<uint8_t*> ptrs;
+  for (auto& o : outputs[0]) {
+    check_tensor(o, op, rank_);
+    check_same(in, o, op, rank_, "an output tensor");
+    TORCH_CHECK_VALUE(o.numel() == in.numel(), "mooncake ", op, " (rank ", rank_,
+                      "): each output tensor must have ", in.numel(), " element(s) like the input, got ",
+                      o.numel());
+    outs.push_back(contiguous_out(o, backs));
+    ptrs.push_back(static_cast<uint8_t*>(outs.back().data_ptr()));
+  }
+  return submit(c10d::OpType::ALLGATHER, flat_outputs(outputs), opts.asyncOp, opts.timeout,
+                [this, in, outs, ptrs](int64_t dl) { run_allgather(in, ptrs, OP_ALLGATHER, -1, dl); },
+                join_backs(backs));
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                                                const c10d::AllgatherOptions& opts) {
+  const char* op = "all_gather_single";
+  check_tensor(input, op, rank_);
+  check_tensor(output, op, rank_);
+  check_same(input, output, op, rank_, "the output");
+  TORCH_CHECK_VALUE(output.numel() == input.numel() * size_, "mooncake ", op, " (rank ", rank_,
+                    "): output must have world_size * input.numel() = ", input.numel() * size_,
+                    " element(s), got ", output.numel());
+  at::Tensor in = input.contiguous();
+  std::vector<std::function<void()>> backs;
+  at::Tensor out = contiguous_out(output, backs);
+  std::vector<uint8_t*> ptrs;
+  const size_t nb = in.numel() * in.element_size();
+  for (int j = 0; j < size_; ++j) ptrs.push_back(static_cast<uint8_t*>(out.data_ptr()) + j * nb);
+  return submit(c10d::OpType::_ALLGATHER_BASE, {output}, opts.asyncOp, opts.timeout,
+                [this, in, out, ptrs](int64_t dl) { run_allgather(in, ptrs, OP_ALLGATHER, -1, dl); },
+                join_backs(backs));
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  const char* op = "all_gather_coalesced";
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "mooncake ", op, " (rank ", rank_,
+                    "): expected one output list per input, got ", outputs.size(), " for ", inputs.size());
+  std::vector<std::function<void()>> backs;
+  std::vector<at::Tensor> ins;
+  std::vector<std::vector<uint8_t*>> ptrs;
+  std::vector<at::Tensor> keep;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_tensor(inputs[i], op, rank_);
+    ins.push_back(inputs[i].contiguous());
+    TORCH_CHECK_VALUE(static_cast<int>(outputs[i].size()) == size_, "mooncake ", op, " (rank ", rank_,
+                      "): expected ", size_, " output tensors per input, got ", outputs[i].size());
+    ptrs.emplace_back();
+    for (auto& o : outputs[i]) {
+      check_tensor(o, op, rank_);
+      check_same(inputs[i], o, op, rank_, "an output tensor");
+      TORCH_CHECK_VALUE(o.numel() == inputs[i].numel(), "mooncake ", op, " (rank ", rank_,
+                        "): output tensor size ", o.numel(), " differs from input size ", inputs[i].numel());
+      keep.push_back(contiguous_out(o, backs));
+      ptrs.back().push_back(static_cast<uint8_t*>(keep.back().data_ptr()));
+    }
+  }
+  return submit(c10d::OpType::ALLGATHER_COALESCED, flat_outputs(outputs), opts.asyncOp, opts.timeout,
+                [this, ins, ptrs, keep](int64_t dl) {
+                  for (size_t i = 0; i < ins.size(); ++i) run_allgather(ins[i], ptrs[i], OP_ALLGATHER, -1, dl);
+                },
+                join_backs(backs));
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
+  const char* op = "all_gather_into_tensor_coalesced";
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "mooncake ", op, " (rank ", rank_,
+                    "): expected as many outputs as inputs, got ", outputs.size(), " and ", inputs.size());
+  std::vector<std::function<void()>> backs;
+  std::vector<at::Tensor> ins, outs;
+  std::vector<std::vector<uint8_t*>> ptrs;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_tensor(inputs[i], op, rank_);
+    check_tensor(outputs[i], op, rank_);
+    check_same(inputs[i], outputs[i], op, rank_, "an output");
+    TORCH_CHECK_VALUE(outputs[i].numel() == inputs[i].numel() * size_, "mooncake ", op, " (rank ", rank_,
+                      "): output ", i, " must have ", inputs[i].numel() * size_, " element(s), got ",
+                      outputs[i].numel());
+    ins.push_back(inputs[i].contiguous());
+    outs.push_back(contiguous_out(outputs[i], backs));
+    ptrs.emplace_back();
+    const size_t nb = ins.back().numel() * ins.back().element_size();
+    for (int j = 0; j < size_; ++j) ptrs.back().push_back(static_cast<uint8_t*>(outs.back().data_ptr()) + j * nb);
+  }
+  return submit(c10d::OpType::COALESCED, outputs, opts.asyncOp, opts.timeout,
+                [this, ins, outs, ptrs](int64_t dl) {
+                  for (size_t i = 0; i < ins.size(); ++i) run_allgather(ins[i], ptrs[i], OP_ALLGATHER, -1, dl);
+                },
+                join_backs(backs));
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                       std::vector<at::Tensor>& inputs,
+                                                       const c10d::GatherOptions& opts) {
+  const char* op = "gather";
+  check_single(inputs, op, rank_);
+  check_root(opts.rootRank, size_, op, rank_);
+  const int root = static_cast<int>(opts.rootRank);
+  at::Tensor in = inputs[0].contiguous();
+  std::vector<std::function<void()>> backs;
+  std::vector<at::Tensor> outs;
+  std::vector<uint8_t*> ptrs;
+  if (rank_ == root) {
+    TORCH_CHECK_VALUE(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size_, "mooncake ", op,
+                      " (rank ", rank_, "): the root needs one list of ", size_, " output tensors");
+    for (auto& o : outputs[0]) {
+      check_tensor(o, op, rank_);
+      check_same(in, o, op, rank_, "an output tensor");
+      TORCH_CHECK_VALUE(o.numel() == in.numel(), "mooncake ", op, " (rank ", rank_,
+                        "): each output tensor must have ", in.numel(), " element(s), got ", o.numel());
+      outs.push_back(contiguous_out(o, backs));
+      ptrs.push_back(static_cast<uint8_t*>(outs.back().data_ptr()));
+    }
+  } else {
+    TORCH_CHECK_VALUE(outputs.empty() || outputs[0].empty(), "mooncake ", op, " (rank ", rank_,
+                      "): only the root (rank ", root, ") passes output tensors");
+  }
+  return submit(c10d::OpType::GATHER, flat_outputs(outputs), opts.asyncOp, opts.timeout,
+                [this, in, outs, ptrs, root](int64_t dl) { run_allgather(in, ptrs, OP_GATHER, root, dl); },
+                join_backs(backs));
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::scatter(std::vector<at::Tensor>& outputs,
+                                                        std::vector<std::vector<at::Tensor>>& inputs,
+                                                        const c10d::ScatterOptions& opts) {
+  const char* op = "scatter";
+  check_single(outputs, op, rank_);
+  check_root(opts.rootRank, size_, op, rank_);
+  const int root = static_cast<int>(opts.rootRank);
+  std::vector<std::function<void()>> backs;
+  at::Tensor out = contiguous_out(outputs[0], backs);
+  std::vector<at::Tensor> ins;
+  std::vector<const uint8_t*> ptrs;
+  if (rank_ == root) {
+    TORCH_CHECK_VALUE(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size_, "mooncake ", op,
+                      " (rank ", rank_, "): the root needs one list of ", size_, " input tensors");
+    for (auto& i : inputs[0]) {
+      check_tensor(i, op, rank_);
+      check_same(out, i, op, rank_, "an input tensor");
+      TORCH_CHECK_VALUE(i.numel() == out.numel(), "mooncake ", op, " (rank ", rank_,
+                        "): each input tensor must have ", out.numel(), " element(s) like the output, got ",
+                        i.numel());
+      ins.push_back(i.contiguous());
+      ptrs.push_back(static_cast<const uint8_t*>(ins.back().data_ptr()));
+    }
+  } else {
+    TORCH_CHECK_VALUE(inputs.empty() || inputs[0].empty(), "mooncake ", op, " (rank ", rank_,
+                      "): only the root (rank ", root, ") passes input tensors");
+  }
+  return submit(c10d::OpType::SCATTER, outputs, opts.asyncOp, opts.timeout,
+                [this, ins, ptrs, out, root](int64_t dl) mutable { run_scatter(ptrs, out, root, dl); },
+                join_backs(backs));
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                               std::vector<std::vector<at::Tensor>>& inputs,
+                                                               const c10d::ReduceScatterOptions& opts) {
+  const char* op = "reduce_scatter";
+  check_single(outputs, op, rank_);
+  double premul;
+  RedOp rop = to_redop(opts.reduceOp, &premul);
+  check_reduce(outputs[0].scalar_type(), rop, op, rank_);
+  TORCH_CHECK_VALUE(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size_, "mooncake ", op,
+                    " (rank ", rank_, "): expected one list of ", size_, " input tensors");
+  std::vector<std::function<void()>> backs;
+  at::Tensor out = contiguous_out(outputs[0], backs);
+  std::vector<at::Tensor> ins;
+  std::vector<const uint8_t*> ptrs;
+  for (auto& i : inputs[0]) {
+    check_tensor(i, op, rank_);
+    check_same(out, i, op, rank_, "an input tensor");
+    TORCH_CHECK_VALUE(i.numel() == out.numel(), "mooncake ", op, " (rank ", rank_,
+                      "): each input tensor must have ", out.numel(), " element(s) like the output, got ", i.numel());
+    ins.push_back(i.contiguous());
+    ptrs.push_back(static_cast<const uint8_t*>(ins.back().data_ptr()));
+  }
+  return submit(c10d::OpType::REDUCE_SCATTER, outputs, opts.asyncOp, opts.timeout,
+                [this, ins, ptrs, out, rop, premul](int64_t dl) mutable {
+                  run_reduce_scatter(ptrs, out, rop, premul, dl);
+                },
+                join_backs(backs));
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                                     const c10d::ReduceScatterOptions& opts) {
+  const char* op = "reduce_scatter_single";
+  check_tensor(input, op, rank_);
+  check_tensor(output, op, rank_);
+  check_same(output, input, op, rank_, "the input");
+  double premul;
+  RedOp rop = to_redop(opts.reduceOp, &premul);
+  check_reduce(output.scalar_type(), rop, op, rank_);
+  TORCH_CHECK_VALUE(input.numel() == output.numel() * size_, "mooncake ", op, " (rank ", rank_,
+                    "): input must have world_size * output.numel() = ", output.numel() * size_,
+                    " element(s), got ", input.numel());
+  std::vector<std::function<void()>> backs;
+  at::Tensor out = contiguous_out(output, backs);
+  at::Tensor in = input.contiguous();
+  std::vector<const uint8_t*> ptrs;
+  const size_t nb = out.numel() * out.element_size();
+  for (int j = 0; j < size_; ++j) ptrs.push_back(static_cast<const uint8_t*>(in.data_ptr()) + j * nb);
+  return submit(c10d::OpType::_REDUCE_SCATTER_BASE, {output}, opts.asyncOp, opts.timeout,
+                [this, in, ptrs, out, rop, premul](int64_t dl) mutable {
+                  run_reduce_scatter(ptrs, out, rop, premul, dl);
+                },
+                join_backs(backs));
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
+  const char* op = "reduce_scatter_tensor_coalesced";
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "mooncake ", op, " (rank ", rank_,
+                    "): expected as many outputs as inputs");
+  double premul;
+  RedOp rop = to_redop(opts.reduceOp, &premul);
+  std::vector<std::function<void()>> backs;
+  std::vector<at::Tensor> ins, outs;
+  std::vector<std::vector<const uint8_t*>> ptrs;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    check_tensor(inputs[i], op, rank_);
+    check_tensor(outputs[i], op, rank_);
+    check_same(outputs[i], inputs[i], op, rank_, "an input");
+    check_reduce(outputs[i].scalar_type(), rop, op, rank_);
+    TORCH_CHECK_VALUE(inputs[i].numel() == outputs[i].numel() * size_, "mooncake ", op, " (rank ", rank_,
+                      "): input ", i, " must have ", outputs[i].numel() * size_, " element(s), got ",
+                      inputs[i].numel());
+    ins.push_back(inputs[i].contiguous());
+    outs.push_back(contiguous_out(outputs[i], backs));
+    ptrs.emplace_back();
+    const size_t nb = outs.back().numel() * outs.back().element_size();
+    for (int j = 0; j < size_; ++j) ptrs.back().push_back(static_cast<const uint8_t*>(ins.back().data_ptr()) + j * nb);
+  }
+  return submit(c10d::OpType::COALESCED, outputs, opts.asyncOp, opts.timeout,
+                [this, ins, outs, ptrs, rop, premul](int64_t dl) mutable {
+                  for (size_t i = 0; i < outs.size(); ++i) run_reduce_scatter(ptrs[i], outs[i], rop, premul, dl);
+                },
+                join_backs(backs));
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                              std::vector<int64_t>& output_split_sizes,
+                                                              std::vector<int64_t>& input_split_sizes,
+                                                              const c10d::AllToAllOptions& opts) {
+  const char* op = "all_to_all_single";
+  check_tensor(input, op, rank_);
+  check_tensor(output, op, rank_);
+  check_same(input, output, op, rank_, "the output");
+  const int W = size_;
+  auto splits = [&](const at::Tensor& t, const std::vector<int64_t>& s, const char* which) {
+    std::vector<int64_t> rows;
+    const int64_t dim0 = t.dim() == 0 ? 1 : t.size(0);
+    if (s.empty()) {
+      TORCH_CHECK_VALUE(dim0 % W == 0, "mooncake ", op, " (rank ", rank_, "): ", which,
+                        ".size(0) = ", dim0, " is not divisible by world_size ", W,
+                        " (pass split sizes for uneven splits)");
+      rows.assign(W, dim0 / W);
+    } else {
+      TORCH_CHECK_VALUE(static_cast<int>(s.size()) == W, "mooncake ", op, " (rank ", rank_, "): ", which,
+                        " split sizes have ", s.size(), " entries, expected world_size = ", W);
+      int64_t sum = 0;
+      for (int64_t v : s) {
+        TORCH_CHECK_VALUE(v >= 0, "mooncake ", op, " (rank ", rank_, "): negative ", which, " split size ", v);
+        sum += v;
+      }
+      TORCH_CHECK_VALUE(sum == dim0, "mooncake ", op, " (rank ", rank_, "): ", which,
+                        " split sizes sum to ", sum, " but ", which, ".size(0) is ", dim0);
+      rows = s;
+    }
+    return rows;
+  };
+  std::vector<int64_t> in_rows = splits(input, input_split_sizes, "input");
+  std::vector<int64_t> out_rows = splits(output, output_split_sizes, "output");
+  const int64_t in_dim0 = input.dim() == 0 ? 1 : input.size(0);
+  const int64_t out_dim0 = output.dim() == 0 ? 1 : output.size(0);
+  const int64_t row_in = in_dim0 ? input.numel() / in_dim0 : (input.dim() ? input.numel() : 1);
+  int64_t row_elems = 1;
+  for (int64_t d = 1; d < input.dim(); ++d) row_elems *= input.size(d);
+  int64_t row_out = 1;
+  for (int64_t d = 1; d < output.dim(); ++d) row_out *= output.size(d);
+  (void)row_in;
+  (void)out_dim0;
+  TORCH_CHECK_VALUE(row_elems == row_out, "mooncake ", op, " (rank ", rank_, "): input rows have ", row_elems,
+                    " element(s) but output rows have ", row_out);
+  at::Tensor in = input.contiguous();
+  std::vector<std::function<void()>> backs;
+  at::Tensor out = contiguous_out(output, backs);
+  const auto dt = input.scalar_type();
+  return submit(c10d::OpType::ALLTOALL_BASE, {output}, opts.asyncOp, opts.timeout,
+                [this, in, out, dt, row_elems, in_rows, out_rows](int64_t dl) mutable {
+                  run_alltoall(static_cast<const uint8_t*>(in.data_ptr()), static_cast<uint8_t*>(out.data_ptr()),
+                               dt, row_elems, in_rows, out_rows, dl);
+                },
+                join_backs(backs));
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall(std::vector<at::Tensor>& outputs,
+                                                         std::vector<at::Tensor>& inputs,
+                                                         const c10d::AllToAllOptions& opts) {
+  const char* op = "all_to_all";
+  const int W = size_;
+  TORCH_CHECK_VALUE(static_cast<int>(inputs.size()) == W && static_cast<int>(outputs.size()) == W, "mooncake ",
+                    op, " (rank ", rank_, "): expected ", W, " input and ", W, " output tensors, got ",
+                    inputs.size(), " and ", outputs.size());
+  for (auto& t : inputs) check_tensor(t, op, rank_);
+  for (auto& t : outputs) {
+    check_tensor(t, op, rank_);
+    check_same(inputs[0], t, op, rank_, "an output tensor");
+  }
+  for (auto& t : inputs) check_same(inputs[0], t, op, rank_, "an input tensor");
+  std::vector<int64_t> in_rows, out_rows;
+  std::vector<at::Tensor> flat_in;
+  for (auto& t : inputs) {
+    in_rows.push_back(t.numel());
+    flat_in.push_back(t.contiguous().view(-1));
+  }
+  for (auto& t : outputs) out_rows.push_back(t.numel());
+  at::Tensor in = at::cat(flat_in);
+  int64_t total_out = 0;
+  for (auto v : out_rows) total_out += v;
+  at::Tensor out = at::empty({total_out}, inputs[0].options());
+  std::vector<at::Tensor> outs = outputs;
+  auto back = [outs, out, out_rows]() mutable {
+    int64_t off = 0;
+    for (size_t j = 0; j < outs.size(); ++j) {
+      outs[j].copy_(out.narrow(0, off, out_rows[j]).view(outs[j].sizes()));
+      off += out_rows[j];
+    }
+  };
+  const auto dt = inputs[0].scalar_type();
+  return submit(c10d::OpType::ALLTOALL, outputs, opts.asyncOp, opts.timeout,
+                [this, in, out, dt, in_rows, out_rows](int64_t dl) mutable {
+                  run_alltoall(static_cast<const uint8_t*>(in.data_ptr()), static_cast<uint8_t*>(out.data_ptr()),
+                               dt, 1, in_rows, out_rows, dl);
+                },
+                back);
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::barrier(const c10d::BarrierOptions& opts) {
+  return submit(c10d::OpType::BARRIER, {}, opts.asyncOp, opts.timeout,
+                [this](int64_t dl) { run_barrier(dl); });
+}
+
+}  // namespace mooncake

@@ -1,0 +1,208 @@
+// The "mooncake" c10d backend: collectives over the round engine, p2p over byte streams.
+#pragma once
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "pg/engine.hpp"
+#include "pg/reduce.hpp"
+
+namespace mooncake {
+
+struct BackendConfig {
+  double timeout_s = 30.0;
+  std::string transport = "auto";  // auto | shm | tcp | rdma
+  std::string host_id;             // ranks with equal ids share memory
+  std::string listen_host = "127.0.0.1";
+  int64_t shm_slot_bytes = 1 << 20;
+  int64_t p2p_ring_bytes = 1 << 20;
+  bool debug = false;
+  std::string group_name;
+};
+
+class MooncakeBackend;
+
+class MooncakeWork : public c10d::Work {
+ public:
+  MooncakeWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs);
+  bool isCompleted() override;
+  bool isSuccess() const override;
+  std::exception_ptr exception() const override;
+  int sourceRank() const override;
+  std::vector<at::Tensor> result() override;
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+  void synchronize() override {}
+
+  // Marks the work done (err == nullptr: success). Wakes wait(); does not touch the future.
+  void finish(std::exception_ptr err);
+  // Completes the future (runs its callbacks): call off the progress threads.
+  void complete_future();
+
+  int source_rank = -1;
+  std::function<void()> after;  // copies results back into non-contiguous user tensors
+  // Coalescing: each child names its parent, which completes when every child has.
+  c10::intrusive_ptr<MooncakeWork> parent;
+  void add_child(const std::vector<at::Tensor>& outs) {
+    std::lock_guard<std::mutex> g(child_mu_);
+    pending_children_++;
+    add_output(outs);
+  }
+  bool child_done(std::exception_ptr err);  // true when it was the last one
+  std::exception_ptr child_error() {
+    std::lock_guard<std::mutex> g(child_mu_);
+    return child_err_;
+  }
+  void add_output(const std::vector<at::Tensor>& ts);
+
+ private:
+  std::mutex child_mu_;
+  int pending_children_ = 0;
+  std::exception_ptr child_err_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::exception_ptr err_;
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+class MooncakeBackend : public c10d::Backend {
+ public:
+  MooncakeBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                  BackendConfig cfg);
+  ~MooncakeBackend() override;
+
+  const std::string getBackendName() const override { return "mooncake"; }
+  bool supportsCoalescing() const override { return true; }
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+  void shutdown() override;
+  void abort() override { shutdown(); }
+  void setTimeout(std::chrono::milliseconds timeout) override;
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_split_sizes,
+                                               std::vector<int64_t>& input_split_sizes,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
+                                               int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+
+  // Introspection for tests and benchmarks.
+  std::string transport_name() const { return coll_ ? coll_->name() : "none"; }
+  uint64_t ops_issued() const { return seq_; }
+
+ private:
+  using Job = std::function<void(int64_t deadline_ns)>;
+  // Sync ops (async_op false) run on the caller's thread when nothing is queued; async
+  // ops run on the progress thread in issue order.
+  c10::intrusive_ptr<MooncakeWork> submit(c10d::OpType type, std::vector<at::Tensor> outputs,
+                                          bool async_op, std::chrono::milliseconds timeout,
+                                          Job job, std::function<void()> after = nullptr);
+  void progress_loop();
+  void completion_loop();
+  void p2p_loop();
+  void deliver(const c10::intrusive_ptr<MooncakeWork>& w, std::exception_ptr err,
+               bool inline_future);
+  void ensure_threads(bool p2p);
+  int64_t deadline_for(std::chrono::milliseconds t) const;
+
+  void setup(const c10::intrusive_ptr<c10d::Store>& store);
+
+  // collective bodies (run with the engine held)
+  void run_allreduce(at::Tensor& t, RedOp op, double premul, int root, int64_t dl);
+  void run_broadcast(at::Tensor& t, int root, int64_t dl);
+  void run_allgather(const at::Tensor& in, const std::vector<uint8_t*>& outs, int opcode,
+                     int root, int64_t dl);
+  void run_reduce_scatter(const std::vector<const uint8_t*>& ins, at::Tensor& out, RedOp op,
+                          double premul, int64_t dl);
+  void run_scatter(const std::vector<const uint8_t*>& ins, at::Tensor& out, int root,
+                   int64_t dl);
+  void run_alltoall(const uint8_t* in, uint8_t* out, c10::ScalarType dt, int64_t row_elems,
+                    const std::vector<int64_t>& in_rows, const std::vector<int64_t>& out_rows,
+                    int64_t dl);
+  void run_barrier(int64_t dl);
+  void exchange(const PeerRanges* sends, size_t hdr_len, int64_t dl, const char* opname);
+
+  struct P2POp;
+  void post_p2p(std::shared_ptr<P2POp> op);
+
+  BackendConfig cfg_;
+  std::chrono::milliseconds timeout_;
+  std::unique_ptr<CollEngine> coll_;
+  std::unique_ptr<P2PChannel> p2p_;
+  std::shared_ptr<ShmSegment> shm_;
+  std::string broken_;  // non-empty: an earlier op left the group unusable
+
+  std::mutex engine_mu_;
+  std::mutex qmu_;
+  std::condition_variable qcv_;
+  std::deque<std::function<void()>> queue_;
+  int inflight_ = 0;
+  bool stop_ = false;
+  std::thread progress_thread_, completion_thread_, p2p_thread_;
+  std::deque<c10::intrusive_ptr<MooncakeWork>> completions_;
+  std::condition_variable ccv_;
+
+  // p2p state (owned by the p2p thread after posting)
+  std::mutex p2p_mu_;
+  std::deque<std::shared_ptr<P2POp>> p2p_posted_;
+
+  bool coalescing_ = false;
+  c10::intrusive_ptr<MooncakeWork> coalesce_parent_;
+  uint64_t seq_ = 0;       // ops issued
+  uint64_t seq_exec_ = 0;  // collectives executed (in the op header; equal on all ranks)
+};
+
+}  // namespace mooncake

@@ -1,0 +1,334 @@
+#include "pg/engine.hpp"
+
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "transport/tcp.hpp"
+
+namespace mooncake {
+
+static size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+ShmLayout::ShmLayout(int size_, size_t slot_, size_t hdr_cap_, size_t ring_)
+    : size(size_), slot(slot_), hdr_cap(hdr_cap_), ring(ring_) {
+  coll_ctrl = 0;  // line 0: bell + sleepers; line r+1: arrived[r]
+  coll_data = align_up(64 * (size + 1), 4096);
+  p2p_ctrl = align_up(coll_data + 3 * size * buf_stride(), 4096);
+  // per rank: a bell line; per ordered pair: head line + tail line
+  p2p_data = align_up(p2p_ctrl + 64 * size + 128 * size * size, 4096);
+  total = align_up(p2p_data + ring * size * size, 4096);
+}
+
+static std::string missing_msg(const char* what, const std::vector<int>& missing) {
+  std::string s = std::string(what) + ": timed out waiting for rank(s)";
+  for (int r : missing) s += " " + std::to_string(r);
+  return s;
+}
+
+// ---- ShmEngine ---------------------------------------------------------------------
+ShmEngine::ShmEngine(int rank, int size, std::shared_ptr<ShmSegment> seg,
+                     const ShmLayout& layout, bool spin)
+    : CollEngine(rank, size, layout.slot, layout.hdr_cap),
+      seg_(std::move(seg)),
+      layout_(layout),
+      base_(seg_->data()),
+      spin_(spin) {
+  round_ = arrived(rank)->load();
+}
+
+void ShmEngine::exchange(const PeerRanges*, size_t, int64_t deadline_ns) {
+  const uint64_t k = round_ + 1;
+  arrived(rank_)->store(k, std::memory_order_seq_cst);
+  bell()->fetch_add(1, std::memory_order_seq_cst);
+  if (sleepers()->load(std::memory_order_seq_cst) > 0) futex_wake_all(bell());
+
+  auto all_here = [&]() {
+    for (int j = 0; j < size_; ++j)
+      if (arrived(j)->load(std::memory_order_acquire) < k) return false;
+    return true;
+  };
+  if (!all_here()) {
+    if (spin_) {
+      int64_t spin_until = now_ns() + 200000;  // 200 us
+      for (int i = 0; !all_here(); ++i) {
+        cpu_relax();
+        if ((i & 255) == 0 && now_ns() > spin_until) break;
+      }
+    }
+    while (!all_here()) {
+      sleepers()->fetch_add(1, std::memory_order_seq_cst);
+      uint32_t b = bell()->load(std::memory_order_seq_cst);
+      if (all_here()) {
+        sleepers()->fetch_sub(1);
+        break;
+      }
+      int64_t left = deadline_ns - now_ns();
+      if (left <= 0) {
+        sleepers()->fetch_sub(1);
+        std::vector<int> missing;
+        for (int j = 0; j < size_; ++j)
+          if (arrived(j)->load() < k) missing.push_back(j);
+        throw PeerTimeout(missing_msg("shm exchange", missing), missing);
+      }
+      futex_wait(bell(), b, std::min<int64_t>(left, 100000000));
+      sleepers()->fetch_sub(1);
+    }
+  }
+  std::atomic_thread_fence(std::memory_order_acquire);
+  round_ = k;
+}
+
+// ---- ShmP2P ------------------------------------------------------------------------
+ShmP2P::ShmP2P(int rank, int size, std::shared_ptr<ShmSegment> seg, const ShmLayout& layout)
+    : rank_(rank), size_(size), seg_(std::move(seg)), layout_(layout), base_(seg_->data()) {}
+
+std::atomic<uint32_t>* ShmP2P::bell(int r) {
+  return reinterpret_cast<std::atomic<uint32_t>*>(base_ + layout_.p2p_ctrl + 64 * r);
+}
+
+ShmP2P::Ring ShmP2P::ring(int src, int dst) {
+  size_t pair = static_cast<size_t>(src) * size_ + dst;
+  uint8_t* ctrl = base_ + layout_.p2p_ctrl + 64 * size_ + 128 * pair;
+  return Ring{reinterpret_cast<std::atomic<uint64_t>*>(ctrl),
+              reinterpret_cast<std::atomic<uint64_t>*>(ctrl + 64),
+              base_ + layout_.p2p_data + layout_.ring * pair};
+}
+
+void ShmP2P::ring_bell(int r) {
+  bell(r)->fetch_add(1, std::memory_order_seq_cst);
+  if (sleeping(r)->load(std::memory_order_seq_cst)) futex_wake_all(bell(r));
+}
+
+size_t ShmP2P::write_some(int peer, const void* buf, size_t n) {
+  Ring rg = ring(rank_, peer);
+  uint64_t head = rg.head->load(std::memory_order_relaxed);
+  uint64_t tail = rg.tail->load(std::memory_order_acquire);
+  size_t space = layout_.ring - static_cast<size_t>(head - tail);
+  size_t m = std::min(space, n);
+  if (m == 0) return 0;
+  size_t pos = head % layout_.ring;
+  size_t first = std::min(m, layout_.ring - pos);
+  std::memcpy(rg.data + pos, buf, first);
+  if (m > first) std::memcpy(rg.data, static_cast<const uint8_t*>(buf) + first, m - first);
+  rg.head->store(head + m, std::memory_order_release);
+  ring_bell(peer);
+  return m;
+}
+
+size_t ShmP2P::read_some(int peer, void* buf, size_t n) {
+  Ring rg = ring(peer, rank_);
+  uint64_t tail = rg.tail->load(std::memory_order_relaxed);
+  uint64_t head = rg.head->load(std::memory_order_acquire);
+  size_t m = std::min(static_cast<size_t>(head - tail), n);
+  if (m == 0) return 0;
+  size_t pos = tail % layout_.ring;
+  size_t first = std::min(m, layout_.ring - pos);
+  std::memcpy(buf, rg.data + pos, first);
+  if (m > first) std::memcpy(static_cast<uint8_t*>(buf) + first, rg.data, m - first);
+  rg.tail->store(tail + m, std::memory_order_release);
+  ring_bell(peer);
+  return m;
+}
+
+void ShmP2P::wait(uint32_t token, int64_t timeout_ns, const std::vector<char>&) {
+  sleeping(rank_)->store(1, std::memory_order_seq_cst);
+  if (bell(rank_)->load(std::memory_order_seq_cst) == token)
+    futex_wait(bell(rank_), token, timeout_ns);
+  sleeping(rank_)->store(0, std::memory_order_seq_cst);
+}
+
+// ---- TcpEngine ---------------------------------------------------------------------
+namespace {
+struct FrameHead {
+  uint64_t round;
+  uint32_t hdr_len;
+  uint32_t nranges;
+};
+constexpr int kMaxRanges = 4;
+}  // namespace
+
+TcpEngine::TcpEngine(int rank, int size, size_t slot_bytes, size_t hdr_cap, std::vector<int> fds)
+    : CollEngine(rank, size, slot_bytes, hdr_cap), fds_(std::move(fds)) {
+  mine_.assign(3, std::vector<uint8_t>(hdr_cap + slot_bytes));
+  peers_.resize(size);
+  for (int j = 0; j < size; ++j)
+    if (j != rank) peers_[j].assign(3, std::vector<uint8_t>(hdr_cap + slot_bytes));
+  for (int j = 0; j < size; ++j)
+    if (j != rank) set_nonblocking(fds_[j]);
+}
+
+TcpEngine::~TcpEngine() {
+  for (int j = 0; j < size_; ++j)
+    if (j != rank_ && fds_[j] >= 0) close(fds_[j]);
+}
+
+void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadline_ns) {
+  const uint64_t k = round_ + 1;
+  const int b = static_cast<int>(k % 3);
+  struct Out {
+    std::vector<uint8_t> meta;  // FrameHead + ranges + header
+    std::vector<Range> ranges;
+    size_t idx = 0, done = 0;  // idx: 0 = meta, 1.. = range idx-1
+  };
+  struct In {
+    uint8_t fixed[sizeof(FrameHead) + kMaxRanges * sizeof(Range)];
+    size_t got = 0, need = sizeof(FrameHead);
+    int stage = 0;  // 0 head, 1 ranges, 2 header, 3.. data ranges
+    FrameHead fh{};
+    Range rg[kMaxRanges];
+    size_t done = 0;
+  };
+  std::vector<Out> out(size_);
+  std::vector<In> in(size_);
+  int pending = 0;
+  for (int j = 0; j < size_; ++j) {
+    if (j == rank_) continue;
+    Out& o = out[j];
+    if (sends) {
+      for (const Range& r : (*sends)[j])
+        if (r.len > 0) o.ranges.push_back(r);
+    } else {
+      o.ranges.push_back(Range{0, slot_});
+    }
+    if (o.ranges.size() > kMaxRanges) throw std::logic_error("TcpEngine: too many ranges");
+    FrameHead fh{k, static_cast<uint32_t>(hdr_len), static_cast<uint32_t>(o.ranges.size())};
+    o.meta.resize(sizeof(fh) + o.ranges.size() * sizeof(Range) + hdr_len);
+    std::memcpy(o.meta.data(), &fh, sizeof(fh));
+    if (!o.ranges.empty())
+      std::memcpy(o.meta.data() + sizeof(fh), o.ranges.data(), o.ranges.size() * sizeof(Range));
+    std::memcpy(o.meta.data() + sizeof(fh) + o.ranges.size() * sizeof(Range), mine_[b].data(),
+                hdr_len);
+    pending += 2;
+  }
+  while (pending > 0) {
+    bool progress = false;
+    std::vector<int> rd, wr;
+    for (int j = 0; j < size_; ++j) {
+      if (j == rank_) continue;
+      // send side
+      Out& o = out[j];
+      while (o.idx <= o.ranges.size()) {
+        const uint8_t* p;
+        size_t len;
+        if (o.idx == 0) {
+          p = o.meta.data();
+          len = o.meta.size();
+        } else {
+          const Range& r = o.ranges[o.idx - 1];
+          p = mine_[b].data() + hdr_cap_ + r.off;
+          len = r.len;
+        }
+        size_t m = send_some(fds_[j], p + o.done, len - o.done);
+        if (m > 0) progress = true;
+        o.done += m;
+        if (o.done < len) break;
+        o.idx++;
+        o.done = 0;
+        if (o.idx > o.ranges.size()) pending--;
+      }
+      if (o.idx <= o.ranges.size()) wr.push_back(fds_[j]);
+      // receive side
+      In& i = in[j];
+      while (i.stage >= 0) {
+        uint8_t* dst;
+        size_t len;
+        if (i.stage == 0) {
+          dst = i.fixed;
+          len = sizeof(FrameHead);
+        } else if (i.stage == 1) {
+          dst = i.fixed + sizeof(FrameHead);
+          len = i.fh.nranges * sizeof(Range);
+        } else if (i.stage == 2) {
+          dst = peers_[j][b].data();
+          len = i.fh.hdr_len;
+        } else {
+          const Range& r = i.rg[i.stage - 3];
+          dst = peers_[j][b].data() + hdr_cap_ + r.off;
+          len = r.len;
+        }
+        size_t m = recv_some(fds_[j], dst + i.done, len - i.done);
+        if (m > 0) progress = true;
+        i.done += m;
+        if (i.done < len) break;
+        i.done = 0;
+        if (i.stage == 0) {
+          std::memcpy(&i.fh, i.fixed, sizeof(FrameHead));
+          if (i.fh.round != k || i.fh.nranges > kMaxRanges || i.fh.hdr_len > hdr_cap_)
+            throw std::runtime_error("TcpEngine: out-of-sequence frame from rank " +
+                                     std::to_string(j) + " (round " +
+                                     std::to_string(i.fh.round) + ", expected " +
+                                     std::to_string(k) + ")");
+        } else if (i.stage == 1) {
+          std::memcpy(i.rg, i.fixed + sizeof(FrameHead), i.fh.nranges * sizeof(Range));
+          for (uint32_t q = 0; q < i.fh.nranges; ++q)
+            if (i.rg[q].off + i.rg[q].len > slot_)
+              throw std::runtime_error("TcpEngine: bad range from rank " + std::to_string(j));
+        }
+        i.stage++;
+        if (i.stage >= 3 + static_cast<int>(i.fh.nranges)) {
+          i.stage = -1;
+          pending--;
+        }
+      }
+      if (i.stage >= 0) rd.push_back(fds_[j]);
+    }
+    if (pending == 0) break;
+    if (!progress) {
+      int64_t left = deadline_ns - now_ns();
+      if (left <= 0) {
+        std::vector<int> missing;
+        for (int j = 0; j < size_; ++j)
+          if (j != rank_ && (in[j].stage >= 0)) missing.push_back(j);
+        throw PeerTimeout(missing_msg("tcp exchange", missing), missing);
+      }
+      poll_fds(rd, wr, -1, static_cast<int>(std::min<int64_t>(left / 1000000 + 1, 100)));
+    }
+  }
+  round_ = k;
+}
+
+// ---- TcpP2P ------------------------------------------------------------------------
+TcpP2P::TcpP2P(int rank, int size, std::vector<int> fds)
+    : rank_(rank), size_(size), fds_(std::move(fds)), want_write_(size, 0) {
+  for (int j = 0; j < size; ++j)
+    if (j != rank) set_nonblocking(fds_[j]);
+  wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+}
+
+TcpP2P::~TcpP2P() {
+  for (int j = 0; j < size_; ++j)
+    if (j != rank_ && fds_[j] >= 0) close(fds_[j]);
+  if (wake_fd_ >= 0) close(wake_fd_);
+}
+
+size_t TcpP2P::write_some(int peer, const void* buf, size_t n) {
+  size_t m = send_some(fds_[peer], buf, n);
+  want_write_[peer] = m < n;
+  return m;
+}
+
+size_t TcpP2P::read_some(int peer, void* buf, size_t n) { return recv_some(fds_[peer], buf, n); }
+
+void TcpP2P::wait(uint32_t, int64_t timeout_ns, const std::vector<char>& want_read) {
+  std::vector<int> rd, wr;
+  for (int j = 0; j < size_; ++j) {
+    if (j == rank_) continue;
+    if (want_read[j]) rd.push_back(fds_[j]);
+    if (want_write_[j]) wr.push_back(fds_[j]);
+  }
+  poll_fds(rd, wr, wake_fd_, static_cast<int>(timeout_ns / 1000000 + 1));
+  uint64_t v;
+  while (read(wake_fd_, &v, sizeof(v)) > 0) {
+  }
+}
+
+void TcpP2P::notify() {
+  uint64_t one = 1;
+  ssize_t rc = write(wake_fd_, &one, sizeof(one));
+  (void)rc;
+}
+
+}  // namespace mooncake

@@ -1,0 +1,182 @@
+// Round-based collective engine and point-to-point channels over shm or TCP.
+// No torch headers here.
+//
+// A collective is a sequence of rounds. In round k every rank writes into its slot
+// (buffer k % 3) and header, then calls exchange(): a full barrier after which every
+// peer's slot of round k may be read. Slot contents of round k stay readable during
+// round k+1 and a rank may write its slot of round k+1 while still in round k (after
+// exchange(k)); three buffers make both safe (a writer of round k+3 has seen every rank
+// arrive at round k+2, so all reads of round k and k+1 data are done).
+#pragma once
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "transport/shm.hpp"
+
+namespace mooncake {
+
+struct Range {
+  size_t off;
+  size_t len;
+};
+using PeerRanges = std::vector<std::vector<Range>>;  // per peer, ranges of my slot it reads
+
+// A peer did not take part within the op timeout.
+struct PeerTimeout : std::runtime_error {
+  std::vector<int> missing;
+  PeerTimeout(const std::string& msg, std::vector<int> m)
+      : std::runtime_error(msg), missing(std::move(m)) {}
+};
+
+class CollEngine {
+ public:
+  CollEngine(int rank, int size, size_t slot_bytes, size_t hdr_cap)
+      : rank_(rank), size_(size), slot_(slot_bytes), hdr_cap_(hdr_cap) {}
+  virtual ~CollEngine() = default;
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  size_t slot_bytes() const { return slot_; }
+  size_t hdr_cap() const { return hdr_cap_; }
+  uint64_t next_round() const { return round_ + 1; }
+
+  virtual uint8_t* my_slot(uint64_t k) = 0;
+  virtual uint8_t* my_hdr(uint64_t k) = 0;
+  virtual const uint8_t* peer_slot(int j, uint64_t k) = 0;
+  virtual const uint8_t* peer_hdr(int j, uint64_t k) = 0;
+  // Completes round next_round(). `sends` (may be null: whole slot not needed by anyone)
+  // lists per peer which ranges of my slot it reads; shm ignores it.
+  virtual void exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadline_ns) = 0;
+  virtual const char* name() const = 0;
+
+ protected:
+  int rank_, size_;
+  size_t slot_, hdr_cap_;
+  uint64_t round_ = 0;
+};
+
+// Point-to-point byte streams, one per ordered pair, progressed without blocking.
+class P2PChannel {
+ public:
+  virtual ~P2PChannel() = default;
+  virtual size_t write_some(int peer, const void* buf, size_t n) = 0;
+  virtual size_t read_some(int peer, void* buf, size_t n) = 0;
+  // Token to pass to wait(): read before scanning for progress.
+  virtual uint32_t wait_token() = 0;
+  // Sleeps until a peer moved data or notify() was called (or timeout). want_read[j]:
+  // something waits for bytes from peer j (tcp polls only those sockets).
+  virtual void wait(uint32_t token, int64_t timeout_ns, const std::vector<char>& want_read) = 0;
+  virtual void notify() = 0;
+};
+
+// ---- shared memory ----------------------------------------------------------------
+struct ShmLayout {
+  int size;
+  size_t slot, hdr_cap, ring;
+  size_t coll_ctrl, coll_data, p2p_ctrl, p2p_data, total;
+  ShmLayout(int size, size_t slot, size_t hdr_cap, size_t ring);
+  size_t buf_stride() const { return hdr_cap + slot; }
+};
+
+class ShmEngine : public CollEngine {
+ public:
+  // `seg` is mapped by every local rank; `spin` enables brief spinning before sleeping.
+  ShmEngine(int rank, int size, std::shared_ptr<ShmSegment> seg, const ShmLayout& layout,
+            bool spin);
+  uint8_t* my_slot(uint64_t k) override { return slot_ptr(rank_, k); }
+  uint8_t* my_hdr(uint64_t k) override { return hdr_ptr(rank_, k); }
+  const uint8_t* peer_slot(int j, uint64_t k) override { return slot_ptr(j, k); }
+  const uint8_t* peer_hdr(int j, uint64_t k) override { return hdr_ptr(j, k); }
+  void exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadline_ns) override;
+  const char* name() const override { return "shm"; }
+
+ private:
+  uint8_t* hdr_ptr(int r, uint64_t k) {
+    return base_ + layout_.coll_data + ((k % 3) * size_ + r) * layout_.buf_stride();
+  }
+  uint8_t* slot_ptr(int r, uint64_t k) { return hdr_ptr(r, k) + layout_.hdr_cap; }
+  std::atomic<uint64_t>* arrived(int r) {
+    return reinterpret_cast<std::atomic<uint64_t>*>(base_ + layout_.coll_ctrl + 64 * (r + 1));
+  }
+  std::atomic<uint32_t>* bell() { return reinterpret_cast<std::atomic<uint32_t>*>(base_ + layout_.coll_ctrl); }
+  std::atomic<uint32_t>* sleepers() { return bell() + 1; }
+
+  std::shared_ptr<ShmSegment> seg_;
+  ShmLayout layout_;
+  uint8_t* base_;
+  bool spin_;
+};
+
+class ShmP2P : public P2PChannel {
+ public:
+  ShmP2P(int rank, int size, std::shared_ptr<ShmSegment> seg, const ShmLayout& layout);
+  size_t write_some(int peer, const void* buf, size_t n) override;
+  size_t read_some(int peer, void* buf, size_t n) override;
+  uint32_t wait_token() override { return bell(rank_)->load(std::memory_order_acquire); }
+  void wait(uint32_t token, int64_t timeout_ns, const std::vector<char>& want_read) override;
+  void notify() override { ring_bell(rank_); }
+
+ private:
+  struct Ring {
+    std::atomic<uint64_t>* head;  // bytes written (producer)
+    std::atomic<uint64_t>* tail;  // bytes read (consumer)
+    uint8_t* data;
+  };
+  Ring ring(int src, int dst);
+  std::atomic<uint32_t>* bell(int r);
+  std::atomic<uint32_t>* sleeping(int r) { return bell(r) + 1; }
+  void ring_bell(int r);
+
+  int rank_, size_;
+  std::shared_ptr<ShmSegment> seg_;
+  ShmLayout layout_;
+  uint8_t* base_;
+};
+
+// ---- TCP ----------------------------------------------------------------------------
+class TcpEngine : public CollEngine {
+ public:
+  // fds[j]: connected socket to peer j (fds[rank] unused); takes ownership.
+  TcpEngine(int rank, int size, size_t slot_bytes, size_t hdr_cap, std::vector<int> fds);
+  ~TcpEngine() override;
+  uint8_t* my_slot(uint64_t k) override { return mine_[k % 3].data() + hdr_cap_; }
+  uint8_t* my_hdr(uint64_t k) override { return mine_[k % 3].data(); }
+  const uint8_t* peer_slot(int j, uint64_t k) override {
+    return j == rank_ ? my_slot(k) : peers_[j][k % 3].data() + hdr_cap_;
+  }
+  const uint8_t* peer_hdr(int j, uint64_t k) override {
+    return j == rank_ ? my_hdr(k) : peers_[j][k % 3].data();
+  }
+  void exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadline_ns) override;
+  const char* name() const override { return "tcp"; }
+
+ private:
+  std::vector<int> fds_;
+  std::vector<std::vector<uint8_t>> mine_;                // 3 buffers
+  std::vector<std::vector<std::vector<uint8_t>>> peers_;  // [peer][3]
+};
+
+class TcpP2P : public P2PChannel {
+ public:
+  TcpP2P(int rank, int size, std::vector<int> fds);
+  ~TcpP2P() override;
+  size_t write_some(int peer, const void* buf, size_t n) override;
+  size_t read_some(int peer, void* buf, size_t n) override;
+  uint32_t wait_token() override { return 0; }
+  void wait(uint32_t token, int64_t timeout_ns, const std::vector<char>& want_read) override;
+  void notify() override;
+
+ private:
+  int rank_, size_;
+  std::vector<int> fds_;
+  std::vector<char> want_write_;
+  int wake_fd_ = -1;
+};
+
+}  // namespace mooncake

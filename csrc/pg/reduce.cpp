@@ -1,0 +1,227 @@
+#include "pg/reduce.hpp"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <c10/util/Half.h>
+#include <c10/util/complex.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+#include <type_traits>
+
+namespace mooncake {
+
+const char* red_op_name(RedOp op) {
+  switch (op) {
+    case RedOp::SUM: return "SUM";
+    case RedOp::AVG: return "AVG";
+    case RedOp::PRODUCT: return "PRODUCT";
+    case RedOp::MIN: return "MIN";
+    case RedOp::MAX: return "MAX";
+    case RedOp::BAND: return "BAND";
+    case RedOp::BOR: return "BOR";
+    case RedOp::BXOR: return "BXOR";
+    case RedOp::PREMUL_SUM: return "PREMUL_SUM";
+  }
+  return "?";
+}
+
+static bool is_float_kind(c10::ScalarType dt) {
+  return c10::isFloatingType(dt);
+}
+
+std::string check_reduce_supported(c10::ScalarType dt, RedOp op) {
+  using ST = c10::ScalarType;
+  if (c10::isComplexType(dt)) {
+    if (dt != ST::ComplexFloat && dt != ST::ComplexDouble)
+      return std::string("unsupported complex dtype ") + c10::toString(dt);
+    if (op == RedOp::SUM || op == RedOp::AVG || op == RedOp::PREMUL_SUM) return "";
+    return std::string("ReduceOp ") + red_op_name(op) + " is not defined for complex tensors (only SUM and AVG)";
+  }
+  if (dt == ST::Bool) {
+    if (op == RedOp::AVG || op == RedOp::PREMUL_SUM)
+      return std::string("ReduceOp ") + red_op_name(op) + " is not defined for bool tensors";
+    return "";
+  }
+  if (is_float_kind(dt)) {
+    if (op == RedOp::BAND || op == RedOp::BOR || op == RedOp::BXOR)
+      return std::string("bitwise ReduceOp ") + red_op_name(op) + " is not defined for floating-point tensors";
+    switch (dt) {
+      case ST::Double: case ST::Float: case ST::Half: case ST::BFloat16:
+      case ST::Float8_e4m3fn: case ST::Float8_e5m2: return "";
+      default: return std::string("unsupported dtype ") + c10::toString(dt);
+    }
+  }
+  switch (dt) {
+    case ST::Char: case ST::Short: case ST::Int: case ST::Long: case ST::Byte:
+    case ST::UInt16: case ST::UInt32: case ST::UInt64:
+      if (op == RedOp::PREMUL_SUM) return "PREMUL_SUM is only defined for floating-point tensors";
+      return "";
+    default: return std::string("unsupported dtype ") + c10::toString(dt);
+  }
+}
+
+namespace {
+constexpr size_t kBlock = 512;
+
+template <typename T> struct AccOf { using type = T; };
+template <> struct AccOf<c10::Half> { using type = float; };
+template <> struct AccOf<c10::BFloat16> { using type = float; };
+template <> struct AccOf<c10::Float8_e4m3fn> { using type = float; };
+template <> struct AccOf<c10::Float8_e5m2> { using type = float; };
+template <> struct AccOf<c10::complex<float>> { using type = c10::complex<float>; };
+template <> struct AccOf<c10::complex<double>> { using type = c10::complex<double>; };
+
+template <typename A, typename F>
+inline void apply(A* acc, const A* x, size_t m, F f) {
+  for (size_t i = 0; i < m; ++i) acc[i] = f(acc[i], x[i]);
+}
+
+template <typename T, typename F>
+void reduce_typed(T* dst, const T* const* srcs, int ns, size_t n, F f, bool avg) {
+  using A = typename AccOf<T>::type;
+  if constexpr (std::is_same_v<A, T>) {
+    if (!avg) {
+      // Native accumulation: dst = s0 op s1, then dst = dst op s_j (vectorizes).
+      for (size_t b = 0; b < n; b += kBlock) {
+        size_t m = std::min(kBlock, n - b);
+        T acc[kBlock];
+        const T* s0 = srcs[0] + b;
+        for (size_t i = 0; i < m; ++i) acc[i] = s0[i];
+        for (int j = 1; j < ns; ++j) apply(acc, srcs[j] + b, m, f);
+        T* d = dst + b;
+        for (size_t i = 0; i < m; ++i) d[i] = acc[i];
+      }
+      return;
+    }
+  }
+  for (size_t b = 0; b < n; b += kBlock) {
+    size_t m = std::min(kBlock, n - b);
+    A acc[kBlock];
+    A tmp[kBlock];
+    const T* s0 = srcs[0] + b;
+    for (size_t i = 0; i < m; ++i) acc[i] = static_cast<A>(s0[i]);
+    for (int j = 1; j < ns; ++j) {
+      const T* sj = srcs[j] + b;
+      for (size_t i = 0; i < m; ++i) tmp[i] = static_cast<A>(sj[i]);
+      apply(acc, tmp, m, f);
+    }
+    if (avg) {
+      for (size_t i = 0; i < m; ++i) acc[i] = acc[i] / static_cast<A>(ns);
+    }
+    T* d = dst + b;
+    for (size_t i = 0; i < m; ++i) d[i] = static_cast<T>(acc[i]);
+  }
+}
+
+template <typename T>
+void reduce_arith(void* dst, const void* const* srcs, int ns, size_t n, RedOp op) {
+  using A = typename AccOf<T>::type;
+  T* d = static_cast<T*>(dst);
+  const T* const* s = reinterpret_cast<const T* const*>(srcs);
+  switch (op) {
+    case RedOp::SUM:
+    case RedOp::PREMUL_SUM:
+      return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return a + b; }, false);
+    case RedOp::AVG:
+      return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return a + b; }, true);
+    default:
+      break;
+  }
+  if constexpr (!std::is_same_v<A, c10::complex<float>> && !std::is_same_v<A, c10::complex<double>>) {
+    switch (op) {
+      case RedOp::PRODUCT:
+        return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return a * b; }, false);
+      case RedOp::MIN:
+        return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return b < a ? b : a; }, false);
+      case RedOp::MAX:
+        return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return b > a ? b : a; }, false);
+      default:
+        break;
+    }
+    if constexpr (std::is_integral_v<A>) {
+      switch (op) {
+        case RedOp::BAND: return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return A(a & b); }, false);
+        case RedOp::BOR: return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return A(a | b); }, false);
+        case RedOp::BXOR: return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return A(a ^ b); }, false);
+        default: break;
+      }
+    }
+  }
+  throw std::invalid_argument(std::string("reduce: ReduceOp ") + red_op_name(op) + " not supported for this dtype");
+}
+
+void reduce_bool(void* dst, const void* const* srcs, int ns, size_t n, RedOp op) {
+  // bool tensors hold 0/1 bytes; normalise so no value wraps past 255 contributors.
+  uint8_t* d = static_cast<uint8_t*>(dst);
+  const uint8_t* const* s = reinterpret_cast<const uint8_t* const*>(srcs);
+  bool is_and = (op == RedOp::PRODUCT || op == RedOp::MIN || op == RedOp::BAND);
+  bool is_xor = (op == RedOp::BXOR);
+  for (size_t i = 0; i < n; ++i) {
+    uint8_t a = s[0][i] != 0;
+    for (int j = 1; j < ns; ++j) {
+      uint8_t b = s[j][i] != 0;
+      a = is_and ? (a & b) : is_xor ? (a ^ b) : (a | b);
+    }
+    d[i] = a;
+  }
+}
+}  // namespace
+
+void reduce_buffers(void* dst, const void* const* srcs, int ns, size_t n, c10::ScalarType dt, RedOp op) {
+  using ST = c10::ScalarType;
+  switch (dt) {
+    case ST::Double: return reduce_arith<double>(dst, srcs, ns, n, op);
+    case ST::Float: return reduce_arith<float>(dst, srcs, ns, n, op);
+    case ST::Half: return reduce_arith<c10::Half>(dst, srcs, ns, n, op);
+    case ST::BFloat16: return reduce_arith<c10::BFloat16>(dst, srcs, ns, n, op);
+    case ST::Float8_e4m3fn: return reduce_arith<c10::Float8_e4m3fn>(dst, srcs, ns, n, op);
+    case ST::Float8_e5m2: return reduce_arith<c10::Float8_e5m2>(dst, srcs, ns, n, op);
+    case ST::Char: return reduce_arith<int8_t>(dst, srcs, ns, n, op);
+    case ST::Short: return reduce_arith<int16_t>(dst, srcs, ns, n, op);
+    case ST::Int: return reduce_arith<int32_t>(dst, srcs, ns, n, op);
+    case ST::Long: return reduce_arith<int64_t>(dst, srcs, ns, n, op);
+    case ST::Byte: return reduce_arith<uint8_t>(dst, srcs, ns, n, op);
+    case ST::UInt16: return reduce_arith<uint16_t>(dst, srcs, ns, n, op);
+    case ST::UInt32: return reduce_arith<uint32_t>(dst, srcs, ns, n, op);
+    case ST::UInt64: return reduce_arith<uint64_t>(dst, srcs, ns, n, op);
+    case ST::ComplexFloat: return reduce_arith<c10::complex<float>>(dst, srcs, ns, n, op);
+    case ST::ComplexDouble: return reduce_arith<c10::complex<double>>(dst, srcs, ns, n, op);
+    case ST::Bool: return reduce_bool(dst, srcs, ns, n, op);
+    default: throw std::invalid_argument(std::string("reduce: unsupported dtype ") + c10::toString(dt));
+  }
+}
+
+namespace {
+template <typename T>
+void scale_typed(void* dst, const void* src, size_t n, double f) {
+  using A = typename AccOf<T>::type;
+  T* d = static_cast<T*>(dst);
+  const T* s = static_cast<const T*>(src);
+  if constexpr (std::is_same_v<A, c10::complex<float>> || std::is_same_v<A, c10::complex<double>>) {
+    for (size_t i = 0; i < n; ++i) d[i] = static_cast<T>(s[i] * static_cast<typename A::value_type>(f));
+  } else {
+    A af = static_cast<A>(f);
+    for (size_t i = 0; i < n; ++i) d[i] = static_cast<T>(static_cast<A>(s[i]) * af);
+  }
+}
+}  // namespace
+
+void scale_copy(void* dst, const void* src, size_t n, c10::ScalarType dt, double f) {
+  using ST = c10::ScalarType;
+  switch (dt) {
+    case ST::Double: return scale_typed<double>(dst, src, n, f);
+    case ST::Float: return scale_typed<float>(dst, src, n, f);
+    case ST::Half: return scale_typed<c10::Half>(dst, src, n, f);
+    case ST::BFloat16: return scale_typed<c10::BFloat16>(dst, src, n, f);
+    case ST::Float8_e4m3fn: return scale_typed<c10::Float8_e4m3fn>(dst, src, n, f);
+    case ST::Float8_e5m2: return scale_typed<c10::Float8_e5m2>(dst, src, n, f);
+    case ST::ComplexFloat: return scale_typed<c10::complex<float>>(dst, src, n, f);
+    case ST::ComplexDouble: return scale_typed<c10::complex<double>>(dst, src, n, f);
+    default: throw std::invalid_argument(std::string("PREMUL_SUM: unsupported dtype ") + c10::toString(dt));
+  }
+}
+
+}  // namespace mooncake

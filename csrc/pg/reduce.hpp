@@ -1,0 +1,27 @@
+// Element-wise reductions over raw buffers, for every dtype of DESIGN.md.
+#pragma once
+#include <c10/core/ScalarType.h>
+
+#include <cstddef>
+#include <string>
+
+namespace mooncake {
+
+enum class RedOp : int { SUM = 0, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR, PREMUL_SUM };
+
+const char* red_op_name(RedOp op);
+
+// Empty string if `op` is defined for `dt`, else the reason (used for argument checks).
+std::string check_reduce_supported(c10::ScalarType dt, RedOp op);
+
+// dst[i] = srcs[0][i] (op) srcs[1][i] (op) ... in that order, n elements of dtype dt.
+// 16-bit and 8-bit floats accumulate in float and round once. AVG divides the sum by
+// nsrc (integers: truncated toward zero). PREMUL_SUM is a SUM here (inputs are scaled
+// beforehand with scale_copy). dst may alias srcs[k].
+void reduce_buffers(void* dst, const void* const* srcs, int nsrc, size_t n, c10::ScalarType dt,
+                    RedOp op);
+
+// dst = src * factor (PREMUL_SUM's pre-multiplication), n elements.
+void scale_copy(void* dst, const void* src, size_t n, c10::ScalarType dt, double factor);
+
+}  // namespace mooncake
