@@ -11,6 +11,7 @@
 #include <random>
 #include <sstream>
 
+#include "transport/copy.hpp"
 #include "transport/shm.hpp"
 #include "transport/tcp.hpp"
 
@@ -319,6 +320,7 @@ void MooncakeBackend::shutdown() {
     if (stop_) return;
     stop_ = true;
   }
+  if (coll_) coll_->request_abort();
   qcv_.notify_all();
   ccv_.notify_all();
   if (p2p_) p2p_->notify();
@@ -557,6 +559,8 @@ static void check_headers(CollEngine* e, uint64_t k, int ref) {
   }
 }
 
+static void copy_plain(void* dst, const void* src, size_t n) { std::memcpy(dst, src, n); }
+
 static void copy_in(void* dst, const void* src, size_t n_elems, size_t esize, c10::ScalarType dt,
                     RedOp op, double premul) {
   if (op == RedOp::PREMUL_SUM && premul != 1.0)
@@ -614,6 +618,7 @@ void MooncakeBackend::run_allreduce(at::Tensor& t, RedOp op, double premul, int 
     *off = b;
     *len = en - b;
   };
+  auto out_copy = n * E >= kStreamThreshold ? copy_stream : copy_plain;
   std::vector<const void*> srcs(W);
   for (size_t p = 0; p <= npieces; ++p) {
     const uint64_t k = e->next_round();
@@ -643,7 +648,7 @@ void MooncakeBackend::run_allreduce(at::Tensor& t, RedOp op, double premul, int 
         if (j == r) continue;
         size_t o, l;
         sub(L, j, &o, &l);
-        if (l) std::memcpy(data + ((p - 1) * P + o) * E, e->peer_slot(j, k) + half, l * E);
+        if (l) out_copy(data + ((p - 1) * P + o) * E, e->peer_slot(j, k) + half, l * E);
       }
     }
     if (p < npieces) {
@@ -654,7 +659,7 @@ void MooncakeBackend::run_allreduce(at::Tensor& t, RedOp op, double premul, int 
         for (int j = 0; j < W; ++j) srcs[j] = e->peer_slot(j, k) + o * E;
         uint8_t* red = e->my_slot(k + 1) + half;  // next round's slot (see engine.hpp)
         reduce_buffers(red, srcs.data(), W, l, dt, op);
-        if (all || r == root) std::memcpy(data + (p * P + o) * E, red, l * E);
+        if (all || r == root) out_copy(data + (p * P + o) * E, red, l * E);
       }
     }
   }
@@ -674,6 +679,7 @@ void MooncakeBackend::run_broadcast(at::Tensor& t, int root, int64_t dl) {
   const std::vector<int64_t> noextra;
   const size_t S = e->slot_bytes();
   const size_t npieces = std::max<size_t>(1, (nbytes + S - 1) / S);
+  auto out_copy = nbytes >= kStreamThreshold ? copy_stream : copy_plain;
   for (size_t p = 0; p < npieces; ++p) {
     const uint64_t k = e->next_round();
     const size_t off = p * S, len = std::min(S, nbytes - std::min(nbytes, off));
@@ -686,7 +692,7 @@ void MooncakeBackend::run_broadcast(at::Tensor& t, int root, int64_t dl) {
     if (p == 0) write_header(e, k, h, noextra);
     exchange(&sends, p == 0 ? header_len(noextra) : 0, dl, "broadcast");
     if (p == 0) check_headers(e, k, root);
-    if (r != root && len) std::memcpy(data + off, e->peer_slot(root, k), len);
+    if (r != root && len) out_copy(data + off, e->peer_slot(root, k), len);
   }
 }
 
@@ -707,6 +713,7 @@ void MooncakeBackend::run_allgather(const at::Tensor& in, const std::vector<uint
   const size_t S = e->slot_bytes();
   const size_t npieces = std::max<size_t>(1, (nbytes + S - 1) / S);
   const bool receiver = opcode == OP_ALLGATHER || r == root;
+  auto out_copy = nbytes * W >= kStreamThreshold ? copy_stream : copy_plain;
   for (size_t p = 0; p < npieces; ++p) {
     const uint64_t k = e->next_round();
     const size_t off = p * S, len = std::min(S, nbytes - std::min(nbytes, off));
@@ -718,7 +725,7 @@ void MooncakeBackend::run_allgather(const at::Tensor& in, const std::vector<uint
     exchange(&sends, p == 0 ? header_len(noextra) : 0, dl, op_name(opcode));
     if (p == 0) check_headers(e, k, opcode == OP_GATHER ? root : 0);
     if (receiver && len)
-      for (int j = 0; j < W; ++j) std::memcpy(outs[j] + off, e->peer_slot(j, k), len);
+      for (int j = 0; j < W; ++j) out_copy(outs[j] + off, e->peer_slot(j, k), len);
   }
 }
 
@@ -819,6 +826,7 @@ void MooncakeBackend::run_alltoall(const uint8_t* in, uint8_t* out, c10::ScalarT
   size_t Q = S / W / 64 * 64;
   if (Q == 0) Q = std::max<size_t>(1, S / W);
   size_t rounds = 1;  // known after round 1 (needs every rank's splits)
+  auto out_copy = roff[W] >= kStreamThreshold ? copy_stream : copy_plain;
   for (size_t p = 0; p < rounds; ++p) {
     const uint64_t k = e->next_round();
     PeerRanges sends(W);
@@ -841,13 +849,13 @@ void MooncakeBackend::run_alltoall(const uint8_t* in, uint8_t* out, c10::ScalarT
       }
       rounds = std::max<size_t>(1, (maxb + Q - 1) / Q);
       const size_t self = soff[r + 1] - soff[r];
-      if (self) std::memmove(out + roff[r], in + soff[r], self);
+      if (self) (self >= kStreamThreshold ? copy_stream : copy_plain)(out + roff[r], in + soff[r], self);
     }
     for (int i = 0; i < W; ++i) {
       if (i == r) continue;
       const size_t tot = roff[i + 1] - roff[i];
       const size_t off = p * Q, len = std::min(Q, tot - std::min(tot, off));
-      if (len) std::memcpy(out + roff[i] + off, e->peer_slot(i, k) + r * Q, len);
+      if (len) out_copy(out + roff[i] + off, e->peer_slot(i, k) + r * Q, len);
     }
   }
 }

@@ -52,7 +52,7 @@ void ShmEngine::exchange(const PeerRanges*, size_t, int64_t deadline_ns) {
   };
   if (!all_here()) {
     if (spin_) {
-      int64_t spin_until = now_ns() + 200000;  // 200 us
+      int64_t spin_until = now_ns() + 50000;  // 50 us
       for (int i = 0; !all_here(); ++i) {
         cpu_relax();
         if ((i & 255) == 0 && now_ns() > spin_until) break;
@@ -66,6 +66,10 @@ void ShmEngine::exchange(const PeerRanges*, size_t, int64_t deadline_ns) {
         break;
       }
       int64_t left = deadline_ns - now_ns();
+      if (aborted()) {
+        sleepers()->fetch_sub(1);
+        throw EngineAborted();
+      }
       if (left <= 0) {
         sleepers()->fetch_sub(1);
         std::vector<int> missing;
@@ -277,6 +281,7 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
     }
     if (pending == 0) break;
     if (!progress) {
+      if (aborted()) throw EngineAborted();
       int64_t left = deadline_ns - now_ns();
       if (left <= 0) {
         std::vector<int> missing;

@@ -54,11 +54,24 @@ class CollEngine {
   // lists per peer which ranges of my slot it reads; shm ignores it.
   virtual void exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadline_ns) = 0;
   virtual const char* name() const = 0;
+  // Makes a blocked or later exchange() throw promptly (shutdown / abort).
+  void request_abort() {
+    abort_.store(true);
+    wake();
+  }
+  bool aborted() const { return abort_.load(std::memory_order_relaxed); }
 
  protected:
+  virtual void wake() {}
   int rank_, size_;
   size_t slot_, hdr_cap_;
   uint64_t round_ = 0;
+  std::atomic<bool> abort_{false};
+};
+
+// exchange() was interrupted by request_abort().
+struct EngineAborted : std::runtime_error {
+  EngineAborted() : std::runtime_error("the process group is shutting down") {}
 };
 
 // Point-to-point byte streams, one per ordered pair, progressed without blocking.
@@ -95,6 +108,9 @@ class ShmEngine : public CollEngine {
   const uint8_t* peer_hdr(int j, uint64_t k) override { return hdr_ptr(j, k); }
   void exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadline_ns) override;
   const char* name() const override { return "shm"; }
+
+ protected:
+  void wake() override { futex_wake_all(bell()); }
 
  private:
   uint8_t* hdr_ptr(int r, uint64_t k) {
