@@ -26,3 +26,21 @@ BACKEND_NAME = "mooncake"
 from ._backend import _create_backend, _register  # noqa: E402
 
 _register()
+
+
+def backend_of(group=None):
+    """The ``mooncake`` backend object of ``group`` (default: the default group).
+
+    Exposes ``transport`` (``"shm"`` or ``"tcp"``) and ``ops_issued``. Raises
+    ``ValueError`` if the group's CPU backend is not ``mooncake``.
+    """
+    import torch as _torch
+
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    be = pg._get_backend(_torch.device("cpu"))
+    if not isinstance(be, _C.MooncakeBackend):
+        raise ValueError(f"backend_of: the group's CPU backend is {type(be).__name__}, not mooncake")
+    return be
+
+
+__all__.append("backend_of")

@@ -377,6 +377,7 @@ c10::intrusive_ptr<MooncakeWork> MooncakeBackend::submit(c10d::OpType type,
     coalesce_parent_->add_child(outputs);
   }
   ++seq_;
+  if (cfg_.debug) trace("issued " + c10d::opTypeToString(type) + " #" + std::to_string(seq_) + (async_op ? " async" : ""));
   auto run = [this, job, timeout]() -> std::exception_ptr {
     std::lock_guard<std::mutex> g(engine_mu_);
     try {
@@ -384,9 +385,13 @@ c10::intrusive_ptr<MooncakeWork> MooncakeBackend::submit(c10d::OpType type,
       job(deadline_for(timeout));
     } catch (const PeerTimeout& e) {
       broken_ = std::string("MooncakeBackend: the group is unusable after an earlier failure: ") + e.what();
+      std::string msg = std::string("MooncakeBackend (rank ") + std::to_string(rank_) + "): " + e.what();
+      if (cfg_.debug) {
+        msg += "\nrecent ops (MOONCAKE_DEBUG):\n" + dump_trace();
+        fprintf(stderr, "%s\n", msg.c_str());
+      }
       return std::make_exception_ptr(
-          c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, __LINE__},
-                                std::string("MooncakeBackend (rank ") + std::to_string(rank_) + "): " + e.what()));
+          c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, __LINE__}, msg));
     } catch (const c10::ValueError&) {
       return std::current_exception();
     } catch (const c10::Error&) {
@@ -428,6 +433,19 @@ c10::intrusive_ptr<MooncakeWork> MooncakeBackend::submit(c10d::OpType type,
   }
   qcv_.notify_all();
   return w;
+}
+
+void MooncakeBackend::trace(const std::string& what) {
+  std::lock_guard<std::mutex> g(trace_mu_);
+  trace_.push_back(std::to_string(now_ns() / 1000) + " us: " + what);
+  if (trace_.size() > 64) trace_.pop_front();
+}
+
+std::string MooncakeBackend::dump_trace() {
+  std::lock_guard<std::mutex> g(trace_mu_);
+  std::string s;
+  for (auto& t : trace_) s += "  " + t + "\n";
+  return s;
 }
 
 void MooncakeBackend::progress_loop() {

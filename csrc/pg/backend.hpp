@@ -201,6 +201,10 @@ class MooncakeBackend : public c10d::Backend {
 
   bool coalescing_ = false;
   c10::intrusive_ptr<MooncakeWork> coalesce_parent_;
+  std::deque<std::string> trace_;  // MOONCAKE_DEBUG: recent ops, dumped on timeout
+  std::mutex trace_mu_;
+  void trace(const std::string& what);
+  std::string dump_trace();
   uint64_t seq_ = 0;       // ops issued
   uint64_t seq_exec_ = 0;  // collectives executed (in the op header; equal on all ranks)
 };
