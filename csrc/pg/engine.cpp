@@ -52,7 +52,9 @@ void ShmEngine::exchange(const PeerRanges*, size_t, int64_t deadline_ns) {
   };
   if (!all_here()) {
     if (spin_) {
-      int64_t spin_until = now_ns() + 50000;  // 50 us
+      // Waking a futex sleeper costs ~150 us on small VMs: spin up to 2 ms when every
+      // local rank has a CPU of its own.
+      int64_t spin_until = now_ns() + 2000000;
       for (int i = 0; !all_here(); ++i) {
         cpu_relax();
         if ((i & 255) == 0 && now_ns() > spin_until) break;
