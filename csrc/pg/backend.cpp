@@ -326,12 +326,17 @@ void MooncakeBackend::shutdown() {
   if (p2p_) p2p_->notify();
   if (progress_thread_.joinable()) progress_thread_.join();
   if (p2p_thread_.joinable()) p2p_thread_.join();
-  if (completion_thread_.joinable()) completion_thread_.join();
+  std::vector<std::thread> ct;
+  {
+    std::lock_guard<std::mutex> g(qmu_);
+    ct.swap(completion_threads_);
+  }
+  for (auto& t : ct)
+    if (t.joinable()) t.join();
 }
 
 void MooncakeBackend::ensure_threads(bool p2p) {
   // called with qmu_ held
-  if (!completion_thread_.joinable()) completion_thread_ = std::thread([this] { completion_loop(); });
   if (!p2p && !progress_thread_.joinable()) progress_thread_ = std::thread([this] { progress_loop(); });
   if (p2p && !p2p_thread_.joinable()) p2p_thread_ = std::thread([this] { p2p_loop(); });
 }
@@ -360,8 +365,12 @@ void MooncakeBackend::deliver(const c10::intrusive_ptr<MooncakeWork>& w, std::ex
     {
       std::lock_guard<std::mutex> g(qmu_);
       for (auto& d : done) completions_.push_back(d);
+      if (completion_idle_ == 0 && completion_threads_.size() < 64 && !stop_) {
+        completion_idle_++;
+        completion_threads_.emplace_back([this] { completion_loop(); });
+      }
     }
-    ccv_.notify_all();
+    ccv_.notify_one();
   }
 }
 
@@ -467,6 +476,7 @@ void MooncakeBackend::progress_loop() {
 }
 
 void MooncakeBackend::completion_loop() {
+  // this thread was counted idle when it was created
   while (true) {
     c10::intrusive_ptr<MooncakeWork> w;
     {
@@ -475,11 +485,18 @@ void MooncakeBackend::completion_loop() {
       if (completions_.empty()) return;
       w = completions_.front();
       completions_.pop_front();
+      completion_idle_--;
+      if (!completions_.empty() && completion_idle_ == 0 && completion_threads_.size() < 64 && !stop_) {
+        completion_idle_++;
+        completion_threads_.emplace_back([this] { completion_loop(); });
+      }
     }
     try {
       w->complete_future();
     } catch (...) {
     }
+    std::lock_guard<std::mutex> g(qmu_);
+    completion_idle_++;
   }
 }
 

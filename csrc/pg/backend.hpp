@@ -191,7 +191,11 @@ class MooncakeBackend : public c10d::Backend {
   std::deque<std::function<void()>> queue_;
   int inflight_ = 0;
   bool stop_ = false;
-  std::thread progress_thread_, completion_thread_, p2p_thread_;
+  std::thread progress_thread_, p2p_thread_;
+  // Futures are completed (callbacks run) on a small pool that grows when every thread
+  // is busy in a callback: a callback may wait on the future of an op it issued.
+  std::vector<std::thread> completion_threads_;
+  int completion_idle_ = 0;
   std::deque<c10::intrusive_ptr<MooncakeWork>> completions_;
   std::condition_variable ccv_;
 
