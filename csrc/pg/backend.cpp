@@ -171,7 +171,12 @@ bool MooncakeWork::wait(std::chrono::milliseconds timeout) {
                     "MooncakeWork::wait: timed out after " + std::to_string(timeout.count()) +
                         " ms; the op goes on and no rank is declared failed");
   }
-  if (err_) std::rethrow_exception(err_);
+  std::exception_ptr err = err_;
+  lk.unlock();
+  // The future is completed (before its callbacks run) right after finish(); wait for it
+  // so that get_future().done() holds once wait() returns, as with gloo.
+  future_->wait();
+  if (err) std::rethrow_exception(err);
   return true;
 }
 
@@ -641,11 +646,15 @@ void MooncakeBackend::run_allreduce(at::Tensor& t, RedOp op, double premul, int 
     return;
   }
 
-  // pipelined reduce-scatter + all-gather: slot = [A: input piece | B: reduced sub-chunk]
+  // Pipelined reduce-scatter + all-gather. Slot = [A: the parts of my input piece that
+  // peers reduce | B: my reduced sub-chunk]. Rank j reduces sub-chunk j of each piece,
+  // reading its own part straight from its tensor, and publishes the result in B of the
+  // next round, which peers copy out while the next piece is being reduced.
   const size_t half = S / 2 / 64 * 64;
   size_t P = half / (W * E) * W;  // elements per piece
   if (P == 0) P = W;
   const size_t npieces = (n + P - 1) / P;
+  const bool scaled = op == RedOp::PREMUL_SUM && premul != 1.0;
   auto piece_len = [&](size_t p) { return std::min(P, n - p * P); };
   auto sub = [&](size_t L, int j, size_t* off, size_t* len) {
     size_t c = (L + W - 1) / W;
@@ -654,18 +663,18 @@ void MooncakeBackend::run_allreduce(at::Tensor& t, RedOp op, double premul, int 
     *len = en - b;
   };
   auto out_copy = n * E >= kStreamThreshold ? copy_stream : copy_plain;
+  const bool writes_out = all || r == root;
   std::vector<const void*> srcs(W);
   for (size_t p = 0; p <= npieces; ++p) {
     const uint64_t k = e->next_round();
     PeerRanges sends(W);
     if (p < npieces) {
       const size_t L = piece_len(p);
-      copy_in(e->my_slot(k), data + p * P * E, L, E, dt, op, premul);
       for (int j = 0; j < W; ++j) {
-        if (j == r) continue;
         size_t o, l;
         sub(L, j, &o, &l);
-        sends[j].push_back({o * E, l * E});
+        if (j != r || scaled) copy_in(e->my_slot(k) + o * E, data + (p * P + o) * E, l, E, dt, op, premul);
+        if (j != r) sends[j].push_back({o * E, l * E});
       }
     }
     if (p > 0) {
@@ -677,7 +686,7 @@ void MooncakeBackend::run_allreduce(at::Tensor& t, RedOp op, double premul, int 
     if (p == 0) write_header(e, k, h, noextra);
     exchange(&sends, p == 0 ? header_len(noextra) : 0, dl, "all_reduce");
     if (p == 0) check_headers(e, k, ref);
-    if (p > 0 && (all || r == root)) {
+    if (p > 0 && writes_out) {
       const size_t L = piece_len(p - 1);
       for (int j = 0; j < W; ++j) {
         if (j == r) continue;
@@ -691,10 +700,10 @@ void MooncakeBackend::run_allreduce(at::Tensor& t, RedOp op, double premul, int 
       size_t o, l;
       sub(L, r, &o, &l);
       if (l) {
-        for (int j = 0; j < W; ++j) srcs[j] = e->peer_slot(j, k) + o * E;
+        uint8_t* mine = data + (p * P + o) * E;
+        for (int j = 0; j < W; ++j) srcs[j] = (j == r && !scaled) ? mine : e->peer_slot(j, k) + o * E;
         uint8_t* red = e->my_slot(k + 1) + half;  // next round's slot (see engine.hpp)
-        reduce_buffers(red, srcs.data(), W, l, dt, op);
-        if (all || r == root) out_copy(data + (p * P + o) * E, red, l * E);
+        reduce_buffers(red, srcs.data(), W, l, dt, op, writes_out ? mine : nullptr);
       }
     }
   }

@@ -1,5 +1,6 @@
 #include "pg/engine.hpp"
 
+#include <sched.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -53,11 +54,21 @@ void ShmEngine::exchange(const PeerRanges*, size_t, int64_t deadline_ns) {
   if (!all_here()) {
     if (spin_) {
       // Waking a futex sleeper costs ~150 us on small VMs: spin up to 2 ms when every
-      // local rank has a CPU of its own.
-      int64_t spin_until = now_ns() + 2000000;
-      for (int i = 0; !all_here(); ++i) {
+      // local rank has a CPU of its own, giving the CPU away every 20 us in case the rank
+      // we wait for (or anything else) is queued behind us on it.
+      const int64_t start = now_ns();
+      const int64_t spin_until = start + 2000000;
+      int64_t next_yield = start + 20000;
+      for (int i = 1; !all_here(); ++i) {
         cpu_relax();
-        if ((i & 255) == 0 && now_ns() > spin_until) break;
+        if ((i & 255) == 0) {
+          const int64_t t = now_ns();
+          if (t > spin_until) break;
+          if (t > next_yield) {
+            sched_yield();
+            next_yield = t + 20000;
+          }
+        }
       }
     }
     while (!all_here()) {

@@ -80,7 +80,7 @@ inline void apply(A* acc, const A* x, size_t m, F f) {
 }
 
 template <typename T, typename F>
-void reduce_typed(T* dst, const T* const* srcs, int ns, size_t n, F f, bool avg) {
+void reduce_typed(T* dst, const T* const* srcs, int ns, size_t n, F f, bool avg, T* dst2) {
   using A = typename AccOf<T>::type;
   if constexpr (std::is_same_v<A, T>) {
     if (!avg) {
@@ -93,6 +93,10 @@ void reduce_typed(T* dst, const T* const* srcs, int ns, size_t n, F f, bool avg)
         for (int j = 1; j < ns; ++j) apply(acc, srcs[j] + b, m, f);
         T* d = dst + b;
         for (size_t i = 0; i < m; ++i) d[i] = acc[i];
+        if (dst2) {
+          T* d2 = dst2 + b;
+          for (size_t i = 0; i < m; ++i) d2[i] = acc[i];
+        }
       }
       return;
     }
@@ -113,39 +117,44 @@ void reduce_typed(T* dst, const T* const* srcs, int ns, size_t n, F f, bool avg)
     }
     T* d = dst + b;
     for (size_t i = 0; i < m; ++i) d[i] = static_cast<T>(acc[i]);
+    if (dst2) {
+      T* d2 = dst2 + b;
+      for (size_t i = 0; i < m; ++i) d2[i] = d[i];
+    }
   }
 }
 
 template <typename T>
-void reduce_arith(void* dst, const void* const* srcs, int ns, size_t n, RedOp op) {
+void reduce_arith(void* dst, const void* const* srcs, int ns, size_t n, RedOp op, void* dst2v) {
   using A = typename AccOf<T>::type;
+  T* d2 = static_cast<T*>(dst2v);
   T* d = static_cast<T*>(dst);
   const T* const* s = reinterpret_cast<const T* const*>(srcs);
   switch (op) {
     case RedOp::SUM:
     case RedOp::PREMUL_SUM:
-      return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return a + b; }, false);
+      return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return a + b; }, false, d2);
     case RedOp::AVG:
-      return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return a + b; }, true);
+      return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return a + b; }, true, d2);
     default:
       break;
   }
   if constexpr (!std::is_same_v<A, c10::complex<float>> && !std::is_same_v<A, c10::complex<double>>) {
     switch (op) {
       case RedOp::PRODUCT:
-        return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return a * b; }, false);
+        return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return a * b; }, false, d2);
       case RedOp::MIN:
-        return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return b < a ? b : a; }, false);
+        return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return b < a ? b : a; }, false, d2);
       case RedOp::MAX:
-        return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return b > a ? b : a; }, false);
+        return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return b > a ? b : a; }, false, d2);
       default:
         break;
     }
     if constexpr (std::is_integral_v<A>) {
       switch (op) {
-        case RedOp::BAND: return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return A(a & b); }, false);
-        case RedOp::BOR: return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return A(a | b); }, false);
-        case RedOp::BXOR: return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return A(a ^ b); }, false);
+        case RedOp::BAND: return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return A(a & b); }, false, d2);
+        case RedOp::BOR: return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return A(a | b); }, false, d2);
+        case RedOp::BXOR: return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return A(a ^ b); }, false, d2);
         default: break;
       }
     }
@@ -153,7 +162,7 @@ void reduce_arith(void* dst, const void* const* srcs, int ns, size_t n, RedOp op
   throw std::invalid_argument(std::string("reduce: ReduceOp ") + red_op_name(op) + " not supported for this dtype");
 }
 
-void reduce_bool(void* dst, const void* const* srcs, int ns, size_t n, RedOp op) {
+void reduce_bool(void* dst, const void* const* srcs, int ns, size_t n, RedOp op, void* dst2) {
   // bool tensors hold 0/1 bytes; normalise so no value wraps past 255 contributors.
   uint8_t* d = static_cast<uint8_t*>(dst);
   const uint8_t* const* s = reinterpret_cast<const uint8_t* const*>(srcs);
@@ -166,30 +175,32 @@ void reduce_bool(void* dst, const void* const* srcs, int ns, size_t n, RedOp op)
       a = is_and ? (a & b) : is_xor ? (a ^ b) : (a | b);
     }
     d[i] = a;
+    if (dst2) static_cast<uint8_t*>(dst2)[i] = a;
   }
 }
 }  // namespace
 
-void reduce_buffers(void* dst, const void* const* srcs, int ns, size_t n, c10::ScalarType dt, RedOp op) {
+void reduce_buffers(void* dst, const void* const* srcs, int ns, size_t n, c10::ScalarType dt, RedOp op,
+                    void* dst2) {
   using ST = c10::ScalarType;
   switch (dt) {
-    case ST::Double: return reduce_arith<double>(dst, srcs, ns, n, op);
-    case ST::Float: return reduce_arith<float>(dst, srcs, ns, n, op);
-    case ST::Half: return reduce_arith<c10::Half>(dst, srcs, ns, n, op);
-    case ST::BFloat16: return reduce_arith<c10::BFloat16>(dst, srcs, ns, n, op);
-    case ST::Float8_e4m3fn: return reduce_arith<c10::Float8_e4m3fn>(dst, srcs, ns, n, op);
-    case ST::Float8_e5m2: return reduce_arith<c10::Float8_e5m2>(dst, srcs, ns, n, op);
-    case ST::Char: return reduce_arith<int8_t>(dst, srcs, ns, n, op);
-    case ST::Short: return reduce_arith<int16_t>(dst, srcs, ns, n, op);
-    case ST::Int: return reduce_arith<int32_t>(dst, srcs, ns, n, op);
-    case ST::Long: return reduce_arith<int64_t>(dst, srcs, ns, n, op);
-    case ST::Byte: return reduce_arith<uint8_t>(dst, srcs, ns, n, op);
-    case ST::UInt16: return reduce_arith<uint16_t>(dst, srcs, ns, n, op);
-    case ST::UInt32: return reduce_arith<uint32_t>(dst, srcs, ns, n, op);
-    case ST::UInt64: return reduce_arith<uint64_t>(dst, srcs, ns, n, op);
-    case ST::ComplexFloat: return reduce_arith<c10::complex<float>>(dst, srcs, ns, n, op);
-    case ST::ComplexDouble: return reduce_arith<c10::complex<double>>(dst, srcs, ns, n, op);
-    case ST::Bool: return reduce_bool(dst, srcs, ns, n, op);
+    case ST::Double: return reduce_arith<double>(dst, srcs, ns, n, op, dst2);
+    case ST::Float: return reduce_arith<float>(dst, srcs, ns, n, op, dst2);
+    case ST::Half: return reduce_arith<c10::Half>(dst, srcs, ns, n, op, dst2);
+    case ST::BFloat16: return reduce_arith<c10::BFloat16>(dst, srcs, ns, n, op, dst2);
+    case ST::Float8_e4m3fn: return reduce_arith<c10::Float8_e4m3fn>(dst, srcs, ns, n, op, dst2);
+    case ST::Float8_e5m2: return reduce_arith<c10::Float8_e5m2>(dst, srcs, ns, n, op, dst2);
+    case ST::Char: return reduce_arith<int8_t>(dst, srcs, ns, n, op, dst2);
+    case ST::Short: return reduce_arith<int16_t>(dst, srcs, ns, n, op, dst2);
+    case ST::Int: return reduce_arith<int32_t>(dst, srcs, ns, n, op, dst2);
+    case ST::Long: return reduce_arith<int64_t>(dst, srcs, ns, n, op, dst2);
+    case ST::Byte: return reduce_arith<uint8_t>(dst, srcs, ns, n, op, dst2);
+    case ST::UInt16: return reduce_arith<uint16_t>(dst, srcs, ns, n, op, dst2);
+    case ST::UInt32: return reduce_arith<uint32_t>(dst, srcs, ns, n, op, dst2);
+    case ST::UInt64: return reduce_arith<uint64_t>(dst, srcs, ns, n, op, dst2);
+    case ST::ComplexFloat: return reduce_arith<c10::complex<float>>(dst, srcs, ns, n, op, dst2);
+    case ST::ComplexDouble: return reduce_arith<c10::complex<double>>(dst, srcs, ns, n, op, dst2);
+    case ST::Bool: return reduce_bool(dst, srcs, ns, n, op, dst2);
     default: throw std::invalid_argument(std::string("reduce: unsupported dtype ") + c10::toString(dt));
   }
 }

@@ -1,0 +1,42 @@
+"""Fixtures of the process-group tests (see rankpool.py for the rank-process pool).
+
+Environment:
+  MOONCAKE_TEST_BACKENDS   backend(s) under test, ``name[:transport]`` comma-separated
+                           (default ``mooncake``; ``gloo`` to develop without the extension)
+  MOONCAKE_TEST_POOL_MODE  ``fork`` (default: ranks forked from a zygote that imported
+                           torch) or ``spawn`` (fresh interpreters)
+  MOONCAKE_TEST_MAX_POOLS  pools alive at once (default 6)
+  MOONCAKE_TEST_KEEP_LOGS  1: keep the rank logs' temporary directory
+"""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import rankpool  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _rank_pools():
+    """Tears every pool down (killing each rank's process group) at the end of the session."""
+    yield
+    rankpool.shutdown_all()
+
+
+@pytest.fixture(scope="session")
+def backend_under_test():
+    """``(backend, transport)``: the first entry of MOONCAKE_TEST_BACKENDS."""
+    return rankpool.default_backend()
+
+
+@pytest.fixture
+def pool_factory():
+    """``pool_factory(world_size, **kw)`` -> cached pool of the backend under test."""
+    backend, transport = rankpool.default_backend()
+
+    def make(world_size, backend=backend, transport=transport, **kw):
+        return rankpool.get_pool(world_size, backend, transport, **kw)
+
+    return make
