@@ -2,7 +2,7 @@
 
 Environment:
   MOONCAKE_TEST_BACKENDS   backend(s) under test, ``name[:transport]`` comma-separated
-                           (default ``mooncake``; ``gloo`` to develop without the extension)
+                           (default ``mooncake,mooncake:tcp``; ``gloo`` to develop without the extension)
   MOONCAKE_TEST_POOL_MODE  ``fork`` (default: ranks forked from a zygote that imported
                            torch) or ``spawn`` (fresh interpreters)
   MOONCAKE_TEST_MAX_POOLS  pools alive at once (default 6)

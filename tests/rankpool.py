@@ -870,12 +870,12 @@ atexit.register(shutdown_all)
 def parse_backends(value=None):
     """``MOONCAKE_TEST_BACKENDS``: comma-separated ``backend[:transport]`` items.
 
-    Default ``"mooncake"`` (transport from ``MooncakeOptions``' default, i.e. ``auto``
-    unless ``MOONCAKE_TRANSPORT`` says otherwise). Examples: ``"mooncake:shm,mooncake:tcp"``,
-    ``"gloo"`` (to develop the tests without the extension).
+    Default ``"mooncake,mooncake:tcp"``: the conformance suite runs over the default
+    transport (``auto``: shared memory on one host) and over forced TCP; the other test
+    files use the first entry. ``"gloo"`` develops the tests without the extension.
     """
     if value is None:
-        value = os.environ.get("MOONCAKE_TEST_BACKENDS", "mooncake")
+        value = os.environ.get("MOONCAKE_TEST_BACKENDS", "mooncake,mooncake:tcp")
     out = []
     for item in value.split(","):
         item = item.strip()
