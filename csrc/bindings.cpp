@@ -36,7 +36,37 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("shm_slot_bytes", &mooncake::BackendConfig::shm_slot_bytes)
       .def_readwrite("p2p_ring_bytes", &mooncake::BackendConfig::p2p_ring_bytes)
       .def_readwrite("debug", &mooncake::BackendConfig::debug)
-      .def_readwrite("group_name", &mooncake::BackendConfig::group_name);
+      .def_readwrite("group_name", &mooncake::BackendConfig::group_name)
+      .def_readwrite("on_failure", &mooncake::BackendConfig::on_failure);
+
+  // RankFailure -> mooncake_pg.errors.RankFailureError / RankFencedError (subclasses of
+  // torch.distributed.DistBackendError), also when raised through torch's Work.wait.
+  py::register_exception_translator([](std::exception_ptr p) {
+    if (!p) return;
+    try {
+      std::rethrow_exception(p);
+    } catch (const mooncake::RankFailure& e) {
+      py::gil_scoped_acquire gil;
+      py::module errors = py::module::import("mooncake_pg.errors");
+      py::object cls = errors.attr(e.fenced ? "RankFencedError" : "RankFailureError");
+      py::object exc = cls(e.what_without_backtrace(), py::cast(e.failed_ranks), e.epoch);
+      PyErr_SetObject(cls.ptr(), exc.ptr());
+    }
+  });
+
+  py::class_<mooncake::MooncakeWork, c10d::Work, c10::intrusive_ptr<mooncake::MooncakeWork>>(m, "MooncakeWork")
+      .def_property_readonly("failed_ranks", [](mooncake::MooncakeWork& w) {
+        std::vector<int> out;
+        auto e = w.exception();
+        if (!e) return out;
+        try {
+          std::rethrow_exception(e);
+        } catch (const mooncake::RankFailure& f) {
+          out = f.failed_ranks;
+        } catch (...) {
+        }
+        return out;
+      });
 
   py::class_<mooncake::MooncakeBackend, c10d::Backend, c10::intrusive_ptr<mooncake::MooncakeBackend>>(
       m, "MooncakeBackend")
@@ -47,7 +77,13 @@ PYBIND11_MODULE(_C, m) {
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("config"),
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("transport", &mooncake::MooncakeBackend::transport_name)
-      .def_property_readonly("ops_issued", &mooncake::MooncakeBackend::ops_issued);
+      .def_property_readonly("ops_issued", &mooncake::MooncakeBackend::ops_issued)
+      .def("active_ranks", &mooncake::MooncakeBackend::active_ranks)
+      .def("epoch", &mooncake::MooncakeBackend::epoch)
+      .def("failed_ranks", &mooncake::MooncakeBackend::failed_ranks)
+      .def("pending_failed", &mooncake::MooncakeBackend::pending_failed)
+      .def("deactivate_ranks", &mooncake::MooncakeBackend::deactivate_ranks, py::arg("ranks"),
+           py::call_guard<py::gil_scoped_release>());
 
   m.def("available_cpus", &mooncake::available_cpus);
 }

@@ -16,10 +16,11 @@ import torch.distributed as dist
 
 from ._loader import load_extension
 from .config import MooncakeOptions, env_defaults, resolve
+from .errors import RankFailureError, RankFencedError
 
 _C = load_extension()
 
-__all__ = ["MooncakeOptions", "env_defaults", "BACKEND_NAME"]
+__all__ = ["MooncakeOptions", "env_defaults", "BACKEND_NAME", "RankFailureError", "RankFencedError"]
 
 BACKEND_NAME = "mooncake"
 
@@ -44,3 +45,34 @@ def backend_of(group=None):
 
 
 __all__.append("backend_of")
+
+
+def get_active_ranks(group=None):
+    """``torch.int32`` tensor of shape ``[world_size]`` (= ``max_group_size``): 1 for the
+    seats taking part in ``group``'s ops, 0 for failed or empty ones. The same on every
+    active rank once they have run an op in the same epoch."""
+    import torch as _torch
+
+    return _torch.tensor(backend_of(group).active_ranks(), dtype=_torch.int32)
+
+
+def get_epoch(group=None) -> int:
+    """Membership epoch of ``group``: the number of membership changes applied so far."""
+    return int(backend_of(group).epoch())
+
+
+def get_failed_ranks(work) -> list:
+    """The ranks whose failure made ``work`` fail (``[]`` if it did not fail that way).
+    For ops issued with ``async_op=False`` catch :class:`RankFailureError` instead."""
+    return list(getattr(work, "failed_ranks", []))
+
+
+def deactivate_ranks(group, ranks) -> None:
+    """Takes ``ranks`` out of ``group`` (epoch + 1). With ``on_failure="manual"`` every
+    survivor calls this with the failed ranks before further ops; it is agreed through
+    the control store, so survivors that pass the same ranks end in the same epoch.
+    Raises ``ValueError`` for a rank outside ``[0, world_size)``."""
+    backend_of(group).deactivate_ranks([int(r) for r in ranks])
+
+
+__all__ += ["get_active_ranks", "get_epoch", "get_failed_ranks", "deactivate_ranks"]

@@ -40,6 +40,7 @@ def _create_backend(dist_opts, pg_options):
     cfg.shm_slot_bytes = int(settings["shm_slot_bytes"])
     cfg.debug = settings["debug"]
     cfg.group_name = str(getattr(dist_opts, "group_id", ""))
+    cfg.on_failure = settings["on_failure"]
     return _C.MooncakeBackend(dist_opts.store, dist_opts.group_rank, dist_opts.group_size, cfg)
 
 

@@ -4,7 +4,12 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include <poll.h>
+#include <signal.h>
+#include <sys/syscall.h>
 #include <unistd.h>
+
+#include <fstream>
 
 #include <algorithm>
 #include <cstring>
@@ -256,6 +261,28 @@ void MooncakeBackend::setup(const c10::intrusive_ptr<c10d::Store>& store) {
                       v.substr(v.find('|') + 1), "' but rank ", rank_, " uses '",
                       mine.substr(mine.find('|') + 1), "'; MOONCAKE_TRANSPORT and shm_slot_bytes must agree across ranks");
   }
+  // process handles of same-host peers (failure detection)
+  {
+    std::ifstream st("/proc/self/stat");
+    std::string line;
+    std::getline(st, line);
+    store_set_str(store, "mc/pid/" + std::to_string(rank_), std::to_string(getpid()) + " " + line.substr(line.rfind(')') + 2));
+  }
+  peer_pidfd_.assign(W, -1);
+  peer_pid_.assign(W, 0);
+  for (int j = 0; j < W; ++j) {
+    if (j == rank_) continue;
+    std::string v = store_get_str(store, "mc/host/" + std::to_string(j));
+    if (v.substr(0, v.find('|')) != cfg_.host_id) continue;
+    std::istringstream in(store_get_str(store, "mc/pid/" + std::to_string(j)));
+    int64_t pid = 0;
+    in >> pid;
+#ifdef SYS_pidfd_open
+    int fd = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(pid), 0));
+    if (fd >= 0) peer_pidfd_[j] = fd;
+#endif
+    peer_pid_[j] = pid;
+  }
   bool use_shm = (t == "shm") || (t == "auto" && one_host);
   TORCH_CHECK(!(t == "shm" && !one_host),
               "MooncakeBackend::setup: transport 'shm' needs every rank on one host (MOONCAKE_HOST_ID differs)");
@@ -310,6 +337,172 @@ void MooncakeBackend::setup(const c10::intrusive_ptr<c10d::Store>& store) {
     coll_ = std::make_unique<TcpEngine>(rank_, W, slot, hcap, cfds);
     p2p_ = std::make_unique<TcpP2P>(rank_, W, pfds);
   }
+  store_ = store;
+  policy_ = cfg_.on_failure == "mask" ? FailurePolicy::MASK
+            : cfg_.on_failure == "manual" ? FailurePolicy::MANUAL : FailurePolicy::RAISE;
+  TORCH_CHECK_VALUE(cfg_.on_failure == "raise" || cfg_.on_failure == "mask" || cfg_.on_failure == "manual",
+                    "MooncakeBackend::setup: on_failure must be raise, mask or manual, got '", cfg_.on_failure, "'");
+  active_.assign(W, 1);
+  agreed_failed_.assign(W, 0);
+  refresh_active_list();
+  coll_->set_liveness([this](const std::vector<int>& ranks) { return probe_dead(ranks); });
+}
+
+// ===================================================================================
+// Membership
+// ===================================================================================
+void MooncakeBackend::refresh_active_list() {
+  act_.clear();
+  for (int j = 0; j < size_; ++j)
+    if (active_[j]) act_.push_back(j);
+  my_index_ = static_cast<int>(std::find(act_.begin(), act_.end(), rank_) - act_.begin());
+  coll_->set_active(active_);
+}
+
+std::vector<int> MooncakeBackend::probe_dead(const std::vector<int>& ranks) {
+  std::vector<int> dead;
+  for (int j : ranks) {
+    if (j < 0 || j >= size_ || j == rank_) continue;
+    if (peer_pidfd_[j] >= 0) {
+      pollfd p{peer_pidfd_[j], POLLIN, 0};
+      if (poll(&p, 1, 0) > 0) dead.push_back(j);
+    } else if (peer_pid_[j] > 0) {
+      if (kill(static_cast<pid_t>(peer_pid_[j]), 0) != 0 && errno == ESRCH) dead.push_back(j);
+    }
+  }
+  return dead;
+}
+
+static std::string join_ranks(const std::vector<int>& v) {
+  std::string s;
+  for (int r : v) s += (s.empty() ? "" : ",") + std::to_string(r);
+  return s;
+}
+
+bool MooncakeBackend::read_record(uint64_t epoch, std::vector<int>* failed, std::string* raw) {
+  const std::string key = "mc/epoch/" + std::to_string(epoch);
+  if (!store_->check({key})) return false;
+  *raw = store_get_str(store_, key);
+  failed->clear();
+  std::string list = raw->substr(0, raw->find(';'));
+  std::istringstream in(list);
+  std::string tok;
+  while (std::getline(in, tok, ','))
+    if (!tok.empty()) failed->push_back(std::stoi(tok));
+  return true;
+}
+
+void MooncakeBackend::log_membership(const std::string& msg) {
+  fprintf(stderr, "[mooncake] rank %d group '%s': %s\n", rank_, cfg_.group_name.c_str(), msg.c_str());
+}
+
+std::vector<int> MooncakeBackend::catch_up() {
+  std::vector<int> added, failed;
+  std::string raw;
+  while (read_record(agreed_epoch_ + 1, &failed, &raw)) {
+    agreed_epoch_++;
+    for (int f : failed)
+      if (f >= 0 && f < size_ && !agreed_failed_[f]) {
+        agreed_failed_[f] = 1;
+        added.push_back(f);
+      }
+    log_membership("epoch " + std::to_string(agreed_epoch_) + " agreed: " + raw);
+  }
+  return added;
+}
+
+std::vector<int> MooncakeBackend::agree(const std::vector<int>& suspects, const std::string& reason) {
+  std::vector<int> newly;
+  try {
+    auto more = catch_up();
+    newly.insert(newly.end(), more.begin(), more.end());
+    while (true) {
+      std::vector<int> todo;
+      for (int j : suspects)
+        if (j >= 0 && j < size_ && j != rank_ && !agreed_failed_[j]) todo.push_back(j);
+      if (todo.empty()) break;
+      std::sort(todo.begin(), todo.end());
+      const std::string key = "mc/epoch/" + std::to_string(agreed_epoch_ + 1);
+      const std::string mine = join_ranks(todo) + ";decided_by=" + std::to_string(rank_) + ";reason=" + reason;
+      store_->compareSet(key, std::string(), mine);  // the first proposal of an epoch wins
+      more = catch_up();
+      newly.insert(newly.end(), more.begin(), more.end());
+    }
+  } catch (const RankFailure&) {
+    throw;
+  } catch (const std::exception& e) {
+    broken_ = std::string("MooncakeBackend: the control store is unreachable, so membership cannot be agreed: ") + e.what();
+    C10_THROW_ERROR(DistBackendError, "MooncakeBackend (rank " + std::to_string(rank_) + "): " + broken_ +
+                                          " (if the store lived in rank 0, rank 0 is gone: this is fatal for the group)");
+  }
+  if (agreed_failed_[rank_]) {
+    broken_ = "MooncakeBackend: this rank was declared failed by its peers (epoch " + std::to_string(agreed_epoch_) +
+              ") and has fenced itself; it may rejoin as a recovering rank";
+    throw RankFailure("MooncakeBackend (rank " + std::to_string(rank_) + "): " + broken_, {rank_},
+                      static_cast<int64_t>(agreed_epoch_), true);
+  }
+  if (policy_ != FailurePolicy::MANUAL) apply_agreed();
+  return newly;
+}
+
+void MooncakeBackend::apply_agreed() {
+  if (epoch_ == agreed_epoch_) return;
+  {
+    std::lock_guard<std::mutex> g(mem_mu_);
+    for (int j = 0; j < size_; ++j)
+      if (agreed_failed_[j]) active_[j] = 0;
+    epoch_ = agreed_epoch_;
+  }
+  refresh_active_list();
+  coll_->start_epoch(epoch_);
+  log_membership("epoch " + std::to_string(epoch_) + " applied: active ranks " + join_ranks(act_));
+}
+
+std::vector<int> MooncakeBackend::pending_failed() {
+  std::lock_guard<std::mutex> g(mem_mu_);
+  std::vector<int> v;
+  for (int j = 0; j < size_; ++j)
+    if (agreed_failed_[j] && active_[j]) v.push_back(j);
+  return v;
+}
+
+std::vector<int32_t> MooncakeBackend::active_ranks() {
+  std::lock_guard<std::mutex> g(mem_mu_);
+  return std::vector<int32_t>(active_.begin(), active_.end());
+}
+
+int64_t MooncakeBackend::epoch() {
+  std::lock_guard<std::mutex> g(mem_mu_);
+  return static_cast<int64_t>(epoch_);
+}
+
+std::vector<int> MooncakeBackend::failed_ranks() {
+  std::lock_guard<std::mutex> g(mem_mu_);
+  std::vector<int> v;
+  for (int j = 0; j < size_; ++j)
+    if (agreed_failed_[j]) v.push_back(j);
+  return v;
+}
+
+void MooncakeBackend::deactivate_ranks(const std::vector<int>& ranks) {
+  for (int r : ranks)
+    TORCH_CHECK_VALUE(r >= 0 && r < size_, "mooncake deactivate_ranks (rank ", rank_, "): rank ", r,
+                      " is out of range [0, ", size_, ")");
+  std::lock_guard<std::mutex> g(engine_mu_);
+  agree(ranks, "deactivate_ranks");
+  apply_agreed();
+}
+
+void MooncakeBackend::throw_failure(const std::string& what, const std::vector<int>& newly) {
+  std::vector<int> failed = newly;
+  if (failed.empty()) failed = failed_ranks();
+  std::string msg = "MooncakeBackend (rank " + std::to_string(rank_) + "): rank(s) " + join_ranks(failed) +
+                    " failed (" + what + "); membership epoch " + std::to_string(agreed_epoch_);
+  if (policy_ == FailurePolicy::MANUAL)
+    msg += "; on_failure='manual': later ops fail fast until every survivor calls deactivate_ranks";
+  else
+    msg += "; later ops run over the surviving ranks";
+  throw RankFailure(msg, failed, static_cast<int64_t>(agreed_epoch_));
 }
 
 void MooncakeBackend::setTimeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
@@ -383,7 +576,8 @@ c10::intrusive_ptr<MooncakeWork> MooncakeBackend::submit(c10d::OpType type,
                                                          std::vector<at::Tensor> outputs,
                                                          bool async_op,
                                                          std::chrono::milliseconds timeout, Job job,
-                                                         std::function<void()> after) {
+                                                         std::function<void()> after,
+                                                         std::function<void()> before_retry) {
   auto w = c10::make_intrusive<MooncakeWork>(rank_, type, outputs);
   w->after = std::move(after);
   if (coalescing_) {
@@ -392,31 +586,51 @@ c10::intrusive_ptr<MooncakeWork> MooncakeBackend::submit(c10d::OpType type,
   }
   ++seq_;
   if (cfg_.debug) trace("issued " + c10d::opTypeToString(type) + " #" + std::to_string(seq_) + (async_op ? " async" : ""));
-  auto run = [this, job, timeout]() -> std::exception_ptr {
+  auto run = [this, job, timeout, before_retry]() -> std::exception_ptr {
     std::lock_guard<std::mutex> g(engine_mu_);
-    try {
-      if (!broken_.empty()) C10_THROW_ERROR(DistBackendError, broken_);
-      job(deadline_for(timeout));
-    } catch (const PeerTimeout& e) {
-      broken_ = std::string("MooncakeBackend: the group is unusable after an earlier failure: ") + e.what();
-      std::string msg = std::string("MooncakeBackend (rank ") + std::to_string(rank_) + "): " + e.what();
-      if (cfg_.debug) {
-        msg += "\nrecent ops (MOONCAKE_DEBUG):\n" + dump_trace();
-        fprintf(stderr, "%s\n", msg.c_str());
+    for (int attempt = 0;; ++attempt) {
+      try {
+        if (!broken_.empty()) C10_THROW_ERROR(DistBackendError, broken_);
+        if (policy_ == FailurePolicy::MANUAL && agreed_epoch_ != epoch_) {
+          // a failure is agreed but the caller has not deactivated it yet: fail fast
+          throw RankFailure("MooncakeBackend (rank " + std::to_string(rank_) + "): rank(s) " +
+                                join_ranks(pending_failed()) + " failed (epoch " + std::to_string(agreed_epoch_) +
+                                "); on_failure='manual': call deactivate_ranks before further ops",
+                            pending_failed(), static_cast<int64_t>(agreed_epoch_));
+        }
+        if (attempt > 0 && before_retry) before_retry();
+        job(deadline_for(timeout));
+        return nullptr;
+      } catch (const PeerFailure& e) {
+        try {
+          std::vector<int> newly = agree(e.ranks, e.timed_out ? "op timeout" : "process died");
+          if (cfg_.debug) fprintf(stderr, "%s\nrecent ops (MOONCAKE_DEBUG):\n%s", e.what(), dump_trace().c_str());
+          if (policy_ == FailurePolicy::MASK && attempt < size_) continue;  // rerun over survivors
+          throw_failure(e.what(), newly);
+        } catch (...) {
+          return std::current_exception();
+        }
+      } catch (const EpochAhead&) {
+        try {
+          std::vector<int> newly = agree({}, "catch up");
+          if (policy_ == FailurePolicy::MASK && attempt < size_) continue;
+          throw_failure("a peer moved to a later membership epoch", newly);
+        } catch (...) {
+          return std::current_exception();
+        }
+      } catch (const EngineAborted& e) {
+        return std::make_exception_ptr(c10::DistBackendError(
+            c10::SourceLocation{__func__, __FILE__, __LINE__},
+            std::string("MooncakeBackend (rank ") + std::to_string(rank_) + "): " + e.what()));
+      } catch (const c10::Error&) {
+        return std::current_exception();
+      } catch (const std::exception& e) {
+        broken_ = std::string("MooncakeBackend: the group is unusable after an earlier failure: ") + e.what();
+        return std::make_exception_ptr(c10::DistBackendError(
+            c10::SourceLocation{__func__, __FILE__, __LINE__},
+            std::string("MooncakeBackend (rank ") + std::to_string(rank_) + "): " + e.what()));
       }
-      return std::make_exception_ptr(
-          c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, __LINE__}, msg));
-    } catch (const c10::ValueError&) {
-      return std::current_exception();
-    } catch (const c10::Error&) {
-      return std::current_exception();
-    } catch (const std::exception& e) {
-      broken_ = std::string("MooncakeBackend: the group is unusable after an earlier failure: ") + e.what();
-      return std::make_exception_ptr(c10::DistBackendError(
-          c10::SourceLocation{__func__, __FILE__, __LINE__},
-          std::string("MooncakeBackend (rank ") + std::to_string(rank_) + "): " + e.what()));
     }
-    return nullptr;
   };
   if (!async_op) {
     bool can_inline = false;
@@ -543,13 +757,15 @@ static size_t header_len(const std::vector<int64_t>& extra) { return sizeof(OpHe
 
 // Compares every rank's header of round k with the reference rank's; throws ValueError on
 // every rank (they all see the same headers) naming the ranks that differ.
-static void check_headers(CollEngine* e, uint64_t k, int ref) {
+// Compares every active rank's header of round k with the reference rank's; throws
+// ValueError on every rank (they all see the same headers) naming the ranks that differ.
+static void check_headers(CollEngine* e, uint64_t k, int ref, const std::vector<int>& act) {
   const int W = e->size();
   OpHeader r;
   std::memcpy(&r, e->peer_hdr(ref, k), sizeof(r));
   std::vector<int> bad;
   OpHeader first_bad{};
-  for (int j = 0; j < W; ++j) {
+  for (int j : act) {
     OpHeader h;
     std::memcpy(&h, e->peer_hdr(j, k), sizeof(h));
     bool same = h.magic == kMagic && h.op == r.op && h.dtype == r.dtype && h.redop == r.redop &&
@@ -565,9 +781,9 @@ static void check_headers(CollEngine* e, uint64_t k, int ref) {
     // rank i's send split to j must equal rank j's receive split from i
     std::vector<char> flagged(W, 0);
     std::string detail;
-    for (int i = 0; i < W; ++i) {
+    for (int i : act) {
       const int64_t* xi = reinterpret_cast<const int64_t*>(e->peer_hdr(i, k) + sizeof(OpHeader));
-      for (int j = 0; j < W; ++j) {
+      for (int j : act) {
         const int64_t* xj = reinterpret_cast<const int64_t*>(e->peer_hdr(j, k) + sizeof(OpHeader));
         if (xi[j] != xj[W + i]) {
           if (detail.empty())
@@ -609,101 +825,113 @@ static void copy_in(void* dst, const void* src, size_t n_elems, size_t esize, c1
     std::memcpy(dst, src, n_elems * esize);
 }
 
+void MooncakeBackend::require_active_root(int root, const char* op) {
+  if (!active_[root]) {
+    std::vector<int> failed{root};
+    throw RankFailure(std::string("mooncake ") + op + " (rank " + std::to_string(rank_) + "): root rank " +
+                          std::to_string(root) + " is not active (failed or not joined); rooted ops whose root died always raise",
+                      failed, static_cast<int64_t>(epoch_));
+  }
+}
+
 void MooncakeBackend::run_allreduce(at::Tensor& t, RedOp op, double premul, int root, int64_t dl) {
-  // root < 0: all_reduce; else reduce to `root` (other ranks' tensors stay untouched)
+  // root < 0: all_reduce; else reduce to `root` (other ranks' tensors stay untouched).
+  // Contributors are the active ranks (act_); AVG divides by their number.
   CollEngine* e = coll_.get();
-  const int W = size_, r = rank_;
+  const std::vector<int>& act = act_;
+  const int A = static_cast<int>(act.size()), r = rank_;
+  const int me = my_index_;
   const auto dt = t.scalar_type();
   const size_t E = t.element_size();
   const size_t n = static_cast<size_t>(t.numel());
   uint8_t* data = static_cast<uint8_t*>(t.data_ptr());
   const bool all = root < 0;
+  if (!all) require_active_root(root, "reduce");
   OpHeader h{};
   h.op = all ? OP_ALLREDUCE : OP_REDUCE;
   h.dtype = static_cast<int32_t>(dt);
-  h.redop = static_cast<int32_t>(op == RedOp::PREMUL_SUM ? RedOp::PREMUL_SUM : op);
+  h.redop = static_cast<int32_t>(op);
   h.root = all ? -1 : root;
   h.count = static_cast<int64_t>(n);
   h.seq = seq_exec_++;
   const std::vector<int64_t> noextra;
   const size_t S = e->slot_bytes();
-  const int ref = all ? 0 : root;
+  const int ref = all ? act[0] : root;
+  const bool writes_out = all || r == root;
+  std::vector<const void*> srcs(A);
 
   if (n * E <= std::min(kSmallAllreduce, S)) {
     // one round: every rank reduces the whole (small) tensor in rank order
     const uint64_t k = e->next_round();
     copy_in(e->my_slot(k), data, n, E, dt, op, premul);
     write_header(e, k, h, noextra);
-    PeerRanges sends(W);
-    for (int j = 0; j < W; ++j)
+    PeerRanges sends(size_);
+    for (int j : act)
       if (j != r && (all || j == root)) sends[j].push_back({0, n * E});
     exchange(&sends, header_len(noextra), dl, "all_reduce");
-    check_headers(e, k, ref);
-    if (n == 0 || !(all || r == root)) return;
-    std::vector<const void*> srcs(W);
-    for (int j = 0; j < W; ++j) srcs[j] = e->peer_slot(j, k);
-    reduce_buffers(data, srcs.data(), W, n, dt, op);
+    check_headers(e, k, ref, act);
+    if (n == 0 || !writes_out) return;
+    for (int i = 0; i < A; ++i) srcs[i] = e->peer_slot(act[i], k);
+    reduce_buffers(data, srcs.data(), A, n, dt, op);
     return;
   }
 
   // Pipelined reduce-scatter + all-gather. Slot = [A: the parts of my input piece that
-  // peers reduce | B: my reduced sub-chunk]. Rank j reduces sub-chunk j of each piece,
-  // reading its own part straight from its tensor, and publishes the result in B of the
-  // next round, which peers copy out while the next piece is being reduced.
+  // peers reduce | B: my reduced sub-chunk]. Active rank i reduces sub-chunk i of each
+  // piece, reading its own part straight from its tensor, and publishes the result in B
+  // of the next round, which peers copy out while the next piece is being reduced.
   const size_t half = S / 2 / 64 * 64;
-  size_t P = half / (W * E) * W;  // elements per piece
-  if (P == 0) P = W;
+  size_t P = half / (A * E) * A;  // elements per piece
+  if (P == 0) P = A;
   const size_t npieces = (n + P - 1) / P;
   const bool scaled = op == RedOp::PREMUL_SUM && premul != 1.0;
   auto piece_len = [&](size_t p) { return std::min(P, n - p * P); };
-  auto sub = [&](size_t L, int j, size_t* off, size_t* len) {
-    size_t c = (L + W - 1) / W;
-    size_t b = std::min(L, c * j), en = std::min(L, c * (j + 1));
+  auto sub = [&](size_t L, int i, size_t* off, size_t* len) {
+    size_t c = (L + A - 1) / A;
+    size_t b = std::min(L, c * i), en = std::min(L, c * (i + 1));
     *off = b;
     *len = en - b;
   };
   auto out_copy = n * E >= kStreamThreshold ? copy_stream : copy_plain;
-  const bool writes_out = all || r == root;
-  std::vector<const void*> srcs(W);
   for (size_t p = 0; p <= npieces; ++p) {
     const uint64_t k = e->next_round();
-    PeerRanges sends(W);
+    PeerRanges sends(size_);
     if (p < npieces) {
       const size_t L = piece_len(p);
-      for (int j = 0; j < W; ++j) {
+      for (int i = 0; i < A; ++i) {
         size_t o, l;
-        sub(L, j, &o, &l);
-        if (j != r || scaled) copy_in(e->my_slot(k) + o * E, data + (p * P + o) * E, l, E, dt, op, premul);
-        if (j != r) sends[j].push_back({o * E, l * E});
+        sub(L, i, &o, &l);
+        if (i != me || scaled) copy_in(e->my_slot(k) + o * E, data + (p * P + o) * E, l, E, dt, op, premul);
+        if (i != me) sends[act[i]].push_back({o * E, l * E});
       }
     }
     if (p > 0) {
       size_t o, l;
-      sub(piece_len(p - 1), r, &o, &l);
-      for (int j = 0; j < W; ++j)
+      sub(piece_len(p - 1), me, &o, &l);
+      for (int j : act)
         if (j != r && (all || j == root)) sends[j].push_back({half, l * E});
     }
     if (p == 0) write_header(e, k, h, noextra);
     exchange(&sends, p == 0 ? header_len(noextra) : 0, dl, "all_reduce");
-    if (p == 0) check_headers(e, k, ref);
+    if (p == 0) check_headers(e, k, ref, act);
     if (p > 0 && writes_out) {
       const size_t L = piece_len(p - 1);
-      for (int j = 0; j < W; ++j) {
-        if (j == r) continue;
+      for (int i = 0; i < A; ++i) {
+        if (i == me) continue;
         size_t o, l;
-        sub(L, j, &o, &l);
-        if (l) out_copy(data + ((p - 1) * P + o) * E, e->peer_slot(j, k) + half, l * E);
+        sub(L, i, &o, &l);
+        if (l) out_copy(data + ((p - 1) * P + o) * E, e->peer_slot(act[i], k) + half, l * E);
       }
     }
     if (p < npieces) {
       const size_t L = piece_len(p);
       size_t o, l;
-      sub(L, r, &o, &l);
+      sub(L, me, &o, &l);
       if (l) {
         uint8_t* mine = data + (p * P + o) * E;
-        for (int j = 0; j < W; ++j) srcs[j] = (j == r && !scaled) ? mine : e->peer_slot(j, k) + o * E;
+        for (int i = 0; i < A; ++i) srcs[i] = (i == me && !scaled) ? mine : e->peer_slot(act[i], k) + o * E;
         uint8_t* red = e->my_slot(k + 1) + half;  // next round's slot (see engine.hpp)
-        reduce_buffers(red, srcs.data(), W, l, dt, op, writes_out ? mine : nullptr);
+        reduce_buffers(red, srcs.data(), A, l, dt, op, writes_out ? mine : nullptr);
       }
     }
   }
@@ -711,7 +939,8 @@ void MooncakeBackend::run_allreduce(at::Tensor& t, RedOp op, double premul, int 
 
 void MooncakeBackend::run_broadcast(at::Tensor& t, int root, int64_t dl) {
   CollEngine* e = coll_.get();
-  const int W = size_, r = rank_;
+  const int r = rank_;
+  require_active_root(root, "broadcast");
   const size_t nbytes = t.numel() * t.element_size();
   uint8_t* data = static_cast<uint8_t*>(t.data_ptr());
   OpHeader h{};
@@ -727,24 +956,26 @@ void MooncakeBackend::run_broadcast(at::Tensor& t, int root, int64_t dl) {
   for (size_t p = 0; p < npieces; ++p) {
     const uint64_t k = e->next_round();
     const size_t off = p * S, len = std::min(S, nbytes - std::min(nbytes, off));
-    PeerRanges sends(W);
+    PeerRanges sends(size_);
     if (r == root) {
       if (len) std::memcpy(e->my_slot(k), data + off, len);
-      for (int j = 0; j < W; ++j)
+      for (int j : act_)
         if (j != r) sends[j].push_back({0, len});
     }
     if (p == 0) write_header(e, k, h, noextra);
     exchange(&sends, p == 0 ? header_len(noextra) : 0, dl, "broadcast");
-    if (p == 0) check_headers(e, k, root);
+    if (p == 0) check_headers(e, k, root, act_);
     if (r != root && len) out_copy(data + off, e->peer_slot(root, k), len);
   }
 }
 
 void MooncakeBackend::run_allgather(const at::Tensor& in, const std::vector<uint8_t*>& outs,
                                     int opcode, int root, int64_t dl) {
-  // opcode OP_ALLGATHER: outs[j] for every j; OP_GATHER: outs only on root
+  // opcode OP_ALLGATHER: outs[j] for every seat j; OP_GATHER: outs only on root.
+  // Output slots of inactive seats are left untouched.
   CollEngine* e = coll_.get();
-  const int W = size_, r = rank_;
+  const int r = rank_;
+  if (opcode == OP_GATHER) require_active_root(root, "gather");
   const size_t nbytes = in.numel() * in.element_size();
   const uint8_t* data = static_cast<const uint8_t*>(in.data_ptr());
   OpHeader h{};
@@ -757,24 +988,26 @@ void MooncakeBackend::run_allgather(const at::Tensor& in, const std::vector<uint
   const size_t S = e->slot_bytes();
   const size_t npieces = std::max<size_t>(1, (nbytes + S - 1) / S);
   const bool receiver = opcode == OP_ALLGATHER || r == root;
-  auto out_copy = nbytes * W >= kStreamThreshold ? copy_stream : copy_plain;
+  auto out_copy = nbytes * act_.size() >= kStreamThreshold ? copy_stream : copy_plain;
   for (size_t p = 0; p < npieces; ++p) {
     const uint64_t k = e->next_round();
     const size_t off = p * S, len = std::min(S, nbytes - std::min(nbytes, off));
     if (len) std::memcpy(e->my_slot(k), data + off, len);
-    PeerRanges sends(W);
-    for (int j = 0; j < W; ++j)
+    PeerRanges sends(size_);
+    for (int j : act_)
       if (j != r && (opcode == OP_ALLGATHER || j == root)) sends[j].push_back({0, len});
     if (p == 0) write_header(e, k, h, noextra);
     exchange(&sends, p == 0 ? header_len(noextra) : 0, dl, op_name(opcode));
-    if (p == 0) check_headers(e, k, opcode == OP_GATHER ? root : 0);
+    if (p == 0) check_headers(e, k, opcode == OP_GATHER ? root : act_[0], act_);
     if (receiver && len)
-      for (int j = 0; j < W; ++j) out_copy(outs[j] + off, e->peer_slot(j, k), len);
+      for (int j : act_) out_copy(outs[j] + off, e->peer_slot(j, k), len);
   }
 }
 
 void MooncakeBackend::run_reduce_scatter(const std::vector<const uint8_t*>& ins, at::Tensor& out,
                                          RedOp op, double premul, int64_t dl) {
+  // Chunk j of every active rank's input is reduced into active rank j's output; chunks of
+  // inactive seats are not computed.
   CollEngine* e = coll_.get();
   const int W = size_, r = rank_;
   const auto dt = out.scalar_type();
@@ -790,24 +1023,25 @@ void MooncakeBackend::run_reduce_scatter(const std::vector<const uint8_t*>& ins,
   h.seq = seq_exec_++;
   const std::vector<int64_t> noextra;
   const size_t S = e->slot_bytes();
-  size_t q = S / W / 64 * 64 / E;  // elements per sub-slot
+  size_t q = S / W / 64 * 64 / E;  // elements per sub-slot (one per seat)
   if (q == 0) q = std::max<size_t>(1, S / W / E);
   const size_t npieces = std::max<size_t>(1, (n + q - 1) / q);
-  std::vector<const void*> srcs(W);
+  const int A = static_cast<int>(act_.size());
+  std::vector<const void*> srcs(A);
   for (size_t p = 0; p < npieces; ++p) {
     const uint64_t k = e->next_round();
     const size_t off = p * q, len = std::min(q, n - std::min(n, off));
     PeerRanges sends(W);
-    for (int j = 0; j < W; ++j) {
+    for (int j : act_) {
       if (len) copy_in(e->my_slot(k) + j * q * E, ins[j] + off * E, len, E, dt, op, premul);
       if (j != r) sends[j].push_back({j * q * E, len * E});
     }
     if (p == 0) write_header(e, k, h, noextra);
     exchange(&sends, p == 0 ? header_len(noextra) : 0, dl, "reduce_scatter");
-    if (p == 0) check_headers(e, k, 0);
+    if (p == 0) check_headers(e, k, act_[0], act_);
     if (len) {
-      for (int j = 0; j < W; ++j) srcs[j] = e->peer_slot(j, k) + r * q * E;
-      reduce_buffers(data + off * E, srcs.data(), W, len, dt, op);
+      for (int i = 0; i < A; ++i) srcs[i] = e->peer_slot(act_[i], k) + r * q * E;
+      reduce_buffers(data + off * E, srcs.data(), A, len, dt, op);
     }
   }
 }
@@ -816,6 +1050,7 @@ void MooncakeBackend::run_scatter(const std::vector<const uint8_t*>& ins, at::Te
                                   int64_t dl) {
   CollEngine* e = coll_.get();
   const int W = size_, r = rank_;
+  require_active_root(root, "scatter");
   const size_t E = out.element_size();
   const size_t n = out.numel();
   uint8_t* data = static_cast<uint8_t*>(out.data_ptr());
@@ -835,14 +1070,14 @@ void MooncakeBackend::run_scatter(const std::vector<const uint8_t*>& ins, at::Te
     const size_t off = p * q, len = std::min(q, n - std::min(n, off));
     PeerRanges sends(W);
     if (r == root) {
-      for (int j = 0; j < W; ++j) {
+      for (int j : act_) {
         if (len) std::memcpy(e->my_slot(k) + j * q * E, ins[j] + off * E, len * E);
         if (j != r) sends[j].push_back({j * q * E, len * E});
       }
     }
     if (p == 0) write_header(e, k, h, noextra);
     exchange(&sends, p == 0 ? header_len(noextra) : 0, dl, "scatter");
-    if (p == 0) check_headers(e, k, root);
+    if (p == 0) check_headers(e, k, root, act_);
     if (len) std::memcpy(data + off * E, e->peer_slot(root, k) + r * q * E, len * E);
   }
 }
@@ -850,6 +1085,7 @@ void MooncakeBackend::run_scatter(const std::vector<const uint8_t*>& ins, at::Te
 void MooncakeBackend::run_alltoall(const uint8_t* in, uint8_t* out, c10::ScalarType dt,
                                    int64_t row_elems, const std::vector<int64_t>& in_rows,
                                    const std::vector<int64_t>& out_rows, int64_t dl) {
+  // Rows to or from inactive seats are not moved (their output rows stay untouched).
   CollEngine* e = coll_.get();
   const int W = size_, r = rank_;
   const size_t R = static_cast<size_t>(row_elems) * c10::elementSize(dt);
@@ -874,7 +1110,7 @@ void MooncakeBackend::run_alltoall(const uint8_t* in, uint8_t* out, c10::ScalarT
   for (size_t p = 0; p < rounds; ++p) {
     const uint64_t k = e->next_round();
     PeerRanges sends(W);
-    for (int j = 0; j < W; ++j) {
+    for (int j : act_) {
       if (j == r) continue;
       const size_t tot = soff[j + 1] - soff[j];
       const size_t off = p * Q, len = std::min(Q, tot - std::min(tot, off));
@@ -884,18 +1120,18 @@ void MooncakeBackend::run_alltoall(const uint8_t* in, uint8_t* out, c10::ScalarT
     if (p == 0) write_header(e, k, h, extra);
     exchange(&sends, p == 0 ? header_len(extra) : 0, dl, "all_to_all");
     if (p == 0) {
-      check_headers(e, k, 0);
+      check_headers(e, k, act_[0], act_);
       size_t maxb = 0;
-      for (int i = 0; i < W; ++i) {
+      for (int i : act_) {
         const int64_t* xi = reinterpret_cast<const int64_t*>(e->peer_hdr(i, k) + sizeof(OpHeader));
-        for (int j = 0; j < W; ++j)
+        for (int j : act_)
           if (i != j) maxb = std::max(maxb, static_cast<size_t>(xi[j]) * R);
       }
       rounds = std::max<size_t>(1, (maxb + Q - 1) / Q);
       const size_t self = soff[r + 1] - soff[r];
       if (self) (self >= kStreamThreshold ? copy_stream : copy_plain)(out + roff[r], in + soff[r], self);
     }
-    for (int i = 0; i < W; ++i) {
+    for (int i : act_) {
       if (i == r) continue;
       const size_t tot = roff[i + 1] - roff[i];
       const size_t off = p * Q, len = std::min(Q, tot - std::min(tot, off));
@@ -915,7 +1151,7 @@ void MooncakeBackend::run_barrier(int64_t dl) {
   write_header(e, k, h, noextra);
   PeerRanges sends(size_);
   exchange(&sends, header_len(noextra), dl, "barrier");
-  check_headers(e, k, 0);
+  check_headers(e, k, act_[0], act_);
 }
 
 // ===================================================================================
@@ -980,6 +1216,17 @@ std::vector<at::Tensor> flat_outputs(std::vector<std::vector<at::Tensor>>& outs)
 
 }  // namespace
 
+std::function<void()> MooncakeBackend::backup_for_retry(const std::vector<at::Tensor>& ts) {
+  // on_failure='mask' reruns an op over the survivors; in-place ops need their input back
+  if (policy_ != FailurePolicy::MASK) return nullptr;
+  std::vector<at::Tensor> copies;
+  for (auto& t : ts) copies.push_back(t.clone());
+  std::vector<at::Tensor> dst = ts;
+  return [dst, copies]() mutable {
+    for (size_t i = 0; i < dst.size(); ++i) dst[i].copy_(copies[i]);
+  };
+}
+
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::AllreduceOptions& opts) {
   const char* op = "all_reduce";
@@ -991,7 +1238,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce(std::vector<at::Tensor
   at::Tensor t = contiguous_out(tensors[0], backs);
   return submit(c10d::OpType::ALLREDUCE, tensors, opts.asyncOp, opts.timeout,
                 [this, t, rop, premul](int64_t dl) mutable { run_allreduce(t, rop, premul, -1, dl); },
-                join_backs(backs));
+                join_backs(backs), backup_for_retry({t}));
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce_coalesced(
@@ -1010,7 +1257,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce_coalesced(
                 [this, work, rop, premul](int64_t dl) mutable {
                   for (auto& t : work) run_allreduce(t, rop, premul, -1, dl);
                 },
-                join_backs(backs));
+                join_backs(backs), backup_for_retry(work));
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce(std::vector<at::Tensor>& tensors,
@@ -1026,7 +1273,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce(std::vector<at::Tensor>& 
   int root = static_cast<int>(opts.rootRank);
   return submit(c10d::OpType::REDUCE, tensors, opts.asyncOp, opts.timeout,
                 [this, t, rop, premul, root](int64_t dl) mutable { run_allreduce(t, rop, premul, root, dl); },
-                join_backs(backs));
+                join_backs(backs), rank_ == root ? backup_for_retry({t}) : nullptr);
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::broadcast(std::vector<at::Tensor>& tensors,

@@ -19,6 +19,23 @@
 
 namespace mooncake {
 
+// A collective or p2p op could not complete because ranks failed (agreed through the
+// control store). Surfaces in Python as mooncake_pg.RankFailureError (a
+// torch.distributed.DistBackendError) with `failed_ranks` and `epoch`.
+class RankFailure : public c10::DistBackendError {
+ public:
+  RankFailure(const std::string& msg, std::vector<int> failed, int64_t epoch, bool fenced = false)
+      : c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, __LINE__}, msg),
+        failed_ranks(std::move(failed)),
+        epoch(epoch),
+        fenced(fenced) {}
+  std::vector<int> failed_ranks;
+  int64_t epoch;
+  bool fenced;  // this rank itself was declared failed (RankFencedError)
+};
+
+enum class FailurePolicy : int { RAISE = 0, MASK = 1, MANUAL = 2 };
+
 struct BackendConfig {
   double timeout_s = 30.0;
   std::string transport = "auto";  // auto | shm | tcp | rdma
@@ -28,6 +45,7 @@ struct BackendConfig {
   int64_t p2p_ring_bytes = 1 << 20;
   bool debug = false;
   std::string group_name;
+  std::string on_failure = "raise";  // raise | mask | manual
 };
 
 class MooncakeBackend;
@@ -143,13 +161,23 @@ class MooncakeBackend : public c10d::Backend {
   std::string transport_name() const { return coll_ ? coll_->name() : "none"; }
   uint64_t ops_issued() const { return seq_; }
 
+  // Membership (DESIGN.md "Membership and fault tolerance").
+  std::vector<int32_t> active_ranks();
+  int64_t epoch();
+  std::vector<int> failed_ranks();  // every rank agreed failed so far
+  std::vector<int> pending_failed();  // manual policy: agreed failed, not yet deactivated
+  // Deactivates `ranks` on this rank (agreed through the control store; every survivor
+  // calls it with the same ranks).
+  void deactivate_ranks(const std::vector<int>& ranks);
+
  private:
   using Job = std::function<void(int64_t deadline_ns)>;
   // Sync ops (async_op false) run on the caller's thread when nothing is queued; async
   // ops run on the progress thread in issue order.
   c10::intrusive_ptr<MooncakeWork> submit(c10d::OpType type, std::vector<at::Tensor> outputs,
                                           bool async_op, std::chrono::milliseconds timeout,
-                                          Job job, std::function<void()> after = nullptr);
+                                          Job job, std::function<void()> after = nullptr,
+                                          std::function<void()> before_retry = nullptr);
   void progress_loop();
   void completion_loop();
   void p2p_loop();
@@ -178,12 +206,39 @@ class MooncakeBackend : public c10d::Backend {
   struct P2POp;
   void post_p2p(std::shared_ptr<P2POp> op);
 
+  // membership
+  void require_active_root(int root, const char* op);
+  std::function<void()> backup_for_retry(const std::vector<at::Tensor>& ts);
+  std::vector<int> probe_dead(const std::vector<int>& ranks);
+  bool read_record(uint64_t epoch, std::vector<int>* failed, std::string* raw);
+  // Reads every agreed record after agreed_epoch_; returns the ranks they add.
+  std::vector<int> catch_up();
+  // Proposes `suspects` as failed for the next epoch (the first compare-and-set wins),
+  // catches up and applies per policy; returns the ranks newly agreed failed.
+  std::vector<int> agree(const std::vector<int>& suspects, const std::string& reason);
+  void apply_agreed();  // active_ -= agreed failures; epoch_ = agreed_epoch_
+  void refresh_active_list();
+  [[noreturn]] void throw_failure(const std::string& what, const std::vector<int>& newly);
+  void log_membership(const std::string& msg);
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  FailurePolicy policy_ = FailurePolicy::RAISE;
+  std::vector<char> active_;
+  std::vector<int> act_;  // active ranks, ascending
+  int my_index_ = 0;      // position of rank_ in act_
+  uint64_t epoch_ = 0;          // applied membership epoch
+  uint64_t agreed_epoch_ = 0;   // last agreed record read from the store
+  std::vector<char> agreed_failed_;
+  std::mutex mem_mu_;  // guards copies read from Python threads
+  std::vector<int> peer_pidfd_;  // same-host peers: pidfd (or -1)
+  std::vector<int64_t> peer_pid_;
+
   BackendConfig cfg_;
   std::chrono::milliseconds timeout_;
   std::unique_ptr<CollEngine> coll_;
   std::unique_ptr<P2PChannel> p2p_;
   std::shared_ptr<ShmSegment> shm_;
-  std::string broken_;  // non-empty: an earlier op left the group unusable
+  std::string broken_;  // non-empty: the group is unusable (fenced, store lost, shut down)
 
   std::mutex engine_mu_;
   std::mutex qmu_;

@@ -42,6 +42,17 @@ struct MooncakeBackend::P2POp {
 };
 
 void MooncakeBackend::post_p2p(std::shared_ptr<P2POp> op) {
+  if (op->peer >= 0) {
+    bool inactive;
+    {
+      std::lock_guard<std::mutex> g(mem_mu_);
+      inactive = !active_[op->peer];
+    }
+    if (inactive)
+      throw RankFailure(std::string("mooncake ") + (op->is_send ? "send" : "recv") + " (rank " + std::to_string(rank_) +
+                            "): peer rank " + std::to_string(op->peer) + " is not active (failed or not joined)",
+                        {op->peer}, epoch());
+  }
   {
     std::lock_guard<std::mutex> g(qmu_);
     TORCH_CHECK(!stop_, "MooncakeBackend: the process group was shut down");
@@ -132,12 +143,27 @@ void MooncakeBackend::p2p_loop() {
   std::vector<char> want_read(W, 0);
   int64_t next_timeout_check = 0;
 
+  std::vector<char> dead(W, 0);
   auto fail = [&](const std::shared_ptr<P2POp>& op, const std::string& msg, bool value_error) {
-    std::exception_ptr e =
-        value_error ? std::make_exception_ptr(c10::ValueError(c10::SourceLocation{__func__, __FILE__, __LINE__}, msg))
-                    : std::make_exception_ptr(
-                          c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, __LINE__}, msg));
+    std::exception_ptr e;
+    if (value_error)
+      e = std::make_exception_ptr(c10::ValueError(c10::SourceLocation{__func__, __FILE__, __LINE__}, msg));
+    else if (op->peer >= 0 && dead[op->peer])
+      e = std::make_exception_ptr(RankFailure(msg, {op->peer}, epoch()));
+    else
+      e = std::make_exception_ptr(c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, __LINE__}, msg));
     deliver(op->work, e, false);
+  };
+  auto mark_dead = [&](int j, const std::string& why) {
+    dead[j] = 1;
+    broken[j] = std::string("mooncake p2p (rank ") + std::to_string(rank_) + "): peer rank " + std::to_string(j) +
+                " failed (" + why + ")";
+    for (auto& op : sendq[j]) fail(op, broken[j], false);
+    for (auto& op : recvq[j]) fail(op, broken[j], false);
+    sendq[j].clear();
+    recvq[j].clear();
+    if (in[j].op) fail(in[j].op, broken[j], false);
+    in[j] = Incoming{};
   };
 
   while (true) {
@@ -245,19 +271,17 @@ void MooncakeBackend::p2p_loop() {
           progress = true;
         }
       } catch (const std::exception& e) {
-        broken[j] = std::string("mooncake p2p (rank ") + std::to_string(rank_) + "): link to rank " +
-                    std::to_string(j) + " failed: " + e.what();
-        for (auto& op : sendq[j]) fail(op, broken[j], false);
-        for (auto& op : recvq[j]) fail(op, broken[j], false);
-        sendq[j].clear();
-        recvq[j].clear();
-        if (in[j].op) fail(in[j].op, broken[j], false);
-        in[j] = Incoming{};
+        mark_dead(j, std::string("lost the connection: ") + e.what());
       }
     }
     const int64_t now = now_ns();
     if (now >= next_timeout_check) {
-      next_timeout_check = now + 50000000;
+      next_timeout_check = now + 20000000;
+      // peers with pending ops whose process died
+      std::vector<int> busy;
+      for (int j = 0; j < W; ++j)
+        if (j != rank_ && !dead[j] && (!sendq[j].empty() || !recvq[j].empty() || in[j].op)) busy.push_back(j);
+      for (int j : probe_dead(busy)) mark_dead(j, "process died");
       auto expire = [&](std::deque<std::shared_ptr<P2POp>>& q, int peer) {
         for (auto it = q.begin(); it != q.end();) {
           if ((*it)->deadline < now && !(*it)->started) {
@@ -279,7 +303,7 @@ void MooncakeBackend::p2p_loop() {
     }
     if (!progress) {
       for (int j = 0; j < W; ++j) want_read[j] = j != rank_ && (!recvq[j].empty() || !anyq.empty() || in[j].op);
-      p2p_->wait(token, 50000000, want_read);
+      p2p_->wait(token, 20000000, want_read);
     }
   }
   // shutting down: fail whatever is left

@@ -24,7 +24,8 @@ ShmLayout::ShmLayout(int size_, size_t slot_, size_t hdr_cap_, size_t ring_)
 }
 
 static std::string missing_msg(const char* what, const std::vector<int>& missing) {
-  std::string s = std::string(what) + ": timed out waiting for rank(s)";
+  std::string w(what);
+  std::string s = w.back() == ':' ? w.substr(0, w.size() - 1) + " rank(s)" : w + ": timed out waiting for rank(s)";
   for (int r : missing) s += " " + std::to_string(r);
   return s;
 }
@@ -40,16 +41,36 @@ ShmEngine::ShmEngine(int rank, int size, std::shared_ptr<ShmSegment> seg,
   round_ = arrived(rank)->load();
 }
 
+void ShmEngine::start_epoch(uint64_t e) {
+  CollEngine::start_epoch(e);
+  arrived(rank_)->store(round_, std::memory_order_seq_cst);
+  bell()->fetch_add(1, std::memory_order_seq_cst);
+  futex_wake_all(bell());
+}
+
 void ShmEngine::exchange(const PeerRanges*, size_t, int64_t deadline_ns) {
   const uint64_t k = round_ + 1;
   arrived(rank_)->store(k, std::memory_order_seq_cst);
   bell()->fetch_add(1, std::memory_order_seq_cst);
   if (sleepers()->load(std::memory_order_seq_cst) > 0) futex_wake_all(bell());
 
+  // A peer's counter in a later epoch means it agreed on a membership change we have
+  // not seen yet.
+  const uint64_t next_epoch_base = epoch_base(epoch() + 1);
   auto all_here = [&]() {
-    for (int j = 0; j < size_; ++j)
-      if (arrived(j)->load(std::memory_order_acquire) < k) return false;
+    for (int j = 0; j < size_; ++j) {
+      if (!active_[j]) continue;
+      uint64_t a = arrived(j)->load(std::memory_order_acquire);
+      if (a < k) return false;
+      if (a > next_epoch_base) throw EpochAhead();
+    }
     return true;
+  };
+  auto missing = [&]() {
+    std::vector<int> m;
+    for (int j = 0; j < size_; ++j)
+      if (active_[j] && arrived(j)->load() < k) m.push_back(j);
+    return m;
   };
   if (!all_here()) {
     if (spin_) {
@@ -71,26 +92,41 @@ void ShmEngine::exchange(const PeerRanges*, size_t, int64_t deadline_ns) {
         }
       }
     }
+    int64_t next_probe = now_ns() + 20000000;  // liveness of missing peers every 20 ms
     while (!all_here()) {
       sleepers()->fetch_add(1, std::memory_order_seq_cst);
       uint32_t b = bell()->load(std::memory_order_seq_cst);
-      if (all_here()) {
+      bool here;
+      try {
+        here = all_here();
+      } catch (...) {
+        sleepers()->fetch_sub(1);
+        throw;
+      }
+      if (here) {
         sleepers()->fetch_sub(1);
         break;
       }
-      int64_t left = deadline_ns - now_ns();
+      const int64_t now = now_ns();
+      int64_t left = deadline_ns - now;
       if (aborted()) {
         sleepers()->fetch_sub(1);
         throw EngineAborted();
       }
+      if (probe_ && now >= next_probe) {
+        next_probe = now + 20000000;
+        std::vector<int> dead = probe_(missing());
+        if (!dead.empty()) {
+          sleepers()->fetch_sub(1);
+          throw PeerFailure(missing_msg("shm exchange: peer process(es) died:", dead), dead, false);
+        }
+      }
       if (left <= 0) {
         sleepers()->fetch_sub(1);
-        std::vector<int> missing;
-        for (int j = 0; j < size_; ++j)
-          if (arrived(j)->load() < k) missing.push_back(j);
-        throw PeerTimeout(missing_msg("shm exchange", missing), missing);
+        std::vector<int> m = missing();
+        throw PeerFailure(missing_msg("shm exchange", m), m, true);
       }
-      futex_wait(bell(), b, std::min<int64_t>(left, 100000000));
+      futex_wait(bell(), b, std::min<int64_t>(left, 20000000));
       sleepers()->fetch_sub(1);
     }
   }
@@ -160,21 +196,36 @@ void ShmP2P::wait(uint32_t token, int64_t timeout_ns, const std::vector<char>&) 
 // ---- TcpEngine ---------------------------------------------------------------------
 namespace {
 struct FrameHead {
-  uint64_t round;
+  uint64_t round;  // epoch_base(epoch) + round within the epoch
   uint32_t hdr_len;
   uint32_t nranges;
 };
 constexpr int kMaxRanges = 4;
 }  // namespace
 
+// Receive state of one peer's frame; kept across exchange() calls because a peer in a
+// later epoch may already have sent the frame of a round this rank has not reached.
+struct TcpEngine::In {
+  uint8_t fixed[sizeof(FrameHead) + kMaxRanges * sizeof(Range)];
+  int stage = 0;  // 0 head, 1 ranges, 2 header, 3.. data ranges, 100: discarding a stale frame
+  size_t done = 0;
+  FrameHead fh{};
+  Range rg[kMaxRanges];
+  size_t discard_left = 0;
+  bool complete = false;  // the frame of round fh.round is fully received
+};
+
 TcpEngine::TcpEngine(int rank, int size, size_t slot_bytes, size_t hdr_cap, std::vector<int> fds)
     : CollEngine(rank, size, slot_bytes, hdr_cap), fds_(std::move(fds)) {
   mine_.assign(3, std::vector<uint8_t>(hdr_cap + slot_bytes));
   peers_.resize(size);
-  for (int j = 0; j < size; ++j)
-    if (j != rank) peers_[j].assign(3, std::vector<uint8_t>(hdr_cap + slot_bytes));
-  for (int j = 0; j < size; ++j)
-    if (j != rank) set_nonblocking(fds_[j]);
+  in_.resize(size);
+  for (int j = 0; j < size; ++j) {
+    if (j == rank) continue;
+    peers_[j].assign(3, std::vector<uint8_t>(hdr_cap + slot_bytes));
+    in_[j] = std::make_unique<In>();
+    set_nonblocking(fds_[j]);
+  }
 }
 
 TcpEngine::~TcpEngine() {
@@ -185,24 +236,17 @@ TcpEngine::~TcpEngine() {
 void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadline_ns) {
   const uint64_t k = round_ + 1;
   const int b = static_cast<int>(k % 3);
+  const uint64_t next_epoch_base = epoch_base(epoch() + 1);
   struct Out {
     std::vector<uint8_t> meta;  // FrameHead + ranges + header
     std::vector<Range> ranges;
     size_t idx = 0, done = 0;  // idx: 0 = meta, 1.. = range idx-1
-  };
-  struct In {
-    uint8_t fixed[sizeof(FrameHead) + kMaxRanges * sizeof(Range)];
-    size_t got = 0, need = sizeof(FrameHead);
-    int stage = 0;  // 0 head, 1 ranges, 2 header, 3.. data ranges
-    FrameHead fh{};
-    Range rg[kMaxRanges];
-    size_t done = 0;
+    bool finished = false;
   };
   std::vector<Out> out(size_);
-  std::vector<In> in(size_);
-  int pending = 0;
+  std::vector<uint8_t> scratch;
   for (int j = 0; j < size_; ++j) {
-    if (j == rank_) continue;
+    if (j == rank_ || !active_[j]) continue;
     Out& o = out[j];
     if (sends) {
       for (const Range& r : (*sends)[j])
@@ -216,95 +260,130 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
     std::memcpy(o.meta.data(), &fh, sizeof(fh));
     if (!o.ranges.empty())
       std::memcpy(o.meta.data() + sizeof(fh), o.ranges.data(), o.ranges.size() * sizeof(Range));
-    std::memcpy(o.meta.data() + sizeof(fh) + o.ranges.size() * sizeof(Range), mine_[b].data(),
-                hdr_len);
-    pending += 2;
+    std::memcpy(o.meta.data() + sizeof(fh) + o.ranges.size() * sizeof(Range), mine_[b].data(), hdr_len);
   }
-  while (pending > 0) {
-    bool progress = false;
-    std::vector<int> rd, wr;
+  while (true) {
+    bool progress = false, all_done = true;
+    std::vector<int> rd, wr, dead;
     for (int j = 0; j < size_; ++j) {
-      if (j == rank_) continue;
-      // send side
-      Out& o = out[j];
-      while (o.idx <= o.ranges.size()) {
-        const uint8_t* p;
-        size_t len;
-        if (o.idx == 0) {
-          p = o.meta.data();
-          len = o.meta.size();
-        } else {
-          const Range& r = o.ranges[o.idx - 1];
-          p = mine_[b].data() + hdr_cap_ + r.off;
-          len = r.len;
+      if (j == rank_ || !active_[j]) continue;
+      try {
+        // send side
+        Out& o = out[j];
+        while (!o.finished) {
+          const uint8_t* p;
+          size_t len;
+          if (o.idx == 0) {
+            p = o.meta.data();
+            len = o.meta.size();
+          } else {
+            const Range& r = o.ranges[o.idx - 1];
+            p = mine_[b].data() + hdr_cap_ + r.off;
+            len = r.len;
+          }
+          size_t m = send_some(fds_[j], p + o.done, len - o.done);
+          if (m > 0) progress = true;
+          o.done += m;
+          if (o.done < len) break;
+          o.idx++;
+          o.done = 0;
+          if (o.idx > o.ranges.size()) o.finished = true;
         }
-        size_t m = send_some(fds_[j], p + o.done, len - o.done);
-        if (m > 0) progress = true;
-        o.done += m;
-        if (o.done < len) break;
-        o.idx++;
-        o.done = 0;
-        if (o.idx > o.ranges.size()) pending--;
+        if (!o.finished) wr.push_back(fds_[j]);
+        // receive side
+        In& i = *in_[j];
+        while (!(i.complete && i.fh.round == k)) {
+          if (i.complete) {
+            if (i.fh.round > next_epoch_base) throw EpochAhead();
+            if (i.fh.round < k) {  // stale (an earlier epoch): drop it
+              i = In{};
+              continue;
+            }
+            break;  // a later round of this epoch cannot arrive before we complete k
+          }
+          uint8_t* dst;
+          size_t len;
+          if (i.stage == 0) {
+            dst = i.fixed;
+            len = sizeof(FrameHead);
+          } else if (i.stage == 1) {
+            dst = i.fixed + sizeof(FrameHead);
+            len = i.fh.nranges * sizeof(Range);
+          } else if (i.stage == 100) {
+            scratch.resize(64 << 10);
+            dst = scratch.data();
+            len = std::min(i.discard_left, scratch.size());
+          } else if (i.stage == 2) {
+            dst = peers_[j][i.fh.round % 3].data();
+            len = i.fh.hdr_len;
+          } else {
+            const Range& r = i.rg[i.stage - 3];
+            dst = peers_[j][i.fh.round % 3].data() + hdr_cap_ + r.off;
+            len = r.len;
+          }
+          size_t m = recv_some(fds_[j], dst + (i.stage == 100 ? 0 : i.done), len - (i.stage == 100 ? 0 : i.done));
+          if (m > 0) progress = true;
+          if (i.stage == 100) {
+            i.discard_left -= m;
+            if (i.discard_left == 0) i = In{};
+            if (m == 0) break;
+            continue;
+          }
+          i.done += m;
+          if (i.done < len) break;
+          i.done = 0;
+          if (i.stage == 0) {
+            std::memcpy(&i.fh, i.fixed, sizeof(FrameHead));
+            if (i.fh.nranges > kMaxRanges || i.fh.hdr_len > hdr_cap_)
+              throw std::runtime_error("TcpEngine: malformed frame from rank " + std::to_string(j));
+          } else if (i.stage == 1) {
+            std::memcpy(i.rg, i.fixed + sizeof(FrameHead), i.fh.nranges * sizeof(Range));
+            size_t total = i.fh.hdr_len;
+            for (uint32_t q = 0; q < i.fh.nranges; ++q) {
+              if (i.rg[q].off + i.rg[q].len > slot_)
+                throw std::runtime_error("TcpEngine: bad range from rank " + std::to_string(j));
+              total += i.rg[q].len;
+            }
+            if (i.fh.round < k) {
+              // stale frame of an earlier epoch: drop it. (A frame of a later epoch is
+              // received and kept; once complete it makes us catch up, see above.)
+              i.stage = 100;
+              i.discard_left = total;
+              if (total == 0) i = In{};
+              continue;
+            }
+          }
+          i.stage++;
+          if (i.stage >= 3 + static_cast<int>(i.fh.nranges)) {
+            i.stage = -1;
+            i.complete = true;
+          }
+        }
+        if (!(i.complete && i.fh.round == k)) rd.push_back(fds_[j]);
+        if (!o.finished || !(i.complete && i.fh.round == k)) all_done = false;
+      } catch (const EpochAhead&) {
+        throw;
+      } catch (const std::exception&) {
+        dead.push_back(j);  // connection lost: the peer process is gone
       }
-      if (o.idx <= o.ranges.size()) wr.push_back(fds_[j]);
-      // receive side
-      In& i = in[j];
-      while (i.stage >= 0) {
-        uint8_t* dst;
-        size_t len;
-        if (i.stage == 0) {
-          dst = i.fixed;
-          len = sizeof(FrameHead);
-        } else if (i.stage == 1) {
-          dst = i.fixed + sizeof(FrameHead);
-          len = i.fh.nranges * sizeof(Range);
-        } else if (i.stage == 2) {
-          dst = peers_[j][b].data();
-          len = i.fh.hdr_len;
-        } else {
-          const Range& r = i.rg[i.stage - 3];
-          dst = peers_[j][b].data() + hdr_cap_ + r.off;
-          len = r.len;
-        }
-        size_t m = recv_some(fds_[j], dst + i.done, len - i.done);
-        if (m > 0) progress = true;
-        i.done += m;
-        if (i.done < len) break;
-        i.done = 0;
-        if (i.stage == 0) {
-          std::memcpy(&i.fh, i.fixed, sizeof(FrameHead));
-          if (i.fh.round != k || i.fh.nranges > kMaxRanges || i.fh.hdr_len > hdr_cap_)
-            throw std::runtime_error("TcpEngine: out-of-sequence frame from rank " +
-                                     std::to_string(j) + " (round " +
-                                     std::to_string(i.fh.round) + ", expected " +
-                                     std::to_string(k) + ")");
-        } else if (i.stage == 1) {
-          std::memcpy(i.rg, i.fixed + sizeof(FrameHead), i.fh.nranges * sizeof(Range));
-          for (uint32_t q = 0; q < i.fh.nranges; ++q)
-            if (i.rg[q].off + i.rg[q].len > slot_)
-              throw std::runtime_error("TcpEngine: bad range from rank " + std::to_string(j));
-        }
-        i.stage++;
-        if (i.stage >= 3 + static_cast<int>(i.fh.nranges)) {
-          i.stage = -1;
-          pending--;
-        }
-      }
-      if (i.stage >= 0) rd.push_back(fds_[j]);
     }
-    if (pending == 0) break;
+    if (!dead.empty())
+      throw PeerFailure(missing_msg("tcp exchange: lost the connection to", dead), dead, false);
+    if (all_done) break;
     if (!progress) {
       if (aborted()) throw EngineAborted();
       int64_t left = deadline_ns - now_ns();
       if (left <= 0) {
         std::vector<int> missing;
         for (int j = 0; j < size_; ++j)
-          if (j != rank_ && (in[j].stage >= 0)) missing.push_back(j);
-        throw PeerTimeout(missing_msg("tcp exchange", missing), missing);
+          if (j != rank_ && active_[j] && !(in_[j]->complete && in_[j]->fh.round == k)) missing.push_back(j);
+        throw PeerFailure(missing_msg("tcp exchange", missing), missing, true);
       }
       poll_fds(rd, wr, -1, static_cast<int>(std::min<int64_t>(left / 1000000 + 1, 100)));
     }
   }
+  for (int j = 0; j < size_; ++j)
+    if (j != rank_ && active_[j]) *in_[j] = In{};
   round_ = k;
 }
 

@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -28,12 +29,27 @@ struct Range {
 };
 using PeerRanges = std::vector<std::vector<Range>>;  // per peer, ranges of my slot it reads
 
-// A peer did not take part within the op timeout.
-struct PeerTimeout : std::runtime_error {
-  std::vector<int> missing;
-  PeerTimeout(const std::string& msg, std::vector<int> m)
-      : std::runtime_error(msg), missing(std::move(m)) {}
+// Peers that died (process gone, connection lost) or did not take part within the op
+// timeout (timed_out: they may be alive).
+struct PeerFailure : std::runtime_error {
+  std::vector<int> ranks;
+  bool timed_out;
+  PeerFailure(const std::string& msg, std::vector<int> r, bool t)
+      : std::runtime_error(msg), ranks(std::move(r)), timed_out(t) {}
 };
+
+// A peer is already in a later membership epoch: this rank must catch up (read the
+// agreed records) before it can go on.
+struct EpochAhead : std::runtime_error {
+  EpochAhead() : std::runtime_error("a peer moved to a later membership epoch") {}
+};
+
+// Rounds of epoch e are numbered from epoch_base(e) + 1.
+constexpr int kEpochShift = 40;
+inline uint64_t epoch_base(uint64_t epoch) { return epoch << kEpochShift; }
+
+// Returns which of `missing` are known dead (used while waiting).
+using LivenessProbe = std::function<std::vector<int>(const std::vector<int>& missing)>;
 
 class CollEngine {
  public:
@@ -45,6 +61,13 @@ class CollEngine {
   size_t slot_bytes() const { return slot_; }
   size_t hdr_cap() const { return hdr_cap_; }
   uint64_t next_round() const { return round_ + 1; }
+  uint64_t epoch() const { return round_ >> kEpochShift; }
+  // Ranks taking part (others are neither waited for nor sent to).
+  void set_active(const std::vector<char>& active) { active_ = active; }
+  bool is_active(int r) const { return active_[r] != 0; }
+  void set_liveness(LivenessProbe p) { probe_ = std::move(p); }
+  // Starts membership epoch `e` (rounds restart at epoch_base(e)).
+  virtual void start_epoch(uint64_t e) { round_ = epoch_base(e); }
 
   virtual uint8_t* my_slot(uint64_t k) = 0;
   virtual uint8_t* my_hdr(uint64_t k) = 0;
@@ -67,6 +90,8 @@ class CollEngine {
   size_t slot_, hdr_cap_;
   uint64_t round_ = 0;
   std::atomic<bool> abort_{false};
+  std::vector<char> active_;
+  LivenessProbe probe_;
 };
 
 // exchange() was interrupted by request_abort().
@@ -108,6 +133,7 @@ class ShmEngine : public CollEngine {
   const uint8_t* peer_hdr(int j, uint64_t k) override { return hdr_ptr(j, k); }
   void exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadline_ns) override;
   const char* name() const override { return "shm"; }
+  void start_epoch(uint64_t e) override;
 
  protected:
   void wake() override { futex_wake_all(bell()); }
@@ -173,6 +199,8 @@ class TcpEngine : public CollEngine {
   const char* name() const override { return "tcp"; }
 
  private:
+  struct In;
+  std::vector<std::unique_ptr<In>> in_;  // per peer, kept across rounds (frames may run ahead)
   std::vector<int> fds_;
   std::vector<std::vector<uint8_t>> mine_;                // 3 buffers
   std::vector<std::vector<std::vector<uint8_t>>> peers_;  // [peer][3]
