@@ -37,7 +37,9 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("p2p_ring_bytes", &mooncake::BackendConfig::p2p_ring_bytes)
       .def_readwrite("debug", &mooncake::BackendConfig::debug)
       .def_readwrite("group_name", &mooncake::BackendConfig::group_name)
-      .def_readwrite("on_failure", &mooncake::BackendConfig::on_failure);
+      .def_readwrite("on_failure", &mooncake::BackendConfig::on_failure)
+      .def_readwrite("inject_kill_op", &mooncake::BackendConfig::inject_kill_op)
+      .def_readwrite("inject_kill_round", &mooncake::BackendConfig::inject_kill_round);
 
   // RankFailure -> mooncake_pg.errors.RankFailureError / RankFencedError (subclasses of
   // torch.distributed.DistBackendError), also when raised through torch's Work.wait.

@@ -41,6 +41,9 @@ def _create_backend(dist_opts, pg_options):
     cfg.debug = settings["debug"]
     cfg.group_name = str(getattr(dist_opts, "group_id", ""))
     cfg.on_failure = settings["on_failure"]
+    if settings["fault_inject"]:
+        op, _, rnd = settings["fault_inject"].partition(":")
+        cfg.inject_kill_op, cfg.inject_kill_round = int(op), int(rnd or 0)
     return _C.MooncakeBackend(dist_opts.store, dist_opts.group_rank, dist_opts.group_size, cfg)
 
 

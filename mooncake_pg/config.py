@@ -10,6 +10,7 @@ Every ``MOONCAKE_*`` environment variable the process group reads is read here, 
 | ``MOONCAKE_SOCKET_IFNAME`` | network interface the TCP data plane listens on | interface routed to the rendezvous host |
 | ``MOONCAKE_DEBUG`` | ``1``: keep a trace of recent ops, dumped on timeout | off |
 | ``MOONCAKE_SHM_SLOT_BYTES`` | bytes per rank per pipeline stage of the shm engine | 1 MiB |
+| ``MOONCAKE_FAULT_INJECT`` | tests only: ``OP:ROUND`` makes the process SIGKILL itself on collective number ``OP`` (0-based, per group) just before round ``ROUND`` | off |
 """
 from __future__ import annotations
 
@@ -87,6 +88,7 @@ def env_defaults() -> dict:
         "socket_ifname": env.get("MOONCAKE_SOCKET_IFNAME") or None,
         "debug": debug not in ("", "0", "false", "False"),
         "shm_slot_bytes": int(env.get("MOONCAKE_SHM_SLOT_BYTES", 1 << 20)),
+        "fault_inject": env.get("MOONCAKE_FAULT_INJECT") or None,
     }
 
 
@@ -108,4 +110,5 @@ def resolve(opts: Optional[MooncakeOptions]) -> dict:
         "on_failure": opts.on_failure,
         "max_group_size": opts.max_group_size,
         "is_recovery": opts.is_recovery,
+        "fault_inject": env["fault_inject"],
     }

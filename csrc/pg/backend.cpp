@@ -743,7 +743,16 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::endCoalescing() {
 // Collective bodies
 // ===================================================================================
 void MooncakeBackend::exchange(const PeerRanges* sends, size_t hdr_len, int64_t dl, const char*) {
+  if (hdr_len > 0) op_round_ = 0;  // the first round of every collective carries the header
+  if (cfg_.inject_kill_op >= 0 && static_cast<int64_t>(seq_exec_) - 1 == cfg_.inject_kill_op &&
+      static_cast<int64_t>(op_round_) == cfg_.inject_kill_round) {
+    fprintf(stderr, "[mooncake] rank %d: fault injection: SIGKILL at op %lld round %lld\n", rank_,
+            static_cast<long long>(cfg_.inject_kill_op), static_cast<long long>(cfg_.inject_kill_round));
+    fflush(stderr);
+    raise(SIGKILL);
+  }
   coll_->exchange(sends, hdr_len, dl);
+  op_round_++;
 }
 
 static void write_header(CollEngine* e, uint64_t k, OpHeader h, const std::vector<int64_t>& extra) {

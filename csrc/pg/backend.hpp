@@ -46,6 +46,11 @@ struct BackendConfig {
   bool debug = false;
   std::string group_name;
   std::string on_failure = "raise";  // raise | mask | manual
+  // Fault injection for tests (MOONCAKE_FAULT_INJECT="OP:ROUND"): the process SIGKILLs
+  // itself on the collective with sequence number OP (0-based, per group) just before it
+  // arrives at that op's round ROUND (0 = the first round).
+  int64_t inject_kill_op = -1;
+  int64_t inject_kill_round = 0;
 };
 
 class MooncakeBackend;
@@ -266,6 +271,7 @@ class MooncakeBackend : public c10d::Backend {
   std::string dump_trace();
   uint64_t seq_ = 0;       // ops issued
   uint64_t seq_exec_ = 0;  // collectives executed (in the op header; equal on all ranks)
+  uint64_t op_round_ = 0;  // rounds completed by the current collective
 };
 
 }  // namespace mooncake
