@@ -32,6 +32,9 @@ def _create_backend(dist_opts, pg_options):
         raise NotImplementedError(
             "mooncake: max_group_size different from the world size (extension seats) is not "
             "supported yet")
+    if settings["is_recovery"]:
+        raise NotImplementedError(
+            "mooncake: is_recovery (a replaced rank rejoining its group) is not supported yet")
     cfg = _C.BackendConfig()
     cfg.timeout_s = settings["timeout"]
     cfg.transport = settings["transport"]

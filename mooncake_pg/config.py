@@ -78,6 +78,16 @@ def _boot_id() -> str:
         return ""
 
 
+def _int_env(env, name: str, default: int) -> int:
+    raw = env.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer (bytes), got {raw!r}") from None
+
+
 def env_defaults() -> dict:
     """The process group's settings from ``MOONCAKE_*`` variables (the only place they are read)."""
     env = os.environ
@@ -87,7 +97,7 @@ def env_defaults() -> dict:
         "host_id": env.get("MOONCAKE_HOST_ID") or f"{socket.gethostname()}/{_boot_id()}",
         "socket_ifname": env.get("MOONCAKE_SOCKET_IFNAME") or None,
         "debug": debug not in ("", "0", "false", "False"),
-        "shm_slot_bytes": int(env.get("MOONCAKE_SHM_SLOT_BYTES", 1 << 20)),
+        "shm_slot_bytes": _int_env(env, "MOONCAKE_SHM_SLOT_BYTES", 1 << 20),
         "fault_inject": env.get("MOONCAKE_FAULT_INJECT") or None,
     }
 

@@ -1,6 +1,7 @@
 #include "pg/backend.hpp"
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
@@ -247,12 +248,17 @@ void MooncakeBackend::setup(const c10::intrusive_ptr<c10d::Store>& store) {
   TORCH_CHECK_VALUE(cfg_.shm_slot_bytes >= 4096, "MooncakeBackend::setup: shm_slot_bytes must be >= 4096");
   const size_t slot = static_cast<size_t>(cfg_.shm_slot_bytes) / 64 * 64;
   const size_t hcap = hdr_cap_for(W);
+  // The store may outlive a destroyed group of the same name (torchrun's TCPStore): keys
+  // of each set-up live under their own incarnation number (every rank adds 1 once).
+  const int64_t inc = (store->add("mc/setups", 1) - 1) / W;
+  const std::string ns = "mc/" + std::to_string(inc) + "/";
+  auto key = [&](const std::string& k) { return ns + k; };
 
   // 1. who shares a host (and agree on the transport)
-  store_set_str(store, "mc/host/" + std::to_string(rank_), cfg_.host_id + "|" + t + "|" + std::to_string(slot));
+  store_set_str(store, key("host/" + std::to_string(rank_)), cfg_.host_id + "|" + t + "|" + std::to_string(slot));
   bool one_host = true;
   for (int j = 0; j < W; ++j) {
-    std::string v = store_get_str(store, "mc/host/" + std::to_string(j));
+    std::string v = store_get_str(store, key("host/" + std::to_string(j)));
     std::string mine = cfg_.host_id + "|" + t + "|" + std::to_string(slot);
     auto host_of = [](const std::string& s) { return s.substr(0, s.find('|')); };
     if (host_of(v) != cfg_.host_id) one_host = false;
@@ -266,15 +272,15 @@ void MooncakeBackend::setup(const c10::intrusive_ptr<c10d::Store>& store) {
     std::ifstream st("/proc/self/stat");
     std::string line;
     std::getline(st, line);
-    store_set_str(store, "mc/pid/" + std::to_string(rank_), std::to_string(getpid()) + " " + line.substr(line.rfind(')') + 2));
+    store_set_str(store, key("pid/" + std::to_string(rank_)), std::to_string(getpid()) + " " + line.substr(line.rfind(')') + 2));
   }
   peer_pidfd_.assign(W, -1);
   peer_pid_.assign(W, 0);
   for (int j = 0; j < W; ++j) {
     if (j == rank_) continue;
-    std::string v = store_get_str(store, "mc/host/" + std::to_string(j));
+    std::string v = store_get_str(store, key("host/" + std::to_string(j)));
     if (v.substr(0, v.find('|')) != cfg_.host_id) continue;
-    std::istringstream in(store_get_str(store, "mc/pid/" + std::to_string(j)));
+    std::istringstream in(store_get_str(store, key("pid/" + std::to_string(j))));
     int64_t pid = 0;
     in >> pid;
 #ifdef SYS_pidfd_open
@@ -294,14 +300,14 @@ void MooncakeBackend::setup(const c10::intrusive_ptr<c10d::Store>& store) {
       std::random_device rd;
       std::string name = "/mooncake-" + std::to_string(getpid()) + "-" + std::to_string(rd());
       shm_->create(name, layout.total);
-      store_set_str(store, "mc/shm", name);
+      store_set_str(store, key("shm"), name);
     } else {
-      shm_->open(store_get_str(store, "mc/shm"), layout.total);
+      shm_->open(store_get_str(store, key("shm")), layout.total);
     }
-    store_set_str(store, "mc/mapped/" + std::to_string(rank_), "1");
+    store_set_str(store, key("mapped/" + std::to_string(rank_)), "1");
     if (rank_ == 0) {
       std::vector<std::string> keys;
-      for (int j = 0; j < W; ++j) keys.push_back("mc/mapped/" + std::to_string(j));
+      for (int j = 0; j < W; ++j) keys.push_back(key("mapped/" + std::to_string(j)));
       store->wait(keys);
       shm_->unlink();  // every rank has it mapped: nothing is left behind if one dies
     }
@@ -310,12 +316,12 @@ void MooncakeBackend::setup(const c10::intrusive_ptr<c10d::Store>& store) {
     p2p_ = std::make_unique<ShmP2P>(rank_, W, shm_, layout);
   } else {
     TcpListener lc(cfg_.listen_host), lp(cfg_.listen_host);
-    store_set_str(store, "mc/addr/" + std::to_string(rank_),
+    store_set_str(store, key("addr/" + std::to_string(rank_)),
                   cfg_.listen_host + " " + std::to_string(lc.port()) + " " + std::to_string(lp.port()));
     std::vector<int> cfds(W, -1), pfds(W, -1);
     const int64_t tmo = std::max<int64_t>(timeout_.count(), 60000);
     for (int j = 0; j < rank_; ++j) {
-      std::istringstream in(store_get_str(store, "mc/addr/" + std::to_string(j)));
+      std::istringstream in(store_get_str(store, key("addr/" + std::to_string(j))));
       std::string host;
       int pc = 0, pp = 0;
       in >> host >> pc >> pp;
@@ -338,6 +344,7 @@ void MooncakeBackend::setup(const c10::intrusive_ptr<c10d::Store>& store) {
     p2p_ = std::make_unique<TcpP2P>(rank_, W, pfds);
   }
   store_ = store;
+  store_ns_ = ns;
   policy_ = cfg_.on_failure == "mask" ? FailurePolicy::MASK
             : cfg_.on_failure == "manual" ? FailurePolicy::MANUAL : FailurePolicy::RAISE;
   TORCH_CHECK_VALUE(cfg_.on_failure == "raise" || cfg_.on_failure == "mask" || cfg_.on_failure == "manual",
@@ -380,7 +387,7 @@ static std::string join_ranks(const std::vector<int>& v) {
 }
 
 bool MooncakeBackend::read_record(uint64_t epoch, std::vector<int>* failed, std::string* raw) {
-  const std::string key = "mc/epoch/" + std::to_string(epoch);
+  const std::string key = store_ns_ + "epoch/" + std::to_string(epoch);
   if (!store_->check({key})) return false;
   *raw = store_get_str(store_, key);
   failed->clear();
@@ -422,7 +429,7 @@ std::vector<int> MooncakeBackend::agree(const std::vector<int>& suspects, const 
         if (j >= 0 && j < size_ && j != rank_ && !agreed_failed_[j]) todo.push_back(j);
       if (todo.empty()) break;
       std::sort(todo.begin(), todo.end());
-      const std::string key = "mc/epoch/" + std::to_string(agreed_epoch_ + 1);
+      const std::string key = store_ns_ + "epoch/" + std::to_string(agreed_epoch_ + 1);
       const std::string mine = join_ranks(todo) + ";decided_by=" + std::to_string(rank_) + ";reason=" + reason;
       store_->compareSet(key, std::string(), mine);  // the first proposal of an epoch wins
       more = catch_up();
@@ -556,6 +563,10 @@ void MooncakeBackend::deliver(const c10::intrusive_ptr<MooncakeWork>& w, std::ex
   if (w->parent && w->parent->child_done(err)) {
     w->parent->finish(w->parent->child_error());
     done.push_back(w->parent);
+  }
+  if (!inline_future) {
+    std::lock_guard<std::mutex> g(qmu_);
+    inline_future = stop_;  // shutting down: no completion thread may be left to run them
   }
   if (inline_future) {
     for (auto& d : done) d->complete_future();
@@ -720,7 +731,11 @@ void MooncakeBackend::completion_loop() {
 }
 
 void MooncakeBackend::startCoalescing() {
-  TORCH_CHECK(!coalescing_, "MooncakeBackend::startCoalescing: already coalescing");
+  if (coalescing_) {
+    // a previous session was never ended (torch's _coalescing_manager does not call
+    // _end_coalescing when its body raised): close it so its works still complete
+    endCoalescing();
+  }
   coalescing_ = true;
   coalesce_parent_ = c10::make_intrusive<MooncakeWork>(rank_, c10d::OpType::COALESCED,
                                                        std::vector<at::Tensor>{});
@@ -817,7 +832,9 @@ static void check_headers(CollEngine* e, uint64_t k, int ref, const std::vector<
   if (!bad.empty()) {
     std::string who;
     for (int j : bad) who += (who.empty() ? "" : ", ") + std::to_string(j);
-    TORCH_CHECK_VALUE(false, "mooncake ", op_name(r.op), " (rank ", e->rank(),
+    OpHeader mine;
+    std::memcpy(&mine, e->peer_hdr(e->rank(), k), sizeof(mine));
+    TORCH_CHECK_VALUE(false, "mooncake ", op_name(mine.op), " (rank ", e->rank(),
                       "): cross-rank mismatch: rank ", bad[0], " called ", describe(first_bad),
                       " but rank ", ref, " called ", describe(r), "; offending rank(s): ", who,
                       ". The op was cancelled on every rank and no output was modified.");
@@ -1203,6 +1220,9 @@ void check_reduce(c10::ScalarType dt, RedOp op, const char* opname, int rank) {
 
 // A contiguous tensor to work on; copies back into `user` afterwards when they differ.
 at::Tensor contiguous_out(const at::Tensor& user, std::vector<std::function<void()>>& backs) {
+  TORCH_CHECK_VALUE(at::has_internal_overlap(user) != at::MemOverlap::Yes,
+                    "mooncake: an output tensor has overlapping elements (e.g. an expanded view with stride 0); "
+                    "pass a tensor whose elements are distinct in memory");
   if (user.is_contiguous()) return user;
   at::Tensor tmp = user.contiguous();
   backs.push_back([user, tmp]() mutable { user.copy_(tmp); });
@@ -1321,7 +1341,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather(std::vector<std::vecto
   }
   return submit(c10d::OpType::ALLGATHER, flat_outputs(outputs), opts.asyncOp, opts.timeout,
                 [this, in, outs, ptrs](int64_t dl) { run_allgather(in, ptrs, OP_ALLGATHER, -1, dl); },
-                join_backs(backs));
+                join_backs(backs), backup_for_retry(outs));
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
@@ -1341,7 +1361,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::_allgather_base(at::Tensor& outp
   for (int j = 0; j < size_; ++j) ptrs.push_back(static_cast<uint8_t*>(out.data_ptr()) + j * nb);
   return submit(c10d::OpType::_ALLGATHER_BASE, {output}, opts.asyncOp, opts.timeout,
                 [this, in, out, ptrs](int64_t dl) { run_allgather(in, ptrs, OP_ALLGATHER, -1, dl); },
-                join_backs(backs));
+                join_backs(backs), backup_for_retry({out}));
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_coalesced(
@@ -1373,7 +1393,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_coalesced(
                 [this, ins, ptrs, keep](int64_t dl) {
                   for (size_t i = 0; i < ins.size(); ++i) run_allgather(ins[i], ptrs[i], OP_ALLGATHER, -1, dl);
                 },
-                join_backs(backs));
+                join_backs(backs), backup_for_retry(keep));
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_into_tensor_coalesced(
@@ -1401,7 +1421,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_into_tensor_coalesced(
                 [this, ins, outs, ptrs](int64_t dl) {
                   for (size_t i = 0; i < ins.size(); ++i) run_allgather(ins[i], ptrs[i], OP_ALLGATHER, -1, dl);
                 },
-                join_backs(backs));
+                join_backs(backs), backup_for_retry(outs));
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -1432,7 +1452,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::gather(std::vector<std::vector<a
   }
   return submit(c10d::OpType::GATHER, flat_outputs(outputs), opts.asyncOp, opts.timeout,
                 [this, in, outs, ptrs, root](int64_t dl) { run_allgather(in, ptrs, OP_GATHER, root, dl); },
-                join_backs(backs));
+                join_backs(backs), backup_for_retry(outs));
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::scatter(std::vector<at::Tensor>& outputs,
@@ -1605,7 +1625,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall_base(at::Tensor& output
                   run_alltoall(static_cast<const uint8_t*>(in.data_ptr()), static_cast<uint8_t*>(out.data_ptr()),
                                dt, row_elems, in_rows, out_rows, dl);
                 },
-                join_backs(backs));
+                join_backs(backs), backup_for_retry({out}));
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall(std::vector<at::Tensor>& outputs,
@@ -1634,10 +1654,11 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall(std::vector<at::Tensor>
   for (auto v : out_rows) total_out += v;
   at::Tensor out = at::empty({total_out}, inputs[0].options());
   std::vector<at::Tensor> outs = outputs;
-  auto back = [outs, out, out_rows]() mutable {
+  auto back = [this, outs, out, out_rows]() mutable {
+    std::vector<int32_t> active = active_ranks();  // inactive seats' outputs stay untouched
     int64_t off = 0;
     for (size_t j = 0; j < outs.size(); ++j) {
-      outs[j].copy_(out.narrow(0, off, out_rows[j]).view(outs[j].sizes()));
+      if (active[j]) outs[j].copy_(out.narrow(0, off, out_rows[j]).view(outs[j].sizes()));
       off += out_rows[j];
     }
   };

@@ -210,6 +210,11 @@ class MooncakeBackend : public c10d::Backend {
 
   struct P2POp;
   void post_p2p(std::shared_ptr<P2POp> op);
+  void check_peer_active(int peer, bool is_send);
+  c10::intrusive_ptr<MooncakeWork> send_impl(std::vector<at::Tensor>& tensors, int dst, int tag);
+  c10::intrusive_ptr<MooncakeWork> recv_impl(std::vector<at::Tensor>& tensors, int src, int tag);
+  c10::intrusive_ptr<c10d::Work> failed_work(c10d::OpType type, std::vector<at::Tensor> outputs,
+                                             std::exception_ptr err);
 
   // membership
   void require_active_root(int root, const char* op);
@@ -227,6 +232,7 @@ class MooncakeBackend : public c10d::Backend {
   void log_membership(const std::string& msg);
 
   c10::intrusive_ptr<c10d::Store> store_;
+  std::string store_ns_;  // key prefix of this incarnation of the group in the store
   FailurePolicy policy_ = FailurePolicy::RAISE;
   std::vector<char> active_;
   std::vector<int> act_;  // active ranks, ascending

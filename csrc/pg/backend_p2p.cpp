@@ -41,18 +41,20 @@ struct MooncakeBackend::P2POp {
   std::string error;  // recv: set when the arriving message does not match
 };
 
-void MooncakeBackend::post_p2p(std::shared_ptr<P2POp> op) {
-  if (op->peer >= 0) {
-    bool inactive;
-    {
-      std::lock_guard<std::mutex> g(mem_mu_);
-      inactive = !active_[op->peer];
-    }
-    if (inactive)
-      throw RankFailure(std::string("mooncake ") + (op->is_send ? "send" : "recv") + " (rank " + std::to_string(rank_) +
-                            "): peer rank " + std::to_string(op->peer) + " is not active (failed or not joined)",
-                        {op->peer}, epoch());
+void MooncakeBackend::check_peer_active(int peer, bool is_send) {
+  if (peer < 0) return;
+  bool inactive;
+  {
+    std::lock_guard<std::mutex> g(mem_mu_);
+    inactive = !active_[peer];
   }
+  if (inactive)
+    throw RankFailure(std::string("mooncake ") + (is_send ? "send" : "recv") + " (rank " + std::to_string(rank_) +
+                          "): peer rank " + std::to_string(peer) + " is not active (failed or not joined)",
+                      {peer}, epoch());
+}
+
+void MooncakeBackend::post_p2p(std::shared_ptr<P2POp> op) {
   {
     std::lock_guard<std::mutex> g(qmu_);
     TORCH_CHECK(!stop_, "MooncakeBackend: the process group was shut down");
@@ -80,8 +82,43 @@ static void check_p2p(std::vector<at::Tensor>& tensors, int peer, int size, int 
   }
 }
 
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::failed_work(c10d::OpType type, std::vector<at::Tensor> outputs,
+                                                             std::exception_ptr err) {
+  auto w = c10::make_intrusive<MooncakeWork>(rank_, type, std::move(outputs));
+  if (coalescing_) {
+    w->parent = coalesce_parent_;
+    coalesce_parent_->add_child({});
+  }
+  deliver(w, err, true);
+  return w;
+}
+
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
+  if (coalescing_) {
+    // inside batch_isend_irecv: report bad arguments through the batch's Work
+    try {
+      return send_impl(tensors, dstRank, tag);
+    } catch (...) {
+      return failed_work(c10d::OpType::SEND, tensors, std::current_exception());
+    }
+  }
+  return send_impl(tensors, dstRank, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
+  if (coalescing_) {
+    try {
+      return recv_impl(tensors, srcRank, tag);
+    } catch (...) {
+      return failed_work(c10d::OpType::RECV, tensors, std::current_exception());
+    }
+  }
+  return recv_impl(tensors, srcRank, tag);
+}
+
+c10::intrusive_ptr<MooncakeWork> MooncakeBackend::send_impl(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
   check_p2p(tensors, dstRank, size_, rank_, "send", false);
+  check_peer_active(dstRank, true);
   auto op = std::make_shared<P2POp>();
   op->is_send = true;
   op->peer = dstRank;
@@ -100,8 +137,9 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::send(std::vector<at::Tensor>& te
   return w;
 }
 
-c10::intrusive_ptr<c10d::Work> MooncakeBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
+c10::intrusive_ptr<MooncakeWork> MooncakeBackend::recv_impl(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
   check_p2p(tensors, srcRank, size_, rank_, "recv", srcRank < 0);
+  check_peer_active(srcRank, false);
   auto op = std::make_shared<P2POp>();
   op->peer = srcRank;
   op->tag = tag;
@@ -284,6 +322,17 @@ void MooncakeBackend::p2p_loop() {
       for (int j : probe_dead(busy)) mark_dead(j, "process died");
       auto expire = [&](std::deque<std::shared_ptr<P2POp>>& q, int peer) {
         for (auto it = q.begin(); it != q.end();) {
+          if ((*it)->deadline < now && (*it)->started && peer >= 0) {
+            // part of the message has moved: the stream to this peer cannot be resynced
+            std::string why = std::string("mooncake ") + ((*it)->is_send ? "send to" : "recv from") + " rank " +
+                              std::to_string(peer) + " (rank " + std::to_string(rank_) +
+                              "): timed out mid-message; the link to that rank is closed";
+            broken[peer] = why;
+            std::deque<std::shared_ptr<P2POp>> doomed;
+            doomed.swap(q);
+            for (auto& op : doomed) fail(op, why, false);
+            return;
+          }
           if ((*it)->deadline < now && !(*it)->started) {
             fail(*it,
                  std::string("mooncake ") + ((*it)->is_send ? "send" : "recv") + " (rank " + std::to_string(rank_) +
@@ -298,6 +347,15 @@ void MooncakeBackend::p2p_loop() {
       for (int j = 0; j < W; ++j) {
         expire(sendq[j], j);
         expire(recvq[j], j);
+        if (in[j].op && in[j].op->deadline < now) {
+          std::string why = "mooncake recv from rank " + std::to_string(j) + " (rank " + std::to_string(rank_) +
+                            "): timed out mid-message; the link to that rank is closed";
+          broken[j] = why;
+          fail(in[j].op, why, false);
+          in[j] = Incoming{};
+          for (auto& op : recvq[j]) fail(op, why, false);
+          recvq[j].clear();
+        }
       }
       expire(anyq, -1);
     }
