@@ -52,6 +52,11 @@ void MooncakeBackend::check_peer_active(int peer, bool is_send) {
     throw RankFailure(std::string("mooncake ") + (is_send ? "send" : "recv") + " (rank " + std::to_string(rank_) +
                           "): peer rank " + std::to_string(peer) + " is not active (failed or not joined)",
                       {peer}, epoch());
+  // a peer already gone must not take a buffered send as if it were alive
+  if (!probe_dead({peer}).empty())
+    throw RankFailure(std::string("mooncake ") + (is_send ? "send" : "recv") + " (rank " + std::to_string(rank_) +
+                          "): peer rank " + std::to_string(peer) + " has died",
+                      {peer}, epoch());
 }
 
 void MooncakeBackend::post_p2p(std::shared_ptr<P2POp> op) {
