@@ -39,7 +39,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("group_name", &mooncake::BackendConfig::group_name)
       .def_readwrite("on_failure", &mooncake::BackendConfig::on_failure)
       .def_readwrite("inject_kill_op", &mooncake::BackendConfig::inject_kill_op)
-      .def_readwrite("inject_kill_round", &mooncake::BackendConfig::inject_kill_round);
+      .def_readwrite("inject_kill_round", &mooncake::BackendConfig::inject_kill_round)
+      .def_readwrite("global_ranks", &mooncake::BackendConfig::global_ranks);
 
   // RankFailure -> mooncake_pg.errors.RankFailureError / RankFencedError (subclasses of
   // torch.distributed.DistBackendError), also when raised through torch's Work.wait.
@@ -88,4 +89,6 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>());
 
   m.def("available_cpus", &mooncake::available_cpus);
+  m.def("known_failed_global_ranks", &mooncake::known_failed_global_ranks,
+        "Default-group ranks that any mooncake group of this process has agreed failed.");
 }

@@ -35,7 +35,17 @@ def _create_backend(dist_opts, pg_options):
     if settings["is_recovery"]:
         raise NotImplementedError(
             "mooncake: is_recovery (a replaced rank rejoining its group) is not supported yet")
+    global_ranks = list(getattr(dist_opts, "global_ranks_in_group", None) or [])
+    dead = sorted(set(_C.known_failed_global_ranks()) & set(global_ranks or range(dist_opts.group_size)))
+    if dead:
+        from .errors import RankFailureError
+
+        raise RankFailureError(
+            f"mooncake: cannot create a group containing rank(s) {dead}: they were agreed failed "
+            "(recover them before creating groups that include them)", dead, 0)
     cfg = _C.BackendConfig()
+    if global_ranks:
+        cfg.global_ranks = global_ranks
     cfg.timeout_s = settings["timeout"]
     cfg.transport = settings["transport"]
     cfg.host_id = settings["host_id"]

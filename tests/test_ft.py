@@ -905,3 +905,133 @@ def check_kill_trial(ft_pool, trial, label):
     check_log_blame(pool, survivors, [fault.victim])
     print(f"{ctx} ok: op in flight {'completed' if inf[survivors[0]]['ok'] else 'raised'} in "
           + ", ".join(f"{inf[r]['dt'] * 1000:.1f}" for r in survivors) + f" ms; run {wall:.2f} s")
+
+
+# ============================================================== subgroups
+
+
+def rank_subgroups(rank, ws):
+    import mooncake_pg
+
+    sub = dist.new_group([0, 1, 2])   # contains the victim (2)
+    other = dist.new_group([0, 1, 3])  # does not
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    if rank in (0, 1, 2):
+        dist.all_reduce(x, group=sub)
+    if rank != 2:
+        dist.all_reduce(x, group=other)
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    out = {}
+    try:
+        dist.all_reduce(torch.ones(1))
+        out["default"] = "completed"
+    except mooncake_pg.RankFailureError as e:
+        out["default"] = ("raised", sorted(e.failed_ranks))
+    if rank in (0, 1):
+        t0 = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(1), group=sub)
+            out["sub"] = "completed"
+        except mooncake_pg.RankFailureError as e:
+            out["sub"] = ("raised", sorted(e.failed_ranks), round(time.monotonic() - t0, 3))
+        out["sub_active"] = mooncake_pg.get_active_ranks(sub).tolist()
+        y = torch.full((1,), float(rank + 1))
+        dist.all_reduce(y, group=sub)
+        out["sub_after"] = y.item()
+    y = torch.full((1,), float(rank + 1))
+    dist.all_reduce(y, group=other)
+    out["other_after"] = y.item()
+    out["other_epoch"] = mooncake_pg.get_epoch(other)
+    if rank == 0:
+        t0 = time.monotonic()
+        try:
+            dist.new_group([0, 2])
+            out["new_group"] = "created"
+        except mooncake_pg.RankFailureError as e:
+            out["new_group"] = ("raised", sorted(e.failed_ranks), round(time.monotonic() - t0, 3))
+    else:
+        dist.new_group([0, 2])  # non-members return at once
+    return out
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_failure_applies_to_every_group_containing_the_rank(ft_pool, transport):
+    """An agreed failure in one group applies to every group of the process that contains
+    the rank (the next op there raises at once, without waiting for detection); groups
+    without it are untouched; new_group including a failed rank fails fast."""
+    pool = ft_pool(4, transport, "raise")
+    res, _ = run_killed(pool, rank_subgroups, victims=[2])
+    for r in (0, 1, 3):
+        assert res[r]["default"] == ("raised", [2]), res[r]
+        assert res[r]["other_after"] == 1.0 + 2.0 + 4.0, res[r]
+        assert res[r]["other_epoch"] == 0, res[r]
+    for r in (0, 1):
+        kind, failed, seconds = res[r]["sub"]
+        assert (kind, failed) == ("raised", [2]), res[r]
+        assert seconds < FAST_BOUND, res[r]
+        assert res[r]["sub_active"] == [1, 1, 0], res[r]
+        assert res[r]["sub_after"] == 1.0 + 2.0, res[r]
+    kind, failed, seconds = res[0]["new_group"]
+    assert (kind, failed) == ("raised", [2]) and seconds < FAST_BOUND, res[0]
+
+
+# ============================================================== control store in rank 0
+
+_STORE_IN_RANK0 = r'''
+import os, signal, sys, time
+import torch, torch.distributed as dist
+import mooncake_pg
+rank = int(os.environ["RANK"])
+torch.set_num_threads(1)
+dist.init_process_group("mooncake", pg_options=mooncake_pg.MooncakeOptions(timeout=10.0, transport=sys.argv[1]))
+x = torch.ones(1)
+dist.all_reduce(x)
+if rank == 0:
+    os.kill(os.getpid(), signal.SIGKILL)
+t = time.monotonic()
+try:
+    dist.all_reduce(x)
+    print("RESULT completed", flush=True)
+except Exception as e:
+    msg = str(e).splitlines()[0]
+    print(f"RESULT {type(e).__name__} {time.monotonic() - t:.3f} {msg}", flush=True)
+'''
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_control_store_in_rank0_dies(tmp_path, transport):
+    """With plain env:// rendezvous the TCPStore lives in rank 0; when rank 0 dies the
+    survivors raise a clear fatal error within the op timeout (they cannot agree)."""
+    import socket
+    import subprocess
+
+    script = tmp_path / "store_in_rank0.py"
+    script.write_text(_STORE_IN_RANK0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    try:
+        for r in range(3):
+            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE="3",
+                       MOONCAKE_SOCKET_IFNAME="lo", PYTHONPATH=os.pathsep.join(filter(None, [rankpool.REPO_ROOT, os.environ.get("PYTHONPATH")])))
+            procs.append(subprocess.Popen([sys.executable, str(script), transport], env=env, cwd=rankpool.REPO_ROOT,
+                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                          start_new_session=True))
+        outs = [p.communicate(timeout=60)[0] for p in procs]
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert procs[0].returncode == -signal.SIGKILL
+    for r in (1, 2):
+        line = [l for l in outs[r].splitlines() if l.startswith("RESULT")]
+        assert line, outs[r]
+        _, kind, seconds, *msg = line[0].split(" ", 3)
+        assert kind == "DistBackendError", line
+        assert float(seconds) < 10.0, line
+        assert "control store is unreachable" in msg[0] and "fatal" in msg[0], line

@@ -358,6 +358,40 @@ void MooncakeBackend::setup(const c10::intrusive_ptr<c10d::Store>& store) {
 // ===================================================================================
 // Membership
 // ===================================================================================
+namespace {
+std::mutex g_failed_mu;
+std::vector<int> g_failed_global;       // ascending, unique
+std::atomic<uint64_t> g_failed_version{0};
+
+void note_failed_global(int g) {
+  std::lock_guard<std::mutex> lk(g_failed_mu);
+  auto it = std::lower_bound(g_failed_global.begin(), g_failed_global.end(), g);
+  if (it != g_failed_global.end() && *it == g) return;
+  g_failed_global.insert(it, g);
+  g_failed_version++;
+}
+}  // namespace
+
+std::vector<int> known_failed_global_ranks() {
+  std::lock_guard<std::mutex> lk(g_failed_mu);
+  return g_failed_global;
+}
+
+int MooncakeBackend::global_rank(int r) const {
+  return cfg_.global_ranks.empty() ? r : cfg_.global_ranks[r];
+}
+
+std::vector<int> MooncakeBackend::failed_elsewhere() {
+  std::vector<int> out;
+  if (g_failed_version.load() == registry_seen_) return out;
+  registry_seen_ = g_failed_version.load();
+  std::vector<int> dead = known_failed_global_ranks();
+  for (int j = 0; j < size_; ++j)
+    if (j != rank_ && active_[j] && !agreed_failed_[j] &&
+        std::binary_search(dead.begin(), dead.end(), global_rank(j)))
+      out.push_back(j);
+  return out;
+}
 void MooncakeBackend::refresh_active_list() {
   act_.clear();
   for (int j = 0; j < size_; ++j)
@@ -412,6 +446,7 @@ std::vector<int> MooncakeBackend::catch_up() {
       if (f >= 0 && f < size_ && !agreed_failed_[f]) {
         agreed_failed_[f] = 1;
         added.push_back(f);
+        note_failed_global(global_rank(f));
       }
     log_membership("epoch " + std::to_string(agreed_epoch_) + " agreed: " + raw);
   }
@@ -438,7 +473,10 @@ std::vector<int> MooncakeBackend::agree(const std::vector<int>& suspects, const 
   } catch (const RankFailure&) {
     throw;
   } catch (const std::exception& e) {
-    broken_ = std::string("MooncakeBackend: the control store is unreachable, so membership cannot be agreed: ") + e.what();
+    const auto* ce = dynamic_cast<const c10::Error*>(&e);
+    std::string why = ce ? ce->what_without_backtrace() : e.what();
+    why = why.substr(0, why.find('\n'));
+    broken_ = std::string("MooncakeBackend: the control store is unreachable, so membership cannot be agreed: ") + why;
     C10_THROW_ERROR(DistBackendError, "MooncakeBackend (rank " + std::to_string(rank_) + "): " + broken_ +
                                           " (if the store lived in rank 0, rank 0 is gone: this is fatal for the group)");
   }
@@ -610,6 +648,9 @@ c10::intrusive_ptr<MooncakeWork> MooncakeBackend::submit(c10d::OpType type,
                             pending_failed(), static_cast<int64_t>(agreed_epoch_));
         }
         if (attempt > 0 && before_retry) before_retry();
+        std::vector<int> elsewhere = failed_elsewhere();
+        if (!elsewhere.empty())
+          throw PeerFailure("rank(s) agreed failed by another group of this process", elsewhere, false);
         job(deadline_for(timeout));
         return nullptr;
       } catch (const PeerFailure& e) {

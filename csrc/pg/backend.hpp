@@ -51,7 +51,12 @@ struct BackendConfig {
   // arrives at that op's round ROUND (0 = the first round).
   int64_t inject_kill_op = -1;
   int64_t inject_kill_round = 0;
+  std::vector<int> global_ranks;  // group rank -> default-group rank (empty: identity)
 };
+
+// Default-group ranks agreed failed by any group of this process (DESIGN.md: an agreed
+// failure applies to every group that contains the rank).
+std::vector<int> known_failed_global_ranks();
 
 class MooncakeBackend;
 
@@ -230,6 +235,10 @@ class MooncakeBackend : public c10d::Backend {
   void refresh_active_list();
   [[noreturn]] void throw_failure(const std::string& what, const std::vector<int>& newly);
   void log_membership(const std::string& msg);
+  int global_rank(int r) const;
+  // Group ranks that another group of this process has agreed failed.
+  std::vector<int> failed_elsewhere();
+  uint64_t registry_seen_ = 0;
 
   c10::intrusive_ptr<c10d::Store> store_;
   std::string store_ns_;  // key prefix of this incarnation of the group in the store

@@ -62,7 +62,7 @@ void ShmEngine::exchange(const PeerRanges*, size_t, int64_t deadline_ns) {
       if (!active_[j]) continue;
       uint64_t a = arrived(j)->load(std::memory_order_acquire);
       if (a < k) return false;
-      if (a > next_epoch_base) throw EpochAhead();
+      if (a >= next_epoch_base) throw EpochAhead();  // base(e+1) itself marks a new epoch
     }
     return true;
   };
