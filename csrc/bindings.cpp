@@ -40,7 +40,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("on_failure", &mooncake::BackendConfig::on_failure)
       .def_readwrite("inject_kill_op", &mooncake::BackendConfig::inject_kill_op)
       .def_readwrite("inject_kill_round", &mooncake::BackendConfig::inject_kill_round)
-      .def_readwrite("global_ranks", &mooncake::BackendConfig::global_ranks);
+      .def_readwrite("global_ranks", &mooncake::BackendConfig::global_ranks)
+      .def_readwrite("is_recovery", &mooncake::BackendConfig::is_recovery);
 
   // RankFailure -> mooncake_pg.errors.RankFailureError / RankFencedError (subclasses of
   // torch.distributed.DistBackendError), also when raised through torch's Work.wait.
@@ -86,7 +87,14 @@ PYBIND11_MODULE(_C, m) {
       .def("failed_ranks", &mooncake::MooncakeBackend::failed_ranks)
       .def("pending_failed", &mooncake::MooncakeBackend::pending_failed)
       .def("deactivate_ranks", &mooncake::MooncakeBackend::deactivate_ranks, py::arg("ranks"),
-           py::call_guard<py::gil_scoped_release>());
+           py::call_guard<py::gil_scoped_release>())
+      .def("pending_ranks", &mooncake::MooncakeBackend::pending_ranks, py::call_guard<py::gil_scoped_release>())
+      .def("recover_ranks", &mooncake::MooncakeBackend::recover_ranks, py::arg("ranks"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("join_group", &mooncake::MooncakeBackend::join_group, py::arg("timeout_s"),
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("joining", &mooncake::MooncakeBackend::joining)
+      .def("last_joined", &mooncake::MooncakeBackend::last_joined);
 
   m.def("available_cpus", &mooncake::available_cpus);
   m.def("known_failed_global_ranks", &mooncake::known_failed_global_ranks,

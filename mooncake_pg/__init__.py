@@ -76,3 +76,39 @@ def deactivate_ranks(group, ranks) -> None:
 
 
 __all__ += ["get_active_ranks", "get_epoch", "get_failed_ranks", "deactivate_ranks"]
+
+
+def get_pending_ranks(group=None) -> list:
+    """Seats of ``group`` whose replacement process asked to join (it created the group
+    with ``MooncakeOptions(is_recovery=True)``) and is not admitted yet."""
+    return list(backend_of(group).pending_ranks())
+
+
+def recover_ranks(group, ranks) -> None:
+    """Admits replacement ranks into ``group``. Every active rank calls it between the same
+    two ops (usually with ``get_pending_ranks(group)``); the union of their arguments is
+    admitted (a no-op when empty), the epoch goes up by one and the group's transport is
+    rebuilt over the new member set. Pending p2p ops fail. Raises ``ValueError`` for a
+    rank that is active, out of range, or has no replacement waiting."""
+    backend_of(group).recover_ranks([int(r) for r in ranks])
+
+
+def join_group(group=None, timeout: float = 300.0) -> None:
+    """On a replacement rank (``is_recovery=True``): blocks until the survivors admitted it
+    with ``recover_ranks`` (seconds; raises ``DistBackendError`` after ``timeout``). Recreate
+    subgroups in the order the survivors created them and join each one."""
+    backend_of(group).join_group(float(timeout))
+
+
+def sync_state(module=None, optimizer=None, src=None, group=None) -> None:
+    """Hands a rejoined rank the training state: parameters and buffers of ``module``,
+    ``optimizer`` state (tensors, step counters, hyper-parameters), and the torch RNG state.
+    Collective over ``group`` (the rejoined ranks and the survivors). ``src`` defaults to
+    the lowest active rank that did not just join. Metadata travels as JSON (never
+    unpickled); tensors are broadcast in place."""
+    from ._sync import sync_state as _impl
+
+    _impl(module, optimizer, src, group)
+
+
+__all__ += ["get_pending_ranks", "recover_ranks", "join_group", "sync_state"]

@@ -32,9 +32,7 @@ def _create_backend(dist_opts, pg_options):
         raise NotImplementedError(
             "mooncake: max_group_size different from the world size (extension seats) is not "
             "supported yet")
-    if settings["is_recovery"]:
-        raise NotImplementedError(
-            "mooncake: is_recovery (a replaced rank rejoining its group) is not supported yet")
+
     global_ranks = list(getattr(dist_opts, "global_ranks_in_group", None) or [])
     dead = sorted(set(_C.known_failed_global_ranks()) & set(global_ranks or range(dist_opts.group_size)))
     if dead:
@@ -54,6 +52,7 @@ def _create_backend(dist_opts, pg_options):
     cfg.debug = settings["debug"]
     cfg.group_name = str(getattr(dist_opts, "group_id", ""))
     cfg.on_failure = settings["on_failure"]
+    cfg.is_recovery = bool(settings["is_recovery"])
     if settings["fault_inject"]:
         op, _, rnd = settings["fault_inject"].partition(":")
         cfg.inject_kill_op, cfg.inject_kill_round = int(op), int(rnd or 0)

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <thread>
 
 #include <algorithm>
 #include <cstring>
@@ -246,81 +247,115 @@ void MooncakeBackend::setup(const c10::intrusive_ptr<c10d::Store>& store) {
               "MooncakeBackend::setup: transport 'rdma' needs a build with ibverbs; this build has "
               "shm and tcp only");
   TORCH_CHECK_VALUE(cfg_.shm_slot_bytes >= 4096, "MooncakeBackend::setup: shm_slot_bytes must be >= 4096");
-  const size_t slot = static_cast<size_t>(cfg_.shm_slot_bytes) / 64 * 64;
-  const size_t hcap = hdr_cap_for(W);
+  TORCH_CHECK_VALUE(cfg_.on_failure == "raise" || cfg_.on_failure == "mask" || cfg_.on_failure == "manual",
+                    "MooncakeBackend::setup: on_failure must be raise, mask or manual, got '", cfg_.on_failure, "'");
+  policy_ = cfg_.on_failure == "mask" ? FailurePolicy::MASK
+            : cfg_.on_failure == "manual" ? FailurePolicy::MANUAL : FailurePolicy::RAISE;
+  store_ = store;
+  active_.assign(W, 1);
+  agreed_failed_.assign(W, 0);
+  peer_pidfd_.assign(W, -1);
+  peer_pid_.assign(W, 0);
+  if (cfg_.is_recovery) {
+    // A replacement for a failed rank: find the group's current incarnation and ask to be
+    // admitted; the transport is built in join_group() once the survivors recover us.
+    store_ns_ = store_get_str(store, "mc/current");
+    store_set_str(store, store_ns_ + "join/" + std::to_string(rank_), std::to_string(getpid()));
+    joining_ = true;
+    log_membership("waiting to be recovered into seat " + std::to_string(rank_));
+    return;
+  }
   // The store may outlive a destroyed group of the same name (torchrun's TCPStore): keys
   // of each set-up live under their own incarnation number (every rank adds 1 once).
   const int64_t inc = (store->add("mc/setups", 1) - 1) / W;
-  const std::string ns = "mc/" + std::to_string(inc) + "/";
+  store_ns_ = "mc/" + std::to_string(inc) + "/";
+  std::vector<int> everyone(W);
+  for (int j = 0; j < W; ++j) everyone[j] = j;
+  build_transport(store_ns_ + "t0/", everyone);
+  refresh_active_list();
+  store_set_str(store, "mc/current", store_ns_);
+}
+
+void MooncakeBackend::build_transport(const std::string& ns, const std::vector<int>& members) {
+  // Connects `members` (ascending group ranks, this rank among them): shared memory when
+  // they share a host (or forced), else a TCP mesh. Keys live under `ns`.
+  const int W = size_;
+  const std::string& t = cfg_.transport;
+  const c10::intrusive_ptr<c10d::Store>& store = store_;
+  const size_t slot = static_cast<size_t>(cfg_.shm_slot_bytes) / 64 * 64;
+  const size_t hcap = hdr_cap_for(W);
   auto key = [&](const std::string& k) { return ns + k; };
+  const int lead = members.front();
 
   // 1. who shares a host (and agree on the transport)
-  store_set_str(store, key("host/" + std::to_string(rank_)), cfg_.host_id + "|" + t + "|" + std::to_string(slot));
+  const std::string mine = cfg_.host_id + "|" + t + "|" + std::to_string(slot);
+  store_set_str(store, key("host/" + std::to_string(rank_)), mine);
   bool one_host = true;
-  for (int j = 0; j < W; ++j) {
+  std::vector<std::string> hosts(W);
+  for (int j : members) {
     std::string v = store_get_str(store, key("host/" + std::to_string(j)));
-    std::string mine = cfg_.host_id + "|" + t + "|" + std::to_string(slot);
-    auto host_of = [](const std::string& s) { return s.substr(0, s.find('|')); };
-    if (host_of(v) != cfg_.host_id) one_host = false;
+    hosts[j] = v.substr(0, v.find('|'));
+    if (hosts[j] != cfg_.host_id) one_host = false;
     TORCH_CHECK_VALUE(v.substr(v.find('|')) == mine.substr(mine.find('|')),
                       "MooncakeBackend::setup: rank ", j, " uses transport/slot '",
                       v.substr(v.find('|') + 1), "' but rank ", rank_, " uses '",
                       mine.substr(mine.find('|') + 1), "'; MOONCAKE_TRANSPORT and shm_slot_bytes must agree across ranks");
   }
-  // process handles of same-host peers (failure detection)
-  {
-    std::ifstream st("/proc/self/stat");
-    std::string line;
-    std::getline(st, line);
-    store_set_str(store, key("pid/" + std::to_string(rank_)), std::to_string(getpid()) + " " + line.substr(line.rfind(')') + 2));
-  }
-  peer_pidfd_.assign(W, -1);
-  peer_pid_.assign(W, 0);
-  for (int j = 0; j < W; ++j) {
-    if (j == rank_) continue;
-    std::string v = store_get_str(store, key("host/" + std::to_string(j)));
-    if (v.substr(0, v.find('|')) != cfg_.host_id) continue;
-    std::istringstream in(store_get_str(store, key("pid/" + std::to_string(j))));
-    int64_t pid = 0;
-    in >> pid;
+  // 2. process handles of same-host peers (failure detection)
+  store_set_str(store, key("pid/" + std::to_string(rank_)), std::to_string(getpid()));
+  for (int j : members) {
+    if (j == rank_ || hosts[j] != cfg_.host_id) continue;
+    int64_t pid = std::stoll(store_get_str(store, key("pid/" + std::to_string(j))));
+    if (peer_pid_[j] == pid) continue;
+    if (peer_pidfd_[j] >= 0) close(peer_pidfd_[j]);
+    peer_pidfd_[j] = -1;
 #ifdef SYS_pidfd_open
     int fd = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(pid), 0));
     if (fd >= 0) peer_pidfd_[j] = fd;
 #endif
     peer_pid_[j] = pid;
   }
-  bool use_shm = (t == "shm") || (t == "auto" && one_host);
+  const bool use_shm = (t == "shm") || (t == "auto" && one_host);
   TORCH_CHECK(!(t == "shm" && !one_host),
               "MooncakeBackend::setup: transport 'shm' needs every rank on one host (MOONCAKE_HOST_ID differs)");
 
+  std::unique_ptr<CollEngine> coll;
+  std::unique_ptr<P2PChannel> p2p;
   if (use_shm) {
     ShmLayout layout(W, slot, hcap, static_cast<size_t>(cfg_.p2p_ring_bytes));
-    shm_ = std::make_shared<ShmSegment>();
-    if (rank_ == 0) {
+    auto seg = std::make_shared<ShmSegment>();
+    if (rank_ == lead) {
       std::random_device rd;
       std::string name = "/mooncake-" + std::to_string(getpid()) + "-" + std::to_string(rd());
-      shm_->create(name, layout.total);
+      seg->create(name, layout.total);
       store_set_str(store, key("shm"), name);
     } else {
-      shm_->open(store_get_str(store, key("shm")), layout.total);
+      seg->open(store_get_str(store, key("shm")), layout.total);
     }
     store_set_str(store, key("mapped/" + std::to_string(rank_)), "1");
-    if (rank_ == 0) {
+    if (rank_ == lead) {
       std::vector<std::string> keys;
-      for (int j = 0; j < W; ++j) keys.push_back(key("mapped/" + std::to_string(j)));
+      for (int j : members) keys.push_back(key("mapped/" + std::to_string(j)));
       store->wait(keys);
-      shm_->unlink();  // every rank has it mapped: nothing is left behind if one dies
+      seg->unlink();  // every member has it mapped: nothing is left behind if one dies
     }
-    bool spin = W <= available_cpus();
-    coll_ = std::make_unique<ShmEngine>(rank_, W, shm_, layout, spin);
-    p2p_ = std::make_unique<ShmP2P>(rank_, W, shm_, layout);
+    bool spin = static_cast<int>(members.size()) <= available_cpus();
+    coll = std::make_unique<ShmEngine>(rank_, W, seg, layout, spin);
+    p2p = std::make_unique<ShmP2P>(rank_, W, seg, layout);
+    shm_ = seg;
   } else {
     TcpListener lc(cfg_.listen_host), lp(cfg_.listen_host);
     store_set_str(store, key("addr/" + std::to_string(rank_)),
                   cfg_.listen_host + " " + std::to_string(lc.port()) + " " + std::to_string(lp.port()));
     std::vector<int> cfds(W, -1), pfds(W, -1);
     const int64_t tmo = std::max<int64_t>(timeout_.count(), 60000);
-    for (int j = 0; j < rank_; ++j) {
+    int higher = 0;
+    for (int j : members) {
+      if (j > rank_) {
+        higher++;
+        continue;
+      }
+      if (j == rank_) continue;
       std::istringstream in(store_get_str(store, key("addr/" + std::to_string(j))));
       std::string host;
       int pc = 0, pp = 0;
@@ -331,28 +366,22 @@ void MooncakeBackend::setup(const c10::intrusive_ptr<c10d::Store>& store) {
       pfds[j] = tcp_connect(host, pp, tmo);
       send_all_blocking(pfds[j], &me, sizeof(me));
     }
-    for (int n = rank_ + 1; n < W; ++n) {
+    for (int n = 0; n < higher; ++n) {
       for (TcpListener* l : {&lc, &lp}) {
         int fd = l->accept_fd(tmo);
         int32_t who = -1;
         recv_all_blocking(fd, &who, sizeof(who), tmo);
-        TORCH_CHECK(who > rank_ && who < W, "MooncakeBackend::setup: bad handshake from rank ", who);
+        TORCH_CHECK(who > rank_ && who < W && std::binary_search(members.begin(), members.end(), who),
+                    "MooncakeBackend::setup: bad handshake from rank ", who);
         (l == &lc ? cfds : pfds)[who] = fd;
       }
     }
-    coll_ = std::make_unique<TcpEngine>(rank_, W, slot, hcap, cfds);
-    p2p_ = std::make_unique<TcpP2P>(rank_, W, pfds);
+    coll = std::make_unique<TcpEngine>(rank_, W, slot, hcap, cfds);
+    p2p = std::make_unique<TcpP2P>(rank_, W, pfds);
   }
-  store_ = store;
-  store_ns_ = ns;
-  policy_ = cfg_.on_failure == "mask" ? FailurePolicy::MASK
-            : cfg_.on_failure == "manual" ? FailurePolicy::MANUAL : FailurePolicy::RAISE;
-  TORCH_CHECK_VALUE(cfg_.on_failure == "raise" || cfg_.on_failure == "mask" || cfg_.on_failure == "manual",
-                    "MooncakeBackend::setup: on_failure must be raise, mask or manual, got '", cfg_.on_failure, "'");
-  active_.assign(W, 1);
-  agreed_failed_.assign(W, 0);
-  refresh_active_list();
-  coll_->set_liveness([this](const std::vector<int>& ranks) { return probe_dead(ranks); });
+  coll->set_liveness([this](const std::vector<int>& ranks) { return probe_dead(ranks); });
+  coll_ = std::move(coll);
+  p2p_ = std::move(p2p);
 }
 
 // ===================================================================================
@@ -420,16 +449,43 @@ static std::string join_ranks(const std::vector<int>& v) {
   return s;
 }
 
-bool MooncakeBackend::read_record(uint64_t epoch, std::vector<int>* failed, std::string* raw) {
-  const std::string key = store_ns_ + "epoch/" + std::to_string(epoch);
-  if (!store_->check({key})) return false;
-  *raw = store_get_str(store_, key);
-  failed->clear();
-  std::string list = raw->substr(0, raw->find(';'));
+static std::vector<int> parse_ranks(const std::string& list) {
+  std::vector<int> out;
   std::istringstream in(list);
   std::string tok;
   while (std::getline(in, tok, ','))
-    if (!tok.empty()) failed->push_back(std::stoi(tok));
+    if (!tok.empty()) out.push_back(std::stoi(tok));
+  return out;
+}
+
+// Records: "1,3;decided_by=2;reason=..." (failure) or "join=1;active=0,1,2;decided_by=0".
+bool MooncakeBackend::read_record_full(uint64_t epoch, Record* rec) {
+  const std::string key = store_ns_ + "epoch/" + std::to_string(epoch);
+  if (!store_->check({key})) return false;
+  rec->raw = store_get_str(store_, key);
+  std::string first = rec->raw.substr(0, rec->raw.find(';'));
+  rec->join = first.rfind("join=", 0) == 0;
+  rec->ranks = parse_ranks(rec->join ? first.substr(5) : first);
+  rec->active.clear();
+  if (rec->join) {
+    size_t a = rec->raw.find(";active=");
+    if (a != std::string::npos) {
+      std::string rest = rec->raw.substr(a + 8);
+      rec->active = parse_ranks(rest.substr(0, rest.find(';')));
+    }
+  }
+  return true;
+}
+
+bool MooncakeBackend::read_record(uint64_t epoch, std::vector<int>* failed, std::string* raw) {
+  Record rec;
+  if (!read_record_full(epoch, &rec)) return false;
+  if (rec.join)
+    throw std::runtime_error("membership epoch " + std::to_string(epoch) +
+                             " admits ranks that this rank did not recover: every survivor must call "
+                             "recover_ranks between the same two ops");
+  *failed = rec.ranks;
+  *raw = rec.raw;
   return true;
 }
 
@@ -437,18 +493,24 @@ void MooncakeBackend::log_membership(const std::string& msg) {
   fprintf(stderr, "[mooncake] rank %d group '%s': %s\n", rank_, cfg_.group_name.c_str(), msg.c_str());
 }
 
-std::vector<int> MooncakeBackend::catch_up() {
-  std::vector<int> added, failed;
-  std::string raw;
-  while (read_record(agreed_epoch_ + 1, &failed, &raw)) {
+std::vector<int> MooncakeBackend::catch_up(bool stop_at_join) {
+  std::vector<int> added;
+  Record rec;
+  while (read_record_full(agreed_epoch_ + 1, &rec)) {
+    if (rec.join) {
+      if (stop_at_join) break;
+      throw std::runtime_error("membership epoch " + std::to_string(agreed_epoch_ + 1) +
+                               " admits ranks that this rank did not recover: every survivor must call "
+                               "recover_ranks between the same two ops");
+    }
     agreed_epoch_++;
-    for (int f : failed)
+    for (int f : rec.ranks)
       if (f >= 0 && f < size_ && !agreed_failed_[f]) {
         agreed_failed_[f] = 1;
         added.push_back(f);
         note_failed_global(global_rank(f));
       }
-    log_membership("epoch " + std::to_string(agreed_epoch_) + " agreed: " + raw);
+    log_membership("epoch " + std::to_string(agreed_epoch_) + " agreed: " + rec.raw);
   }
   return added;
 }
@@ -536,6 +598,156 @@ void MooncakeBackend::deactivate_ranks(const std::vector<int>& ranks) {
   std::lock_guard<std::mutex> g(engine_mu_);
   agree(ranks, "deactivate_ranks");
   apply_agreed();
+}
+
+std::vector<int> MooncakeBackend::pending_ranks() {
+  std::vector<int> out;
+  if (joining_) return out;
+  std::vector<char> active;
+  {
+    std::lock_guard<std::mutex> g(mem_mu_);
+    active = active_;
+  }
+  for (int j = 0; j < size_; ++j) {
+    if (active[j]) continue;
+    const std::string k = store_ns_ + "join/" + std::to_string(j);
+    if (!store_->check({k})) continue;
+    const std::string adm = store_ns_ + "admitted/" + std::to_string(j);
+    if (store_->check({adm}) && store_get_str(store_, adm) == store_get_str(store_, k)) continue;
+    out.push_back(j);
+  }
+  return out;
+}
+
+std::vector<int> MooncakeBackend::last_joined() {
+  std::lock_guard<std::mutex> g(mem_mu_);
+  return last_joined_;
+}
+
+void MooncakeBackend::stop_p2p_thread() {
+  {
+    std::lock_guard<std::mutex> g(qmu_);
+    p2p_restart_ = true;
+  }
+  if (p2p_) p2p_->notify();
+  if (p2p_thread_.joinable()) p2p_thread_.join();
+  std::lock_guard<std::mutex> g(qmu_);
+  p2p_restart_ = false;
+}
+
+void MooncakeBackend::apply_join(const Record& rec, uint64_t epoch) {
+  {
+    std::lock_guard<std::mutex> g(mem_mu_);
+    std::fill(active_.begin(), active_.end(), 0);
+    for (int j : rec.active)
+      if (j >= 0 && j < size_) active_[j] = 1;
+    for (int j : rec.ranks)
+      if (j >= 0 && j < size_) agreed_failed_[j] = 0;
+    epoch_ = agreed_epoch_ = epoch;
+    last_joined_ = rec.ranks;
+  }
+  {
+    std::lock_guard<std::mutex> lk(g_failed_mu);
+    for (int j : rec.ranks) {
+      auto it = std::lower_bound(g_failed_global.begin(), g_failed_global.end(), global_rank(j));
+      if (it != g_failed_global.end() && *it == global_rank(j)) g_failed_global.erase(it);
+    }
+  }
+  std::vector<int> members;
+  for (int j = 0; j < size_; ++j)
+    if (active_[j]) members.push_back(j);
+  // every member waits for the others' keys of the new transport, bounded by the op timeout
+  std::vector<std::string> keys;
+  const std::string ns = store_ns_ + "e" + std::to_string(epoch) + "/";
+  store_set_str(store_, ns + "ready/" + std::to_string(rank_), "1");
+  for (int j : members) keys.push_back(ns + "ready/" + std::to_string(j));
+  store_->wait(keys, std::max(timeout_, std::chrono::milliseconds(1000)));
+  build_transport(ns, members);
+  refresh_active_list();
+  coll_->start_epoch(epoch_);
+  seq_exec_ = 0;  // op numbering restarts with the new member set (the joiner starts at 0)
+  log_membership("epoch " + std::to_string(epoch_) + " applied: ranks " + join_ranks(rec.ranks) +
+                 " rejoined; active ranks " + join_ranks(act_));
+}
+
+void MooncakeBackend::recover_ranks(const std::vector<int>& ranks) {
+  TORCH_CHECK(!joining_, "mooncake recover_ranks (rank ", rank_,
+              "): this rank is itself waiting to join; call join_group");
+  for (int r : ranks)
+    TORCH_CHECK_VALUE(r >= 0 && r < size_, "mooncake recover_ranks (rank ", rank_, "): rank ", r,
+                      " is out of range [0, ", size_, ")");
+  // 1. the union of what the survivors ask for (they may have looked at different times)
+  at::Tensor want = at::zeros({size_}, at::kInt);
+  for (int r : ranks) want[r] = 1;
+  std::vector<at::Tensor> ts{want};
+  c10d::AllreduceOptions o;
+  o.reduceOp = c10d::ReduceOp::MAX;
+  o.asyncOp = false;
+  allreduce(ts, o)->wait();
+  std::vector<int> todo;
+  for (int j = 0; j < size_; ++j)
+    if (want[j].item<int>()) todo.push_back(j);
+  if (todo.empty()) return;
+  std::lock_guard<std::mutex> g(engine_mu_);
+  for (int r : todo) {
+    TORCH_CHECK_VALUE(!active_[r], "mooncake recover_ranks (rank ", rank_, "): rank ", r, " is active");
+    TORCH_CHECK_VALUE(store_->check({store_ns_ + "join/" + std::to_string(r)}), "mooncake recover_ranks (rank ", rank_,
+                      "): no replacement for rank ", r, " has asked to join (start it with is_recovery=True)");
+  }
+  // 2. agree on the record of the next epoch (identical proposals; the first one wins)
+  catch_up(/*stop_at_join=*/true);
+  if (policy_ != FailurePolicy::MANUAL) apply_agreed();
+  std::vector<char> next = active_;
+  for (int r : todo) next[r] = 1;
+  std::vector<int> next_list;
+  for (int j = 0; j < size_; ++j)
+    if (next[j]) next_list.push_back(j);
+  const uint64_t e = agreed_epoch_ + 1;
+  const std::string proposal = "join=" + join_ranks(todo) + ";active=" + join_ranks(next_list) +
+                               ";decided_by=" + std::to_string(rank_);
+  store_->compareSet(store_ns_ + "epoch/" + std::to_string(e), std::string(), proposal);
+  Record rec;
+  TORCH_CHECK(read_record_full(e, &rec), "mooncake recover_ranks: epoch record ", e, " vanished");
+  TORCH_CHECK(rec.join && rec.ranks == todo && rec.active == next_list, "mooncake recover_ranks (rank ", rank_,
+              "): survivors disagree about epoch ", e, ": '", rec.raw, "' vs mine '", proposal,
+              "' (a failure was agreed concurrently; retry)");
+  log_membership("epoch " + std::to_string(e) + " agreed: " + rec.raw);
+  for (int r : todo)
+    store_set_str(store_, store_ns_ + "admitted/" + std::to_string(r),
+                  store_get_str(store_, store_ns_ + "join/" + std::to_string(r)));
+  // 3. a fresh transport over the new member set
+  stop_p2p_thread();
+  apply_join(rec, e);
+}
+
+void MooncakeBackend::join_group(double timeout_s) {
+  TORCH_CHECK(joining_, "mooncake join_group (rank ", rank_, "): this rank is not a recovering rank "
+              "(create the group with MooncakeOptions(is_recovery=True))");
+  std::lock_guard<std::mutex> g(engine_mu_);
+  const int64_t deadline = now_ns() + static_cast<int64_t>(timeout_s * 1e9);
+  while (true) {
+    Record rec;
+    while (read_record_full(agreed_epoch_ + 1, &rec)) {
+      agreed_epoch_++;
+      if (!rec.join) {
+        for (int f : rec.ranks)
+          if (f >= 0 && f < size_) agreed_failed_[f] = 1;
+        continue;
+      }
+      if (std::find(rec.ranks.begin(), rec.ranks.end(), rank_) != rec.ranks.end()) {
+        {
+          std::lock_guard<std::mutex> m(mem_mu_);
+          std::fill(agreed_failed_.begin(), agreed_failed_.end(), 0);
+        }
+        apply_join(rec, agreed_epoch_);
+        joining_ = false;
+        return;
+      }
+    }
+    TORCH_CHECK(now_ns() < deadline, "mooncake join_group (rank ", rank_, "): not admitted within ", timeout_s,
+                " s; the survivors must call recover_ranks(group, get_pending_ranks(group))");
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
 }
 
 void MooncakeBackend::throw_failure(const std::string& what, const std::vector<int>& newly) {
@@ -640,6 +852,9 @@ c10::intrusive_ptr<MooncakeWork> MooncakeBackend::submit(c10d::OpType type,
     for (int attempt = 0;; ++attempt) {
       try {
         if (!broken_.empty()) C10_THROW_ERROR(DistBackendError, broken_);
+        if (joining_)
+          C10_THROW_ERROR(DistBackendError, "MooncakeBackend (rank " + std::to_string(rank_) +
+                                                "): this recovering rank must call join_group before any op");
         if (policy_ == FailurePolicy::MANUAL && agreed_epoch_ != epoch_) {
           // a failure is agreed but the caller has not deactivated it yet: fail fast
           throw RankFailure("MooncakeBackend (rank " + std::to_string(rank_) + "): rank(s) " +

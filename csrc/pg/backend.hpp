@@ -49,6 +49,7 @@ struct BackendConfig {
   // Fault injection for tests (MOONCAKE_FAULT_INJECT="OP:ROUND"): the process SIGKILLs
   // itself on the collective with sequence number OP (0-based, per group) just before it
   // arrives at that op's round ROUND (0 = the first round).
+  bool is_recovery = false;  // a replacement for a failed rank: join_group() admits it
   int64_t inject_kill_op = -1;
   int64_t inject_kill_round = 0;
   std::vector<int> global_ranks;  // group rank -> default-group rank (empty: identity)
@@ -179,6 +180,15 @@ class MooncakeBackend : public c10d::Backend {
   // Deactivates `ranks` on this rank (agreed through the control store; every survivor
   // calls it with the same ranks).
   void deactivate_ranks(const std::vector<int>& ranks);
+  // Rejoin (DESIGN.md): seats whose replacement asked to join and is not admitted yet.
+  std::vector<int> pending_ranks();
+  // Survivors, all of them, between the same two ops: admit `ranks` (the union over the
+  // survivors' arguments is admitted; a no-op when it is empty).
+  void recover_ranks(const std::vector<int>& ranks);
+  // The replacement: blocks until the survivors admitted it (or raises after timeout_s).
+  void join_group(double timeout_s);
+  bool joining() const { return joining_; }
+  std::vector<int> last_joined();  // ranks admitted by the latest recovery
 
  private:
   using Job = std::function<void(int64_t deadline_ns)>;
@@ -197,6 +207,16 @@ class MooncakeBackend : public c10d::Backend {
   int64_t deadline_for(std::chrono::milliseconds t) const;
 
   void setup(const c10::intrusive_ptr<c10d::Store>& store);
+  void build_transport(const std::string& ns, const std::vector<int>& members);
+  void stop_p2p_thread();
+  struct Record {
+    bool join = false;
+    std::vector<int> ranks;   // failed (or joining) ranks
+    std::vector<int> active;  // join records: the active set afterwards
+    std::string raw;
+  };
+  bool read_record_full(uint64_t epoch, Record* rec);
+  void apply_join(const Record& rec, uint64_t epoch);
 
   // collective bodies (run with the engine held)
   void run_allreduce(at::Tensor& t, RedOp op, double premul, int root, int64_t dl);
@@ -227,7 +247,7 @@ class MooncakeBackend : public c10d::Backend {
   std::vector<int> probe_dead(const std::vector<int>& ranks);
   bool read_record(uint64_t epoch, std::vector<int>* failed, std::string* raw);
   // Reads every agreed record after agreed_epoch_; returns the ranks they add.
-  std::vector<int> catch_up();
+  std::vector<int> catch_up(bool stop_at_join = false);
   // Proposes `suspects` as failed for the next epoch (the first compare-and-set wins),
   // catches up and applies per policy; returns the ranks newly agreed failed.
   std::vector<int> agree(const std::vector<int>& suspects, const std::string& reason);
@@ -239,6 +259,9 @@ class MooncakeBackend : public c10d::Backend {
   // Group ranks that another group of this process has agreed failed.
   std::vector<int> failed_elsewhere();
   uint64_t registry_seen_ = 0;
+  bool joining_ = false;
+  bool p2p_restart_ = false;
+  std::vector<int> last_joined_;
 
   c10::intrusive_ptr<c10d::Store> store_;
   std::string store_ns_;  // key prefix of this incarnation of the group in the store

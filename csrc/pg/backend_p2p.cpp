@@ -213,7 +213,7 @@ void MooncakeBackend::p2p_loop() {
     const uint32_t token = p2p_->wait_token();
     {
       std::lock_guard<std::mutex> g(qmu_);
-      if (stop_) break;
+      if (stop_ || p2p_restart_) break;
     }
     {
       std::lock_guard<std::mutex> g(p2p_mu_);
@@ -369,7 +369,7 @@ void MooncakeBackend::p2p_loop() {
       p2p_->wait(token, 20000000, want_read);
     }
   }
-  // shutting down: fail whatever is left
+  // shutting down (or the transport is being rebuilt by recover_ranks): fail what is left
   for (int j = 0; j < W; ++j) {
     for (auto& op : sendq[j]) fail(op, "mooncake: process group shut down", false);
     for (auto& op : recvq[j]) fail(op, "mooncake: process group shut down", false);

@@ -222,8 +222,9 @@ TcpEngine::TcpEngine(int rank, int size, size_t slot_bytes, size_t hdr_cap, std:
   in_.resize(size);
   for (int j = 0; j < size; ++j) {
     if (j == rank) continue;
-    peers_[j].assign(3, std::vector<uint8_t>(hdr_cap + slot_bytes));
     in_[j] = std::make_unique<In>();
+    if (fds_[j] < 0) continue;  // a seat that is not a member
+    peers_[j].assign(3, std::vector<uint8_t>(hdr_cap + slot_bytes));
     set_nonblocking(fds_[j]);
   }
 }
@@ -391,7 +392,7 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
 TcpP2P::TcpP2P(int rank, int size, std::vector<int> fds)
     : rank_(rank), size_(size), fds_(std::move(fds)), want_write_(size, 0) {
   for (int j = 0; j < size; ++j)
-    if (j != rank) set_nonblocking(fds_[j]);
+    if (j != rank && fds_[j] >= 0) set_nonblocking(fds_[j]);
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
 }
 
@@ -412,7 +413,7 @@ size_t TcpP2P::read_some(int peer, void* buf, size_t n) { return recv_some(fds_[
 void TcpP2P::wait(uint32_t, int64_t timeout_ns, const std::vector<char>& want_read) {
   std::vector<int> rd, wr;
   for (int j = 0; j < size_; ++j) {
-    if (j == rank_) continue;
+    if (j == rank_ || fds_[j] < 0) continue;
     if (want_read[j]) rd.push_back(fds_[j]);
     if (want_write_[j]) wr.push_back(fds_[j]);
   }
