@@ -467,7 +467,13 @@ bool MooncakeBackend::read_record_full(uint64_t epoch, Record* rec) {
   rec->join = first.rfind("join=", 0) == 0;
   rec->ranks = parse_ranks(rec->join ? first.substr(5) : first);
   rec->active.clear();
+  rec->pids.clear();
   if (rec->join) {
+    size_t q = rec->raw.find(";pids=");
+    if (q != std::string::npos) {
+      std::string rest = rec->raw.substr(q + 6);
+      rec->pids = rest.substr(0, rest.find(';'));
+    }
     size_t a = rec->raw.find(";active=");
     if (a != std::string::npos) {
       std::string rest = rec->raw.substr(a + 8);
@@ -661,8 +667,16 @@ void MooncakeBackend::apply_join(const Record& rec, uint64_t epoch) {
   const std::string ns = store_ns_ + "e" + std::to_string(epoch) + "/";
   store_set_str(store_, ns + "ready/" + std::to_string(rank_), "1");
   for (int j : members) keys.push_back(ns + "ready/" + std::to_string(j));
-  store_->wait(keys, std::max(timeout_, std::chrono::milliseconds(1000)));
-  build_transport(ns, members);
+  try {
+    store_->wait(keys, std::max(timeout_, std::chrono::milliseconds(1000)));
+    build_transport(ns, members);
+  } catch (const std::exception& e) {
+    const auto* ce = dynamic_cast<const c10::Error*>(&e);
+    std::string why = ce ? ce->what_without_backtrace() : e.what();
+    broken_ = "MooncakeBackend: rebuilding the transport for membership epoch " + std::to_string(epoch) +
+              " failed (a member did not take part): " + why.substr(0, why.find('\n'));
+    C10_THROW_ERROR(DistBackendError, "MooncakeBackend (rank " + std::to_string(rank_) + "): " + broken_);
+  }
   refresh_active_list();
   coll_->start_epoch(epoch_);
   seq_exec_ = 0;  // op numbering restarts with the new member set (the joiner starts at 0)
@@ -703,12 +717,16 @@ void MooncakeBackend::recover_ranks(const std::vector<int>& ranks) {
   for (int j = 0; j < size_; ++j)
     if (next[j]) next_list.push_back(j);
   const uint64_t e = agreed_epoch_ + 1;
-  const std::string proposal = "join=" + join_ranks(todo) + ";active=" + join_ranks(next_list) +
+  std::string pids;
+  for (int r : todo)
+    pids += (pids.empty() ? "" : ",") + store_get_str(store_, store_ns_ + "join/" + std::to_string(r));
+  const std::string proposal = "join=" + join_ranks(todo) + ";active=" + join_ranks(next_list) + ";pids=" + pids +
                                ";decided_by=" + std::to_string(rank_);
   store_->compareSet(store_ns_ + "epoch/" + std::to_string(e), std::string(), proposal);
   Record rec;
   TORCH_CHECK(read_record_full(e, &rec), "mooncake recover_ranks: epoch record ", e, " vanished");
-  TORCH_CHECK(rec.join && rec.ranks == todo && rec.active == next_list, "mooncake recover_ranks (rank ", rank_,
+  TORCH_CHECK(rec.join && rec.ranks == todo && rec.active == next_list && rec.pids == pids,
+              "mooncake recover_ranks (rank ", rank_,
               "): survivors disagree about epoch ", e, ": '", rec.raw, "' vs mine '", proposal,
               "' (a failure was agreed concurrently; retry)");
   log_membership("epoch " + std::to_string(e) + " agreed: " + rec.raw);
@@ -734,7 +752,15 @@ void MooncakeBackend::join_group(double timeout_s) {
           if (f >= 0 && f < size_) agreed_failed_[f] = 1;
         continue;
       }
-      if (std::find(rec.ranks.begin(), rec.ranks.end(), rank_) != rec.ranks.end()) {
+      auto it = std::find(rec.ranks.begin(), rec.ranks.end(), rank_);
+      std::vector<std::string> pids;
+      {
+        std::istringstream in(rec.pids);
+        std::string tok;
+        while (std::getline(in, tok, ',')) pids.push_back(tok);
+      }
+      const size_t pos = static_cast<size_t>(it - rec.ranks.begin());
+      if (it != rec.ranks.end() && pos < pids.size() && pids[pos] == std::to_string(getpid())) {
         {
           std::lock_guard<std::mutex> m(mem_mu_);
           std::fill(agreed_failed_.begin(), agreed_failed_.end(), 0);

@@ -213,6 +213,7 @@ class MooncakeBackend : public c10d::Backend {
     bool join = false;
     std::vector<int> ranks;   // failed (or joining) ranks
     std::vector<int> active;  // join records: the active set afterwards
+    std::string pids;         // join records: the admitted processes (one pid per rank)
     std::string raw;
   };
   bool read_record_full(uint64_t epoch, Record* rec);

@@ -42,6 +42,9 @@ struct MooncakeBackend::P2POp {
 };
 
 void MooncakeBackend::check_peer_active(int peer, bool is_send) {
+  if (joining_)
+    C10_THROW_ERROR(DistBackendError, "MooncakeBackend (rank " + std::to_string(rank_) +
+                                          "): this recovering rank must call join_group before any op");
   if (peer < 0) return;
   bool inactive;
   {
