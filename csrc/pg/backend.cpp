@@ -27,7 +27,6 @@ namespace mooncake {
 namespace {
 
 constexpr uint32_t kMagic = 0x4d434b31;  // "MCK1"
-constexpr uint32_t kP2PMagic = 0x4d435032;
 
 enum OpCode : uint32_t {
   OP_ALLREDUCE = 1,
@@ -70,15 +69,6 @@ struct OpHeader {
 };
 static_assert(sizeof(OpHeader) == 48, "OpHeader layout");
 
-struct P2PHeader {
-  uint32_t magic;
-  int32_t tag;
-  uint64_t nbytes;
-  int32_t dtype;
-  int32_t pad;
-  uint64_t reserved;
-};
-static_assert(sizeof(P2PHeader) == 32, "P2PHeader layout");
 
 constexpr size_t kSmallAllreduce = 16 << 10;
 
@@ -480,18 +470,6 @@ bool MooncakeBackend::read_record_full(uint64_t epoch, Record* rec) {
       rec->active = parse_ranks(rest.substr(0, rest.find(';')));
     }
   }
-  return true;
-}
-
-bool MooncakeBackend::read_record(uint64_t epoch, std::vector<int>* failed, std::string* raw) {
-  Record rec;
-  if (!read_record_full(epoch, &rec)) return false;
-  if (rec.join)
-    throw std::runtime_error("membership epoch " + std::to_string(epoch) +
-                             " admits ranks that this rank did not recover: every survivor must call "
-                             "recover_ranks between the same two ops");
-  *failed = rec.ranks;
-  *raw = rec.raw;
   return true;
 }
 

@@ -246,7 +246,6 @@ class MooncakeBackend : public c10d::Backend {
   void require_active_root(int root, const char* op);
   std::function<void()> backup_for_retry(const std::vector<at::Tensor>& ts);
   std::vector<int> probe_dead(const std::vector<int>& ranks);
-  bool read_record(uint64_t epoch, std::vector<int>* failed, std::string* raw);
   // Reads every agreed record after agreed_epoch_; returns the ranks they add.
   std::vector<int> catch_up(bool stop_at_join = false);
   // Proposes `suspects` as failed for the next epoch (the first compare-and-set wins),
