@@ -216,7 +216,18 @@ MooncakeBackend::MooncakeBackend(const c10::intrusive_ptr<c10d::Store>& store, i
   setup(store);
 }
 
-MooncakeBackend::~MooncakeBackend() { shutdown(); }
+MooncakeBackend::~MooncakeBackend() {
+  shutdown();
+  for (int fd : peer_pidfd_)
+    if (fd >= 0) close(fd);
+}
+
+void MooncakeBackend::attach_to_coalescing(const c10::intrusive_ptr<MooncakeWork>& w,
+                                           const std::vector<at::Tensor>& outputs) {
+  if (!coalescing_) return;
+  w->parent = coalesce_parent_;
+  coalesce_parent_->add_child(outputs);
+}
 
 static std::string store_get_str(const c10::intrusive_ptr<c10d::Store>& store, const std::string& k) {
   auto v = store->get(k);
@@ -332,7 +343,6 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
     bool spin = static_cast<int>(members.size()) <= available_cpus();
     coll = std::make_unique<ShmEngine>(rank_, W, seg, layout, spin);
     p2p = std::make_unique<ShmP2P>(rank_, W, seg, layout);
-    shm_ = seg;
   } else {
     TcpListener lc(cfg_.listen_host), lp(cfg_.listen_host);
     store_set_str(store, key("addr/" + std::to_string(rank_)),
@@ -845,10 +855,7 @@ c10::intrusive_ptr<MooncakeWork> MooncakeBackend::submit(c10d::OpType type,
                                                          std::function<void()> before_retry) {
   auto w = c10::make_intrusive<MooncakeWork>(rank_, type, outputs);
   w->after = std::move(after);
-  if (coalescing_) {
-    w->parent = coalesce_parent_;
-    coalesce_parent_->add_child(outputs);
-  }
+  attach_to_coalescing(w, outputs);
   ++seq_;
   if (cfg_.debug) trace("issued " + c10d::opTypeToString(type) + " #" + std::to_string(seq_) + (async_op ? " async" : ""));
   auto run = [this, job, timeout, before_retry]() -> std::exception_ptr {

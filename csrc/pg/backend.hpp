@@ -234,6 +234,8 @@ class MooncakeBackend : public c10d::Backend {
   void run_barrier(int64_t dl);
   void exchange(const PeerRanges* sends, size_t hdr_len, int64_t dl, const char* opname);
 
+  // Inside start/endCoalescing: the batch's Work completes when `w` (and its peers) do.
+  void attach_to_coalescing(const c10::intrusive_ptr<MooncakeWork>& w, const std::vector<at::Tensor>& outputs);
   struct P2POp;
   void post_p2p(std::shared_ptr<P2POp> op);
   void check_peer_active(int peer, bool is_send);
@@ -280,7 +282,6 @@ class MooncakeBackend : public c10d::Backend {
   std::chrono::milliseconds timeout_;
   std::unique_ptr<CollEngine> coll_;
   std::unique_ptr<P2PChannel> p2p_;
-  std::shared_ptr<ShmSegment> shm_;
   std::string broken_;  // non-empty: the group is unusable (fenced, store lost, shut down)
 
   std::mutex engine_mu_;

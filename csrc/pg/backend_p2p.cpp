@@ -93,10 +93,7 @@ static void check_p2p(std::vector<at::Tensor>& tensors, int peer, int size, int 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::failed_work(c10d::OpType type, std::vector<at::Tensor> outputs,
                                                              std::exception_ptr err) {
   auto w = c10::make_intrusive<MooncakeWork>(rank_, type, std::move(outputs));
-  if (coalescing_) {
-    w->parent = coalesce_parent_;
-    coalesce_parent_->add_child({});
-  }
+  attach_to_coalescing(w, {});
   deliver(w, err, true);
   return w;
 }
@@ -137,10 +134,7 @@ c10::intrusive_ptr<MooncakeWork> MooncakeBackend::send_impl(std::vector<at::Tens
   op->hdr = P2PHeader{kP2PMagic, tag, static_cast<uint64_t>(op->buf.numel() * op->buf.element_size()),
                       static_cast<int32_t>(op->buf.scalar_type()), 0, 0};
   auto w = op->work;
-  if (coalescing_) {
-    w->parent = coalesce_parent_;
-    coalesce_parent_->add_child(tensors);
-  }
+  attach_to_coalescing(w, tensors);
   post_p2p(op);
   return w;
 }
@@ -161,10 +155,7 @@ c10::intrusive_ptr<MooncakeWork> MooncakeBackend::recv_impl(std::vector<at::Tens
   }
   op->deadline = deadline_for(std::chrono::milliseconds(0));
   auto w = op->work;
-  if (coalescing_) {
-    w->parent = coalesce_parent_;
-    coalesce_parent_->add_child(tensors);
-  }
+  attach_to_coalescing(w, tensors);
   post_p2p(op);
   return w;
 }
