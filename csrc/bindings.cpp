@@ -41,6 +41,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("inject_kill_op", &mooncake::BackendConfig::inject_kill_op)
       .def_readwrite("inject_kill_round", &mooncake::BackendConfig::inject_kill_round)
       .def_readwrite("global_ranks", &mooncake::BackendConfig::global_ranks)
+      .def_readwrite("initial_active", &mooncake::BackendConfig::initial_active)
       .def_readwrite("is_recovery", &mooncake::BackendConfig::is_recovery);
 
   // RankFailure -> mooncake_pg.errors.RankFailureError / RankFencedError (subclasses of

@@ -23,17 +23,41 @@ def _create_backend(dist_opts, pg_options):
     if pg_options is not None and not isinstance(pg_options, MooncakeOptions):
         raise TypeError(
             f"mooncake: pg_options must be mooncake_pg.MooncakeOptions, got {type(pg_options).__name__}")
+    is_default = not dist.is_initialized()  # the default group is created before it is registered
+    explicit = pg_options is not None
     if pg_options is None:
         pg_options = _default_options
     elif _default_options is None:
         _default_options = pg_options
     settings = resolve(pg_options)
-    if settings["max_group_size"] not in (None, dist_opts.group_size):
-        raise NotImplementedError(
-            "mooncake: max_group_size different from the world size (extension seats) is not "
-            "supported yet")
-
     global_ranks = list(getattr(dist_opts, "global_ranks_in_group", None) or [])
+    initial_active = []
+    if is_default:
+        if settings["max_group_size"] not in (None, dist_opts.group_size):
+            raise ValueError(
+                f"mooncake: max_group_size ({settings['max_group_size']}) must equal the world size given "
+                f"to init_process_group ({dist_opts.group_size}); extension seats are seats of the world "
+                "that are not in active_ranks")
+        is_recovery = settings["is_recovery"]
+        if settings["active_ranks"] is not None:
+            initial_active = list(settings["active_ranks"])
+            if initial_active[-1] >= dist_opts.group_size:
+                raise ValueError(f"mooncake: active_ranks {initial_active} must lie in [0, world_size="
+                                 f"{dist_opts.group_size})")
+    else:
+        default_be = _default_backend()
+        if explicit and pg_options.is_recovery is not None:
+            is_recovery = bool(pg_options.is_recovery)
+        else:
+            # re-created while the default group still waits to join: joined the same way
+            is_recovery = bool(default_be is not None and default_be.joining)
+        if default_be is not None and not is_recovery:
+            mask = default_be.active_ranks()
+            members = global_ranks or list(range(dist_opts.group_size))
+            initial_active = [j for j, g in enumerate(members) if g < len(mask) and mask[g]]
+            if len(initial_active) == dist_opts.group_size:
+                initial_active = []
+
     dead = sorted(set(_C.known_failed_global_ranks()) & set(global_ranks or range(dist_opts.group_size)))
     if dead:
         from .errors import RankFailureError
@@ -52,11 +76,22 @@ def _create_backend(dist_opts, pg_options):
     cfg.debug = settings["debug"]
     cfg.group_name = str(getattr(dist_opts, "group_id", ""))
     cfg.on_failure = settings["on_failure"]
-    cfg.is_recovery = bool(settings["is_recovery"])
+    cfg.is_recovery = is_recovery
+    cfg.initial_active = initial_active
     if settings["fault_inject"]:
         op, _, rnd = settings["fault_inject"].partition(":")
         cfg.inject_kill_op, cfg.inject_kill_round = int(op), int(rnd or 0)
     return _C.MooncakeBackend(dist_opts.store, dist_opts.group_rank, dist_opts.group_size, cfg)
+
+
+def _default_backend():
+    """The default group's ``mooncake`` backend, or ``None``."""
+    import torch
+
+    if not dist.is_initialized():
+        return None
+    be = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    return be if isinstance(be, _C.MooncakeBackend) else None
 
 
 def _register():

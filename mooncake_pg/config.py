@@ -10,6 +10,8 @@ Every ``MOONCAKE_*`` environment variable the process group reads is read here, 
 | ``MOONCAKE_SOCKET_IFNAME`` | network interface the TCP data plane listens on | interface routed to the rendezvous host |
 | ``MOONCAKE_DEBUG`` | ``1``: keep a trace of recent ops, dumped on timeout | off |
 | ``MOONCAKE_SHM_SLOT_BYTES`` | bytes per rank per pipeline stage of the shm engine | 1 MiB |
+| ``MOONCAKE_ACTIVE_RANKS`` | comma-separated seats that found the default group; the others are extension seats (``mooncake-run`` sets it) | every seat |
+| ``MOONCAKE_IS_RECOVERY`` | ``1``: this process replaces a dead rank or fills an extension seat (``mooncake-run`` sets it on respawn) | off |
 | ``MOONCAKE_FAULT_INJECT`` | tests only: ``OP:ROUND`` makes the process SIGKILL itself on collective number ``OP`` (0-based, per group) just before round ``ROUND`` | off |
 """
 from __future__ import annotations
@@ -18,7 +20,7 @@ import dataclasses
 import os
 import socket
 from datetime import timedelta
-from typing import Optional
+from typing import Optional, Sequence
 
 _TRANSPORTS = ("auto", "shm", "tcp", "rdma")
 _POLICIES = ("raise", "mask", "manual")
@@ -35,10 +37,20 @@ class MooncakeOptions:
         transport: ``"auto"`` (shared memory between ranks of one host, TCP between
             hosts), ``"shm"``, ``"tcp"`` (forced, also on one host) or ``"rdma"`` (needs a
             build with ibverbs; raises otherwise). Must agree across ranks.
-        max_group_size: number of seats (fixed world size); ``None`` means the world size
-            given to ``init_process_group``.
+        max_group_size: number of seats (fixed world size); must equal the ``world_size``
+            given to ``init_process_group`` (``None``: that world size).
+        active_ranks: the seats that found the group (the default group only; default:
+            every seat, or ``MOONCAKE_ACTIVE_RANKS``). The other seats are extension seats:
+            inactive until a process started with ``is_recovery=True`` fills them through
+            ``join_group`` and the members' ``recover_ranks``. Founders do not wait for
+            them, so rendezvous must not either: use ``mooncake-run``, ``file://`` or an
+            external store (a ``tcp://`` store hosted by rank 0 waits for every seat).
+            Must agree across founders.
         on_failure: ``"raise"`` / ``"mask"`` / ``"manual"`` (see DESIGN.md).
-        is_recovery: this process replaces a dead rank and will call ``join_group``.
+        is_recovery: this process replaces a dead rank (or fills an extension seat) and
+            will call ``join_group`` (default: ``MOONCAKE_IS_RECOVERY``, set by
+            ``mooncake-run`` on a respawned rank). Subgroups created while the default
+            group is still joining are joined the same way; later ones are set up normally.
         host_ip: address the TCP data plane listens on (default: the interface routed to
             the rendezvous host, or ``MOONCAKE_SOCKET_IFNAME``).
         shm_slot_bytes: bytes per rank per pipeline stage of the shared-memory engine
@@ -49,8 +61,9 @@ class MooncakeOptions:
     timeout: float | timedelta = 30.0
     transport: Optional[str] = None
     max_group_size: Optional[int] = None
+    active_ranks: Optional[Sequence[int]] = None
     on_failure: str = "raise"
-    is_recovery: bool = False
+    is_recovery: Optional[bool] = None
     host_ip: Optional[str] = None
     shm_slot_bytes: Optional[int] = None
     debug: Optional[bool] = None
@@ -66,6 +79,15 @@ class MooncakeOptions:
             raise ValueError(f"MooncakeOptions: on_failure must be one of {_POLICIES}, got {self.on_failure!r}")
         if self.max_group_size is not None and self.max_group_size < 1:
             raise ValueError(f"MooncakeOptions: max_group_size must be >= 1, got {self.max_group_size}")
+        if self.active_ranks is not None:
+            ranks = [int(r) for r in self.active_ranks]
+            if not ranks or any(r < 0 for r in ranks) or len(set(ranks)) != len(ranks):
+                raise ValueError("MooncakeOptions: active_ranks must be distinct non-negative seat "
+                                 f"numbers (at least one), got {list(self.active_ranks)}")
+            if self.max_group_size is not None and max(ranks) >= self.max_group_size:
+                raise ValueError(f"MooncakeOptions: active_ranks {ranks} must lie in [0, max_group_size="
+                                 f"{self.max_group_size})")
+            self.active_ranks = sorted(ranks)
         if self.shm_slot_bytes is not None and self.shm_slot_bytes < 4096:
             raise ValueError(f"MooncakeOptions: shm_slot_bytes must be >= 4096, got {self.shm_slot_bytes}")
 
@@ -88,17 +110,35 @@ def _int_env(env, name: str, default: int) -> int:
         raise ValueError(f"{name} must be an integer (bytes), got {raw!r}") from None
 
 
+def _ranks_env(env, name: str):
+    raw = (env.get(name) or "").strip()
+    if not raw:
+        return None
+    try:
+        ranks = sorted(int(tok) for tok in raw.split(","))
+    except ValueError:
+        raise ValueError(f"{name} must be comma-separated seat numbers, got {raw!r}") from None
+    if any(r < 0 for r in ranks) or len(set(ranks)) != len(ranks):
+        raise ValueError(f"{name} must be distinct non-negative seat numbers, got {raw!r}")
+    return ranks
+
+
+def _flag(raw: Optional[str]) -> bool:
+    return (raw or "") not in ("", "0", "false", "False")
+
+
 def env_defaults() -> dict:
     """The process group's settings from ``MOONCAKE_*`` variables (the only place they are read)."""
     env = os.environ
-    debug = env.get("MOONCAKE_DEBUG", "")
     return {
         "transport": env.get("MOONCAKE_TRANSPORT", "auto") or "auto",
         "host_id": env.get("MOONCAKE_HOST_ID") or f"{socket.gethostname()}/{_boot_id()}",
         "socket_ifname": env.get("MOONCAKE_SOCKET_IFNAME") or None,
-        "debug": debug not in ("", "0", "false", "False"),
+        "debug": _flag(env.get("MOONCAKE_DEBUG")),
         "shm_slot_bytes": _int_env(env, "MOONCAKE_SHM_SLOT_BYTES", 1 << 20),
         "fault_inject": env.get("MOONCAKE_FAULT_INJECT") or None,
+        "active_ranks": _ranks_env(env, "MOONCAKE_ACTIVE_RANKS"),
+        "is_recovery": _flag(env.get("MOONCAKE_IS_RECOVERY")),
     }
 
 
@@ -119,6 +159,7 @@ def resolve(opts: Optional[MooncakeOptions]) -> dict:
         "shm_slot_bytes": opts.shm_slot_bytes or env["shm_slot_bytes"],
         "on_failure": opts.on_failure,
         "max_group_size": opts.max_group_size,
-        "is_recovery": opts.is_recovery,
+        "active_ranks": env["active_ranks"] if opts.active_ranks is None else list(opts.active_ranks),
+        "is_recovery": env["is_recovery"] if opts.is_recovery is None else bool(opts.is_recovery),
         "fault_inject": env["fault_inject"],
     }

@@ -622,12 +622,13 @@ class RankPool:
     """``world_size`` rank processes with an initialised default process group."""
 
     def __init__(self, world_size, backend, transport=None, op_timeout=None, options=None,
-                 env=None):
+                 env=None, rank_options=None):
         self.world_size = int(world_size)
         self.backend = backend
         self.transport = transport
         self.op_timeout = float(op_timeout if op_timeout is not None else DEFAULT_OP_TIMEOUT)
         self.options = dict(options or {})
+        self.rank_options = {int(r): dict(o) for r, o in (rank_options or {}).items()}
         self.env = dict(env or {})
         self.id = next(_pool_ids)
         self.pids = []
@@ -660,7 +661,8 @@ class RankPool:
                 spec = {"sock": s.sock_path, "token": s.token, "pool_id": self.id, "rank": rank,
                         "world_size": self.world_size, "backend": self.backend,
                         "transport": self.transport, "op_timeout": self.op_timeout,
-                        "options": self.options, "store_file": store_file, "log": log,
+                        "options": {**self.options, **self.rank_options.get(rank, {})},
+                        "store_file": store_file, "log": log,
                         "env": env}
                 self.pids.append(s.spawn(spec))
             self.alive = True

@@ -233,7 +233,8 @@ def rank_send_dead_peer(rank, ws, mode, when, n):
     else:
         store.set("reg2/sending", "1")  # nobody ever receives: the victim dies mid-message
         first = _outcome(lambda: _p2p_send(mode, t))
-        first["dead_before_return"] = _is_dead(pid)
+        # the victim's sockets close while it exits, a moment before /proc shows it dead
+        first["dead_before_return"] = _wait_dead(pid, 2.0)
     other = "send" if mode == "isend" else "isend"
     second = _outcome(lambda: _p2p_send(other, torch.ones(1_000_000)))
     small = _outcome(lambda: _p2p_send(mode, torch.ones(4)))
@@ -640,3 +641,44 @@ def test_shm_slot_bytes_env_not_a_number_at_init():
     for r, e in errs.items():
         assert e.isinstance_of("ValueError"), f"rank {r}: {e!r}"
         assert "MOONCAKE_SHM_SLOT_BYTES" in e.message, f"rank {r}: {e!r}"
+
+
+def test_active_ranks_env_and_options(monkeypatch):
+    """MOONCAKE_ACTIVE_RANKS / MOONCAKE_IS_RECOVERY are parsed in config; explicit options win;
+    malformed values name the variable."""
+    import mooncake_pg
+    from mooncake_pg.config import resolve
+
+    monkeypatch.setenv("MOONCAKE_ACTIVE_RANKS", "2,0,1")
+    monkeypatch.setenv("MOONCAKE_IS_RECOVERY", "1")
+    s = resolve(mooncake_pg.MooncakeOptions())
+    assert s["active_ranks"] == [0, 1, 2] and s["is_recovery"] is True
+    s = resolve(mooncake_pg.MooncakeOptions(active_ranks=[1], is_recovery=False))
+    assert s["active_ranks"] == [1] and s["is_recovery"] is False
+    for bad in ("0,x", "1,1", "-1"):
+        monkeypatch.setenv("MOONCAKE_ACTIVE_RANKS", bad)
+        with pytest.raises(ValueError, match="MOONCAKE_ACTIVE_RANKS"):
+            resolve(mooncake_pg.MooncakeOptions())
+    for bad in ([], [0, 0], [-2]):
+        with pytest.raises(ValueError, match="active_ranks"):
+            mooncake_pg.MooncakeOptions(active_ranks=bad)
+    with pytest.raises(ValueError, match="max_group_size"):
+        mooncake_pg.MooncakeOptions(active_ranks=[0, 3], max_group_size=3)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["not_founder", "max_group_size"])
+def test_extension_seat_misuse_raises_at_init(case):
+    """A process for a seat outside active_ranks that is not started with is_recovery, and
+    a max_group_size different from the world size, raise ValueError from init (no hang)."""
+    if case == "not_founder":
+        opts, want, ranks = {"active_ranks": [0]}, "not among the initial active ranks", [1]
+    else:
+        opts, want, ranks = {"max_group_size": 3}, "max_group_size", [0, 1]
+    with pytest.raises(PoolStartError) as ei:
+        pool = RankPool(2, "mooncake", "shm", op_timeout=10.0, options=opts)
+        pool.close(graceful=False)
+    errs = ei.value.errors
+    assert sorted(errs) == ranks, f"{case}: {ei.value}"
+    for r, e in errs.items():
+        assert e.isinstance_of("ValueError") and want in e.message, f"rank {r}: {e!r}"

@@ -4,8 +4,8 @@ replacement process (``MooncakeOptions(is_recovery=True)``) that the survivors a
 RNG state.
 
 Contract: DESIGN.md "Membership and fault tolerance" (rejoin, step by step) and the part
-of CASES.md FT-5 that applies with ``max_group_size == world_size``: kill a rank, bring it
-back into its slot, repeat. Extension seats are not tested here (not implemented yet).
+of CASES.md FT-5: kill a rank, bring it back into its slot, repeat; and seats beyond the
+founders (``active_ranks`` smaller than ``max_group_size``) filled through the same path.
 
 Harness: every test builds a fresh :class:`rankpool.RankPool` (closed with
 ``graceful=False``, which kills each rank's process group). A victim SIGKILLs itself
@@ -60,9 +60,11 @@ if not any(b == "mooncake" for b, _ in rankpool.parse_backends()):
 class RejoinPool:
     """A fresh RankPool plus :meth:`respawn` (replacement ranks started by the test)."""
 
-    def __init__(self, transport, policy="mask", op_timeout=OP_TIMEOUT):
+    def __init__(self, transport, policy="mask", op_timeout=OP_TIMEOUT, options=None,
+                 rank_options=None):
         self.pool = RankPool(W, "mooncake", transport, op_timeout=op_timeout,
-                             options={"on_failure": policy})
+                             options={"on_failure": policy, **(options or {})},
+                             rank_options=rank_options)
         self.extra_pids = []     # every pid this pool ever had (victims included)
         self.generation = [0] * W
         self.history = [(r, 0, pid) for r, pid in enumerate(self.pool.pids)]
@@ -688,3 +690,191 @@ def test_pending_and_recover_errors(rj_pool, transport, ops):
         assert o["epoch_after"] == 2, f"{ctx} rank {r}: {o}"
     for r in survivors:
         assert res[r]["pending_before"] == [victim], f"{ctx} rank {r}: {res[r]}"
+
+
+# ============================================== 3. FT-5: seats beyond the founders
+
+
+def rank_ft5_founders(rank, ws):
+    """Before seat 2 is filled: the founders run over {0, 1}; seat 2 only waits."""
+    import mooncake_pg
+
+    out = {"active": mooncake_pg.get_active_ranks().tolist(), "epoch": mooncake_pg.get_epoch()}
+    if rank == 2:
+        return out
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    out["sum"] = t.item()
+    o = torch.full((ws * 2,), -7.0)
+    dist.all_gather_into_tensor(o, torch.full((2,), float(rank)))
+    out["gather"] = o.tolist()
+    out["pending"] = mooncake_pg.get_pending_ranks()
+    return out
+
+
+def rank_ft5_join(rank, ws, joiner):
+    """The joiner joins; the members admit whatever is pending between two ops."""
+    import mooncake_pg
+
+    if rank == joiner:
+        mooncake_pg.join_group(None, timeout=JOIN_TIMEOUT)
+    else:
+        deadline = time.monotonic() + JOIN_TIMEOUT
+        while True:
+            t = torch.ones(1)
+            dist.all_reduce(t)   # the members keep working while they wait
+            pend = mooncake_pg.get_pending_ranks()
+            mooncake_pg.recover_ranks(None, pend)
+            if mooncake_pg.get_active_ranks()[joiner]:
+                break
+            assert time.monotonic() < deadline, f"rank {rank}: seat {joiner} never pending"
+            time.sleep(0.005)
+    return {"active": mooncake_pg.get_active_ranks().tolist(), "epoch": mooncake_pg.get_epoch()}
+
+
+def rank_ft5_traffic(rank, ws):
+    """FT-5: all_reduce of [rank + 1]; 1024 int32 between ranks 2 and 1 both ways, plain
+    and batch_isend_irecv."""
+    import mooncake_pg
+
+    out = {"active": mooncake_pg.get_active_ranks().tolist(), "epoch": mooncake_pg.get_epoch()}
+    active = [j for j, a in enumerate(out["active"]) if a]
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    out["sum"] = t.item()
+    if rank in (1, 2) and 1 in active and 2 in active:
+        peer = 3 - rank
+        mine = torch.arange(1024, dtype=torch.int32) * (rank + 1) + 17
+        want = torch.arange(1024, dtype=torch.int32) * (peer + 1) + 17
+        got = torch.full((1024,), -1, dtype=torch.int32)
+        if rank == 2:
+            dist.send(mine, peer)
+            dist.recv(got, peer)
+        else:
+            dist.recv(got, peer)
+            dist.send(mine, peer)
+        out["plain"] = torch.equal(got, want)
+        got = torch.full((1024,), -1, dtype=torch.int32)
+        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine + 1, peer),
+                                       dist.P2POp(dist.irecv, got, peer)])
+        for q in reqs:
+            q.wait()
+        out["batch"] = torch.equal(got, want + 1)
+    dist.barrier()
+    return out
+
+
+def rank_ft5_die(rank, ws, victim):
+    if rank == victim:
+        _die(rank, "FT-5 victim")
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)   # mask policy: completes over the survivors
+    import mooncake_pg
+
+    return {"sum": t.item(), "active": mooncake_pg.get_active_ranks().tolist(),
+            "epoch": mooncake_pg.get_epoch()}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_ft5_extension_seat(rj_pool, transport):
+    """CASES.md FT-5: max_group_size=3 (world size 3 everywhere), ranks 0 and 1 found the
+    group, seat 2 is empty and joins later; all_reduce gives 6 and rank 2 <-> rank 1 p2p
+    arrives intact both ways; then rank 1 is killed and brought back into its seat."""
+    rp = rj_pool(transport, options={"max_group_size": W, "active_ranks": [0, 1]},
+                 rank_options={2: {"is_recovery": True}})
+    res = rp.run(rank_ft5_founders)
+    expect_ok(rp, res, range(W), "founders")
+    for r in (0, 1):
+        assert res[r]["active"] == [1, 1, 0] and res[r]["epoch"] == 0, res[r]
+        assert res[r]["sum"] == 3.0, f"rank {r}: all_reduce over the founders gave {res[r]['sum']}"
+        # the empty seat's slot of all_gather stays untouched
+        assert res[r]["gather"] == [0.0, 0.0, 1.0, 1.0, -7.0, -7.0], res[r]["gather"]
+        assert res[r]["pending"] == [2], f"rank {r}: pending {res[r]['pending']}"
+    res = rp.run(rank_ft5_join, 2, timeout=REJOIN_RUN_TIMEOUT)
+    expect_ok(rp, res, range(W), "seat 2 joins")
+    assert all(res[r] == {"active": [1, 1, 1], "epoch": 1} for r in range(W)), res
+    epoch = 1
+    for cycle in range(2):
+        ctx = f"[{transport} cycle {cycle}]"
+        res = rp.run(rank_ft5_traffic)
+        expect_ok(rp, res, range(W), f"{ctx} traffic")
+        for r in range(W):
+            assert res[r]["active"] == [1, 1, 1] and res[r]["epoch"] == epoch, f"{ctx} {res[r]}"
+            assert res[r]["sum"] == 6.0, f"{ctx} rank {r}: all_reduce gave {res[r]['sum']}"
+        for r in (1, 2):
+            assert res[r]["plain"] and res[r]["batch"], f"{ctx} rank {r}: p2p with the other: {res[r]}"
+        # kill rank 1, the others go on without it, then it comes back into its seat
+        res = rp.run(rank_ft5_die, 1)
+        expect_died(rp, res, 1, ctx)
+        expect_ok(rp, res, (0, 2), ctx)
+        for r in (0, 2):
+            assert res[r] == {"sum": 4.0, "active": [1, 0, 1], "epoch": epoch + 1}, f"{ctx} rank {r}: {res[r]}"
+        rp.respawn(1)
+        res = rp.run(rank_ft5_join, 1, timeout=REJOIN_RUN_TIMEOUT)
+        expect_ok(rp, res, range(W), f"{ctx} rank 1 rejoins")
+        epoch += 2
+        assert all(res[r] == {"active": [1, 1, 1], "epoch": epoch} for r in range(W)), res
+    res = rp.run(rank_ft5_traffic)
+    expect_ok(rp, res, range(W), "after the cycles")
+    assert all(res[r]["sum"] == 6.0 for r in range(W)) and res[1]["plain"] and res[2]["batch"], res
+
+
+def rank_ft5_sub_before(rank, ws):
+    """Every process creates subgroup [1, 2] while seat 2 is empty: rank 1 sets it up
+    alone (seat 2 inactive), the joiner creates it as a joiner (its default group is
+    still joining)."""
+    import mooncake_pg
+
+    g = dist.new_group([1, 2])
+    _ST["sub"] = g
+    if rank == 1:
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t, group=g)
+        return {"sum": t.item(), "active": mooncake_pg.get_active_ranks(g).tolist()}
+    return {}
+
+
+def rank_ft5_sub_join(rank, ws):
+    """After the default group: seat 2 joins subgroup [1, 2]; then every process creates a
+    new group [0, 1, 2], set up normally (nobody is joining any more)."""
+    import mooncake_pg
+
+    g = _ST["sub"]
+    out = {}
+    if rank == 2:
+        mooncake_pg.join_group(g, timeout=JOIN_TIMEOUT)
+    elif rank == 1:
+        deadline = time.monotonic() + JOIN_TIMEOUT
+        while not mooncake_pg.get_pending_ranks(g):
+            assert time.monotonic() < deadline, "seat 2 never asked to join the subgroup"
+            time.sleep(0.005)
+        mooncake_pg.recover_ranks(g, mooncake_pg.get_pending_ranks(g))
+    if rank in (1, 2):
+        t = torch.tensor([float(rank + 1)])
+        dist.all_reduce(t, group=g)
+        out["sub_sum"] = t.item()
+        out["sub_active"] = mooncake_pg.get_active_ranks(g).tolist()
+    g2 = dist.new_group([0, 1, 2])
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t, group=g2)
+    out["new_sum"] = t.item()
+    out["new_active"] = mooncake_pg.get_active_ranks(g2).tolist()
+    return out
+
+
+def test_ft5_extension_seat_subgroups(rj_pool):
+    """A subgroup created while a seat is empty is joined by the process that fills the
+    seat (after the default group); groups created after the join are set up normally."""
+    rp = rj_pool("shm", options={"max_group_size": W, "active_ranks": [0, 1]},
+                 rank_options={2: {"is_recovery": True}})
+    res = rp.run(rank_ft5_sub_before)
+    expect_ok(rp, res, range(W), "subgroup before the join")
+    assert res[1] == {"sum": 2.0, "active": [1, 0]}, res[1]
+    res = rp.run(rank_ft5_join, 2, timeout=REJOIN_RUN_TIMEOUT)
+    expect_ok(rp, res, range(W), "seat 2 joins")
+    res = rp.run(rank_ft5_sub_join, timeout=REJOIN_RUN_TIMEOUT)
+    expect_ok(rp, res, range(W), "subgroups after the join")
+    for r in (1, 2):
+        assert res[r]["sub_sum"] == 5.0 and res[r]["sub_active"] == [1, 1], f"rank {r}: {res[r]}"
+    for r in range(W):
+        assert res[r]["new_sum"] == 6.0 and res[r]["new_active"] == [1, 1, 1], f"rank {r}: {res[r]}"

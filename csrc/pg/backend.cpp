@@ -229,6 +229,12 @@ void MooncakeBackend::attach_to_coalescing(const c10::intrusive_ptr<MooncakeWork
   coalesce_parent_->add_child(outputs);
 }
 
+static std::string join_ranks(const std::vector<int>& v) {
+  std::string s;
+  for (int r : v) s += (s.empty() ? "" : ",") + std::to_string(r);
+  return s;
+}
+
 static std::string store_get_str(const c10::intrusive_ptr<c10d::Store>& store, const std::string& k) {
   auto v = store->get(k);
   return std::string(v.begin(), v.end());
@@ -266,13 +272,27 @@ void MooncakeBackend::setup(const c10::intrusive_ptr<c10d::Store>& store) {
     log_membership("waiting to be recovered into seat " + std::to_string(rank_));
     return;
   }
+  // Founders: every seat, or the seats named in initial_active (the others are extension
+  // seats, inactive until someone joins them; nobody waits for them here).
+  std::vector<int> founders = cfg_.initial_active;
+  if (founders.empty()) {
+    founders.resize(W);
+    for (int j = 0; j < W; ++j) founders[j] = j;
+  }
+  std::sort(founders.begin(), founders.end());
+  founders.erase(std::unique(founders.begin(), founders.end()), founders.end());
+  for (int j : founders)
+    TORCH_CHECK_VALUE(j >= 0 && j < W, "MooncakeBackend::setup: active rank ", j, " is out of range [0, ", W, ")");
+  TORCH_CHECK_VALUE(std::binary_search(founders.begin(), founders.end(), rank_), "MooncakeBackend::setup: rank ",
+                    rank_, " is not among the initial active ranks [", join_ranks(founders),
+                    "]; a process for an extension seat starts with is_recovery=True and calls join_group");
+  std::fill(active_.begin(), active_.end(), 0);
+  for (int j : founders) active_[j] = 1;
   // The store may outlive a destroyed group of the same name (torchrun's TCPStore): keys
-  // of each set-up live under their own incarnation number (every rank adds 1 once).
-  const int64_t inc = (store->add("mc/setups", 1) - 1) / W;
+  // of each set-up live under their own incarnation number (every founder adds 1 once).
+  const int64_t inc = (store->add("mc/setups", 1) - 1) / static_cast<int64_t>(founders.size());
   store_ns_ = "mc/" + std::to_string(inc) + "/";
-  std::vector<int> everyone(W);
-  for (int j = 0; j < W; ++j) everyone[j] = j;
-  build_transport(store_ns_ + "t0/", everyone);
+  build_transport(store_ns_ + "t0/", founders);
   refresh_active_list();
   store_set_str(store, "mc/current", store_ns_);
 }
@@ -441,12 +461,6 @@ std::vector<int> MooncakeBackend::probe_dead(const std::vector<int>& ranks) {
     }
   }
   return dead;
-}
-
-static std::string join_ranks(const std::vector<int>& v) {
-  std::string s;
-  for (int r : v) s += (s.empty() ? "" : ",") + std::to_string(r);
-  return s;
 }
 
 static std::vector<int> parse_ranks(const std::string& list) {

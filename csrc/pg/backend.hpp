@@ -53,6 +53,9 @@ struct BackendConfig {
   int64_t inject_kill_op = -1;
   int64_t inject_kill_round = 0;
   std::vector<int> global_ranks;  // group rank -> default-group rank (empty: identity)
+  // Seats that found the group (ascending; empty: every seat). The others are extension
+  // seats: inactive until a process joins them through recover_ranks/join_group.
+  std::vector<int> initial_active;
 };
 
 // Default-group ranks agreed failed by any group of this process (DESIGN.md: an agreed
