@@ -84,13 +84,26 @@ def get_pending_ranks(group=None) -> list:
     return list(backend_of(group).pending_ranks())
 
 
-def recover_ranks(group, ranks) -> None:
+def recover_ranks(group, ranks) -> list:
     """Admits replacement ranks into ``group``. Every active rank calls it between the same
     two ops (usually with ``get_pending_ranks(group)``); the union of their arguments is
     admitted (a no-op when empty), the epoch goes up by one and the group's transport is
-    rebuilt over the new member set. Pending p2p ops fail. Raises ``ValueError`` for a
-    rank that is active, out of range, or has no replacement waiting."""
-    backend_of(group).recover_ranks([int(r) for r in ranks])
+    rebuilt over the new member set. Pending p2p ops fail. Returns the admitted ranks (the
+    same list on every caller; ``[]`` when none), so callers know to run ``sync_state``.
+    Raises ``ValueError`` for a rank that is active, out of range, or has no replacement
+    waiting."""
+    be = backend_of(group)
+    before = be.epoch()
+    be.recover_ranks([int(r) for r in ranks])
+    return list(be.last_joined()) if be.epoch() != before else []
+
+
+def is_joining(group=None) -> bool:
+    """``True`` on a process that created ``group`` with ``is_recovery`` (a replacement for
+    a dead rank, or a process for an extension seat; ``mooncake-run`` sets
+    ``MOONCAKE_IS_RECOVERY=1`` on respawned ranks) and has not joined it yet: it must call
+    :func:`join_group` before any op."""
+    return bool(backend_of(group).joining)
 
 
 def join_group(group=None, timeout: float = 300.0) -> None:
@@ -100,15 +113,18 @@ def join_group(group=None, timeout: float = 300.0) -> None:
     backend_of(group).join_group(float(timeout))
 
 
-def sync_state(module=None, optimizer=None, src=None, group=None) -> None:
+def sync_state(module=None, optimizer=None, src=None, group=None, step=None):
     """Hands a rejoined rank the training state: parameters and buffers of ``module``,
-    ``optimizer`` state (tensors, step counters, hyper-parameters), and the torch RNG state.
-    Collective over ``group`` (the rejoined ranks and the survivors). ``src`` defaults to
-    the lowest active rank that did not just join. Metadata travels as JSON (never
-    unpickled); tensors are broadcast in place."""
+    ``optimizer`` state (tensors, step counters, hyper-parameters), the torch RNG state and
+    a step counter. Collective over ``group`` (the rejoined ranks and the survivors), with
+    the same ``module``/``optimizer`` structure everywhere. ``src`` (a global rank)
+    defaults to the lowest active rank that did not just join. Returns ``src``'s ``step``
+    (an int, or ``None`` if ``src`` passed none) on every rank. Metadata travels as JSON
+    (never unpickled); tensors are broadcast in place. A rank dying meanwhile raises
+    ``RankFailureError``."""
     from ._sync import sync_state as _impl
 
-    _impl(module, optimizer, src, group)
+    return _impl(module, optimizer, src, group, step)
 
 
-__all__ += ["get_pending_ranks", "recover_ranks", "join_group", "sync_state"]
+__all__ += ["get_pending_ranks", "recover_ranks", "is_joining", "join_group", "sync_state"]

@@ -35,7 +35,7 @@ def _default_src(group):
     raise ValueError("sync_state: no active rank that did not just join")
 
 
-def sync_state(module=None, optimizer=None, src=None, group=None):
+def sync_state(module=None, optimizer=None, src=None, group=None, step=None):
     if src is None:
         src = _default_src(group)
     me = dist.get_rank()
@@ -77,3 +77,7 @@ def sync_state(module=None, optimizer=None, src=None, group=None):
     dist.broadcast(rng, src, group=group)
     if not is_src:
         torch.set_rng_state(rng)
+    # the step counter: [has_step, step]
+    st = torch.tensor([1 if step is not None else 0, int(step or 0)], dtype=torch.int64)
+    dist.broadcast(st, src, group=group)
+    return int(st[1]) if int(st[0]) else None
