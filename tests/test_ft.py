@@ -710,6 +710,9 @@ SOAK_OPS = {
     "reduce_scatter_tensor": (1 << 18, 4),      # 256 Ki floats out: 4 rounds of 64 Ki
     "all_to_all_single": (3 << 16, 3),          # 192 Ki floats per peer (768 KiB): 3 rounds of 256 KiB
     "broadcast": (3 << 18, 3),                  # 3 MiB: 3 rounds of 1 MiB
+    # a ring of isend/irecv (3 MiB messages: more than the p2p ring and socket buffers);
+    # "round" 0: the victim dies before posting its p2p ops, 1: after posting its irecv
+    "send_recv": (3 << 18, 2),
 }
 SOAK_REPLICATED = ("all_reduce", "all_gather_into_tensor", "broadcast")  # same output on every rank
 SOAK_KILL_OP = 2   # collectives 0 (small all_reduce) and 1 (the op, full group) complete first
@@ -790,6 +793,117 @@ def soak_run_op(op, rank, ws, size, root, g):
     raise ValueError(op)
 
 
+def rank_soak_p2p(rank, ws, trial, fault):
+    """The send/recv trial of the soak: rank r isends to r+1 and irecvs from r-1 (separate
+    ops, each waited for on its own); the victim dies before (round 0) or after (round 1)
+    posting its irecv. Then two collectives, a survivors' ring, and the membership."""
+    import mooncake_pg
+
+    size, v = SOAK_OPS["send_recv"][0], fault.victim
+    g = make_group(rank, ws, None)
+    nxt, prv = (rank + 1) % ws, (rank - 1) % ws
+
+    def payload(src, dst):
+        return (torch.arange(size) % 23).float() + 100 * src + dst
+
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t, group=g)
+    rec = {"op0": {"ok": True, "val": t.item()}}
+    if rank == v:
+        if trial["round"] == 1:
+            dist.irecv(torch.empty(size), src=prv, group=g)
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+        victim_survived(rank, fault)
+    buf = torch.full((size,), SENT)
+    # posting to a peer already known dead may raise at once; else the Work's wait() does
+    works = {"recv": lambda: dist.irecv(buf, src=prv, group=g),
+             "send": lambda: dist.isend(payload(rank, nxt), dst=nxt, group=g)}
+    posted = {k: _outcome(post) for k, post in works.items()}
+    for k in ("send", "recv"):
+        rec[k] = _outcome(posted[k]["val"].wait) if posted[k]["ok"] else posted[k]
+    rec["recv_equal"] = bool(torch.equal(buf, payload(prv, rank)))
+    rec["recv_untouched"] = bool((buf == SENT).all())
+
+    def small_ar():
+        x = torch.tensor([float(rank + 1)])
+        dist.all_reduce(x, group=g)
+        return x.item()
+
+    rec["coll1"] = _outcome(small_ar)
+    if trial["policy"] == "manual":
+        rec["deactivate"] = _outcome(lambda: mooncake_pg.deactivate_ranks(g, [v]))
+    rec["coll2"] = _outcome(small_ar)
+    # the survivors' ring
+    alive = [j for j in range(ws) if j != v]
+    i = alive.index(rank)
+    n2, p2 = alive[(i + 1) % len(alive)], alive[(i - 1) % len(alive)]
+    buf2 = torch.full((size,), SENT)
+    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, payload(rank, n2), n2, group=g),
+                                   dist.P2POp(dist.irecv, buf2, p2, group=g)])
+    for q in reqs:
+        q.wait()
+    rec["ring2"] = bool(torch.equal(buf2, payload(p2, rank)))
+    rec["final"] = _membership(g)
+    return rec
+
+
+def check_p2p_trial(ft_pool, trial, label):
+    """Checks :func:`rank_soak_p2p`: p2p with the dead rank raises RankFailureError naming
+    it (a send to it may complete if the victim took the whole message before dying),
+    p2p between live ranks delivers the right bytes (under ``manual`` it may instead fail
+    fast once the failure is agreed), the first collective has one outcome everywhere,
+    and the survivors end in epoch 1 without the victim."""
+    v = trial["victim"]
+    fault = Fault(v, 1, "sigkill")
+    pool = ft_pool(SOAK_W, trial["transport"], trial["policy"])
+    res, wall = run_killed(pool, rank_soak_p2p, trial, fault, victims=[v])
+    survivors = sorted(res)
+    logs = mooncake_lines(pool, range(SOAK_W))
+    ctx = f"[{label}]"
+    policy = trial["policy"]
+
+    def failed_on_victim(o):
+        return not o["ok"] and o["type"] == "RankFailureError" and o["failed"] == [v]
+
+    for r in survivors:
+        o = res[r]
+        assert o["op0"]["val"] == 10.0, f"{ctx} rank {r}: {o['op0']}"
+        for key in ("send", "recv"):
+            assert o[key]["dt"] < DETECT_BOUND, f"{ctx} rank {r}: {key} took {o[key]['dt']:.2f} s\n{logs}"
+        if r == (v + 1) % SOAK_W:   # receives from the victim
+            assert failed_on_victim(o["recv"]), f"{ctx} rank {r}: irecv from the dead rank: {o['recv']}\n{logs}"
+            assert o["recv_untouched"], f"{ctx} rank {r}: the failed irecv wrote its buffer"
+        else:
+            assert (o["recv"]["ok"] and o["recv_equal"]) or (policy == "manual" and failed_on_victim(o["recv"])), (
+                f"{ctx} rank {r}: irecv from live rank {(r - 1) % SOAK_W}: {o['recv']} equal={o['recv_equal']}\n{logs}")
+        if r == (v - 1) % SOAK_W:   # sends to the victim
+            assert failed_on_victim(o["send"]) or (trial["round"] == 1 and o["send"]["ok"]), (
+                f"{ctx} rank {r}: isend to the dead rank: {o['send']}\n{logs}")
+        else:
+            assert o["send"]["ok"] or (policy == "manual" and failed_on_victim(o["send"])), (
+                f"{ctx} rank {r}: isend to a live rank: {o['send']}\n{logs}")
+    c1 = {r: res[r]["coll1"] for r in survivors}
+    assert len({o["ok"] for o in c1.values()}) == 1, f"{ctx} survivors disagree on the first collective: {c1}\n{logs}"
+    for r, o in c1.items():
+        assert o["dt"] < DETECT_BOUND, f"{ctx} rank {r}: first collective took {o['dt']:.2f} s\n{logs}"
+        if o["ok"]:
+            assert policy != "manual" and o["val"] == float(sum(j + 1 for j in survivors)), f"{ctx} rank {r}: {o}"
+        else:
+            assert policy != "mask" and failed_on_victim(o), f"{ctx} rank {r}: first collective: {o}\n{logs}"
+    expected_active = [0 if j == v else 1 for j in range(SOAK_W)]
+    for r in survivors:
+        if policy == "manual":
+            assert res[r]["deactivate"]["ok"], f"{ctx} rank {r}: deactivate_ranks: {res[r]['deactivate']}\n{logs}"
+        o = res[r]["coll2"]
+        assert o["ok"] and o["val"] == float(sum(j + 1 for j in survivors)), f"{ctx} rank {r}: second collective {o}"
+        assert res[r]["ring2"], f"{ctx} rank {r}: the survivors' ring delivered wrong data"
+        assert res[r]["final"] == {"active": expected_active, "epoch": 1, "failed": [v]}, (
+            f"{ctx} rank {r}: membership {res[r]['final']}\n{logs}")
+    check_log_blame(pool, survivors, [v])
+    print(f"{ctx} ok in {wall:.2f} s")
+
+
 def rank_soak(rank, ws, trial, fault):
     import mooncake_pg
 
@@ -838,11 +952,12 @@ def rank_soak(rank, ws, trial, fault):
 def test_soak_random_kill(ft_pool, trial):
     """Soak: SIGKILL of a random rank (0 included) in a random op at a random round."""
     print(f"soak seed {SOAK_SEED} (MOONCAKE_FT_SEED), trial {trial}")
-    check_kill_trial(ft_pool, trial, f"seed {SOAK_SEED} trial {trial}")
+    check = check_p2p_trial if trial["op"] == "send_recv" else check_kill_trial
+    check(ft_pool, trial, f"seed {SOAK_SEED} trial {trial}")
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("op", sorted(SOAK_OPS))
+@pytest.mark.parametrize("op", sorted(set(SOAK_OPS) - {"send_recv"}))
 @pytest.mark.parametrize("policy", SOAK_POLICIES)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_kill_mid_op(ft_pool, transport, policy, op):
@@ -850,6 +965,17 @@ def test_kill_mid_op(ft_pool, transport, policy, op):
     delivered the first piece of its data), under each policy."""
     trial = {"i": -1, "policy": policy, "transport": transport, "op": op, "victim": 1, "round": 1, "root": 0}
     check_kill_trial(ft_pool, trial, f"trial {trial}")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("policy", SOAK_POLICIES)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_kill_in_send_recv(ft_pool, transport, policy):
+    """The soak's send/recv trial, deterministic: rank 2 dies in a ring of isend/irecv
+    (before posting on shm, after posting its irecv on tcp), under each policy."""
+    trial = {"i": -1, "policy": policy, "transport": transport, "op": "send_recv", "victim": 2,
+             "round": 0 if transport == "shm" else 1, "root": 0}
+    check_p2p_trial(ft_pool, trial, f"trial {trial}")
 
 
 def check_kill_trial(ft_pool, trial, label):
