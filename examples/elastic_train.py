@@ -85,12 +85,15 @@ def main() -> int:
         step = mooncake_pg.sync_state(model, opt, step=step)
         log(f"rejoined at step {step}; active ranks {mooncake_pg.get_active_ranks().tolist()}")
 
+    def lowest_active() -> int:
+        return min(r for r, a in enumerate(mooncake_pg.get_active_ranks().tolist()) if a)
+
     def admit_joiners() -> None:
         nonlocal step, recoveries
         if mooncake_pg.recover_ranks(None, mooncake_pg.get_pending_ranks()):
             step = mooncake_pg.sync_state(model, opt, step=step)
             recoveries += 1
-            if rank == min(r for r, a in enumerate(mooncake_pg.get_active_ranks().tolist()) if a):
+            if rank == lowest_active():
                 log(f"step {step}: admitted respawned ranks; active {mooncake_pg.get_active_ranks().tolist()}")
 
     losses = []
@@ -112,7 +115,7 @@ def main() -> int:
             off += p.numel()
         opt.step()
         losses.append(flat[-2].item() / n)
-        if rank == 0 and step % 20 == 0:
+        if rank == lowest_active() and (step % 20 == 0 or (int(n) != world and step % 5 == 0)):
             log(f"step {step}: loss {losses[-1]:.4f} over {int(n)} ranks")
         step += 1
         time.sleep(args.step_time)
@@ -131,9 +134,11 @@ def main() -> int:
     dist.all_gather_single(out, mine)
     same = all(torch.equal(out[r], mine) for r, a in enumerate(active) if a)
     ok = all(active) and same
-    if rank == 0:
-        trend = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "no steps here"
-        log(f"done: {step} steps in {time.monotonic() - t0:.1f} s, {trend}, "
+    # the summary comes from the lowest rank that trained from the start
+    reporter = torch.tensor([rank if first_start else world], dtype=torch.int64)
+    dist.all_reduce(reporter, op=dist.ReduceOp.MIN)
+    if rank == reporter.item():
+        log(f"done: {step} steps in {time.monotonic() - t0:.1f} s, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
             f"{recoveries} recoveries, epoch {mooncake_pg.get_epoch()}, active {active}, "
             f"parameters identical on all ranks: {same}")
     dist.destroy_process_group()

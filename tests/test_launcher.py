@@ -1,0 +1,188 @@
+"""``mooncake-run`` (``python -m mooncake_pg.run``): the launcher that hosts the control
+store and respawns only a dead rank.
+
+Every launcher runs in its own process session and is killed as a group at teardown (the
+ranks die with it: they run in sessions of their own with ``PR_SET_PDEATHSIG``, and the
+launcher's SIGTERM handler stops them). Ranks talk over loopback only.
+
+1. ``examples/elastic_train.py`` on 4 ranks: rank 1 (and, in a second run, rank 0, whose
+   death takes no store with it) SIGKILLs itself mid-training; the others go on, the
+   launcher respawns it, it rejoins with ``sync_state``; the run ends with 4 ranks and
+   identical parameters, and the loss went down (issue 3's example).
+2. A rank that keeps failing is respawned ``--max-restarts`` times, then the launcher
+   exits 1 once the others are done.
+3. SIGTERM to the launcher stops every rank; the control store listens on 127.0.0.1 only.
+4. ``--max-group-size`` beyond the started ranks: extension seats start empty and nobody
+   waits for them.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+
+
+def _launch(args, tmp_path, env=None):
+    e = dict(os.environ)
+    e.update({"MOONCAKE_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
+    e.update(env or {})
+    out = open(tmp_path / "launcher.out", "w+")
+    p = subprocess.Popen([PY, "-m", "mooncake_pg.run", *args], cwd=ROOT, env=e, stdout=out,
+                         stderr=subprocess.STDOUT, start_new_session=True)
+    p.out = out
+    return p
+
+
+def _finish(p, timeout):
+    try:
+        rc = p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        rc = None
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    p.out.seek(0)
+    text = p.out.read()
+    assert rc is not None, f"mooncake-run did not finish within {timeout} s:\n{text[-6000:]}"
+    return rc, text
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("victim", [1, 0])
+def test_elastic_train_survives_a_killed_rank(tmp_path, victim):
+    p = _launch(["--nproc-per-node", "4", "--max-restarts", "2", "examples/elastic_train.py",
+                 "--steps", "90", "--kill-rank", str(victim), "--kill-at", "20", "--step-time", "0.03"],
+                tmp_path)
+    rc, text = _finish(p, 200)
+    ctx = f"victim {victim}:\n{text[-6000:]}"
+    assert rc == 0, ctx
+    assert f"rank {victim} died (signal SIGKILL); respawning it alone" in text, ctx
+    assert f"[rank {victim}] respawned: waiting to be admitted" in text, ctx
+    done = re.search(r"done: (\d+) steps .* loss ([\d.]+) -> ([\d.]+), (\d+) recoveries, epoch (\d+), "
+                     r"active \[1, 1, 1, 1\], parameters identical on all ranks: True", text)
+    assert done, ctx
+    steps, first, last, recov, epoch = done.groups()
+    assert int(steps) == 90 and float(last) < 0.5 * float(first), ctx
+    assert int(recov) == 1 and int(epoch) == 2, ctx
+    assert "finished: all 4 ranks exited 0 (1 restarts)" in text, ctx
+    # survivors went on over 3 ranks while the victim was away
+    assert "over 3 ranks" in text, ctx
+
+
+FAILING = """
+import os, sys
+with open(os.environ["COUNT_FILE"], "a") as f:
+    f.write(os.environ["RANK"] + ":" + os.environ["TORCHELASTIC_RESTART_COUNT"] + ":"
+            + os.environ["MOONCAKE_IS_RECOVERY"] + "\\n")
+sys.exit(3 if os.environ["RANK"] == "1" else 0)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_max_restarts_then_exit_1(tmp_path):
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING)
+    count = tmp_path / "count"
+    p = _launch(["--nproc-per-node", "2", "--max-restarts", "2", "--monitor-interval", "0.05", str(script)],
+                tmp_path, env={"COUNT_FILE": str(count)})
+    rc, text = _finish(p, 90)
+    assert rc == 1, text
+    starts = sorted(count.read_text().split())
+    # rank 0 once; rank 1 three times (first start + 2 restarts), the respawns as recovery
+    assert starts == ["0:0:0", "1:0:0", "1:1:1", "1:2:1"], f"{starts}\n{text}"
+    assert "rank 1 died (exit code 3) after 2 restarts; not respawned" in text, text
+    assert "ranks [1] failed for good; exit 1" in text, text
+
+
+SLEEPER = """
+import os, time
+with open(os.path.join(os.environ["PID_DIR"], os.environ["RANK"]), "w") as f:
+    f.write(str(os.getpid()))
+time.sleep(120)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_stops_every_rank_and_store_is_loopback_only(tmp_path):
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    p = _launch(["--nproc-per-node", "3", "--shutdown-grace", "2", str(script)], tmp_path,
+                env={"PID_DIR": str(pids)})
+    deadline = time.monotonic() + 60
+    while len(os.listdir(pids)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    ranks = [int((pids / r).read_text() or 0) for r in sorted(os.listdir(pids))]
+    p.out.seek(0)
+    m = re.search(r"control store on 127\.0\.0\.1:(\d+)", p.out.read())
+    assert m and len(ranks) == 3, "launcher did not start 3 ranks"
+    port = int(m.group(1))
+    # the store's listening socket: 127.0.0.1 only (0100007F in /proc/net/tcp)
+    listeners = []
+    for line in open("/proc/net/tcp").read().splitlines()[1:] + open("/proc/net/tcp6").read().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+            listeners.append(local.rsplit(":", 1)[0])
+    assert listeners == ["0100007F"], f"control store listens on {listeners}"
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    rc, text = _finish(p, 30)
+    assert rc == 130, text
+    while any(_alive(pid) for pid in ranks) and time.monotonic() - t0 < 10:
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in ranks), f"ranks still alive after SIGTERM: {ranks}\n{text}"
+
+
+EXTENSION = """
+import os, torch, torch.distributed as dist, mooncake_pg
+dist.init_process_group("mooncake")
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+print(f"rank {dist.get_rank()} world {dist.get_world_size()} sum {t.item()} "
+      f"active {mooncake_pg.get_active_ranks().tolist()} env {os.environ['MOONCAKE_ACTIVE_RANKS']}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_extension_seats_start_empty(tmp_path):
+    script = tmp_path / "ext.py"
+    script.write_text(EXTENSION)
+    p = _launch(["--nproc-per-node", "2", "--max-group-size", "3", str(script)], tmp_path)
+    rc, text = _finish(p, 90)
+    assert rc == 0, text
+    for r in (0, 1):
+        assert f"rank {r} world 3 sum 3.0 active [1, 1, 0] env 0,1" in text, text
+
+
+def test_bad_flags_are_rejected():
+    for args, want in ((["--nnodes", "2", "x.py"], "--master-port is required"),
+                       (["--node-rank", "1", "x.py"], "--node-rank must lie in"),
+                       (["--nproc-per-node", "4", "--max-group-size", "2", "x.py"], "--max-group-size")):
+        r = subprocess.run([PY, "-m", "mooncake_pg.run", *args], cwd=ROOT, capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 2 and want in r.stderr, (args, r.stderr)
