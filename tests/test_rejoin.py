@@ -878,3 +878,39 @@ def test_ft5_extension_seat_subgroups(rj_pool):
         assert res[r]["sub_sum"] == 5.0 and res[r]["sub_active"] == [1, 1], f"rank {r}: {res[r]}"
     for r in range(W):
         assert res[r]["new_sum"] == 6.0 and res[r]["new_active"] == [1, 1, 1], f"rank {r}: {res[r]}"
+
+
+def rank_pending_probe(rank, ws, joiner=None, joiner_pid=None):
+    """The registered joiner dies; the members look for pending ranks once it is gone."""
+    import mooncake_pg
+
+    if rank == joiner:
+        _die(rank, "joiner dies before join_group")
+    deadline = time.monotonic() + 10
+    while joiner_pid and rankpool._alive(joiner_pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    pend = mooncake_pg.get_pending_ranks()
+    admitted = mooncake_pg.recover_ranks(None, pend)
+    return {"pending": pend, "admitted": admitted, "sum": t.item(),
+            "active": mooncake_pg.get_active_ranks().tolist()}
+
+
+def test_joiner_dying_before_admission_is_not_pending(rj_pool):
+    """A replacement that registered (is_recovery init) and died before it was admitted is
+    not reported pending on its host, so recover_ranks never waits for it; a second
+    replacement for the same seat then joins normally."""
+    rp = rj_pool("shm")
+    expect_ok(rp, rp.run(rank_setup, "sgd"), range(W), "setup")
+    res = rp.run(rank_train, 3, 1, 1)
+    expect_died(rp, res, 1, "kill")
+    pid = rp.respawn(1)
+    res = rp.run(rank_pending_probe, 1, pid)
+    expect_died(rp, res, 1, "dead joiner")
+    for r in (0, 2):
+        assert res[r] == {"pending": [], "admitted": [], "sum": 4.0, "active": [1, 0, 1]}, f"rank {r}: {res[r]}"
+    rp.respawn(1)
+    res = rp.run(rank_rejoin, 1, {"step": 0, "kind": "sgd"}, timeout=REJOIN_RUN_TIMEOUT)
+    expect_ok(rp, res, range(W), "second replacement")
+    assert all(res[r]["active"] == [1, 1, 1] and res[r]["epoch"] == 2 for r in range(W)), res

@@ -7,6 +7,7 @@
 
 #include <poll.h>
 #include <signal.h>
+#include <cerrno>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -267,6 +268,7 @@ void MooncakeBackend::setup(const c10::intrusive_ptr<c10d::Store>& store) {
     // A replacement for a failed rank: find the group's current incarnation and ask to be
     // admitted; the transport is built in join_group() once the survivors recover us.
     store_ns_ = store_get_str(store, "mc/current");
+    store_set_str(store, store_ns_ + "joinhost/" + std::to_string(rank_), cfg_.host_id);
     store_set_str(store, store_ns_ + "join/" + std::to_string(rank_), std::to_string(getpid()));
     joining_ = true;
     log_membership("waiting to be recovered into seat " + std::to_string(rank_));
@@ -621,7 +623,14 @@ std::vector<int> MooncakeBackend::pending_ranks() {
     const std::string k = store_ns_ + "join/" + std::to_string(j);
     if (!store_->check({k})) continue;
     const std::string adm = store_ns_ + "admitted/" + std::to_string(j);
-    if (store_->check({adm}) && store_get_str(store_, adm) == store_get_str(store_, k)) continue;
+    const std::string pid = store_get_str(store_, k);
+    if (store_->check({adm}) && store_get_str(store_, adm) == pid) continue;
+    // a joiner on this host that died before being admitted is not pending (admitting it
+    // would make the transport rebuild wait for it in vain)
+    const std::string hk = store_ns_ + "joinhost/" + std::to_string(j);
+    if (store_->check({hk}) && store_get_str(store_, hk) == cfg_.host_id &&
+        kill(static_cast<pid_t>(std::stoll(pid)), 0) != 0 && errno == ESRCH)
+      continue;
     out.push_back(j);
   }
   return out;
