@@ -1129,7 +1129,8 @@ except Exception as e:
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_control_store_in_rank0_dies(tmp_path, transport):
     """With plain env:// rendezvous the TCPStore lives in rank 0; when rank 0 dies the
-    survivors raise a clear fatal error within the op timeout (they cannot agree)."""
+    survivors raise a clear fatal error within the op timeout (they cannot agree, so each
+    fences itself: RankFencedError, a DistBackendError)."""
     import socket
     import subprocess
 
@@ -1158,6 +1159,6 @@ def test_control_store_in_rank0_dies(tmp_path, transport):
         line = [l for l in outs[r].splitlines() if l.startswith("RESULT")]
         assert line, outs[r]
         _, kind, seconds, *msg = line[0].split(" ", 3)
-        assert kind == "DistBackendError", line
+        assert kind == "RankFencedError", line   # a DistBackendError
         assert float(seconds) < 10.0, line
         assert "control store is unreachable" in msg[0] and "fatal" in msg[0], line

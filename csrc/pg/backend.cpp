@@ -12,6 +12,8 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <functional>
+#include <future>
 #include <thread>
 
 #include <algorithm>
@@ -474,11 +476,41 @@ static std::vector<int> parse_ranks(const std::string& list) {
   return out;
 }
 
+template <class T>
+T MooncakeBackend::bounded_store_call(const char* what, std::function<T(c10d::Store&)> fn) {
+  // The call runs on a detached thread that owns everything it touches (the store handle,
+  // the function, the promise): if it outlives the deadline it finishes (or stays blocked)
+  // harmlessly after this backend is gone.
+  auto st = store_;
+  auto prom = std::make_shared<std::promise<T>>();
+  auto fut = prom->get_future();
+  std::thread([st, prom, fn = std::move(fn)]() {
+    try {
+      prom->set_value(fn(*st));
+    } catch (...) {
+      prom->set_exception(std::current_exception());
+    }
+  }).detach();
+  const auto limit = std::max(timeout_, std::chrono::milliseconds(1000));
+  if (fut.wait_for(limit) != std::future_status::ready) {
+    std::ostringstream msg;
+    msg << what << " got no answer within " << limit.count() / 1000.0
+        << " s (this host is cut off from the store, or the store is gone)";
+    throw std::runtime_error(msg.str());
+  }
+  return fut.get();
+}
+
 // Records: "1,3;decided_by=2;reason=..." (failure) or "join=1;active=0,1,2;decided_by=0".
 bool MooncakeBackend::read_record_full(uint64_t epoch, Record* rec) {
   const std::string key = store_ns_ + "epoch/" + std::to_string(epoch);
-  if (!store_->check({key})) return false;
-  rec->raw = store_get_str(store_, key);
+  auto got = bounded_store_call<std::string>("reading membership record", [key](c10d::Store& st) {
+    if (!st.check({key})) return std::string("\x01");
+    auto v = st.get(key);
+    return std::string(v.begin(), v.end());
+  });
+  if (got == "\x01") return false;
+  rec->raw = got;
   std::string first = rec->raw.substr(0, rec->raw.find(';'));
   rec->join = first.rfind("join=", 0) == 0;
   rec->ranks = parse_ranks(rec->join ? first.substr(5) : first);
@@ -538,7 +570,10 @@ std::vector<int> MooncakeBackend::agree(const std::vector<int>& suspects, const 
       std::sort(todo.begin(), todo.end());
       const std::string key = store_ns_ + "epoch/" + std::to_string(agreed_epoch_ + 1);
       const std::string mine = join_ranks(todo) + ";decided_by=" + std::to_string(rank_) + ";reason=" + reason;
-      store_->compareSet(key, std::string(), mine);  // the first proposal of an epoch wins
+      bounded_store_call<bool>("proposing a membership record", [key, mine](c10d::Store& st) {
+        st.compareSet(key, std::string(), mine);  // the first proposal of an epoch wins
+        return true;
+      });
       more = catch_up();
       newly.insert(newly.end(), more.begin(), more.end());
     }
@@ -548,9 +583,12 @@ std::vector<int> MooncakeBackend::agree(const std::vector<int>& suspects, const 
     const auto* ce = dynamic_cast<const c10::Error*>(&e);
     std::string why = ce ? ce->what_without_backtrace() : e.what();
     why = why.substr(0, why.find('\n'));
-    broken_ = std::string("MooncakeBackend: the control store is unreachable, so membership cannot be agreed: ") + why;
-    C10_THROW_ERROR(DistBackendError, "MooncakeBackend (rank " + std::to_string(rank_) + "): " + broken_ +
-                                          " (if the store lived in rank 0, rank 0 is gone: this is fatal for the group)");
+    broken_ = std::string("MooncakeBackend: the control store is unreachable, so membership cannot be agreed (") + why +
+              "); this rank fences itself: the others may have declared it failed. This is fatal for the group on "
+              "this rank (if the store lived in rank 0, rank 0 is gone); it may rejoin as a recovering rank";
+    log_membership("fenced: " + broken_);
+    throw RankFailure("MooncakeBackend (rank " + std::to_string(rank_) + "): " + broken_, {rank_},
+                      static_cast<int64_t>(agreed_epoch_), true);
   }
   if (agreed_failed_[rank_]) {
     broken_ = "MooncakeBackend: this rank was declared failed by its peers (epoch " + std::to_string(agreed_epoch_) +

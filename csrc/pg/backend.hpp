@@ -220,6 +220,10 @@ class MooncakeBackend : public c10d::Backend {
     std::string raw;
   };
   bool read_record_full(uint64_t epoch, Record* rec);
+  // A control-store call bounded by the op timeout (TCPStore calls block without bound
+  // when the store's host is cut off: no RST, no keepalive); throws StoreTimeout.
+  template <class T>
+  T bounded_store_call(const char* what, std::function<T(c10d::Store&)> fn);
   void apply_join(const Record& rec, uint64_t epoch);
 
   // collective bodies (run with the engine held)
