@@ -361,7 +361,7 @@ class Buffer:
         T = topk_idx.shape[0]
         cnt = _token_expert_counts(topk_idx, num_experts) > 0
         per_expert = cnt.sum(0, dtype=torch.int32)
-        in_rank = cnt.view(T, self.group_size, -1).any(2)
+        in_rank = cnt.view(T, self.group_size, num_experts // self.group_size).any(2)
         return DispatchLayout(in_rank.sum(0, dtype=torch.int32), per_expert, in_rank)
 
     # -------------------------------------------------------------- dispatch
