@@ -61,7 +61,10 @@ def scatter_add_rows(rows: torch.Tensor, idx: torch.Tensor, num_out: int, *,
 def scatter_rows(rows: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out[idx[n]] = rows[n]`` in place (indices distinct); returns ``out``."""
     if rows.shape[0]:
-        out.index_copy_(0, idx, rows)
+        if rows.element_size() == 1 and rows.dtype != torch.uint8:   # float8: no CPU index_copy_
+            out.view(torch.uint8).index_copy_(0, idx, rows.view(torch.uint8))
+        else:
+            out.index_copy_(0, idx, rows)
     return out
 
 
