@@ -99,7 +99,8 @@ class LowLatencyDispatchResult(NamedTuple):
         recv_x: [L, W * T_max, H] of x's dtype; with ``use_fp8`` a pair ``(x_fp8, scales)``
             of float8_e4m3fn [L, W * T_max, H] and float32 [L, W * T_max, ceil(H / 128)].
             Expert ``l``'s rows ``[0, recv_count[l])`` are its tokens, ordered by source
-            rank, then by token index at the source; later rows are zero.
+            rank, then by token index at the source; later rows are left uninitialised
+            (as in DeepEP; combine never reads them).
         recv_count: int32 [L], tokens received per local expert.
         handle: :class:`LowLatencyHandle` for :meth:`Buffer.low_latency_combine`.
     """
@@ -126,6 +127,7 @@ class DispatchHandle:
     recv_counts: Tuple[int, ...]
     is_token_in_rank: torch.Tensor
     epoch: int
+    max_ranks_per_token: int = 0
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -468,7 +470,8 @@ class Buffer:
             recv_counts = tuple(int(hdr[s, _HDR + self.rank]) if active[s] else 0 for s in range(W))
             nz = sent.t().nonzero()
             send_tok = nz[:, 1].contiguous()
-            h = DispatchHandle(T, H, E, Kk, send_tok, send_counts, recv_counts, sent, epoch)
+            mx = int(sent.sum(1).max()) if T else 0
+            h = DispatchHandle(T, H, E, Kk, send_tok, send_counts, recv_counts, sent, epoch, mx)
             # local ids of each sent row at its destination (-1: that slot's expert is elsewhere)
             dest = nz[:, 0]
             rows_idx = topk_idx.long().index_select(0, send_tok)
@@ -637,8 +640,8 @@ class Buffer:
                     qx, sc = K_.fp8_quantize(send, self._cfg["kernels"])
                     rq, rs = self._fwd(h, qx), self._fwd(h, sc)
                     nb = sc.shape[1]
-                    px = torch.zeros((L * WT, H), dtype=K_.FP8_DTYPE)
-                    ps = torch.zeros((L * WT, nb), dtype=torch.float32)
+                    px = torch.empty((L * WT, H), dtype=K_.FP8_DTYPE)
+                    ps = torch.empty((L * WT, nb), dtype=torch.float32)
                     K_.scatter_rows(rq, recv_dst, px)
                     K_.scatter_rows(rs, recv_dst, ps)
                     recv_x = (px.view(L, WT, H), ps.view(L, WT, nb))
@@ -752,7 +755,7 @@ class _DispatchFn(torch.autograd.Function):
             if g_x is None:
                 g_x = torch.zeros((sum(h.recv_counts), h.hidden), dtype=ctx.x_dtype)
             rows = buf._bwd(h, g_x.contiguous())
-            gx = K_.scatter_add_rows(rows, h.send_token_idx, h.num_tokens,
+            gx = K_.scatter_add_rows(rows, h.send_token_idx, h.num_tokens, max_per_row=h.max_ranks_per_token,
                                      fp32_accumulate=buf._cfg["fp32_accumulate"], out_dtype=rows.dtype)
         if ctx.needs_input_grad[4]:
             n = sum(h.recv_counts)
@@ -773,6 +776,7 @@ class _CombineFn(torch.autograd.Function):
         ctx.x_dtype = x.dtype
         rows = buf._bwd(handle, x.detach())
         out = K_.scatter_add_rows(rows, handle.send_token_idx, handle.num_tokens,
+                                  max_per_row=handle.max_ranks_per_token,
                                   fp32_accumulate=buf._cfg["fp32_accumulate"], out_dtype=x.dtype)
         out_w = None
         if w is not None:
@@ -805,7 +809,7 @@ class _LLDispatchFn(torch.autograd.Function):
         L = handle.num_experts // buf.group_size
         WT = buf.group_size * handle.num_max_dispatch_tokens_per_rank
         rows = buf._fwd(handle, K_.gather_rows(x.detach(), handle.pair_token, buf._cfg["kernels"]))
-        packed = torch.zeros((L * WT, handle.hidden), dtype=x.dtype, device=x.device)
+        packed = torch.empty((L * WT, handle.hidden), dtype=x.dtype, device=x.device)
         K_.scatter_rows(rows, handle.recv_dst, packed)
         return packed.view(L, WT, handle.hidden)
 

@@ -100,7 +100,6 @@ def test_dispatch_combine_random_routing(pool_factory, ws, dtype_name, masked):
             n = per_expert[l]
             want = torch.stack(ll_rows[l]) if n else torch.zeros((0, H), dtype=dtype)
             assert torch.equal(o["ll_x"][l, :n], want), f"rank {r} expert {l}: packed rows differ"
-            assert not o["ll_x"][l, n:].any(), f"rank {r} expert {l}: rows past recv_count are not zero"
         nb = (H + 127) // 128
         assert o["fp8_shapes"] == ((L, WT, H), (L, WT, nb), torch.float8_e4m3fn, torch.float32), o["fp8_shapes"]
         assert torch.equal(o["fp8_count"], o["ll_count"])
