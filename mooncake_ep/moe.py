@@ -44,6 +44,11 @@ class ExpertParallelMoE(nn.Module):
     local experts' parameters and the gate (through the top-k weights, which are applied
     to the expert outputs before the combine). Experts on inactive ranks of a ``mooncake``
     group contribute zero.
+
+    Rejoined ranks: take :meth:`snapshot_experts` every few steps (each rank's experts are
+    copied to the next active rank); after ``recover_ranks``/``join_group`` every rank
+    calls :meth:`restore_experts` before the next forward, and forward refuses to route
+    tokens to a rejoined rank until then (``RuntimeError``).
     """
 
     def __init__(self, gate: nn.Module, experts: Sequence[nn.Module], group: Optional[dist.ProcessGroup] = None,
@@ -68,6 +73,12 @@ class ExpertParallelMoE(nn.Module):
         self.num_local_experts = L
         self.top_k = top_k
         self.first_expert = rank * L
+        # membership bookkeeping for restore_experts (see there)
+        self._members = self.buffer.get_active_ranks().tolist()
+        self._backup = {}              # owner rank -> uint8 snapshot of its experts' state
+        self._unrestored = set()       # ranks whose experts must be restored before routing
+        if rank in self._last_joined():
+            self._unrestored.add(rank)  # this process replaced a dead rank: fresh weights
 
     def route(self, x: torch.Tensor):
         """``(topk_idx int64 [T, K], topk_weights float32 [T, K])`` for tokens x [T, H]."""
@@ -80,6 +91,7 @@ class ExpertParallelMoE(nn.Module):
         return route_topk(g, self.top_k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_membership()
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         topk_idx, topk_weights = self.route(x2)
@@ -87,6 +99,7 @@ class ExpertParallelMoE(nn.Module):
         recv_x, recv_idx, recv_w = res.recv_x, res.recv_topk_idx, res.recv_topk_weights
         y = self._experts(recv_x, recv_idx, recv_w)
         out = self.buffer.combine(y, res.handle).combined_x
+        self._members = self.buffer.get_active_ranks().tolist()   # failures seen during this call
         return out.reshape(shape)
 
     def _experts(self, recv_x, recv_idx, recv_w):
@@ -108,6 +121,115 @@ class ExpertParallelMoE(nn.Module):
             y = y + (recv_x.sum() * 0 + recv_w.sum() * 0)
             y = y + _anchor()
         return y.to(recv_x.dtype)
+
+
+    # ------------------------------------------------------ recovery of expert weights
+
+    def _last_joined(self):
+        mp = self.buffer._mooncake
+        if mp is None:
+            return []
+        try:
+            return list(mp.backend_of(self.buffer.group).last_joined())
+        except (AttributeError, ValueError):
+            return []
+
+    def _check_membership(self):
+        active = self.buffer.get_active_ranks().tolist()
+        back = {r for r in range(len(active)) if active[r] and not self._members[r]}
+        self._unrestored |= back
+        self._members = active
+        live = {r for r in self._unrestored if active[r]}
+        if live:
+            raise RuntimeError(
+                f"ExpertParallelMoE (rank {self.buffer.rank}): rank(s) {sorted(live)} rejoined and their "
+                "experts' weights are not restored yet; every rank calls restore_experts() first")
+
+    def _flat_state(self):
+        ts = [t for ex in self.experts for t in list(ex.parameters()) + list(ex.buffers())]
+        return ts, sum(t.numel() * t.element_size() for t in ts)
+
+    def snapshot_experts(self) -> None:
+        """Collective: every active rank sends a copy of its local experts' parameters and
+        buffers to the next active rank (cyclically), which keeps it in memory. Call it
+        every few steps; :meth:`restore_experts` hands a rejoined rank its copy back."""
+        active = self.buffer.get_active_ranks().tolist()
+        W, rank = len(active), self.buffer.rank
+        live = [r for r in range(W) if active[r]]
+        buddy = {r: live[(live.index(r) + 1) % len(live)] for r in live}
+        src = [r for r in live if buddy[r] == rank]
+        ts, n = self._flat_state()
+        with torch.no_grad():
+            mine = torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in ts]) if ts \
+                else torch.zeros(0, dtype=torch.uint8)
+            send = [n if r == buddy.get(rank) else 0 for r in range(W)]
+            recv = [n if r in src else 0 for r in range(W)]
+            out = torch.empty(sum(recv), dtype=torch.uint8)
+            dist.all_to_all_single(out, mine, recv, send, group=self.buffer.group)
+        after = self.buffer.get_active_ranks().tolist()
+        self._backup = {}
+        start = 0
+        for r in range(W):
+            if recv[r]:
+                if after[r]:
+                    self._backup[r] = out[start:start + recv[r]].clone()
+                start += recv[r]
+
+    def restore_experts(self, ranks: Optional[Sequence[int]] = None) -> None:
+        """Collective over the active ranks, right after ``recover_ranks`` / ``join_group``
+        (and before any forward): ranks that rejoined get their experts' parameters and
+        buffers from the peer holding the latest :meth:`snapshot_experts` copy; then a new
+        snapshot is taken (the rejoined rank's own copies were lost with it).
+
+        ``ranks`` defaults to the ranks that rejoined (the group's last join record) and
+        the ranks this module saw come back. Forward raises ``RuntimeError`` until this ran.
+        Raises ``RuntimeError`` on every rank if no copy of a rejoined rank's experts
+        exists (no snapshot was taken before it died). Optimizer state of the restored
+        experts is not restored (use ``mooncake_pg.sync_state`` for replicated parts)."""
+        active = self.buffer.get_active_ranks().tolist()
+        W, rank = len(active), self.buffer.rank
+        want = set(self._unrestored) | set(self._last_joined()) if ranks is None else set(int(r) for r in ranks)
+        want = {r for r in want if 0 <= r < W and active[r]}
+        # who holds which copy, and which ranks want theirs (one small all_gather)
+        table = torch.zeros(2 * W, dtype=torch.int64)
+        for o in self._backup:
+            table[o] = 1
+        for r in want:
+            table[W + r] = 1
+        tables = torch.zeros((W, 2 * W), dtype=torch.int64)
+        dist.all_gather_into_tensor(tables, table, group=self.buffer.group)
+        live = [r for r in range(W) if active[r]]
+        want_all = sorted({j for r in live for j in range(W) if int(tables[r, W + j])})
+        holder = {}
+        for j in want_all:
+            hs = [r for r in live if r != j and int(tables[r, j])]
+            if not hs:
+                raise RuntimeError(f"ExpertParallelMoE (rank {rank}): no copy of rank {j}'s experts exists "
+                                   "(snapshot_experts was not called while it was alive)")
+            holder[j] = hs[0]
+        ts, n = self._flat_state()
+        send = [0] * W
+        recv = [0] * W
+        chunks = []
+        for j in want_all:
+            if holder[j] == rank:
+                send[j] = n
+                chunks.append(self._backup[j])
+            if j == rank:
+                recv[holder[j]] = n
+        inp = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8)
+        out = torch.empty(sum(recv), dtype=torch.uint8)
+        dist.all_to_all_single(out, inp, recv, send, group=self.buffer.group)
+        if rank in want_all:
+            with torch.no_grad():
+                off = 0
+                for t in ts:
+                    nb = t.numel() * t.element_size()
+                    t.copy_(out[off:off + nb].view(t.dtype).view(t.shape))
+                    off += nb
+        self._unrestored -= set(want_all)
+        self._members = self.buffer.get_active_ranks().tolist()
+        self.snapshot_experts()
 
 
 def _anchor():

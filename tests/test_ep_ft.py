@@ -129,3 +129,143 @@ def test_kill_between_dispatch_and_combine(policy):
         ym.sum().backward()
         torch.testing.assert_close(o["moe_y"], ym.detach(), rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(o["moe_gx"], xm.grad, rtol=1e-4, atol=1e-5)
+
+
+# ====================================================== a rejoined rank gets its experts
+
+RJ_H, RJ_E, RJ_K, RJ_F, RJ_T = 16, 6, 2, 12, 8
+_RJ = {}
+
+
+def _rj_model(rank, ws):
+    """Every rank builds the same MoE, then 'trains' its own experts (a rank-dependent
+    change), as a real run would have."""
+    import mooncake_ep
+
+    gate, experts = eputil.build_model(RJ_H, RJ_E, RJ_K, RJ_F, "topk", seed=8)
+    moe = mooncake_ep.ExpertParallelMoE(gate, experts)
+    return moe
+
+
+def _perturbed_experts():
+    """The reference: the full expert list after every owner's rank-dependent change."""
+    gate, experts = eputil.build_model(RJ_H, RJ_E, RJ_K, RJ_F, "topk", seed=8)
+    with torch.no_grad():
+        for e, ex in enumerate(experts):
+            for p in ex.parameters():
+                p.add_(0.01 * (e + 1))
+    return gate, experts
+
+
+def _state_digest(moe):
+    import hashlib
+
+    h = hashlib.sha256()
+    for ex in moe.experts:
+        for p in ex.parameters():
+            h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def rank_rj_setup(rank, ws):
+    moe = _rj_model(rank, ws)
+    with torch.no_grad():
+        for l, ex in enumerate(moe.experts):
+            for p in ex.parameters():
+                p.add_(0.01 * (moe.first_expert + l + 1))
+    moe.snapshot_experts()
+    _RJ.clear()
+    _RJ["moe"] = moe
+    return _state_digest(moe)
+
+
+def rank_rj_kill(rank, ws, victim):
+    moe = _RJ["moe"]
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+    x = eputil.make_inputs(rank, RJ_T, RJ_H, RJ_E, RJ_K, torch.float32, 30)[0]
+    with torch.no_grad():
+        y = moe(x)               # over the survivors
+    return y
+
+
+def rank_rj_rejoin(rank, ws, victim):
+    import mooncake_pg
+
+    out = {}
+    if rank == victim:
+        mooncake_pg.join_group(None, timeout=20)
+        moe = _rj_model(rank, ws)               # fresh weights: the old ones died with the process
+        out["fresh_digest"] = _state_digest(moe)
+        try:
+            moe(torch.zeros(1, RJ_H))
+            out["guard"] = None
+        except RuntimeError as e:
+            out["guard"] = str(e)
+        _RJ.clear()
+        _RJ["moe"] = moe
+    else:
+        moe = _RJ["moe"]
+        for _ in range(2000):
+            mooncake_pg.recover_ranks(None, mooncake_pg.get_pending_ranks())
+            if all(mooncake_pg.get_active_ranks().tolist()):
+                break
+            time.sleep(0.005)
+        try:
+            with torch.no_grad():
+                moe(torch.zeros(1, RJ_H))
+            out["guard"] = None
+        except RuntimeError as e:
+            out["guard"] = str(e)
+    moe.restore_experts()
+    out["digest"] = _state_digest(moe)
+    x = eputil.make_inputs(rank, RJ_T, RJ_H, RJ_E, RJ_K, torch.float32, 31)[0]
+    with torch.no_grad():
+        out["y"] = moe(x)
+    out["active"] = mooncake_pg.get_active_ranks().tolist()
+    out["epoch"] = mooncake_pg.get_epoch()
+    return out
+
+
+def test_rejoined_rank_gets_its_experts_back():
+    """W=3, mask policy: experts 'trained' per rank and snapshotted; rank 1 is SIGKILLed
+    (survivors' MoE then excludes its experts), a replacement joins with fresh weights;
+    until restore_experts() ran, forward refuses to route to it on every rank; after it,
+    the replacement's experts are bit-identical to the dead rank's and the MoE output
+    equals the reference MoE with every rank's trained experts."""
+    from test_rejoin import RejoinPool
+
+    victim = 1
+    rp = RejoinPool(None, policy="mask")
+    try:
+        res = rp.run(rank_rj_setup)
+        assert not any(isinstance(v, RemoteError) for v in res), res
+        digests = res
+        res = rp.run(rank_rj_kill, victim)
+        assert isinstance(res[victim], RemoteError) and res[victim].type_name == "RankDied", res[victim]
+        gate, experts = _perturbed_experts()
+        L = RJ_E // 3
+        dead = set(range(victim * L, (victim + 1) * L))
+        for r in (0, 2):
+            assert not isinstance(res[r], RemoteError), res[r]
+            x = eputil.make_inputs(r, RJ_T, RJ_H, RJ_E, RJ_K, torch.float32, 30)[0]
+            with torch.no_grad():
+                exp = eputil.ref_moe(gate, experts, x, excluded=dead)
+            torch.testing.assert_close(res[r], exp, rtol=1e-4, atol=1e-5)
+        rp.respawn(victim)
+        res = rp.run(rank_rj_rejoin, victim, timeout=60)
+        bad = {r: v for r, v in enumerate(res) if isinstance(v, RemoteError)}
+        assert not bad, "\n".join(f"rank {r}: {e.type_name}: {e.message}\n{e.traceback}" for r, e in bad.items())
+    finally:
+        rp.close()
+    assert res[victim]["fresh_digest"] != digests[victim], "the replacement started with the old weights"
+    for r in range(3):
+        o = res[r]
+        assert o["guard"] is not None and "restore_experts" in o["guard"] and "[1]" in o["guard"], (r, o["guard"])
+        assert o["digest"] == digests[r], f"rank {r}: experts after restore differ from before the failure"
+        assert o["active"] == [1, 1, 1] and o["epoch"] == 2, (r, o["active"], o["epoch"])
+        x = eputil.make_inputs(r, RJ_T, RJ_H, RJ_E, RJ_K, torch.float32, 31)[0]
+        with torch.no_grad():
+            exp = eputil.ref_moe(gate, experts, x)
+        torch.testing.assert_close(o["y"], exp, rtol=1e-4, atol=1e-5)
