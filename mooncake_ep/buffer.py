@@ -193,6 +193,9 @@ def _check_topk_idx(topk_idx, num_experts):
 def _check_x(x, what="x"):
     if not isinstance(x, torch.Tensor):
         raise _BadArgs(f"{what} must be a tensor, got {type(x).__name__}")
+    if x.device.type != "cpu":
+        raise _BadArgs(f"{what} is on {x.device}: the data path takes CPU tensors for now (the mooncake "
+                       "backend has no CUDA build yet; mooncake_ep.triton_kernels holds the GPU kernels)")
     if x.dtype not in _DTYPES:
         raise _BadArgs(f"{what} must be float32, bfloat16, float16 or float64, got {x.dtype}")
     if x.dim() != 2:
@@ -296,8 +299,9 @@ class Buffer:
                 hdr[2 + i] = int(f)
             if n_counts:
                 hdr[_HDR:] = counts.to(torch.int64).cpu()
-        out = torch.zeros((self.group_size, hdr.numel()), dtype=torch.int64)
+        out = torch.zeros(self.group_size * hdr.numel(), dtype=torch.int64)   # flat: gloo wants [W * n]
         dist.all_gather_into_tensor(out, hdr, group=self.group)
+        out = out.view(self.group_size, hdr.numel())
         active, epoch = self._membership()
         if error:
             raise self._err(op, f"{error}; nothing was sent")
@@ -553,8 +557,9 @@ class Buffer:
                 added to it.
             use_fp8: send e4m3 with one float32 scale per 128 channels (the last block may
                 be shorter); ``recv_x`` is then ``(x_fp8, scales)`` and not differentiable.
-            round_scale, use_ue8m0, async_finish, return_recv_hook: DeepEP arguments; must
-                be ``False`` (not supported on CPU).
+            async_finish: no effect on CPU (the op has finished when it returns).
+            round_scale, use_ue8m0, return_recv_hook: DeepEP arguments; must be ``False``
+                (not supported on CPU).
 
         Returns: :class:`LowLatencyDispatchResult`. Without fp8, differentiable in ``x``
         (the backward sums each pair's gradient back to its token).
@@ -577,8 +582,8 @@ class Buffer:
             _int_tensor("topk_idx", topk_idx, op, self.rank, T)
             Kk = topk_idx.shape[1]
             _check_topk_idx(topk_idx, E)
-            if round_scale or use_ue8m0 or async_finish or return_recv_hook:
-                raise _BadArgs("round_scale, use_ue8m0, async_finish and return_recv_hook are not supported on CPU")
+            if round_scale or use_ue8m0 or return_recv_hook:
+                raise _BadArgs("round_scale, use_ue8m0 and return_recv_hook are not supported on CPU")
             if cumulative_local_expert_recv_stats is not None:
                 st = cumulative_local_expert_recv_stats
                 if not isinstance(st, torch.Tensor) or st.dtype != torch.int32 or tuple(st.shape) != (E // W,):
@@ -672,7 +677,8 @@ class Buffer:
             topk_weights: float32 [T, K]; differentiable.
             handle: the :class:`LowLatencyHandle` of the dispatch.
             out: optional [T, H] tensor to write the result into.
-            use_logfmt, zero_copy, async_finish, return_recv_hook: must be ``False``.
+            async_finish: no effect on CPU.
+            use_logfmt, zero_copy, return_recv_hook: must be ``False`` (not supported on CPU).
 
         Returns: ``combined_x`` [T, H] in x's dtype (accumulated in float32). Differentiable
         in ``x`` and ``topk_weights``. Raises ``ValueError`` on every rank, before any row
@@ -694,8 +700,8 @@ class Buffer:
             if not torch.equal(topk_idx.long(), handle.topk_idx.long()):
                 raise _BadArgs("topk_idx differs from the one given to low_latency_dispatch")
             _check_weights(topk_weights, tuple(topk_idx.shape))
-            if use_logfmt or zero_copy or async_finish or return_recv_hook:
-                raise _BadArgs("use_logfmt, zero_copy, async_finish and return_recv_hook are not supported on CPU")
+            if use_logfmt or zero_copy or return_recv_hook:
+                raise _BadArgs("use_logfmt, zero_copy and return_recv_hook are not supported on CPU")
             if out is not None and (tuple(out.shape) != (handle.num_tokens, H) or out.dtype != x.dtype):
                 raise _BadArgs(f"out must be {x.dtype} [{handle.num_tokens}, {H}]")
         except _BadArgs as e:

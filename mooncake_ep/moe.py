@@ -196,8 +196,9 @@ class ExpertParallelMoE(nn.Module):
             table[o] = 1
         for r in want:
             table[W + r] = 1
-        tables = torch.zeros((W, 2 * W), dtype=torch.int64)
+        tables = torch.zeros(W * 2 * W, dtype=torch.int64)
         dist.all_gather_into_tensor(tables, table, group=self.buffer.group)
+        tables = tables.view(W, 2 * W)
         live = [r for r in range(W) if active[r]]
         want_all = sorted({j for r in live for j in range(W) if int(tables[r, W + j])})
         holder = {}

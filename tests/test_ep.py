@@ -287,3 +287,55 @@ def test_moe_matches_single_process_reference(pool_factory, ws, dtype_name):
         if mode == "skew":
             # the skewed case really puts every token on one expert
             assert all(experts[e].up.weight.grad is None for e in range(E) if e != 1)
+
+
+# ===================================================== options and other backends
+
+def rank_options(rank, ws):
+    import torch.distributed as dist
+
+    import mooncake_ep
+
+    E, K, H = 2 * ws, 3, 40
+    x, idx, w = eputil.make_inputs(rank, 11, H, E, K, torch.bfloat16, 3, 0.2)
+    out = {}
+    for name, buf in (("fp32", mooncake_ep.Buffer(config=mooncake_ep.EPConfig(fp32_accumulate=True))),
+                      ("bf16", mooncake_ep.Buffer(config=mooncake_ep.EPConfig(fp32_accumulate=False))),
+                      ("gloo", mooncake_ep.Buffer(dist.new_group(list(range(ws)), backend="gloo")))):
+        r = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+        y = eputil.scaled_experts_normal(r.recv_x, r.recv_topk_idx, r.recv_topk_weights, rank, E // ws,
+                                         times_e_plus_one)
+        out[name] = buf.combine(y, r.handle).combined_x
+        out[name + "_active"] = buf.get_active_ranks().tolist()
+    errs = []
+    for bad in ({"kernels": "cuda"}, {"max_membership_retries": -1}):
+        try:
+            mooncake_ep.EPConfig(**bad)
+        except ValueError as e:
+            errs.append(str(e))
+    try:
+        mooncake_ep.Buffer().dispatch(x.to("meta"), topk_idx=idx, topk_weights=w, num_experts=E)
+    except ValueError as e:
+        errs.append(str(e))
+    out["errs"] = errs
+    return out
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_options_and_gloo_group(pool_factory, ws):
+    """EPConfig(fp32_accumulate=False) sums in bf16 (identical to the float32 path at W=2,
+    where a token has at most two rows; within bf16 rounding at W=4); a Buffer over a gloo
+    group gives the same result with every rank active; bad options and non-CPU tensors
+    raise ValueError."""
+    res = pool_factory(ws).run(rank_options, timeout=60)
+    for r in range(ws):
+        o = res[r]
+        x, idx, w = eputil.make_inputs(r, 11, 40, 2 * ws, 3, torch.bfloat16, 3, 0.2)
+        exp = eputil.ref_scaled_moe(x, idx, w, times_e_plus_one)
+        for name in ("fp32", "bf16", "gloo"):
+            torch.testing.assert_close(o[name].double(), exp, rtol=2e-2, atol=2e-2)
+        assert torch.equal(o["gloo"], o["fp32"])
+        if ws == 2:
+            assert torch.equal(o["bf16"], o["fp32"])
+        assert o["gloo_active"] == [1] * ws
+        assert len(o["errs"]) == 3 and "kernels" in o["errs"][0] and "meta" in o["errs"][2], o["errs"]
