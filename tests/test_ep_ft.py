@@ -131,6 +131,57 @@ def test_kill_between_dispatch_and_combine(policy):
         torch.testing.assert_close(o["moe_gx"], xm.grad, rtol=1e-4, atol=1e-5)
 
 
+# ============================================ a silent (live) peer goes to the agreement
+
+SILENT_TIMEOUT = 3.0
+
+
+def rank_silent_between(rank, ws, seed):
+    import mooncake_pg
+    import mooncake_ep
+
+    buf = mooncake_ep.Buffer()
+    L = E // ws
+    x, idx, w = eputil.make_inputs(rank, T + rank, H, E, K, torch.float32, seed, 0.2)
+    r = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+    y = eputil.scaled_experts_normal(r.recv_x, r.recv_topk_idx, r.recv_topk_weights, rank, L, plus_one)
+    if rank == VICTIM:
+        time.sleep(SILENT_TIMEOUT + 2.0)        # alive but silent: no process death to see
+        return {"slept": True}
+    t0 = time.monotonic()
+    out = buf.combine(y, r.handle).combined_x
+    dt = time.monotonic() - t0
+    return {"out": out, "dt": dt, "active": buf.get_active_ranks().tolist(), "epoch": buf.get_epoch(),
+            "failed": sorted(mooncake_pg.backend_of().failed_ranks())}
+
+
+def test_silent_peer_is_reported_to_the_agreement():
+    """mask policy, op timeout 3 s: rank 2 stays alive but does not call combine. The
+    survivors' combine waits for the op timeout, the group agrees rank 2 failed (reason
+    "op timeout"), and the combine completes over the survivors with the reference that
+    excludes rank 2's experts; nothing is masked privately by mooncake_ep."""
+    seed = 22
+    pool = RankPool(W, "mooncake", None, op_timeout=SILENT_TIMEOUT, options={"on_failure": "mask"})
+    try:
+        res = pool.run(rank_silent_between, seed, timeout=60, return_exceptions=True)
+        logs = "\n".join(rankpool._log_tail(pool.logs[r], 20000) for r in range(W))
+    finally:
+        pool.close(graceful=False)
+    survivors = [r for r in range(W) if r != VICTIM]
+    bad = {r: res[r] for r in survivors if isinstance(res[r], RemoteError)}
+    assert not bad, "\n".join(f"rank {r}: {e.type_name}: {e.message}\n{e.traceback}" for r, e in bad.items())
+    L = E // W
+    dead = set(range(VICTIM * L, (VICTIM + 1) * L))
+    for r in survivors:
+        o = res[r]
+        x, idx, w = eputil.make_inputs(r, T + r, H, E, K, torch.float32, seed, 0.2)
+        exp = eputil.ref_scaled_moe(x, idx, w, plus_one, excluded=dead).float()
+        torch.testing.assert_close(o["out"], exp, rtol=1e-6, atol=1e-5)
+        assert o["active"] == [1, 1, 0, 1] and o["epoch"] == 1 and o["failed"] == [VICTIM], o
+        assert SILENT_TIMEOUT * 0.9 <= o["dt"] < SILENT_TIMEOUT + 5.0, o["dt"]
+    assert "reason=op timeout" in logs, logs[-3000:]
+
+
 # ====================================================== a rejoined rank gets its experts
 
 RJ_H, RJ_E, RJ_K, RJ_F, RJ_T = 16, 6, 2, 12, 8
