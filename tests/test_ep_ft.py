@@ -9,6 +9,11 @@ a retry with the same handle completes. Either way every survivor's output equal
 float64 reference without rank 2's experts, later dispatches route nothing to rank 2, an
 ``ExpertParallelMoE`` forward/backward equals the reference MoE without rank 2's experts,
 and every survivor reports the same mask ([1, 1, 0, 1]) and epoch (1).
+
+Also: a live peer that stays silent between dispatch and combine is declared failed by
+the group's agreement (op timeout), never masked privately; and a rank that dies and is
+replaced gets its experts' weights back (``ExpertParallelMoE.restore_experts``) before
+any token is routed to it.
 """
 from __future__ import annotations
 
