@@ -407,6 +407,7 @@ class Buffer:
         """
         op = "dispatch"
         if handle is not None:
+            err = None
             try:
                 if not isinstance(handle, DispatchHandle):
                     raise _BadArgs(f"handle must be a DispatchHandle, got {type(handle).__name__}")
@@ -417,7 +418,9 @@ class Buffer:
                     raise _BadArgs(f"x must have shape {(handle.num_tokens, handle.hidden)} (the handle's), "
                                    f"got {tuple(x.shape)}")
             except _BadArgs as e:
-                raise self._err(op, str(e)) from None
+                err = str(e)
+            fields = [getattr(handle, "hidden", 0), _DTYPES.get(getattr(x, "dtype", None), 0), 1]
+            self._header(op, fields, error=err, names=("hidden", "dtype", "cached"))
             recv_x, _, _ = _DispatchFn.apply(self, handle, None, x, None)
             return DispatchResult(recv_x, None, None, None, handle)
 

@@ -339,3 +339,28 @@ def test_options_and_gloo_group(pool_factory, ws):
             assert torch.equal(o["bf16"], o["fp32"])
         assert o["gloo_active"] == [1] * ws
         assert len(o["errs"]) == 3 and "kernels" in o["errs"][0] and "meta" in o["errs"][2], o["errs"]
+
+
+def rank_cached_bad(rank, ws):
+    import mooncake_ep
+
+    buf = mooncake_ep.Buffer()
+    E = 2 * ws
+    x, idx, w = eputil.make_inputs(rank, 5, 8, E, 2)
+    r = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+    try:
+        buf.dispatch(x if rank == 0 else x[:3], handle=r.handle)
+        err = None
+    except ValueError as e:
+        err = str(e)
+    again = buf.dispatch(x * 3, handle=r.handle).recv_x     # the group goes on
+    return {"err": err, "ok": torch.equal(again, r.recv_x * 3)}
+
+
+def test_cached_dispatch_bad_input_raises_everywhere(pool_factory):
+    """A cached dispatch (handle=) with a wrong x shape on rank 1 raises ValueError on
+    every rank (header exchange, no token moved) instead of leaving rank 0 waiting."""
+    res = pool_factory(2).run(rank_cached_bad, timeout=60)
+    assert "rank(s) [1]" in res[0]["err"] and "(rank 0)" in res[0]["err"], res[0]
+    assert "x must have shape (5, 8)" in res[1]["err"], res[1]
+    assert res[0]["ok"] and res[1]["ok"]
