@@ -221,6 +221,46 @@ def _token_expert_counts(topk_idx, num_experts):
     return cnt[:, :num_experts]
 
 
+# ------------------------------------------------------------------- recycling
+
+
+def _storage_uses(t: torch.Tensor) -> int:
+    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+
+
+class _Recycler:
+    """Large receive buffers, reused once nothing outside the cache refers to them.
+
+    A fresh multi-MiB CPU tensor costs a page fault per 4 KiB page on first touch (the
+    kernel zeroes it), which on this path costs as much as the copy itself. A cached flat
+    tensor is handed out again (as a view) only when its storage has no other user: no
+    result the caller still holds, no tensor saved for backward, no view. Results stay
+    valid as long as they are referenced."""
+
+    def __init__(self, per_dtype: int = 3, min_bytes: int = 1 << 20):
+        self.per_dtype, self.min_bytes = per_dtype, min_bytes
+        self._cache = {}
+
+    def empty(self, shape, dtype) -> torch.Tensor:
+        n = 1
+        for d in shape:
+            n *= int(d)
+        if n * torch.empty((), dtype=dtype).element_size() < self.min_bytes:
+            return torch.empty(shape, dtype=dtype)
+        lst = self._cache.setdefault(dtype, [])
+        for i, (flat, base) in enumerate(lst):
+            if flat.numel() >= n and _storage_uses(flat) == base:
+                lst.append(lst.pop(i))                    # most recently used last
+                return flat[:n].view(shape)
+        flat = torch.empty(n, dtype=dtype)
+        out = flat[:n].view(shape)
+        lst.append((flat, _storage_uses(flat) - 1))      # "free" = no user but the cache (out is one now)
+        free = [i for i, (f, b) in enumerate(lst) if _storage_uses(f) == b]
+        for i in reversed(free[:max(0, len(lst) - self.per_dtype)]):
+            lst.pop(i)                                    # keep at most per_dtype buffers, oldest free ones go
+        return out
+
+
 # ------------------------------------------------------------------------- buffer
 
 
@@ -250,6 +290,7 @@ class Buffer:
         if self.rank < 0:
             raise ValueError("mooncake_ep.Buffer: this process is not a member of the group")
         self._cfg = resolve(config, self.group_size)
+        self._recycler = _Recycler()
         self.low_latency_mode = bool(low_latency_mode)
         self._mooncake = None
         try:
@@ -324,7 +365,7 @@ class Buffer:
         """Rows of ``send`` (grouped by destination) to every rank; returns the received rows
         grouped by source. Rows an inactive rank did not send are zero."""
         send = send.contiguous()
-        out = torch.empty((sum(recv_counts),) + tuple(send.shape[1:]), dtype=send.dtype, device=send.device)
+        out = self._recycler.empty((sum(recv_counts),) + tuple(send.shape[1:]), send.dtype)
         dist.all_to_all_single(out, send, list(recv_counts), list(send_counts), group=self.group)
         if self._mooncake is not None and out.numel():
             active, _ = self._membership()
@@ -648,8 +689,8 @@ class Buffer:
                     qx, sc = K_.fp8_quantize(send, self._cfg["kernels"])
                     rq, rs = self._fwd(h, qx), self._fwd(h, sc)
                     nb = sc.shape[1]
-                    px = torch.empty((L * WT, H), dtype=K_.FP8_DTYPE)
-                    ps = torch.empty((L * WT, nb), dtype=torch.float32)
+                    px = self._recycler.empty((L * WT, H), K_.FP8_DTYPE)
+                    ps = self._recycler.empty((L * WT, nb), torch.float32)
                     K_.scatter_rows(rq, recv_dst, px)
                     K_.scatter_rows(rs, recv_dst, ps)
                     recv_x = (px.view(L, WT, H), ps.view(L, WT, nb))
@@ -818,7 +859,7 @@ class _LLDispatchFn(torch.autograd.Function):
         L = handle.num_experts // buf.group_size
         WT = buf.group_size * handle.num_max_dispatch_tokens_per_rank
         rows = buf._fwd(handle, K_.gather_rows(x.detach(), handle.pair_token, buf._cfg["kernels"]))
-        packed = torch.empty((L * WT, handle.hidden), dtype=x.dtype, device=x.device)
+        packed = buf._recycler.empty((L * WT, handle.hidden), x.dtype)
         K_.scatter_rows(rows, handle.recv_dst, packed)
         return packed.view(L, WT, handle.hidden)
 

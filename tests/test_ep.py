@@ -364,3 +364,34 @@ def test_cached_dispatch_bad_input_raises_everywhere(pool_factory):
     assert "rank(s) [1]" in res[0]["err"] and "(rank 0)" in res[0]["err"], res[0]
     assert "x must have shape (5, 8)" in res[1]["err"], res[1]
     assert res[0]["ok"] and res[1]["ok"]
+
+
+def rank_buffers_not_reused_while_held(rank, ws):
+    import mooncake_ep
+
+    buf = mooncake_ep.Buffer()
+    E, T, H = 2 * ws, 600, 1024          # receive buffers above the 1 MiB recycling threshold
+    keep = []
+    for i in range(4):
+        x, idx, w = eputil.make_inputs(rank, T, H, E, 2, torch.bfloat16, seed=40 + i)
+        r = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+        ll = buf.low_latency_dispatch(x, idx, T, E)
+        keep.append((r.recv_x, r.recv_x.clone(), ll.recv_x, ll.recv_x.clone(), ll.recv_count.clone()))
+    ok = all(torch.equal(a, b) for a, b, _, _, _ in keep)
+    ok_ll = all(torch.equal(p[l, :int(c[l])], q[l, :int(c[l])]) for _, _, p, q, c in keep for l in range(c.numel()))
+    # once dropped, buffers are recycled (the cache does not grow without bound)
+    del keep
+    for i in range(6):
+        x, idx, w = eputil.make_inputs(rank, T, H, E, 2, torch.bfloat16, seed=50 + i)
+        buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+    cached = sum(len(v) for v in buf._recycler._cache.values())
+    return {"ok": ok, "ok_ll": ok_ll, "cached": cached}
+
+
+def test_results_are_not_overwritten_while_held(pool_factory):
+    """Receive buffers are recycled only when nothing refers to them: results of earlier
+    dispatches that the caller still holds keep their values."""
+    res = pool_factory(2).run(rank_buffers_not_reused_while_held, timeout=60)
+    for r in range(2):
+        assert res[r]["ok"] and res[r]["ok_ll"], res[r]
+        assert res[r]["cached"] <= 3 * 4, res[r]
