@@ -826,7 +826,7 @@ class _CombineFn(torch.autograd.Function):
         ctx.x_dtype = x.dtype
         rows = buf._bwd(handle, x.detach())
         out = K_.scatter_add_rows(rows, handle.send_token_idx, handle.num_tokens,
-                                  max_per_row=handle.max_ranks_per_token,
+                                  max_per_row=handle.max_ranks_per_token, alloc=buf._recycler.empty,
                                   fp32_accumulate=buf._cfg["fp32_accumulate"], out_dtype=x.dtype)
         out_w = None
         if w is not None:
@@ -892,7 +892,8 @@ class _LLCombineFn(torch.autograd.Function):
         flat = x.detach().reshape(-1, handle.hidden)
         rows = buf._bwd(handle, K_.gather_rows(flat, handle.recv_dst, buf._cfg["kernels"]))
         wp = _pair_weights(handle, w.detach())
-        out = K_.scatter_add_rows(rows, handle.pair_token, handle.num_tokens, weights=wp, out_dtype=x.dtype)
+        out = K_.scatter_add_rows(rows, handle.pair_token, handle.num_tokens, weights=wp, out_dtype=x.dtype,
+                                  alloc=buf._recycler.empty)
         ctx.save_for_backward(rows, wp)
         ctx.x_dtype = x.dtype
         return out

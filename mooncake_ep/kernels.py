@@ -38,27 +38,36 @@ def gather_rows(x: torch.Tensor, idx: torch.Tensor, kernels: str = "auto") -> to
 
 def scatter_add_rows(rows: torch.Tensor, idx: torch.Tensor, num_out: int, *,
                      weights: torch.Tensor | None = None, fp32_accumulate: bool = True,
-                     out_dtype: torch.dtype | None = None, max_per_row: int | None = None) -> torch.Tensor:
+                     out_dtype: torch.dtype | None = None, max_per_row: int | None = None,
+                     alloc=None) -> torch.Tensor:
     """``out[t] = sum over n with idx[n] == t of weights[n] * rows[n]`` (weights 1 when
     ``None``): ``rows`` [N, H], ``idx`` int64 [N] in ``[0, num_out)``, ``weights`` float [N]
     -> [num_out, H] of ``out_dtype`` (default rows' dtype). Rows add in index order (the
     result is deterministic); 16-bit rows accumulate in float32 when ``fp32_accumulate``
     (or when weighted) and round once. ``max_per_row``: at most this many rows add into
     one output row; with 2 or fewer, unweighted sums in the data's own dtype already round
-    exactly once (0 + a is exact, a + b rounds once), so the float32 detour is skipped."""
+    exactly once (0 + a is exact, a + b rounds once), so the float32 detour is skipped.
+    ``alloc(shape, dtype)`` supplies the (uninitialised) output/accumulator tensors."""
     out_dtype = out_dtype or rows.dtype
     H = rows.shape[1] if rows.dim() == 2 else 0
     acc_dtype = out_dtype
     if out_dtype in (torch.bfloat16, torch.float16) and (fp32_accumulate or weights is not None):
         if weights is not None or rows.dtype != out_dtype or max_per_row is None or max_per_row > 2:
             acc_dtype = torch.float32
-    out = torch.zeros((num_out, H), dtype=acc_dtype, device=rows.device)
+    if alloc is None:
+        out = torch.zeros((num_out, H), dtype=acc_dtype, device=rows.device)
+    else:
+        out = alloc((num_out, H), acc_dtype).zero_()
     if rows.shape[0]:
         src = rows if rows.dtype == acc_dtype else rows.to(acc_dtype)
         if weights is not None:
             src = src * weights.to(acc_dtype).unsqueeze(1)
         out.index_add_(0, idx, src)
-    return out if acc_dtype == out_dtype else out.to(out_dtype)
+    if acc_dtype == out_dtype:
+        return out
+    if alloc is None:
+        return out.to(out_dtype)
+    return alloc((num_out, H), out_dtype).copy_(out)
 
 
 def scatter_rows(rows: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
