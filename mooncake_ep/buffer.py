@@ -285,10 +285,10 @@ class Buffer:
         if not dist.is_initialized():
             raise RuntimeError("mooncake_ep.Buffer: torch.distributed is not initialised")
         self.group = group if group is not None else dist.distributed_c10d._get_default_group()
+        if self.group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(self.group) < 0:
+            raise ValueError("mooncake_ep.Buffer: this process is not a member of the group")
         self.rank = dist.get_rank(self.group)
         self.group_size = dist.get_world_size(self.group)
-        if self.rank < 0:
-            raise ValueError("mooncake_ep.Buffer: this process is not a member of the group")
         self._cfg = resolve(config, self.group_size)
         self._recycler = _Recycler()
         self.low_latency_mode = bool(low_latency_mode)

@@ -72,7 +72,8 @@ class Expert(nn.Module):
 
 
 class Gate(nn.Module):
-    """Linear router with routing modes: ``"topk"`` (softmax + top-k), ``"skew"`` (every
+    """Linear router with routing modes: ``"logits"`` (returns the logits), ``"topk"``
+    (softmax + top-k), ``"skew"`` (every
     token to expert ``skew_to``, weight = its probability, other slots -1), ``"masked"``
     (top-k with some slots set to -1, deterministic per token), ``"dup"`` (top-k where
     slot 1 repeats slot 0's expert)."""
@@ -83,6 +84,8 @@ class Gate(nn.Module):
         self.K, self.mode, self.skew_to = K, mode, skew_to
 
     def forward(self, x):
+        if self.mode == "logits":              # a plain router: the wrapper does softmax + top-k
+            return self.proj(x)
         probs = torch.softmax(self.proj(x).float(), dim=-1)
         T = x.shape[0]
         if self.mode == "skew":
@@ -103,8 +106,13 @@ class Gate(nn.Module):
 
 
 def ref_moe(gate, experts, x, excluded=()):
-    """Single-process reference: ``out[t] = sum_k w[t,k] * experts[idx[t,k]](x[t])``."""
-    idx, w = gate(x)
+    """Single-process reference: ``out[t] = sum_k w[t,k] * experts[idx[t,k]](x[t])``.
+    A gate returning logits is routed here by softmax (float32) and top-``gate.K``."""
+    g = gate(x)
+    if isinstance(g, torch.Tensor):
+        w, idx = torch.topk(torch.softmax(g.float(), dim=-1), gate.K, dim=-1)
+    else:
+        idx, w = g
     out = torch.zeros_like(x, dtype=torch.float32)
     for e, ex in enumerate(experts):
         if e in excluded:

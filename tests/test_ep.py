@@ -221,7 +221,7 @@ def test_bad_or_disagreeing_arguments_raise_everywhere(pool_factory, what):
 
 # ====================================================================== the MoE
 
-MOE_MODES = ["topk", "skew", "masked", "dup"]
+MOE_MODES = ["logits", "topk", "skew", "masked", "dup"]
 
 
 def rank_moe(rank, ws, H, E, K, F, T, dtype_name):
@@ -234,7 +234,7 @@ def rank_moe(rank, ws, H, E, K, F, T, dtype_name):
     for mode in MOE_MODES:
         gate, experts = eputil.build_model(H, E, K, F, mode, seed=3)
         gate, experts = gate.to(dtype), [e.to(dtype) for e in experts]
-        moe = mooncake_ep.ExpertParallelMoE(gate, experts)
+        moe = mooncake_ep.ExpertParallelMoE(gate, experts, top_k=K if mode == "logits" else None)
         L = E // ws
         x = eputil.make_inputs(rank, T + 2 * rank, H, E, K, dtype, seed=9)[0].requires_grad_()
         G = eputil.make_inputs(rank + 77, T + 2 * rank, H, E, K, dtype, seed=9)[0]
@@ -256,8 +256,9 @@ def rank_moe(rank, ws, H, E, K, F, T, dtype_name):
 @pytest.mark.parametrize("ws", [2, 4])
 @pytest.mark.parametrize("dtype_name", ["float32"])
 def test_moe_matches_single_process_reference(pool_factory, ws, dtype_name):
-    """ExpertParallelMoE at W=2 and W=4, routing modes topk (random), skew (every token
-    to expert 1), masked (-1 slots), dup (an expert named twice): forward output, input
+    """ExpertParallelMoE at W=2 and W=4, routing modes logits (the wrapper routes: softmax
+    + top-k), topk (random), skew (every token to expert 1), masked (-1 slots), dup (an
+    expert named twice): forward output, input
     gradient, every expert's parameter gradients (on its owner) and the gate gradient
     (summed over ranks) equal a single-process MoE with the same weights over all ranks'
     tokens; no_grad inference gives the same output."""
@@ -395,3 +396,40 @@ def test_results_are_not_overwritten_while_held(pool_factory):
     for r in range(2):
         assert res[r]["ok"] and res[r]["ok_ll"], res[r]
         assert res[r]["cached"] <= 3 * 4, res[r]
+
+
+def rank_subgroup(rank, ws):
+    import torch.distributed as dist
+
+    import mooncake_ep
+
+    g = dist.new_group([1, 3])                  # every rank creates it; ranks 1 and 3 use it
+    if rank not in (1, 3):
+        try:
+            mooncake_ep.Buffer(g)
+            return {"err": None}
+        except ValueError as e:
+            return {"err": str(e)}
+    buf = mooncake_ep.Buffer(g)
+    gr = buf.rank
+    E = 4
+    x, idx, w = eputil.make_inputs(rank, 7, 24, E, 2, torch.float32, 12, 0.2)
+    r = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+    y = eputil.scaled_experts_normal(r.recv_x, r.recv_topk_idx, r.recv_topk_weights, gr, E // 2,
+                                     times_e_plus_one)
+    out = buf.combine(y, r.handle).combined_x
+    return {"group_rank": gr, "size": buf.group_size, "out": out}
+
+
+def test_subgroup(pool_factory):
+    """A Buffer over a subgroup (global ranks 1 and 3 of 4) uses group ranks (rank 3 holds
+    experts 2-3); a process outside the group gets ValueError."""
+    res = pool_factory(4).run(rank_subgroup, timeout=60)
+    for r in (0, 2):
+        assert res[r]["err"] and "not a member" in res[r]["err"], res[r]
+    for r, gr in ((1, 0), (3, 1)):
+        o = res[r]
+        assert o["group_rank"] == gr and o["size"] == 2
+        x, idx, w = eputil.make_inputs(r, 7, 24, 4, 2, torch.float32, 12, 0.2)
+        exp = eputil.ref_scaled_moe(x, idx, w, times_e_plus_one).float()
+        torch.testing.assert_close(o["out"], exp, rtol=1e-6, atol=1e-5)
