@@ -10,7 +10,8 @@ is never sent and its weight is ignored); any other negative id or an id ``>= E`
 rejected with ``ValueError`` before anything is sent. A token whose top-k names one
 expert twice goes to it once; the two weights add up.
 
-Every public op is collective over the group. Each one first exchanges a small header
+Every op that moves tokens is collective over the group (``get_dispatch_layout`` is
+local). Each one first exchanges a small header
 (``all_gather_into_tensor`` of a few int64 per rank: status, op, sizes, row counts), so
 a rank's bad arguments make *every* rank raise ``ValueError`` (the offending rank with
 the details, the others naming it) before any token is moved, and ranks that disagree on
