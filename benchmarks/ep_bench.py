@@ -1,0 +1,265 @@
+#!/usr/bin/env python3
+"""MoE dispatch + combine round trip on CPU: ``mooncake_ep`` against a plain implementation
+over gloo, in the same run (issue 4).
+
+Workload per rank (defaults): T=4096 tokens, H=2048, bfloat16, top-8 of 32 experts chosen
+uniformly at random per token (rank-dependent seed), float32 weights, identity experts;
+world sizes 2 and 4. A round trip delivers ``out[t] = sum_k w[t,k] * x[t]`` to the
+token's rank (the expert outputs of identity experts):
+
+* ``mooncake``: ``Buffer.dispatch`` (one row per token and destination rank) -> the caller
+  weights each received row by its local weights (DeepEP's normal mode) ->
+  ``Buffer.combine``; over a ``mooncake`` group.
+* ``mooncake-ll``: ``low_latency_dispatch`` (one row per (token, expert), packed per
+  expert) -> ``low_latency_combine`` (applies the weights); over the same group.
+* ``plain-gloo``: the textbook version: sort the T*K (token, slot) rows by expert, counts
+  with ``all_to_all_single``, rows with ``all_to_all_single``, back again, then
+  ``index_add_`` of the weighted rows into the output (float32, rounded once); over gloo.
+
+Method: one set of rank processes (tests/rankpool.py: forked, own sessions, killed as a
+group; one torch thread each) runs all three; the default group is ``mooncake``, a second
+group uses gloo. One checked round trip per implementation (the output compared with
+the float64 reference), warm-up, then timed round trips in blocks that alternate
+between the implementations (a barrier before each block). The time of a round trip is
+the maximum over ranks; the reported time is the median over round trips. tokens/s =
+W * T / time (all ranks' tokens); GB/s = the top-k payload W * T * K * H * 2 bytes, both
+directions, / time (the same numerator for every implementation, so it compares
+effective speed); "moved/rank" is the bytes each rank actually sent per round trip.
+
+    .venv/bin/python benchmarks/ep_bench.py            # full run (about 1-2 minutes on 2 cores)
+    .venv/bin/python benchmarks/ep_bench.py --smoke    # CI: small sizes, W=2, seconds
+    .venv/bin/python benchmarks/ep_bench.py --gate     # also checks: mooncake >= 3x plain-gloo at W=2
+
+Output: a table on stdout, JSON (``--json``, default bench_out/ep_bench.json) and the
+table in markdown beside it (.md). Exit status 0 when every checked result was right
+(with ``--gate-strict`` also 1 when the gate fails).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+
+import rankpool  # noqa: E402
+
+IMPLS = ["mooncake", "mooncake-ll", "plain-gloo"]
+GATE_X = 3.0
+
+
+# ---------------------------------------------------------------- rank side
+
+def _inputs(rank, T, H, E, K, seed):
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    x = (torch.randint(-8, 9, (T, H), generator=g).float() / 8).to(torch.bfloat16)
+    idx = torch.argsort(torch.rand((T, E), generator=g), dim=1)[:, :K].contiguous()
+    w = torch.randint(1, 16, (T, K), generator=g).float() / 16
+    return x, idx, w
+
+
+def plain_round_trip(x, idx, w, E, group, W):
+    """Sort by expert + all_to_all_single (gloo) + index_add_."""
+    import torch
+    import torch.distributed as dist
+
+    T, K = idx.shape
+    L = E // W
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    tok = order // K
+    rows = x.index_select(0, tok)
+    send = torch.bincount(flat // L, minlength=W)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    sc, rc = send.tolist(), recv.tolist()
+    got = torch.empty((sum(rc), x.shape[1]), dtype=x.dtype)
+    dist.all_to_all_single(got, rows, rc, sc, group=group)
+    # identity experts: the rows go straight back
+    back = torch.empty_like(rows)
+    dist.all_to_all_single(back, got, sc, rc, group=group)
+    out = torch.zeros((T, x.shape[1]), dtype=torch.float32)
+    out.index_add_(0, tok, back.float() * w.reshape(-1).index_select(0, order).unsqueeze(1))
+    return out.to(x.dtype), rows.numel() * rows.element_size() * 2
+
+
+def mooncake_round_trip(buf, x, idx, w, E):
+    r = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+    y = r.recv_x * r.recv_topk_weights.sum(1, keepdim=True).to(x.dtype)   # the caller's weighting, in bf16
+    out = buf.combine(y, r.handle).combined_x
+    moved = sum(r.handle.send_counts) * x.shape[1] * x.element_size() * 2
+    return out, moved
+
+
+def mooncake_ll_round_trip(buf, x, idx, w, E):
+    ll = buf.low_latency_dispatch(x, idx, x.shape[0], E)
+    out = buf.low_latency_combine(ll.recv_x, idx, w, ll.handle)
+    moved = ll.handle.pair_token.numel() * x.shape[1] * x.element_size() * 2
+    return out, moved
+
+
+def rank_bench(rank, ws, cfg):
+    import torch
+    import torch.distributed as dist
+
+    import mooncake_ep
+
+    T, H, E, K = cfg["T"], cfg["H"], cfg["E"], cfg["K"]
+    gloo = dist.new_group(list(range(ws)), backend="gloo")
+    buf = mooncake_ep.Buffer()
+    x, idx, w = _inputs(rank, T, H, E, K, cfg["seed"])
+    calls = {
+        "mooncake": lambda: mooncake_round_trip(buf, x, idx, w, E),
+        "mooncake-ll": lambda: mooncake_ll_round_trip(buf, x, idx, w, E),
+        "plain-gloo": lambda: plain_round_trip(x, idx, w, E, gloo, ws),
+    }
+    impls = [i for i in cfg["impls"] if i in calls]
+    # 1. one checked call each, against the float64 reference sum_k w_k x
+    ref = (x.double() * w.double().sum(1, keepdim=True))
+    res = {}
+    for name in impls:
+        out, moved = calls[name]()
+        err = float((out.double() - ref).abs().max()) if out.numel() else 0.0
+        tol = float(ref.abs().max()) * 2 ** -7 + 1e-6 if out.numel() else 0.0  # one bf16 rounding
+        res[name] = {"ok": err <= tol, "max_err": err, "moved_bytes": moved, "times": []}
+    # 2. warm-up, 3. timed blocks alternating between the implementations
+    for name in impls:
+        for _ in range(cfg["warmup"]):
+            calls[name]()
+    for rnd in range(cfg["rounds"]):
+        k = rnd % len(impls)
+        for name in impls[k:] + impls[:k]:
+            dist.barrier(group=gloo)
+            for _ in range(cfg["block"]):
+                t0 = time.perf_counter()
+                calls[name]()
+                res[name]["times"].append(time.perf_counter() - t0)
+    dist.barrier(group=gloo)
+    dist.destroy_process_group(gloo)
+    return res
+
+
+# --------------------------------------------------------------- orchestrator
+
+def measure(ws, cfg, timeout):
+    pool = rankpool.get_pool(ws, "mooncake", None, timeout=120)
+    try:
+        per_rank = pool.run(rank_bench, cfg, timeout=timeout)
+    finally:
+        pool.close()
+    out = {}
+    for name in cfg["impls"]:
+        times = [max(per_rank[r][name]["times"][i] for r in range(ws))
+                 for i in range(len(per_rank[0][name]["times"]))]
+        t = statistics.median(times)
+        payload = ws * cfg["T"] * cfg["K"] * cfg["H"] * 2 * 2
+        out[name] = {
+            "world_size": ws, "impl": name, "time_ms": t * 1e3, "min_ms": min(times) * 1e3,
+            "max_ms": max(times) * 1e3, "calls": len(times),
+            "tokens_per_s": ws * cfg["T"] / t, "gbs": payload / t / 1e9,
+            "moved_bytes_per_rank": statistics.mean(per_rank[r][name]["moved_bytes"] for r in range(ws)),
+            "ok": all(per_rank[r][name]["ok"] for r in range(ws)),
+            "max_err": max(per_rank[r][name]["max_err"] for r in range(ws)),
+        }
+    return out
+
+
+def render(results, cfg, md=False):
+    head = ["W", "implementation", "round trip (ms)", "tokens/s", "GB/s", "moved/rank (MiB)", "vs plain-gloo", "check"]
+    rows = []
+    for ws, per in results.items():
+        base = per.get("plain-gloo")
+        for name, r in per.items():
+            ratio = f"{base['time_ms'] / r['time_ms']:.2f}x" if base else "-"
+            rows.append([ws, name, f"{r['time_ms']:.1f}", f"{r['tokens_per_s']:,.0f}", f"{r['gbs']:.2f}",
+                         f"{r['moved_bytes_per_rank'] / 2**20:.1f}", ratio, "ok" if r["ok"] else "WRONG"])
+    title = (f"T={cfg['T']} tokens/rank, H={cfg['H']}, top-{cfg['K']} of {cfg['E']} experts, bf16, CPU, "
+             f"one torch thread per rank; median of {cfg['rounds'] * cfg['block']} round trips (slowest rank)")
+    if md:
+        lines = [f"**{title}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    else:
+        widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+        fmt = lambda cells: "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+        lines = [title, fmt(head), "-" * (sum(widths) + 2 * len(widths))] + [fmt(r) for r in rows]
+    return "\n".join(lines)
+
+
+def gate(results):
+    per = results.get(2)
+    if not per or "mooncake" not in per or "plain-gloo" not in per:
+        return None, "SKIP  W=2 mooncake >= 3x plain-gloo: not measured"
+    x = per["plain-gloo"]["time_ms"] / per["mooncake"]["time_ms"]
+    ok = x >= GATE_X and per["mooncake"]["ok"]
+    return ok, (f"{'PASS' if ok else 'FAIL'}  W=2 round trip: mooncake {per['mooncake']['tokens_per_s']:,.0f} tokens/s "
+                f"vs plain-gloo {per['plain-gloo']['tokens_per_s']:,.0f} = {x:.2f}x (gate >= {GATE_X:.0f}x)")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--world-sizes", default=None, help="comma list (default 2,4; smoke 2)")
+    ap.add_argument("--tokens", type=int, default=None, help="T per rank (default 4096; smoke 256)")
+    ap.add_argument("--hidden", type=int, default=None, help="H (default 2048; smoke 256)")
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--rounds", type=int, default=None, help="blocks per implementation (default 5; smoke 2)")
+    ap.add_argument("--block", type=int, default=None, help="round trips per block (default 3; smoke 2)")
+    ap.add_argument("--warmup", type=int, default=None, help="default 2 (smoke 1)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--smoke", action="store_true", help="CI: small sizes, W=2")
+    ap.add_argument("--gate", action="store_true", help="print the gate line (mooncake >= 3x plain-gloo at W=2)")
+    ap.add_argument("--gate-strict", action="store_true", help="like --gate; exit 1 when it fails")
+    ap.add_argument("--json", default=os.path.join("bench_out", "ep_bench.json"))
+    ap.add_argument("--timeout", type=float, default=None, help="seconds per world size (default 900; smoke 120)")
+    args = ap.parse_args(argv)
+    s = args.smoke
+    cfg = {"T": args.tokens or (256 if s else 4096), "H": args.hidden or (256 if s else 2048),
+           "E": args.experts, "K": args.topk, "seed": args.seed,
+           "impls": [i for i in args.impls.split(",") if i],
+           "rounds": args.rounds or (2 if s else 5), "block": args.block or (2 if s else 3),
+           "warmup": args.warmup if args.warmup is not None else (1 if s else 2)}
+    world_sizes = [int(w) for w in (args.world_sizes or ("2" if s else "2,4")).split(",")]
+    timeout = args.timeout or (120 if s else 900)
+    results = {}
+    t0 = time.monotonic()
+    try:
+        for ws in world_sizes:
+            results[ws] = measure(ws, cfg, timeout)
+    finally:
+        rankpool.shutdown_all()
+    text = render(results, cfg)
+    print(text)
+    lines = []
+    ok_gate = None
+    if args.gate or args.gate_strict:
+        ok_gate, line = gate(results)
+        lines.append(line)
+        print(line)
+    print(f"[ep_bench] {time.monotonic() - t0:.1f} s")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"config": cfg, "results": {str(k): v for k, v in results.items()}, "gate": lines}, f, indent=1)
+        md = os.path.splitext(args.json)[0] + ".md"
+        with open(md, "w") as f:
+            f.write(render(results, cfg, md=True) + "\n" + "".join(f"\n{x}\n" for x in lines))
+        print(f"[ep_bench] wrote {args.json} and {md}")
+    wrong = [(ws, n) for ws, per in results.items() for n, r in per.items() if not r["ok"]]
+    if wrong:
+        print(f"[ep_bench] WRONG results: {wrong}", file=sys.stderr)
+        return 1
+    if args.gate_strict and ok_gate is False:
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

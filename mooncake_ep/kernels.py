@@ -1,0 +1,110 @@
+"""Row kernels of the dispatch/combine data path: vectorized torch ops for CPU tensors,
+Triton kernels (:mod:`mooncake_ep.triton_kernels`) for CUDA tensors.
+
+Names of dimensions: ``T`` tokens of this rank, ``N`` rows moved (one per token and
+destination rank in normal mode, one per distinct (token, expert) pair in low-latency
+mode), ``H`` hidden size.
+"""
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0          # largest finite float8_e4m3fn
+FP8_BLOCK = 128          # channels per scale
+FP8_MIN_AMAX = 1e-4      # a block of zeros gets scale FP8_MIN_AMAX / FP8_MAX
+
+
+def _use_triton(t: torch.Tensor, kernels: str) -> bool:
+    if kernels == "torch" or not t.is_cuda:
+        return False
+    try:
+        from . import triton_kernels  # noqa: F401
+    except ImportError:
+        if kernels == "triton":
+            raise
+        return False
+    return True
+
+
+def gather_rows(x: torch.Tensor, idx: torch.Tensor, kernels: str = "auto") -> torch.Tensor:
+    """``out[n] = x[idx[n]]``: ``x`` [T, H], ``idx`` int64 [N] -> [N, H] (x's dtype)."""
+    if _use_triton(x, kernels):
+        from .triton_kernels import permute
+
+        return permute(x, idx)
+    return torch.index_select(x, 0, idx)
+
+
+def scatter_add_rows(rows: torch.Tensor, idx: torch.Tensor, num_out: int, *,
+                     weights: torch.Tensor | None = None, fp32_accumulate: bool = True,
+                     out_dtype: torch.dtype | None = None, max_per_row: int | None = None,
+                     alloc=None) -> torch.Tensor:
+    """``out[t] = sum over n with idx[n] == t of weights[n] * rows[n]`` (weights 1 when
+    ``None``): ``rows`` [N, H], ``idx`` int64 [N] in ``[0, num_out)``, ``weights`` float [N]
+    -> [num_out, H] of ``out_dtype`` (default rows' dtype). Rows add in index order (the
+    result is deterministic); 16-bit rows accumulate in float32 when ``fp32_accumulate``
+    (or when weighted) and round once. ``max_per_row``: at most this many rows add into
+    one output row; with 2 or fewer, unweighted sums in the data's own dtype already round
+    exactly once (0 + a is exact, a + b rounds once), so the float32 detour is skipped.
+    ``alloc(shape, dtype)`` supplies the (uninitialised) output/accumulator tensors."""
+    out_dtype = out_dtype or rows.dtype
+    H = rows.shape[1] if rows.dim() == 2 else 0
+    acc_dtype = out_dtype
+    if out_dtype in (torch.bfloat16, torch.float16) and (fp32_accumulate or weights is not None):
+        if weights is not None or rows.dtype != out_dtype or max_per_row is None or max_per_row > 2:
+            acc_dtype = torch.float32
+    if alloc is None:
+        out = torch.zeros((num_out, H), dtype=acc_dtype, device=rows.device)
+    else:
+        out = alloc((num_out, H), acc_dtype).zero_()
+    if rows.shape[0]:
+        src = rows if rows.dtype == acc_dtype else rows.to(acc_dtype)
+        if weights is not None:
+            src = src * weights.to(acc_dtype).unsqueeze(1)
+        out.index_add_(0, idx, src)
+    if acc_dtype == out_dtype:
+        return out
+    if alloc is None:
+        return out.to(out_dtype)
+    return alloc((num_out, H), out_dtype).copy_(out)
+
+
+def scatter_rows(rows: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out[idx[n]] = rows[n]`` in place (indices distinct); returns ``out``."""
+    if rows.shape[0]:
+        if rows.element_size() == 1 and rows.dtype != torch.uint8:   # float8: no CPU index_copy_
+            out.view(torch.uint8).index_copy_(0, idx, rows.view(torch.uint8))
+        else:
+            out.index_copy_(0, idx, rows)
+    return out
+
+
+def fp8_quantize(x: torch.Tensor, kernels: str = "auto"):
+    """Per-block e4m3 cast: ``x`` [N, H] float -> ``(q, scales)`` with ``q`` float8_e4m3fn
+    [N, H] and ``scales`` float32 [N, ceil(H / 128)]; block ``b`` covers channels
+    ``[128 b, min(128 (b + 1), H))`` (the last block may be shorter) and
+    ``x ~= q.float() * scales[:, b]`` there. ``scale = max(amax, 1e-4) / 448``."""
+    if _use_triton(x, kernels):
+        from .triton_kernels import fp8_cast
+
+        return fp8_cast(x)
+    N, H = x.shape
+    nb = (H + FP8_BLOCK - 1) // FP8_BLOCK
+    xf = x.float()
+    pad = nb * FP8_BLOCK - H
+    if pad:
+        xf = torch.nn.functional.pad(xf, (0, pad))
+    blocks = xf.view(N, nb, FP8_BLOCK)
+    amax = blocks.abs().amax(dim=2).clamp_(min=FP8_MIN_AMAX)
+    scales = amax / FP8_MAX
+    q = (blocks / scales.unsqueeze(2)).clamp_(-FP8_MAX, FP8_MAX).view(N, nb * FP8_BLOCK)[:, :H]
+    return q.to(FP8_DTYPE).contiguous(), scales.contiguous()
+
+
+def fp8_dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Inverse of :func:`fp8_quantize` on the last dimension: ``q`` [..., H] float8,
+    ``scales`` [..., ceil(H / 128)] float32 -> [..., H] of ``dtype``."""
+    H = q.shape[-1]
+    s = scales.repeat_interleave(FP8_BLOCK, dim=-1)[..., :H]
+    return (q.float() * s).to(dtype)
