@@ -38,6 +38,7 @@ import argparse
 import ctypes
 import dataclasses
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -79,6 +80,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-dir", "--log_dir", default=None,
                    help="write each rank's stdout/stderr to DIR/rank<r>.<attempt>.{out,err} "
                         "(default: inherit this terminal)")
+    p.add_argument("--sidecar", action="append", default=[], metavar="CMD",
+                   help="a further process started with the ranks but outside the group (e.g. a "
+                        "rollout worker; shell-style words, run as is); it gets MASTER_ADDR/"
+                        "MASTER_PORT and SIDECAR_INDEX, is not respawned, and a non-zero exit "
+                        "fails the run; repeatable")
     p.add_argument("--store-timeout", type=float, default=300.0,
                    help="seconds a rank's control-store call may wait (default 300)")
     p.add_argument("-m", "--module", action="store_true",
@@ -146,6 +152,8 @@ class Launcher:
         self.store = None
         self.port = args.master_port
         self._stopping = False
+        self.sidecars: dict[int, object] = {}   # index -> SubprocessHandler
+        self.sidecar_failed: dict[int, int] = {}
 
     # -- environment of one rank
     def _env(self, rank: int, local_rank: int, attempt: int) -> dict:
@@ -169,6 +177,17 @@ class Launcher:
         return env
 
     def _spawn(self, rank: int, local_rank: int, attempt: int) -> RankProcess:
+        a = self.args
+        if a.no_python:
+            entry, argv = a.script, list(a.script_args)
+        elif a.module:
+            entry, argv = sys.executable, ["-u", "-m", a.script, *a.script_args]
+        else:
+            entry, argv = sys.executable, ["-u", a.script, *a.script_args]
+        h = self._handler(entry, argv, self._env(rank, local_rank, attempt), f"rank{rank}.{attempt}", local_rank)
+        return RankProcess(rank=rank, local_rank=local_rank, attempt=attempt, handler=h, started=time.monotonic())
+
+    def _handler(self, entry: str, argv: list, env: dict, log_name: str, local_rank: int):
         from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
         class _Handler(SubprocessHandler):
@@ -183,19 +202,12 @@ class Launcher:
                     preexec_fn=lambda: libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0))
 
         a = self.args
-        if a.no_python:
-            entry, argv = a.script, list(a.script_args)
-        elif a.module:
-            entry, argv = sys.executable, ["-u", "-m", a.script, *a.script_args]
-        else:
-            entry, argv = sys.executable, ["-u", a.script, *a.script_args]
         out = err = None
         if a.log_dir:
             os.makedirs(a.log_dir, exist_ok=True)
-            out = os.path.join(a.log_dir, f"rank{rank}.{attempt}.out")
-            err = os.path.join(a.log_dir, f"rank{rank}.{attempt}.err")
-        h = _Handler(entry, tuple(argv), self._env(rank, local_rank, attempt), out, err, local_rank, None)
-        return RankProcess(rank=rank, local_rank=local_rank, attempt=attempt, handler=h, started=time.monotonic())
+            out = os.path.join(a.log_dir, f"{log_name}.out")
+            err = os.path.join(a.log_dir, f"{log_name}.err")
+        return _Handler(entry, tuple(argv), env, out, err, local_rank, None)
 
     # -- life cycle
     def start(self) -> None:
@@ -208,8 +220,23 @@ class Launcher:
             rank = a.node_rank * a.nproc_per_node + local
             self.restarts[rank] = 0
             self.procs[rank] = self._spawn(rank, local, 0)
+        for i, cmd in enumerate(a.sidecar):
+            words = shlex.split(cmd)
+            if not words:
+                raise ValueError(f"mooncake-run: --sidecar {cmd!r} is empty")
+            env = {"MASTER_ADDR": a.master_addr, "MASTER_PORT": str(self.port), "SIDECAR_INDEX": str(i),
+                   "TORCHELASTIC_USE_AGENT_STORE": "True", "PYTHONUNBUFFERED": "1"}
+            self.sidecars[i] = self._handler(words[0], words[1:], env, f"sidecar{i}", 0)
 
     def poll_once(self) -> None:
+        for i, h in list(self.sidecars.items()):
+            rc = h.proc.poll()
+            if rc is None:
+                continue
+            del self.sidecars[i]
+            if rc != 0 and not self._stopping:
+                self.sidecar_failed[i] = rc
+            _log(f"sidecar {i} exited {rc}")
         for rank, p in list(self.procs.items()):
             rc = p.handler.proc.poll()
             if rc is None:
@@ -236,13 +263,20 @@ class Launcher:
                  f"{self.args.max_restarts}, MOONCAKE_IS_RECOVERY=1)")
             self.procs[rank] = self._spawn(rank, p.local_rank, self.restarts[rank])
 
-    def run(self) -> int:
+    def run(self, tick=None) -> int:
+        """Starts everything and supervises until every rank and sidecar has exited.
+        ``tick(launcher)``, if given, is called every ``--monitor-interval`` seconds (the
+        control store is ``launcher.store`` on node 0)."""
         self.start()
-        while self.procs:
+        while self.procs or self.sidecars:
             time.sleep(self.args.monitor_interval)
             self.poll_once()
-        if self.failed:
-            _log(f"finished: ranks {sorted(self.failed)} failed for good; exit 1")
+            if tick is not None:
+                tick(self)
+        if self.failed or self.sidecar_failed:
+            what = [f"ranks {sorted(self.failed)}"] if self.failed else []
+            what += [f"sidecars {sorted(self.sidecar_failed)}"] if self.sidecar_failed else []
+            _log(f"finished: {' and '.join(what)} failed for good; exit 1")
             return 1
         _log(f"finished: all {len(self.exited)} ranks exited 0 "
              f"({sum(self.restarts.values())} restarts)")
@@ -252,24 +286,27 @@ class Launcher:
         self._stopping = True
         if self.procs:
             _log(f"{why}: stopping ranks {sorted(self.procs)}")
-        for p in self.procs.values():
+        handlers = [p.handler for p in self.procs.values()] + list(self.sidecars.values())
+        for h in handlers:
             try:
-                p.handler.close(signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + self.args.shutdown_grace
-        while time.monotonic() < deadline and any(p.handler.proc.poll() is None for p in self.procs.values()):
-            time.sleep(0.05)
-        for p in self.procs.values():
-            try:
-                os.killpg(p.handler.proc.pid, signal.SIGKILL)
+                os.killpg(h.proc.pid, signal.SIGTERM)
             except (ProcessLookupError, PermissionError):
                 pass
-            p.handler.proc.wait()
+        deadline = time.monotonic() + self.args.shutdown_grace
+        while time.monotonic() < deadline and any(h.proc.poll() is None for h in handlers):
+            time.sleep(0.05)
+        for h in handlers:
+            try:
+                os.killpg(h.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            h.proc.wait()
         self.procs.clear()
+        self.sidecars.clear()
 
 
-def main(argv: Optional[list] = None) -> int:
+def main(argv: Optional[list] = None, tick=None) -> int:
+    """``mooncake-run``'s entry point; ``tick`` as in :meth:`Launcher.run`."""
     args = parse_args(argv)
     launcher = Launcher(args)
 
@@ -278,7 +315,7 @@ def main(argv: Optional[list] = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        return launcher.run()
+        return launcher.run(tick)
     except KeyboardInterrupt as e:
         launcher.stop(f"interrupted ({e or 'SIGINT'})")
         return 130

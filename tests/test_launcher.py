@@ -186,3 +186,43 @@ def test_bad_flags_are_rejected():
         r = subprocess.run([PY, "-m", "mooncake_pg.run", *args], cwd=ROOT, capture_output=True, text=True,
                            timeout=60)
         assert r.returncode == 2 and want in r.stderr, (args, r.stderr)
+
+
+SIDE = """
+import os, sys
+from datetime import timedelta
+import torch.distributed as dist
+st = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                   timeout=timedelta(seconds=30))
+st.set("sidecar/" + os.environ["SIDECAR_INDEX"], "here")
+print("sidecar", os.environ["SIDECAR_INDEX"], "RANK" in os.environ, flush=True)
+sys.exit(int(sys.argv[1]))
+"""
+
+RANK_WAITS = """
+import os
+from datetime import timedelta
+import torch.distributed as dist
+st = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                   timeout=timedelta(seconds=30))
+st.wait(["sidecar/0", "sidecar/1"])
+print("rank", os.environ["RANK"], "saw both sidecars", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("second_rc", [0, 5])
+def test_sidecars_run_outside_the_group(tmp_path, second_rc):
+    """--sidecar processes reach the control store, get no RANK, are not respawned; a
+    non-zero exit fails the run."""
+    (tmp_path / "side.py").write_text(SIDE)
+    (tmp_path / "rank.py").write_text(RANK_WAITS)
+    p = _launch(["--nproc-per-node", "2", "--sidecar", f"{PY} {tmp_path / 'side.py'} 0",
+                 "--sidecar", f"{PY} {tmp_path / 'side.py'} {second_rc}", str(tmp_path / "rank.py")], tmp_path)
+    rc, text = _finish(p, 90)
+    assert "sidecar 0 False" in text and "sidecar 1 False" in text, text
+    assert "rank 0 saw both sidecars" in text and "rank 1 saw both sidecars" in text, text
+    if second_rc == 0:
+        assert rc == 0, text
+    else:
+        assert rc == 1 and "sidecars [1] failed for good" in text, text
