@@ -167,7 +167,9 @@ class ExpertParallelMoE(nn.Module):
             out = torch.empty(sum(recv), dtype=torch.uint8)
             dist.all_to_all_single(out, mine, recv, send, group=self.buffer.group)
         after = self.buffer.get_active_ranks().tolist()
-        self._backup = {}
+        # copies of ranks that are gone now stay until they are restored (a snapshot taken
+        # while a rank is dead must not drop the only copy of its experts)
+        self._backup = {r: b for r, b in self._backup.items() if not after[r]}
         start = 0
         for r in range(W):
             if recv[r]:

@@ -243,6 +243,7 @@ def rank_rj_kill(rank, ws, victim):
     x = eputil.make_inputs(rank, RJ_T, RJ_H, RJ_E, RJ_K, torch.float32, 30)[0]
     with torch.no_grad():
         y = moe(x)               # over the survivors
+    moe.snapshot_experts()       # a snapshot while the victim is dead keeps its copy
     return y
 
 
@@ -286,7 +287,7 @@ def rank_rj_rejoin(rank, ws, victim):
 
 def test_rejoined_rank_gets_its_experts_back():
     """W=3, mask policy: experts 'trained' per rank and snapshotted; rank 1 is SIGKILLed
-    (survivors' MoE then excludes its experts), a replacement joins with fresh weights;
+    (survivors' MoE then excludes its experts; they snapshot again), a replacement joins with fresh weights;
     until restore_experts() ran, forward refuses to route to it on every rank; after it,
     the replacement's experts are bit-identical to the dead rank's and the MoE output
     equals the reference MoE with every rank's trained experts."""
