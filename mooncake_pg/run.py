@@ -324,5 +324,23 @@ def main(argv: Optional[list] = None, tick=None) -> int:
         raise
 
 
+def demo_main(argv: Optional[list] = None) -> int:
+    """``mooncake-demo``: runs ``examples/moe_rl_demo.py`` of this checkout (the main job;
+    see its docstring) with ``argv``."""
+    import runpy
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "moe_rl_demo.py")
+    if not os.path.exists(path):
+        _log(f"mooncake-demo: {path} not found (the demo runs from a source checkout, installed with "
+             "pip install --no-build-isolation -e .)")
+        return 2
+    sys.argv = [path, *(sys.argv[1:] if argv is None else argv)]
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as e:
+        return int(e.code or 0) if not isinstance(e.code, str) else 1
+    return 0
+
+
 if __name__ == "__main__":
     sys.exit(main())

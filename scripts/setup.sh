@@ -27,7 +27,7 @@ TORCH_VERSION="2.13.0"
 # Everything the tests, benchmarks and examples import besides torch and the project,
 # plus what a --no-build-isolation build needs (setuptools, wheel, ninja). triton: the
 # expert-parallel kernels are checked under TRITON_INTERPRET=1 and compiled for sm_90.
-DEPS=("numpy" "pytest>=8" "pytest-timeout>=2.3" "ninja" "setuptools>=77" "wheel" "triton>=3.6")
+DEPS=("numpy" "pytest>=8" "pytest-timeout>=2.3" "ninja" "setuptools>=77" "wheel" "triton>=3.6" "tqdm" "matplotlib")
 export MAX_JOBS="${MAX_JOBS:-2}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 

@@ -1,0 +1,468 @@
+"""The main job: train a small MoE language model with expert parallelism over
+``"mooncake"``, survive a killed rank, and (with the store) feed rollout workers.
+
+Run it (the README's first command does the set-up, then this)::
+
+    .venv/bin/mooncake-demo [--steps 160] [--kill-rank 1 --kill-at 80] [--corpus PATH]
+
+``mooncake-demo`` is this file's driver: it runs ``mooncake-run``'s launcher in-process
+(the control store lives there, so any rank may die, rank 0 included) with 4 training
+ranks (``--role train``), draws progress bars from what the ranks report through the
+control store, and at the end prints a summary table and writes a PNG plot of the loss
+curve with the failure and the recovery marked (``--out``, default ``demo_out/``).
+
+Each training rank:
+
+* reads the corpus at run time (default: the installed Python's standard-library source,
+  sorted by path, up to ``--corpus-bytes``; ``--corpus PATH`` takes any text file or
+  directory) as byte-level tokens (vocabulary 256);
+* holds the dense layers (embeddings, attention, norms, routers, head) replicated, data
+  parallel: gradients are all-reduced with a trailing 1, so they are averaged over the
+  ranks that contributed; and ``E / W`` experts of each MoE layer
+  (``mooncake_ep.ExpertParallelMoE``, top-2 of ``--experts``), whose gradients come back
+  through the dispatch/combine backward;
+* with ``on_failure="mask"``: when ``--kill-rank`` SIGKILLs itself at ``--kill-at``, the
+  survivors' ops complete over the survivors (tokens for the dead rank's experts
+  contribute zero) and training goes on over three ranks;
+* the launcher respawns the dead rank alone (``MOONCAKE_IS_RECOVERY=1``); it joins, gets
+  the dense parameters, their Adam state and the step from ``mooncake_pg.sync_state``
+  and its experts from the peer holding their latest snapshot
+  (``ExpertParallelMoE.restore_experts``; snapshots every ``--snapshot-every`` steps);
+* at the end every rank checks that the group is full and the dense parameters are
+  bit-identical everywhere (expert shards live on their owners).
+
+Exit status 0 when the launcher succeeded and loss went down, the failure (if any) was
+recovered and the dense parameters are equal on every rank.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import signal
+import sys
+import sysconfig
+import time
+from datetime import timedelta
+
+# ============================================================================ model
+
+
+def build_model(args, group=None):
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import mooncake_ep
+
+    class Expert(nn.Module):
+        def __init__(self, d, hidden):
+            super().__init__()
+            self.up = nn.Linear(d, hidden)
+            self.down = nn.Linear(hidden, d)
+
+        def forward(self, x):
+            return self.down(F.gelu(self.up(x)))
+
+    class Block(nn.Module):
+        def __init__(self, d, heads, experts):
+            super().__init__()
+            self.heads = heads
+            self.ln1 = nn.LayerNorm(d)
+            self.qkv = nn.Linear(d, 3 * d)
+            self.proj = nn.Linear(d, d)
+            self.ln2 = nn.LayerNorm(d)
+            gate = nn.Linear(d, experts, bias=False)
+            self.moe = mooncake_ep.ExpertParallelMoE(gate, [Expert(d, 2 * d) for _ in range(experts)], group,
+                                                     top_k=2)
+
+        def forward(self, x):
+            b, t, d = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+            h = self.ln2(x)
+            return x + self.moe(h.reshape(b * t, d)).view(b, t, d)
+
+    class MoELM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            d = args.d_model
+            self.emb = nn.Embedding(256, d)
+            self.pos = nn.Parameter(torch.zeros(args.seq_len, d))
+            self.blocks = nn.ModuleList([Block(d, args.heads, args.experts) for _ in range(args.layers)])
+            self.ln_f = nn.LayerNorm(d)
+            self.head = nn.Linear(d, 256)
+
+        def forward(self, idx):
+            x = self.emb(idx) + self.pos[: idx.shape[1]]
+            for blk in self.blocks:
+                x = blk(x)
+            return self.head(self.ln_f(x))
+
+    torch.manual_seed(args.seed)   # the same initial weights on every rank
+    return MoELM()
+
+
+def split_parameters(model):
+    """(dense parameters, expert parameters): experts are the local shards of the MoE
+    layers; everything else is replicated."""
+    dense, experts = [], []
+    for name, p in model.named_parameters():
+        (experts if ".moe.experts." in name else dense).append(p)
+    return dense, experts
+
+
+class _Dense:
+    """The replicated part of the model as one module for ``sync_state``."""
+
+    @staticmethod
+    def of(model):
+        import torch.nn as nn
+
+        holder = nn.Module()
+        holder.params = nn.ParameterList(split_parameters(model)[0])
+        return holder
+
+
+# ============================================================================ data
+
+
+def read_corpus(path, limit):
+    """Bytes of the corpus: a file, or every *.py / *.txt / *.rst file under a directory
+    (sorted by path), at most ``limit`` bytes; default the Python standard library."""
+    root = path or sysconfig.get_paths()["stdlib"]
+    if os.path.isfile(root):
+        with open(root, "rb") as f:
+            return f.read(limit), root
+    chunks, size = [], 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        dirnames[:] = [d for d in dirnames if d not in ("site-packages", "__pycache__", "test", "tests")]
+        for name in sorted(filenames):
+            if not name.endswith((".py", ".txt", ".rst")):
+                continue
+            try:
+                with open(os.path.join(dirpath, name), "rb") as f:
+                    data = f.read(limit - size)
+            except OSError:
+                continue
+            chunks.append(data)
+            size += len(data)
+            if size >= limit:
+                return b"".join(chunks), root
+    if not chunks:
+        raise SystemExit(f"moe_rl_demo: no text found under {root!r} (give --corpus PATH)")
+    return b"".join(chunks), root
+
+
+def get_batch(data, args, rank, step):
+    import torch
+
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 7919 + rank)
+    starts = torch.randint(0, data.numel() - args.seq_len - 1, (args.batch,), generator=g)
+    idx = torch.stack([data[s: s + args.seq_len + 1] for s in starts.tolist()]).long()
+    return idx[:, :-1], idx[:, 1:]
+
+
+# ============================================================================ training rank
+
+
+def train(args) -> int:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import mooncake_pg
+
+    torch.set_num_threads(1)
+    dist.init_process_group("mooncake", pg_options=mooncake_pg.MooncakeOptions(on_failure="mask",
+                                                                              timeout=args.op_timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ctl = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                        timeout=timedelta(seconds=60))
+    first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    raw, _ = read_corpus(args.corpus, args.corpus_bytes)
+    data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+    model = build_model(args)
+    moes = [blk.moe for blk in model.blocks]
+    dense_params, expert_params = split_parameters(model)
+    dense = _Dense.of(model)
+    opt_dense = torch.optim.AdamW(dense_params, lr=args.lr, weight_decay=0.0)
+    opt_experts = torch.optim.AdamW(expert_params, lr=args.lr, weight_decay=0.0)
+    step, recoveries = 0, 0
+
+    def active():
+        return mooncake_pg.get_active_ranks().tolist()
+
+    def reporter():
+        return rank == min(r for r, a in enumerate(active()) if a)
+
+    def event(kind):
+        ctl.append("demo/events", f"{kind}:{step};")
+
+    if mooncake_pg.is_joining():
+        mooncake_pg.join_group(timeout=args.rejoin_timeout)
+        step = mooncake_pg.sync_state(dense, opt_dense, step=0)
+        for moe in moes:
+            moe.restore_experts()
+        print(f"[rank {rank}] rejoined at step {step}", flush=True)
+    else:
+        for moe in moes:
+            moe.snapshot_experts()
+
+    def admit_joiners():
+        nonlocal step, recoveries
+        if mooncake_pg.recover_ranks(None, mooncake_pg.get_pending_ranks()):
+            step = mooncake_pg.sync_state(dense, opt_dense, step=step)
+            for moe in moes:
+                moe.restore_experts()
+            recoveries += 1
+            if reporter():
+                event("recovered")
+
+    t_last, losses = time.monotonic(), []
+    while step < args.steps:
+        if rank == args.kill_rank and step == args.kill_at and first_start:
+            event("killed")
+            print(f"[rank {rank}] step {step}: SIGKILL myself", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, y = get_batch(data, args, rank, step)
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1))
+        opt_dense.zero_grad(set_to_none=False)
+        opt_experts.zero_grad(set_to_none=False)
+        loss.backward()
+        flat = torch.cat([p.grad.flatten() for p in dense_params] + [loss.detach().view(1), torch.ones(1)])
+        dist.all_reduce(flat)
+        n = flat[-1].item()
+        off = 0
+        for p in dense_params:
+            p.grad.copy_(flat[off: off + p.numel()].view_as(p) / n)
+            off += p.numel()
+        for p in expert_params:     # each rank's loss is a mean over its tokens: average over ranks
+            p.grad.div_(n)
+        opt_dense.step()
+        opt_experts.step()
+        mean_loss = flat[-2].item() / n
+        losses.append(mean_loss)
+        step += 1
+        if step % args.snapshot_every == 0:
+            for moe in moes:
+                moe.snapshot_experts()
+        if reporter():
+            now = time.monotonic()
+            tps = int(n) * args.batch * args.seq_len / max(now - t_last, 1e-9)
+            ctl.append("demo/log", f"{step} {mean_loss:.5f} {tps:.0f} {int(n)};")
+            ctl.set("demo/status", json.dumps({"step": step, "loss": mean_loss, "tokens_per_s": tps,
+                                               "ranks": int(n), "epoch": mooncake_pg.get_epoch(),
+                                               "recoveries": recoveries}))
+        t_last = time.monotonic()
+        admit_joiners()
+
+    # the end: wait for respawned ranks, then check the replicated parameters
+    deadline = time.monotonic() + args.rejoin_timeout
+    while not all(active()) and time.monotonic() < deadline:
+        dist.barrier()
+        time.sleep(0.1)
+        admit_joiners()
+    h = hashlib.sha256()
+    for p in dense_params:
+        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    mine = torch.tensor(list(h.digest()), dtype=torch.uint8)
+    out = torch.zeros(world, mine.numel(), dtype=torch.uint8)
+    dist.all_gather_single(out, mine)
+    act = active()
+    equal = all(torch.equal(out[r], mine) for r, a in enumerate(act) if a)
+    if reporter():
+        ctl.set("demo/final", json.dumps({"steps": step, "active": act, "epoch": mooncake_pg.get_epoch(),
+                                          "dense_equal": equal, "recoveries": recoveries}))
+    dist.destroy_process_group()
+    return 0 if equal and all(act) else 1
+
+
+# ============================================================================ driver
+
+
+def _parse_log(raw):
+    rows = []
+    for item in raw.split(";"):
+        if item.strip():
+            s, loss, tps, n = item.split()
+            rows.append((int(s), float(loss), float(tps), int(n)))
+    return rows
+
+
+def _parse_events(raw):
+    out = []
+    for item in raw.split(";"):
+        if ":" in item:
+            kind, s = item.split(":")
+            out.append((kind, int(s)))
+    return out
+
+
+def plot(rows, events, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    steps = [r[0] for r in rows]
+    ax.plot(steps, [r[1] for r in rows], lw=1.2, color="tab:blue", label="training loss (mean over ranks)")
+    colors = {"killed": "tab:red", "recovered": "tab:green"}
+    for kind, s in events:
+        ax.axvline(s, color=colors.get(kind, "gray"), ls="--", lw=1)
+        ax.annotate(f"rank {kind} @ {s}", (s, ax.get_ylim()[1]), rotation=90, va="top", ha="right",
+                    fontsize=8, color=colors.get(kind, "gray"))
+    degraded = [r[0] for r in rows if r[3] < max(x[3] for x in rows)]
+    if degraded:
+        ax.axvspan(min(degraded), max(degraded), color="tab:red", alpha=0.08, label="fewer ranks")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats / byte)")
+    ax.set_title("MoE LM over mooncake: loss, failure and recovery")
+    ax.legend(loc="center right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def drive(args, rest) -> int:
+    from tqdm import tqdm
+
+    from mooncake_pg import run as mrun
+
+    script = os.path.abspath(__file__)
+    train_args = ["--role", "train", *rest]
+    largv = ["--nproc-per-node", str(args.nproc), "--max-restarts", "2", "--monitor-interval", "0.2"]
+    if args.log_dir:
+        largv += ["--log-dir", args.log_dir]
+    largv += [script, *train_args]
+    os.makedirs(args.out, exist_ok=True)
+    raw, root = read_corpus(args.corpus, args.corpus_bytes)
+    print(f"[demo] corpus: {len(raw):,} bytes from {root}; {args.nproc} training ranks; "
+          f"kill rank {args.kill_rank} at step {args.kill_at}" if args.kill_rank >= 0 else "no kill", flush=True)
+    bar = tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout,
+               mininterval=0.5 if sys.stdout.isatty() else 5.0)
+    state = {"events": 0}
+
+    def tick(launcher):
+        st = launcher.store
+        if st is None or not st.check(["demo/status"]):
+            return
+        s = json.loads(st.get("demo/status"))
+        if s["step"] != state.get("step"):
+            state["step"] = s["step"]
+            bar.set_postfix(loss=f"{s['loss']:.3f}", tok_s=f"{s['tokens_per_s']:.0f}", ranks=s["ranks"],
+                            recoveries=s["recoveries"], refresh=False)
+            bar.update(min(s["step"], args.steps) - bar.n)
+        if st.check(["demo/events"]):
+            ev = _parse_events(st.get("demo/events").decode())
+            for kind, s_ in ev[state["events"]:]:
+                bar.write(f"[demo] step {s_}: a rank {kind}")
+            state["events"] = len(ev)
+
+    t0 = time.monotonic()
+    holder = {}
+
+    def tick_keep(launcher):
+        holder["launcher"] = launcher
+        tick(launcher)
+        # keep what the ranks reported before the launcher (and its store) go away
+        st = launcher.store
+        if st is not None:
+            for k in ("demo/log", "demo/events", "demo/final"):
+                if st.check([k]):
+                    holder[k] = st.get(k).decode()
+
+    rc = mrun.main(largv, tick=tick_keep)
+    bar.close()
+    wall = time.monotonic() - t0
+    rows = _parse_log(holder.get("demo/log", ""))
+    events = _parse_events(holder.get("demo/events", ""))
+    final = json.loads(holder["demo/final"]) if "demo/final" in holder else {}
+    if not rows:
+        print("[demo] no training progress was reported", flush=True)
+        return 1
+    k = max(1, len(rows) // 10)
+    first = sum(r[1] for r in rows[:k]) / k
+    last = sum(r[1] for r in rows[-k:]) / k
+    tps = sorted(r[2] for r in rows)[len(rows) // 2]
+    png = os.path.join(args.out, "loss.png")
+    plot(rows, events, png)
+    killed = [s for kind, s in events if kind == "killed"]
+    recovered = [s for kind, s in events if kind == "recovered"]
+    checks = {
+        "launcher exit 0": rc == 0,
+        "loss went down": last < first,
+        "failure recovered": (len(recovered) >= len(killed)) if args.kill_rank >= 0 else True,
+        "all ranks at the end": bool(final) and all(final["active"]),
+        "dense parameters equal": bool(final.get("dense_equal")),
+    }
+    summary = [
+        ("steps", f"{final.get('steps', rows[-1][0])}"),
+        ("wall time", f"{wall:.1f} s"),
+        ("loss (first / last 10%)", f"{first:.3f} -> {last:.3f}"),
+        ("median tokens/s (all ranks)", f"{tps:,.0f}"),
+        ("killed at step", ", ".join(map(str, killed)) or "-"),
+        ("recovered at step", ", ".join(map(str, recovered)) or "-"),
+        ("membership epoch at the end", f"{final.get('epoch', '?')}"),
+        ("loss plot", png),
+    ] + [(name, "ok" if ok else "FAILED") for name, ok in checks.items()]
+    width = max(len(a) for a, _ in summary)
+    print("\n" + "-" * (width + 40))
+    for a, b in summary:
+        print(f"{a:<{width}}  {b}")
+    print("-" * (width + 40), flush=True)
+    return 0 if all(checks.values()) else 1
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Train a small MoE LM with EP over mooncake; survive a killed rank.")
+    p.add_argument("--role", choices=["driver", "train"], default="driver")
+    p.add_argument("--nproc", type=int, default=4, help="training ranks (default 4)")
+    p.add_argument("--steps", type=int, default=160)
+    p.add_argument("--kill-rank", type=int, default=1, help="rank that SIGKILLs itself (-1: none)")
+    p.add_argument("--kill-at", type=int, default=None, help="its step (default: the middle)")
+    p.add_argument("--corpus", default=None, help="text file or directory (default: Python's stdlib source)")
+    p.add_argument("--corpus-bytes", type=int, default=4 << 20)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--experts", type=int, default=8, help="experts per MoE layer (a multiple of --nproc)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--snapshot-every", type=int, default=10, help="steps between expert snapshots")
+    p.add_argument("--op-timeout", type=float, default=30.0)
+    p.add_argument("--rejoin-timeout", type=float, default=120.0)
+    p.add_argument("--out", default="demo_out", help="directory for the loss plot")
+    p.add_argument("--log-dir", default=None, help="per-rank logs (default: this terminal)")
+    args = p.parse_args(argv)
+    if args.kill_at is None:
+        args.kill_at = args.steps // 2
+    if args.experts % args.nproc:
+        p.error(f"--experts ({args.experts}) must be a multiple of --nproc ({args.nproc})")
+    if args.kill_rank >= args.nproc:
+        p.error(f"--kill-rank must be < --nproc ({args.nproc}) or -1")
+    return args
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.role == "train":
+        return train(args)
+    rest = [a for a in argv if a not in ("--role", "driver")]
+    if args.kill_at is not None and "--kill-at" not in rest:
+        rest += ["--kill-at", str(args.kill_at)]
+    return drive(args, rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
