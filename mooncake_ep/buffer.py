@@ -12,7 +12,7 @@ expert twice goes to it once; the two weights add up.
 
 Every op that moves tokens is collective over the group (``get_dispatch_layout`` is
 local). Each one first exchanges a small header
-(``all_gather_into_tensor`` of a few int64 per rank: status, op, sizes, row counts), so
+(``all_gather_single`` of a few int64 per rank: status, op, sizes, row counts), so
 a rank's bad arguments make *every* rank raise ``ValueError`` (the offending rank with
 the details, the others naming it) before any token is moved, and ranks that disagree on
 sizes raise on every rank too. Tokens then move with the group's ``all_to_all_single``.
@@ -158,6 +158,13 @@ class LowLatencyHandle:
 
 
 # ------------------------------------------------------------------------ helpers
+
+def _all_gather_single(output, input, group=None):
+    """``dist.all_gather_single`` (torch 2.13's name), or ``all_gather_into_tensor`` on a
+    torch without it (the old name warns ``FutureWarning`` on 2.13)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group)
+
 
 _OPS = {"dispatch": 1, "combine": 2, "low_latency_dispatch": 3, "low_latency_combine": 4}
 _DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
@@ -342,7 +349,7 @@ class Buffer:
             if n_counts:
                 hdr[_HDR:] = counts.to(torch.int64).cpu()
         out = torch.zeros(self.group_size * hdr.numel(), dtype=torch.int64)   # flat: gloo wants [W * n]
-        dist.all_gather_into_tensor(out, hdr, group=self.group)
+        _all_gather_single(out, hdr, group=self.group)
         out = out.view(self.group_size, hdr.numel())
         active, epoch = self._membership()
         if error:

@@ -342,6 +342,53 @@ def test_options_and_gloo_group(pool_factory, ws):
         assert len(o["errs"]) == 3 and "kernels" in o["errs"][0] and "meta" in o["errs"][2], o["errs"]
 
 
+def rank_warnings_are_errors(rank, ws):
+    import warnings
+
+    import mooncake_ep
+
+    E, K, H = 2 * ws, 2, 16
+    x, idx, w = eputil.make_inputs(rank, 6, H, E, K, torch.float32, 21, 0.2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # -W error (FutureWarning included)
+        buf = mooncake_ep.Buffer()
+        r = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+        y = eputil.scaled_experts_normal(r.recv_x, r.recv_topk_idx, r.recv_topk_weights, rank, E // ws,
+                                         times_e_plus_one)
+        out = buf.combine(y, r.handle).combined_x
+        ll = buf.low_latency_dispatch(x, idx, 6, E)
+        out_ll = buf.low_latency_combine(eputil.scaled_experts_ll(ll.recv_x, rank, E // ws, times_e_plus_one),
+                                         idx, w, ll.handle)
+        gate, experts = eputil.build_model(H, E, K, 8, "topk", seed=2)
+        moe = mooncake_ep.ExpertParallelMoE(gate, experts)
+        moe.snapshot_experts()
+        moe.restore_experts()                   # nothing to restore: the all_gather of the table still runs
+        xm = x.clone().requires_grad_()
+        ym = moe(xm)
+        ym.sum().backward()
+    return {"out": out, "out_ll": out_ll, "moe_y": ym.detach(), "moe_gx": xm.grad}
+
+
+def test_no_warnings(pool_factory):
+    """Under ``warnings.simplefilter("error")`` (as ``-W error::FutureWarning``) dispatch,
+    combine, the low-latency pair, snapshot/restore and an ExpertParallelMoE step run
+    without a warning (torch 2.13 deprecates all_gather_into_tensor with FutureWarning)
+    and give the reference values."""
+    ws = 2
+    res = pool_factory(ws).run(rank_warnings_are_errors, timeout=60)
+    gate, experts = eputil.build_model(16, 2 * ws, 2, 8, "topk", seed=2)
+    for r in range(ws):
+        x, idx, w = eputil.make_inputs(r, 6, 16, 2 * ws, 2, torch.float32, 21, 0.2)
+        exp = eputil.ref_scaled_moe(x, idx, w, times_e_plus_one).float()
+        torch.testing.assert_close(res[r]["out"], exp, rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(res[r]["out_ll"], exp, rtol=1e-6, atol=1e-5)
+        xm = x.clone().requires_grad_()
+        ym = eputil.ref_moe(gate, experts, xm)
+        ym.sum().backward()
+        torch.testing.assert_close(res[r]["moe_y"], ym.detach(), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(res[r]["moe_gx"], xm.grad, rtol=1e-4, atol=1e-5)
+
+
 def rank_cached_bad(rank, ws):
     import mooncake_ep
 
