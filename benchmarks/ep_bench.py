@@ -99,7 +99,7 @@ def mooncake_round_trip(buf, x, idx, w, E):
 
 def mooncake_ll_round_trip(buf, x, idx, w, E):
     ll = buf.low_latency_dispatch(x, idx, x.shape[0], E)
-    out = buf.low_latency_combine(ll.recv_x, idx, w, ll.handle)
+    out = buf.low_latency_combine(ll.recv_x, idx, w, ll.handle).combined_x
     moved = ll.handle.pair_token.numel() * x.shape[1] * x.element_size() * 2
     return out, moved
 

@@ -10,9 +10,15 @@ DeepEP's vocabulary (DESIGN.md "Expert parallel")::
     out = buf.combine(y, recv.handle).combined_x                         # CombineResult
 
     ll = buf.low_latency_dispatch(x, topk_idx, T_max, num_experts, use_fp8=False)
-    out = buf.low_latency_combine(expert_out, topk_idx, topk_weights, ll.handle)
+    out = buf.low_latency_combine(expert_out, topk_idx, topk_weights,
+                                  ll.handle).combined_x                  # LowLatencyCombineResult
 
     moe = mooncake_ep.ExpertParallelMoE(gate, experts, group, top_k=2)
+
+Results are NamedTuples with the fields of DESIGN.md, which differ from DeepEP's tuples (no
+``num_tokens_per_rdma_rank``, no event objects; only :class:`LowLatencyCombineResult`
+keeps DeepEP's ``(combined_x, event, hook)``, with ``None`` for both on CPU): read them by
+field name.
 
 The data path on CPU tensors is vectorized torch plus the group's ``all_to_all_single``;
 Triton kernels (:mod:`mooncake_ep.triton_kernels`) serve CUDA tensors.
@@ -20,11 +26,11 @@ Triton kernels (:mod:`mooncake_ep.triton_kernels`) serve CUDA tensors.
 from __future__ import annotations
 
 from .buffer import (Buffer, CombineResult, DispatchHandle, DispatchLayout, DispatchResult,
-                     LowLatencyDispatchResult, LowLatencyHandle)
+                     LowLatencyCombineResult, LowLatencyDispatchResult, LowLatencyHandle)
 from .config import EPConfig, env_defaults
 from .kernels import fp8_dequantize, fp8_quantize
 from .moe import ExpertParallelMoE, route_topk
 
 __all__ = ["Buffer", "EPConfig", "env_defaults", "DispatchLayout", "DispatchResult", "CombineResult",
-           "DispatchHandle", "LowLatencyDispatchResult", "LowLatencyHandle", "ExpertParallelMoE",
+           "DispatchHandle", "LowLatencyDispatchResult", "LowLatencyCombineResult", "LowLatencyHandle", "ExpertParallelMoE",
            "route_topk", "fp8_quantize", "fp8_dequantize"]

@@ -111,6 +111,21 @@ class LowLatencyDispatchResult(NamedTuple):
     handle: "LowLatencyHandle"
 
 
+class LowLatencyCombineResult(NamedTuple):
+    """Result of :meth:`Buffer.low_latency_combine`; unpacks like DeepEP's
+    ``combined_x, event, hook = buf.low_latency_combine(...)``.
+
+    Attributes:
+        combined_x: [T, H] in the experts' output dtype (``out`` when given).
+        event: ``None`` on CPU (the op has finished when it returns).
+        hook: ``None`` on CPU (``return_recv_hook`` is not supported).
+    """
+
+    combined_x: torch.Tensor
+    event: Optional[object] = None
+    hook: Optional[object] = None
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class DispatchHandle:
     """Communication layout of one normal-mode dispatch (opaque; pass it to ``combine``).
@@ -715,7 +730,7 @@ class Buffer:
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,
-                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                            out: Optional[torch.Tensor] = None) -> LowLatencyCombineResult:
         """Returns each pair's expert output to its token and sums them with the weights.
 
         ``combined_x[t] = sum_k topk_weights[t, k] * x[l_k, j_k]`` over the slots of token
@@ -732,9 +747,10 @@ class Buffer:
             async_finish: no effect on CPU.
             use_logfmt, zero_copy, return_recv_hook: must be ``False`` (not supported on CPU).
 
-        Returns: ``combined_x`` [T, H] in x's dtype (accumulated in float32). Differentiable
-        in ``x`` and ``topk_weights``. Raises ``ValueError`` on every rank, before any row
-        moves, for bad arguments on some rank.
+        Returns: :class:`LowLatencyCombineResult` ``(combined_x, event, hook)``:
+        ``combined_x`` [T, H] in x's dtype (accumulated in float32), ``event`` and ``hook``
+        ``None`` on CPU. Differentiable in ``x`` and ``topk_weights``. Raises ``ValueError``
+        on every rank, before any row moves, for bad arguments on some rank.
         """
         op = "low_latency_combine"
         err = None
@@ -764,8 +780,8 @@ class Buffer:
         if out is not None:
             with torch.no_grad():
                 out.copy_(res)
-            return out
-        return res
+            return LowLatencyCombineResult(out, None, None)
+        return LowLatencyCombineResult(res, None, None)
 
 
 # ------------------------------------------------------------ autograd functions

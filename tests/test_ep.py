@@ -35,8 +35,13 @@ def rank_roundtrip(rank, ws, dtype_name, T, H, E, K, masked, seed):
     # a cached dispatch of other data on the same handle moves the same rows
     r2 = buf.dispatch(x * 2, handle=r.handle)
     ll = buf.low_latency_dispatch(x, idx, T + 3 * ws, E)
-    out_ll = buf.low_latency_combine(eputil.scaled_experts_ll(ll.recv_x, rank, L, times_e_plus_one),
-                                     idx, w, ll.handle)
+    # DeepEP's unpacking: (combined_x, event, hook)
+    out_ll, ll_event, ll_hook = buf.low_latency_combine(
+        eputil.scaled_experts_ll(ll.recv_x, rank, L, times_e_plus_one), idx, w, ll.handle)
+    # out= writes into the caller's tensor and hands it back as combined_x
+    dst = torch.full((x.shape[0], H), 7.0, dtype=dtype)
+    res_out = buf.low_latency_combine(eputil.scaled_experts_ll(ll.recv_x, rank, L, times_e_plus_one),
+                                      idx, w, ll.handle, out=dst)
     llq = buf.low_latency_dispatch(x, idx, T + 3 * ws, E, use_fp8=True)
     q, s = llq.recv_x
     deq = mooncake_ep.fp8_dequantize(q, s, torch.float32)
@@ -44,7 +49,8 @@ def rank_roundtrip(rank, ws, dtype_name, T, H, E, K, masked, seed):
             "recv_w": r.recv_topk_weights, "cached": r2.recv_x, "counts": r.num_recv_tokens_per_expert_list,
             "ll_x": ll.recv_x, "ll_count": ll.recv_count, "fp8_shapes": (tuple(q.shape), tuple(s.shape), q.dtype,
                                                                            s.dtype), "fp8_deq": deq,
-            "fp8_count": llq.recv_count}
+            "fp8_count": llq.recv_count, "ll_result": (type(res_out).__name__, res_out._fields, ll_event, ll_hook),
+            "ll_out_is_dst": res_out.combined_x is dst, "ll_out": dst}
 
 
 def expected_receive(ws, rank, T, H, E, K, dtype, seed, masked):
@@ -87,6 +93,9 @@ def test_dispatch_combine_random_routing(pool_factory, ws, dtype_name, masked):
         tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-5)
         torch.testing.assert_close(o["out"].double(), exp, **tol, msg=lambda m: f"rank {r} normal: {m}")
         torch.testing.assert_close(o["out_ll"].double(), exp, **tol, msg=lambda m: f"rank {r} low latency: {m}")
+        assert o["ll_result"] == ("LowLatencyCombineResult", ("combined_x", "event", "hook"), None, None), \
+            o["ll_result"]
+        assert o["ll_out_is_dst"] and torch.equal(o["ll_out"], o["out_ll"]), f"rank {r}: out="
         rx, ridx, rw, per_expert, ll_rows = expected_receive(ws, r, T, H, E, K, dtype, seed, masked)
         assert torch.equal(o["recv_x"], rx), f"rank {r}: recv_x differs"
         assert torch.equal(o["recv_idx"], ridx), f"rank {r}: recv_topk_idx {o['recv_idx']} vs {ridx}"
@@ -133,7 +142,7 @@ def rank_autograd(rank, ws, T, H, E, K, seed):
         else:
             ll = buf.low_latency_dispatch(x, idx, T + ws, E)
             y = eputil.scaled_experts_ll(ll.recv_x, rank, L, times_e_plus_one)
-            o = buf.low_latency_combine(y, idx, w.float(), ll.handle)
+            o = buf.low_latency_combine(y, idx, w.float(), ll.handle).combined_x
         (o.double() * G).sum().backward()
         out[mode] = {"gx": x.grad, "gw": w.grad}
     # combine's own topk_weights path: d combined_topk_weights / d recv weights
@@ -358,7 +367,7 @@ def rank_warnings_are_errors(rank, ws):
         out = buf.combine(y, r.handle).combined_x
         ll = buf.low_latency_dispatch(x, idx, 6, E)
         out_ll = buf.low_latency_combine(eputil.scaled_experts_ll(ll.recv_x, rank, E // ws, times_e_plus_one),
-                                         idx, w, ll.handle)
+                                         idx, w, ll.handle).combined_x
         gate, experts = eputil.build_model(H, E, K, 8, "topk", seed=2)
         moe = mooncake_ep.ExpertParallelMoE(gate, experts)
         moe.snapshot_experts()

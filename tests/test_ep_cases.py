@@ -65,7 +65,8 @@ def rank_ep1(rank, ws, variant):
     y = eputil.scaled_experts_normal(r.recv_x, r.recv_topk_idx, r.recv_topk_weights, rank, L, plus_one)
     out = buf.combine(y, r.handle).combined_x
     ll = buf.low_latency_dispatch(x, idx, 4, EP1_E)
-    out_ll = buf.low_latency_combine(eputil.scaled_experts_ll(ll.recv_x, rank, L, plus_one), idx, w, ll.handle)
+    out_ll = buf.low_latency_combine(eputil.scaled_experts_ll(ll.recv_x, rank, L, plus_one), idx, w,
+                                     ll.handle).combined_x
     return {"x": x, "idx": idx, "w": w, "out": out, "out_ll": out_ll, "recv_rows": int(r.recv_x.shape[0]),
             "recv_shape": tuple(r.recv_x.shape), "layout_rank": layout.num_tokens_per_rank,
             "counts": r.num_recv_tokens_per_expert_list, "ll_count": ll.recv_count.tolist()}
@@ -124,7 +125,8 @@ def rank_ep2(rank, ws):
     y = eputil.scaled_experts_normal(r.recv_x, r.recv_topk_idx, r.recv_topk_weights, rank, L, plus_one)
     c = buf.combine(y, r.handle, topk_weights=r.recv_topk_weights)
     ll = buf.low_latency_dispatch(x, idx, 2, EP2_E)
-    out_ll = buf.low_latency_combine(eputil.scaled_experts_ll(ll.recv_x, rank, L, plus_one), idx, w, ll.handle)
+    out_ll = buf.low_latency_combine(eputil.scaled_experts_ll(ll.recv_x, rank, L, plus_one), idx, w,
+                                     ll.handle).combined_x
     return {"out": c.combined_x, "combined_w": c.combined_topk_weights, "out_ll": out_ll,
             "recv_x": r.recv_x, "recv_idx": r.recv_topk_idx, "recv_w": r.recv_topk_weights,
             "counts": r.num_recv_tokens_per_expert_list, "ll_count": ll.recv_count.tolist(),
@@ -234,7 +236,7 @@ def rank_ep4(rank, ws, reps):
         if not torch.equal(out, exp):
             bad["normal"].append(i)
         ll = buf.low_latency_dispatch(x, idx, EP4_T, E)
-        out_ll = buf.low_latency_combine(ll.recv_x, idx, w, ll.handle)
+        out_ll = buf.low_latency_combine(ll.recv_x, idx, w, ll.handle).combined_x
         if not torch.equal(out_ll, exp):
             bad["low_latency"].append(i)
     return bad

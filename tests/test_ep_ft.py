@@ -76,13 +76,14 @@ def rank_kill_between(rank, ws, seed):
         time.sleep(60)
     log = []
     out = _try(lambda: buf.combine(y, r.handle).combined_x, log, "combine")
-    out_ll = _try(lambda: buf.low_latency_combine(y_ll, idx, w, ll.handle), log, "low_latency_combine")
+    out_ll = _try(lambda: buf.low_latency_combine(y_ll, idx, w, ll.handle).combined_x, log, "low_latency_combine")
     # later rounds run over the survivors
     r2 = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
     y2 = eputil.scaled_experts_normal(r2.recv_x, r2.recv_topk_idx, r2.recv_topk_weights, rank, L, plus_one)
     out2 = buf.combine(y2, r2.handle).combined_x
     ll2 = buf.low_latency_dispatch(x, idx, T + ws, E)
-    out2_ll = buf.low_latency_combine(eputil.scaled_experts_ll(ll2.recv_x, rank, L, plus_one), idx, w, ll2.handle)
+    out2_ll = buf.low_latency_combine(eputil.scaled_experts_ll(ll2.recv_x, rank, L, plus_one), idx, w,
+                                      ll2.handle).combined_x
     # the MoE layer after the failure (forward and input gradient)
     gate, experts = eputil.build_model(H, E, 2, 16, "topk", seed=4)
     moe = mooncake_ep.ExpertParallelMoE(gate, experts)
