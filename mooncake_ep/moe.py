@@ -47,8 +47,10 @@ class ExpertParallelMoE(nn.Module):
 
     Rejoined ranks: take :meth:`snapshot_experts` every few steps (each rank's experts are
     copied to the next active rank); after ``recover_ranks``/``join_group`` every rank
-    calls :meth:`restore_experts` before the next forward, and forward refuses to route
-    tokens to a rejoined rank until then (``RuntimeError``).
+    calls :meth:`restore_experts` before the next forward, and until then forward raises
+    ``RuntimeError`` on every rank, before any collective: on the survivors (which saw the
+    rank come back) and on the rejoined process itself (which knows it joined, whether it
+    built this module before or after ``join_group``).
     """
 
     def __init__(self, gate: nn.Module, experts: Sequence[nn.Module], group: Optional[dist.ProcessGroup] = None,
@@ -77,8 +79,10 @@ class ExpertParallelMoE(nn.Module):
         self._members = self.buffer.get_active_ranks().tolist()
         self._backup = {}              # owner rank -> uint8 snapshot of its experts' state
         self._unrestored = set()       # ranks whose experts must be restored before routing
-        if rank in self._last_joined():
-            self._unrestored.add(rank)  # this process replaced a dead rank: fresh weights
+        # This process replaced a dead rank (it was built before or after join_group): its
+        # experts hold fresh weights until restore_experts() ran.
+        self._fresh = self._joining() or rank in self._last_joined()
+        self._note_fresh()
 
     def route(self, x: torch.Tensor):
         """``(topk_idx int64 [T, K], topk_weights float32 [T, K])`` for tokens x [T, H]."""
@@ -134,7 +138,28 @@ class ExpertParallelMoE(nn.Module):
         except (AttributeError, ValueError):
             return []
 
+    def _joining(self):
+        mp = self.buffer._mooncake
+        if mp is None:
+            return False
+        try:
+            return bool(mp.backend_of(self.buffer.group).joining)
+        except (AttributeError, ValueError):
+            return False
+
+    def _note_fresh(self):
+        """On a rejoined process (until its experts are restored): itself and the ranks
+        that joined with it are unrestored, as the survivors see them."""
+        if self._fresh and not self._joining():
+            self._unrestored.add(self.buffer.rank)
+            self._unrestored |= set(self._last_joined())
+
     def _check_membership(self):
+        if self._joining():
+            raise RuntimeError(
+                f"ExpertParallelMoE (rank {self.buffer.rank}): this process replaces a dead rank and has not "
+                "joined the group yet; call mooncake_pg.join_group(), then restore_experts() on every rank")
+        self._note_fresh()
         active = self.buffer.get_active_ranks().tolist()
         back = {r for r in range(len(active)) if active[r] and not self._members[r]}
         self._unrestored |= back
@@ -188,6 +213,7 @@ class ExpertParallelMoE(nn.Module):
         Raises ``RuntimeError`` on every rank if no copy of a rejoined rank's experts
         exists (no snapshot was taken before it died). Optimizer state of the restored
         experts is not restored (use ``mooncake_pg.sync_state`` for replicated parts)."""
+        self._note_fresh()
         active = self.buffer.get_active_ranks().tolist()
         W, rank = len(active), self.buffer.rank
         want = set(self._unrestored) | set(self._last_joined()) if ranks is None else set(int(r) for r in ranks)
@@ -231,6 +257,8 @@ class ExpertParallelMoE(nn.Module):
                     t.copy_(out[off:off + nb].view(t.dtype).view(t.shape))
                     off += nb
         self._unrestored -= set(want_all)
+        if rank in want_all:
+            self._fresh = False
         self._members = self.buffer.get_active_ranks().tolist()
         self.snapshot_experts()
 

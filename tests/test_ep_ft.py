@@ -248,19 +248,33 @@ def rank_rj_kill(rank, ws, victim):
     return y
 
 
+def _guard(moe):
+    """forward's refusal (the RuntimeError's text), or None if it ran."""
+    try:
+        moe(torch.zeros(1, RJ_H))
+        return None
+    except RuntimeError as e:
+        return str(e)
+
+
 def rank_rj_rejoin(rank, ws, victim):
     import mooncake_pg
 
     out = {}
     if rank == victim:
+        # fresh weights: the old ones died with the process. A training script builds its
+        # model before join_group (examples/moe_rl_demo.py), another one after it.
+        early = _rj_model(rank, ws)
+        out["guard_joining"] = _guard(early)    # not even joined yet
         mooncake_pg.join_group(None, timeout=20)
-        moe = _rj_model(rank, ws)               # fresh weights: the old ones died with the process
-        out["fresh_digest"] = _state_digest(moe)
-        try:
-            moe(torch.zeros(1, RJ_H))
-            out["guard"] = None
-        except RuntimeError as e:
-            out["guard"] = str(e)
+        late = _rj_model(rank, ws)
+        out["fresh_digest"] = _state_digest(early)
+        # both refuse locally, before any collective (a dispatch here would meet the
+        # survivors' restore_experts instead of a dispatch)
+        out["guard"] = _guard(early)
+        out["guard_late"] = _guard(late)
+        out["guard_again"] = _guard(early)
+        moe = early
         _RJ.clear()
         _RJ["moe"] = moe
     else:
@@ -289,7 +303,9 @@ def rank_rj_rejoin(rank, ws, victim):
 def test_rejoined_rank_gets_its_experts_back():
     """W=3, mask policy: experts 'trained' per rank and snapshotted; rank 1 is SIGKILLed
     (survivors' MoE then excludes its experts; they snapshot again), a replacement joins with fresh weights;
-    until restore_experts() ran, forward refuses to route to it on every rank; after it,
+    until restore_experts() ran, forward refuses to route to it on every rank, the
+    replacement included (RuntimeError raised locally before any collective, whether its
+    MoE was built before or after join_group; before join_group it says to join); after it,
     the replacement's experts are bit-identical to the dead rank's and the MoE output
     equals the reference MoE with every rank's trained experts."""
     from test_rejoin import RejoinPool
@@ -318,9 +334,14 @@ def test_rejoined_rank_gets_its_experts_back():
     finally:
         rp.close()
     assert res[victim]["fresh_digest"] != digests[victim], "the replacement started with the old weights"
+    o = res[victim]
+    assert o["guard_joining"] is not None and "join_group" in o["guard_joining"], o["guard_joining"]
+    for key in ("guard_late", "guard_again"):
+        assert o[key] is not None and "restore_experts" in o[key] and "[1]" in o[key], (key, o[key])
     for r in range(3):
         o = res[r]
         assert o["guard"] is not None and "restore_experts" in o["guard"] and "[1]" in o["guard"], (r, o["guard"])
+        assert f"(rank {r})" in o["guard"], (r, o["guard"])
         assert o["digest"] == digests[r], f"rank {r}: experts after restore differ from before the failure"
         assert o["active"] == [1, 1, 1] and o["epoch"] == 2, (r, o["active"], o["epoch"])
         x = eputil.make_inputs(r, RJ_T, RJ_H, RJ_E, RJ_K, torch.float32, 31)[0]
