@@ -32,5 +32,5 @@ from .kernels import fp8_dequantize, fp8_quantize
 from .moe import ExpertParallelMoE, route_topk
 
 __all__ = ["Buffer", "EPConfig", "env_defaults", "DispatchLayout", "DispatchResult", "CombineResult",
-           "DispatchHandle", "LowLatencyDispatchResult", "LowLatencyCombineResult", "LowLatencyHandle", "ExpertParallelMoE",
-           "route_topk", "fp8_quantize", "fp8_dequantize"]
+           "DispatchHandle", "LowLatencyDispatchResult", "LowLatencyCombineResult", "LowLatencyHandle",
+           "ExpertParallelMoE", "route_topk", "fp8_quantize", "fp8_dequantize"]

@@ -36,8 +36,18 @@ class ExpertParallelMoE(nn.Module):
             ``num_experts``).
         group: the expert-parallel process group (default: the default group).
         num_experts: E; needed when ``experts`` holds only the local ones.
-        top_k: slots per token when ``gate`` returns logits.
+        top_k: slots per token when ``gate`` returns logits (``1 <= top_k <= E``); with a
+            gate that returns ``(topk_idx, topk_weights)`` it is optional and, when given,
+            must equal their K.
         buffer: a :class:`Buffer` to use (default: a new one on ``group``).
+
+    Raises ``ValueError`` at construction for a bad ``top_k``, an expert count that is
+    neither E nor L, or a gate whose output width is known (``out_features``, as for
+    ``nn.Linear``) and differs from E; forward raises ``ValueError`` (on every rank, before
+    anything is sent, as the gate is replicated) for logits whose width is not E or a
+    ``(topk_idx, topk_weights)`` pair whose K is not ``top_k``. A list of all experts
+    passed with ``num_experts`` = W times its length reads as this rank's local experts;
+    when the gate's width says otherwise the error says so.
 
     ``forward`` takes x [..., H] and returns the same shape and dtype. Every rank calls
     forward (and backward) together, also with zero tokens. Gradients reach x, the
@@ -69,6 +79,13 @@ class ExpertParallelMoE(nn.Module):
         else:
             raise ValueError(f"ExpertParallelMoE: got {len(experts)} experts; expected all {E} or this "
                              f"rank's {L} (num_experts={E}, group size {W})")
+        if top_k is not None:
+            if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
+                raise ValueError(f"ExpertParallelMoE: top_k must be an int in [1, num_experts={E}], got {top_k!r}")
+        self._num_given = len(experts)
+        width = getattr(gate, "out_features", None)
+        if isinstance(width, int):
+            self._check_width(gate, width, E, W)
         self.gate = gate
         self.experts = nn.ModuleList(local)
         self.num_experts = E
@@ -84,12 +101,29 @@ class ExpertParallelMoE(nn.Module):
         self._fresh = self._joining() or rank in self._last_joined()
         self._note_fresh()
 
+    def _check_width(self, gate, width, E, W):
+        if width == E:
+            return
+        msg = f"ExpertParallelMoE: the gate ({_gate_name(gate)}) gives {width} logits per token, but num_experts is {E}"
+        if width == self._num_given and self._num_given != E:
+            msg += (f"; the {self._num_given} experts given were read as this rank's local experts (group size "
+                    f"{W}), but the gate routes over {width}: this is ambiguous. Pass all experts without "
+                    f"num_experts=, or this rank's experts with a gate of width num_experts")
+        raise ValueError(msg)
+
     def route(self, x: torch.Tensor):
         """``(topk_idx int64 [T, K], topk_weights float32 [T, K])`` for tokens x [T, H]."""
         g = self.gate(x)
         if isinstance(g, (tuple, list)):
+            if len(g) != 2:
+                raise ValueError(f"ExpertParallelMoE: the gate ({_gate_name(self.gate)}) returned a {type(g).__name__} "
+                                 f"of {len(g)} items; expected logits or (topk_idx, topk_weights)")
             idx, w = g
+            if self.top_k is not None and idx.dim() == 2 and idx.shape[1] != self.top_k:
+                raise ValueError(f"ExpertParallelMoE: the gate ({_gate_name(self.gate)}) returned top-{idx.shape[1]} "
+                                 f"routing (topk_idx {tuple(idx.shape)}), but top_k={self.top_k}")
             return idx.long(), w.float()
+        self._check_width(self.gate, int(g.shape[-1]), self.num_experts, self.buffer.group_size)
         if self.top_k is None:
             raise ValueError("ExpertParallelMoE: the gate returned logits; pass top_k=")
         return route_topk(g, self.top_k)
@@ -261,6 +295,11 @@ class ExpertParallelMoE(nn.Module):
             self._fresh = False
         self._members = self.buffer.get_active_ranks().tolist()
         self.snapshot_experts()
+
+
+def _gate_name(gate):
+    r = repr(gate)
+    return r if "\n" not in r and len(r) <= 100 else type(gate).__name__
 
 
 def _anchor():

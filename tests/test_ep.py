@@ -299,6 +299,80 @@ def test_moe_matches_single_process_reference(pool_factory, ws, dtype_name):
             assert all(experts[e].up.weight.grad is None for e in range(E) if e != 1)
 
 
+def rank_moe_validation(rank, ws):
+    from torch import nn
+
+    import mooncake_ep
+
+    H, E, K, F, T = 8, 2 * ws, 2, 8, 5
+    gate, experts = eputil.build_model(H, E, K, F, "logits", seed=6)
+    errs = {}
+
+    def expect(name, build, forward=False):
+        try:
+            moe = build()
+            if forward:
+                moe(torch.zeros(T, H))
+            errs[name] = None
+        except ValueError as e:
+            errs[name] = str(e)
+
+    Moe = mooncake_ep.ExpertParallelMoE
+    # construction: a Linear gate's width is known at once
+    expect("linear_width", lambda: Moe(nn.Linear(H, E - 1, bias=False), experts, top_k=K))
+    expect("linear_all_with_2E", lambda: Moe(nn.Linear(H, E, bias=False), experts, num_experts=2 * E, top_k=K))
+    for k in (0, -1, E + 1):
+        expect(f"top_k={k}", lambda: Moe(gate, experts, top_k=k))
+    # first forward: widths of other gates, K of a tuple-returning gate
+    expect("logits_width", lambda: Moe(eputil.Gate(H, E + 1, K, "logits"), experts, top_k=K), forward=True)
+    expect("logits_all_with_2E", lambda: Moe(gate, experts, num_experts=2 * E, top_k=K), forward=True)
+    expect("tuple_k", lambda: Moe(eputil.Gate(H, E, K, "topk"), experts, top_k=K + 1), forward=True)
+    # the group is untouched by all that: valid layers give the reference values, also
+    # with this rank's experts only (num_experts= given, Linear gate of width E)
+    L = E // ws
+    x = eputil.make_inputs(rank, T + rank, H, E, K, torch.float32, seed=13)[0]
+    with torch.no_grad():
+        y_all = Moe(gate, experts, top_k=K)(x)
+        y_local = Moe(gate.proj, experts[rank * L:(rank + 1) * L], num_experts=E, top_k=K)(x)
+        tuple_gate = eputil.Gate(H, E, K, "topk")
+        tuple_gate.proj = gate.proj                 # the same router, returning (topk_idx, topk_weights)
+        y_tuple = Moe(tuple_gate, experts, top_k=K)(x)
+    return {"errs": errs, "y_all": y_all, "y_local": y_local, "y_tuple": y_tuple}
+
+
+def test_moe_validation(pool_factory):
+    """ExpertParallelMoE rejects with ValueError: a Linear gate whose out_features is not
+    num_experts (at construction, naming the gate), all E experts with num_experts=2E
+    (ambiguous, at construction for a Linear gate, at the first forward for another
+    logits gate), top_k outside [1, E] (construction), logits of the wrong width and a
+    tuple gate whose K differs from top_k (first forward, on every rank before anything
+    is sent). Valid layers afterwards, the local-experts form included, equal the
+    reference MoE."""
+    ws = 2
+    H, E, K, F, T = 8, 2 * ws, 2, 8, 5
+    res = pool_factory(ws).run(rank_moe_validation, timeout=60)
+    gate, experts = eputil.build_model(H, E, K, F, "logits", seed=6)
+    for r in range(ws):
+        e = res[r]["errs"]
+        assert all(v is not None for v in e.values()), e
+        assert "Linear(in_features=8, out_features=3" in e["linear_width"] and "num_experts is 4" in e["linear_width"]
+        for key in ("linear_all_with_2E", "logits_all_with_2E"):
+            assert "ambiguous" in e[key] and "num_experts is 8" in e[key], (key, e[key])
+        for k in (0, -1, E + 1):
+            assert f"top_k must be an int in [1, num_experts={E}], got {k}" in e[f"top_k={k}"], e[f"top_k={k}"]
+        assert "Gate" in e["logits_width"] and "5 logits" in e["logits_width"], e["logits_width"]
+        assert "top-2" in e["tuple_k"] and "top_k=3" in e["tuple_k"], e["tuple_k"]
+        x = eputil.make_inputs(r, T + r, H, E, K, torch.float32, seed=13)[0]
+        with torch.no_grad():
+            exp = eputil.ref_moe(gate, experts, x)
+            gt = eputil.Gate(H, E, K, "topk")
+            gt.proj = gate.proj
+            exp_tuple = eputil.ref_moe(gt, experts, x)
+        for key in ("y_all", "y_local"):
+            torch.testing.assert_close(res[r][key], exp, rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {r} {key}: {m}")
+        torch.testing.assert_close(res[r]["y_tuple"], exp_tuple, rtol=1e-4, atol=1e-5)
+
+
 # ===================================================== options and other backends
 
 def rank_options(rank, ws):
