@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """MoE dispatch + combine round trip on CPU: ``mooncake_ep`` against a plain implementation
-over gloo, in the same run (issue 4).
+over gloo, in the same run.
 
 Workload per rank (defaults): T=4096 tokens, H=2048, bfloat16, top-8 of 32 experts chosen
 uniformly at random per token (rank-dependent seed), float32 weights, identity experts;
@@ -202,8 +202,9 @@ def gate(results):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    summary, _, details = __doc__.partition("\n\n")
+    ap = argparse.ArgumentParser(description=summary, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=details)
     ap.add_argument("--world-sizes", default=None, help="comma list (default 2,4; smoke 2)")
     ap.add_argument("--tokens", type=int, default=None, help="T per rank (default 4096; smoke 256)")
     ap.add_argument("--hidden", type=int, default=None, help="H (default 2048; smoke 256)")
