@@ -183,6 +183,7 @@ def _all_gather_single(output, input, group=None):
 
 _OPS = {"dispatch": 1, "combine": 2, "low_latency_dispatch": 3, "low_latency_combine": 4}
 _DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
+_DTYPE_NAMES = {code: str(dt).replace("torch.", "") for dt, code in _DTYPES.items()}
 _HDR = 8  # status, op, then 6 op-specific fields every rank must agree on
 _OK, _BAD = 1, 2
 
@@ -378,9 +379,13 @@ class Buffer:
         nf = 2 + len(fields)
         diff = [r for r in live if not torch.equal(out[r, 1:nf], out[ref, 1:nf])]
         if diff:
-            what = ", ".join(f"{nm}={int(out[ref, 2 + i])}" for i, nm in enumerate(names))
-            got = "; ".join(f"rank {r}: " + ", ".join(f"{nm}={int(out[r, 2 + i])}" for i, nm in enumerate(names))
-                            for r in diff)
+            def show(r):
+                vals = (int(out[r, 2 + i]) for i in range(len(names)))
+                return ", ".join(f"{nm}={_DTYPE_NAMES.get(v, v) if nm == 'dtype' else v}"
+                                 for nm, v in zip(names, vals))
+
+            what = show(ref)
+            got = "; ".join(f"rank {r}: {show(r)}" for r in diff)
             raise self._err(op, f"rank(s) {diff} disagree with rank {ref} ({what}): {got}; nothing was sent")
         return out, active, epoch
 
@@ -616,14 +621,15 @@ class Buffer:
         """Sends each (token, expert) pair to the expert's rank, packed per local expert.
 
         Args:
-            x: [T, H] bfloat16/float32 (T <= T_max).
+            x: [T, H] float32/bfloat16/float16/float64 (T <= T_max).
             topk_idx: int64/int32 [T, K], expert ids or -1.
             num_max_dispatch_tokens_per_rank: T_max, the same on every rank.
             num_experts: E, a multiple of W.
             cumulative_local_expert_recv_stats: int32 [L] or ``None``; ``recv_count`` is
                 added to it.
             use_fp8: send e4m3 with one float32 scale per 128 channels (the last block may
-                be shorter); ``recv_x`` is then ``(x_fp8, scales)`` and not differentiable.
+                be shorter), from any of x's dtypes; ``recv_x`` is then ``(x_fp8, scales)``
+                and not differentiable.
             async_finish: no effect on CPU (the op has finished when it returns).
             round_scale, use_ue8m0, return_recv_hook: DeepEP arguments; must be ``False``
                 (not supported on CPU).
@@ -738,8 +744,9 @@ class Buffer:
         count once per slot, so their weights add up).
 
         Args:
-            x: [L, W * T_max, H] bfloat16/float32, the experts' outputs in the layout of
-                ``low_latency_dispatch``'s ``recv_x``.
+            x: [L, W * T_max, H] float32/bfloat16/float16/float64 (not float8: dequantize
+                first), the experts' outputs in the layout of ``low_latency_dispatch``'s
+                ``recv_x``; it need not be the dispatched dtype.
             topk_idx: the dispatch's ``topk_idx`` ([T, K]; checked to be the same).
             topk_weights: float32 [T, K]; differentiable.
             handle: the :class:`LowLatencyHandle` of the dispatch.

@@ -84,7 +84,12 @@ def fp8_quantize(x: torch.Tensor, kernels: str = "auto"):
     """Per-block e4m3 cast: ``x`` [N, H] float -> ``(q, scales)`` with ``q`` float8_e4m3fn
     [N, H] and ``scales`` float32 [N, ceil(H / 128)]; block ``b`` covers channels
     ``[128 b, min(128 (b + 1), H))`` (the last block may be shorter) and
-    ``x ~= q.float() * scales[:, b]`` there. ``scale = max(amax, 1e-4) / 448``."""
+    ``x ~= q.float() * scales[:, b]`` there. ``scale = max(amax, 1e-4) / 448``.
+    Raises ``ValueError`` unless ``x`` is a 2-D floating-point tensor."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
+        what = f"shape {tuple(x.shape)}, dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"fp8_quantize: x must be a 2-D floating-point tensor [N, H] (one row per token; "
+                         f"reshape to (-1, H) first), got {what}")
     if _use_triton(x, kernels):
         from .triton_kernels import fp8_cast
 

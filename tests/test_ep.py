@@ -226,6 +226,72 @@ def test_bad_or_disagreeing_arguments_raise_everywhere(pool_factory, what):
         assert res[r] is not None and f"(rank {r})" in res[r] and "mooncake_ep" in res[r], (r, res[r])
         if r == 0:
             assert "1" in res[r], res[r]
+        if what == "dtype":     # dtype names, not the header's codes
+            assert "dtype=float32" in res[r] and "rank 1: " in res[r] and "dtype=float64" in res[r], res[r]
+
+
+def rank_ll_dtypes(rank, ws):
+    import mooncake_ep
+
+    E, K, H, T = 2 * ws, 2, 136, 5
+    L = E // ws
+    buf = mooncake_ep.Buffer()
+    out = {}
+    for name in ("float16", "float64", "bfloat16", "float32"):
+        x, idx, w = eputil.make_inputs(rank, T, H, E, K, getattr(torch, name), 17, 0.2)
+        ll = buf.low_latency_dispatch(x, idx, T, E)
+        y = eputil.scaled_experts_ll(ll.recv_x, rank, L, times_e_plus_one)
+        q = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)
+        deq = mooncake_ep.fp8_dequantize(*q.recv_x, dtype=torch.float32)
+        out[name] = {"out": buf.low_latency_combine(y, idx, w, ll.handle).combined_x,
+                     "fp8_rows": sum(ll.recv_count.tolist()),
+                     "close": [bool(torch.allclose(ll.recv_x[l, :n].float(), deq[l, :n], rtol=0.0625, atol=1e-3))
+                               for l, n in enumerate(ll.recv_count.tolist())]}
+    return out
+
+
+def test_low_latency_dtypes(pool_factory):
+    """The low-latency pair takes every dtype its docstring lists (float32, bfloat16,
+    float16, float64) and returns combined_x in it, equal to the float64 reference; fp8
+    dispatch works from each (dequantized rows within e4m3 precision of the packed rows)."""
+    ws = 2
+    res = pool_factory(ws).run(rank_ll_dtypes, timeout=60)
+    for r in range(ws):
+        for name, o in res[r].items():
+            x, idx, w = eputil.make_inputs(r, 5, 136, 2 * ws, 2, getattr(torch, name), 17, 0.2)
+            exp = eputil.ref_scaled_moe(x, idx, w, times_e_plus_one)
+            assert o["out"].dtype == getattr(torch, name)
+            tol = dict(rtol=1e-6, atol=1e-6) if name in ("float32", "float64") else dict(rtol=1e-2, atol=1e-2)
+            torch.testing.assert_close(o["out"].double(), exp, **tol, msg=lambda m: f"rank {r} {name}: {m}")
+            assert o["fp8_rows"] > 0 and all(o["close"]), (r, name, o)
+
+
+def test_fp8_quantize_rejects_non_2d():
+    """fp8_quantize takes [N, H]; a 1-D (or 3-D, or integer) input gets a ValueError that
+    says so, instead of a tuple-unpacking error."""
+    import mooncake_ep
+
+    for bad in (torch.ones(256), torch.ones(2, 3, 128), torch.ones(4, 128, dtype=torch.int32)):
+        with pytest.raises(ValueError, match=r"fp8_quantize: x must be a 2-D floating-point tensor \[N, H\]"):
+            mooncake_ep.fp8_quantize(bad)
+    q, s = mooncake_ep.fp8_quantize(torch.ones(3, 130))
+    assert q.shape == (3, 130) and s.shape == (3, 2)
+    assert torch.equal(mooncake_ep.fp8_dequantize(q, s, torch.float32), torch.ones(3, 130))
+
+
+def test_ep_bench_help():
+    """``benchmarks/ep_bench.py --help`` prints its one-line description once (the rest of
+    the module docstring as the epilog), without issue numbers."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "ep_bench.py"), "--help"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.count("MoE dispatch + combine round trip on CPU") == 1, p.stdout
+    assert "issue" not in p.stdout and "--smoke" in p.stdout and "Output:" in p.stdout, p.stdout
 
 
 # ====================================================================== the MoE
