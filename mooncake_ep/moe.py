@@ -104,7 +104,8 @@ class ExpertParallelMoE(nn.Module):
     def _check_width(self, gate, width, E, W):
         if width == E:
             return
-        msg = f"ExpertParallelMoE: the gate ({_gate_name(gate)}) gives {width} logits per token, but num_experts is {E}"
+        msg = (f"ExpertParallelMoE: the gate ({_gate_name(gate)}) gives {width} logits per token, "
+               f"but num_experts is {E}")
         if width == self._num_given and self._num_given != E:
             msg += (f"; the {self._num_given} experts given were read as this rank's local experts (group size "
                     f"{W}), but the gate routes over {width}: this is ambiguous. Pass all experts without "
@@ -115,13 +116,14 @@ class ExpertParallelMoE(nn.Module):
         """``(topk_idx int64 [T, K], topk_weights float32 [T, K])`` for tokens x [T, H]."""
         g = self.gate(x)
         if isinstance(g, (tuple, list)):
+            name = _gate_name(self.gate)
             if len(g) != 2:
-                raise ValueError(f"ExpertParallelMoE: the gate ({_gate_name(self.gate)}) returned a {type(g).__name__} "
-                                 f"of {len(g)} items; expected logits or (topk_idx, topk_weights)")
+                raise ValueError(f"ExpertParallelMoE: the gate ({name}) returned a {type(g).__name__} of "
+                                 f"{len(g)} items; expected logits or (topk_idx, topk_weights)")
             idx, w = g
             if self.top_k is not None and idx.dim() == 2 and idx.shape[1] != self.top_k:
-                raise ValueError(f"ExpertParallelMoE: the gate ({_gate_name(self.gate)}) returned top-{idx.shape[1]} "
-                                 f"routing (topk_idx {tuple(idx.shape)}), but top_k={self.top_k}")
+                raise ValueError(f"ExpertParallelMoE: the gate ({name}) returned top-{idx.shape[1]} routing "
+                                 f"(topk_idx {tuple(idx.shape)}), but top_k={self.top_k}")
             return idx.long(), w.float()
         self._check_width(self.gate, int(g.shape[-1]), self.num_experts, self.buffer.group_size)
         if self.top_k is None:
