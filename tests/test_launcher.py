@@ -226,3 +226,33 @@ def test_sidecars_run_outside_the_group(tmp_path, second_rc):
         assert rc == 0, text
     else:
         assert rc == 1 and "sidecars [1] failed for good" in text, text
+
+
+ALL_DIE = """
+import os, sys, torch, torch.distributed as dist, mooncake_pg
+dist.init_process_group("mooncake", pg_options=mooncake_pg.MooncakeOptions(on_failure="mask", timeout=5))
+if mooncake_pg.is_joining():
+    try:
+        mooncake_pg.join_group(timeout=60)
+    except Exception as e:
+        print("JOIN-FAILED", type(e).__name__, str(e)[:300], flush=True)
+        sys.exit(4)
+    print("JOINED?!", flush=True)
+    sys.exit(0)
+dist.barrier()
+sys.exit(3)      # every rank fails the same way
+"""
+
+
+@pytest.mark.timeout(120)
+def test_joiners_fail_fast_when_every_rank_died(tmp_path):
+    """Every rank dies; the respawned ones find no live member to admit them and fail at
+    once (not after join_group's timeout), so the launcher gives up quickly."""
+    (tmp_path / "all_die.py").write_text(ALL_DIE)
+    t0 = time.monotonic()
+    p = _launch(["--nproc-per-node", "2", "--max-restarts", "1", str(tmp_path / "all_die.py")], tmp_path)
+    rc, text = _finish(p, 100)
+    took = time.monotonic() - t0
+    assert rc == 1, text
+    assert text.count("JOIN-FAILED DistBackendError") == 2 and "no live member is left" in text, text
+    assert took < 50, f"took {took:.1f} s\n{text}"

@@ -80,7 +80,7 @@ class RejoinPool:
             raise AssertionError(f"{fn.__name__}: {e}\n--- [mooncake] lines:\n"
                                  + self.mooncake_lines()) from None
 
-    def respawn(self, rank, timeout=60.0):
+    def respawn(self, rank, timeout=60.0, extra_env=None):
         """Starts a replacement for dead seat ``rank`` (``is_recovery=True``) and puts it
         into the pool in place of the dead process once its init_process_group returned."""
         pool, s = self.pool, rankpool._get_session()
@@ -95,6 +95,7 @@ class RejoinPool:
         env = {"GLOO_SOCKET_IFNAME": "lo", "MOONCAKE_SOCKET_IFNAME": "lo",
                "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         env.update(pool.env)
+        env.update(extra_env or {})
         log = os.path.join(s.tmpdir, f"pool{pool.id}-rank{rank}-gen{self.generation[rank]}.log")
         options = dict(pool.options)
         options["is_recovery"] = True
@@ -914,3 +915,64 @@ def test_joiner_dying_before_admission_is_not_pending(rj_pool):
     res = rp.run(rank_rejoin, 1, {"step": 0, "kind": "sgd"}, timeout=REJOIN_RUN_TIMEOUT)
     expect_ok(rp, res, range(W), "second replacement")
     assert all(res[r]["active"] == [1, 1, 1] and res[r]["epoch"] == 2 for r in range(W)), res
+
+
+def test_mismatched_replacement_is_rejected_at_init(rj_pool):
+    """A replacement whose settings differ from the group's (here shm_slot_bytes) raises
+    ValueError from its init_process_group, before it asks to join; the survivors never
+    see it pending and a matching replacement then joins."""
+    rp = rj_pool("shm")
+    expect_ok(rp, rp.run(rank_setup, "sgd"), range(W), "setup")
+    res = rp.run(rank_train, 2, 1, 1)
+    expect_died(rp, res, 1, "kill")
+    with pytest.raises(AssertionError, match="does not match the group"):
+        rp.respawn(1, extra_env={"MOONCAKE_SHM_SLOT_BYTES": "65536"})
+
+
+def rank_joiner_dies_in_recover(rank, ws, joiner):
+    """The joiner dies after the survivors saw it pending, before it takes part in the
+    transport rebuild; the survivors' recover_ranks records it failed, rebuilds without it
+    and returns no admitted rank; the group goes on."""
+    import mooncake_pg
+
+    if rank == joiner:
+        time.sleep(0.5)
+        _die(rank, "joiner dies during the survivors' recover_ranks")
+    pend = []
+    deadline = time.monotonic() + 10
+    while not pend and time.monotonic() < deadline:
+        pend = mooncake_pg.get_pending_ranks()
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    err = None
+    try:
+        admitted = mooncake_pg.recover_ranks(None, pend)
+    except Exception as e:  # noqa: BLE001
+        admitted, err = None, f"{type(e).__name__}: {e}"
+    dt = time.monotonic() - t0
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return {"pending": pend, "admitted": admitted, "err": err, "dt": dt, "sum": t.item(),
+            "active": mooncake_pg.get_active_ranks().tolist(), "epoch": mooncake_pg.get_epoch()}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_joiner_dying_during_recover_ranks(rj_pool, transport):
+    rp = rj_pool(transport, op_timeout=3.0)
+    expect_ok(rp, rp.run(rank_setup, "sgd"), range(W), "setup")
+    res = rp.run(rank_train, 2, 1, 1)
+    expect_died(rp, res, 1, "kill")
+    rp.respawn(1)
+    res = rp.run(rank_joiner_dies_in_recover, 1)
+    expect_died(rp, res, 1, "joiner")
+    expect_ok(rp, res, (0, 2), "survivors")
+    for r in (0, 2):
+        o = res[r]
+        assert o["pending"] == [1] and o["err"] is None and o["admitted"] == [], f"rank {r}: {o}\n{rp.mooncake_lines()}"
+        assert o["sum"] == 4.0 and o["active"] == [1, 0, 1] and o["epoch"] == 3, f"rank {r}: {o}"
+        assert o["dt"] < 15, f"rank {r}: recover_ranks took {o['dt']:.1f} s"
+    # and a further replacement joins normally
+    rp.respawn(1)
+    res = rp.run(rank_rejoin, 1, {"step": 0, "kind": "sgd"}, timeout=REJOIN_RUN_TIMEOUT)
+    expect_ok(rp, res, range(W), "second replacement")
+    assert all(res[r]["active"] == [1, 1, 1] and res[r]["epoch"] == 4 for r in range(W)), res

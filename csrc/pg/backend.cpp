@@ -270,6 +270,14 @@ void MooncakeBackend::setup(const c10::intrusive_ptr<c10d::Store>& store) {
     // A replacement for a failed rank: find the group's current incarnation and ask to be
     // admitted; the transport is built in join_group() once the survivors recover us.
     store_ns_ = store_get_str(store, "mc/current");
+    // a replacement must match the group it joins (checked here, before it asks to join)
+    if (store->check({store_ns_ + "cfg"})) {
+      const std::string want = store_get_str(store, store_ns_ + "cfg");
+      const std::string mine = group_cfg_string();
+      TORCH_CHECK_VALUE(want == mine, "MooncakeBackend::setup: recovering rank ", rank_, " does not match the group "
+                        "it joins: the group has world_size|transport|shm_slot_bytes = '", want, "', this process '",
+                        mine, "' (start it with the founders' world size and settings)");
+    }
     store_set_str(store, store_ns_ + "joinhost/" + std::to_string(rank_), cfg_.host_id);
     store_set_str(store, store_ns_ + "join/" + std::to_string(rank_), std::to_string(getpid()));
     joining_ = true;
@@ -298,10 +306,15 @@ void MooncakeBackend::setup(const c10::intrusive_ptr<c10d::Store>& store) {
   store_ns_ = "mc/" + std::to_string(inc) + "/";
   build_transport(store_ns_ + "t0/", founders);
   refresh_active_list();
+  store_set_str(store, store_ns_ + "cfg", group_cfg_string());
   store_set_str(store, "mc/current", store_ns_);
 }
 
-void MooncakeBackend::build_transport(const std::string& ns, const std::vector<int>& members) {
+std::string MooncakeBackend::group_cfg_string() const {
+  return std::to_string(size_) + "|" + cfg_.transport + "|" + std::to_string(cfg_.shm_slot_bytes / 64 * 64);
+}
+
+void MooncakeBackend::build_transport(const std::string& ns, const std::vector<int>& members, int64_t wait_ms) {
   // Connects `members` (ascending group ranks, this rank among them): shared memory when
   // they share a host (or forced), else a TCP mesh. Keys live under `ns`.
   const int W = size_;
@@ -311,10 +324,27 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
   const size_t hcap = hdr_cap_for(W);
   auto key = [&](const std::string& k) { return ns + k; };
   const int lead = members.front();
+  // wait_ms > 0 (a rebuild): every wait for the members' keys is bounded, so a member that
+  // died meanwhile makes this throw instead of blocking on the store
+  auto await_keys = [&](const std::string& what, const std::vector<int>& who) {
+    if (wait_ms <= 0) return;
+    std::vector<std::string> keys;
+    for (int j : who) keys.push_back(key(what + std::to_string(j)));
+    try {
+      store->wait(keys, std::chrono::milliseconds(wait_ms));
+    } catch (const std::exception&) {
+      std::vector<int> missing;
+      for (int j : who)
+        if (!store->check({key(what + std::to_string(j))})) missing.push_back(j);
+      TORCH_CHECK(false, "MooncakeBackend::build_transport: rank(s) [", join_ranks(missing), "] did not publish '",
+                  what, "' within ", wait_ms, " ms (died or stopped during the rebuild)");
+    }
+  };
 
   // 1. who shares a host (and agree on the transport)
-  const std::string mine = cfg_.host_id + "|" + t + "|" + std::to_string(slot);
+  const std::string mine = cfg_.host_id + "|" + t + "|" + std::to_string(slot) + "|members=" + join_ranks(members);
   store_set_str(store, key("host/" + std::to_string(rank_)), mine);
+  await_keys("host/", members);
   bool one_host = true;
   std::vector<std::string> hosts(W);
   for (int j : members) {
@@ -322,12 +352,14 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
     hosts[j] = v.substr(0, v.find('|'));
     if (hosts[j] != cfg_.host_id) one_host = false;
     TORCH_CHECK_VALUE(v.substr(v.find('|')) == mine.substr(mine.find('|')),
-                      "MooncakeBackend::setup: rank ", j, " uses transport/slot '",
+                      "MooncakeBackend::setup: rank ", j, " uses transport|slot|members '",
                       v.substr(v.find('|') + 1), "' but rank ", rank_, " uses '",
-                      mine.substr(mine.find('|') + 1), "'; MOONCAKE_TRANSPORT and shm_slot_bytes must agree across ranks");
+                      mine.substr(mine.find('|') + 1), "'; MOONCAKE_TRANSPORT, shm_slot_bytes and active_ranks "
+                      "must agree across ranks");
   }
   // 2. process handles of same-host peers (failure detection)
   store_set_str(store, key("pid/" + std::to_string(rank_)), std::to_string(getpid()));
+  await_keys("pid/", members);
   for (int j : members) {
     if (j == rank_ || hosts[j] != cfg_.host_id) continue;
     int64_t pid = std::stoll(store_get_str(store, key("pid/" + std::to_string(j))));
@@ -355,13 +387,27 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
       seg->create(name, layout.total);
       store_set_str(store, key("shm"), name);
     } else {
+      if (wait_ms > 0) {
+        try {
+          store->wait({key("shm")}, std::chrono::milliseconds(wait_ms));
+        } catch (const std::exception&) {
+          TORCH_CHECK(false, "MooncakeBackend::build_transport: rank ", lead, " did not create the shared segment "
+                      "within ", wait_ms, " ms (died or stopped during the rebuild)");
+        }
+      }
       seg->open(store_get_str(store, key("shm")), layout.total);
     }
     store_set_str(store, key("mapped/" + std::to_string(rank_)), "1");
     if (rank_ == lead) {
       std::vector<std::string> keys;
       for (int j : members) keys.push_back(key("mapped/" + std::to_string(j)));
-      store->wait(keys);
+      try {
+        if (wait_ms > 0) await_keys("mapped/", members);
+        else store->wait(keys);
+      } catch (...) {
+        seg->unlink();   // nothing is left behind in /dev/shm
+        throw;
+      }
       seg->unlink();  // every member has it mapped: nothing is left behind if one dies
     }
     bool spin = static_cast<int>(members.size()) <= available_cpus();
@@ -372,7 +418,11 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
     store_set_str(store, key("addr/" + std::to_string(rank_)),
                   cfg_.listen_host + " " + std::to_string(lc.port()) + " " + std::to_string(lp.port()));
     std::vector<int> cfds(W, -1), pfds(W, -1);
-    const int64_t tmo = std::max<int64_t>(timeout_.count(), 60000);
+    const int64_t tmo = wait_ms > 0 ? wait_ms : std::max<int64_t>(timeout_.count(), 60000);
+    std::vector<int> lower;
+    for (int j : members)
+      if (j < rank_) lower.push_back(j);
+    await_keys("addr/", lower);
     int higher = 0;
     for (int j : members) {
       if (j > rank_) {
@@ -708,28 +758,95 @@ void MooncakeBackend::apply_join(const Record& rec, uint64_t epoch) {
       if (it != g_failed_global.end() && *it == global_rank(j)) g_failed_global.erase(it);
     }
   }
-  std::vector<int> members;
-  for (int j = 0; j < size_; ++j)
-    if (active_[j]) members.push_back(j);
-  // every member waits for the others' keys of the new transport, bounded by the op timeout
-  std::vector<std::string> keys;
-  const std::string ns = store_ns_ + "e" + std::to_string(epoch) + "/";
-  store_set_str(store_, ns + "ready/" + std::to_string(rank_), "1");
-  for (int j : members) keys.push_back(ns + "ready/" + std::to_string(j));
-  try {
-    store_->wait(keys, std::max(timeout_, std::chrono::milliseconds(1000)));
-    build_transport(ns, members);
-  } catch (const std::exception& e) {
-    const auto* ce = dynamic_cast<const c10::Error*>(&e);
-    std::string why = ce ? ce->what_without_backtrace() : e.what();
-    broken_ = "MooncakeBackend: rebuilding the transport for membership epoch " + std::to_string(epoch) +
-              " failed (a member did not take part): " + why.substr(0, why.find('\n'));
-    C10_THROW_ERROR(DistBackendError, "MooncakeBackend (rank " + std::to_string(rank_) + "): " + broken_);
+  // Build the transport over the new member set. If a member dies (or stops) meanwhile,
+  // the members agree through the store on who did not finish (first proposal of the
+  // outcome wins), record those ranks as failed (next epoch) and build again without them.
+  const int64_t wait_ms = std::max<int64_t>(timeout_.count(), 1000);
+  for (int attempt = 0;; ++attempt) {
+    std::vector<int> members;
+    for (int j = 0; j < size_; ++j)
+      if (active_[j]) members.push_back(j);
+    const std::string ns = store_ns_ + "e" + std::to_string(agreed_epoch_) + "/";
+    std::string why;
+    store_set_str(store_, ns + "ready/" + std::to_string(rank_), "1");
+    try {
+      std::vector<std::string> keys;
+      for (int j : members) keys.push_back(ns + "ready/" + std::to_string(j));
+      store_->wait(keys, std::chrono::milliseconds(wait_ms));
+      build_transport(ns, members, wait_ms);
+    } catch (const std::exception& e) {
+      const auto* ce = dynamic_cast<const c10::Error*>(&e);
+      why = ce ? ce->what_without_backtrace() : e.what();
+      why = why.substr(0, why.find('\n'));
+    }
+    store_set_str(store_, ns + "built/" + std::to_string(rank_), why.empty() ? "ok" : "failed");
+    std::vector<std::string> built;
+    for (int j : members) built.push_back(ns + "built/" + std::to_string(j));
+    try {
+      store_->wait(built, std::chrono::milliseconds(wait_ms));
+    } catch (const std::exception&) {
+    }
+    std::vector<int> gone;   // members that did not finish the build at all
+    bool all_ok = true;
+    for (int j : members) {
+      const std::string k = ns + "built/" + std::to_string(j);
+      if (!store_->check({k})) {
+        gone.push_back(j);
+        all_ok = false;
+      } else if (store_get_str(store_, k) != "ok") {
+        all_ok = false;
+      }
+    }
+    const std::string proposal = all_ok ? "ok" : "failed:" + join_ranks(gone);
+    auto cur = store_->compareSet(ns + "outcome", std::vector<uint8_t>(),
+                                  std::vector<uint8_t>(proposal.begin(), proposal.end()));
+    const std::string outcome(cur.begin(), cur.end());
+    if (outcome == "ok") {
+      if (!why.empty()) {  // cannot happen: "ok" needs every member's "ok"
+        broken_ = "MooncakeBackend: transport rebuild disagreement in epoch " + std::to_string(agreed_epoch_);
+        C10_THROW_ERROR(DistBackendError, "MooncakeBackend (rank " + std::to_string(rank_) + "): " + broken_);
+      }
+      break;
+    }
+    std::vector<int> failed = parse_ranks(outcome.substr(outcome.find(':') + 1));
+    if (failed.empty() || attempt >= size_) {
+      broken_ = "MooncakeBackend: rebuilding the transport for membership epoch " + std::to_string(agreed_epoch_) +
+                " failed: " + (why.empty() ? std::string("another member failed to build it") : why);
+      C10_THROW_ERROR(DistBackendError, "MooncakeBackend (rank " + std::to_string(rank_) + "): " + broken_);
+    }
+    // the ranks that did not finish are failed: the next epoch's record says so
+    const uint64_t e = agreed_epoch_ + 1;
+    const std::string rec_s = join_ranks(failed) + ";decided_by=" + std::to_string(rank_) +
+                              ";reason=did not finish the transport rebuild of epoch " + std::to_string(agreed_epoch_);
+    store_->compareSet(store_ns_ + "epoch/" + std::to_string(e), std::string(), rec_s);
+    Record frec;
+    TORCH_CHECK(read_record_full(e, &frec), "mooncake: epoch record ", e, " vanished");
+    log_membership("epoch " + std::to_string(e) + " agreed: " + frec.raw);
+    {
+      std::lock_guard<std::mutex> g(mem_mu_);
+      for (int f : frec.ranks)
+        if (f >= 0 && f < size_) {
+          agreed_failed_[f] = 1;
+          active_[f] = 0;
+        }
+      epoch_ = agreed_epoch_ = e;
+      std::vector<int> still;
+      for (int j : last_joined_)
+        if (!agreed_failed_[j]) still.push_back(j);
+      last_joined_ = still;
+    }
+    for (int f : frec.ranks) note_failed_global(global_rank(f));
+    if (agreed_failed_[rank_]) {
+      broken_ = "MooncakeBackend: this rank did not finish the transport rebuild in time and was declared failed "
+                "(epoch " + std::to_string(e) + "); it has fenced itself and may rejoin as a recovering rank";
+      throw RankFailure("MooncakeBackend (rank " + std::to_string(rank_) + "): " + broken_, {rank_},
+                        static_cast<int64_t>(e), true);
+    }
   }
   refresh_active_list();
   coll_->start_epoch(epoch_);
   seq_exec_ = 0;  // op numbering restarts with the new member set (the joiner starts at 0)
-  log_membership("epoch " + std::to_string(epoch_) + " applied: ranks " + join_ranks(rec.ranks) +
+  log_membership("epoch " + std::to_string(epoch_) + " applied: ranks " + join_ranks(last_joined_) +
                  " rejoined; active ranks " + join_ranks(act_));
 }
 
@@ -792,6 +909,9 @@ void MooncakeBackend::join_group(double timeout_s) {
               "(create the group with MooncakeOptions(is_recovery=True))");
   std::lock_guard<std::mutex> g(engine_mu_);
   const int64_t deadline = now_ns() + static_cast<int64_t>(timeout_s * 1e9);
+  int64_t next_liveness_check = now_ns() + 200 * 1000 * 1000;
+  std::string members_ns;
+  uint64_t member_epoch = 0;
   while (true) {
     Record rec;
     while (read_record_full(agreed_epoch_ + 1, &rec)) {
@@ -821,8 +941,54 @@ void MooncakeBackend::join_group(double timeout_s) {
     }
     TORCH_CHECK(now_ns() < deadline, "mooncake join_group (rank ", rank_, "): not admitted within ", timeout_s,
                 " s; the survivors must call recover_ranks(group, get_pending_ranks(group))");
+    if (now_ns() >= next_liveness_check) {
+      next_liveness_check = now_ns() + 500 * 1000 * 1000;
+      std::vector<int> members = joinable_members(&members_ns, &member_epoch);
+      if (!members.empty() && members_all_dead(members_ns, members))
+        C10_THROW_ERROR(DistBackendError,
+                        "mooncake join_group (rank " + std::to_string(rank_) + "): no live member is left to admit "
+                        "this rank (every active rank [" + join_ranks(members) + "] of the group has exited on this "
+                        "host); the group is gone");
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
+}
+
+std::vector<int> MooncakeBackend::joinable_members(std::string* ns, uint64_t* epoch) {
+  // The group's members as a joiner can tell from the store: the founders (their t0 host
+  // keys), minus agreed failures, as replaced by each join record's active set.
+  std::vector<int> members;
+  if (ns->empty()) {
+    *ns = store_ns_ + "t0/";
+    for (int j = 0; j < size_; ++j)
+      if (j != rank_ && store_->check({*ns + "host/" + std::to_string(j)})) members.push_back(j);
+    members_cache_ = members;
+  }
+  members = members_cache_;
+  Record rec;
+  while (read_record_full(*epoch + 1, &rec)) {
+    (*epoch)++;
+    if (rec.join) {
+      members = rec.active;
+      *ns = store_ns_ + "e" + std::to_string(*epoch) + "/";
+    } else {
+      for (int f : rec.ranks) members.erase(std::remove(members.begin(), members.end(), f), members.end());
+    }
+  }
+  members.erase(std::remove(members.begin(), members.end(), rank_), members.end());
+  members_cache_ = members;
+  return members;
+}
+
+bool MooncakeBackend::members_all_dead(const std::string& ns, const std::vector<int>& members) {
+  for (int j : members) {
+    const std::string hk = ns + "host/" + std::to_string(j), pk = ns + "pid/" + std::to_string(j);
+    if (!store_->check({hk}) || !store_->check({pk})) return false;
+    const std::string host = store_get_str(store_, hk);
+    if (host.substr(0, host.find('|')) != cfg_.host_id) return false;  // another host: cannot tell
+    if (kill(static_cast<pid_t>(std::stoll(store_get_str(store_, pk))), 0) == 0 || errno != ESRCH) return false;
+  }
+  return true;
 }
 
 void MooncakeBackend::throw_failure(const std::string& what, const std::vector<int>& newly) {

@@ -210,7 +210,7 @@ class MooncakeBackend : public c10d::Backend {
   int64_t deadline_for(std::chrono::milliseconds t) const;
 
   void setup(const c10::intrusive_ptr<c10d::Store>& store);
-  void build_transport(const std::string& ns, const std::vector<int>& members);
+  void build_transport(const std::string& ns, const std::vector<int>& members, int64_t wait_ms = 0);
   void stop_p2p_thread();
   struct Record {
     bool join = false;
@@ -220,6 +220,10 @@ class MooncakeBackend : public c10d::Backend {
     std::string raw;
   };
   bool read_record_full(uint64_t epoch, Record* rec);
+  std::string group_cfg_string() const;
+  std::vector<int> joinable_members(std::string* ns, uint64_t* epoch);
+  bool members_all_dead(const std::string& ns, const std::vector<int>& members);
+  std::vector<int> members_cache_;
   // A control-store call bounded by the op timeout (TCPStore calls block without bound
   // when the store's host is cut off: no RST, no keepalive); throws StoreTimeout.
   template <class T>
