@@ -29,7 +29,8 @@ dead rank takes the whole job down with it. ``mooncake-run`` instead
 Exit status: 0 when every rank exited 0; otherwise 1 (a rank that failed more than
 ``--max-restarts`` times, or a launcher error), after the other ranks finished. SIGINT /
 SIGTERM stop every rank (SIGTERM to its process group, SIGKILL after
-``--shutdown-grace`` seconds). The control store listens on ``--master-addr``
+``--shutdown-grace`` seconds; further signals are ignored meanwhile) and exit with
+128 + the signal number. The control store listens on ``--master-addr``
 (127.0.0.1 by default, so a one-node job is reachable from this host only).
 """
 from __future__ import annotations
@@ -100,6 +101,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--node-rank must lie in [0, nnodes={a.nnodes}), got {a.node_rank}")
     if a.nnodes > 1 and a.master_port == 0:
         p.error("--master-port is required with --nnodes > 1 (every node must name the same store)")
+    if not 0 <= a.master_port <= 65535:
+        p.error(f"--master-port must lie in [0, 65535], got {a.master_port}")
+    if not a.store_timeout > 0 or not a.monitor_interval > 0 or a.shutdown_grace < 0:
+        p.error("--store-timeout and --monitor-interval must be > 0 and --shutdown-grace >= 0")
     if a.max_restarts < 0:
         p.error(f"--max-restarts must be >= 0, got {a.max_restarts}")
     founders = a.nnodes * a.nproc_per_node
@@ -310,15 +315,22 @@ def main(argv: Optional[list] = None, tick=None) -> int:
     args = parse_args(argv)
     launcher = Launcher(args)
 
+    got = {}
+
     def on_signal(signum, _frame):
+        got["sig"] = signum
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         return launcher.run(tick)
-    except KeyboardInterrupt as e:
-        launcher.stop(f"interrupted ({e or 'SIGINT'})")
-        return 130
+    except KeyboardInterrupt:
+        signum = got.get("sig", signal.SIGINT)
+        for sig in (signal.SIGTERM, signal.SIGINT):   # a second signal does not cut the shutdown short
+            signal.signal(sig, signal.SIG_IGN)
+        launcher.stop(f"interrupted ({signal.Signals(signum).name})")
+        return 128 + int(signum)
     except BaseException:
         launcher.stop("launcher error")
         raise

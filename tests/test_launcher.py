@@ -151,7 +151,7 @@ def test_sigterm_stops_every_rank_and_store_is_loopback_only(tmp_path):
     t0 = time.monotonic()
     p.send_signal(signal.SIGTERM)
     rc, text = _finish(p, 30)
-    assert rc == 130, text
+    assert rc == 128 + signal.SIGTERM, text
     while any(_alive(pid) for pid in ranks) and time.monotonic() - t0 < 10:
         time.sleep(0.05)
     assert not any(_alive(pid) for pid in ranks), f"ranks still alive after SIGTERM: {ranks}\n{text}"
@@ -217,11 +217,13 @@ def test_sidecars_run_outside_the_group(tmp_path, second_rc):
     non-zero exit fails the run."""
     (tmp_path / "side.py").write_text(SIDE)
     (tmp_path / "rank.py").write_text(RANK_WAITS)
-    p = _launch(["--nproc-per-node", "2", "--sidecar", f"{PY} {tmp_path / 'side.py'} 0",
+    logs = tmp_path / "logs"
+    p = _launch(["--nproc-per-node", "2", "--log-dir", str(logs), "--sidecar", f"{PY} {tmp_path / 'side.py'} 0",
                  "--sidecar", f"{PY} {tmp_path / 'side.py'} {second_rc}", str(tmp_path / "rank.py")], tmp_path)
     rc, text = _finish(p, 90)
-    assert "sidecar 0 False" in text and "sidecar 1 False" in text, text
-    assert "rank 0 saw both sidecars" in text and "rank 1 saw both sidecars" in text, text
+    outs = {f.name: f.read_text() for f in logs.iterdir()}   # one file per process: no interleaving
+    assert "sidecar 0 False" in outs["sidecar0.out"] and "sidecar 1 False" in outs["sidecar1.out"], (outs, text)
+    assert "rank 0 saw both sidecars" in outs["rank0.0.out"] and "rank 1 saw both sidecars" in outs["rank1.0.out"], outs
     if second_rc == 0:
         assert rc == 0, text
     else:
