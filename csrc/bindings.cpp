@@ -177,6 +177,32 @@ PYBIND11_MODULE(_C, m) {
              }
            },
            py::arg("host"), py::arg("port"), py::arg("region"), py::arg("offsets"), py::arg("buffers"))
+      .def("batch_read_bytes",
+           [](mooncake::TransferEngine& te, const std::string& host, int port, uint32_t region,
+              const std::vector<uint64_t>& offsets, const std::vector<uint64_t>& lens) {
+             TORCH_CHECK(offsets.size() == lens.size(), "TransferEngine::batch_read_bytes: ", offsets.size(),
+                         " offsets but ", lens.size(), " lengths");
+             // Fresh bytes objects, filled before anyone else can see them (one copy, no
+             // intermediate buffer).
+             std::vector<py::object> outs;
+             std::vector<void*> ptrs;
+             for (uint64_t n : lens) {
+               PyObject* b = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(n));
+               if (!b) throw py::error_already_set();
+               outs.push_back(py::reinterpret_steal<py::object>(b));
+               ptrs.push_back(PyBytes_AS_STRING(b));
+             }
+             try {
+               py::gil_scoped_release nogil;
+               te.batch_read(host, port, region, offsets, ptrs, lens);
+             } catch (const std::exception& e) {
+               TORCH_CHECK(false, e.what());
+             }
+             py::list result;
+             for (auto& o : outs) result.append(o);
+             return result;
+           },
+           py::arg("host"), py::arg("port"), py::arg("region"), py::arg("offsets"), py::arg("lens"))
       .def("close", &mooncake::TransferEngine::close, py::call_guard<py::gil_scoped_release>());
   m.def("local_address_for", [](const std::string& peer, const std::string& ifname) {
     try {

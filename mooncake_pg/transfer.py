@@ -74,6 +74,11 @@ class TransferEngine:
         """Fills each writable ``buffers[i]`` from ``offsets[i]`` of the peer's region."""
         self._te.batch_read(host, int(port), int(region), list(offsets), list(buffers))
 
+    def batch_read_bytes(self, host: str, port: int, region: int, offsets: Sequence[int],
+                         lens: Sequence[int]) -> list:
+        """Reads ``lens[i]`` bytes at ``offsets[i]`` of the peer's region into new ``bytes``."""
+        return self._te.batch_read_bytes(host, int(port), int(region), list(offsets), list(lens))
+
     def close(self) -> None:
         """Stops the server and closes connections (idempotent)."""
         self._te.close()

@@ -133,7 +133,7 @@ class MooncakeStore:
         self._segment: Optional[LocalSegment] = None
         self._te = None
         self._te_region = None
-        self._maps = SegmentCache()
+        self._maps = SegmentCache(prefault=cfg.prefault)
         self._lease_ttl = 5.0
         self._epoch = -1
         if cfg.master is None and cfg.etcd is None:
@@ -146,7 +146,7 @@ class MooncakeStore:
             if cfg.segment_size:
                 if cfg.segment_size <= SEG_HEADER:
                     raise ValueError(f"segment_size must be 0 or more than {SEG_HEADER} bytes")
-                self._segment = LocalSegment(self.name, cfg.segment_size)
+                self._segment = LocalSegment(self.name, cfg.segment_size, prefault=cfg.prefault)
             if serve_tcp or cfg.transfer == "tcp":
                 self._start_te(serve=serve_tcp and self._segment is not None)
             if cfg.ssd_dir:
@@ -342,29 +342,40 @@ class MooncakeStore:
             except RuntimeError as e:
                 raise TransferError(f"write to segment {name!r} at {host}:{port} failed: {e}") from None
 
-    def _read_one(self, obj: _Obj, segs: dict, out: memoryview):
-        """Copies ``obj`` into ``out`` from the first replica that works."""
+    def _read_one(self, obj: _Obj, segs: dict, out: Optional[memoryview] = None):
+        """Copies ``obj`` into ``out`` from the first replica that works; with ``out=None``
+        returns a new ``bytes`` (one copy)."""
         errors = []
         for rep in obj.replicas:
             try:
                 if rep[0] == "m":
                     desc = segs[rep[1]]
                     if obj.size == 0:
-                        return
+                        return b"" if out is None else None
+                    off = rep[2]
                     if self._is_local(desc):
-                        out[:] = self._seg_view(desc)[rep[2]:rep[2] + obj.size]
-                    else:
-                        host, port, region = self._te_for(desc)
-                        try:
-                            self._te.batch_read(host, port, region, [rep[2]], [out])
-                        except RuntimeError as e:
-                            raise TransferError(f"read from {host}:{port} failed: {e}") from None
-                    return
+                        src = self._seg_view(desc)[off:off + obj.size]
+                        if out is None:
+                            return bytes(src)
+                        out[:] = src
+                        return None
+                    host, port, region = self._te_for(desc)
+                    try:
+                        if out is None:
+                            return self._te.batch_read_bytes(host, port, region, [off], [obj.size])[0]
+                        self._te.batch_read(host, port, region, [off], [out])
+                        return None
+                    except RuntimeError as e:
+                        raise TransferError(f"read from {host}:{port} failed: {e}") from None
                 else:
                     if rep[1] != self.cfg.host_id:
                         raise TransferError("SSD replica on another host (only same-host SSD reads are supported)")
+                    if out is None:
+                        buf = bytearray(obj.size)
+                        ssd.read_into(rep[2], obj.key, obj.version, buf)
+                        return bytes(buf)
                     ssd.read_into(rep[2], obj.key, obj.version, out)
-                    return
+                    return None
             except TransferError as e:
                 errors.append(str(e))
         if not obj.replicas:
@@ -499,7 +510,7 @@ class MooncakeStore:
             raise LeaseExpiredError(f"the read of {key!r} outlasted its lease; the bytes may have been evicted meanwhile")
 
     def get(self, key: str) -> bytes:
-        """A copy of the value of ``key`` (owned by the caller).
+        """A copy of the value of ``key`` as ``bytes`` (owned by the caller).
 
         Raises ``ObjectNotFoundError`` (a ``KeyError``) if the key does not exist or no
         version is complete yet, ``LeaseExpiredError`` if the copy outlasted the lease,
@@ -508,10 +519,9 @@ class MooncakeStore:
         (obj,), segs, deadline = self._get_meta([key])
         if obj is None:
             raise ObjectNotFoundError(f"key {key!r} not found")
-        out = bytearray(obj.size)
-        self._read_one(obj, segs, memoryview(out))
+        out = self._read_one(obj, segs)
         self._check_lease(deadline, key)
-        return bytes(out) if obj.size < (1 << 20) else out
+        return out
 
     def get_batch(self, keys: Sequence[str], *, return_exceptions: bool = False) -> list:
         """Copies of several values with one metadata round trip. A missing key raises
@@ -524,16 +534,13 @@ class MooncakeStore:
             if obj is None:
                 out.append(ObjectNotFoundError(f"key {k!r} not found"))
                 continue
-            buf = bytearray(obj.size)
             try:
-                self._read_one(obj, segs, memoryview(buf))
-                out.append(buf)
+                out.append(self._read_one(obj, segs))
             except TransferError as e:
                 out.append(e)
         if time.monotonic() > deadline:
             out = [o if isinstance(o, BaseException) else
                    LeaseExpiredError(f"the read of {k!r} outlasted its lease") for k, o in zip(keys, out)]
-        out = [bytes(o) if isinstance(o, bytearray) and len(o) < (1 << 20) else o for o in out]
         if not return_exceptions:
             for o in out:
                 if isinstance(o, BaseException):

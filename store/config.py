@@ -186,7 +186,12 @@ class StoreConfig:
         failover_timeout_s: seconds a request keeps retrying while no leader answers.
         heartbeat_interval_s: seconds between heartbeats (must be well below the master's
             ``client_ttl_s``).
+        prefault: map segments with every page allocated up front (``MAP_POPULATE``): the
+            first copies into a segment then take no page faults, at the cost of committing
+            ``segment_size`` bytes at start and a one-time cost per mapped peer segment.
         master_config: options of the embedded master.
+        test_pause: tests only: ``("put", s)`` / ``("get", s)`` sleeps ``s`` seconds after the
+            master answered put-start / get, before any byte moves (``MOONCAKE_STORE_TEST_PAUSE``).
     """
 
     master: Optional[str] = None
@@ -203,6 +208,7 @@ class StoreConfig:
     rpc_timeout_s: float = 10.0
     failover_timeout_s: float = 10.0
     heartbeat_interval_s: float = 0.5
+    prefault: bool = True
     master_config: Optional[MasterConfig] = None
     test_pause: Optional[tuple] = None
 
