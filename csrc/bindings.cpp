@@ -6,6 +6,7 @@
 #include <torch/python.h>
 
 #include "pg/backend.hpp"
+#include "transport/copy.hpp"
 #include "transport/shm.hpp"
 #include "transport/tcp.hpp"
 #include "transport/transfer_engine.hpp"
@@ -204,6 +205,54 @@ PYBIND11_MODULE(_C, m) {
            },
            py::arg("host"), py::arg("port"), py::arg("region"), py::arg("offsets"), py::arg("lens"))
       .def("close", &mooncake::TransferEngine::close, py::call_guard<py::gil_scoped_release>());
+  // Parallel copies for the store (shared-memory segments <-> user buffers).
+  m.def("copy_buffers",
+        [](const std::vector<py::buffer>& dsts, const std::vector<py::buffer>& srcs, int threads) {
+          TORCH_CHECK(dsts.size() == srcs.size(), "copy_buffers: ", dsts.size(), " destinations but ", srcs.size(),
+                      " sources");
+          std::vector<py::buffer_info> infos;
+          infos.reserve(dsts.size() * 2);
+          std::vector<mooncake::CopyOp> ops;
+          for (size_t i = 0; i < dsts.size(); ++i) {
+            infos.push_back(dsts[i].request(true));
+            auto& d = infos.back();
+            TORCH_CHECK(!d.readonly, "copy_buffers: destination ", i, " is read-only");
+            size_t dn = static_cast<size_t>(d.size) * static_cast<size_t>(d.itemsize);
+            void* dp = d.ptr;
+            infos.push_back(srcs[i].request(false));
+            auto& s = infos.back();
+            size_t sn = static_cast<size_t>(s.size) * static_cast<size_t>(s.itemsize);
+            TORCH_CHECK(dn == sn, "copy_buffers: destination ", i, " has ", dn, " bytes but its source ", sn);
+            ops.push_back({dp, s.ptr, sn});
+          }
+          py::gil_scoped_release nogil;
+          mooncake::copy_parallel(ops, threads);
+        },
+        py::arg("dsts"), py::arg("srcs"), py::arg("threads"));
+  m.def("copy_to_bytes",
+        [](const std::vector<py::buffer>& srcs, int threads) {
+          std::vector<py::buffer_info> infos;
+          infos.reserve(srcs.size());
+          std::vector<py::object> outs;
+          std::vector<mooncake::CopyOp> ops;
+          for (auto& b : srcs) {
+            infos.push_back(b.request(false));
+            auto& s = infos.back();
+            size_t n = static_cast<size_t>(s.size) * static_cast<size_t>(s.itemsize);
+            PyObject* o = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(n));
+            if (!o) throw py::error_already_set();
+            outs.push_back(py::reinterpret_steal<py::object>(o));
+            ops.push_back({PyBytes_AS_STRING(o), s.ptr, n});
+          }
+          {
+            py::gil_scoped_release nogil;
+            mooncake::copy_parallel(ops, threads);
+          }
+          py::list result;
+          for (auto& o : outs) result.append(o);
+          return result;
+        },
+        py::arg("srcs"), py::arg("threads"));
   m.def("local_address_for", [](const std::string& peer, const std::string& ifname) {
     try {
       return mooncake::local_address_for(peer, ifname);

@@ -85,3 +85,18 @@ class TransferEngine:
         for mv in self._keep.values():
             mv.release()
         self._keep.clear()
+
+
+def copy_buffers(dsts: Sequence, srcs: Sequence, threads: int = 0) -> None:
+    """Copies ``srcs[i]`` into ``dsts[i]`` (equal sizes; writable destinations) with the
+    GIL released, spreading large copies over ``threads`` threads (0: one per CPU, at most 4)."""
+    _C.copy_buffers(list(dsts), list(srcs), _threads(threads))
+
+
+def copy_to_bytes(srcs: Sequence, threads: int = 0) -> list:
+    """New ``bytes`` objects with the contents of ``srcs`` (one parallel copy each)."""
+    return _C.copy_to_bytes(list(srcs), _threads(threads))
+
+
+def _threads(threads: int) -> int:
+    return threads if threads > 0 else max(1, min(4, _C.available_cpus()))

@@ -7,13 +7,13 @@
 
 Master as a service: ``mooncake-store-master`` / ``python -m mooncake_store.master``.
 """
-from .client import MooncakeStore
+from .client import MooncakeStore, Placement, StoreStats
 from .config import MasterConfig, ReplicateConfig, StoreConfig, env_defaults
 from .errors import (AuthError, LeaseExpiredError, NoSpaceError, NotLeaderError, ObjectExistsError,
                      ObjectHasLeaseError, ObjectNotFoundError, ProtocolError, ReplicaShortfallError, StoreError,
                      TransferError)
 from .master import Master
 
-__all__ = ["MooncakeStore", "Master", "MasterConfig", "ReplicateConfig", "StoreConfig", "env_defaults",
+__all__ = ["MooncakeStore", "Placement", "StoreStats", "Master", "MasterConfig", "ReplicateConfig", "StoreConfig", "env_defaults",
            "StoreError", "ObjectExistsError", "ObjectNotFoundError", "LeaseExpiredError", "ObjectHasLeaseError",
            "ReplicaShortfallError", "NoSpaceError", "TransferError", "ProtocolError", "AuthError", "NotLeaderError"]

@@ -7,12 +7,14 @@ same host are mapped and copied directly, others go through the TCP transfer eng
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import sys
 import threading
 import time
 import uuid
-from typing import Iterable, Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import msgpack
 
@@ -27,6 +29,7 @@ log = logging.getLogger("mooncake_store")
 
 _DEFAULT_REPLICATE = ReplicateConfig()
 _NOSPACE_RETRY_S = 5.0
+_FAST_COPY_BYTES = 256 << 10  # copies from this size on go through the parallel C++ copy
 
 
 def _as_bytes_view(value, what="value") -> memoryview:
@@ -98,6 +101,43 @@ def _check_keys(keys) -> list:
     return keys
 
 
+class Placement(NamedTuple):
+    """Where an object lives: names of the segments holding it in memory, and of the
+    clients holding it on SSD."""
+
+    memory: list
+    ssd: list
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreStats:
+    """The master's figures (counters since the master started).
+
+    Attributes: objects (committed), pending (puts in progress), used_bytes and
+    capacity_bytes (of all segments; bytes), clients, segments, deferred (allocations
+    waiting for a lease to end before reuse), ssd_objects (objects with an SSD copy), puts,
+    gets, hits, misses, evictions (objects whose memory copies were evicted), offloads
+    (objects sent to SSD), removes, put_aborts, clients_lost (declared dead)."""
+
+    objects: int
+    pending: int
+    used_bytes: int
+    capacity_bytes: int
+    clients: int
+    segments: int
+    deferred: int
+    ssd_objects: int
+    puts: int
+    gets: int
+    hits: int
+    misses: int
+    evictions: int
+    offloads: int
+    removes: int
+    put_aborts: int
+    clients_lost: int
+
+
 class _Obj:
     __slots__ = ("key", "size", "version", "meta", "replicas")
 
@@ -134,6 +174,7 @@ class MooncakeStore:
         self._te = None
         self._te_region = None
         self._maps = SegmentCache(prefault=cfg.prefault)
+        self._fast = None  # mooncake_pg.transfer (parallel C++ copies) when loaded
         self._lease_ttl = 5.0
         self._epoch = -1
         if cfg.master is None and cfg.etcd is None:
@@ -149,6 +190,13 @@ class MooncakeStore:
                 self._segment = LocalSegment(self.name, cfg.segment_size, prefault=cfg.prefault)
             if serve_tcp or cfg.transfer == "tcp":
                 self._start_te(serve=serve_tcp and self._segment is not None)
+            if self._te is not None or "torch" in sys.modules:
+                try:
+                    from mooncake_pg import transfer as _fast
+
+                    self._fast = _fast
+                except ImportError:  # the extension is not built: plain memoryview copies
+                    pass
             if cfg.ssd_dir:
                 os.makedirs(cfg.ssd_dir, exist_ok=True)
             self._register()
@@ -324,23 +372,80 @@ class MooncakeStore:
     def _write_all(self, jobs, segs):
         """jobs: [(segment name, offset, view)]; raises TransferError."""
         remote: dict = {}
+        dsts, srcs, total = [], [], 0
         for name, off, mv in jobs:
             desc = segs[name]
             if len(mv) == 0:
                 continue
             if self._is_local(desc):
-                try:
-                    self._seg_view(desc)[off:off + len(mv)] = mv
-                except (ValueError, IndexError) as e:
-                    raise TransferError(f"write to segment {name!r} failed: {e}") from None
+                view = self._seg_view(desc)
+                if off + len(mv) > len(view):
+                    raise TransferError(f"write to segment {name!r} at {off} leaves the segment")
+                dsts.append(view[off:off + len(mv)])
+                srcs.append(mv)
+                total += len(mv)
             else:
                 remote.setdefault(name, []).append((off, mv))
+        if dsts:
+            if self._fast is not None and total >= _FAST_COPY_BYTES:
+                self._fast.copy_buffers(dsts, srcs)
+            else:
+                for d, m in zip(dsts, srcs):
+                    d[:] = m
         for name, items in remote.items():
             host, port, region = self._te_for(segs[name])
             try:
                 self._te.batch_write(host, port, region, [o for o, _ in items], [m for _, m in items])
             except RuntimeError as e:
                 raise TransferError(f"write to segment {name!r} at {host}:{port} failed: {e}") from None
+
+    def _local_src(self, obj: _Obj, segs: dict):
+        """A view of ``obj``'s first replica when it is in a mapped segment, else None."""
+        if obj.size == 0 or not obj.replicas or obj.replicas[0][0] != "m":
+            return None
+        desc = segs[obj.replicas[0][1]]
+        if not self._is_local(desc):
+            return None
+        try:
+            view = self._seg_view(desc)
+        except TransferError:
+            return None
+        off = obj.replicas[0][2]
+        return view[off:off + obj.size]
+
+    def _read_many(self, objs: list, segs: dict, outs: Optional[list] = None) -> list:
+        """Reads every object (None entries skipped) with one parallel copy for those in
+        mapped segments; returns bytes (``outs`` None) or None per object, or the
+        ``TransferError`` in its place."""
+        res: list = [None] * len(objs)
+        local_i, local_src = [], []
+        for i, obj in enumerate(objs):
+            if obj is None:
+                continue
+            src = self._local_src(obj, segs)
+            if src is not None:
+                local_i.append(i)
+                local_src.append(src)
+            else:
+                try:
+                    res[i] = self._read_one(obj, segs, None if outs is None else outs[i])
+                except TransferError as e:
+                    res[i] = e
+        if local_i:
+            total = sum(len(v) for v in local_src)
+            fast = self._fast is not None and total >= _FAST_COPY_BYTES
+            if outs is None:
+                got = self._fast.copy_to_bytes(local_src) if fast else [bytes(v) for v in local_src]
+                for i, b in zip(local_i, got):
+                    res[i] = b
+            else:
+                dsts = [outs[i] for i in local_i]
+                if fast:
+                    self._fast.copy_buffers(dsts, local_src)
+                else:
+                    for d, v in zip(dsts, local_src):
+                        d[:] = v
+        return res
 
     def _read_one(self, obj: _Obj, segs: dict, out: Optional[memoryview] = None):
         """Copies ``obj`` into ``out`` from the first replica that works; with ``out=None``
@@ -519,7 +624,9 @@ class MooncakeStore:
         (obj,), segs, deadline = self._get_meta([key])
         if obj is None:
             raise ObjectNotFoundError(f"key {key!r} not found")
-        out = self._read_one(obj, segs)
+        (out,) = self._read_many([obj], segs)
+        if isinstance(out, BaseException):
+            raise out
         self._check_lease(deadline, key)
         return out
 
@@ -529,15 +636,8 @@ class MooncakeStore:
         comes back as that exception in its place."""
         keys = _check_keys(keys)
         objs, segs, deadline = self._get_meta(keys)
-        out: list = []
-        for k, obj in zip(keys, objs):
-            if obj is None:
-                out.append(ObjectNotFoundError(f"key {k!r} not found"))
-                continue
-            try:
-                out.append(self._read_one(obj, segs))
-            except TransferError as e:
-                out.append(e)
+        got = self._read_many(objs, segs)
+        out = [ObjectNotFoundError(f"key {k!r} not found") if obj is None else g for k, obj, g in zip(keys, objs, got)]
         if time.monotonic() > deadline:
             out = [o if isinstance(o, BaseException) else
                    LeaseExpiredError(f"the read of {k!r} outlasted its lease") for k, o in zip(keys, out)]
@@ -561,7 +661,9 @@ class MooncakeStore:
             raise ObjectNotFoundError(f"key {key!r} not found")
         if obj.size > len(mv):
             raise ValueError(f"buffer of {len(mv)} bytes is too small for {key!r} ({obj.size} bytes)")
-        self._read_one(obj, segs, mv[:obj.size])
+        (err,) = self._read_many([obj], segs, [mv[:obj.size]])
+        if isinstance(err, BaseException):
+            raise err
         self._check_lease(deadline, key)
         return obj.size
 
@@ -573,18 +675,19 @@ class MooncakeStore:
         if len(mvs) != len(keys):
             raise ValueError(f"get_into_batch: {len(keys)} keys but {len(mvs)} buffers")
         objs, segs, deadline = self._get_meta(keys)
-        out: list = []
-        for k, obj, mv in zip(keys, objs, mvs):
+        out: list = [None] * len(keys)
+        todo = [None] * len(keys)
+        for i, (k, obj, mv) in enumerate(zip(keys, objs, mvs)):
             if obj is None:
-                out.append(ObjectNotFoundError(f"key {k!r} not found"))
+                out[i] = ObjectNotFoundError(f"key {k!r} not found")
             elif obj.size > len(mv):
-                out.append(ValueError(f"buffer of {len(mv)} bytes is too small for {k!r} ({obj.size} bytes)"))
+                out[i] = ValueError(f"buffer of {len(mv)} bytes is too small for {k!r} ({obj.size} bytes)")
             else:
-                try:
-                    self._read_one(obj, segs, mv[:obj.size])
-                    out.append(obj.size)
-                except TransferError as e:
-                    out.append(e)
+                todo[i] = obj
+        got = self._read_many(todo, segs, [mv[:o.size] if o is not None else None for mv, o in zip(mvs, todo)])
+        for i, obj in enumerate(todo):
+            if obj is not None:
+                out[i] = got[i] if isinstance(got[i], BaseException) else obj.size
         if time.monotonic() > deadline:
             out = [o if isinstance(o, BaseException) else LeaseExpiredError(f"the read of {k!r} outlasted its lease")
                    for k, o in zip(keys, out)]
@@ -608,7 +711,10 @@ class MooncakeStore:
         keys = _check_keys(keys)
         objs, segs, deadline = self._get_meta(keys)
         out: list = []
+        todo, views = [], []
         for k, obj in zip(keys, objs):
+            todo.append(None)
+            views.append(None)
             if obj is None:
                 out.append(ObjectNotFoundError(f"key {k!r} not found"))
                 continue
@@ -625,12 +731,12 @@ class MooncakeStore:
             if t.numel() * t.element_size() != obj.size:
                 out.append(ValueError(f"{k!r}: stored size {obj.size} does not match {dtype} {shape}"))
                 continue
-            try:
-                if obj.size:
-                    self._read_one(obj, segs, memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-                out.append(t)
-            except TransferError as e:
-                out.append(e)
+            out.append(t)
+            if obj.size:
+                todo[-1] = obj
+                views[-1] = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        got = self._read_many(todo, segs, views)
+        out = [g if isinstance(g, BaseException) else o for o, g in zip(out, got)]
         if time.monotonic() > deadline:
             out = [o if isinstance(o, BaseException) else LeaseExpiredError(f"the read of {k!r} outlasted its lease")
                    for k, o in zip(keys, out)]
@@ -665,17 +771,19 @@ class MooncakeStore:
                     raise o
         return out
 
-    def where(self, key: str) -> dict:
-        """Where ``key`` lives: ``{"memory": [segment names], "ssd": [client names]}``
-        (introspection for tests and operators). Raises ``ObjectNotFoundError``."""
+    def where(self, key: str) -> "Placement":
+        """Where ``key`` lives (introspection for tests and operators): a
+        :class:`Placement` of segment names (memory) and client names (SSD).
+        Raises ``ObjectNotFoundError``."""
         (w,) = self._call("where", {"keys": [_check_key(key)]})["where"]
         if w is None:
             raise ObjectNotFoundError(f"key {key!r} not found")
-        return w
+        return Placement(memory=list(w["memory"]), ssd=list(w["ssd"]))
 
-    def stats(self) -> dict:
-        """The master's counters (objects, used_bytes, capacity_bytes, hits, misses, ...)."""
-        return self._call("stats", {})
+    def stats(self) -> "StoreStats":
+        """The master's figures as a :class:`StoreStats`."""
+        d = self._call("stats", {})
+        return StoreStats(**{f.name: int(d.get(f.name, 0)) for f in dataclasses.fields(StoreStats)})
 
     def metrics(self) -> str:
         """The master's Prometheus text metrics."""

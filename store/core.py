@@ -123,7 +123,7 @@ class Core:
     def _check_key(self, key) -> str:
         if not isinstance(key, str) or not key:
             raise ProtocolError(f"a key must be a non-empty str, got {type(key).__name__}")
-        if len(key) > self.cfg.max_key_bytes and len(key.encode()) > self.cfg.max_key_bytes:
+        if len(key) > self.cfg.max_key_bytes // 4 and len(key.encode()) > self.cfg.max_key_bytes:
             raise ProtocolError(f"key of {len(key.encode())} bytes exceeds {self.cfg.max_key_bytes}")
         return key
 

@@ -197,7 +197,8 @@ def _agent_main():
                 store.remove(req["key"], force=req.get("force", False))
                 res = None
             elif op == "stats":
-                res = store.stats()
+                import dataclasses
+                res = dataclasses.asdict(store.stats())
             elif op == "close":
                 store.close()
                 res = None

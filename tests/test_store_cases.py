@@ -46,7 +46,7 @@ def test_st1_put_on_existing_key(procs):
         s.put_tensor("w", torch.tensor([4, 5, 6, 7]), upsert=True)
         t = s.get_tensor("w")
         assert t.tolist() == [4, 5, 6, 7] and t.shape == (4,) and t.dtype == torch.int64
-        assert s.where("w")["memory"] == ["node"]
+        assert s.where("w").memory == ["node"]
         # the same through plain bytes, written by another process
         node.cmd("put", key="b", seed=1, size=3)
         with pytest.raises(sa.AgentError, match="ObjectExistsError"):
@@ -115,7 +115,7 @@ def test_st4_remove_with_lease(procs):
     node = sa.start_agent({"master": m.address, "segment_size": 16 * MiB})
     node.cmd("put", key="k", seed=5, size=4096)
     with client(m) as s:
-        used = s.stats()["used_bytes"]
+        used = s.stats().used_bytes
         assert s.get("k") == sa.pattern(5, 4096)
         with pytest.raises(ObjectHasLeaseError):
             s.remove("k")
@@ -126,7 +126,7 @@ def test_st4_remove_with_lease(procs):
             s.remove("k")
         assert not s.exists("k")
         st = s.stats()
-        assert st["used_bytes"] == used and st["deferred"] == 1  # freed when the lease ends
+        assert st.used_bytes == used and st.deferred == 1  # freed when the lease ends
 
 
 def test_st6_replica_placement(procs):
@@ -143,22 +143,22 @@ def test_st6_replica_placement(procs):
     data = sa.pattern(6, 4 * MiB)
     with client(m) as s:
         assert s.put("obj", data, ReplicateConfig(replica_num=2)) == 2
-        where = s.where("obj")["memory"]
+        where = s.where("obj").memory
         assert len(where) == 2 and len(set(where)) == 2
         first = nodes.pop(where[0])
         first.kill()
         assert s.get("obj") == data  # the master may not know yet: the reader falls back
         deadline = time.monotonic() + 10
-        while s.stats()["clients"] > 3 and time.monotonic() < deadline:  # 2 nodes + this client
+        while s.stats().clients > 3 and time.monotonic() < deadline:  # 2 nodes + this client
             time.sleep(0.1)
-        assert s.where("obj")["memory"] == [where[1]]
+        assert s.where("obj").memory == [where[1]]
         assert s.get("obj") == data
         other = [n for n in nodes if n != where[1]]
         for n in other:
             nodes.pop(n).kill()
-        while s.stats()["segments"] > 1 and time.monotonic() < deadline:
+        while s.stats().segments > 1 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert s.stats()["segments"] == 1
+        assert s.stats().segments == 1
         assert s.put("two", b"x" * 1000, ReplicateConfig(replica_num=2)) == 1
         with pytest.raises(ReplicaShortfallError):
             s.put("strict", b"y" * 1000, ReplicateConfig(replica_num=2, require_all=True))
@@ -175,13 +175,13 @@ def test_st7_writer_dies_mid_put(procs):
     writer = sa.start_agent({"master": m.address, "segment_size": 0, "heartbeat_interval_s": 0.2},
                             env={"MOONCAKE_STORE_TEST_PAUSE": "put:60"})
     with client(m) as b:
-        used0 = b.stats()["used_bytes"]
+        used0 = b.stats().used_bytes
         writer.send("put", key="big", seed=7, size=64 * MiB)
         deadline = time.monotonic() + 20
-        while b.stats()["pending"] == 0:
+        while b.stats().pending == 0:
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        assert b.stats()["used_bytes"] >= used0 + 64 * MiB
+        assert b.stats().used_bytes >= used0 + 64 * MiB
         with pytest.raises(ObjectNotFoundError):
             b.get("big")
         assert not b.exists("big")
@@ -189,10 +189,10 @@ def test_st7_writer_dies_mid_put(procs):
             b.put("big", b"mine")
         writer.kill()
         t0 = time.monotonic()
-        while b.stats()["pending"]:
+        while b.stats().pending:
             assert time.monotonic() - t0 < 10, "the dead writer's put was never aborted"
             time.sleep(0.05)
-        assert b.stats()["used_bytes"] == used0
+        assert b.stats().used_bytes == used0
         mine = sa.pattern(8, 64 * MiB)
         assert b.put("big", mine) == 1
         assert b.get("big") == mine

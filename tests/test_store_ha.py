@@ -93,5 +93,5 @@ def test_leader_kill_standby_takes_over(procs, etcd):
         # clients keep their heartbeats with the new leader: nobody is declared dead
         time.sleep(3.5)
         st = s.stats()
-        assert st["clients"] == 3 and st["segments"] == 2, st
+        assert st.clients == 3 and st.segments == 2, st
         assert s.get("k5") == expect["k5"]

@@ -31,17 +31,17 @@ def test_ssd_tier_evict_read_back_and_restart(procs, tmp_path):
         for i in range(n):  # 20 MiB through an 8 MiB segment
             assert s.put(f"obj{i}", sa.pattern(i, MiB)) == 1
         deadline = time.monotonic() + 20
-        while s.stats()["ssd_objects"] < n // 2 and time.monotonic() < deadline:
+        while s.stats().ssd_objects < n // 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         st = s.stats()
-        assert st["objects"] == n and st["ssd_objects"] >= n // 2 and st["evictions"] > 0
-        assert st["used_bytes"] <= 8 * MiB
-        assert s.where("obj0") == {"memory": [], "ssd": ["node"]}
+        assert st.objects == n and st.ssd_objects >= n // 2 and st.evictions > 0
+        assert st.used_bytes <= 8 * MiB
+        assert s.where("obj0") == ([], ["node"])
         for i in range(n):
             assert s.get(f"obj{i}") == sa.pattern(i, MiB), i
         buf = bytearray(MiB)
         assert s.get_into("obj1", buf) == MiB and bytes(buf) == sa.pattern(1, MiB)
-        on_ssd = [i for i in range(n) if s.where(f"obj{i}")["ssd"]]
+        on_ssd = [i for i in range(n) if s.where(f"obj{i}").ssd]
         # upsert and remove delete the stale files
         s.upsert("obj0", b"new value")
         s.remove("obj1", force=True)
@@ -56,7 +56,7 @@ def test_ssd_tier_evict_read_back_and_restart(procs, tmp_path):
             if i in (0, 1):
                 continue
             assert s.get(f"obj{i}") == sa.pattern(i, MiB), i
-            assert s.where(f"obj{i}")["ssd"] == ["node2"]
+            assert s.where(f"obj{i}").ssd == ["node2"]
         assert not s.exists("obj1")
         # objects that were only in memory are gone with the restart; the store goes on
         s.put("fresh", b"abc")
@@ -80,5 +80,5 @@ def test_no_space_when_nothing_evictable(procs):
         for i in range(8):  # LRU eviction makes room
             s.put(f"q{i}", bytes([i]) * MiB)
         assert s.get("q7") == bytes([7]) * MiB
-        assert s.stats()["evictions"] >= 4
+        assert s.stats().evictions >= 4
         assert not s.exists("q0")
