@@ -26,8 +26,9 @@ VPY="$VENV/bin/python"
 TORCH_VERSION="2.13.0"
 # Everything the tests, benchmarks and examples import besides torch and the project,
 # plus what a --no-build-isolation build needs (setuptools, wheel, ninja); msgpack and
-# etcd3gw are the store's runtime dependencies, redis the store benchmark's peer client.
-DEPS=("numpy" "pytest>=8" "pytest-timeout>=2.3" "ninja" "setuptools>=77" "wheel" "msgpack>=1.0" "etcd3gw>=2.4" "redis>=5")
+# etcd3gw (and uvloop, optional) are the store's runtime dependencies, redis the store
+# benchmark's peer client.
+DEPS=("numpy" "pytest>=8" "pytest-timeout>=2.3" "ninja" "setuptools>=77" "wheel" "msgpack>=1.0" "etcd3gw>=2.4" "uvloop>=0.19" "redis>=5")
 export MAX_JOBS="${MAX_JOBS:-2}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 

@@ -29,7 +29,7 @@ log = logging.getLogger("mooncake_store")
 
 _DEFAULT_REPLICATE = ReplicateConfig()
 _NOSPACE_RETRY_S = 5.0
-_FAST_COPY_BYTES = 256 << 10  # copies from this size on go through the parallel C++ copy
+_FAST_COPY_BYTES = 64 << 10  # copies from this size on go through the parallel C++ copy
 
 
 def _as_bytes_view(value, what="value") -> memoryview:

@@ -37,6 +37,18 @@ _LEN = struct.Struct(">I")
 _POLL_MAX_S = 2.0
 
 
+def _loop_factory():
+    """uvloop's event loop when installed (a faster drop-in), else asyncio's default."""
+    if os.environ.get("MOONCAKE_STORE_NO_UVLOOP"):
+        return None
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop
+    except ImportError:
+        return None
+
+
 class Master:
     """One master. ``start()`` serves on a background thread (embedded use and tests);
     ``run()`` serves on the calling thread until ``stop()`` or a signal (the CLI).
@@ -82,13 +94,15 @@ class Master:
 
     def _thread_main(self):
         try:
-            asyncio.run(self._main())
+            with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+                runner.run(self._main())
         except BaseException as e:  # pragma: no cover - reported through start()
             self._startup_error = e
             self._ready.set()
 
     def run(self):
-        asyncio.run(self._main(install_signals=True))
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(self._main(install_signals=True))
 
     def stop(self):
         self._closing = True

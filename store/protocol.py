@@ -58,8 +58,11 @@ class Connection:
         self.timeout = timeout
         self.max_frame = max_frame
         self.sock = socket.create_connection((host, port), timeout=timeout)
+        self._timeout_set = timeout
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._next = 1
+        self._buf = bytearray()
+        self._pos = 0
         greet = self._read_frame()
         if not (isinstance(greet, list) and len(greet) == 3 and isinstance(greet[2], dict)):
             self.close()
@@ -72,28 +75,39 @@ class Connection:
                 raise ProtocolError(f"master {host}:{port} requires a shared secret (StoreConfig.secret / MOONCAKE_STORE_SECRET)")
             self.call("hello", {"mac": mac(secret, info["nonce"])})
 
-    def _recv_exact(self, n: int) -> bytes:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            k = self.sock.recv_into(view[got:])
-            if k == 0:
+    def _fill(self, need: int):
+        """Reads until the buffer holds ``need`` unread bytes."""
+        while len(self._buf) - self._pos < need:
+            if self._pos:
+                del self._buf[:self._pos]
+                self._pos = 0
+            chunk = self.sock.recv(max(65536, need - len(self._buf)))
+            if not chunk:
                 raise ConnectionResetError("master closed the connection")
-            got += k
-        return bytes(buf)
+            self._buf += chunk
 
     def _read_frame(self):
-        (n,) = _LEN.unpack(self._recv_exact(4))
+        self._fill(4)
+        (n,) = _LEN.unpack_from(self._buf, self._pos)
         if n > self.max_frame:
             raise ProtocolError(f"reply frame of {n} bytes exceeds {self.max_frame}")
-        return unpack(self._recv_exact(n), self.max_frame)
+        self._fill(4 + n)
+        start = self._pos + 4
+        body = memoryview(self._buf)[start:start + n]
+        try:
+            return unpack(body, self.max_frame)
+        finally:
+            body.release()
+            self._pos = start + n
 
     def call(self, method: str, args: dict, timeout: float | None = None):
         """Sends one request and returns its result (raises the master's error)."""
         mid = self._next
         self._next += 1
-        self.sock.settimeout(timeout or self.timeout)
+        t = timeout or self.timeout
+        if t != self._timeout_set:
+            self.sock.settimeout(t)
+            self._timeout_set = t
         self.sock.sendall(pack([mid, method, args]))
         while True:
             rep = self._read_frame()

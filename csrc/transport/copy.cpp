@@ -49,7 +49,7 @@ namespace mooncake {
 
 namespace {
 void copy_piece(void* dst, const void* src, size_t n) {
-  if (n >= kStreamThreshold)
+  if (n >= kStoreStreamThreshold)
     copy_stream(dst, src, n);
   else
     std::memcpy(dst, src, n);
