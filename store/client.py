@@ -155,15 +155,18 @@ class MooncakeStore:
     ``MasterConfig.lease_ttl_s`` (default 5 s): a copy that finishes after it raises
     :class:`LeaseExpiredError` instead of returning bytes that may have been evicted.
 
+    Options: a :class:`StoreConfig`, or its fields as keywords
+    (``MooncakeStore(master="127.0.0.1:50051", segment_size=1 << 30)``).
     Raises ``ValueError`` for bad options; ``StoreError`` if no master answers.
     """
 
-    def __init__(self, config: Optional[StoreConfig] = None, *, serve_tcp: bool = True, **kw):
+    def __init__(self, config: Optional[StoreConfig] = None, **kw):
         if config is not None and kw:
             raise ValueError("pass either a StoreConfig or keyword options, not both")
         cfg = (config or StoreConfig(**kw)).resolved()
         self.cfg = cfg
         self.name = cfg.name
+        serve_tcp = cfg.serve_tcp
         self.client_id = uuid.uuid4().hex
         self._lock = threading.RLock()
         self._closed = False
@@ -210,7 +213,7 @@ class MooncakeStore:
     @property
     def master_address(self) -> str:
         """``HOST:PORT`` of the master in use (the embedded one's, if embedded)."""
-        return self.cfg.master if self._etcd is None else (self._resolve() or "")
+        return self.cfg.master if self.cfg.etcd is None else (self._resolve() or "")
 
     def _start_te(self, serve: bool):
         from mooncake_pg.transfer import TransferEngine
@@ -466,9 +469,10 @@ class MooncakeStore:
                         return None
                     host, port, region = self._te_for(desc)
                     try:
+                        data = self._te.batch_read_bytes(host, port, region, [off], [obj.size])[0]
                         if out is None:
-                            return self._te.batch_read_bytes(host, port, region, [off], [obj.size])[0]
-                        self._te.batch_read(host, port, region, [off], [out])
+                            return data
+                        out[:] = data  # the caller's buffer is written only once the whole read worked
                         return None
                     except RuntimeError as e:
                         raise TransferError(f"read from {host}:{port} failed: {e}") from None
@@ -652,8 +656,10 @@ class MooncakeStore:
         tensor, at least the value's size); returns the value's size in bytes.
 
         Raises ``ValueError`` if the buffer is too small (nothing written),
-        ``ObjectNotFoundError``, ``LeaseExpiredError`` (the buffer's contents are then
-        unspecified), ``TransferError``."""
+        ``ObjectNotFoundError``, ``TransferError`` (nothing written: a read from another
+        host lands in a temporary first), ``LeaseExpiredError`` (the copy outlasted the
+        lease: the buffer holds bytes that may have been evicted meanwhile and must not be
+        used)."""
         key = _check_key(key)
         mv = _writable_view(buffer)
         (obj,), segs, deadline = self._get_meta([key])

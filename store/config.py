@@ -186,6 +186,9 @@ class StoreConfig:
         failover_timeout_s: seconds a request keeps retrying while no leader answers.
         heartbeat_interval_s: seconds between heartbeats (must be well below the master's
             ``client_ttl_s``).
+        serve_tcp: start the transfer engine so that clients on other hosts (or with
+            ``transfer="tcp"``) reach this client's segment; imports torch and the C++
+            extension. ``False``: same-host clients only, no torch import.
         prefault: map segments with every page allocated up front (``MAP_POPULATE``): the
             first copies into a segment then take no page faults, at the cost of committing
             ``segment_size`` bytes at start and a one-time cost per mapped peer segment.
@@ -208,6 +211,7 @@ class StoreConfig:
     rpc_timeout_s: float = 10.0
     failover_timeout_s: float = 10.0
     heartbeat_interval_s: float = 0.5
+    serve_tcp: bool = True
     prefault: bool = True
     master_config: Optional[MasterConfig] = None
     test_pause: Optional[tuple] = None
