@@ -196,3 +196,17 @@ def test_st7_writer_dies_mid_put(procs):
         mine = sa.pattern(8, 64 * MiB)
         assert b.put("big", mine) == 1
         assert b.get("big") == mine
+
+
+def test_embedded_master_serves_other_processes(procs):
+    """MooncakeStore() without a master runs one in-process (127.0.0.1, ephemeral port);
+    other processes join it through ``master_address``; its segment is mapped by them."""
+    with MooncakeStore(serve_tcp=False, segment_size=8 * MiB, name="embedded") as s:
+        host, port = s.master_address.split(":")
+        assert host == "127.0.0.1" and int(port) > 0
+        other = sa.start_agent({"master": s.master_address, "segment_size": 0})
+        other.cmd("put", key="x", seed=3, size=MiB)
+        assert s.where("x").memory == ["embedded"]
+        assert s.get("x") == sa.pattern(3, MiB)
+        s.put("y", b"from the embedding process")
+        assert other.cmd("get", key="y")["sha"] == sa.digest(b"from the embedding process")
