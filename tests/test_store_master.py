@@ -172,3 +172,29 @@ def test_metrics_http(procs):
         assert vals["mooncake_store_hits_total"] == 1 and vals["mooncake_store_misses_total"] == 1
         assert vals["mooncake_store_used_bytes"] > 0 and "mooncake_store_evictions_total" in vals
         assert s.metrics() == s.metrics()  # the same text over RPC
+
+
+def test_clients_survive_a_master_restart(procs):
+    """Without etcd a restarted master knows nothing; clients reconnect to the same address
+    and register again by themselves (objects that lived only in memory are gone)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    m = sa.start_master(port=port)
+    node = sa.start_agent({"master": m.address, "segment_size": 4 << 20, "heartbeat_interval_s": 0.2})
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0) as s:
+        s.put("before", b"x")
+        m.kill()
+        m2 = sa.start_master(port=port)
+        assert m2.address == m.address
+        deadline = time.monotonic() + 10
+        while True:  # the node re-registers on its next heartbeat
+            try:
+                s.put("after", b"y")
+                break
+            except Exception:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        assert s.get("after") == b"y"
+        assert not s.exists("before")
+        assert node.cmd("get", key="after")["sha"] == sa.digest(b"y")
