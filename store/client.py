@@ -339,6 +339,18 @@ class MooncakeStore:
             path = task[1]
             if os.path.realpath(path).startswith(os.path.realpath(self.cfg.ssd_dir) + os.sep):
                 ssd.delete(path)
+        elif op == "load" and self._segment is not None:
+            _, key, version, path, off, size = task
+            ok = False
+            try:
+                ssd.read_into(path, key, version, self._segment.view[off:off + size])
+                ok = True
+            except TransferError as e:
+                log.warning("store: loading %r from SSD failed: %s", key, e)
+            try:
+                self._call("load_done", {"client": self.client_id, "key": key, "version": version, "ok": ok})
+            except StoreError as e:
+                log.warning("store: load_done: %s", e)
         elif op == "offload" and self._segment is not None and self.cfg.ssd_dir:
             _, key, version, off, size, meta = task
             ok, path = False, ""
@@ -478,7 +490,7 @@ class MooncakeStore:
                         raise TransferError(f"read from {host}:{port} failed: {e}") from None
                 else:
                     if rep[1] != self.cfg.host_id:
-                        raise TransferError("SSD replica on another host (only same-host SSD reads are supported)")
+                        raise TransferError("SSD replica on another host could not be loaded into memory")
                     if out is None:
                         buf = bytearray(obj.size)
                         ssd.read_into(rep[2], obj.key, obj.version, buf)
@@ -605,8 +617,14 @@ class MooncakeStore:
 
     # ------------------------------------------------------------------ reads
     def _get_meta(self, keys: list):
-        t0 = time.monotonic()
-        res = self._call("get", {"client": self.client_id, "keys": keys})
+        give_up = time.monotonic() + self.cfg.rpc_timeout_s
+        while True:
+            t0 = time.monotonic()
+            res = self._call("get", {"client": self.client_id, "keys": keys})
+            # an object only on another host's SSD is being loaded into memory: ask again
+            if not any(o is not None and o[4] for o in res["objs"]) or time.monotonic() > give_up:
+                break
+            time.sleep(0.01)
         deadline = t0 + res["ttl_ms"] / 1000.0
         objs = [None if o is None else _Obj(k, o[0], o[1], o[2], o[3]) for k, o in zip(keys, res["objs"])]
         if self.cfg.test_pause and self.cfg.test_pause[0] == "get":

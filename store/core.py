@@ -53,7 +53,7 @@ class Client:
 
 class Obj:
     __slots__ = ("key", "size", "version", "meta", "repl", "ssd", "pin", "lease_until", "writer",
-                 "deadline", "offloading")
+                 "deadline", "offloading", "loading")
 
     def __init__(self, key, size, version, meta, pin):
         self.key = key
@@ -67,6 +67,7 @@ class Obj:
         self.writer = None
         self.deadline = 0.0
         self.offloading = False
+        self.loading = None  # [segment, offset, bytes] being filled from SSD for remote readers
 
 
 class Counters:
@@ -149,6 +150,10 @@ class Core:
 
     def _release(self, obj: Obj, *, delete_ssd=True):
         """Frees everything of ``obj`` (deferred while a lease protects a reader)."""
+        if obj.loading is not None:
+            seg_name, off, n = obj.loading
+            obj.loading = None
+            self._free_replica(seg_name, off, n, obj.key, 0.0)
         for seg_name, off, n in obj.repl:
             self._free_replica(seg_name, off, n, obj.key, obj.lease_until)
         obj.repl = []
@@ -258,6 +263,8 @@ class Core:
                 obj = self.objects.get(key)
                 if obj is not None:
                     obj.repl = [r for r in obj.repl if r[0] not in dead]
+                    if obj.loading is not None and obj.loading[0] in dead:
+                        obj.loading = None
                     self._dirty(key)
                     if not obj.repl and not obj.ssd:
                         self.objects.pop(key, None)
@@ -458,7 +465,7 @@ class Core:
 
     # ------------------------------------------------------------------ reads
     def get(self, a: dict) -> dict:
-        self._client(a.get("client"))
+        reader = self._client(a.get("client"))
         keys = self._keys(a.get("keys"))
         now = self.clock()
         until = now + self.cfg.lease_ttl_s
@@ -482,7 +489,10 @@ class Core:
                 cl = self.clients.get(cid)
                 if cl is not None:
                     reps.append(["s", cl.host, path])
-            out.append([obj.size, obj.version, obj.meta, reps])
+            retry = False
+            if not obj.repl and obj.ssd and reader.host not in {self.clients[c].host for c, _ in obj.ssd if c in self.clients}:
+                retry = self._promote(obj)  # only on disks of other hosts: load it into memory first
+            out.append([obj.size, obj.version, obj.meta, reps, retry])
         return {"objs": out, "segs": segs, "ttl_ms": int(self.cfg.lease_ttl_s * 1000)}
 
     def where(self, a: dict) -> dict:
@@ -521,6 +531,52 @@ class Core:
             self.counters.removes += 1
             out.append([0, 0])
         return {"items": out}
+
+    def _promote(self, obj: Obj) -> bool:
+        """Asks the owner of an SSD replica to load ``obj`` into its segment (for readers
+        on other hosts). True while that load is in progress (the reader asks again)."""
+        if obj.loading is not None:
+            return True
+        n = aligned(obj.size) if obj.size else 0
+        for cid, path in obj.ssd:
+            c = self.clients.get(cid)
+            if c is None:
+                continue
+            for seg in c.segments:
+                off = seg.alloc.alloc(n) if n else 0
+                if off is None:
+                    self._evict_for(n, 1, set(), [seg])
+                    off = seg.alloc.alloc(n)
+                if off is None:
+                    now = self.clock()
+                    for k in seg.keys:  # space comes once offloads finish or leases end
+                        o = self.objects.get(k)
+                        if o is not None and (o.offloading or (o.lease_until > now and not o.pin)):
+                            return True
+                    continue
+                self.used += n
+                seg.keys.add(obj.key)
+                obj.loading = [seg.name, off, n]
+                self._queue(c, ["load", obj.key, obj.version, path, off, obj.size])
+                return True
+        return False
+
+    def load_done(self, a: dict) -> dict:
+        self._client(a.get("client"))
+        key, version, ok = a.get("key"), a.get("version"), a.get("ok")
+        if not (isinstance(key, str) and isinstance(version, int)):
+            raise ProtocolError("load_done: bad arguments")
+        obj = self.objects.get(key)
+        if obj is None or obj.version != version or obj.loading is None:
+            return {}
+        seg_name, off, n = obj.loading
+        obj.loading = None
+        if ok and seg_name in self.segments:
+            obj.repl.append([seg_name, off, n])
+            self._dirty(key)
+        else:
+            self._free_replica(seg_name, off, n, key, 0.0)
+        return {}
 
     def offload_done(self, a: dict) -> dict:
         c = self._client(a.get("client"))

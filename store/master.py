@@ -373,7 +373,7 @@ class Master:
 _METHODS = {
     "register": Core.register, "unregister": Core.unregister, "put_start": Core.put_start,
     "put_end": Core.put_end, "put_revoke": Core.put_revoke, "get": Core.get, "exists": Core.exists, "where": Core.where,
-    "remove": Core.remove, "offload_done": Core.offload_done,
+    "remove": Core.remove, "offload_done": Core.offload_done, "load_done": Core.load_done,
     "stats": lambda core, a: core.stats(),
 }
 

@@ -78,3 +78,25 @@ def test_store_over_tcp_between_hosts(procs):
         assert s.get(f"s{16 * MiB}") == sa.pattern(16 * MiB, 16 * MiB)
         time.sleep(1.5)
         assert s.get(f"s{16 * MiB}") == sa.pattern(16 * MiB, 16 * MiB)
+
+
+def test_ssd_replica_read_from_another_host(procs, tmp_path):
+    """An object evicted to the SSD of a client on another host is loaded back into that
+    client's segment on request and read over TCP (readers wait while the segment is full
+    of leased objects: 1 s leases here)."""
+    m = sa.start_master(high_watermark=0.8, low_watermark=0.5, lease_ttl=1.0)
+    sa.start_agent({"master": m.address, "segment_size": 4 * MiB + 4096, "name": "disk-host",
+                    "ssd_dir": str(tmp_path / "ssd"), "heartbeat_interval_s": 0.2},
+                   serve_tcp=True, env={"MOONCAKE_HOST_ID": "host-with-disk"})
+    with MooncakeStore(master=m.address, segment_size=0, host_id="reader-host") as s:
+        for i in range(8):
+            s.put(f"o{i}", sa.pattern(i, MiB))
+        deadline = time.monotonic() + 20
+        while s.stats().ssd_objects < 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        on_disk = [i for i in range(8) if not s.where(f"o{i}").memory]
+        assert on_disk
+        for i in range(8):
+            assert s.get(f"o{i}") == sa.pattern(i, MiB), i
+        assert s.get_batch([f"o{i}" for i in on_disk]) == [sa.pattern(i, MiB) for i in on_disk]
