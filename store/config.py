@@ -14,6 +14,7 @@ Every ``MOONCAKE_*`` environment variable the store reads is read here, in
 | ``MOONCAKE_STORE_TRANSFER`` | ``auto`` (map same-host segments, TCP otherwise) or ``tcp`` (always TCP) | ``auto`` |
 | ``MOONCAKE_HOST_ID`` | processes with equal ids count as one host and map each other's segments | hostname + boot id |
 | ``MOONCAKE_SOCKET_IFNAME`` | interface the transfer engine listens on | interface routed to the master |
+| ``MOONCAKE_STORE_NO_UVLOOP`` | ``1``: the master uses asyncio's own event loop even when uvloop is installed | off |
 | ``MOONCAKE_STORE_TEST_PAUSE`` | tests only: ``put:SECONDS`` / ``get:SECONDS`` pauses after the master answered put-start / get, before any byte moves | off |
 """
 from __future__ import annotations
@@ -72,6 +73,8 @@ def env_defaults() -> dict:
         out["host_id"] = env["MOONCAKE_HOST_ID"]
     if env.get("MOONCAKE_SOCKET_IFNAME"):
         out["ifname"] = env["MOONCAKE_SOCKET_IFNAME"]
+    if env.get("MOONCAKE_STORE_NO_UVLOOP"):
+        out["no_uvloop"] = env["MOONCAKE_STORE_NO_UVLOOP"] not in ("0", "")
     if env.get("MOONCAKE_STORE_TEST_PAUSE"):
         v = env["MOONCAKE_STORE_TEST_PAUSE"]
         what, _, secs = v.partition(":")

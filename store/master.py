@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import json
 import logging
 import os
 import signal
+import socket
 import struct
 import sys
 import threading
@@ -39,7 +41,9 @@ _POLL_MAX_S = 2.0
 
 def _loop_factory():
     """uvloop's event loop when installed (a faster drop-in), else asyncio's default."""
-    if os.environ.get("MOONCAKE_STORE_NO_UVLOOP"):
+    from .config import env_defaults
+
+    if env_defaults().get("no_uvloop"):
         return None
     try:
         import uvloop
@@ -118,8 +122,8 @@ class Master:
         self.loop = asyncio.get_running_loop()
         self._stop_evt = asyncio.Event()
         try:
-            self._server = await asyncio.start_server(self._handle, self.cfg.host, self.cfg.port,
-                                                      limit=1 << 16, reuse_address=True)
+            self._server = await self.loop.create_server(lambda: _Connection(self), self.cfg.host, self.cfg.port,
+                                                         reuse_address=True)
             self.port = self._server.sockets[0].getsockname()[1]
             if self.cfg.metrics_port is not None:
                 self._metrics_server = await asyncio.start_server(self._metrics_http, self.cfg.host,
@@ -255,74 +259,34 @@ class Master:
                 except Exception:
                     log.exception("tick failed")
 
-    async def _send(self, writer, obj):
-        writer.write(protocol.pack(obj))
-        await writer.drain()
+    def _poll_wait(self, args: dict) -> float:
+        """Seconds a poll request may wait for tasks (0: answer at once)."""
+        c = self.core.clients.get(args.get("client")) if isinstance(args.get("client"), str) else None
+        if c is None or c.tasks:
+            return 0.0
+        wait = args.get("wait_ms", 0)
+        if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not (wait > 0):
+            return 0.0
+        return min(float(wait) / 1000.0, _POLL_MAX_S)
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        self._conns += 1
-        try:
-            if self._conns > 4096:
-                await self._send(writer, [-1, 1, [ProtocolError.code, "too many connections"]])
-                return
-            nonce = os.urandom(32)
-            authed = not self.cfg.secret
-            await self._send(writer, [0, 0, {"v": protocol.VERSION, "nonce": nonce, "auth": not authed}])
-            while True:
-                try:
-                    hdr = await reader.readexactly(4)
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return
-                (n,) = _LEN.unpack(hdr)
-                if n > self.cfg.max_frame_bytes:
-                    await self._send(writer, [-1, 1, [ProtocolError.code,
-                                                      f"frame of {n} bytes exceeds the limit of {self.cfg.max_frame_bytes}; closing"]])
-                    return
-                try:
-                    body = await reader.readexactly(n)
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return
-                mid = -1
-                try:
-                    req = protocol.unpack(body, self.cfg.max_frame_bytes)
-                    if not (isinstance(req, list) and len(req) == 3 and isinstance(req[0], int)
-                            and not isinstance(req[0], bool) and isinstance(req[1], str) and isinstance(req[2], dict)):
-                        if isinstance(req, list) and req and isinstance(req[0], int):
-                            mid = req[0]
-                        raise ProtocolError("a request must be [id, method, {args}]")
-                    mid, method, args = req
-                    if not authed:
-                        if method != "hello":
-                            raise AuthError("authenticate first (hello with the shared secret's HMAC)")
-                        import hmac as _hmac
-
-                        m = args.get("mac")
-                        if not (isinstance(m, bytes) and _hmac.compare_digest(m, protocol.mac(self.cfg.secret, nonce))):
-                            await self._send(writer, [mid, 1, [AuthError.code, "wrong shared secret"]])
-                            return
-                        authed = True
-                        result = {}
-                    else:
-                        result = await self._dispatch(method, args)
-                    reply = [mid, 0, result]
-                except StoreError as e:
-                    reply = [mid, 1, [e.code, str(e)]]
-                except Exception as e:  # a bug: report, keep serving
-                    log.exception("request failed")
-                    reply = [mid, 1, ["StoreError", f"internal error: {type(e).__name__}: {e}"]]
-                await self._send(writer, reply)
-                if not authed:
-                    return
-        except (ConnectionError, OSError, asyncio.CancelledError):
-            pass
-        finally:
-            self._conns -= 1
+    async def _poll(self, args: dict, wait: float):
+        core = self.core
+        c = core.clients.get(args.get("client"))
+        if c is not None:
+            if c.event is None:
+                c.event = asyncio.Event()
+            c.event.clear()
+            c.last_seen = core.clock()
             try:
-                writer.close()
-            except Exception:
+                await asyncio.wait_for(c.event.wait(), wait)
+            except asyncio.TimeoutError:
                 pass
+        if not self.leader or self.core is not core:
+            raise NotLeaderError("leadership changed")
+        return core.poll(args)
 
-    async def _dispatch(self, method: str, args: dict):
+    def _dispatch(self, method: str, args: dict):
+        """Runs one request on the metadata (synchronously) and writes what it changed to etcd."""
         if method == "hello":
             return {}
         if method == "leader":
@@ -331,29 +295,13 @@ class Master:
             return {"text": self.core.metrics_text(self.leader)}
         if not self.leader:
             raise NotLeaderError(f"this master is a standby; the leader is {self.leader_addr}")
-        core = self.core
         if method == "poll":
-            c = core.clients.get(args.get("client")) if isinstance(args.get("client"), str) else None
-            if c is not None and not c.tasks:
-                wait = args.get("wait_ms", 0)
-                wait = min(max(float(wait) / 1000.0, 0.0), _POLL_MAX_S) if isinstance(wait, (int, float)) else 0.0
-                if wait > 0:
-                    if c.event is None:
-                        c.event = asyncio.Event()
-                    c.event.clear()
-                    c.last_seen = core.clock()
-                    try:
-                        await asyncio.wait_for(c.event.wait(), wait)
-                    except asyncio.TimeoutError:
-                        pass
-                    if not self.leader or self.core is not core:
-                        raise NotLeaderError("leadership changed")
-            result = core.poll(args)
+            result = self.core.poll(args)
         else:
             fn = _METHODS.get(method)
             if fn is None:
                 raise ProtocolError(f"unknown method {method!r}")
-            result = fn(core, args)
+            result = fn(self.core, args)
         self._flush()
         return result
 
@@ -368,6 +316,131 @@ class Master:
             pass
         finally:
             writer.close()
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: frames are cut out of the byte stream as they arrive and
+    answered in order. A frame longer than the limit gets an error reply and the
+    connection is closed before its body is buffered. While a long poll waits, or the
+    peer does not read its replies, reading from the connection is paused."""
+
+    def __init__(self, master: "Master"):
+        self.m = master
+        self.buf = bytearray()
+        self.transport = None
+        self.nonce = os.urandom(32)
+        self.authed = not master.cfg.secret
+        self.busy = False  # a poll is waiting: later frames wait their turn
+        self.write_paused = False
+        self.closed = False
+
+    def connection_made(self, transport):
+        self.transport = transport
+        self.m._conns += 1
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+        if self.m._conns > 4096:
+            self._send([-1, 1, [ProtocolError.code, "too many connections"]])
+            self._close()
+            return
+        self._send([0, 0, {"v": protocol.VERSION, "nonce": self.nonce, "auth": not self.authed}])
+
+    def connection_lost(self, exc):
+        self.closed = True
+        self.m._conns -= 1
+
+    def pause_writing(self):
+        self.write_paused = True
+        self.transport.pause_reading()
+
+    def resume_writing(self):
+        self.write_paused = False
+        if not self.busy and not self.closed:
+            self.transport.resume_reading()
+            self._process()
+
+    def _send(self, obj):
+        if not self.closed:
+            self.transport.write(protocol.pack(obj))
+
+    def _close(self):
+        self.closed = True
+        self.transport.close()
+
+    def data_received(self, data):
+        self.buf += data
+        self._process()
+
+    def _process(self):
+        limit = self.m.cfg.max_frame_bytes
+        while not self.busy and not self.closed and not self.write_paused:
+            if len(self.buf) < 4:
+                return
+            (n,) = _LEN.unpack_from(self.buf, 0)
+            if n > limit:
+                self._send([-1, 1, [ProtocolError.code, f"frame of {n} bytes exceeds the limit of {limit}; closing"]])
+                self._close()
+                return
+            if len(self.buf) < 4 + n:
+                return
+            body = bytes(self.buf[4:4 + n])
+            del self.buf[:4 + n]
+            self._request(body)
+
+    def _request(self, body: bytes):
+        mid = -1
+        try:
+            req = protocol.unpack(body, self.m.cfg.max_frame_bytes)
+            if not (isinstance(req, list) and len(req) == 3 and isinstance(req[0], int)
+                    and not isinstance(req[0], bool) and isinstance(req[1], str) and isinstance(req[2], dict)):
+                if isinstance(req, list) and req and isinstance(req[0], int) and not isinstance(req[0], bool):
+                    mid = req[0]
+                raise ProtocolError("a request must be [id, method, {args}]")
+            mid, method, args = req
+            if not self.authed:
+                if method != "hello":
+                    self._send([mid, 1, [AuthError.code, "authenticate first (hello with the shared secret's HMAC)"]])
+                    self._close()
+                    return
+                m = args.get("mac")
+                if not (isinstance(m, bytes) and hmac.compare_digest(m, protocol.mac(self.m.cfg.secret, self.nonce))):
+                    self._send([mid, 1, [AuthError.code, "wrong shared secret"]])
+                    self._close()
+                    return
+                self.authed = True
+                reply = [mid, 0, {}]
+            elif method == "poll" and self.m.leader and self.m._poll_wait(args) > 0:
+                self.busy = True
+                self.transport.pause_reading()
+                asyncio.ensure_future(self._finish_poll(mid, args, self.m._poll_wait(args)))
+                return
+            else:
+                reply = [mid, 0, self.m._dispatch(method, args)]
+        except StoreError as e:
+            reply = [mid, 1, [e.code, str(e)]]
+        except Exception as e:  # a bug: report, keep serving
+            log.exception("request failed")
+            reply = [mid, 1, ["StoreError", f"internal error: {type(e).__name__}: {e}"]]
+        self._send(reply)
+
+    async def _finish_poll(self, mid, args, wait):
+        try:
+            reply = [mid, 0, await self.m._poll(args, wait)]
+        except StoreError as e:
+            reply = [mid, 1, [e.code, str(e)]]
+        except Exception as e:
+            log.exception("poll failed")
+            reply = [mid, 1, ["StoreError", f"internal error: {type(e).__name__}: {e}"]]
+        self._send(reply)
+        self.busy = False
+        if not self.closed:
+            if not self.write_paused:
+                self.transport.resume_reading()
+            self._process()
 
 
 _METHODS = {
