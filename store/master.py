@@ -53,6 +53,19 @@ def _loop_factory():
         return None
 
 
+def _run(coro):
+    factory = _loop_factory()
+    if hasattr(asyncio, "Runner"):  # Python 3.11+
+        with asyncio.Runner(loop_factory=factory) as runner:
+            return runner.run(coro)
+    loop = factory() if factory else asyncio.new_event_loop()
+    try:
+        asyncio.set_event_loop(loop)
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
+
+
 class Master:
     """One master. ``start()`` serves on a background thread (embedded use and tests);
     ``run()`` serves on the calling thread until ``stop()`` or a signal (the CLI).
@@ -98,15 +111,13 @@ class Master:
 
     def _thread_main(self):
         try:
-            with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-                runner.run(self._main())
+            _run(self._main())
         except BaseException as e:  # pragma: no cover - reported through start()
             self._startup_error = e
             self._ready.set()
 
     def run(self):
-        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            runner.run(self._main(install_signals=True))
+        _run(self._main(install_signals=True))
 
     def stop(self):
         self._closing = True
