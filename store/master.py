@@ -215,6 +215,10 @@ class Master:
                 if not self._closing:
                     log.warning("store master %s lost its leadership", self.address)
                     asyncio.run_coroutine_threadsafe(self._step_down(), self.loop).result(30)
+                    try:  # let a standby (or this master, with a fresh load) lead at once
+                        lease.revoke()
+                    except Exception:
+                        pass
             except Exception as e:  # etcd unreachable: retry
                 log.warning("etcd: %s", e)
                 time.sleep(0.5)
@@ -252,10 +256,16 @@ class Master:
                 puts[k] = client_record(c)
         core.dirty_objs = set()
         core.dirty_clients = set()
-        if not self._etcd.write(self._ident, puts, deletes):
+        try:
+            ok = self._etcd.write(self._ident, puts, deletes)
+            why = "lost its leadership"
+        except Exception as e:  # etcd unreachable: the record may lag the memory, so step down
+            ok, why = False, f"could not write to etcd ({type(e).__name__}: {e})"
+        if not ok:
             self.leader = False
             self._install_core(Core(self.cfg))
-            raise NotLeaderError("this master lost its leadership while writing to etcd; ask the new leader")
+            log.warning("store master %s %s; standing down", self.address, why)
+            raise NotLeaderError(f"this master {why}; ask the leader again")
 
     # ----------------------------------------------------------------- serving
     async def _ticker(self):
