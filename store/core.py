@@ -548,16 +548,27 @@ class Core:
                     self._evict_for(n, 1, set(), [seg])
                     off = seg.alloc.alloc(n)
                 if off is None:
-                    now = self.clock()
-                    for k in seg.keys:  # space comes once offloads finish or leases end
-                        o = self.objects.get(k)
-                        if o is not None and (o.offloading or (o.lease_until > now and not o.pin)):
-                            return True
+                    if self._space_coming(seg):
+                        return True
                     continue
                 self.used += n
                 seg.keys.add(obj.key)
                 obj.loading = [seg.name, off, n]
                 self._queue(c, ["load", obj.key, obj.version, path, off, obj.size])
+                return True
+        return False
+
+    def _space_coming(self, seg: Segment) -> bool:
+        """Whether space in ``seg`` frees up by itself soon: offloads to SSD, leases or
+        deferred frees that end, puts that finish or are aborted."""
+        now = self.clock()
+        if any(d[1] == seg.name for d in self.deferred):
+            return True
+        for k in seg.keys:
+            if k in self.pending:
+                return True
+            o = self.objects.get(k)
+            if o is not None and (o.offloading or (o.lease_until > now and not o.pin)):
                 return True
         return False
 
