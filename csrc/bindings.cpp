@@ -6,7 +6,10 @@
 #include <torch/python.h>
 
 #include "pg/backend.hpp"
+#include "transport/copy.hpp"
 #include "transport/shm.hpp"
+#include "transport/tcp.hpp"
+#include "transport/transfer_engine.hpp"
 
 namespace py = pybind11;
 
@@ -97,6 +100,166 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("joining", &mooncake::MooncakeBackend::joining)
       .def("last_joined", &mooncake::MooncakeBackend::last_joined);
 
+
+  // Transfer engine (exposed as mooncake_pg.transfer.TransferEngine; the store uses it to
+  // reach segments of other hosts). Buffers are anything with the buffer protocol; they
+  // stay exported (and so alive) while the GIL is released for the transfer.
+  py::class_<mooncake::TransferEngine>(m, "TransferEngine")
+      .def(py::init([](const std::string& listen_host, const std::string& secret) {
+             try {
+               return std::make_unique<mooncake::TransferEngine>(listen_host, secret);
+             } catch (const std::exception& e) {
+               TORCH_CHECK(false, e.what());
+             }
+           }),
+           py::arg("listen_host"), py::arg("secret") = "")
+      .def_property_readonly("port", &mooncake::TransferEngine::port)
+      .def_property_readonly("host", &mooncake::TransferEngine::host)
+      .def("register_memory",
+           [](mooncake::TransferEngine& te, py::buffer b) {
+             py::buffer_info info = b.request(true);
+             TORCH_CHECK(info.itemsize == 1 || info.ndim <= 1, "TransferEngine::register_memory: buffer must be contiguous");
+             size_t len = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
+             return te.register_memory(info.ptr, len);
+           },
+           py::arg("buffer"))
+      .def("unregister_memory",
+           [](mooncake::TransferEngine& te, uint32_t region) {
+             try {
+               py::gil_scoped_release nogil;
+               te.unregister_memory(region);
+             } catch (const std::exception& e) {
+               TORCH_CHECK(false, e.what());
+             }
+           },
+           py::arg("region"))
+      .def("batch_write",
+           [](mooncake::TransferEngine& te, const std::string& host, int port, uint32_t region,
+              const std::vector<uint64_t>& offsets, const std::vector<py::buffer>& buffers) {
+             TORCH_CHECK(offsets.size() == buffers.size(), "TransferEngine::batch_write: ", offsets.size(),
+                         " offsets but ", buffers.size(), " buffers");
+             std::vector<py::buffer_info> infos;
+             std::vector<const void*> ptrs;
+             std::vector<uint64_t> lens;
+             for (auto& b : buffers) {
+               infos.push_back(b.request(false));
+               auto& i = infos.back();
+               ptrs.push_back(i.ptr);
+               lens.push_back(static_cast<uint64_t>(i.size) * static_cast<uint64_t>(i.itemsize));
+             }
+             try {
+               py::gil_scoped_release nogil;
+               te.batch_write(host, port, region, offsets, ptrs, lens);
+             } catch (const std::exception& e) {
+               TORCH_CHECK(false, e.what());
+             }
+           },
+           py::arg("host"), py::arg("port"), py::arg("region"), py::arg("offsets"), py::arg("buffers"))
+      .def("batch_read",
+           [](mooncake::TransferEngine& te, const std::string& host, int port, uint32_t region,
+              const std::vector<uint64_t>& offsets, const std::vector<py::buffer>& buffers) {
+             TORCH_CHECK(offsets.size() == buffers.size(), "TransferEngine::batch_read: ", offsets.size(),
+                         " offsets but ", buffers.size(), " buffers");
+             std::vector<py::buffer_info> infos;
+             std::vector<void*> ptrs;
+             std::vector<uint64_t> lens;
+             for (auto& b : buffers) {
+               infos.push_back(b.request(true));
+               auto& i = infos.back();
+               TORCH_CHECK(!i.readonly, "TransferEngine::batch_read: buffer is read-only");
+               ptrs.push_back(i.ptr);
+               lens.push_back(static_cast<uint64_t>(i.size) * static_cast<uint64_t>(i.itemsize));
+             }
+             try {
+               py::gil_scoped_release nogil;
+               te.batch_read(host, port, region, offsets, ptrs, lens);
+             } catch (const std::exception& e) {
+               TORCH_CHECK(false, e.what());
+             }
+           },
+           py::arg("host"), py::arg("port"), py::arg("region"), py::arg("offsets"), py::arg("buffers"))
+      .def("batch_read_bytes",
+           [](mooncake::TransferEngine& te, const std::string& host, int port, uint32_t region,
+              const std::vector<uint64_t>& offsets, const std::vector<uint64_t>& lens) {
+             TORCH_CHECK(offsets.size() == lens.size(), "TransferEngine::batch_read_bytes: ", offsets.size(),
+                         " offsets but ", lens.size(), " lengths");
+             // Fresh bytes objects, filled before anyone else can see them (one copy, no
+             // intermediate buffer).
+             std::vector<py::object> outs;
+             std::vector<void*> ptrs;
+             for (uint64_t n : lens) {
+               PyObject* b = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(n));
+               if (!b) throw py::error_already_set();
+               outs.push_back(py::reinterpret_steal<py::object>(b));
+               ptrs.push_back(PyBytes_AS_STRING(b));
+             }
+             try {
+               py::gil_scoped_release nogil;
+               te.batch_read(host, port, region, offsets, ptrs, lens);
+             } catch (const std::exception& e) {
+               TORCH_CHECK(false, e.what());
+             }
+             py::list result;
+             for (auto& o : outs) result.append(o);
+             return result;
+           },
+           py::arg("host"), py::arg("port"), py::arg("region"), py::arg("offsets"), py::arg("lens"))
+      .def("close", &mooncake::TransferEngine::close, py::call_guard<py::gil_scoped_release>());
+  // Parallel copies for the store (shared-memory segments <-> user buffers).
+  m.def("copy_buffers",
+        [](const std::vector<py::buffer>& dsts, const std::vector<py::buffer>& srcs, int threads) {
+          TORCH_CHECK(dsts.size() == srcs.size(), "copy_buffers: ", dsts.size(), " destinations but ", srcs.size(),
+                      " sources");
+          std::vector<py::buffer_info> infos;
+          infos.reserve(dsts.size() * 2);
+          std::vector<mooncake::CopyOp> ops;
+          for (size_t i = 0; i < dsts.size(); ++i) {
+            infos.push_back(dsts[i].request(true));
+            auto& d = infos.back();
+            TORCH_CHECK(!d.readonly, "copy_buffers: destination ", i, " is read-only");
+            size_t dn = static_cast<size_t>(d.size) * static_cast<size_t>(d.itemsize);
+            void* dp = d.ptr;
+            infos.push_back(srcs[i].request(false));
+            auto& s = infos.back();
+            size_t sn = static_cast<size_t>(s.size) * static_cast<size_t>(s.itemsize);
+            TORCH_CHECK(dn == sn, "copy_buffers: destination ", i, " has ", dn, " bytes but its source ", sn);
+            ops.push_back({dp, s.ptr, sn});
+          }
+          py::gil_scoped_release nogil;
+          mooncake::copy_parallel(ops, threads);
+        },
+        py::arg("dsts"), py::arg("srcs"), py::arg("threads"));
+  m.def("copy_to_bytes",
+        [](const std::vector<py::buffer>& srcs, int threads) {
+          std::vector<py::buffer_info> infos;
+          infos.reserve(srcs.size());
+          std::vector<py::object> outs;
+          std::vector<mooncake::CopyOp> ops;
+          for (auto& b : srcs) {
+            infos.push_back(b.request(false));
+            auto& s = infos.back();
+            size_t n = static_cast<size_t>(s.size) * static_cast<size_t>(s.itemsize);
+            PyObject* o = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(n));
+            if (!o) throw py::error_already_set();
+            outs.push_back(py::reinterpret_steal<py::object>(o));
+            ops.push_back({PyBytes_AS_STRING(o), s.ptr, n});
+          }
+          {
+            py::gil_scoped_release nogil;
+            mooncake::copy_parallel(ops, threads);
+          }
+          py::list result;
+          for (auto& o : outs) result.append(o);
+          return result;
+        },
+        py::arg("srcs"), py::arg("threads"));
+  m.def("local_address_for", [](const std::string& peer, const std::string& ifname) {
+    try {
+      return mooncake::local_address_for(peer, ifname);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "TransferEngine::local_address_for: ", e.what());
+    }
+  });
   m.def("available_cpus", &mooncake::available_cpus);
   m.def("known_failed_global_ranks", &mooncake::known_failed_global_ranks,
         "Default-group ranks that any mooncake group of this process has agreed failed.");

@@ -1,0 +1,19 @@
+"""``mooncake_store``: a distributed object store for tensors (see DESIGN.md "Store").
+
+    from mooncake_store import MooncakeStore, ReplicateConfig
+    store = MooncakeStore()                       # embedded master, 256 MiB segment
+    store.put("w", b"\\x01\\x02")
+    store.get("w")
+
+Master as a service: ``mooncake-store-master`` / ``python -m mooncake_store.master``.
+"""
+from .client import MooncakeStore, Placement, StoreStats
+from .config import MasterConfig, ReplicateConfig, StoreConfig, env_defaults
+from .errors import (AuthError, LeaseExpiredError, NoSpaceError, NotLeaderError, ObjectExistsError,
+                     ObjectHasLeaseError, ObjectNotFoundError, ProtocolError, ReplicaShortfallError, StoreError,
+                     TransferError)
+from .master import Master
+
+__all__ = ["MooncakeStore", "Placement", "StoreStats", "Master", "MasterConfig", "ReplicateConfig", "StoreConfig", "env_defaults",
+           "StoreError", "ObjectExistsError", "ObjectNotFoundError", "LeaseExpiredError", "ObjectHasLeaseError",
+           "ReplicaShortfallError", "NoSpaceError", "TransferError", "ProtocolError", "AuthError", "NotLeaderError"]

@@ -41,3 +41,49 @@ void copy_stream(void* dst, const void* src, size_t n) {
 }
 
 }  // namespace mooncake
+
+#include <algorithm>
+#include <thread>
+
+namespace mooncake {
+
+namespace {
+void copy_piece(void* dst, const void* src, size_t n) {
+  if (n >= kStoreStreamThreshold)
+    copy_stream(dst, src, n);
+  else
+    std::memcpy(dst, src, n);
+}
+
+// Copies bytes [begin, end) of the concatenation of ops.
+void copy_range(const std::vector<CopyOp>& ops, size_t begin, size_t end) {
+  size_t pos = 0;
+  for (const auto& op : ops) {
+    size_t a = std::max(begin, pos), b = std::min(end, pos + op.n);
+    if (a < b)
+      copy_piece(static_cast<uint8_t*>(op.dst) + (a - pos), static_cast<const uint8_t*>(op.src) + (a - pos), b - a);
+    pos += op.n;
+    if (pos >= end) break;
+  }
+}
+}  // namespace
+
+void copy_parallel(const std::vector<CopyOp>& ops, int threads) {
+  size_t total = 0;
+  for (const auto& op : ops) total += op.n;
+  if (threads <= 1 || total < kParallelThreshold) {
+    for (const auto& op : ops) copy_piece(op.dst, op.src, op.n);
+    return;
+  }
+  threads = std::min<int>(threads, static_cast<int>(total / (1 << 20)));
+  size_t chunk = (total / threads + 4095) & ~size_t(4095);
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) {
+    size_t a = std::min(total, chunk * t), b = std::min(total, chunk * (t + 1));
+    if (a < b) pool.emplace_back([&ops, a, b] { copy_range(ops, a, b); });
+  }
+  copy_range(ops, 0, std::min(total, chunk));
+  for (auto& th : pool) th.join();
+}
+
+}  // namespace mooncake

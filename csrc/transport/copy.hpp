@@ -13,3 +13,25 @@ void copy_stream(void* dst, const void* src, size_t n);
 constexpr size_t kStreamThreshold = 4 << 20;
 
 }  // namespace mooncake
+
+#include <vector>
+
+namespace mooncake {
+
+struct CopyOp {
+  void* dst;
+  const void* src;
+  size_t n;
+};
+
+// Copies every op, splitting the bytes over up to `threads` threads (the caller's thread
+// included) when there are at least kParallelThreshold of them; pieces of at least
+// kStoreStreamThreshold bytes use copy_stream (non-temporal stores: on this class of
+// machine 1 MiB into memory not in cache takes ~70 us instead of ~220 us with memcpy).
+// Used for the store's copies to and from shared-memory segments.
+void copy_parallel(const std::vector<CopyOp>& ops, int threads);
+
+constexpr size_t kParallelThreshold = 4 << 20;
+constexpr size_t kStoreStreamThreshold = 64 << 10;
+
+}  // namespace mooncake

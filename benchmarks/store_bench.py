@@ -1,0 +1,567 @@
+"""Store throughput and latency: ``mooncake_store`` against Redis and the published Mooncake store.
+
+For each system, object size (4 KiB, 1 MiB, 16 MiB, 64 MiB), call form (``plain``: one
+key per call; ``batch``: at most 128 keys and at most 16 MiB per call), number of client
+processes (1 and 2, running at the same time) and set-up, each client puts its objects,
+then gets them back, and the bench reports throughput (GiB/s and objects/s over all
+clients) and per-call latency (p50, p99). Every case runs ``--reps`` times; the medians
+are reported and compared with the peers measured in the same run.
+
+Set-ups (DESIGN.md "Benchmarks"):
+
+* ``host``: one host. Each client process contributes its own segment (ours: a shared
+  memory segment, placed with ``preferred_segment`` = itself; Mooncake: its
+  ``global_segment_size`` with the same preference); Redis: a ``redis-server`` on 127.0.0.1.
+* ``tcp``: a separate storage process owns the segment; clients contribute none and reach
+  it over TCP (ours: the C++ transfer engine, the storage process counting as another
+  host; Mooncake: protocol ``tcp``). Redis has no such set-up (it is TCP already).
+
+Peers: Redis (Debian ``redis-server``; ``MOONCAKE_TEST_REDIS=HOST:PORT`` or a server this
+bench starts on a free port) through ``redis-py`` (SET/GET; MSET/MGET for batches), and
+the published Mooncake store (``pip install mooncake-transfer-engine-non-cuda`` + Debian
+``libibverbs1 librdmacm1``) through its ``put``/``get``/``put_batch``/``get_batch``, run
+inside ``unshare -n`` (a network namespace with only loopback, since its clients listen
+on every interface) with ``mooncake_master --rpc_address=127.0.0.1`` and clients on
+``P2PHANDSHAKE``, protocol ``tcp``. Systems that are not installed are skipped (said so).
+Both masters run as their own process with a 1 s read lease (``--lease-ttl 1``,
+``--default_kv_lease_ttl=1000``), so the space of each case's objects (removed after the
+case, outside the timed part) comes back before the next case.
+One torch thread per process; values are fixed random bytes.
+
+    .venv/bin/python benchmarks/store_bench.py                  # full run (minutes)
+    .venv/bin/python benchmarks/store_bench.py --smoke          # CI: small, checks it works
+    .venv/bin/python benchmarks/store_bench.py --json out.json --markdown table.md
+
+Gates (printed, and ``--gate`` makes a failed one exit 1): batch put/get of 1-64 MiB at
+least 0.9x Mooncake on one host and at least 1x over TCP; batch 4 KiB at least 0.5x
+Mooncake's objects/s; at least 5x Redis at 1 MiB and above (one host).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+KiB, MiB = 1 << 10, 1 << 20
+SIZES = [4 * KiB, MiB, 16 * MiB, 64 * MiB]
+BATCH_KEYS, BATCH_BYTES = 128, 16 * MiB
+
+
+def size_name(n: int) -> str:
+    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def objects_per_client(size: int, smoke: bool) -> int:
+    """Objects each client puts and gets per case."""
+    if size <= 4 * KiB:
+        return 256 if smoke else 2048
+    total = (32 if smoke else 256) * MiB
+    return max(1, min(256, total // size))
+
+
+def batches(keys: list, size: int, mode: str) -> list:
+    if mode == "plain":
+        return [[k] for k in keys]
+    per = max(1, min(BATCH_KEYS, BATCH_BYTES // size))
+    return [keys[i:i + per] for i in range(0, len(keys), per)]
+
+
+# =============================================================================== workers
+class OurClient:
+    def __init__(self, spec):
+        from mooncake_store import MooncakeStore, ReplicateConfig
+
+        if spec["setup"] == "host":
+            self.s = MooncakeStore(master=spec["master"], segment_size=spec["segment"], serve_tcp=False,
+                                   name=spec["name"])
+            self.rc = ReplicateConfig(preferred_segment=spec["name"])
+        else:
+            self.s = MooncakeStore(master=spec["master"], segment_size=0, transfer="tcp", serve_tcp=False,
+                                   host_id=f"client-{spec['name']}", name=spec["name"])
+            self.rc = ReplicateConfig()
+
+    def put(self, keys, vals):
+        if len(keys) == 1:
+            self.s.put(keys[0], vals[0], self.rc)
+        else:
+            self.s.put_batch(keys, vals, self.rc)
+
+    def get(self, keys):
+        if len(keys) == 1:
+            return [self.s.get(keys[0])]
+        return self.s.get_batch(keys)
+
+    def remove(self, keys):
+        self.s.remove_batch(keys, force=True, return_exceptions=True)
+
+    def close(self):
+        self.s.close()
+
+
+class RedisClient:
+    def __init__(self, spec):
+        import redis
+
+        host, port = spec["redis"].rsplit(":", 1)
+        self.r = redis.Redis(host=host, port=int(port))
+
+    def put(self, keys, vals):
+        if len(keys) == 1:
+            self.r.set(keys[0], vals[0])
+        else:
+            self.r.mset(dict(zip(keys, vals)))
+
+    def get(self, keys):
+        if len(keys) == 1:
+            return [self.r.get(keys[0])]
+        return self.r.mget(keys)
+
+    def remove(self, keys):
+        self.r.delete(*keys)
+
+    def close(self):
+        self.r.close()
+
+
+class MooncakeClient:
+    def __init__(self, spec):
+        from mooncake.store import MooncakeDistributedStore
+
+        self.s = MooncakeDistributedStore()
+        seg = spec["segment"] if spec["setup"] == "host" else 0
+        rc = self.s.setup("127.0.0.1", "P2PHANDSHAKE", seg, 256 * MiB, "tcp", "", spec["master"])
+        if rc != 0:
+            raise RuntimeError(f"mooncake setup failed: {rc}")
+
+    def put(self, keys, vals):
+        rc = self.s.put(keys[0], vals[0]) if len(keys) == 1 else self.s.put_batch(keys, vals)
+        if rc != 0:
+            raise RuntimeError(f"mooncake put failed: {rc}")
+
+    def get(self, keys):
+        out = [self.s.get(keys[0])] if len(keys) == 1 else self.s.get_batch(keys)
+        return out
+
+    def remove(self, keys):
+        time.sleep(1.05)  # a leased object cannot be removed (1 s lease)
+        for k in keys:
+            self.s.remove(k)
+
+    def close(self):
+        self.s.close()
+
+
+CLIENTS = {"ours": OurClient, "redis": RedisClient, "mooncake": MooncakeClient}
+
+
+def worker_main(spec: dict):
+    """Runs the cases it is told on stdin (one JSON line each, after which it waits for
+    'go'); answers one JSON line per case."""
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+    except ImportError:
+        pass
+    client = CLIENTS[spec["system"]](spec)
+    values = {}
+    out = sys.stdout
+    out.write(json.dumps({"ready": True}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        case = json.loads(line)
+        if case.get("exit"):
+            break
+        size, mode, n = case["size"], case["mode"], case["n"]
+        if size not in values:
+            values[size] = os.urandom(size)
+        v = values[size]
+        keys = [f"{spec['name']}-{case['tag']}-{i}" for i in range(n)]
+        groups = batches(keys, size, mode)
+        out.write(json.dumps({"armed": True}) + "\n")
+        out.flush()
+        sys.stdin.readline()  # "go"
+        lat_put, lat_get = [], []
+        t0 = time.perf_counter()
+        for g in groups:
+            a = time.perf_counter()
+            client.put(g, [v] * len(g))
+            lat_put.append(time.perf_counter() - a)
+        t1 = time.perf_counter()
+        out.write(json.dumps({"phase": "put", "start": t0 + 0.0, "end": t1}) + "\n")
+        out.flush()
+        sys.stdin.readline()  # "go" for the get phase
+        t2 = time.perf_counter()
+        ok = True
+        for g in groups:
+            a = time.perf_counter()
+            got = client.get(g)
+            lat_get.append(time.perf_counter() - a)
+            ok = ok and len(got) == len(g) and all(x is not None and len(x) == size for x in got)
+        t3 = time.perf_counter()
+        if case.get("check"):
+            ok = ok and bytes(client.get(groups[0])[0]) == v
+        client.remove(keys)
+        out.write(json.dumps({"phase": "done", "put": [t0, t1, lat_put], "get": [t2, t3, lat_get], "ok": ok,
+                              "wall_put": time.time()}) + "\n")
+        out.flush()
+    client.close()
+
+
+# =============================================================================== per system
+class Procs:
+    def __init__(self):
+        self.ps = []
+
+    def spawn(self, args, **kw):
+        p = subprocess.Popen(args, start_new_session=True, **kw)
+        self.ps.append(p)
+        return p
+
+    def kill_all(self):
+        for p in self.ps:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        self.ps = []
+
+
+def percentile(xs, q):
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = min(len(xs) - 1, max(0, int(round(q * (len(xs) - 1)))))
+    return xs[k]
+
+
+def run_cases(system: str, setup: str, clients: int, base_spec: dict, args, procs: Procs, log) -> list:
+    specs = []
+    workers = []
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    for c in range(clients):
+        spec = dict(base_spec, system=system, setup=setup, name=f"{system}-{setup}-c{c}-{os.getpid()}")
+        specs.append(spec)
+        p = procs.spawn([sys.executable, __file__, "--role", "worker", "--spec", json.dumps(spec)],
+                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, text=True, bufsize=1)
+        workers.append(p)
+
+    def read(p):
+        line = p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{system} worker exited (see the log)")
+        return json.loads(line)
+
+    def tell(obj):
+        for p in workers:
+            p.stdin.write((obj if isinstance(obj, str) else json.dumps(obj)) + "\n")
+            p.stdin.flush()
+
+    for p in workers:
+        read(p)  # ready
+    records = []
+    tag = 0
+    for size in args.sizes:
+        for mode in ("plain", "batch"):
+            n = objects_per_client(size, args.smoke)
+            per_rep = {"put": [], "get": []}
+            for rep in range(args.reps):
+                tag += 1
+                tell({"size": size, "mode": mode, "n": n, "tag": tag, "check": rep == 0})
+                for p in workers:
+                    read(p)  # armed
+                tell("go")
+                for p in workers:
+                    read(p)  # put phase done
+                tell("go")
+                res = [read(p) for p in workers]
+                if not all(r["ok"] for r in res):
+                    raise RuntimeError(f"{system} {setup} {size_name(size)} {mode}: wrong data read back")
+                for op in ("put", "get"):
+                    start = min(r[op][0] for r in res)
+                    end = max(r[op][1] for r in res)
+                    lats = [x for r in res for x in r[op][2]]
+                    total = n * clients
+                    per_rep[op].append({"secs": end - start, "objs": total, "lats": lats})
+                if system in ("ours", "mooncake"):
+                    time.sleep(1.1)  # removed objects' space returns after the 1 s lease
+            for op in ("put", "get"):
+                reps = per_rep[op]
+                thr = [r["objs"] * size / r["secs"] / (1 << 30) for r in reps]
+                ops = [r["objs"] / r["secs"] for r in reps]
+                lats = [x for r in reps for x in r["lats"]]
+                rec = {"system": system, "setup": setup, "clients": clients, "size": size, "mode": mode, "op": op,
+                       "gib_s": statistics.median(thr), "objs_s": statistics.median(ops),
+                       "p50_ms": percentile(lats, 0.5) * 1e3, "p99_ms": percentile(lats, 0.99) * 1e3,
+                       "reps": len(reps)}
+                records.append(rec)
+                print(f"  {system:8s} {setup:4s} c={clients} {size_name(size):>6s} {mode:5s} {op}: "
+                      f"{rec['gib_s']:7.2f} GiB/s {rec['objs_s']:10.0f} obj/s p50 {rec['p50_ms']:8.3f} ms "
+                      f"p99 {rec['p99_ms']:8.3f} ms", file=sys.stderr, flush=True)
+    tell({"exit": True})
+    for p in workers:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            pass
+    return records
+
+
+def system_main(args):
+    """Runs every case of one system and prints its records as one JSON line."""
+    procs = Procs()
+    log = open(os.path.join(args.logdir, f"{args.system}.log"), "a")
+    records = []
+    seg = max(args.sizes) * 2 + (64 * MiB if args.smoke else 512 * MiB)
+    try:
+        if args.system == "ours":
+            d = tempfile.mkdtemp(prefix="store-bench-")
+            pf = os.path.join(d, "port")
+            procs.spawn([sys.executable, "-m", "mooncake_store.master", "--port", "0", "--port-file", pf,
+                         "--lease-ttl", "1"], stdout=log, stderr=log,
+                        env=dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", "")))
+            deadline = time.monotonic() + 30
+            while not os.path.exists(pf):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("our master did not start")
+                time.sleep(0.05)
+            master = f"127.0.0.1:{open(pf).read().split()[0]}"
+            base = {"master": master, "segment": seg}
+            for clients in args.clients:
+                records += run_cases("ours", "host", clients, base, args, procs, log)
+            # tcp: a storage process on "another host" owns the segment
+            storage = procs.spawn([sys.executable, "-c", (
+                "import sys,time,signal; from mooncake_store import MooncakeStore;"
+                f"s=MooncakeStore(master={master!r}, segment_size={seg * 2}, host_id='storage-host', name='storage');"
+                "print('ready', flush=True); signal.pause()")], stdout=subprocess.PIPE, stderr=log, text=True,
+                env=dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", "")))
+            if storage.stdout.readline().strip() != "ready":
+                raise RuntimeError("storage process did not start")
+            for clients in args.clients:
+                records += run_cases("ours", "tcp", clients, base, args, procs, log)
+        elif args.system == "redis":
+            endpoint = os.environ.get("MOONCAKE_TEST_REDIS")
+            if not endpoint:
+                port = free_port()
+                procs.spawn(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                             "--appendonly", "no"], stdout=log, stderr=log)
+                endpoint = f"127.0.0.1:{port}"
+                import redis
+
+                deadline = time.monotonic() + 10
+                while True:
+                    try:
+                        redis.Redis(host="127.0.0.1", port=port).ping()
+                        break
+                    except Exception:
+                        if time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.05)
+            for clients in args.clients:
+                records += run_cases("redis", "host", clients, {"redis": endpoint}, args, procs, log)
+        elif args.system == "mooncake":
+            port = free_port()
+            master_bin = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+            procs.spawn([master_bin, "--rpc_address=127.0.0.1", f"--port={port}", "--default_kv_lease_ttl=1000"],
+                        stdout=log, stderr=log)
+            time.sleep(1.5)
+            base = {"master": f"127.0.0.1:{port}", "segment": seg}
+            for clients in args.clients:
+                records += run_cases("mooncake", "host", clients, base, args, procs, log)
+            storage = procs.spawn([sys.executable, "-c", (
+                "import signal; from mooncake.store import MooncakeDistributedStore as M; s=M();"
+                f"rc=s.setup('127.0.0.1','P2PHANDSHAKE',{seg * 2},{16 * MiB},'tcp','','127.0.0.1:{port}');"
+                "print('ready' if rc == 0 else 'failed', flush=True); signal.pause()")],
+                stdout=subprocess.PIPE, stderr=log, text=True)
+            if storage.stdout.readline().strip() != "ready":
+                raise RuntimeError("mooncake storage process did not start")
+            for clients in args.clients:
+                records += run_cases("mooncake", "tcp", clients, base, args, procs, log)
+    finally:
+        procs.kill_all()
+    print(json.dumps(records), flush=True)
+
+
+# =============================================================================== driver
+def available(system: str) -> tuple[bool, str]:
+    if system == "ours":
+        return True, ""
+    if system == "redis":
+        try:
+            import redis  # noqa: F401
+        except ImportError:
+            return False, "redis-py is not installed"
+        if not os.environ.get("MOONCAKE_TEST_REDIS") and shutil.which("redis-server") is None:
+            return False, "no redis-server (apt-get install redis-server) and MOONCAKE_TEST_REDIS unset"
+        return True, ""
+    if system == "mooncake":
+        try:
+            import importlib.util
+
+            if importlib.util.find_spec("mooncake.store") is None:
+                raise ImportError
+        except ImportError:
+            return False, "the published Mooncake store is not installed (pip install mooncake-transfer-engine-non-cuda)"
+        if shutil.which("unshare") is None or shutil.which("ip") is None:
+            return False, "needs unshare and ip (util-linux, iproute2) for its network namespace"
+        r = subprocess.run(["unshare", "-n", "true"], capture_output=True)
+        if r.returncode != 0:
+            return False, "cannot create a network namespace (unshare -n needs root)"
+        return True, ""
+    return False, "unknown system"
+
+
+def run_system(system: str, args) -> list:
+    cmd = [sys.executable, __file__, "--role", "system", "--system", system, "--logdir", args.logdir,
+           "--reps", str(args.reps), "--sizes", ",".join(map(str, args.sizes)),
+           "--clients", ",".join(map(str, args.clients))] + (["--smoke"] if args.smoke else [])
+    if system == "mooncake":
+        cmd = ["unshare", "-n", "sh", "-c", "ip link set lo up && exec \"$@\"", "sh"] + cmd
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.timeout, start_new_session=True)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("[")]
+    if r.returncode != 0 or not lines:
+        raise RuntimeError(f"{system}: the benchmark failed (exit {r.returncode}); logs in {args.logdir}")
+    return json.loads(lines[-1])
+
+
+def find(records, **kw):
+    for r in records:
+        if all(r[k] == v for k, v in kw.items()):
+            return r
+    return None
+
+
+def gates(records, args) -> list:
+    """[(name, ok or None when a peer is missing, detail)] for the gates of issue 5."""
+    out = []
+    big = [s for s in args.sizes if s >= MiB]
+    for op in ("put", "get"):
+        for setup, need in (("host", 0.9), ("tcp", 1.0)):
+            for size in big:
+                o = find(records, system="ours", setup=setup, clients=1, size=size, mode="batch", op=op)
+                m = find(records, system="mooncake", setup=setup, clients=1, size=size, mode="batch", op=op)
+                if o and m:
+                    ratio = o["gib_s"] / m["gib_s"]
+                    out.append((f"batch {op} {size_name(size)} {setup} >= {need}x Mooncake", ratio >= need,
+                                f"{ratio:.2f}x ({o['gib_s']:.2f} vs {m['gib_s']:.2f} GiB/s)"))
+        if 4 * KiB in args.sizes:
+            o = find(records, system="ours", setup="host", clients=1, size=4 * KiB, mode="batch", op=op)
+            m = find(records, system="mooncake", setup="host", clients=1, size=4 * KiB, mode="batch", op=op)
+            if o and m:
+                ratio = o["objs_s"] / m["objs_s"]
+                out.append((f"batch {op} 4 KiB host >= 0.5x Mooncake objects/s", ratio >= 0.5,
+                            f"{ratio:.2f}x ({o['objs_s']:.0f} vs {m['objs_s']:.0f} obj/s)"))
+        for size in big:
+            for mode in ("plain", "batch"):
+                o = find(records, system="ours", setup="host", clients=1, size=size, mode=mode, op=op)
+                r = find(records, system="redis", setup="host", clients=1, size=size, mode=mode, op=op)
+                if o and r:
+                    ratio = o["gib_s"] / r["gib_s"]
+                    out.append((f"{mode} {op} {size_name(size)} host >= 5x Redis", ratio >= 5.0,
+                                f"{ratio:.2f}x ({o['gib_s']:.2f} vs {r['gib_s']:.2f} GiB/s)"))
+    return out
+
+
+def markdown(records, args) -> str:
+    systems = [s for s in ("ours", "mooncake", "redis") if any(r["system"] == s for r in records)]
+    lines = ["| set-up | clients | size | form | op | " + " | ".join(
+        f"{s} GiB/s (obj/s) p50/p99 ms" for s in systems) + " | ours / Mooncake | ours / Redis |",
+             "|" + "---|" * (7 + len(systems))]
+    for setup in ("host", "tcp"):
+        for clients in args.clients:
+            for size in args.sizes:
+                for mode in ("plain", "batch"):
+                    for op in ("put", "get"):
+                        cells, row = [], {}
+                        for s in systems:
+                            r = find(records, system=s, setup=setup, clients=clients, size=size, mode=mode, op=op)
+                            row[s] = r
+                            cells.append("-" if r is None else
+                                         f"{r['gib_s']:.2f} ({r['objs_s']:.0f}) {r['p50_ms']:.2f}/{r['p99_ms']:.2f}")
+                        if row.get("ours") is None:
+                            continue
+                        key = "objs_s" if size < MiB else "gib_s"
+                        rm = f"{row['ours'][key] / row['mooncake'][key]:.2f}x" if row.get("mooncake") else "-"
+                        rr = f"{row['ours'][key] / row['redis'][key]:.2f}x" if row.get("redis") else "-"
+                        lines.append(f"| {setup} | {clients} | {size_name(size)} | {mode} | {op} | " + " | ".join(cells)
+                                     + f" | {rm} | {rr} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--role", default="driver", choices=["driver", "system", "worker"])
+    p.add_argument("--system", default=None)
+    p.add_argument("--spec", default=None)
+    p.add_argument("--smoke", action="store_true", help="small and fast (CI)")
+    p.add_argument("--reps", type=int, default=None, help="repetitions per case (median reported); default 3, smoke 1")
+    p.add_argument("--sizes", default=None, help="comma-separated object sizes in bytes")
+    p.add_argument("--clients", default=None, help="client counts (default 1,2; smoke 1)")
+    p.add_argument("--systems", default="ours,mooncake,redis")
+    p.add_argument("--json", default=None, help="write every record here")
+    p.add_argument("--markdown", default=None, help="write the README table here")
+    p.add_argument("--gate", action="store_true", help="exit 1 when a gate fails")
+    p.add_argument("--logdir", default=None)
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per system")
+    args = p.parse_args(argv)
+    if args.role == "worker":
+        worker_main(json.loads(args.spec))
+        return 0
+    args.reps = args.reps or (1 if args.smoke else 3)
+    args.sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else (
+        [4 * KiB, MiB] if args.smoke else SIZES)
+    args.clients = [int(x) for x in (args.clients or ("1" if args.smoke else "1,2")).split(",")]
+    if args.role == "system":
+        system_main(args)
+        return 0
+    args.logdir = args.logdir or tempfile.mkdtemp(prefix="store-bench-logs-")
+    records, skipped = [], {}
+    for system in args.systems.split(","):
+        ok, why = available(system)
+        if not ok:
+            skipped[system] = why
+            print(f"[store_bench] skipping {system}: {why}", file=sys.stderr)
+            continue
+        print(f"[store_bench] {system} ...", file=sys.stderr, flush=True)
+        records += run_system(system, args)
+    table = markdown(records, args)
+    print(table)
+    results = gates(records, args)
+    failed = [g for g in results if g[1] is False]
+    for name, ok, detail in results:
+        print(f"gate {'PASS' if ok else 'FAIL'}: {name}: {detail}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"records": records, "skipped": skipped, "gates": results, "smoke": args.smoke,
+                       "reps": args.reps}, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table)
+    print(f"[store_bench] {len(records)} records, {len(failed)} gate(s) failed, logs in {args.logdir}",
+          file=sys.stderr)
+    return 1 if (args.gate and failed) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,296 @@
+#include "transport/transfer_engine.hpp"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <stdexcept>
+
+#include "transport/tcp.hpp"
+
+namespace mooncake {
+
+namespace {
+
+constexpr char kMagic[8] = {'M', 'C', 'T', 'E', '0', '0', '0', '1'};
+constexpr uint32_t kOpWrite = 1, kOpRead = 2;
+constexpr size_t kWindow = 256;  // ops in flight per round (bounds unread replies)
+
+struct ReqHdr {
+  uint32_t op;
+  uint32_t region;
+  uint64_t offset;
+  uint64_t len;
+};
+struct RepHdr {
+  uint32_t status;
+  uint32_t pad;
+  uint64_t len;
+};
+static_assert(sizeof(ReqHdr) == 24 && sizeof(RepHdr) == 16, "wire structs");
+
+std::runtime_error err(const char* method, const std::string& msg) {
+  return std::runtime_error(std::string("TransferEngine::") + method + ": " + msg);
+}
+
+// Blocking full send/recv; false on a closed or broken peer.
+bool send_full(int fd, const void* buf, size_t n) {
+  const uint8_t* p = static_cast<const uint8_t*>(buf);
+  while (n > 0) {
+    ssize_t k = ::send(fd, p, n, MSG_NOSIGNAL);
+    if (k < 0) {
+      if (errno == EINTR) continue;
+      return false;
+    }
+    p += k;
+    n -= static_cast<size_t>(k);
+  }
+  return true;
+}
+
+bool recv_full(int fd, void* buf, size_t n) {
+  uint8_t* p = static_cast<uint8_t*>(buf);
+  while (n > 0) {
+    ssize_t k = ::recv(fd, p, n, MSG_WAITALL);
+    if (k == 0) return false;
+    if (k < 0) {
+      if (errno == EINTR) continue;
+      return false;
+    }
+    p += k;
+    n -= static_cast<size_t>(k);
+  }
+  return true;
+}
+
+void set_timeout(int fd, int seconds) {
+  timeval tv{seconds, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+}
+
+}  // namespace
+
+TransferEngine::TransferEngine(const std::string& listen_host, const std::string& secret)
+    : host_(listen_host), secret_(secret) {
+  if (secret_.size() > 256) throw err("TransferEngine", "secret longer than 256 bytes");
+  if (listen_host.empty()) return;
+  {
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* res = nullptr;
+    if (getaddrinfo(listen_host.c_str(), "0", &hints, &res) != 0 || !res)
+      throw err("TransferEngine", "cannot resolve " + listen_host);
+    listen_fd_ = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    int one = 1;
+    setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    bool ok = listen_fd_ >= 0 && bind(listen_fd_, res->ai_addr, res->ai_addrlen) == 0 && listen(listen_fd_, 256) == 0;
+    freeaddrinfo(res);
+    if (!ok) throw err("TransferEngine", "cannot listen on " + listen_host + ": " + std::strerror(errno));
+    sockaddr_storage bound{};
+    socklen_t blen = sizeof(bound);
+    getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&bound), &blen);
+    port_ = ntohs(bound.ss_family == AF_INET ? reinterpret_cast<sockaddr_in*>(&bound)->sin_port
+                                             : reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port);
+  }
+  acceptor_ = std::thread([this] { accept_loop(); });
+}
+
+TransferEngine::~TransferEngine() { close(); }
+
+void TransferEngine::close() {
+  if (stop_.exchange(true)) return;
+  if (acceptor_.joinable()) acceptor_.join();
+  if (listen_fd_ >= 0) ::close(listen_fd_);
+  listen_fd_ = -1;
+  {
+    std::lock_guard<std::mutex> g(serve_mu_);
+    for (int fd : server_fds_) ::shutdown(fd, SHUT_RDWR);
+  }
+  for (auto& t : servers_) t.join();
+  servers_.clear();
+  std::lock_guard<std::mutex> g(conns_mu_);
+  for (auto& kv : conns_) {
+    std::lock_guard<std::mutex> cg(kv.second->mu);
+    if (kv.second->fd >= 0) ::close(kv.second->fd);
+    kv.second->fd = -1;
+  }
+  conns_.clear();
+}
+
+uint32_t TransferEngine::register_memory(void* addr, size_t len) {
+  if (!addr && len) throw err("register_memory", "null address");
+  std::unique_lock<std::shared_mutex> g(regions_mu_);
+  uint32_t id = next_region_++;
+  regions_[id] = Region{static_cast<uint8_t*>(addr), len};
+  return id;
+}
+
+void TransferEngine::unregister_memory(uint32_t region) {
+  std::unique_lock<std::shared_mutex> g(regions_mu_);  // waits for transfers in progress
+  if (regions_.erase(region) == 0) throw err("unregister_memory", "unknown region " + std::to_string(region));
+}
+
+void TransferEngine::accept_loop() {
+  while (!stop_) {
+    pollfd p{listen_fd_, POLLIN, 0};
+    if (poll(&p, 1, 100) <= 0) continue;
+    int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) continue;
+    set_socket_options(fd);
+    std::lock_guard<std::mutex> g(serve_mu_);
+    server_fds_.push_back(fd);
+    servers_.emplace_back([this, fd] { serve(fd); });
+  }
+}
+
+void TransferEngine::serve(int fd) {
+  set_timeout(fd, 30);
+  char magic[8];
+  uint32_t slen = 0;
+  bool ok = recv_full(fd, magic, 8) && std::memcmp(magic, kMagic, 8) == 0 && recv_full(fd, &slen, 4) && slen <= 256;
+  std::string secret(ok ? slen : 0, '\0');
+  ok = ok && recv_full(fd, secret.data(), slen);
+  if (ok) {
+    // constant-time comparison
+    unsigned diff = secret.size() != secret_.size();
+    for (size_t i = 0; i < secret.size() && i < secret_.size(); ++i) diff |= secret[i] ^ secret_[i];
+    uint32_t status = diff ? 1 : 0;
+    ok = send_full(fd, &status, 4) && status == 0;
+  }
+  set_timeout(fd, 0);
+  while (ok && !stop_) {
+    ReqHdr h;
+    if (!recv_full(fd, &h, sizeof(h))) break;
+    std::shared_lock<std::shared_mutex> g(regions_mu_);
+    auto it = regions_.find(h.region);
+    bool valid = (h.op == kOpWrite || h.op == kOpRead) && it != regions_.end() && h.offset <= it->second.len &&
+                 h.len <= it->second.len - h.offset;
+    RepHdr r{valid ? 0u : 1u, 0, valid ? h.len : 0};
+    if (!valid) {
+      send_full(fd, &r, sizeof(r));
+      break;
+    }
+    uint8_t* p = it->second.base + h.offset;
+    if (h.op == kOpWrite) {
+      if (!recv_full(fd, p, h.len)) break;
+      if (!send_full(fd, &r, sizeof(r))) break;
+    } else {
+      if (!send_full(fd, &r, sizeof(r)) || !send_full(fd, p, h.len)) break;
+    }
+  }
+  {
+    std::lock_guard<std::mutex> g(serve_mu_);
+    for (auto& x : server_fds_)
+      if (x == fd) x = -1;
+  }
+  ::close(fd);
+}
+
+std::shared_ptr<TransferEngine::Conn> TransferEngine::connect_to(const std::string& host, int port) {
+  std::string key = host + ":" + std::to_string(port);
+  std::shared_ptr<Conn> c;
+  {
+    std::lock_guard<std::mutex> g(conns_mu_);
+    auto it = conns_.find(key);
+    if (it != conns_.end()) return it->second;
+    c = std::make_shared<Conn>();
+    conns_[key] = c;
+  }
+  return c;
+}
+
+void TransferEngine::drop(const std::string& host, int port, const std::shared_ptr<Conn>& c) {
+  if (c->fd >= 0) ::close(c->fd);
+  c->fd = -1;
+  std::lock_guard<std::mutex> g(conns_mu_);
+  auto it = conns_.find(host + ":" + std::to_string(port));
+  if (it != conns_.end() && it->second == c) conns_.erase(it);
+}
+
+template <bool kWrite>
+void TransferEngine::batch(const char* what, const std::string& host, int port, uint32_t region,
+                           const std::vector<uint64_t>& offsets, const std::vector<uint8_t*>& bufs,
+                           const std::vector<uint64_t>& lens) {
+  if (stop_) throw err(what, "engine is closed");
+  if (offsets.size() != bufs.size() || offsets.size() != lens.size())
+    throw err(what, "offsets, buffers and lengths differ in count");
+  auto c = connect_to(host, port);
+  std::lock_guard<std::mutex> g(c->mu);
+  const std::string peer = host + ":" + std::to_string(port);
+  if (c->fd < 0) {
+    int fd;
+    try {
+      fd = tcp_connect(host, port, 5000);
+    } catch (const std::exception& e) {
+      drop(host, port, c);
+      throw err(what, std::string("cannot connect to ") + peer + ": " + e.what());
+    }
+    set_timeout(fd, 30);
+    uint32_t slen = static_cast<uint32_t>(secret_.size()), status = 1;
+    bool ok = send_full(fd, kMagic, 8) && send_full(fd, &slen, 4) && send_full(fd, secret_.data(), slen) &&
+              recv_full(fd, &status, 4);
+    if (!ok || status != 0) {
+      ::close(fd);
+      drop(host, port, c);
+      throw err(what, ok ? "peer " + peer + " rejected the shared secret" : "handshake with " + peer + " failed");
+    }
+    c->fd = fd;
+  }
+  int fd = c->fd;
+  for (size_t start = 0; start < offsets.size(); start += kWindow) {
+    size_t end = std::min(offsets.size(), start + kWindow);
+    for (size_t i = start; i < end; ++i) {
+      ReqHdr h{kWrite ? kOpWrite : kOpRead, region, offsets[i], lens[i]};
+      bool ok = send_full(fd, &h, sizeof(h)) && (!kWrite || send_full(fd, bufs[i], lens[i]));
+      if (!ok) {
+        drop(host, port, c);
+        throw err(what, "peer " + peer + " closed the connection (refused op " + std::to_string(i) +
+                            ": unknown region or out of bounds, or the peer died)");
+      }
+    }
+    for (size_t i = start; i < end; ++i) {
+      RepHdr r;
+      if (!recv_full(fd, &r, sizeof(r))) {
+        drop(host, port, c);
+        throw err(what, "peer " + peer + " closed the connection during op " + std::to_string(i));
+      }
+      if (r.status != 0) {
+        drop(host, port, c);
+        throw err(what, "peer " + peer + " refused op " + std::to_string(i) + " (region " + std::to_string(region) +
+                            ", offset " + std::to_string(offsets[i]) + ", " + std::to_string(lens[i]) +
+                            " bytes): unknown region or out of bounds");
+      }
+      if (!kWrite && !recv_full(fd, bufs[i], lens[i])) {
+        drop(host, port, c);
+        throw err(what, "peer " + peer + " closed the connection during op " + std::to_string(i));
+      }
+    }
+  }
+}
+
+void TransferEngine::batch_write(const std::string& host, int port, uint32_t region,
+                                 const std::vector<uint64_t>& offsets, const std::vector<const void*>& srcs,
+                                 const std::vector<uint64_t>& lens) {
+  std::vector<uint8_t*> bufs;
+  bufs.reserve(srcs.size());
+  for (auto p : srcs) bufs.push_back(const_cast<uint8_t*>(static_cast<const uint8_t*>(p)));
+  batch<true>("batch_write", host, port, region, offsets, bufs, lens);
+}
+
+void TransferEngine::batch_read(const std::string& host, int port, uint32_t region,
+                                const std::vector<uint64_t>& offsets, const std::vector<void*>& dsts,
+                                const std::vector<uint64_t>& lens) {
+  std::vector<uint8_t*> bufs;
+  bufs.reserve(dsts.size());
+  for (auto p : dsts) bufs.push_back(static_cast<uint8_t*>(p));
+  batch<false>("batch_read", host, port, region, offsets, bufs, lens);
+}
+
+}  // namespace mooncake

@@ -1,0 +1,102 @@
+"""``TransferEngine``: moves bytes between registered memory of two processes over TCP.
+
+The store uses it to read and write segments of clients on other hosts::
+
+    from mooncake_pg.transfer import TransferEngine
+    server = TransferEngine(listen_host="127.0.0.1")          # serves registered memory
+    region = server.register_memory(buf)                       # any writable buffer
+    client = TransferEngine()                                  # client only
+    client.batch_write("127.0.0.1", server.port, region, [0, 4096], [b"abc", b"def"])
+    client.batch_read("127.0.0.1", server.port, region, [0], [out])
+
+Wire format and bounds checks: ``csrc/transport/transfer_engine.hpp``. A request outside
+a registered region is refused by the server before any byte is touched. An optional
+shared secret is checked when a connection opens (sent as is: use it on trusted networks).
+Errors raise ``RuntimeError`` with a ``TransferEngine::method:`` prefix.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from . import _C
+
+
+class TransferEngine:
+    """One engine: a server for the memory registered here (when ``listen_host`` is
+    given; port chosen by the kernel) and a client with one cached connection per peer.
+
+    Args:
+        listen_host: address to listen on (``""``: no server, client only).
+        secret: shared secret peers must present (``""``: none). Must match the peer's.
+    """
+
+    def __init__(self, listen_host: str = "", secret: str = ""):
+        if not isinstance(listen_host, str) or not isinstance(secret, str):
+            raise ValueError("TransferEngine: listen_host and secret must be str")
+        self._te = _C.TransferEngine(listen_host, secret)
+        self._keep: dict = {}
+
+    @staticmethod
+    def local_address_for(peer_host: str, ifname: str = "") -> str:
+        """Address of the local interface that routes to ``peer_host`` (or of ``ifname``)."""
+        return _C.local_address_for(peer_host, ifname)
+
+    @property
+    def host(self) -> str:
+        return self._te.host
+
+    @property
+    def port(self) -> int:
+        """Listening port (0 without a server)."""
+        return self._te.port
+
+    def register_memory(self, buffer) -> int:
+        """Registers a writable buffer (kept referenced until unregistered); returns its region id."""
+        mv = memoryview(buffer)
+        if mv.readonly or not mv.contiguous:
+            raise ValueError("TransferEngine.register_memory: buffer must be writable and contiguous")
+        region = self._te.register_memory(mv.cast("B"))
+        self._keep[region] = mv
+        return region
+
+    def unregister_memory(self, region: int) -> None:
+        """Waits for transfers into the region in progress, then forgets it."""
+        self._te.unregister_memory(region)
+        mv = self._keep.pop(region, None)
+        if mv is not None:
+            mv.release()
+
+    def batch_write(self, host: str, port: int, region: int, offsets: Sequence[int], buffers: Sequence) -> None:
+        """Writes ``buffers[i]`` at ``offsets[i]`` of the peer's region (bytes)."""
+        self._te.batch_write(host, int(port), int(region), list(offsets), list(buffers))
+
+    def batch_read(self, host: str, port: int, region: int, offsets: Sequence[int], buffers: Sequence) -> None:
+        """Fills each writable ``buffers[i]`` from ``offsets[i]`` of the peer's region."""
+        self._te.batch_read(host, int(port), int(region), list(offsets), list(buffers))
+
+    def batch_read_bytes(self, host: str, port: int, region: int, offsets: Sequence[int],
+                         lens: Sequence[int]) -> list:
+        """Reads ``lens[i]`` bytes at ``offsets[i]`` of the peer's region into new ``bytes``."""
+        return self._te.batch_read_bytes(host, int(port), int(region), list(offsets), list(lens))
+
+    def close(self) -> None:
+        """Stops the server and closes connections (idempotent)."""
+        self._te.close()
+        for mv in self._keep.values():
+            mv.release()
+        self._keep.clear()
+
+
+def copy_buffers(dsts: Sequence, srcs: Sequence, threads: int = 0) -> None:
+    """Copies ``srcs[i]`` into ``dsts[i]`` (equal sizes; writable destinations) with the
+    GIL released, spreading large copies over ``threads`` threads (0: one per CPU, at most 4)."""
+    _C.copy_buffers(list(dsts), list(srcs), _threads(threads))
+
+
+def copy_to_bytes(srcs: Sequence, threads: int = 0) -> list:
+    """New ``bytes`` objects with the contents of ``srcs`` (one parallel copy each)."""
+    return _C.copy_to_bytes(list(srcs), _threads(threads))
+
+
+def _threads(threads: int) -> int:
+    return threads if threads > 0 else max(1, min(4, _C.available_cpus()))

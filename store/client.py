@@ -1,0 +1,853 @@
+"""``MooncakeStore``: the client of the store (see DESIGN.md "Store").
+
+A client optionally contributes a shared-memory segment (and an SSD directory); the
+master places objects in segments; data moves from client to client: segments of the
+same host are mapped and copied directly, others go through the TCP transfer engine
+(``mooncake_pg.transfer.TransferEngine``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import threading
+import time
+import uuid
+from typing import NamedTuple, Optional, Sequence
+
+import msgpack
+
+from . import protocol, ssd
+from .config import MasterConfig, ReplicateConfig, StoreConfig, _parse_hostport
+from .core import SEG_HEADER
+from .errors import (LeaseExpiredError, NoSpaceError, NotLeaderError, ObjectNotFoundError, ProtocolError,
+                     PutLostError, StoreError, TransferError, UnknownClientError, from_code)
+from .segment import LocalSegment, SegmentCache
+
+log = logging.getLogger("mooncake_store")
+
+_DEFAULT_REPLICATE = ReplicateConfig()
+_NOSPACE_RETRY_S = 5.0
+_FAST_COPY_BYTES = 64 << 10  # copies from this size on go through the parallel C++ copy
+
+
+def _as_bytes_view(value, what="value") -> memoryview:
+    """A flat read-only byte view of ``value`` (bytes-like or a CPU tensor); ValueError otherwise."""
+    if isinstance(value, str):
+        raise ValueError(f"{what} must be bytes-like (got str; encode it first)")
+    if _is_tensor(value):
+        return _tensor_bytes(value)
+    try:
+        mv = memoryview(value)
+    except TypeError:
+        raise ValueError(f"{what} must be bytes-like or a tensor, got {type(value).__name__}") from None
+    if not mv.contiguous:
+        raise ValueError(f"{what} must be contiguous")
+    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+
+
+def _is_tensor(x) -> bool:
+    t = type(x)
+    return t.__module__.startswith("torch") and t.__name__ in ("Tensor", "Parameter")
+
+
+def _tensor_bytes(t) -> memoryview:
+    import torch
+
+    if t.device.type != "cpu":
+        raise ValueError(f"tensor must be on the CPU, got {t.device}")
+    t = t.detach().contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    flat = t.reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy())
+
+
+def _writable_view(buffer) -> memoryview:
+    if _is_tensor(buffer):
+        import torch
+
+        if buffer.device.type != "cpu" or not buffer.is_contiguous():
+            raise ValueError("buffer tensor must be a contiguous CPU tensor")
+        if buffer.numel() == 0:
+            return memoryview(bytearray(0))
+        return memoryview(buffer.detach().reshape(-1).view(torch.uint8).numpy())
+    try:
+        mv = memoryview(buffer)
+    except TypeError:
+        raise ValueError(f"buffer must be a writable bytes-like object or tensor, got {type(buffer).__name__}") from None
+    if mv.readonly:
+        raise ValueError("buffer is read-only")
+    if not mv.contiguous:
+        raise ValueError("buffer must be contiguous")
+    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+
+
+def _check_key(key) -> str:
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"key must be a non-empty str, got {key!r}")
+    if len(key) > 1024 and len(key.encode()) > 4096:
+        raise ValueError("key must be at most 4096 bytes of UTF-8")
+    return key
+
+
+def _check_keys(keys) -> list:
+    if isinstance(keys, (str, bytes)):
+        raise ValueError("keys must be a sequence of str, not a single key")
+    keys = [_check_key(k) for k in keys]
+    if len(set(keys)) != len(keys):
+        raise ValueError("keys must not repeat within one batch")
+    return keys
+
+
+class Placement(NamedTuple):
+    """Where an object lives: names of the segments holding it in memory, and of the
+    clients holding it on SSD."""
+
+    memory: list
+    ssd: list
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreStats:
+    """The master's figures (counters since the master started).
+
+    Attributes: objects (committed), pending (puts in progress), used_bytes and
+    capacity_bytes (of all segments; bytes), clients, segments, deferred (allocations
+    waiting for a lease to end before reuse), ssd_objects (objects with an SSD copy), puts,
+    gets, hits, misses, evictions (objects whose memory copies were evicted), offloads
+    (objects sent to SSD), removes, put_aborts, clients_lost (declared dead)."""
+
+    objects: int
+    pending: int
+    used_bytes: int
+    capacity_bytes: int
+    clients: int
+    segments: int
+    deferred: int
+    ssd_objects: int
+    puts: int
+    gets: int
+    hits: int
+    misses: int
+    evictions: int
+    offloads: int
+    removes: int
+    put_aborts: int
+    clients_lost: int
+
+
+class _Obj:
+    __slots__ = ("key", "size", "version", "meta", "replicas")
+
+    def __init__(self, key, size, version, meta, replicas):
+        self.key, self.size, self.version, self.meta, self.replicas = key, size, version, meta, replicas
+
+
+class MooncakeStore:
+    """A client of the store. ``MooncakeStore()`` alone starts an embedded master.
+
+    Thread-safe: calls from several threads are serialised on one metadata connection
+    (data copies run outside that lock). Keys are non-empty ``str`` (at most 4096 bytes
+    of UTF-8); values are bytes-like objects (``bytes``, ``bytearray``, ``memoryview``,
+    NumPy arrays) or CPU tensors through ``put_tensor``. Reads hold a lease of
+    ``MasterConfig.lease_ttl_s`` (default 5 s): a copy that finishes after it raises
+    :class:`LeaseExpiredError` instead of returning bytes that may have been evicted.
+
+    Options: a :class:`StoreConfig`, or its fields as keywords
+    (``MooncakeStore(master="127.0.0.1:50051", segment_size=1 << 30)``).
+    Raises ``ValueError`` for bad options; ``StoreError`` if no master answers.
+    """
+
+    def __init__(self, config: Optional[StoreConfig] = None, **kw):
+        if config is not None and kw:
+            raise ValueError("pass either a StoreConfig or keyword options, not both")
+        cfg = (config or StoreConfig(**kw)).resolved()
+        self.cfg = cfg
+        self.name = cfg.name
+        serve_tcp = cfg.serve_tcp
+        self.client_id = uuid.uuid4().hex
+        self._lock = threading.RLock()
+        self._closed = False
+        self._conn: Optional[protocol.Connection] = None
+        self._etcd = None
+        self._embedded = None
+        self._segment: Optional[LocalSegment] = None
+        self._te = None
+        self._te_region = None
+        self._maps = SegmentCache(prefault=cfg.prefault)
+        self._fast = None  # mooncake_pg.transfer (parallel C++ copies) when loaded
+        self._lease_ttl = 5.0
+        self._epoch = -1
+        if cfg.master is None and cfg.etcd is None:
+            from .master import Master
+
+            mc = cfg.master_config or MasterConfig(secret=cfg.secret)
+            self._embedded = Master(mc).start()
+            cfg.master = self._embedded.address
+        try:
+            if cfg.segment_size:
+                if cfg.segment_size <= SEG_HEADER:
+                    raise ValueError(f"segment_size must be 0 or more than {SEG_HEADER} bytes")
+                self._segment = LocalSegment(self.name, cfg.segment_size, prefault=cfg.prefault)
+            if serve_tcp or cfg.transfer == "tcp":
+                self._start_te(serve=serve_tcp and self._segment is not None)
+            if self._te is not None or "torch" in sys.modules:
+                try:
+                    from mooncake_pg import transfer as _fast
+
+                    self._fast = _fast
+                except ImportError:  # the extension is not built: plain memoryview copies
+                    pass
+            if cfg.ssd_dir:
+                os.makedirs(cfg.ssd_dir, exist_ok=True)
+            self._register()
+        except BaseException:
+            self._teardown()
+            raise
+        self._poll_thread = threading.Thread(target=self._poll_main, name="mooncake-store-heartbeat", daemon=True)
+        self._poll_thread.start()
+
+    # ------------------------------------------------------------------ set-up
+    @property
+    def master_address(self) -> str:
+        """``HOST:PORT`` of the master in use (the embedded one's, if embedded)."""
+        return self.cfg.master if self.cfg.etcd is None else (self._resolve() or "")
+
+    def _start_te(self, serve: bool):
+        from mooncake_pg.transfer import TransferEngine
+
+        host = ""
+        if serve:
+            host = self.cfg.listen_host
+            if host is None:
+                mhost = _parse_hostport(self.cfg.master, "master")[0] if self.cfg.master else "127.0.0.1"
+                host = TransferEngine.local_address_for(mhost, self.cfg.ifname or "")
+        self._te = TransferEngine(listen_host=host, secret=self.cfg.secret or "")
+        if serve:
+            self._te_region = self._te.register_memory(self._segment.mm)
+
+    def _te_desc(self):
+        if self._te is None or self._te_region is None:
+            return None
+        return [self._te.host, self._te.port, self._te_region]
+
+    def _register(self):
+        segs = [self._segment.desc(self.cfg.host_id, self._te_desc())] if self._segment else []
+        entries = ssd.scan(self.cfg.ssd_dir) if self.cfg.ssd_dir else []
+        res = self._call("register", {"client": self.client_id, "name": self.name, "host": self.cfg.host_id,
+                                      "pid": os.getpid(), "segs": segs, "ssd_dir": self.cfg.ssd_dir, "ssd": entries},
+                         register=False)
+        self._lease_ttl = res["ttl_ms"] / 1000.0
+
+    def _resolve(self) -> Optional[str]:
+        if self.cfg.etcd is None:
+            return self.cfg.master
+        from .ha import Etcd
+
+        if self._etcd is None:
+            self._etcd = Etcd(self.cfg.etcd, self.cfg.etcd_prefix)
+        try:
+            rec = self._etcd.leader()
+        except Exception:
+            return None
+        return rec["addr"] if rec else None
+
+    def _connect(self) -> protocol.Connection:
+        addr = self._resolve()
+        if addr is None:
+            raise ConnectionError("no store master leads (etcd has no leader record)")
+        host, port = _parse_hostport(addr, "master")
+        return protocol.Connection(host, port, secret=self.cfg.secret, timeout=self.cfg.rpc_timeout_s)
+
+    def _call(self, method: str, args: dict, register=True):
+        """One metadata request; follows leader changes for ``failover_timeout_s``."""
+        deadline = time.monotonic() + self.cfg.failover_timeout_s
+        reregistered = False
+        while True:
+            try:
+                with self._lock:
+                    if self._closed and method != "unregister":
+                        raise StoreError("the store client is closed")
+                    if self._conn is None:
+                        self._conn = self._connect()
+                    return self._conn.call(method, args)
+            except UnknownClientError:
+                if not register or reregistered:
+                    raise
+                reregistered = True
+                self._register()
+            except (OSError, NotLeaderError) as e:
+                with self._lock:
+                    if self._conn is not None:
+                        self._conn.close()
+                        self._conn = None
+                if time.monotonic() > deadline:
+                    raise StoreError(f"no store master answered {method} within {self.cfg.failover_timeout_s} s: {e}") from None
+                time.sleep(0.1)
+
+    # ------------------------------------------------------------------ heartbeat
+    def _poll_main(self):
+        conn = None
+        etcd_resolver = None
+        while not self._closed:
+            try:
+                if conn is None:
+                    conn = self._connect_poll()
+                res = conn.call("poll", {"client": self.client_id, "wait_ms": int(self.cfg.heartbeat_interval_s * 1000),
+                                         "epoch": self._epoch}, timeout=self.cfg.rpc_timeout_s + 3)
+                if "segs" in res:
+                    self._epoch = res["epoch"]
+                    self._maps.retain(set(res["segs"]))
+                for task in res["tasks"]:
+                    self._run_task(task)
+            except UnknownClientError:
+                if self._closed:
+                    break
+                try:
+                    self._register()
+                except Exception as e:
+                    log.warning("store: re-registering failed: %s", e)
+                    time.sleep(0.2)
+            except Exception as e:
+                if conn is not None:
+                    conn.close()
+                    conn = None
+                if not self._closed:
+                    time.sleep(0.1)
+        if conn is not None:
+            conn.close()
+
+    def _connect_poll(self):
+        if self.cfg.etcd is None:
+            host, port = _parse_hostport(self.cfg.master, "master")
+        else:
+            from .ha import Etcd
+
+            if not hasattr(self, "_poll_etcd"):
+                self._poll_etcd = Etcd(self.cfg.etcd, self.cfg.etcd_prefix)
+            rec = self._poll_etcd.leader()
+            if rec is None:
+                raise ConnectionError("no leader")
+            host, port = _parse_hostport(rec["addr"], "master")
+        return protocol.Connection(host, port, secret=self.cfg.secret, timeout=self.cfg.rpc_timeout_s)
+
+    def _run_task(self, task):
+        op = task[0]
+        if op == "delete" and self.cfg.ssd_dir:
+            path = task[1]
+            if os.path.realpath(path).startswith(os.path.realpath(self.cfg.ssd_dir) + os.sep):
+                ssd.delete(path)
+        elif op == "load" and self._segment is not None:
+            _, key, version, path, off, size = task
+            ok = False
+            try:
+                ssd.read_into(path, key, version, self._segment.view[off:off + size])
+                ok = True
+            except TransferError as e:
+                log.warning("store: loading %r from SSD failed: %s", key, e)
+            try:
+                self._call("load_done", {"client": self.client_id, "key": key, "version": version, "ok": ok})
+            except StoreError as e:
+                log.warning("store: load_done: %s", e)
+        elif op == "offload" and self._segment is not None and self.cfg.ssd_dir:
+            _, key, version, off, size, meta = task
+            ok, path = False, ""
+            try:
+                path = ssd.write(self.cfg.ssd_dir, key, version, meta, self._segment.view[off:off + size])
+                ok = True
+            except OSError as e:
+                log.warning("store: offload of %r failed: %s", key, e)
+            try:
+                self._call("offload_done", {"client": self.client_id, "key": key, "version": version,
+                                            "path": path, "ok": ok})
+            except StoreError as e:
+                log.warning("store: offload_done: %s", e)
+
+    # ------------------------------------------------------------------ data movement
+    def _is_local(self, desc: dict) -> bool:
+        return self.cfg.transfer == "auto" and desc.get("host") == self.cfg.host_id
+
+    def _seg_view(self, desc: dict) -> memoryview:
+        if self._segment is not None and desc["name"] == self.name:
+            return self._segment.view
+        return self._maps.get(desc).view
+
+    def _te_for(self, desc):
+        te = desc.get("te")
+        if not te:
+            raise TransferError(f"segment {desc['name']!r} is on another host and serves no transfer engine")
+        if self._te is None:
+            with self._lock:
+                if self._te is None:
+                    self._start_te(serve=False)
+        return te
+
+    def _write_all(self, jobs, segs):
+        """jobs: [(segment name, offset, view)]; raises TransferError."""
+        remote: dict = {}
+        dsts, srcs, total = [], [], 0
+        for name, off, mv in jobs:
+            desc = segs[name]
+            if len(mv) == 0:
+                continue
+            if self._is_local(desc):
+                view = self._seg_view(desc)
+                if off + len(mv) > len(view):
+                    raise TransferError(f"write to segment {name!r} at {off} leaves the segment")
+                dsts.append(view[off:off + len(mv)])
+                srcs.append(mv)
+                total += len(mv)
+            else:
+                remote.setdefault(name, []).append((off, mv))
+        if dsts:
+            if self._fast is not None and total >= _FAST_COPY_BYTES:
+                self._fast.copy_buffers(dsts, srcs)
+            else:
+                for d, m in zip(dsts, srcs):
+                    d[:] = m
+        for name, items in remote.items():
+            host, port, region = self._te_for(segs[name])
+            try:
+                self._te.batch_write(host, port, region, [o for o, _ in items], [m for _, m in items])
+            except RuntimeError as e:
+                raise TransferError(f"write to segment {name!r} at {host}:{port} failed: {e}") from None
+
+    def _local_src(self, obj: _Obj, segs: dict):
+        """A view of ``obj``'s first replica when it is in a mapped segment, else None."""
+        if obj.size == 0 or not obj.replicas or obj.replicas[0][0] != "m":
+            return None
+        desc = segs[obj.replicas[0][1]]
+        if not self._is_local(desc):
+            return None
+        try:
+            view = self._seg_view(desc)
+        except TransferError:
+            return None
+        off = obj.replicas[0][2]
+        return view[off:off + obj.size]
+
+    def _read_many(self, objs: list, segs: dict, outs: Optional[list] = None) -> list:
+        """Reads every object (None entries skipped) with one parallel copy for those in
+        mapped segments; returns bytes (``outs`` None) or None per object, or the
+        ``TransferError`` in its place."""
+        res: list = [None] * len(objs)
+        local_i, local_src = [], []
+        for i, obj in enumerate(objs):
+            if obj is None:
+                continue
+            src = self._local_src(obj, segs)
+            if src is not None:
+                local_i.append(i)
+                local_src.append(src)
+            else:
+                try:
+                    res[i] = self._read_one(obj, segs, None if outs is None else outs[i])
+                except TransferError as e:
+                    res[i] = e
+        if local_i:
+            total = sum(len(v) for v in local_src)
+            fast = self._fast is not None and total >= _FAST_COPY_BYTES
+            if outs is None:
+                got = self._fast.copy_to_bytes(local_src) if fast else [bytes(v) for v in local_src]
+                for i, b in zip(local_i, got):
+                    res[i] = b
+            else:
+                dsts = [outs[i] for i in local_i]
+                if fast:
+                    self._fast.copy_buffers(dsts, local_src)
+                else:
+                    for d, v in zip(dsts, local_src):
+                        d[:] = v
+        return res
+
+    def _read_one(self, obj: _Obj, segs: dict, out: Optional[memoryview] = None):
+        """Copies ``obj`` into ``out`` from the first replica that works; with ``out=None``
+        returns a new ``bytes`` (one copy)."""
+        errors = []
+        for rep in obj.replicas:
+            try:
+                if rep[0] == "m":
+                    desc = segs[rep[1]]
+                    if obj.size == 0:
+                        return b"" if out is None else None
+                    off = rep[2]
+                    if self._is_local(desc):
+                        src = self._seg_view(desc)[off:off + obj.size]
+                        if out is None:
+                            return bytes(src)
+                        out[:] = src
+                        return None
+                    host, port, region = self._te_for(desc)
+                    try:
+                        data = self._te.batch_read_bytes(host, port, region, [off], [obj.size])[0]
+                        if out is None:
+                            return data
+                        out[:] = data  # the caller's buffer is written only once the whole read worked
+                        return None
+                    except RuntimeError as e:
+                        raise TransferError(f"read from {host}:{port} failed: {e}") from None
+                else:
+                    if rep[1] != self.cfg.host_id:
+                        raise TransferError("SSD replica on another host could not be loaded into memory")
+                    if out is None:
+                        buf = bytearray(obj.size)
+                        ssd.read_into(rep[2], obj.key, obj.version, buf)
+                        return bytes(buf)
+                    ssd.read_into(rep[2], obj.key, obj.version, out)
+                    return None
+            except TransferError as e:
+                errors.append(str(e))
+        if not obj.replicas:
+            raise TransferError(f"{obj.key!r} has no replica left")
+        raise TransferError(f"no replica of {obj.key!r} could be read: " + "; ".join(errors))
+
+    # ------------------------------------------------------------------ puts
+    def _put_many(self, keys: list, views: list, metas: list, cfg: ReplicateConfig, upsert: bool,
+                  return_exceptions: bool, _retry=True) -> list:
+        if not isinstance(cfg, ReplicateConfig):
+            raise ValueError("config must be a ReplicateConfig")
+        args = {"client": self.client_id, "items": [[k, len(v), m] for k, v, m in zip(keys, views, metas)],
+                "r": cfg.replica_num, "pref": cfg.preferred_segment, "pin": cfg.pin, "all": cfg.require_all,
+                "upsert": upsert}
+        deadline = time.monotonic() + _NOSPACE_RETRY_S
+        results: list = [None] * len(keys)
+        todo = list(range(len(keys)))
+        started = []  # (index, version, replica list)
+        segs: dict = {}
+        while todo:
+            args["items"] = [[keys[i], len(views[i]), metas[i]] for i in todo]
+            res = self._call("put_start", args)
+            segs.update(res["segs"])
+            retry = []
+            for i, item in zip(todo, res["items"]):
+                if item[0] == 0:
+                    started.append((i, item[1], item[2]))
+                elif item[1] == "NoSpaceRetry" and time.monotonic() < deadline:
+                    retry.append(i)
+                else:
+                    code = "NoSpace" if item[1] == "NoSpaceRetry" else item[1]
+                    results[i] = from_code(code, item[2])
+            todo = retry
+            if todo:
+                time.sleep(0.05)
+        if started and self.cfg.test_pause and self.cfg.test_pause[0] == "put":
+            time.sleep(self.cfg.test_pause[1])
+        jobs = [(s, off, views[i]) for i, _, reps in started for s, off in reps]
+        try:
+            self._write_all(jobs, segs)
+        except BaseException as e:
+            try:
+                self._call("put_revoke", {"client": self.client_id, "items": [[keys[i], v] for i, v, _ in started]})
+            except StoreError:
+                pass
+            if isinstance(e, TransferError) and not return_exceptions:
+                raise
+            for i, _, _ in started:
+                results[i] = e if isinstance(e, StoreError) else TransferError(str(e))
+            if not isinstance(e, StoreError):
+                raise
+            started = []
+        if started:
+            res = self._call("put_end", {"client": self.client_id, "items": [[keys[i], v] for i, v, _ in started]})
+            lost = []
+            for (i, _, reps), item in zip(started, res["items"]):
+                if item[0] == 0:
+                    results[i] = item[1]
+                elif item[1] == PutLostError.code and _retry:
+                    lost.append(i)
+                else:
+                    results[i] = from_code(item[1], item[2])
+            if lost:  # the master lost the put (leader change, writer declared dead): redo once
+                again = self._put_many([keys[i] for i in lost], [views[i] for i in lost], [metas[i] for i in lost],
+                                       cfg, True, True, _retry=False)
+                for i, r in zip(lost, again):
+                    results[i] = r
+        if not return_exceptions:
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
+        return results
+
+    def put(self, key: str, value, config: ReplicateConfig = _DEFAULT_REPLICATE) -> int:
+        """Stores ``value`` (bytes-like, ``b""`` allowed) under ``key``.
+
+        Returns how many replicas were placed (``config.replica_num`` or fewer when fewer
+        segments can hold it). Raises ``ObjectExistsError`` if the key exists or is being
+        written (use :meth:`upsert`), ``ReplicaShortfallError`` (``require_all``; nothing
+        stored), ``NoSpaceError``, ``TransferError``; ``ValueError`` for bad arguments
+        (before anything is sent)."""
+        return self._put_many([_check_key(key)], [_as_bytes_view(value)], [b""], config, False, False)[0]
+
+    def upsert(self, key: str, value, config: ReplicateConfig = _DEFAULT_REPLICATE) -> int:
+        """Like :meth:`put`, but replaces an existing value (any size). Readers see the
+        old value until the new one is complete. Returns the replicas placed."""
+        return self._put_many([_check_key(key)], [_as_bytes_view(value)], [b""], config, True, False)[0]
+
+    def put_batch(self, keys: Sequence[str], values: Sequence, config: ReplicateConfig = _DEFAULT_REPLICATE, *,
+                  upsert: bool = False, return_exceptions: bool = False) -> list:
+        """Stores several objects with two metadata round trips. Returns the replica count
+        per key; a key that fails does not stop the others: its error is raised after the
+        whole batch (the first one), or returned in its place with ``return_exceptions``."""
+        keys = _check_keys(keys)
+        views = [_as_bytes_view(v) for v in values]
+        if len(views) != len(keys):
+            raise ValueError(f"put_batch: {len(keys)} keys but {len(views)} values")
+        return self._put_many(keys, views, [b""] * len(keys), config, upsert, return_exceptions)
+
+    def put_tensor(self, key: str, tensor, config: ReplicateConfig = _DEFAULT_REPLICATE, *, upsert: bool = False) -> int:
+        """Stores a CPU tensor (any dtype and shape, non-contiguous ones are copied
+        first; zero elements allowed); :meth:`get_tensor` returns it with dtype and shape."""
+        return self.put_tensor_batch([key], [tensor], config, upsert=upsert)[0]
+
+    def put_tensor_batch(self, keys: Sequence[str], tensors: Sequence, config: ReplicateConfig = _DEFAULT_REPLICATE, *,
+                         upsert: bool = False, return_exceptions: bool = False) -> list:
+        """Batch form of :meth:`put_tensor`."""
+        keys = _check_keys(keys)
+        if len(tensors) != len(keys):
+            raise ValueError(f"put_tensor_batch: {len(keys)} keys but {len(tensors)} tensors")
+        metas, views = [], []
+        for t in tensors:
+            if not _is_tensor(t):
+                raise ValueError(f"expected a torch.Tensor, got {type(t).__name__}")
+            metas.append(msgpack.packb({"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}))
+            views.append(_tensor_bytes(t))
+        return self._put_many(keys, views, metas, config, upsert, return_exceptions)
+
+    # ------------------------------------------------------------------ reads
+    def _get_meta(self, keys: list):
+        give_up = time.monotonic() + self.cfg.rpc_timeout_s
+        while True:
+            t0 = time.monotonic()
+            res = self._call("get", {"client": self.client_id, "keys": keys})
+            # an object only on another host's SSD is being loaded into memory: ask again
+            if not any(o is not None and o[4] for o in res["objs"]) or time.monotonic() > give_up:
+                break
+            time.sleep(0.01)
+        deadline = t0 + res["ttl_ms"] / 1000.0
+        objs = [None if o is None else _Obj(k, o[0], o[1], o[2], o[3]) for k, o in zip(keys, res["objs"])]
+        if self.cfg.test_pause and self.cfg.test_pause[0] == "get":
+            time.sleep(self.cfg.test_pause[1])
+        return objs, res["segs"], deadline
+
+    @staticmethod
+    def _check_lease(deadline: float, key: str):
+        if time.monotonic() > deadline:
+            raise LeaseExpiredError(f"the read of {key!r} outlasted its lease; the bytes may have been evicted meanwhile")
+
+    def get(self, key: str) -> bytes:
+        """A copy of the value of ``key`` as ``bytes`` (owned by the caller).
+
+        Raises ``ObjectNotFoundError`` (a ``KeyError``) if the key does not exist or no
+        version is complete yet, ``LeaseExpiredError`` if the copy outlasted the lease,
+        ``TransferError`` if no replica can be read."""
+        key = _check_key(key)
+        (obj,), segs, deadline = self._get_meta([key])
+        if obj is None:
+            raise ObjectNotFoundError(f"key {key!r} not found")
+        (out,) = self._read_many([obj], segs)
+        if isinstance(out, BaseException):
+            raise out
+        self._check_lease(deadline, key)
+        return out
+
+    def get_batch(self, keys: Sequence[str], *, return_exceptions: bool = False) -> list:
+        """Copies of several values with one metadata round trip. A missing key raises
+        ``ObjectNotFoundError`` (after the whole batch) or, with ``return_exceptions``,
+        comes back as that exception in its place."""
+        keys = _check_keys(keys)
+        objs, segs, deadline = self._get_meta(keys)
+        got = self._read_many(objs, segs)
+        out = [ObjectNotFoundError(f"key {k!r} not found") if obj is None else g for k, obj, g in zip(keys, objs, got)]
+        if time.monotonic() > deadline:
+            out = [o if isinstance(o, BaseException) else
+                   LeaseExpiredError(f"the read of {k!r} outlasted its lease") for k, o in zip(keys, out)]
+        if not return_exceptions:
+            for o in out:
+                if isinstance(o, BaseException):
+                    raise o
+        return out
+
+    def get_into(self, key: str, buffer) -> int:
+        """Copies the value of ``key`` into ``buffer`` (writable bytes-like or contiguous CPU
+        tensor, at least the value's size); returns the value's size in bytes.
+
+        Raises ``ValueError`` if the buffer is too small (nothing written),
+        ``ObjectNotFoundError``, ``TransferError`` (nothing written: a read from another
+        host lands in a temporary first), ``LeaseExpiredError`` (the copy outlasted the
+        lease: the buffer holds bytes that may have been evicted meanwhile and must not be
+        used)."""
+        key = _check_key(key)
+        mv = _writable_view(buffer)
+        (obj,), segs, deadline = self._get_meta([key])
+        if obj is None:
+            raise ObjectNotFoundError(f"key {key!r} not found")
+        if obj.size > len(mv):
+            raise ValueError(f"buffer of {len(mv)} bytes is too small for {key!r} ({obj.size} bytes)")
+        (err,) = self._read_many([obj], segs, [mv[:obj.size]])
+        if isinstance(err, BaseException):
+            raise err
+        self._check_lease(deadline, key)
+        return obj.size
+
+    def get_into_batch(self, keys: Sequence[str], buffers: Sequence, *, return_exceptions: bool = False) -> list:
+        """Batch form of :meth:`get_into`: returns the sizes (or exceptions in place with
+        ``return_exceptions``)."""
+        keys = _check_keys(keys)
+        mvs = [_writable_view(b) for b in buffers]
+        if len(mvs) != len(keys):
+            raise ValueError(f"get_into_batch: {len(keys)} keys but {len(mvs)} buffers")
+        objs, segs, deadline = self._get_meta(keys)
+        out: list = [None] * len(keys)
+        todo = [None] * len(keys)
+        for i, (k, obj, mv) in enumerate(zip(keys, objs, mvs)):
+            if obj is None:
+                out[i] = ObjectNotFoundError(f"key {k!r} not found")
+            elif obj.size > len(mv):
+                out[i] = ValueError(f"buffer of {len(mv)} bytes is too small for {k!r} ({obj.size} bytes)")
+            else:
+                todo[i] = obj
+        got = self._read_many(todo, segs, [mv[:o.size] if o is not None else None for mv, o in zip(mvs, todo)])
+        for i, obj in enumerate(todo):
+            if obj is not None:
+                out[i] = got[i] if isinstance(got[i], BaseException) else obj.size
+        if time.monotonic() > deadline:
+            out = [o if isinstance(o, BaseException) else LeaseExpiredError(f"the read of {k!r} outlasted its lease")
+                   for k, o in zip(keys, out)]
+        if not return_exceptions:
+            for o in out:
+                if isinstance(o, BaseException):
+                    raise o
+        return out
+
+    def get_tensor(self, key: str):
+        """The tensor stored by :meth:`put_tensor` (same dtype and shape).
+
+        Raises ``ObjectNotFoundError``, ``ValueError`` if the object is not a tensor,
+        ``LeaseExpiredError``, ``TransferError``."""
+        return self.get_tensor_batch([key])[0]
+
+    def get_tensor_batch(self, keys: Sequence[str], *, return_exceptions: bool = False) -> list:
+        """Batch form of :meth:`get_tensor`."""
+        import torch
+
+        keys = _check_keys(keys)
+        objs, segs, deadline = self._get_meta(keys)
+        out: list = []
+        todo, views = [], []
+        for k, obj in zip(keys, objs):
+            todo.append(None)
+            views.append(None)
+            if obj is None:
+                out.append(ObjectNotFoundError(f"key {k!r} not found"))
+                continue
+            try:
+                meta = msgpack.unpackb(obj.meta, raw=False) if obj.meta else None
+                dtype = getattr(torch, meta["dtype"]) if isinstance(meta, dict) else None
+                if not isinstance(dtype, torch.dtype):
+                    raise ValueError
+                shape = [int(d) for d in meta["shape"]]
+            except Exception:
+                out.append(ValueError(f"{k!r} was not stored by put_tensor"))
+                continue
+            t = torch.empty(shape, dtype=dtype)
+            if t.numel() * t.element_size() != obj.size:
+                out.append(ValueError(f"{k!r}: stored size {obj.size} does not match {dtype} {shape}"))
+                continue
+            out.append(t)
+            if obj.size:
+                todo[-1] = obj
+                views[-1] = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        got = self._read_many(todo, segs, views)
+        out = [g if isinstance(g, BaseException) else o for o, g in zip(out, got)]
+        if time.monotonic() > deadline:
+            out = [o if isinstance(o, BaseException) else LeaseExpiredError(f"the read of {k!r} outlasted its lease")
+                   for k, o in zip(keys, out)]
+        if not return_exceptions:
+            for o in out:
+                if isinstance(o, BaseException):
+                    raise o
+        return out
+
+    # ------------------------------------------------------------------ other
+    def exists(self, key: str) -> bool:
+        """True if a complete version of ``key`` exists (an empty value counts)."""
+        return self.exists_batch([_check_key(key)])[0]
+
+    def exists_batch(self, keys: Sequence[str]) -> list:
+        return self._call("exists", {"keys": _check_keys(keys)})["exists"]
+
+    def remove(self, key: str, force: bool = False) -> None:
+        """Removes ``key``. Raises ``ObjectNotFoundError``, or ``ObjectHasLeaseError`` while a
+        reader holds a lease (``force=True`` removes anyway; the space is reused only once
+        the lease has expired, so the reader's copy stays intact)."""
+        (item,) = self._call("remove", {"client": self.client_id, "keys": [_check_key(key)], "force": bool(force)})["items"]
+        if item[0] != 0:
+            raise from_code(item[1], item[2])
+
+    def remove_batch(self, keys: Sequence[str], force: bool = False, *, return_exceptions: bool = False) -> list:
+        res = self._call("remove", {"client": self.client_id, "keys": _check_keys(keys), "force": bool(force)})["items"]
+        out = [None if it[0] == 0 else from_code(it[1], it[2]) for it in res]
+        if not return_exceptions:
+            for o in out:
+                if o is not None:
+                    raise o
+        return out
+
+    def where(self, key: str) -> "Placement":
+        """Where ``key`` lives (introspection for tests and operators): a
+        :class:`Placement` of segment names (memory) and client names (SSD).
+        Raises ``ObjectNotFoundError``."""
+        (w,) = self._call("where", {"keys": [_check_key(key)]})["where"]
+        if w is None:
+            raise ObjectNotFoundError(f"key {key!r} not found")
+        return Placement(memory=list(w["memory"]), ssd=list(w["ssd"]))
+
+    def stats(self) -> "StoreStats":
+        """The master's figures as a :class:`StoreStats`."""
+        d = self._call("stats", {})
+        return StoreStats(**{f.name: int(d.get(f.name, 0)) for f in dataclasses.fields(StoreStats)})
+
+    def metrics(self) -> str:
+        """The master's Prometheus text metrics."""
+        return self._call("metrics", {})["text"]
+
+    # ------------------------------------------------------------------ teardown
+    def close(self):
+        """Unregisters (objects held only in this client's segment are gone) and frees
+        everything. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._call("unregister", {"client": self.client_id})
+        except StoreError:
+            pass
+        self._teardown()
+
+    def _teardown(self):
+        self._closed = True
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+        t = getattr(self, "_poll_thread", None)
+        if t is not None and t is not threading.current_thread():
+            t.join(self.cfg.heartbeat_interval_s + 3)
+        if self._te is not None:
+            self._te.close()
+            self._te = None
+        self._maps.close()
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+        if self._embedded is not None:
+            self._embedded.stop()
+            self._embedded = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,285 @@
+"""Configuration of ``mooncake_store``: one keyword-only dataclass per part.
+
+Every ``MOONCAKE_*`` environment variable the store reads is read here, in
+:func:`env_defaults`; explicit arguments always win over the environment.
+
+| variable | meaning | default |
+|---|---|---|
+| ``MOONCAKE_STORE_MASTER`` | ``HOST:PORT`` of the master a client uses | embedded master |
+| ``MOONCAKE_STORE_ETCD`` | ``HOST:PORT`` of etcd: clients find the leader there, masters elect one | off |
+| ``MOONCAKE_STORE_ETCD_PREFIX`` | key prefix of one store cluster in etcd | ``/mooncake_store/default`` |
+| ``MOONCAKE_STORE_SECRET`` | shared secret clients must prove (HMAC) to the master and to transfer engines | none |
+| ``MOONCAKE_STORE_SEGMENT_SIZE`` | bytes of shared memory a client contributes (0: none) | 256 MiB |
+| ``MOONCAKE_STORE_SSD_DIR`` | directory a client contributes as SSD tier | none |
+| ``MOONCAKE_STORE_TRANSFER`` | ``auto`` (map same-host segments, TCP otherwise) or ``tcp`` (always TCP) | ``auto`` |
+| ``MOONCAKE_HOST_ID`` | processes with equal ids count as one host and map each other's segments | hostname + boot id |
+| ``MOONCAKE_SOCKET_IFNAME`` | interface the transfer engine listens on | interface routed to the master |
+| ``MOONCAKE_STORE_NO_UVLOOP`` | ``1``: the master uses asyncio's own event loop even when uvloop is installed | off |
+| ``MOONCAKE_STORE_TEST_PAUSE`` | tests only: ``put:SECONDS`` / ``get:SECONDS`` pauses after the master answered put-start / get, before any byte moves | off |
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from typing import Optional
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def _parse_hostport(value: str, what: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not (0 <= int(port) < 65536):
+        raise ValueError(f"{what}: expected HOST:PORT, got {value!r}")
+    return host.strip("[]"), int(port)
+
+
+def default_host_id() -> str:
+    """Hostname plus boot id: equal on every process of one boot of one machine."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "noboot"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def env_defaults() -> dict:
+    """The store's ``MOONCAKE_*`` environment variables, parsed (absent ones omitted).
+
+    Raises ``ValueError`` for a malformed value, naming the variable."""
+    env = os.environ
+    out: dict = {}
+    if env.get("MOONCAKE_STORE_MASTER"):
+        out["master"] = env["MOONCAKE_STORE_MASTER"]
+    if env.get("MOONCAKE_STORE_ETCD"):
+        out["etcd"] = env["MOONCAKE_STORE_ETCD"]
+    if env.get("MOONCAKE_STORE_ETCD_PREFIX"):
+        out["etcd_prefix"] = env["MOONCAKE_STORE_ETCD_PREFIX"]
+    if env.get("MOONCAKE_STORE_SECRET"):
+        out["secret"] = env["MOONCAKE_STORE_SECRET"]
+    if env.get("MOONCAKE_STORE_SEGMENT_SIZE"):
+        v = env["MOONCAKE_STORE_SEGMENT_SIZE"]
+        if not v.isdigit():
+            raise ValueError(f"MOONCAKE_STORE_SEGMENT_SIZE must be a byte count, got {v!r}")
+        out["segment_size"] = int(v)
+    if env.get("MOONCAKE_STORE_SSD_DIR"):
+        out["ssd_dir"] = env["MOONCAKE_STORE_SSD_DIR"]
+    if env.get("MOONCAKE_STORE_TRANSFER"):
+        out["transfer"] = env["MOONCAKE_STORE_TRANSFER"]
+    if env.get("MOONCAKE_HOST_ID"):
+        out["host_id"] = env["MOONCAKE_HOST_ID"]
+    if env.get("MOONCAKE_SOCKET_IFNAME"):
+        out["ifname"] = env["MOONCAKE_SOCKET_IFNAME"]
+    if env.get("MOONCAKE_STORE_NO_UVLOOP"):
+        out["no_uvloop"] = env["MOONCAKE_STORE_NO_UVLOOP"] not in ("0", "")
+    if env.get("MOONCAKE_STORE_TEST_PAUSE"):
+        v = env["MOONCAKE_STORE_TEST_PAUSE"]
+        what, _, secs = v.partition(":")
+        try:
+            out["test_pause"] = (what, float(secs))
+        except ValueError:
+            raise ValueError(f"MOONCAKE_STORE_TEST_PAUSE must be put:SECONDS or get:SECONDS, got {v!r}") from None
+        if what not in ("put", "get"):
+            raise ValueError(f"MOONCAKE_STORE_TEST_PAUSE must be put:SECONDS or get:SECONDS, got {v!r}")
+    return out
+
+
+@dataclasses.dataclass(kw_only=True)
+class MasterConfig:
+    """Options of a store master (``mooncake-store-master`` flags have the same names).
+
+    Attributes:
+        host: address the metadata RPC listens on (default 127.0.0.1; ``0.0.0.0`` for
+            every interface).
+        port: TCP port (0: an ephemeral port, reported by ``Master.address``).
+        secret: shared secret clients must prove (HMAC-SHA256 over a per-connection
+            nonce); ``None``: no authentication (``MOONCAKE_STORE_SECRET``).
+        client_ttl_s: seconds without a heartbeat after which a client is declared dead:
+            its segments are dropped (objects with a replica elsewhere survive), its
+            unfinished puts are aborted and their space and keys freed.
+        put_ttl_s: seconds a put may stay unfinished by a live writer before it is aborted.
+        lease_ttl_s: seconds a read lease lasts (every get takes one); a leased object is
+            neither evicted nor removed without ``force``.
+        high_watermark / low_watermark: fractions of total segment capacity; above the
+            high one, objects are evicted (approximate LRU; leased, pinned and unfinished
+            ones skipped; to the owner's SSD directory where it has one) down to the low one.
+        max_frame_bytes: largest RPC frame accepted (bytes); larger ones get an error
+            reply and the connection is closed.
+        max_keys_per_call: most keys in one batch request.
+        max_key_bytes / max_meta_bytes: longest key (UTF-8 bytes) / per-object metadata.
+        metrics_port: serve Prometheus text metrics over HTTP at ``host:metrics_port``
+            (``/metrics``); ``None``: only through the ``metrics`` RPC.
+        etcd: ``HOST:PORT`` of etcd for high availability (leader election with an etcd
+            lease; object metadata kept in etcd). ``None``: a single master.
+        etcd_prefix: key prefix of this store cluster in etcd.
+        leader_ttl_s: TTL of the leader's etcd lease, whole seconds >= 2 (a standby takes
+            over at most about this long after the leader dies).
+        advertise: ``HOST:PORT`` clients are told to use for this master (default: host:port).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    secret: Optional[str] = None
+    client_ttl_s: float = 5.0
+    put_ttl_s: float = 60.0
+    lease_ttl_s: float = 5.0
+    high_watermark: float = 0.95
+    low_watermark: float = 0.85
+    max_frame_bytes: int = 4 * MiB
+    max_keys_per_call: int = 4096
+    max_key_bytes: int = 4096
+    max_meta_bytes: int = 4096
+    metrics_port: Optional[int] = None
+    etcd: Optional[str] = None
+    etcd_prefix: str = "/mooncake_store/default"
+    leader_ttl_s: int = 2
+    advertise: Optional[str] = None
+
+    def __post_init__(self):
+        for name in ("client_ttl_s", "put_ttl_s", "lease_ttl_s"):
+            if not (float(getattr(self, name)) > 0):
+                raise ValueError(f"MasterConfig: {name} must be > 0 seconds, got {getattr(self, name)!r}")
+        if not (0 < self.low_watermark <= self.high_watermark <= 1):
+            raise ValueError("MasterConfig: need 0 < low_watermark <= high_watermark <= 1, got "
+                             f"{self.low_watermark} and {self.high_watermark}")
+        if not (0 <= int(self.port) < 65536):
+            raise ValueError(f"MasterConfig: port must be 0..65535, got {self.port}")
+        if self.max_frame_bytes < 4096:
+            raise ValueError(f"MasterConfig: max_frame_bytes must be >= 4096, got {self.max_frame_bytes}")
+        if self.etcd is not None:
+            _parse_hostport(self.etcd, "MasterConfig.etcd")
+            if int(self.leader_ttl_s) < 2:
+                raise ValueError(f"MasterConfig: leader_ttl_s must be >= 2 s (etcd's minimum), got {self.leader_ttl_s}")
+        if self.advertise is not None:
+            _parse_hostport(self.advertise, "MasterConfig.advertise")
+
+
+_TRANSFERS = ("auto", "tcp")
+
+
+@dataclasses.dataclass(kw_only=True)
+class StoreConfig:
+    """Options of a :class:`~mooncake_store.MooncakeStore` client. ``None`` fields take
+    the environment's value (see the module docstring), then the default.
+
+    Attributes:
+        master: ``HOST:PORT`` of the master; ``None`` and no ``etcd``: an embedded master
+            runs in this process (on 127.0.0.1, an ephemeral port: ``store.master_address``),
+            configured by ``master_config``.
+        etcd: ``HOST:PORT`` of etcd: the client asks it who leads and follows leader changes.
+        etcd_prefix: key prefix of the store cluster in etcd.
+        secret: shared secret (must match the master's).
+        name: this client's name, which is also its segment's name (what
+            ``ReplicateConfig.preferred_segment`` names); default ``host-pid-random``.
+        segment_size: bytes of shared memory this client contributes (0: none; it then
+            only reads and writes other clients' segments). Default 256 MiB.
+        ssd_dir: directory this client contributes as SSD tier (created if missing);
+            entries found there at start are registered again (persistence).
+        transfer: ``"auto"``: segments of processes with the same ``host_id`` are mapped
+            and copied directly, others are reached through the TCP transfer engine;
+            ``"tcp"``: always the transfer engine.
+        host_id: which processes count as one host (default: hostname + boot id).
+        listen_host: address the transfer engine listens on (default: the interface that
+            routes to the master, or ``ifname``).
+        ifname: network interface for ``listen_host``.
+        rpc_timeout_s: seconds one metadata request may take.
+        failover_timeout_s: seconds a request keeps retrying while no leader answers.
+        heartbeat_interval_s: seconds between heartbeats (must be well below the master's
+            ``client_ttl_s``).
+        serve_tcp: start the transfer engine so that clients on other hosts (or with
+            ``transfer="tcp"``) reach this client's segment; imports torch and the C++
+            extension. ``False``: same-host clients only, no torch import.
+        prefault: map segments with every page allocated up front (``MAP_POPULATE``): the
+            first copies into a segment then take no page faults, at the cost of committing
+            ``segment_size`` bytes at start and a one-time cost per mapped peer segment.
+        master_config: options of the embedded master.
+        test_pause: tests only: ``("put", s)`` / ``("get", s)`` sleeps ``s`` seconds after the
+            master answered put-start / get, before any byte moves (``MOONCAKE_STORE_TEST_PAUSE``).
+    """
+
+    master: Optional[str] = None
+    etcd: Optional[str] = None
+    etcd_prefix: Optional[str] = None
+    secret: Optional[str] = None
+    name: Optional[str] = None
+    segment_size: Optional[int] = None
+    ssd_dir: Optional[str] = None
+    transfer: Optional[str] = None
+    host_id: Optional[str] = None
+    listen_host: Optional[str] = None
+    ifname: Optional[str] = None
+    rpc_timeout_s: float = 10.0
+    failover_timeout_s: float = 10.0
+    heartbeat_interval_s: float = 0.5
+    serve_tcp: bool = True
+    prefault: bool = True
+    master_config: Optional[MasterConfig] = None
+    test_pause: Optional[tuple] = None
+
+    def resolved(self) -> "StoreConfig":
+        """A copy with environment values and defaults filled in; raises ``ValueError``."""
+        env = env_defaults()
+        vals = dataclasses.asdict(self)
+        vals["master_config"] = self.master_config
+        for k, v in env.items():
+            if k in vals and vals[k] is None:
+                vals[k] = v
+        out = StoreConfig(**vals)
+        if out.etcd_prefix is None:
+            out.etcd_prefix = "/mooncake_store/default"
+        if out.segment_size is None:
+            out.segment_size = 256 * MiB
+        if out.transfer is None:
+            out.transfer = "auto"
+        if out.host_id is None:
+            out.host_id = default_host_id()
+        if out.name is None:
+            out.name = f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
+        out.validate()
+        return out
+
+    def validate(self):
+        if self.master is not None:
+            _parse_hostport(self.master, "StoreConfig.master")
+        if self.etcd is not None:
+            _parse_hostport(self.etcd, "StoreConfig.etcd")
+        if self.segment_size is not None and (not isinstance(self.segment_size, int) or self.segment_size < 0):
+            raise ValueError(f"StoreConfig: segment_size must be a byte count >= 0, got {self.segment_size!r}")
+        if self.transfer is not None and self.transfer not in _TRANSFERS:
+            raise ValueError(f"StoreConfig: transfer must be one of {_TRANSFERS}, got {self.transfer!r}")
+        if self.name is not None and (not self.name or len(self.name) > 200 or "/" in self.name):
+            raise ValueError(f"StoreConfig: name must be 1..200 characters without '/', got {self.name!r}")
+        for n in ("rpc_timeout_s", "failover_timeout_s", "heartbeat_interval_s"):
+            if not (float(getattr(self, n)) > 0):
+                raise ValueError(f"StoreConfig: {n} must be > 0 seconds")
+
+
+@dataclasses.dataclass(kw_only=True)
+class ReplicateConfig:
+    """How a put places an object.
+
+    Attributes:
+        replica_num: copies to place, each in a different segment (>= 1).
+        preferred_segment: name of the segment (client) to hold the first copy if it has
+            room; ``None``: the master chooses (most free space first).
+        pin: never evict this object (it still goes with its segment if the owner dies).
+        require_all: raise :class:`ReplicaShortfallError` and store nothing if fewer than
+            ``replica_num`` copies can be placed (default: place what fits and return the
+            count).
+    """
+
+    replica_num: int = 1
+    preferred_segment: Optional[str] = None
+    pin: bool = False
+    require_all: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.replica_num, int) or isinstance(self.replica_num, bool) or self.replica_num < 1:
+            raise ValueError(f"ReplicateConfig: replica_num must be an int >= 1, got {self.replica_num!r}")
+        if self.replica_num > 64:
+            raise ValueError(f"ReplicateConfig: replica_num must be <= 64, got {self.replica_num}")
+        if self.preferred_segment is not None and not isinstance(self.preferred_segment, str):
+            raise ValueError("ReplicateConfig: preferred_segment must be a segment name (str) or None")

@@ -1,0 +1,714 @@
+"""The master's metadata state machine (no I/O, no threads: the server calls it).
+
+Objects: ``key -> Obj`` for committed versions, ``key -> Obj`` in ``pending`` for puts in
+progress (a put on an existing key with ``upsert`` keeps the old version readable until
+the new one commits). Replicas live in client segments (``[segment, offset, bytes]``) or
+in a client's SSD directory (``[client, path]``). Space is allocated by the master and
+written by the client; the master never touches data.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import time
+from typing import Callable, Optional
+
+from .alloc import Allocator, aligned
+from .config import MasterConfig
+from .errors import (NoSpaceError, ObjectExistsError, ObjectHasLeaseError, ObjectNotFoundError,
+                     ProtocolError, PutLostError, ReplicaShortfallError, StoreError, UnknownClientError)
+
+SEG_HEADER = 4096  # bytes at the start of every segment kept for its header (magic + token)
+
+
+class Segment:
+    __slots__ = ("name", "client", "size", "alloc", "desc", "keys")
+
+    def __init__(self, name: str, client: "Client", size: int, desc: dict):
+        self.name = name
+        self.client = client
+        self.size = size
+        self.alloc = Allocator(size - SEG_HEADER, base=SEG_HEADER) if size > SEG_HEADER else Allocator(0, SEG_HEADER)
+        self.desc = desc
+        self.keys: set = set()  # keys with a replica here (committed or pending)
+
+
+class Client:
+    __slots__ = ("id", "name", "host", "pid", "last_seen", "segments", "ssd_dir", "tasks", "event",
+                 "writing", "ssd_keys")
+
+    def __init__(self, cid: str, name: str, host: str, pid: int, ssd_dir: Optional[str], now: float):
+        self.id = cid
+        self.name = name
+        self.host = host
+        self.pid = pid
+        self.ssd_dir = ssd_dir
+        self.last_seen = now
+        self.segments: list[Segment] = []
+        self.tasks: list = []
+        self.event = None  # asyncio.Event, set by the server
+        self.writing: set = set()  # keys of pending puts this client writes
+        self.ssd_keys: set = set()  # keys with an SSD replica in this client's directory
+
+
+class Obj:
+    __slots__ = ("key", "size", "version", "meta", "repl", "ssd", "pin", "lease_until", "writer",
+                 "deadline", "offloading", "loading")
+
+    def __init__(self, key, size, version, meta, pin):
+        self.key = key
+        self.size = size
+        self.version = version
+        self.meta = meta
+        self.repl: list = []  # [segment name, offset, allocated bytes]
+        self.ssd: list = []  # [client id, path]
+        self.pin = pin
+        self.lease_until = 0.0
+        self.writer = None
+        self.deadline = 0.0
+        self.offloading = False
+        self.loading = None  # [segment, offset, bytes] being filled from SSD for remote readers
+
+
+class Counters:
+    def __init__(self):
+        self.puts = self.gets = self.hits = self.misses = self.evictions = 0
+        self.offloads = self.removes = self.put_aborts = self.clients_lost = 0
+
+
+class Core:
+    """Metadata of one store master. Every public method may raise a ``StoreError``;
+    arguments are validated before anything changes."""
+
+    def __init__(self, config: MasterConfig, clock: Callable[[], float] = time.monotonic):
+        self.cfg = config
+        self.clock = clock
+        self.objects: dict[str, Obj] = {}
+        self.pending: dict[str, Obj] = {}
+        self.lru: "collections.OrderedDict[str, None]" = collections.OrderedDict()
+        self.clients: dict[str, Client] = {}
+        self.segments: dict[str, Segment] = {}
+        self.deferred: list = []  # [until, segment name, offset, bytes]
+        self.counters = Counters()
+        self.capacity = 0
+        self.used = 0
+        self.seg_epoch = 0
+        self._version = int(time.time() * 1e6)
+        self.no_evict_until = 0.0
+        # persistence hooks (etcd): keys/segments/clients changed since the last flush
+        self.dirty_objs: set = set()
+        self.dirty_clients: set = set()
+        self.track_dirty = False
+        self.notify: Callable[[Client], None] = lambda c: None
+
+    # ------------------------------------------------------------------ helpers
+    def _next_version(self) -> int:
+        self._version = max(self._version + 1, int(time.time() * 1e6))
+        return self._version
+
+    def _client(self, cid) -> Client:
+        c = self.clients.get(cid) if isinstance(cid, str) else None
+        if c is None:
+            raise UnknownClientError(f"unknown client {cid!r} (the master restarted or declared it dead); register again")
+        c.last_seen = self.clock()
+        return c
+
+    def _dirty(self, key):
+        if self.track_dirty:
+            self.dirty_objs.add(key)
+
+    def _queue(self, client: Client, task: list):
+        client.tasks.append(task)
+        self.notify(client)
+
+    def _check_key(self, key) -> str:
+        if not isinstance(key, str) or not key:
+            raise ProtocolError(f"a key must be a non-empty str, got {type(key).__name__}")
+        if len(key) > self.cfg.max_key_bytes // 4 and len(key.encode()) > self.cfg.max_key_bytes:
+            raise ProtocolError(f"key of {len(key.encode())} bytes exceeds {self.cfg.max_key_bytes}")
+        return key
+
+    def _keys(self, keys) -> list:
+        if not isinstance(keys, list):
+            raise ProtocolError("keys must be a list")
+        if len(keys) > self.cfg.max_keys_per_call:
+            raise ProtocolError(f"{len(keys)} keys in one call exceed {self.cfg.max_keys_per_call}")
+        return [self._check_key(k) for k in keys]
+
+    def _free_replica(self, seg_name: str, off: int, n: int, key: str, until: float):
+        seg = self.segments.get(seg_name)
+        if seg is None:
+            return
+        seg.keys.discard(key)
+        if n <= 0:
+            return
+        if until > self.clock():
+            self.deferred.append([until, seg_name, off, n])
+            return
+        seg.alloc.free(off, n)
+        self.used -= aligned(n)
+
+    def _release(self, obj: Obj, *, delete_ssd=True):
+        """Frees everything of ``obj`` (deferred while a lease protects a reader)."""
+        if obj.loading is not None:
+            seg_name, off, n = obj.loading
+            obj.loading = None
+            self._free_replica(seg_name, off, n, obj.key, 0.0)
+        for seg_name, off, n in obj.repl:
+            self._free_replica(seg_name, off, n, obj.key, obj.lease_until)
+        obj.repl = []
+        for cid, path in obj.ssd:
+            c = self.clients.get(cid)
+            if c is not None:
+                c.ssd_keys.discard(obj.key)
+                if delete_ssd:
+                    self._queue(c, ["delete", path])
+        obj.ssd = []
+
+    def _drop_committed(self, key: str):
+        obj = self.objects.pop(key, None)
+        if obj is not None:
+            self.lru.pop(key, None)
+            self._release(obj)
+            self._dirty(key)
+
+    def _abort_pending(self, key: str):
+        obj = self.pending.pop(key, None)
+        if obj is None:
+            return
+        w = self.clients.get(obj.writer)
+        if w is not None:
+            w.writing.discard(key)
+        self._release(obj)
+        self.counters.put_aborts += 1
+
+    # ------------------------------------------------------------------ clients
+    def register(self, a: dict) -> dict:
+        cid, name, host, pid = a.get("client"), a.get("name"), a.get("host"), a.get("pid")
+        segs, ssd_dir, ssd = a.get("segs", []), a.get("ssd_dir"), a.get("ssd", [])
+        if not (isinstance(cid, str) and isinstance(name, str) and name and isinstance(host, str)
+                and isinstance(pid, int) and isinstance(segs, list) and isinstance(ssd, list)
+                and (ssd_dir is None or isinstance(ssd_dir, str))):
+            raise ProtocolError("register: bad arguments")
+        for d in segs:
+            if not (isinstance(d, dict) and isinstance(d.get("size"), int) and d["size"] >= 0):
+                raise ProtocolError("register: bad segment descriptor")
+        now = self.clock()
+        old = self.clients.get(cid)
+        if old is not None:
+            self._kill_client(old, reason="registered again")
+        for seg in self.segments.values():
+            if seg.name == name and seg.client.id != cid:
+                raise ProtocolError(f"register: segment name {name!r} is taken by a live client")
+        c = Client(cid, name, host, pid, ssd_dir, now)
+        self.clients[cid] = c
+        for d in segs:
+            d = dict(d)
+            d["name"] = name
+            seg = Segment(name, c, d["size"], d)
+            self.segments[name] = seg
+            c.segments.append(seg)
+            self.capacity += seg.alloc.size
+        self.seg_epoch += 1
+        if self.track_dirty:
+            self.dirty_clients.add(cid)
+        for e in ssd:
+            self._adopt_ssd(c, e)
+        return {"ttl_ms": int(self.cfg.lease_ttl_s * 1000), "client_ttl_ms": int(self.cfg.client_ttl_s * 1000)}
+
+    def _adopt_ssd(self, c: Client, e):
+        if not (isinstance(e, list) and len(e) == 5 and isinstance(e[0], str) and isinstance(e[1], int)
+                and isinstance(e[2], int) and isinstance(e[3], bytes) and isinstance(e[4], str)):
+            return
+        key, version, size, meta, path = e
+        cur = self.objects.get(key)
+        if cur is not None and cur.version >= version:
+            if not any(p == path for _, p in cur.ssd):
+                self._queue(c, ["delete", path])
+            return
+        if cur is not None:
+            self._drop_committed(key)
+        obj = Obj(key, size, version, meta, False)
+        obj.ssd.append([c.id, path])
+        c.ssd_keys.add(key)
+        self.objects[key] = obj
+        self.lru[key] = None
+        self._version = max(self._version, version)
+        self._dirty(key)
+
+    def unregister(self, a: dict) -> dict:
+        c = self._client(a.get("client"))
+        self._kill_client(c, reason="unregistered")
+        return {}
+
+    def poll(self, a: dict) -> dict:
+        """Heartbeat; returns queued tasks and (when changed) the live segment names."""
+        c = self._client(a.get("client"))
+        tasks, c.tasks = c.tasks, []
+        out = {"tasks": tasks, "epoch": self.seg_epoch}
+        if a.get("epoch") != self.seg_epoch:
+            out["segs"] = list(self.segments)
+        return out
+
+    def _kill_client(self, c: Client, reason: str):
+        self.clients.pop(c.id, None)
+        dead = {s.name for s in c.segments}
+        for key in list(c.writing):
+            self._abort_pending(key)
+        for seg in c.segments:
+            for key in list(seg.keys):
+                p = self.pending.get(key)
+                if p is not None and any(r[0] in dead for r in p.repl):
+                    self._abort_pending(key)
+                obj = self.objects.get(key)
+                if obj is not None:
+                    obj.repl = [r for r in obj.repl if r[0] not in dead]
+                    if obj.loading is not None and obj.loading[0] in dead:
+                        obj.loading = None
+                    self._dirty(key)
+                    if not obj.repl and not obj.ssd:
+                        self.objects.pop(key, None)
+                        self.lru.pop(key, None)
+        for key in list(c.ssd_keys):
+            obj = self.objects.get(key)
+            if obj is not None:
+                obj.ssd = [s for s in obj.ssd if s[0] != c.id]
+                self._dirty(key)
+                if not obj.repl and not obj.ssd:
+                    self.objects.pop(key, None)
+                    self.lru.pop(key, None)
+        self.deferred = [d for d in self.deferred if d[1] not in dead]
+        for seg in c.segments:
+            self.segments.pop(seg.name, None)
+            self.capacity -= seg.alloc.size
+            self.used -= seg.alloc.used
+        self.seg_epoch += 1
+        if self.track_dirty:
+            self.dirty_clients.add(c.id)
+
+    # ------------------------------------------------------------------ puts
+    def put_start(self, a: dict) -> dict:
+        c = self._client(a.get("client"))
+        items = a.get("items")
+        r, pref, pin = a.get("r", 1), a.get("pref"), bool(a.get("pin", False))
+        require_all, upsert = bool(a.get("all", False)), bool(a.get("upsert", False))
+        if not isinstance(items, list) or len(items) > self.cfg.max_keys_per_call:
+            raise ProtocolError("put_start: items must be a list of at most max_keys_per_call [key, size, meta]")
+        if not (isinstance(r, int) and 1 <= r <= 64) or not (pref is None or isinstance(pref, str)):
+            raise ProtocolError("put_start: bad replica options")
+        checked = []
+        for it in items:
+            if not (isinstance(it, list) and len(it) == 3 and isinstance(it[1], int) and it[1] >= 0
+                    and isinstance(it[2], bytes) and len(it[2]) <= self.cfg.max_meta_bytes):
+                raise ProtocolError("put_start: each item must be [key, size >= 0, meta bytes]")
+            checked.append((self._check_key(it[0]), it[1], it[2]))
+        if len({k for k, _, _ in checked}) != len(checked):
+            raise ProtocolError("put_start: duplicate keys in one batch")
+        out, segs = [], {}
+        now = self.clock()
+        for key, size, meta in checked:
+            try:
+                if key in self.pending:
+                    raise ObjectExistsError(f"key {key!r} is being written by another put")
+                if key in self.objects and not upsert:
+                    raise ObjectExistsError(f"key {key!r} exists (use upsert to overwrite)")
+                repl = self._place(key, size, r, pref, require_all)
+                obj = Obj(key, size, self._next_version(), meta, pin)
+                obj.repl = repl
+                obj.writer = c.id
+                obj.deadline = now + self.cfg.put_ttl_s
+                self.pending[key] = obj
+                c.writing.add(key)
+                for s, _, _ in repl:
+                    self.segments[s].keys.add(key)
+                    segs[s] = self.segments[s].desc
+                out.append([0, obj.version, [[s, off] for s, off, _ in repl], r])
+            except StoreError as e:
+                out.append([1, e.code, str(e)])
+        return {"items": out, "segs": segs}
+
+    def _place(self, key, size, r, pref, require_all) -> list:
+        n = aligned(size) if size else 0
+        live = [s for s in self.segments.values() if s.alloc.size >= n]
+        if not live:
+            if not self.segments:
+                raise NoSpaceError("no segment is registered (no client contributes memory)")
+            raise NoSpaceError(f"object of {size} bytes is larger than every segment")
+        live.sort(key=lambda s: (s.name != pref, -(s.alloc.size - s.alloc.used)))
+        target = min(r, len(live))
+        if require_all and target < r:
+            raise ReplicaShortfallError(f"{r} replicas requested but only {len(live)} segment(s) can hold {size} bytes; nothing stored")
+        got: list = []
+        if n == 0:
+            return [[s.name, 0, 0] for s in live[:target]]
+        used_names: set = set()
+
+        def try_alloc():
+            for s in live:
+                if len(got) >= target:
+                    return
+                if s.name in used_names:
+                    continue
+                off = s.alloc.alloc(n)
+                if off is not None:
+                    self.used += n
+                    got.append([s.name, off, n])
+                    used_names.add(s.name)
+
+        try_alloc()
+        if len(got) < target:
+            self._evict_for(n, target - len(got), used_names, live)
+            try_alloc()
+        if len(got) < target or (require_all and len(got) < r):
+            if require_all and got:
+                for s, off, nn in got:
+                    self.segments[s].alloc.free(off, nn)
+                    self.used -= nn
+                raise ReplicaShortfallError(f"only {len(got)} of {r} replicas of {size} bytes fit; nothing stored")
+            if not got:
+                offl = any(o.offloading for o in self.objects.values())
+                msg = f"no space for {size} bytes: every segment is full and nothing can be evicted (leased, pinned or being written)"
+                if offl:
+                    e = NoSpaceError(msg + "; offload to SSD in progress")
+                    e.code = "NoSpaceRetry"
+                    raise e
+                raise NoSpaceError(msg)
+        return got
+
+    def _evictable(self, obj: Obj, now: float) -> bool:
+        return (not obj.pin and not obj.offloading and obj.lease_until <= now and bool(obj.repl)
+                and now >= self.no_evict_until)
+
+    def _evict_for(self, n: int, need: int, exclude: set, live: list):
+        """Evicts LRU objects with a replica in a segment not in ``exclude`` until ``need``
+        of those segments have ``n`` contiguous free bytes (or nothing is left to evict)."""
+        now = self.clock()
+        wanted = {s.name for s in live if s.name not in exclude}
+        for key in list(self.lru):
+            fits = sum(1 for name in wanted if self.segments[name].alloc.largest_free() >= n)
+            if fits >= need:
+                return
+            obj = self.objects.get(key)
+            if obj is None or not self._evictable(obj, now) or not any(r[0] in wanted for r in obj.repl):
+                continue
+            self._evict(obj, now)
+
+    def _evict(self, obj: Obj, now: float) -> bool:
+        """Drops ``obj``'s memory replicas; to SSD first when an owner has a directory
+        (then asynchronously: the object stays until the owner reports). True if freed now."""
+        if not obj.ssd:
+            for seg_name, off, n in obj.repl:
+                seg = self.segments.get(seg_name)
+                if seg is not None and seg.client.ssd_dir:
+                    obj.offloading = True
+                    self._queue(seg.client, ["offload", obj.key, obj.version, off, obj.size, obj.meta])
+                    self.counters.offloads += 1
+                    return False
+        self.counters.evictions += 1
+        for seg_name, off, n in obj.repl:
+            self._free_replica(seg_name, off, n, obj.key, 0.0)
+        obj.repl = []
+        if not obj.ssd:
+            self.objects.pop(obj.key, None)
+            self.lru.pop(obj.key, None)
+        self._dirty(obj.key)
+        return True
+
+    def put_end(self, a: dict) -> dict:
+        c = self._client(a.get("client"))
+        items = a.get("items")
+        if not isinstance(items, list):
+            raise ProtocolError("put_end: items must be a list of [key, version]")
+        out = []
+        for it in items:
+            if not (isinstance(it, list) and len(it) == 2 and isinstance(it[1], int)):
+                raise ProtocolError("put_end: each item must be [key, version]")
+        for key, version in items:
+            p = self.pending.get(key) if isinstance(key, str) else None
+            if p is None or p.version != version or p.writer != c.id:
+                cur = self.objects.get(key) if isinstance(key, str) else None
+                if cur is not None and cur.version == version:
+                    out.append([0, len(cur.repl)])  # already committed (a retried request)
+                else:
+                    out.append([1, PutLostError.code, f"put of {key!r} is unknown to the master (aborted after its lease, or lost in a leader change)"])
+                continue
+            del self.pending[key]
+            c.writing.discard(key)
+            live = [r for r in p.repl if r[0] in self.segments]
+            if not live and p.size > 0:
+                out.append([1, PutLostError.code, f"every segment of {key!r} died during the put"])
+                continue
+            p.repl = live
+            old = self.objects.get(key)
+            if old is not None:
+                self.lru.pop(key, None)
+                self._release(old)
+            p.writer = None
+            self.objects[key] = p
+            self.lru[key] = None
+            self.counters.puts += 1
+            self._dirty(key)
+            out.append([0, len(live)])
+        return {"items": out}
+
+    def put_revoke(self, a: dict) -> dict:
+        c = self._client(a.get("client"))
+        items = a.get("items")
+        if not isinstance(items, list):
+            raise ProtocolError("put_revoke: items must be a list of [key, version]")
+        for it in items:
+            if isinstance(it, list) and len(it) == 2:
+                p = self.pending.get(it[0]) if isinstance(it[0], str) else None
+                if p is not None and p.version == it[1] and p.writer == c.id:
+                    self._abort_pending(it[0])
+        return {}
+
+    # ------------------------------------------------------------------ reads
+    def get(self, a: dict) -> dict:
+        reader = self._client(a.get("client"))
+        keys = self._keys(a.get("keys"))
+        now = self.clock()
+        until = now + self.cfg.lease_ttl_s
+        out, segs = [], {}
+        for key in keys:
+            obj = self.objects.get(key)
+            if obj is None:
+                self.counters.misses += 1
+                out.append(None)
+                continue
+            self.counters.hits += 1
+            self.counters.gets += 1
+            if obj.lease_until < until:
+                obj.lease_until = until
+            self.lru.move_to_end(key)
+            reps = []
+            for s, off, _ in obj.repl:
+                reps.append(["m", s, off])
+                segs[s] = self.segments[s].desc
+            for cid, path in obj.ssd:
+                cl = self.clients.get(cid)
+                if cl is not None:
+                    reps.append(["s", cl.host, path])
+            retry = False
+            if not obj.repl and obj.ssd and reader.host not in {self.clients[c].host for c, _ in obj.ssd if c in self.clients}:
+                retry = self._promote(obj)  # only on disks of other hosts: load it into memory first
+            out.append([obj.size, obj.version, obj.meta, reps, retry])
+        return {"objs": out, "segs": segs, "ttl_ms": int(self.cfg.lease_ttl_s * 1000)}
+
+    def where(self, a: dict) -> dict:
+        """Introspection: the segment names (memory) and SSD client names holding each key."""
+        keys = self._keys(a.get("keys"))
+        out = []
+        for k in keys:
+            o = self.objects.get(k)
+            if o is None:
+                out.append(None)
+                continue
+            out.append({"memory": [r[0] for r in o.repl],
+                        "ssd": [self.clients[c].name for c, _ in o.ssd if c in self.clients]})
+        return {"where": out}
+
+    def exists(self, a: dict) -> dict:
+        keys = self._keys(a.get("keys"))
+        return {"exists": [k in self.objects for k in keys]}
+
+    def remove(self, a: dict) -> dict:
+        self._client(a.get("client"))
+        keys = self._keys(a.get("keys"))
+        force = bool(a.get("force", False))
+        now = self.clock()
+        out = []
+        for key in keys:
+            obj = self.objects.get(key)
+            if obj is None:
+                out.append([1, ObjectNotFoundError.code, f"key {key!r} not found"])
+                continue
+            if obj.lease_until > now and not force:
+                out.append([1, ObjectHasLeaseError.code,
+                            f"key {key!r} is leased by a reader for {obj.lease_until - now:.3f} s more (force=True removes it anyway)"])
+                continue
+            self._drop_committed(key)
+            self.counters.removes += 1
+            out.append([0, 0])
+        return {"items": out}
+
+    def _promote(self, obj: Obj) -> bool:
+        """Asks the owner of an SSD replica to load ``obj`` into its segment (for readers
+        on other hosts). True while that load is in progress (the reader asks again)."""
+        if obj.loading is not None:
+            return True
+        n = aligned(obj.size) if obj.size else 0
+        for cid, path in obj.ssd:
+            c = self.clients.get(cid)
+            if c is None:
+                continue
+            for seg in c.segments:
+                off = seg.alloc.alloc(n) if n else 0
+                if off is None:
+                    self._evict_for(n, 1, set(), [seg])
+                    off = seg.alloc.alloc(n)
+                if off is None:
+                    now = self.clock()
+                    for k in seg.keys:  # space comes once offloads finish or leases end
+                        o = self.objects.get(k)
+                        if o is not None and (o.offloading or (o.lease_until > now and not o.pin)):
+                            return True
+                    continue
+                self.used += n
+                seg.keys.add(obj.key)
+                obj.loading = [seg.name, off, n]
+                self._queue(c, ["load", obj.key, obj.version, path, off, obj.size])
+                return True
+        return False
+
+    def load_done(self, a: dict) -> dict:
+        self._client(a.get("client"))
+        key, version, ok = a.get("key"), a.get("version"), a.get("ok")
+        if not (isinstance(key, str) and isinstance(version, int)):
+            raise ProtocolError("load_done: bad arguments")
+        obj = self.objects.get(key)
+        if obj is None or obj.version != version or obj.loading is None:
+            return {}
+        seg_name, off, n = obj.loading
+        obj.loading = None
+        if ok and seg_name in self.segments:
+            obj.repl.append([seg_name, off, n])
+            self._dirty(key)
+        else:
+            self._free_replica(seg_name, off, n, key, 0.0)
+        return {}
+
+    def offload_done(self, a: dict) -> dict:
+        c = self._client(a.get("client"))
+        key, version, path, ok = a.get("key"), a.get("version"), a.get("path"), a.get("ok")
+        if not (isinstance(key, str) and isinstance(version, int) and isinstance(path, str)):
+            raise ProtocolError("offload_done: bad arguments")
+        obj = self.objects.get(key)
+        if obj is None or obj.version != version:
+            if ok:
+                self._queue(c, ["delete", path])
+            return {}
+        obj.offloading = False
+        if ok:
+            obj.ssd.append([c.id, path])
+            c.ssd_keys.add(key)
+            for seg_name, off, n in obj.repl:
+                self._free_replica(seg_name, off, n, key, obj.lease_until)
+            obj.repl = []
+            self.counters.evictions += 1
+            self._dirty(key)
+        return {}
+
+    # ------------------------------------------------------------------ time
+    def tick(self):
+        """Declares silent clients dead, aborts overdue puts, frees expired deferred
+        space and evicts down to the low watermark when above the high one."""
+        now = self.clock()
+        for c in [c for c in self.clients.values() if now - c.last_seen > self.cfg.client_ttl_s]:
+            self.counters.clients_lost += 1
+            self._kill_client(c, reason="heartbeat")
+        for key in [k for k, p in self.pending.items() if p.deadline < now]:
+            self._abort_pending(key)
+        if self.deferred:
+            keep = []
+            for d in self.deferred:
+                if d[0] <= now:
+                    seg = self.segments.get(d[1])
+                    if seg is not None:
+                        seg.alloc.free(d[2], d[3])
+                        self.used -= aligned(d[3])
+                else:
+                    keep.append(d)
+            self.deferred = keep
+        if self.capacity and self.used > self.cfg.high_watermark * self.capacity:
+            goal = self.cfg.low_watermark * self.capacity
+            projected = self.used
+            for key in list(self.lru):
+                if projected <= goal:
+                    break
+                obj = self.objects.get(key)
+                if obj is None or not self._evictable(obj, now):
+                    continue
+                freed = sum(aligned(r[2]) for r in obj.repl)
+                self._evict(obj, now)
+                projected -= freed
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict:
+        return {"objects": len(self.objects), "pending": len(self.pending), "used_bytes": self.used,
+                "capacity_bytes": self.capacity, "clients": len(self.clients),
+                "segments": len(self.segments), "deferred": len(self.deferred),
+                "ssd_objects": sum(1 for o in self.objects.values() if o.ssd),
+                **vars(self.counters)}
+
+    def metrics_text(self, leader: bool = True) -> str:
+        s = self.stats()
+        lines = []
+
+        def m(name, kind, help_, value):
+            lines.append(f"# HELP mooncake_store_{name} {help_}")
+            lines.append(f"# TYPE mooncake_store_{name} {kind}")
+            lines.append(f"mooncake_store_{name} {value}")
+
+        m("objects", "gauge", "Committed objects.", s["objects"])
+        m("objects_on_ssd", "gauge", "Committed objects with an SSD replica.", s["ssd_objects"])
+        m("pending_puts", "gauge", "Puts in progress.", s["pending"])
+        m("used_bytes", "gauge", "Bytes allocated in segments.", s["used_bytes"])
+        m("capacity_bytes", "gauge", "Bytes of all registered segments.", s["capacity_bytes"])
+        m("clients", "gauge", "Live clients.", s["clients"])
+        m("segments", "gauge", "Registered segments.", s["segments"])
+        m("puts_total", "counter", "Committed puts.", s["puts"])
+        m("hits_total", "counter", "Gets of existing keys.", s["hits"])
+        m("misses_total", "counter", "Gets of missing keys.", s["misses"])
+        m("evictions_total", "counter", "Objects whose memory replicas were evicted.", s["evictions"])
+        m("offloads_total", "counter", "Objects sent to an SSD directory.", s["offloads"])
+        m("removes_total", "counter", "Removed objects.", s["removes"])
+        m("put_aborts_total", "counter", "Puts aborted (writer died, timed out or revoked).", s["put_aborts"])
+        m("clients_lost_total", "counter", "Clients declared dead after missing heartbeats.", s["clients_lost"])
+        m("leader", "gauge", "1 if this master serves requests.", 1 if leader else 0)
+        return "\n".join(lines) + "\n"
+
+
+def load_into(core: Core, clients: list, objs: list):
+    """Fills an empty ``core`` from the etcd record (a new leader). Every client gets a
+    full ``client_ttl_s`` to send its next heartbeat; nothing is evicted for one lease TTL
+    (readers' leases were not recorded)."""
+    from .ha import decode_obj
+
+    now = core.clock()
+    for rec in clients:
+        try:
+            c = Client(rec["id"], rec["name"], rec["host"], int(rec["pid"]), rec.get("ssd_dir"), now)
+            for d in rec["segs"]:
+                seg = Segment(d["name"], c, int(d["size"]), d)
+                core.segments[seg.name] = seg
+                c.segments.append(seg)
+                core.capacity += seg.alloc.size
+            core.clients[c.id] = c
+        except (KeyError, TypeError, ValueError):
+            continue
+    used: dict = {}
+    for rec in objs:
+        try:
+            key, size, version, meta, repl, ssd, pin = decode_obj(rec)
+        except (KeyError, TypeError, ValueError):
+            continue
+        obj = Obj(key, size, version, meta, pin)
+        obj.repl = [[s, int(off), int(n)] for s, off, n in repl if s in core.segments]
+        obj.ssd = [[cid, p] for cid, p in ssd if cid in core.clients]
+        if not obj.repl and not obj.ssd:
+            continue
+        for s, off, n in obj.repl:
+            core.segments[s].keys.add(key)
+            used.setdefault(s, []).append((off, n))
+        for cid, _ in obj.ssd:
+            core.clients[cid].ssd_keys.add(key)
+        core.objects[key] = obj
+        core.lru[key] = None
+        core._version = max(core._version, version)
+    for name, ranges in used.items():
+        seg = core.segments[name]
+        seg.alloc.rebuild(ranges)
+        core.used += seg.alloc.used
+    core.seg_epoch += 1
+    core.no_evict_until = now + core.cfg.lease_ttl_s

@@ -1,0 +1,129 @@
+"""Metadata RPC wire format: length-prefixed msgpack frames.
+
+A frame is a 4-byte big-endian length followed by that many bytes of one msgpack value.
+msgpack (the ``msgpack`` package, C accelerated) decodes only plain data (ints, floats,
+str, bytes, lists, maps): nothing is ever unpickled or evaluated.
+
+* request: ``[id, method, args]`` (``id`` an int, ``method`` a str, ``args`` a map)
+* reply:   ``[id, 0, result]`` or ``[id, 1, [code, message]]``
+* on connect the master sends a greeting ``[0, 0, {"v": 1, "nonce": bytes, "auth": bool}]``;
+  when ``auth`` is true the first request must be ``hello`` with
+  ``{"mac": HMAC-SHA256(secret, nonce)}``.
+
+A frame longer than the limit gets an error reply and the connection is closed (its
+bytes are never buffered); a frame that is not valid msgpack, or not a request, gets an
+error reply with id -1 (or its id when readable) and the connection goes on.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import socket
+import struct
+
+import msgpack
+
+from .errors import ProtocolError, from_code
+
+VERSION = 1
+_LEN = struct.Struct(">I")
+
+
+def pack(obj) -> bytes:
+    body = msgpack.packb(obj, use_bin_type=True)
+    return _LEN.pack(len(body)) + body
+
+
+def unpack(body: bytes, max_len: int):
+    """Decodes one frame body; raises ``ProtocolError`` if it is not valid msgpack."""
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
+    except Exception as e:  # msgpack raises several types (ExtraData, ValueError, ...)
+        raise ProtocolError(f"malformed frame: {type(e).__name__}: {e}") from None
+
+
+def mac(secret: str, nonce: bytes) -> bytes:
+    return hmac.new(secret.encode(), nonce, hashlib.sha256).digest()
+
+
+class Connection:
+    """A blocking client connection to a master (one request at a time).
+
+    Raises ``OSError`` (connection problems), ``ProtocolError`` and the store errors the
+    master replies with."""
+
+    def __init__(self, host: str, port: int, *, secret: str | None, timeout: float,
+                 max_frame: int = 256 << 20):
+        self.host, self.port = host, port
+        self.timeout = timeout
+        self.max_frame = max_frame
+        self.sock = socket.create_connection((host, port), timeout=timeout)
+        self._timeout_set = timeout
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._next = 1
+        self._buf = bytearray()
+        self._pos = 0
+        greet = self._read_frame()
+        if not (isinstance(greet, list) and len(greet) == 3 and isinstance(greet[2], dict)):
+            self.close()
+            raise ProtocolError(f"{host}:{port} is not a mooncake store master")
+        info = greet[2]
+        self.greeting = info
+        if info.get("auth"):
+            if not secret:
+                self.close()
+                raise ProtocolError(f"master {host}:{port} requires a shared secret (StoreConfig.secret / MOONCAKE_STORE_SECRET)")
+            self.call("hello", {"mac": mac(secret, info["nonce"])})
+
+    def _fill(self, need: int):
+        """Reads until the buffer holds ``need`` unread bytes."""
+        while len(self._buf) - self._pos < need:
+            if self._pos:
+                del self._buf[:self._pos]
+                self._pos = 0
+            chunk = self.sock.recv(max(65536, need - len(self._buf)))
+            if not chunk:
+                raise ConnectionResetError("master closed the connection")
+            self._buf += chunk
+
+    def _read_frame(self):
+        self._fill(4)
+        (n,) = _LEN.unpack_from(self._buf, self._pos)
+        if n > self.max_frame:
+            raise ProtocolError(f"reply frame of {n} bytes exceeds {self.max_frame}")
+        self._fill(4 + n)
+        start = self._pos + 4
+        body = memoryview(self._buf)[start:start + n]
+        try:
+            return unpack(body, self.max_frame)
+        finally:
+            body.release()
+            self._pos = start + n
+
+    def call(self, method: str, args: dict, timeout: float | None = None):
+        """Sends one request and returns its result (raises the master's error)."""
+        mid = self._next
+        self._next += 1
+        t = timeout or self.timeout
+        if t != self._timeout_set:
+            self.sock.settimeout(t)
+            self._timeout_set = t
+        self.sock.sendall(pack([mid, method, args]))
+        while True:
+            rep = self._read_frame()
+            if not (isinstance(rep, list) and len(rep) == 3):
+                raise ProtocolError("malformed reply")
+            if rep[0] == mid:
+                break
+            if rep[0] == -1 and rep[1] == 1:  # a protocol error about our request
+                break
+        if rep[1] == 0:
+            return rep[2]
+        code, message = rep[2][0], rep[2][1]
+        raise from_code(code, message)
+
+    def close(self):
+        try:
+            self.sock.close()
+        except OSError:
+            pass

@@ -1,0 +1,200 @@
+"""The master as a service: malformed and oversized frames (fuzz), the shared secret,
+Prometheus metrics over HTTP. The master runs as its own process on 127.0.0.1."""
+import os
+import random
+import socket
+import struct
+import sys
+import time
+import urllib.request
+
+import msgpack
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import store_agents as sa  # noqa: E402
+
+from mooncake_store import AuthError, MooncakeStore, ProtocolError, ReplicateConfig  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+METHODS = ["register", "unregister", "poll", "put_start", "put_end", "put_revoke", "get", "exists", "where",
+           "remove", "offload_done", "stats", "metrics", "leader", "hello", "nope", ""]
+ARG_NAMES = ["client", "items", "keys", "r", "pref", "pin", "all", "upsert", "force", "wait_ms", "epoch", "name",
+             "host", "pid", "segs", "ssd", "ssd_dir", "key", "version", "path", "ok", "mac"]
+
+
+@pytest.fixture
+def procs():
+    yield sa
+    sa.cleanup()
+
+
+def rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def rand_obj(rng, depth=0):
+    kind = rng.randrange(10 if depth < 3 else 7)
+    if kind == 0:
+        return rng.choice([0, -1, 1, 2**63 - 1, -2**63, 2**64 - 1, rng.randrange(-10**6, 10**6)])
+    if kind == 1:
+        return rng.random() * 1e9
+    if kind == 2:
+        return "".join(chr(rng.randrange(32, 0x3000)) for _ in range(rng.randrange(0, 20)))
+    if kind == 3:
+        return os.urandom(rng.randrange(0, 64))
+    if kind == 4:
+        return None
+    if kind == 5:
+        return rng.random() < 0.5
+    if kind == 6:
+        return "k%d" % rng.randrange(50)
+    if kind in (7, 8):
+        return [rand_obj(rng, depth + 1) for _ in range(rng.randrange(0, 6))]
+    return {rng.choice(ARG_NAMES): rand_obj(rng, depth + 1) for _ in range(rng.randrange(0, 6))}
+
+
+class Raw:
+    def __init__(self, address):
+        host, port = address.split(":")
+        self.s = socket.create_connection((host, int(port)), timeout=10)
+        self.greeting = self.read()
+
+    def send_frame(self, body: bytes, length=None):
+        self.s.sendall(struct.pack(">I", len(body) if length is None else length) + body)
+
+    def read(self):
+        hdr = self._exact(4)
+        return msgpack.unpackb(self._exact(struct.unpack(">I", hdr)[0]), raw=False)
+
+    def _exact(self, n):
+        buf = b""
+        while len(buf) < n:
+            chunk = self.s.recv(n - len(buf))
+            if not chunk:
+                raise ConnectionError("closed")
+            buf += chunk
+        return buf
+
+    def closed(self) -> bool:
+        self.s.settimeout(5)
+        try:
+            return self.s.recv(1) == b""
+        except ConnectionError:
+            return True
+
+
+def test_fuzz_malformed_and_oversized_frames(procs):
+    """Thousands of malformed frames (random bytes, wrong shapes, random methods with random
+    arguments) each get an error reply (or a plain result) on a connection that stays
+    usable; oversized frames get an error reply and a closed connection; the master keeps
+    serving real clients and its memory stays bounded."""
+    m = sa.start_master(max_frame_bytes=65536)
+    rng = random.Random(1234)
+    victim = MooncakeStore(serve_tcp=False, master=m.address, segment_size=8 << 20)  # its id is fuzzed
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=8 << 20) as s:
+        s.put("keep", b"committed", ReplicateConfig(preferred_segment=s.name))
+        raw = Raw(m.address)
+        rss0 = rss_kib(m.pid)
+        replies = errors = 0
+        for i in range(3000):
+            kind = i % 4
+            if kind == 0:
+                raw.send_frame(os.urandom(rng.randrange(1, 200)))
+            elif kind == 1:
+                raw.send_frame(msgpack.packb(rand_obj(rng), use_bin_type=True))
+            else:
+                args = {rng.choice(ARG_NAMES): rand_obj(rng) for _ in range(rng.randrange(0, 6))}
+                if rng.random() < 0.5:
+                    args["client"] = victim.client_id  # reach deeper into the handlers
+                raw.send_frame(msgpack.packb([i + 1, rng.choice(METHODS), args], use_bin_type=True))
+            rep = raw.read()
+            assert isinstance(rep, list) and len(rep) == 3
+            replies += 1
+            errors += rep[1] == 1
+            if i % 500 == 0:
+                assert s.get("keep") == b"committed"
+        assert replies == 3000 and errors > 2000
+        # oversized frames: an error reply, then the connection is closed
+        for n in (65537, 1 << 30, 2**32 - 1):
+            r = Raw(m.address)
+            r.send_frame(b"", length=n)
+            rep = r.read()
+            assert rep[1] == 1 and rep[2][0] == "Protocol" and "exceeds" in rep[2][1]
+            assert r.closed()
+        # many connections that send half a frame and vanish
+        for _ in range(200):
+            r = Raw(m.address)
+            r.s.sendall(struct.pack(">I", 60000) + b"x" * 1000)
+            r.s.close()
+        time.sleep(0.5)
+        assert s.get("keep") == b"committed"
+        s.put("after", b"still serving")
+        assert s.get("after") == b"still serving"
+        grown = rss_kib(m.pid) - rss0
+        assert grown < 64 * 1024, f"master RSS grew by {grown} KiB"
+        assert m.alive()
+    victim.close()
+
+
+def test_shared_secret(procs):
+    """With a secret the master refuses clients that cannot prove it (HMAC of a nonce)."""
+    m = sa.start_master(env={"MOONCAKE_STORE_SECRET": "s3cret"})
+    with pytest.raises(ProtocolError, match="secret"):
+        MooncakeStore(serve_tcp=False, master=m.address, segment_size=0)
+    with pytest.raises(AuthError):
+        MooncakeStore(serve_tcp=False, master=m.address, segment_size=0, secret="wrong")
+    raw = Raw(m.address)
+    assert raw.greeting[2]["auth"] is True
+    raw.send_frame(msgpack.packb([1, "stats", {}]))
+    rep = raw.read()
+    assert rep[1] == 1 and rep[2][0] == "Auth"
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=1 << 20, secret="s3cret") as s:
+        s.put("a", b"b")
+        assert s.get("a") == b"b"
+
+
+def test_metrics_http(procs):
+    """Prometheus text metrics: objects, bytes, hits, misses, evictions."""
+    m = sa.start_master(metrics_port=0)
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=1 << 20) as s:
+        s.put("a", b"xyz")
+        s.get("a")
+        with pytest.raises(KeyError):
+            s.get("b")
+        text = urllib.request.urlopen(f"http://127.0.0.1:{m.metrics_port}/metrics", timeout=10).read().decode()
+        vals = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
+        assert vals["mooncake_store_objects"] == 1
+        assert vals["mooncake_store_hits_total"] == 1 and vals["mooncake_store_misses_total"] == 1
+        assert vals["mooncake_store_used_bytes"] > 0 and "mooncake_store_evictions_total" in vals
+        assert s.metrics() == s.metrics()  # the same text over RPC
+
+
+def test_clients_survive_a_master_restart(procs):
+    """Without etcd a restarted master knows nothing; clients reconnect to the same address
+    and register again by themselves (objects that lived only in memory are gone)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    m = sa.start_master(port=port)
+    node = sa.start_agent({"master": m.address, "segment_size": 4 << 20, "heartbeat_interval_s": 0.2})
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0) as s:
+        s.put("before", b"x")
+        m.kill()
+        m2 = sa.start_master(port=port)
+        assert m2.address == m.address
+        deadline = time.monotonic() + 10
+        while True:  # the node re-registers on its next heartbeat
+            try:
+                s.put("after", b"y")
+                break
+            except Exception:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        assert s.get("after") == b"y"
+        assert not s.exists("before")
+        assert node.cmd("get", key="after")["sha"] == sa.digest(b"y")

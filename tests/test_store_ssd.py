@@ -1,0 +1,84 @@
+"""SSD tier: objects evicted from memory drop to a client's SSD directory, read back
+correctly, and survive a full restart of master and clients."""
+import os
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import store_agents as sa  # noqa: E402
+
+from mooncake_store import MooncakeStore, NoSpaceError, ReplicateConfig  # noqa: E402
+
+MiB = 1 << 20
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def procs():
+    yield sa
+    sa.cleanup()
+
+
+def test_ssd_tier_evict_read_back_and_restart(procs, tmp_path):
+    ssd_dir = str(tmp_path / "ssd")
+    m = sa.start_master(high_watermark=0.8, low_watermark=0.5)
+    node = sa.start_agent({"master": m.address, "segment_size": 8 * MiB + 4096, "name": "node", "ssd_dir": ssd_dir,
+                           "heartbeat_interval_s": 0.2})
+    n = 20
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0) as s:
+        for i in range(n):  # 20 MiB through an 8 MiB segment
+            assert s.put(f"obj{i}", sa.pattern(i, MiB)) == 1
+        deadline = time.monotonic() + 20
+        while s.stats().ssd_objects < n // 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        st = s.stats()
+        assert st.objects == n and st.ssd_objects >= n // 2 and st.evictions > 0
+        assert st.used_bytes <= 8 * MiB
+        assert s.where("obj0") == ([], ["node"])
+        for i in range(n):
+            assert s.get(f"obj{i}") == sa.pattern(i, MiB), i
+        buf = bytearray(MiB)
+        assert s.get_into("obj1", buf) == MiB and bytes(buf) == sa.pattern(1, MiB)
+        on_ssd = [i for i in range(n) if s.where(f"obj{i}").ssd]
+        # upsert and remove delete the stale files
+        s.upsert("obj0", b"new value")
+        s.remove("obj1", force=True)
+        assert s.get("obj0") == b"new value"
+    # full restart: master and clients
+    node.kill()
+    m.kill()
+    m2 = sa.start_master()
+    sa.start_agent({"master": m2.address, "segment_size": 8 * MiB, "name": "node2", "ssd_dir": ssd_dir})
+    with MooncakeStore(serve_tcp=False, master=m2.address, segment_size=0) as s:
+        for i in on_ssd:
+            if i in (0, 1):
+                continue
+            assert s.get(f"obj{i}") == sa.pattern(i, MiB), i
+            assert s.where(f"obj{i}").ssd == ["node2"]
+        assert not s.exists("obj1")
+        # objects that were only in memory are gone with the restart; the store goes on
+        s.put("fresh", b"abc")
+        assert s.get("fresh") == b"abc"
+
+
+def test_no_space_when_nothing_evictable(procs):
+    """Without an SSD tier, a full segment evicts LRU objects; when everything is pinned or
+    leased the put fails fast with NoSpaceError."""
+    m = sa.start_master()
+    sa.start_agent({"master": m.address, "segment_size": 4 * MiB + 4096})
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0) as s:
+        for i in range(4):
+            s.put(f"p{i}", b"x" * MiB, ReplicateConfig(pin=True))
+        t0 = time.monotonic()
+        with pytest.raises(NoSpaceError):
+            s.put("more", b"y" * MiB)
+        assert time.monotonic() - t0 < 1.0
+        for i in range(4):
+            s.remove(f"p{i}")
+        for i in range(8):  # LRU eviction makes room
+            s.put(f"q{i}", bytes([i]) * MiB)
+        assert s.get("q7") == bytes([7]) * MiB
+        assert s.stats().evictions >= 4
+        assert not s.exists("q0")

@@ -1,0 +1,102 @@
+"""The store across hosts: segment owners with different host ids are reached through the
+C++ TransferEngine over TCP (127.0.0.1), replicas fall back when an owner dies, and the
+engine itself refuses out-of-bounds requests and wrong secrets."""
+import os
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import store_agents as sa  # noqa: E402
+
+torch = pytest.importorskip("torch")
+from mooncake_store import MooncakeStore, ReplicateConfig  # noqa: E402
+
+MiB = 1 << 20
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def procs():
+    yield sa
+    sa.cleanup()
+
+
+def test_transfer_engine_bounds_and_secret():
+    from mooncake_pg.transfer import TransferEngine
+
+    srv = TransferEngine("127.0.0.1", secret="k")
+    buf = bytearray(4096)
+    region = srv.register_memory(buf)
+    cli = TransferEngine(secret="k")
+    try:
+        cli.batch_write("127.0.0.1", srv.port, region, [0, 4000], [b"abc", b"x" * 96])
+        out = bytearray(3)
+        cli.batch_read("127.0.0.1", srv.port, region, [0], [out])
+        assert out == b"abc" and buf[4000:4096] == b"x" * 96
+        with pytest.raises(RuntimeError, match="TransferEngine::batch_write: .*out of bounds"):
+            cli.batch_write("127.0.0.1", srv.port, region, [4000], [b"y" * 97])
+        assert buf[4000:4096] == b"x" * 96  # nothing written
+        with pytest.raises(RuntimeError, match="TransferEngine::batch_read: .*unknown region"):
+            cli.batch_read("127.0.0.1", srv.port, region + 7, [0], [out])
+        with pytest.raises(RuntimeError, match="rejected the shared secret"):
+            TransferEngine(secret="bad").batch_read("127.0.0.1", srv.port, region, [0], [out])
+        with pytest.raises(RuntimeError, match="cannot connect"):
+            cli.batch_read("127.0.0.1", 1, region, [0], [out])
+        cli.batch_read("127.0.0.1", srv.port, region, [1], [out])  # the engine still serves
+        assert out == bytes(buf[1:4])
+    finally:
+        cli.close()
+        srv.close()
+
+
+def test_store_over_tcp_between_hosts(procs):
+    m = sa.start_master(client_ttl=1.0)
+    nodes = [sa.start_agent({"master": m.address, "segment_size": 64 * MiB, "name": f"h{i}",
+                             "heartbeat_interval_s": 0.2}, serve_tcp=True, env={"MOONCAKE_HOST_ID": f"host{i}"})
+             for i in range(2)]
+    with MooncakeStore(master=m.address, segment_size=0, host_id="client-host") as s:
+        for size in (0, 1, 4096, MiB + 3, 16 * MiB):
+            data = sa.pattern(size, size)
+            assert s.put(f"s{size}", data, ReplicateConfig(replica_num=2)) == 2
+            assert s.get(f"s{size}") == data
+            assert nodes[0].cmd("get", key=f"s{size}")["sha"] == sa.digest(data)
+        keys = [f"b{i}" for i in range(64)]
+        vals = [sa.pattern(i, 4096 + i) for i in range(64)]
+        s.put_batch(keys, vals)
+        assert s.get_batch(keys) == vals
+        bufs = [bytearray(5000) for _ in keys]
+        assert s.get_into_batch(keys, bufs) == [4096 + i for i in range(64)]
+        assert all(bytes(b[:len(v)]) == v for b, v in zip(bufs, vals))
+        t = torch.arange(1000, dtype=torch.float32).reshape(10, 100).t()  # non-contiguous
+        s.put_tensor("t", t)
+        assert torch.equal(s.get_tensor("t"), t)
+        # the first holder dies: reads fall back to the other replica over TCP
+        first = s.where(f"s{16 * MiB}").memory[0]
+        nodes[int(first[1])].kill()
+        assert s.get(f"s{16 * MiB}") == sa.pattern(16 * MiB, 16 * MiB)
+        time.sleep(1.5)
+        assert s.get(f"s{16 * MiB}") == sa.pattern(16 * MiB, 16 * MiB)
+
+
+def test_ssd_replica_read_from_another_host(procs, tmp_path):
+    """An object evicted to the SSD of a client on another host is loaded back into that
+    client's segment on request and read over TCP (readers wait while the segment is full
+    of leased objects: 1 s leases here)."""
+    m = sa.start_master(high_watermark=0.8, low_watermark=0.5, lease_ttl=1.0)
+    sa.start_agent({"master": m.address, "segment_size": 4 * MiB + 4096, "name": "disk-host",
+                    "ssd_dir": str(tmp_path / "ssd"), "heartbeat_interval_s": 0.2},
+                   serve_tcp=True, env={"MOONCAKE_HOST_ID": "host-with-disk"})
+    with MooncakeStore(master=m.address, segment_size=0, host_id="reader-host") as s:
+        for i in range(8):
+            s.put(f"o{i}", sa.pattern(i, MiB))
+        deadline = time.monotonic() + 20
+        while s.stats().ssd_objects < 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        on_disk = [i for i in range(8) if not s.where(f"o{i}").memory]
+        assert on_disk
+        for i in range(8):
+            assert s.get(f"o{i}") == sa.pattern(i, MiB), i
+        assert s.get_batch([f"o{i}" for i in on_disk]) == [sa.pattern(i, MiB) for i in on_disk]
