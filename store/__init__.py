@@ -8,12 +8,15 @@
 Master as a service: ``mooncake-store-master`` / ``python -m mooncake_store.master``.
 """
 from .client import MooncakeStore, Placement, StoreStats
-from .config import MasterConfig, ReplicateConfig, StoreConfig, env_defaults
+from .config import MasterConfig, ReplicateConfig, StoreConfig, WeightSyncConfig, env_defaults
 from .errors import (AuthError, LeaseExpiredError, NoSpaceError, NotLeaderError, ObjectExistsError,
-                     ObjectHasLeaseError, ObjectNotFoundError, ProtocolError, ReplicaShortfallError, StoreError,
-                     TransferError)
+                     ObjectHasLeaseError, ObjectNotFoundError, ProtocolError, ReplicaShortfallError, StaleVersionError, StoreError,
+                     TransferError, WeightSyncAbortedError)
 from .master import Master
+from .weight_sync import GroupSyncResult, GroupWeightSync, PublishResult, PullResult, WeightSync, tensor_digest
 
 __all__ = ["MooncakeStore", "Placement", "StoreStats", "Master", "MasterConfig", "ReplicateConfig", "StoreConfig", "env_defaults",
            "StoreError", "ObjectExistsError", "ObjectNotFoundError", "LeaseExpiredError", "ObjectHasLeaseError",
-           "ReplicaShortfallError", "NoSpaceError", "TransferError", "ProtocolError", "AuthError", "NotLeaderError"]
+           "ReplicaShortfallError", "NoSpaceError", "TransferError", "ProtocolError", "AuthError", "NotLeaderError",
+           "StaleVersionError", "WeightSyncAbortedError", "WeightSyncConfig", "WeightSync", "GroupWeightSync",
+           "PublishResult", "PullResult", "GroupSyncResult", "tensor_digest"]
