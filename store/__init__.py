@@ -8,10 +8,11 @@
 Master as a service: ``mooncake-store-master`` / ``python -m mooncake_store.master``.
 """
 from .client import MooncakeStore, Placement, StoreStats
-from .config import MasterConfig, ReplicateConfig, StoreConfig, WeightSyncConfig, env_defaults
+from .config import KVCacheConfig, MasterConfig, ReplicateConfig, StoreConfig, WeightSyncConfig, env_defaults
 from .errors import (AuthError, LeaseExpiredError, NoSpaceError, NotLeaderError, ObjectExistsError,
                      ObjectHasLeaseError, ObjectNotFoundError, ProtocolError, ReplicaShortfallError, StaleVersionError, StoreError,
                      TransferError, WeightSyncAbortedError)
+from .kvcache import KVCacheStats, KVCacheStore, KVGetResult, KVPutResult, chunk_hashes
 from .master import Master
 from .weight_sync import GroupSyncResult, GroupWeightSync, PublishResult, PullResult, WeightSync, tensor_digest
 
@@ -19,4 +20,5 @@ __all__ = ["MooncakeStore", "Placement", "StoreStats", "Master", "MasterConfig",
            "StoreError", "ObjectExistsError", "ObjectNotFoundError", "LeaseExpiredError", "ObjectHasLeaseError",
            "ReplicaShortfallError", "NoSpaceError", "TransferError", "ProtocolError", "AuthError", "NotLeaderError",
            "StaleVersionError", "WeightSyncAbortedError", "WeightSyncConfig", "WeightSync", "GroupWeightSync",
-           "PublishResult", "PullResult", "GroupSyncResult", "tensor_digest"]
+           "PublishResult", "PullResult", "GroupSyncResult", "tensor_digest",
+           "KVCacheStore", "KVCacheConfig", "KVCacheStats", "KVPutResult", "KVGetResult", "chunk_hashes"]

@@ -322,3 +322,26 @@ class WeightSyncConfig:
         for f in ("commit_timeout_s", "hold_ttl_s"):
             if not isinstance(getattr(self, f), (int, float)) or getattr(self, f) <= 0:
                 raise ValueError(f"WeightSyncConfig: {f} must be a positive number")
+
+
+@dataclasses.dataclass(kw_only=True)
+class KVCacheConfig:
+    """Options of :class:`~mooncake_store.kvcache.KVCacheStore`.
+
+    Attributes:
+        chunk_tokens: tokens per chunk; only whole chunks are stored and matched.
+        model: name of the model whose K/V these are (part of every key: K/V of
+            different models never mix).
+        pin: store chunks pinned (default False: chunks are a cache, evicted in LRU order
+            and, with an SSD tier, dropped to SSD).
+    """
+
+    chunk_tokens: int = 256
+    model: str = "default"
+    pin: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.chunk_tokens, int) or isinstance(self.chunk_tokens, bool) or self.chunk_tokens < 1:
+            raise ValueError(f"KVCacheConfig: chunk_tokens must be an int >= 1, got {self.chunk_tokens!r}")
+        if not isinstance(self.model, str) or not self.model or "/" in self.model:
+            raise ValueError(f"KVCacheConfig: model must be a non-empty str without '/', got {self.model!r}")

@@ -480,9 +480,9 @@ class WeightSync:
                 except ObjectNotFoundError as e:
                     raise WeightSyncAbortedError(f"{self.model} v{v}: {e} (dropped meanwhile?); kept version "
                                                  f"{self.version}") from None
-                nxt = ex.submit(fetch, buckets[i + 1]) if i + 1 < len(buckets) else None
                 if stage_hook is not None:
                     stage_hook(i)
+                nxt = ex.submit(fetch, buckets[i + 1]) if i + 1 < len(buckets) else None
                 for p in b[2]:
                     piece = buf[p["boff"]:p["boff"] + p["nbytes"]]
                     if p["digest"] is not None:
