@@ -343,6 +343,10 @@ def test_fsdp2_sharded_publish_pulled_into_plain_model(store_procs):
     plain = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.ReLU(), torch.nn.Linear(33, 7))
     with MooncakeStore(serve_tcp=False, master=addr, segment_size=0) as s:
         res = WeightSync(s, "fsdp").pull(plain)
+        # fp32 trainer -> bf16 rollout: dtype casts on request
+        res16 = WeightSync(s, "fsdp").pull(None, dtype=torch.bfloat16)
     assert res.installed and res.version == 1
     assert _digests(plain.state_dict()) == r[0]["full"]
+    assert all(v.dtype == torch.bfloat16 and torch.equal(v, plain.state_dict()[k].to(torch.bfloat16))
+               for k, v in res16.state_dict.items())
     assert r[0]["bytes"] + r[1]["bytes"] >= sum(v.numel() * 4 for v in plain.state_dict().values())
