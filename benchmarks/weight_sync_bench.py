@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     log = open(os.path.join(tmp, "master.log"), "w")
     _children.append(subprocess.Popen([sys.executable, "-m", "mooncake_store.master", "--port", "0", "--port-file",
-                                       port_file, "--lease-ttl", "1"], stdout=log, stderr=log, env=env,
+                                       port_file], stdout=log, stderr=log, env=env,
                                       start_new_session=True))
     deadline = time.monotonic() + 30
     while not os.path.exists(port_file) or not open(port_file).read().strip():

@@ -26,10 +26,12 @@ unpickled)::
     ws/M/hold/<i>          {"version": v, "t": unix time}: reader i is pulling version v
 
 Old versions: after each commit, shard 0 drops committed versions older than the newest
-``keep_versions + 1`` unless a reader holds them (a hold younger than ``hold_ttl_s``) or
-a reader is copying from them right now (the store's read lease makes ``remove`` fail;
-the version is retried after the next commit). A reader whose version vanished under it
-fails its pull and keeps its old version; the next ``pull()`` takes the newest one.
+``keep_versions + 1`` unless a reader holds them (a hold younger than ``hold_ttl_s``):
+commit record first, then the pieces (``remove(force=True)``: a copy in progress is safe,
+the store reuses leased space only after the lease ends). A reader whose version vanished
+under it fails its pull and keeps its old version; the next ``pull()`` takes the newest.
+Not collected: pieces of a publish that never committed (a trainer that died mid-publish;
+republishing the same version overwrites them).
 
 Sharded trainers (DTensor / FSDP2 state dicts): every rank calls ``publish`` with its own
 state dict, ``shard=rank`` and ``num_shards=world``; each rank writes only its local
@@ -48,7 +50,7 @@ from typing import Callable, NamedTuple, Optional
 import msgpack
 
 from .config import ReplicateConfig, WeightSyncConfig
-from .errors import (ObjectExistsError, ObjectHasLeaseError, ObjectNotFoundError, StaleVersionError, StoreError,
+from .errors import (LeaseExpiredError, ObjectExistsError, ObjectNotFoundError, StaleVersionError, StoreError,
                      WeightSyncAbortedError)
 
 __all__ = ["WeightSync", "GroupWeightSync", "PublishResult", "PullResult", "GroupSyncResult", "tensor_digest"]
@@ -339,13 +341,12 @@ class WeightSync:
             except ObjectNotFoundError:
                 dropped.append(v)
                 continue
-            keys = [b[0] for m in mans for b in m["buckets"]]
-            res = self.store.remove_batch(keys, return_exceptions=True)
-            if any(isinstance(r, ObjectHasLeaseError) for r in res):
-                continue  # a reader is copying it right now: try again after the next commit
-            # commit record first: the version is invisible before its pieces go
-            self.store.remove_batch([vp + "commit"] + [f"{vp}m{s}" for s in range(len(mans))], force=True,
-                                    return_exceptions=True)
+            # the commit record first: the version is invisible before its pieces go. force=True
+            # is safe for a reader copying right now: the store reuses the space of a leased
+            # object only after the lease ends, so that copy completes intact
+            self.store.remove_batch([vp + "commit"], force=True, return_exceptions=True)
+            keys = [b[0] for m in mans for b in m["buckets"]] + [f"{vp}m{s}" for s in range(len(mans))]
+            self.store.remove_batch(keys, force=True, return_exceptions=True)
             dropped.append(v)
         return dropped
 
@@ -461,6 +462,14 @@ class WeightSync:
         total = 0
 
         def fetch(b):
+            for attempt in range(3):  # a copy that outlasted its read lease (a loaded host) is redone
+                try:
+                    return fetch_once(b)
+                except LeaseExpiredError:
+                    if attempt == 2:
+                        raise
+
+        def fetch_once(b):
             key, nb, pieces = b
             # a bucket that is one whole tensor is read straight into the staged tensor
             if len(pieces) == 1 and pieces[0]["shape"] == pieces[0]["gshape"] and nb:
