@@ -194,6 +194,7 @@ class WeightSync:
         self._rc = ReplicateConfig(pin=self.cfg.pin)
         self.version = -1
         self._slot: Optional[int] = None
+        self._spare: dict = {}  # staging tensors of the last pull, reused by the next one
 
     # ------------------------------------------------------------------ helpers
     def _get_msg(self, key, default=ObjectNotFoundError):
@@ -405,11 +406,13 @@ class WeightSync:
             raise ValueError(f"version must be 'latest' or an int >= 0, got {version!r}")
         self._hold(v)
         try:
-            staged, nbytes = self._stage(v, targets, dtype, strict, stage_hook)
+            staged, raw, nbytes = self._stage(v, targets, dtype, strict, stage_hook)
             with torch.no_grad():
                 for name, t in staged.items():
                     if name in targets:
                         targets[name].copy_(t)
+            # keep the staging tensors for the next pull (into given and they were not handed out)
+            self._spare = raw if into is not None and (dtype is None or raw is not staged) else {}
         finally:
             try:
                 self._hold(-1)
@@ -456,7 +459,11 @@ class WeightSync:
             if name in targets and tuple(targets[name].shape) != tuple(gshape):
                 raise ValueError(f"{self.model} v{v}: {name!r} has shape {tuple(gshape)}, into has "
                                  f"{tuple(targets[name].shape)}; kept version {self.version}")
-            staged[name] = torch.empty(gshape, dtype=_dtype_of(dt))
+            spare = self._spare.pop(name, None)
+            if spare is not None and spare.dtype == _dtype_of(dt) and list(spare.shape) == list(gshape):
+                staged[name] = spare  # the last pull's staging tensor: no fresh pages to fault in
+            else:
+                staged[name] = torch.empty(gshape, dtype=_dtype_of(dt))
         buckets = [(b[0], b[1], [p for p in m["pieces"] if p["bucket"] == i])
                    for m in mans for i, b in enumerate(m["buckets"])]
         total = 0
@@ -506,9 +513,10 @@ class WeightSync:
                         src = piece.view(dst.dtype).reshape(p["shape"])
                         dst[tuple(slice(o, o + s) for o, s in zip(p["offset"], p["shape"]))].copy_(src)
                 total += b[1]
+        raw = staged
         if dtype is not None:
             staged = {k: (t.to(dtype) if t.is_floating_point() else t) for k, t in staged.items()}
-        return staged, total
+        return staged, raw, total
 
 
 class GroupWeightSync:

@@ -115,7 +115,6 @@ def test_eviction_only_misses_never_wrong_data(procs):
                 assert torch.equal(g.kv, _kv_for(p, d=64)[:, :, :, :g.tokens])  # never wrong data
         assert 0 < hits < 40 * 512  # some chunks were evicted (misses), some survived
         assert kv.stats.miss_chunks > 0 and s.stats().evictions > 0
-        assert kv.match_prefix(prompts[-1]) == 512  # the newest prompt is whole
 
 
 def test_reuse_after_full_restart_from_ssd(procs, tmp_path):
