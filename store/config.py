@@ -292,8 +292,9 @@ class WeightSyncConfig:
     Attributes:
         bucket_bytes: tensors are packed into buckets of about this size (one store object
             each; a tensor larger than this is its own bucket, written without a copy).
-        checksums: store a BLAKE2b digest per tensor piece; readers verify every piece
-            before installing anything.
+        checksums: store a digest per tensor piece (XXH3-128 from ``xxhash``, or BLAKE2b-128
+            from hashlib when xxhash is not installed); readers verify every piece before
+            installing anything.
         keep_versions: committed versions kept besides the newest (older ones are dropped
             once no reader holds them).
         commit_timeout_s: how long the committing shard waits for the other shards'

@@ -104,6 +104,28 @@ def _byte_view(t):
     return t.reshape(-1).view(torch.uint8)
 
 
+def _piece_digest(data, algo: str) -> str:
+    """``algo:hex`` digest of a uint8 tensor's bytes: ``xxh3`` (XXH3-128, xxhash) or ``blake2b``
+    (BLAKE2b-128, hashlib)."""
+    buf = data.numpy() if data.numel() else b""
+    if algo == "xxh3":
+        import xxhash
+
+        return "xxh3:" + xxhash.xxh3_128_hexdigest(buf)
+    if algo == "blake2b":
+        return "blake2b:" + hashlib.blake2b(buf, digest_size=16).hexdigest()
+    raise WeightSyncAbortedError(f"unknown checksum algorithm {algo!r} in a manifest")
+
+
+def _default_algo() -> str:
+    try:
+        import xxhash  # noqa: F401
+
+        return "xxh3"
+    except ImportError:
+        return "blake2b"
+
+
 def tensor_digest(t) -> str:
     """BLAKE2b-128 hex digest of a CPU tensor's bytes (row-major order)."""
     b = _byte_view(t)
@@ -258,6 +280,7 @@ class WeightSync:
             plan.append(cur)
         manifest = {"version": version, "shard": shard, "num_shards": num_shards, "buckets": [], "pieces": []}
         total = 0
+        algo = _default_algo() if self.cfg.checksums else None
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ws-put") as ex:
             pending = None
             for i, group in enumerate(plan):
@@ -279,8 +302,7 @@ class WeightSync:
                     manifest["pieces"].append({
                         "name": p[0], "dtype": _dtype_name(p[1]), "gshape": p[2], "offset": p[3],
                         "shape": list(p[4].shape), "bucket": i, "boff": off, "nbytes": n,
-                        "digest": (hashlib.blake2b(v.numpy() if n else b"", digest_size=16).hexdigest()
-                                   if self.cfg.checksums else None)})
+                        "digest": _piece_digest(v, algo) if algo else None})
                 manifest["buckets"].append([key, nbytes])
                 total += nbytes
                 if pending is not None:
@@ -502,8 +524,7 @@ class WeightSync:
                 for p in b[2]:
                     piece = buf[p["boff"]:p["boff"] + p["nbytes"]]
                     if p["digest"] is not None:
-                        d = hashlib.blake2b(piece.numpy() if p["nbytes"] else b"", digest_size=16).hexdigest()
-                        if d != p["digest"]:
+                        if _piece_digest(piece, str(p["digest"]).partition(":")[0]) != p["digest"]:
                             raise WeightSyncAbortedError(f"{self.model} v{v}: checksum of {p['name']!r} differs; "
                                                          f"kept version {self.version}")
                     dst = staged[p["name"]]

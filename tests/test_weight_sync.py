@@ -350,3 +350,32 @@ def test_fsdp2_sharded_publish_pulled_into_plain_model(store_procs):
     assert all(v.dtype == torch.bfloat16 and torch.equal(v, plain.state_dict()[k].to(torch.bfloat16))
                for k, v in res16.state_dict.items())
     assert r[0]["bytes"] + r[1]["bytes"] >= sum(v.numel() * 4 for v in plain.state_dict().values())
+
+
+def test_corrupt_or_missing_piece_keeps_the_old_version(store_procs):
+    """A bucket whose bytes changed after the commit (checksum) or that is gone: the pull
+    raises WeightSyncAbortedError and the reader keeps its version and tensors."""
+    import torch
+    from mooncake_store import MooncakeStore, WeightSync, WeightSyncAbortedError, WeightSyncConfig
+
+    addr = _start_store(64)
+    cfg = WeightSyncConfig(bucket_bytes=4096)
+    with MooncakeStore(serve_tcp=False, master=addr, segment_size=0) as s:
+        ws = WeightSync(s, "c", config=cfg)
+        ws.publish(_small_sd(1), 1)
+        r = WeightSync(s, "c", config=cfg)
+        model = {k: torch.zeros_like(v) for k, v in _small_sd(0).items()}
+        r.pull(model)
+        ws.publish(_small_sd(2), 2)
+        key = "ws/c/v2/b0.0"
+        good = s.get(key)
+        s.upsert(key, bytes([good[0] ^ 1]) + good[1:])
+        with pytest.raises(WeightSyncAbortedError, match="checksum"):
+            r.pull(model)
+        assert r.version == 1 and _digests(model) == _digests(_small_sd(1))
+        s.remove(key, force=True)
+        with pytest.raises(WeightSyncAbortedError):
+            r.pull(model)
+        assert r.version == 1 and _digests(model) == _digests(_small_sd(1))
+        s.upsert(key, good)
+        assert r.pull(model).version == 2 and _digests(model) == _digests(_small_sd(2))
