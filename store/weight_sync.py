@@ -558,6 +558,7 @@ class GroupWeightSync:
         self.src = src
         self.bucket_bytes = bucket_bytes
         self.version = -1
+        self._spare: dict = {}  # staging tensors of the last sync, reused by the next one
 
     def _agree(self, failed: bool) -> int:
         torch = _torch()
@@ -619,11 +620,23 @@ class GroupWeightSync:
                                          f"kept version {prev}") from local_err
         staged: dict = {}
         total = 0
+        def staging(n, d, s):
+            t = self._spare.pop(n, None)  # the last sync's staging tensor: no fresh pages
+            return t if t is not None and t.dtype == d and list(t.shape) == list(s) else torch.empty(s, dtype=d)
+
         for i, b in enumerate(buckets):
             specs = [(n, _dtype_of(dt), shape) for n, dt, shape in b]
             sizes = [torch.empty(0, dtype=d).element_size() * _numel(s) for _, d, s in specs]
-            buf = torch.empty(sum(sizes), dtype=torch.uint8)
-            if is_src:
+            direct = len(specs) == 1 and sizes[0] > 0
+            if direct:  # one tensor: broadcast its bytes in place (src) / into its staging tensor
+                if is_src:
+                    buf = _byte_view(targets[specs[0][0]])
+                else:
+                    staged[specs[0][0]] = staging(*specs[0])
+                    buf = _byte_view(staged[specs[0][0]])
+            else:
+                buf = torch.empty(sum(sizes), dtype=torch.uint8)
+            if is_src and not direct:
                 off = 0
                 for (n, _, _), sz in zip(specs, sizes):
                     if sz:
@@ -634,10 +647,10 @@ class GroupWeightSync:
             try:
                 if stage_hook is not None:
                     stage_hook(i)
-                if not is_src:
+                if not is_src and not direct:
                     off = 0
                     for (n, d, s), sz in zip(specs, sizes):
-                        t = torch.empty(s, dtype=d)
+                        t = staging(n, d, s)
                         if sz:
                             _byte_view(t).copy_(buf[off:off + sz])
                         staged[n] = t
@@ -650,6 +663,7 @@ class GroupWeightSync:
         with torch.no_grad():
             for n, t in staged.items():
                 targets[n].copy_(t)
+        self._spare = staged
         self.version = new_version
         return GroupSyncResult(new_version, prev, len(buckets), total)
 
