@@ -60,6 +60,10 @@ class KVGetResult(NamedTuple):
     tokens: int  #: tokens of the prefix returned (a multiple of chunk_tokens)
     kv: object   #: tensor [layers, 2, heads, tokens, head_dim], or None when tokens == 0
 
+    def layers(self) -> list:
+        """The K/V as per-layer ``(K, V)`` pairs, each ``[heads, tokens, head_dim]`` (views)."""
+        return [] if self.kv is None else [(layer[0], layer[1]) for layer in self.kv]
+
 
 def _token_bytes(tokens) -> bytes:
     try:
@@ -128,8 +132,14 @@ class KVCacheStore:
 
         keys = self.keys(tokens)
         c = self.cfg.chunk_tokens
+        if isinstance(kv, (list, tuple)):  # per-layer (K, V) pairs, each [heads, tokens, head_dim]
+            try:
+                kv = torch.stack([torch.stack([k, v]) for k, v in kv])
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise ValueError(f"kv as a list must hold per-layer (K, V) tensors of one shape: {e}") from None
         if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[1] != 2:
-            raise ValueError("kv must be a tensor [layers, 2, heads, tokens, head_dim]")
+            raise ValueError("kv must be a tensor [layers, 2, heads, tokens, head_dim] or a list of per-layer "
+                             "(K, V) pairs [heads, tokens, head_dim]")
         if kv.device.type != "cpu":
             raise ValueError(f"kv must be on the CPU, got {kv.device}")
         if kv.shape[3] < len(keys) * c:

@@ -64,6 +64,12 @@ def test_shared_diverging_prompts_and_chunk_boundaries(procs):
         assert g.tokens == 12 and torch.equal(g.kv, _kv_for(q)[:, :, :, :12])  # bytes exactly as put
         g = kv.get(p, 4)
         assert g.tokens == 4 and torch.equal(g.kv, _kv_for(p)[:, :, :, :4])
+        # per-layer (K, V) pairs in and out
+        r3 = list(range(300, 308))
+        pairs = [(layer[0], layer[1]) for layer in _kv_for(r3)]
+        assert kv.put(r3, pairs).stored_chunks == 2
+        got = kv.get(r3).layers()
+        assert len(got) == L and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, pairs))
         with pytest.raises(ValueError):
             kv.get(p, 6)  # not a whole chunk
         with pytest.raises(ValueError):
