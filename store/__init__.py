@@ -6,6 +6,10 @@
     store.get("w")
 
 Master as a service: ``mooncake-store-master`` / ``python -m mooncake_store.master``.
+
+On top of it: :class:`WeightSync` (versioned weights, trainer -> rollout, atomic per
+reader) and :class:`GroupWeightSync` (the same over a process group, atomic for the
+group) in ``weight_sync.py``; :class:`KVCacheStore` (prefix K/V chunks) in ``kvcache.py``.
 """
 from .client import MooncakeStore, Placement, StoreStats
 from .config import KVCacheConfig, MasterConfig, ReplicateConfig, StoreConfig, WeightSyncConfig, env_defaults
