@@ -30,6 +30,7 @@ import argparse
 import atexit
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -203,6 +204,7 @@ def main(argv=None) -> int:
         with open(a.json, "w") as f:
             json.dump({"rows": rows, "bytes": nbytes, "speedup_vs_gloo": speed, "bytes_ok": ok_bytes}, f)
     _kill_children()
+    shutil.rmtree(tmp, ignore_errors=True)
     if not ok_bytes:
         return 1
     return 1 if a.gate and speed < 3 else 0
