@@ -27,10 +27,11 @@ TORCH_VERSION="2.13.0"
 # Everything the tests, benchmarks and examples import besides torch and the project,
 # plus what a --no-build-isolation build needs (setuptools, wheel, ninja). triton: the
 # expert-parallel kernels are checked under TRITON_INTERPRET=1 and compiled for sm_90;
-# tqdm and matplotlib: the main job's progress bars and plot; msgpack and etcd3gw (and
+# tqdm and matplotlib: the main job's progress bars and plot; msgpack, xxhash (WeightSync
+# checksums) and etcd3gw (and
 # uvloop, optional) are the store's runtime dependencies, redis the store benchmark's
 # peer client.
-DEPS=("numpy" "pytest>=8" "pytest-timeout>=2.3" "ninja" "setuptools>=77" "wheel" "triton>=3.6" "tqdm" "matplotlib" "msgpack>=1.0" "etcd3gw>=2.4" "uvloop>=0.19" "redis>=5")
+DEPS=("numpy" "pytest>=8" "pytest-timeout>=2.3" "ninja" "setuptools>=77" "wheel" "triton>=3.6" "tqdm" "matplotlib" "msgpack>=1.0" "xxhash>=3.0" "etcd3gw>=2.4" "uvloop>=0.19" "redis>=5")
 export MAX_JOBS="${MAX_JOBS:-2}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 

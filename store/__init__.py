@@ -6,14 +6,23 @@
     store.get("w")
 
 Master as a service: ``mooncake-store-master`` / ``python -m mooncake_store.master``.
+
+On top of it: :class:`WeightSync` (versioned weights, trainer -> rollout, atomic per
+reader) and :class:`GroupWeightSync` (the same over a process group, atomic for the
+group) in ``weight_sync.py``; :class:`KVCacheStore` (prefix K/V chunks) in ``kvcache.py``.
 """
 from .client import MooncakeStore, Placement, StoreStats
-from .config import MasterConfig, ReplicateConfig, StoreConfig, env_defaults
+from .config import KVCacheConfig, MasterConfig, ReplicateConfig, StoreConfig, WeightSyncConfig, env_defaults
 from .errors import (AuthError, LeaseExpiredError, NoSpaceError, NotLeaderError, ObjectExistsError,
-                     ObjectHasLeaseError, ObjectNotFoundError, ProtocolError, ReplicaShortfallError, StoreError,
-                     TransferError)
+                     ObjectHasLeaseError, ObjectNotFoundError, ProtocolError, ReplicaShortfallError, StaleVersionError, StoreError,
+                     TransferError, WeightSyncAbortedError)
+from .kvcache import KVCacheStats, KVCacheStore, KVGetResult, KVPutResult, chunk_hashes
 from .master import Master
+from .weight_sync import GroupSyncResult, GroupWeightSync, PublishResult, PullResult, WeightSync, tensor_digest
 
 __all__ = ["MooncakeStore", "Placement", "StoreStats", "Master", "MasterConfig", "ReplicateConfig", "StoreConfig", "env_defaults",
            "StoreError", "ObjectExistsError", "ObjectNotFoundError", "LeaseExpiredError", "ObjectHasLeaseError",
-           "ReplicaShortfallError", "NoSpaceError", "TransferError", "ProtocolError", "AuthError", "NotLeaderError"]
+           "ReplicaShortfallError", "NoSpaceError", "TransferError", "ProtocolError", "AuthError", "NotLeaderError",
+           "StaleVersionError", "WeightSyncAbortedError", "WeightSyncConfig", "WeightSync", "GroupWeightSync",
+           "PublishResult", "PullResult", "GroupSyncResult", "tensor_digest",
+           "KVCacheStore", "KVCacheConfig", "KVCacheStats", "KVPutResult", "KVGetResult", "chunk_hashes"]

@@ -283,3 +283,66 @@ class ReplicateConfig:
             raise ValueError(f"ReplicateConfig: replica_num must be <= 64, got {self.replica_num}")
         if self.preferred_segment is not None and not isinstance(self.preferred_segment, str):
             raise ValueError("ReplicateConfig: preferred_segment must be a segment name (str) or None")
+
+
+@dataclasses.dataclass(kw_only=True)
+class WeightSyncConfig:
+    """Options of :class:`~mooncake_store.weight_sync.WeightSync`.
+
+    Attributes:
+        bucket_bytes: tensors are packed into buckets of about this size (one store object
+            each; a tensor larger than this is its own bucket, written without a copy).
+        checksums: store a digest per tensor piece (XXH3-128 from ``xxhash``, or BLAKE2b-128
+            from hashlib when xxhash is not installed); readers verify every piece before
+            installing anything.
+        keep_versions: committed versions kept besides the newest (older ones are dropped
+            once no reader holds them).
+        commit_timeout_s: how long the committing shard waits for the other shards'
+            manifests.
+        hold_ttl_s: a reader's hold on a version counts for this long after it was taken
+            (a reader that died does not keep old versions forever).
+        max_readers: reader slots per model (a reader takes one at its first pull).
+        pin: store weight objects pinned (never evicted to make room).
+    """
+
+    bucket_bytes: int = 64 * MiB
+    checksums: bool = True
+    keep_versions: int = 1
+    commit_timeout_s: float = 120.0
+    hold_ttl_s: float = 600.0
+    max_readers: int = 64
+    pin: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1:
+            raise ValueError(f"WeightSyncConfig: bucket_bytes must be an int >= 1, got {self.bucket_bytes!r}")
+        if not isinstance(self.keep_versions, int) or self.keep_versions < 0:
+            raise ValueError(f"WeightSyncConfig: keep_versions must be an int >= 0, got {self.keep_versions!r}")
+        if not isinstance(self.max_readers, int) or self.max_readers < 1:
+            raise ValueError(f"WeightSyncConfig: max_readers must be an int >= 1, got {self.max_readers!r}")
+        for f in ("commit_timeout_s", "hold_ttl_s"):
+            if not isinstance(getattr(self, f), (int, float)) or getattr(self, f) <= 0:
+                raise ValueError(f"WeightSyncConfig: {f} must be a positive number")
+
+
+@dataclasses.dataclass(kw_only=True)
+class KVCacheConfig:
+    """Options of :class:`~mooncake_store.kvcache.KVCacheStore`.
+
+    Attributes:
+        chunk_tokens: tokens per chunk; only whole chunks are stored and matched.
+        model: name of the model whose K/V these are (part of every key: K/V of
+            different models never mix).
+        pin: store chunks pinned (default False: chunks are a cache, evicted in LRU order
+            and, with an SSD tier, dropped to SSD).
+    """
+
+    chunk_tokens: int = 256
+    model: str = "default"
+    pin: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.chunk_tokens, int) or isinstance(self.chunk_tokens, bool) or self.chunk_tokens < 1:
+            raise ValueError(f"KVCacheConfig: chunk_tokens must be an int >= 1, got {self.chunk_tokens!r}")
+        if not isinstance(self.model, str) or not self.model or "/" in self.model:
+            raise ValueError(f"KVCacheConfig: model must be a non-empty str without '/', got {self.model!r}")

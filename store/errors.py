@@ -96,9 +96,24 @@ class PutLostError(StoreError):
     code = "PutLost"
 
 
+class StaleVersionError(StoreError):
+    """WeightSync: a publish at or below the latest committed version of the model (the
+    trainer resumes numbering above it), or a pull of a version older than the one the
+    reader holds (readers never go back)."""
+
+    code = "StaleVersion"
+
+
+class WeightSyncAbortedError(StoreError):
+    """WeightSync: an update did not complete (a participant failed while staging it, a
+    piece is missing or its checksum is wrong); the previous version is still installed."""
+
+    code = "WeightSyncAborted"
+
+
 _ALL = [StoreError, ObjectExistsError, ObjectNotFoundError, LeaseExpiredError, ObjectHasLeaseError,
         ReplicaShortfallError, NoSpaceError, TransferError, ProtocolError, AuthError, NotLeaderError,
-        UnknownClientError, PutLostError]
+        UnknownClientError, PutLostError, StaleVersionError, WeightSyncAbortedError]
 _BY_CODE = {c.code: c for c in _ALL}
 
 

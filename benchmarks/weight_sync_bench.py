@@ -1,0 +1,214 @@
+"""Weight sync: one trainer to three rollout processes, three ways, in one run.
+
+A bf16 state dict (``--mib``, 1024 by default, in tensors of ``--tensor-mib``) goes from
+rank 0 (the trainer) to ranks 1-3 (rollout workers):
+
+* ``store``: ``WeightSync.publish`` on the trainer (which contributes the segment), then
+  ``WeightSync.pull`` into the rollout models on the three workers at once (same host:
+  the workers map the trainer's segment and copy; BLAKE2b digests checked per tensor);
+* ``pg``: ``GroupWeightSync.sync`` over the ``mooncake`` process group (buckets of
+  ``--bucket-mib``, staged, installed when every rank staged every bucket);
+* ``gloo``: ``torch.distributed.broadcast`` of every tensor over a gloo group.
+
+Each way runs ``--reps`` times; a rep is timed on the trainer from a barrier before the
+first byte to a barrier after every worker installed the version (the end-to-end time
+of one weight update); the medians are reported as seconds and GB/s (state bytes over
+that time). Workers check after the last rep that they hold the trainer's tensors.
+Processes: 4 ranks started by this script, each in its own session, killed as groups at
+exit; a store master on 127.0.0.1; one torch thread per rank.
+
+    .venv/bin/python benchmarks/weight_sync_bench.py               # 1 GiB, 3 reps
+    .venv/bin/python benchmarks/weight_sync_bench.py --smoke       # 64 MiB, 1 rep (CI)
+    .venv/bin/python benchmarks/weight_sync_bench.py --markdown out.md --gate
+
+Gate (``--gate`` exits 1 when it fails): the store path at least 3x faster than the gloo
+broadcast.
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+MiB = 1 << 20
+WORLD = 4
+_children: list = []
+
+
+def _kill_children():
+    for p in _children:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _state_dict(mib, tensor_mib, seed):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    n = max(1, mib // tensor_mib)
+    return {f"layer{i}.weight": torch.randn(tensor_mib * MiB // 2, generator=g, dtype=torch.float32).to(torch.bfloat16)
+            for i in range(n)}
+
+
+def _worker(a):
+    import torch
+
+    torch.set_num_threads(1)
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import mooncake_pg
+    from mooncake_store import GroupWeightSync, MooncakeStore, WeightSync, WeightSyncConfig, tensor_digest
+
+    rank = a.rank
+    dist.init_process_group("mooncake", init_method="file://" + a.rdzv, rank=rank, world_size=WORLD,
+                            pg_options=mooncake_pg.MooncakeOptions(timeout=300.0), timeout=timedelta(seconds=300))
+    gloo = dist.new_group(backend="gloo", timeout=timedelta(seconds=300))
+    bucket = a.bucket_mib * MiB
+    seg = (2 * a.mib + 64) * MiB if rank == 0 else 0
+    store = MooncakeStore(master=a.master, segment_size=seg, serve_tcp=False)
+    cfg = WeightSyncConfig(bucket_bytes=bucket, keep_versions=0, checksums=not a.no_checksums)
+    ws = WeightSync(store, "bench", config=cfg)
+    gs = GroupWeightSync(src=0, bucket_bytes=bucket)
+    sd = _state_dict(a.mib, a.tensor_mib, 0)  # the trainer's weights; the workers' starting model
+    if rank > 0:
+        for t in sd.values():
+            t.zero_()
+    times: dict = {"store": [], "pg": [], "gloo": []}
+    version = 0
+    for rep in range(a.reps):
+        if rank == 0:
+            for t in sd.values():  # a new version each rep
+                t.view(-1)[rep] += 1
+        for way in ("store", "pg", "gloo"):
+            version += 1
+            dist.barrier()
+            t0 = time.perf_counter()
+            if way == "store":
+                if rank == 0:
+                    ws.publish(sd, version)
+                dist.barrier(group=gloo)
+                if rank > 0:
+                    ws.pull(sd, version=version)
+            elif way == "pg":
+                gs.sync(sd, version if rank == 0 else None)
+            else:
+                for t in sd.values():
+                    dist.broadcast(t, src=0, group=gloo)
+            dist.barrier()
+            times[way].append(time.perf_counter() - t0)
+    digests = {k: tensor_digest(v) for k, v in sd.items()}
+    out = {"rank": rank, "times": times, "digests": digests}
+    with open(os.path.join(a.outdir, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    store.close()
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mib", type=int, default=1024, help="state dict size in MiB (bf16)")
+    ap.add_argument("--tensor-mib", type=int, default=64)
+    ap.add_argument("--bucket-mib", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true", help="64 MiB, 1 rep")
+    ap.add_argument("--no-checksums", action="store_true", help="store path without per-tensor BLAKE2b digests")
+    ap.add_argument("--markdown", default=None)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--gate", action="store_true")
+    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, default=-1, help=argparse.SUPPRESS)
+    ap.add_argument("--rdzv", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--master", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--outdir", default="", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.mib, a.tensor_mib, a.bucket_mib, a.reps = 64, 8, 16, 1
+    if a.worker:
+        _worker(a)
+        return 0
+    atexit.register(_kill_children)
+    tmp = tempfile.mkdtemp(prefix="ws-bench-")
+    port_file = os.path.join(tmp, "port")
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    log = open(os.path.join(tmp, "master.log"), "w")
+    _children.append(subprocess.Popen([sys.executable, "-m", "mooncake_store.master", "--port", "0", "--port-file",
+                                       port_file], stdout=log, stderr=log, env=env,
+                                      start_new_session=True))
+    deadline = time.monotonic() + 30
+    while not os.path.exists(port_file) or not open(port_file).read().strip():
+        if time.monotonic() > deadline:
+            print("master did not start", file=sys.stderr)
+            return 1
+        time.sleep(0.05)
+    master = "127.0.0.1:" + open(port_file).read().split()[0]
+    ranks = []
+    for r in range(WORLD):
+        lf = open(os.path.join(tmp, f"rank{r}.log"), "w")
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--rank", str(r), "--rdzv",
+               os.path.join(tmp, "rdzv"), "--master", master, "--outdir", tmp, "--mib", str(a.mib),
+               "--tensor-mib", str(a.tensor_mib), "--bucket-mib", str(a.bucket_mib), "--reps", str(a.reps)]
+        if a.no_checksums:
+            cmd.append("--no-checksums")
+        p = subprocess.Popen(cmd, stdout=lf, stderr=lf, env=env, start_new_session=True)
+        _children.append(p)
+        ranks.append(p)
+    deadline = time.monotonic() + a.timeout
+    while any(p.poll() is None for p in ranks):
+        if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in ranks):
+            _kill_children()
+            for r in range(WORLD):
+                print(f"--- rank {r} log ---\n" + open(os.path.join(tmp, f"rank{r}.log")).read()[-3000:],
+                      file=sys.stderr)
+            print("a rank failed or timed out", file=sys.stderr)
+            return 1
+        time.sleep(0.1)
+    res = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(WORLD)]
+    ok_bytes = all(r["digests"] == res[0]["digests"] for r in res[1:])
+    nbytes = max(1, a.mib // a.tensor_mib) * a.tensor_mib * MiB
+    rows = {}
+    for way in ("store", "pg", "gloo"):
+        s = statistics.median(res[0]["times"][way])
+        rows[way] = (s, nbytes / s / 1e9)
+    speed = rows["gloo"][0] / rows["store"][0]
+    lines = [f"1 trainer -> 3 rollout processes, {nbytes / MiB:.0f} MiB bf16 in {a.tensor_mib} MiB tensors, "
+             f"buckets {a.bucket_mib} MiB, median of {a.reps}, store checksums {'off' if a.no_checksums else 'on'}",
+             "", "| path | seconds | GB/s | vs gloo broadcast |", "|---|---|---|---|"]
+    names = {"store": "store (`WeightSync` publish + pull)", "pg": "process group (`GroupWeightSync`, mooncake)",
+             "gloo": "`torch.distributed.broadcast` over gloo"}
+    for way, (s, gbs) in rows.items():
+        lines.append(f"| {names[way]} | {s:.3f} | {gbs:.2f} | {rows['gloo'][0] / s:.2f}x |")
+    lines += ["", f"workers hold the trainer's tensors (digests): {ok_bytes}",
+              f"gate: store path >= 3x gloo broadcast: {'PASS' if speed >= 3 else 'FAIL'} ({speed:.2f}x)"]
+    text = "\n".join(lines)
+    print(text)
+    if a.markdown:
+        with open(a.markdown, "w") as f:
+            f.write(text + "\n")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"rows": rows, "bytes": nbytes, "speedup_vs_gloo": speed, "bytes_ok": ok_bytes}, f)
+    _kill_children()
+    shutil.rmtree(tmp, ignore_errors=True)
+    if not ok_bytes:
+        return 1
+    return 1 if a.gate and speed < 3 else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,675 @@
+"""Weight sync from trainers to rollout workers (see DESIGN.md "Store", ``WeightSync``).
+
+Two paths:
+
+* **Store path** (:class:`WeightSync`): the trainer ``publish``-es a state dict under a
+  model name and an increasing version; rollout workers ``pull`` the latest (or a given)
+  version into their model. Atomic per reader: a reader stages the whole version, checks
+  that every piece is present (and its checksum), and only then copies it into its
+  tensors; on any error it keeps (and reports) its previous version.
+* **Process-group path** (:class:`GroupWeightSync`): a bucketed broadcast over a
+  ``mooncake`` (or any) process group from a source rank; atomic for the whole group:
+  every bucket is staged, after each bucket the group agrees (``all_reduce`` of a failure
+  count) whether to go on, and the staged tensors are installed only when every rank
+  staged every bucket.
+
+Store layout of model ``M`` (all values are msgpack or raw tensor bytes; nothing is
+unpickled)::
+
+    ws/M/latest            {"version": v}: newest committed version (upserted after commit)
+    ws/M/versions          [v, ...]: committed versions not dropped yet
+    ws/M/v<v>/b<s>.<i>     bucket i of shard s (tensor bytes, packed)
+    ws/M/v<v>/m<s>         manifest of shard s: its buckets and tensor pieces
+    ws/M/v<v>/commit       {"num_shards": n}: written (put, never replaced) by shard 0 after
+                           every shard's manifest exists; a version is visible only then
+    ws/M/slot/<i>          reader slot i (taken with a plain put: first come, first served)
+    ws/M/hold/<i>          {"version": v, "t": unix time}: reader i is pulling version v
+
+Old versions: after each commit, shard 0 drops committed versions older than the newest
+``keep_versions + 1`` unless a reader holds them (a hold younger than ``hold_ttl_s``):
+commit record first, then the pieces (``remove(force=True)``: a copy in progress is safe,
+the store reuses leased space only after the lease ends). A reader whose version vanished
+under it fails its pull and keeps its old version; the next ``pull()`` takes the newest.
+Not collected: pieces of a publish that never committed (a trainer that died mid-publish;
+republishing the same version overwrites them).
+
+Sharded trainers (DTensor / FSDP2 state dicts): every rank calls ``publish`` with its own
+state dict, ``shard=rank`` and ``num_shards=world``; each rank writes only its local
+shards (replicated DTensor placements: only the rank at coordinate 0 of those mesh
+dimensions; plain tensors: only shard 0) with their global offsets; shard 0 commits once
+all manifests exist. Readers assemble full tensors from the pieces and check that the
+pieces cover every element.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import time
+from typing import Callable, NamedTuple, Optional
+
+import msgpack
+
+from .config import ReplicateConfig, WeightSyncConfig
+from .errors import (LeaseExpiredError, ObjectExistsError, ObjectNotFoundError, StaleVersionError, StoreError,
+                     WeightSyncAbortedError)
+
+__all__ = ["WeightSync", "GroupWeightSync", "PublishResult", "PullResult", "GroupSyncResult", "tensor_digest"]
+
+
+class PublishResult(NamedTuple):
+    """What :meth:`WeightSync.publish` did."""
+
+    version: int
+    shard: int
+    committed: bool       #: this call wrote the commit record (shard 0)
+    buckets: int          #: store objects written by this shard
+    bytes: int            #: tensor bytes written by this shard
+    dropped: list         #: old versions dropped after the commit
+
+
+class PullResult(NamedTuple):
+    """What :meth:`WeightSync.pull` did."""
+
+    version: int          #: the version the reader holds now
+    previous: int         #: the version it held before (-1: none)
+    installed: bool       #: False when it already held the newest (or asked) version
+    bytes: int            #: tensor bytes read
+    state_dict: Optional[dict]  #: the installed tensors when ``into`` was None
+
+
+class GroupSyncResult(NamedTuple):
+    """What :meth:`GroupWeightSync.sync` did on this rank."""
+
+    version: int
+    previous: int
+    buckets: int
+    bytes: int
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _byte_view(t):
+    """The bytes of a CPU tensor (contiguous copy if needed) as a flat uint8 tensor."""
+    torch = _torch()
+    t = t.detach()
+    if t.device.type != "cpu":
+        raise ValueError(f"tensors must be on the CPU, got {t.device}")
+    t = t.contiguous()
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _piece_digest(data, algo: str) -> str:
+    """``algo:hex`` digest of a uint8 tensor's bytes: ``xxh3`` (XXH3-128, xxhash) or ``blake2b``
+    (BLAKE2b-128, hashlib)."""
+    buf = data.numpy() if data.numel() else b""
+    if algo == "xxh3":
+        import xxhash
+
+        return "xxh3:" + xxhash.xxh3_128_hexdigest(buf)
+    if algo == "blake2b":
+        return "blake2b:" + hashlib.blake2b(buf, digest_size=16).hexdigest()
+    raise WeightSyncAbortedError(f"unknown checksum algorithm {algo!r} in a manifest")
+
+
+def _default_algo() -> str:
+    try:
+        import xxhash  # noqa: F401
+
+        return "xxh3"
+    except ImportError:
+        return "blake2b"
+
+
+def tensor_digest(t) -> str:
+    """BLAKE2b-128 hex digest of a CPU tensor's bytes (row-major order)."""
+    b = _byte_view(t)
+    return hashlib.blake2b(b.numpy() if b.numel() else b"", digest_size=16).hexdigest()
+
+
+def _dtype_name(dt) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def _dtype_of(name: str):
+    dt = getattr(_torch(), name, None)
+    if not isinstance(dt, _torch().dtype):
+        raise WeightSyncAbortedError(f"unknown dtype {name!r} in a manifest")
+    return dt
+
+
+def _target_dict(into) -> dict:
+    torch = _torch()
+    if into is None:
+        return {}
+    if isinstance(into, torch.nn.Module):
+        return into.state_dict(keep_vars=True)
+    if isinstance(into, dict):
+        return into
+    raise ValueError(f"into must be an nn.Module, a dict of tensors or None, got {type(into).__name__}")
+
+
+def _local_pieces(state_dict: dict, shard: int, num_shards: int) -> list:
+    """[(name, dtype, global_shape, offset, local_tensor)] this shard writes."""
+    torch = _torch()
+    try:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # pragma: no cover
+        DTensor = None
+    out = []
+    for name, t in state_dict.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"state dict keys must be non-empty str, got {name!r}")
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"state dict entry {name!r} is a {type(t).__name__}, not a tensor")
+        if DTensor is not None and isinstance(t, DTensor):
+            coord = t.device_mesh.get_coordinate()
+            if coord is None:
+                continue
+            skip = False
+            for d, p in enumerate(t.placements):
+                if isinstance(p, Shard):
+                    continue
+                if isinstance(p, Replicate):
+                    skip = skip or coord[d] != 0
+                else:
+                    raise ValueError(f"{name!r}: placement {p} is not supported (Shard or Replicate only)")
+            if skip:
+                continue
+            local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+            local = t.to_local()
+            if local.device.type != "cpu":
+                raise ValueError(f"{name!r}: tensors must be on the CPU, got {local.device}")
+            if tuple(local.shape) != tuple(local_shape):
+                raise ValueError(f"{name!r}: local shard shape {tuple(local.shape)} != expected {tuple(local_shape)}")
+            out.append((name, t.dtype, list(t.shape), [int(o) for o in offset], local))
+        else:
+            if t.device.type != "cpu":
+                raise ValueError(f"{name!r}: tensors must be on the CPU, got {t.device}")
+            if shard == 0:
+                out.append((name, t.dtype, list(t.shape), [0] * t.dim(), t))
+    return out
+
+
+class WeightSync:
+    """Versioned weights of one model in a :class:`~mooncake_store.MooncakeStore`.
+
+    ``WeightSync(store, "policy")``; trainer: ``publish(state_dict, version)``; rollout:
+    ``pull(into=model)``. ``config`` is a :class:`WeightSyncConfig`. One object per
+    process and model; a reader's ``version`` is the version it holds (-1: none)."""
+
+    def __init__(self, store, model: str, *, config: Optional[WeightSyncConfig] = None):
+        if not isinstance(model, str) or not model or "/" in model or len(model) > 200:
+            raise ValueError(f"model must be a non-empty str without '/' (at most 200 chars), got {model!r}")
+        self.store = store
+        self.model = model
+        self.cfg = config or WeightSyncConfig()
+        if not isinstance(self.cfg, WeightSyncConfig):
+            raise ValueError("config must be a WeightSyncConfig")
+        self._p = f"ws/{model}/"
+        self._rc = ReplicateConfig(pin=self.cfg.pin)
+        self.version = -1
+        self._slot: Optional[int] = None
+        self._spare: dict = {}  # staging tensors of the last pull, reused by the next one
+
+    # ------------------------------------------------------------------ helpers
+    def _get_msg(self, key, default=ObjectNotFoundError):
+        try:
+            return msgpack.unpackb(self.store.get(key), raw=False)
+        except ObjectNotFoundError:
+            if default is ObjectNotFoundError:
+                raise
+            return default
+
+    def latest_version(self) -> int:
+        """The newest committed version in the store (-1: none). Read from the master, so a
+        restarted trainer or a new reader sees it."""
+        rec = self._get_msg(self._p + "latest", None)
+        return int(rec["version"]) if isinstance(rec, dict) else -1
+
+    def committed_versions(self) -> list:
+        """Committed versions not dropped yet, oldest first."""
+        return [int(v) for v in (self._get_msg(self._p + "versions", None) or [])]
+
+    # ------------------------------------------------------------------ publish
+    def publish(self, state_dict, version: int, *, shard: int = 0, num_shards: int = 1) -> PublishResult:
+        """Writes ``state_dict`` (CPU tensors or DTensors; an ``nn.Module`` is taken by its
+        state dict) as ``version``.
+
+        Raises ``StaleVersionError`` if ``version`` is at or below the latest committed
+        one, ``ValueError`` for bad input (before anything is written), ``StoreError``s of
+        the store. With ``num_shards > 1`` every shard calls this; shard 0 waits up to
+        ``commit_timeout_s`` for the others' manifests and commits."""
+        torch = _torch()
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"version must be an int >= 0, got {version!r}")
+        if not isinstance(num_shards, int) or num_shards < 1 or not isinstance(shard, int) or not 0 <= shard < num_shards:
+            raise ValueError(f"need 0 <= shard < num_shards, got shard={shard!r} num_shards={num_shards!r}")
+        if isinstance(state_dict, torch.nn.Module):
+            state_dict = state_dict.state_dict()
+        if not isinstance(state_dict, dict):
+            raise ValueError(f"state_dict must be a dict of tensors, got {type(state_dict).__name__}")
+        pieces = _local_pieces(state_dict, shard, num_shards)
+        latest = self.latest_version()
+        if version <= latest:
+            raise StaleVersionError(f"{self.model}: version {version} is not above the latest committed version "
+                                    f"{latest}; publish {latest + 1} or higher")
+        vp = f"{self._p}v{version}/"
+        if self.store.exists(vp + "commit"):
+            raise StaleVersionError(f"{self.model}: version {version} is already committed")
+
+        # pack into buckets; put bucket i while packing bucket i+1
+        plan, cur, cur_bytes = [], [], 0
+        for p in pieces:
+            n = p[4].numel() * p[4].element_size()
+            if n >= self.cfg.bucket_bytes:
+                plan.append([p])
+                continue
+            if cur and cur_bytes + n > self.cfg.bucket_bytes:
+                plan.append(cur)
+                cur, cur_bytes = [], 0
+            cur.append(p)
+            cur_bytes += n
+        if cur or not plan:
+            plan.append(cur)
+        manifest = {"version": version, "shard": shard, "num_shards": num_shards, "buckets": [], "pieces": []}
+        total = 0
+        algo = _default_algo() if self.cfg.checksums else None
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ws-put") as ex:
+            pending = None
+            for i, group in enumerate(plan):
+                key = f"{vp}b{shard}.{i}"
+                views = [_byte_view(p[4]) for p in group]
+                offs, nbytes = [], 0
+                for v in views:  # pieces start 64-byte aligned, so readers can view them as any dtype
+                    offs.append(nbytes)
+                    nbytes = (nbytes + v.numel() + 63) // 64 * 64
+                if len(views) == 1:
+                    buf = views[0]
+                    nbytes = buf.numel()
+                else:
+                    buf = torch.zeros(nbytes, dtype=torch.uint8)
+                for p, v, off in zip(group, views, offs):
+                    n = v.numel()
+                    if buf is not v and n:
+                        buf[off:off + n].copy_(v)
+                    manifest["pieces"].append({
+                        "name": p[0], "dtype": _dtype_name(p[1]), "gshape": p[2], "offset": p[3],
+                        "shape": list(p[4].shape), "bucket": i, "boff": off, "nbytes": n,
+                        "digest": _piece_digest(v, algo) if algo else None})
+                manifest["buckets"].append([key, nbytes])
+                total += nbytes
+                if pending is not None:
+                    pending.result()
+                pending = ex.submit(self.store.upsert, key, buf, self._rc)
+            if pending is not None:
+                pending.result()
+        self.store.upsert(f"{vp}m{shard}", msgpack.packb(manifest), self._rc)
+        if shard != 0:
+            return PublishResult(version, shard, False, len(plan), total, [])
+        mkeys = [f"{vp}m{s}" for s in range(num_shards)]
+        deadline = time.monotonic() + self.cfg.commit_timeout_s
+        while not all(self.store.exists_batch(mkeys)):
+            if time.monotonic() > deadline:
+                raise WeightSyncAbortedError(f"{self.model} v{version}: not every shard wrote its manifest within "
+                                             f"{self.cfg.commit_timeout_s}s; nothing committed")
+            time.sleep(0.01)
+        try:
+            self.store.put(vp + "commit", msgpack.packb({"version": version, "num_shards": num_shards,
+                                                         "time": time.time()}), self._rc)
+        except ObjectExistsError:
+            raise StaleVersionError(f"{self.model}: version {version} was committed meanwhile") from None
+        versions = sorted(set(self.committed_versions()) | {version})
+        if version > self.latest_version():
+            self.store.upsert(self._p + "latest", msgpack.packb({"version": version}), self._rc)
+        dropped = self._drop_old(versions)
+        self.store.upsert(self._p + "versions", msgpack.packb([v for v in versions if v not in dropped]), self._rc)
+        return PublishResult(version, shard, True, len(plan), total, dropped)
+
+    def _holds(self) -> set:
+        keys = [f"{self._p}slot/{i}" for i in range(self.cfg.max_readers)]
+        slots = [i for i, e in zip(range(self.cfg.max_readers), self.store.exists_batch(keys)) if e]
+        if not slots:
+            return set()
+        got = self.store.get_batch([f"{self._p}hold/{i}" for i in slots], return_exceptions=True)
+        now, held = time.time(), set()
+        for g in got:
+            if isinstance(g, BaseException):
+                continue
+            try:
+                rec = msgpack.unpackb(g, raw=False)
+                if rec["version"] >= 0 and now - float(rec["t"]) < self.cfg.hold_ttl_s:
+                    held.add(int(rec["version"]))
+            except Exception:
+                continue
+        return held
+
+    def _drop_old(self, versions: list) -> list:
+        keep = set(versions[-(self.cfg.keep_versions + 1):]) | self._holds()
+        dropped = []
+        for v in versions:
+            if v in keep:
+                continue
+            vp = f"{self._p}v{v}/"
+            try:
+                commit = self._get_msg(vp + "commit")
+                mans = [msgpack.unpackb(m, raw=False) for m in
+                        self.store.get_batch([f"{vp}m{s}" for s in range(int(commit["num_shards"]))])]
+            except ObjectNotFoundError:
+                dropped.append(v)
+                continue
+            # the commit record first: the version is invisible before its pieces go. force=True
+            # is safe for a reader copying right now: the store reuses the space of a leased
+            # object only after the lease ends, so that copy completes intact
+            self.store.remove_batch([vp + "commit"], force=True, return_exceptions=True)
+            keys = [b[0] for m in mans for b in m["buckets"]] + [f"{vp}m{s}" for s in range(len(mans))]
+            self.store.remove_batch(keys, force=True, return_exceptions=True)
+            dropped.append(v)
+        return dropped
+
+    # ------------------------------------------------------------------ pull
+    def _hold(self, version: int):
+        if self._slot is None:
+            for i in range(self.cfg.max_readers):
+                try:
+                    self.store.put(f"{self._p}slot/{i}", b"", self._rc)
+                    self._slot = i
+                    break
+                except ObjectExistsError:
+                    continue
+            else:
+                return  # no slot: pulls still work, the version is just not protected from dropping
+        self.store.upsert(f"{self._p}hold/{self._slot}", msgpack.packb({"version": version, "t": time.time()}),
+                          self._rc)
+
+    def release(self):
+        """Gives up this reader's slot (call when the reader goes away for good)."""
+        if self._slot is not None:
+            self.store.remove_batch([f"{self._p}hold/{self._slot}", f"{self._p}slot/{self._slot}"], force=True,
+                                    return_exceptions=True)
+            self._slot = None
+
+    def pull(self, into=None, version="latest", *, dtype=None, strict: bool = True,
+             stage_hook: Optional[Callable[[int], None]] = None) -> PullResult:
+        """Installs ``version`` (``"latest"`` or an int) into ``into`` (an ``nn.Module`` or a
+        dict of tensors; ``None``: the tensors come back in ``PullResult.state_dict``).
+
+        All or nothing: the whole version is read and checked (every piece present,
+        checksums, shapes, every element covered) before the first tensor of ``into``
+        changes; on any error the previous version stays and the error is raised
+        (``WeightSyncAbortedError`` for a missing/corrupt piece, or the error raised).
+        ``dtype`` casts floating-point tensors. Never goes back: an int ``version`` below
+        the one held raises ``StaleVersionError``; ``"latest"`` at or below it does
+        nothing (``installed=False``). ``strict``: ``into`` must have exactly the
+        published names. ``stage_hook(i)`` runs before bucket ``i`` is staged (for
+        validation and tests; its exception aborts the pull)."""
+        torch = _torch()
+        targets = _target_dict(into)
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise ValueError(f"dtype must be a torch.dtype or None, got {dtype!r}")
+        prev = self.version
+        if version == "latest":
+            v = self.latest_version()
+            if v <= prev:
+                return PullResult(prev, prev, False, 0, None)
+        elif isinstance(version, int) and not isinstance(version, bool) and version >= 0:
+            v = version
+            if v < prev:
+                raise StaleVersionError(f"{self.model}: holds version {prev}; will not go back to {v}")
+            if v == prev:
+                return PullResult(prev, prev, False, 0, None)
+        else:
+            raise ValueError(f"version must be 'latest' or an int >= 0, got {version!r}")
+        self._hold(v)
+        try:
+            staged, raw, nbytes = self._stage(v, targets, dtype, strict, stage_hook)
+            with torch.no_grad():
+                for name, t in staged.items():
+                    if name in targets:
+                        targets[name].copy_(t)
+            # keep the staging tensors for the next pull (into given and they were not handed out)
+            self._spare = raw if into is not None and (dtype is None or raw is not staged) else {}
+        finally:
+            try:
+                self._hold(-1)
+            except StoreError:
+                pass
+        self.version = v
+        return PullResult(v, prev, True, nbytes, staged if into is None else None)
+
+    def _stage(self, v: int, targets: dict, dtype, strict: bool, stage_hook) -> tuple:
+        torch = _torch()
+        vp = f"{self._p}v{v}/"
+        try:
+            commit = self._get_msg(vp + "commit")
+        except ObjectNotFoundError:
+            raise ObjectNotFoundError(f"{self.model}: version {v} is not committed (or was dropped)") from None
+        n = int(commit["num_shards"])
+        try:
+            mans = [msgpack.unpackb(m, raw=False) for m in self.store.get_batch([f"{vp}m{s}" for s in range(n)])]
+        except ObjectNotFoundError as e:
+            raise WeightSyncAbortedError(f"{self.model} v{v}: a manifest is missing ({e}); kept version "
+                                         f"{self.version}") from None
+        # full tensors, in the published dtype
+        specs: dict = {}
+        for m in mans:
+            for p in m["pieces"]:
+                spec = specs.setdefault(p["name"], [p["dtype"], p["gshape"], 0])
+                if spec[0] != p["dtype"] or spec[1] != p["gshape"]:
+                    raise WeightSyncAbortedError(f"{self.model} v{v}: shards disagree on {p['name']!r}")
+                c = 1
+                for d in p["shape"]:
+                    c *= d
+                spec[2] += c
+        if strict and targets and set(targets) != set(specs):
+            missing, extra = sorted(set(specs) - set(targets)), sorted(set(targets) - set(specs))
+            raise ValueError(f"{self.model} v{v}: names differ (not in into: {missing[:5]}; not published: "
+                             f"{extra[:5]}); kept version {self.version}")
+        staged = {}
+        for name, (dt, gshape, count) in specs.items():
+            numel = 1
+            for d in gshape:
+                numel *= d
+            if count != numel:
+                raise WeightSyncAbortedError(f"{self.model} v{v}: pieces of {name!r} cover {count} of {numel} elements")
+            if name in targets and tuple(targets[name].shape) != tuple(gshape):
+                raise ValueError(f"{self.model} v{v}: {name!r} has shape {tuple(gshape)}, into has "
+                                 f"{tuple(targets[name].shape)}; kept version {self.version}")
+            spare = self._spare.pop(name, None)
+            if spare is not None and spare.dtype == _dtype_of(dt) and list(spare.shape) == list(gshape):
+                staged[name] = spare  # the last pull's staging tensor: no fresh pages to fault in
+            else:
+                staged[name] = torch.empty(gshape, dtype=_dtype_of(dt))
+        buckets = [(b[0], b[1], [p for p in m["pieces"] if p["bucket"] == i])
+                   for m in mans for i, b in enumerate(m["buckets"])]
+        total = 0
+
+        def fetch(b):
+            for attempt in range(3):  # a copy that outlasted its read lease (a loaded host) is redone
+                try:
+                    return fetch_once(b)
+                except LeaseExpiredError:
+                    if attempt == 2:
+                        raise
+
+        def fetch_once(b):
+            key, nb, pieces = b
+            # a bucket that is one whole tensor is read straight into the staged tensor
+            if len(pieces) == 1 and pieces[0]["shape"] == pieces[0]["gshape"] and nb:
+                dst = _byte_view(staged[pieces[0]["name"]])
+                self.store.get_into(key, dst)
+                return dst
+            buf = torch.empty(nb, dtype=torch.uint8)
+            if nb:
+                self.store.get_into(key, buf)
+            return buf
+
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ws-get") as ex:
+            nxt = ex.submit(fetch, buckets[0]) if buckets else None
+            for i, b in enumerate(buckets):
+                try:
+                    buf = nxt.result()
+                except ObjectNotFoundError as e:
+                    raise WeightSyncAbortedError(f"{self.model} v{v}: {e} (dropped meanwhile?); kept version "
+                                                 f"{self.version}") from None
+                if stage_hook is not None:
+                    stage_hook(i)
+                nxt = ex.submit(fetch, buckets[i + 1]) if i + 1 < len(buckets) else None
+                for p in b[2]:
+                    piece = buf[p["boff"]:p["boff"] + p["nbytes"]]
+                    if p["digest"] is not None:
+                        if _piece_digest(piece, str(p["digest"]).partition(":")[0]) != p["digest"]:
+                            raise WeightSyncAbortedError(f"{self.model} v{v}: checksum of {p['name']!r} differs; "
+                                                         f"kept version {self.version}")
+                    dst = staged[p["name"]]
+                    if piece.data_ptr() == (_byte_view(dst).data_ptr() if dst.numel() else -1):
+                        continue  # read in place
+                    if p["nbytes"]:
+                        src = piece.view(dst.dtype).reshape(p["shape"])
+                        dst[tuple(slice(o, o + s) for o, s in zip(p["offset"], p["shape"]))].copy_(src)
+                total += b[1]
+        raw = staged
+        if dtype is not None:
+            staged = {k: (t.to(dtype) if t.is_floating_point() else t) for k, t in staged.items()}
+        return staged, raw, total
+
+
+class GroupWeightSync:
+    """Bucketed broadcast of weights over a process group, atomic for the whole group.
+
+    Every rank of ``group`` calls :meth:`sync` with its model (or state dict); ``src``
+    (a global rank) passes the ``version``. Either every rank installs the new version
+    or none does: each bucket is staged into new tensors; after each bucket the group
+    agrees (``all_reduce`` of a failure count) whether to go on, so no rank starts bucket
+    ``i+1`` after a failure in bucket ``i``; the staged tensors are copied in only after
+    the last bucket. On failure every rank raises ``WeightSyncAbortedError`` (the rank that
+    failed chains its own error) and keeps its previous version; a retry may follow."""
+
+    def __init__(self, *, group=None, src: int = 0, bucket_bytes: int = 64 << 20):
+        if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be an int >= 1, got {bucket_bytes!r}")
+        self.group = group
+        self.src = src
+        self.bucket_bytes = bucket_bytes
+        self.version = -1
+        self._spare: dict = {}  # staging tensors of the last sync, reused by the next one
+
+    def _agree(self, failed: bool) -> int:
+        torch = _torch()
+        import torch.distributed as dist
+
+        flag = torch.tensor([1 if failed else 0], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=self.group)
+        return int(flag.item())
+
+    def sync(self, model_or_state_dict, version: Optional[int] = None, *,
+             stage_hook: Optional[Callable[[int], None]] = None) -> GroupSyncResult:
+        torch = _torch()
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        targets = _target_dict(model_or_state_dict)
+        is_src = rank == self.src
+        prev = self.version
+        header = torch.zeros(2, dtype=torch.int64)
+        local_err: Optional[BaseException] = None
+        if is_src:
+            if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+                raise ValueError(f"src must pass version as an int >= 0, got {version!r}")
+            names = list(targets)
+            plan, cur, cur_b = [], [], 0
+            for nme in names:
+                nb = targets[nme].numel() * targets[nme].element_size()
+                if cur and cur_b + nb > self.bucket_bytes:
+                    plan.append(cur)
+                    cur, cur_b = [], 0
+                cur.append(nme)
+                cur_b += nb
+            if cur:
+                plan.append(cur)
+            man = msgpack.packb({"version": version, "buckets": [
+                [[n, _dtype_name(targets[n].dtype), list(targets[n].shape)] for n in b] for b in plan]})
+            header[0], header[1] = len(man), version
+        dist.broadcast(header, src=self.src, group=self.group)
+        mbuf = torch.empty(int(header[0]), dtype=torch.uint8)
+        if is_src:
+            mbuf.copy_(torch.frombuffer(bytearray(man), dtype=torch.uint8))
+        dist.broadcast(mbuf, src=self.src, group=self.group)
+        new_version = int(header[1])
+        man = msgpack.unpackb(mbuf.numpy().tobytes(), raw=False)
+        buckets = man["buckets"]
+        try:
+            if new_version <= prev:
+                raise StaleVersionError(f"rank {rank} holds version {prev}; will not install {new_version}")
+            for b in buckets:
+                for n, dt, shape in b:
+                    if n not in targets:
+                        raise ValueError(f"rank {rank}: {n!r} is not in the model")
+                    if list(targets[n].shape) != shape:
+                        raise ValueError(f"rank {rank}: {n!r} has shape {tuple(targets[n].shape)}, src sends {shape}")
+        except Exception as e:  # noqa: BLE001 - reported to the group, then raised
+            local_err = e
+        if self._agree(local_err is not None):
+            raise WeightSyncAbortedError(f"rank {rank}: the group refused version {new_version} before any bucket; "
+                                         f"kept version {prev}") from local_err
+        staged: dict = {}
+        total = 0
+        def staging(n, d, s):
+            t = self._spare.pop(n, None)  # the last sync's staging tensor: no fresh pages
+            return t if t is not None and t.dtype == d and list(t.shape) == list(s) else torch.empty(s, dtype=d)
+
+        for i, b in enumerate(buckets):
+            specs = [(n, _dtype_of(dt), shape) for n, dt, shape in b]
+            sizes = [torch.empty(0, dtype=d).element_size() * _numel(s) for _, d, s in specs]
+            direct = len(specs) == 1 and sizes[0] > 0
+            if direct:  # one tensor: broadcast its bytes in place (src) / into its staging tensor
+                if is_src:
+                    buf = _byte_view(targets[specs[0][0]])
+                else:
+                    staged[specs[0][0]] = staging(*specs[0])
+                    buf = _byte_view(staged[specs[0][0]])
+            else:
+                buf = torch.empty(sum(sizes), dtype=torch.uint8)
+            if is_src and not direct:
+                off = 0
+                for (n, _, _), sz in zip(specs, sizes):
+                    if sz:
+                        buf[off:off + sz].copy_(_byte_view(targets[n]))
+                    off += sz
+            dist.broadcast(buf, src=self.src, group=self.group)
+            total += buf.numel()
+            try:
+                if stage_hook is not None:
+                    stage_hook(i)
+                if not is_src and not direct:
+                    off = 0
+                    for (n, d, s), sz in zip(specs, sizes):
+                        t = staging(n, d, s)
+                        if sz:
+                            _byte_view(t).copy_(buf[off:off + sz])
+                        staged[n] = t
+                        off += sz
+            except Exception as e:  # noqa: BLE001
+                local_err = e
+            if self._agree(local_err is not None):
+                raise WeightSyncAbortedError(f"rank {rank}: version {new_version} aborted at bucket {i} (a rank "
+                                             f"failed staging it); kept version {prev}") from local_err
+        with torch.no_grad():
+            for n, t in staged.items():
+                targets[n].copy_(t)
+        self._spare = staged
+        self.version = new_version
+        return GroupSyncResult(new_version, prev, len(buckets), total)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -1,0 +1,193 @@
+"""KVCacheStore: chained chunk hashes, shared and diverging prompts, chunk boundaries,
+tenant isolation, eviction (misses only, never wrong data), reuse after a full restart
+from the SSD tier, and logits with reuse equal to a full prefill (a tiny decoder).
+Real processes: the master and the segment owner are started by store_agents; this
+process is a client without a segment."""
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import store_agents as sa  # noqa: E402
+
+import torch  # noqa: E402,I001  (torch before the store's extension users)
+from mooncake_store import KVCacheConfig, KVCacheStore, MooncakeStore, chunk_hashes  # noqa: E402
+
+MiB = 1 << 20
+pytestmark = pytest.mark.timeout(180)
+L, H, D = 2, 2, 8
+
+
+@pytest.fixture
+def procs():
+    yield sa
+    sa.cleanup()
+
+
+def _kv_for(tokens, *, d=D):
+    """Deterministic K/V of a token sequence: position i holds a function of tokens[:i+1]
+    (so equal prefixes have equal K/V, as in a real model)."""
+    t = torch.as_tensor(tokens, dtype=torch.float64)
+    run = torch.cumsum(t * 1.000001 + 1, 0)
+    base = torch.stack([run * (l + 1) + s for l in range(L) for s in range(2)]).reshape(L, 2, 1, -1, 1)
+    return (base + torch.arange(H * d, dtype=torch.float64).reshape(1, 1, H, 1, d)).float()
+
+
+def _client(addr):
+    return MooncakeStore(serve_tcp=False, master=addr, segment_size=0)
+
+
+def test_shared_diverging_prompts_and_chunk_boundaries(procs):
+    m = sa.start_master()
+    sa.start_agent({"master": m.address, "segment_size": 16 * MiB, "name": "node"})
+    with _client(m.address) as s:
+        kv = KVCacheStore(s, tenant="a", config=KVCacheConfig(chunk_tokens=4))
+        p = list(range(100, 110))  # 10 tokens: 2 whole chunks and a tail of 2
+        r = kv.put(p, _kv_for(p))
+        assert (r.stored_chunks, r.existing_chunks, r.tokens) == (2, 0, 8)
+        assert kv.match_prefix(p) == 8
+        assert kv.match_prefix(p[:8]) == 8          # exactly on a boundary
+        assert kv.match_prefix(p[:7]) == 4          # one short of a boundary
+        assert kv.match_prefix(p[:3]) == 0          # less than a chunk
+        assert kv.match_prefix(p[:5] + [0] * 5) == 4  # diverges inside chunk 2
+        assert kv.match_prefix([0] + p[1:]) == 0    # diverges at token 0: chained hash, nothing shared
+        q = p[:8] + [7, 7, 7, 7, 7]                # shares both chunks, then diverges
+        r = kv.put(q, _kv_for(q))
+        assert (r.stored_chunks, r.existing_chunks) == (1, 2)  # existing chunks are hits, no error
+        assert kv.stats.existing_chunks == 2 and kv.stats.stored_chunks == 3
+        assert kv.match_prefix(q) == 12
+        g = kv.get(q, 12)
+        assert g.tokens == 12 and torch.equal(g.kv, _kv_for(q)[:, :, :, :12])  # bytes exactly as put
+        g = kv.get(p, 4)
+        assert g.tokens == 4 and torch.equal(g.kv, _kv_for(p)[:, :, :, :4])
+        # per-layer (K, V) pairs in and out
+        r3 = list(range(300, 308))
+        pairs = [(layer[0], layer[1]) for layer in _kv_for(r3)]
+        assert kv.put(r3, pairs).stored_chunks == 2
+        got = kv.get(r3).layers()
+        assert len(got) == L and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, pairs))
+        with pytest.raises(ValueError):
+            kv.get(p, 6)  # not a whole chunk
+        with pytest.raises(ValueError):
+            kv.put(p, _kv_for(p)[:, :, :, :5])  # K/V shorter than the whole chunks
+        st = kv.stats
+        assert st.lookups == 7 and st.hit_chunks == 2 + 2 + 1 + 1 + 3 and st.hit_rate > 0.5
+        # the same tokens as a tensor give the same keys; other processes compute the same hashes
+        assert kv.keys(torch.tensor(p)) == kv.keys(p)
+        code = ("import sys; sys.path.insert(0, %r); from mooncake_store.kvcache import chunk_hashes; "
+                "print(','.join(chunk_hashes(list(range(100, 110)), 4)))") % os.getcwd()
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "PYTHONHASHSEED": "123"})
+        assert out.stdout.strip().split(",") == chunk_hashes(p, 4), out.stderr
+
+
+def test_tenant_and_model_isolation(procs):
+    m = sa.start_master()
+    sa.start_agent({"master": m.address, "segment_size": 16 * MiB, "name": "node"})
+    with _client(m.address) as s:
+        a = KVCacheStore(s, tenant="a", config=KVCacheConfig(chunk_tokens=4))
+        b = KVCacheStore(s, tenant="b", config=KVCacheConfig(chunk_tokens=4))
+        other_model = KVCacheStore(s, tenant="a", config=KVCacheConfig(chunk_tokens=4, model="other"))
+        p = list(range(16))
+        a.put(p, _kv_for(p))
+        assert a.match_prefix(p) == 16
+        assert b.match_prefix(p) == 0 and other_model.match_prefix(p) == 0
+        assert b.get(p).tokens == 0
+        bk = _kv_for(p) + 1000
+        assert b.put(p, bk).stored_chunks == 4  # b's own copy, a's is untouched
+        assert torch.equal(a.get(p).kv, _kv_for(p)) and torch.equal(b.get(p).kv, bk)
+        with pytest.raises(ValueError):
+            KVCacheStore(s, tenant="x/y")
+
+
+def test_eviction_only_misses_never_wrong_data(procs):
+    m = sa.start_master(high_watermark=0.8, low_watermark=0.5)
+    sa.start_agent({"master": m.address, "segment_size": 2 * MiB + 4096, "name": "node"})
+    with _client(m.address) as s:
+        kv = KVCacheStore(s, tenant="t", config=KVCacheConfig(chunk_tokens=64))
+        prompts = [[i] * 3 + list(range(i, i + 509)) for i in range(40)]  # 8 chunks of 8 KiB each
+        for p in prompts:  # 40 x 64 KiB through a 2 MiB segment
+            kv.put(p, _kv_for(p, d=64))
+        hits = 0
+        for p in prompts:
+            n = kv.match_prefix(p)
+            g = kv.get(p, n)
+            hits += g.tokens
+            if g.tokens:
+                assert torch.equal(g.kv, _kv_for(p, d=64)[:, :, :, :g.tokens])  # never wrong data
+        assert 0 < hits < 40 * 512  # some chunks were evicted (misses), some survived
+        assert kv.stats.miss_chunks > 0 and s.stats().evictions > 0
+
+
+def test_reuse_after_full_restart_from_ssd(procs, tmp_path):
+    ssd = str(tmp_path / "ssd")
+    m = sa.start_master(high_watermark=0.8, low_watermark=0.5)
+    node = sa.start_agent({"master": m.address, "segment_size": 2 * MiB + 4096, "name": "node", "ssd_dir": ssd,
+                           "heartbeat_interval_s": 0.2})
+    prompts = [[7] * 64 + list(range(i * 1000, i * 1000 + 448)) for i in range(12)]  # shared first chunk
+    with _client(m.address) as s:
+        kv = KVCacheStore(s, tenant="t", config=KVCacheConfig(chunk_tokens=64))
+        for p in prompts:
+            kv.put(p, _kv_for(p, d=64))
+        deadline = time.monotonic() + 20
+        while s.stats().ssd_objects < 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert s.stats().ssd_objects >= 20
+    node.kill()
+    m.kill()
+    m2 = sa.start_master()
+    sa.start_agent({"master": m2.address, "segment_size": 8 * MiB, "name": "node2", "ssd_dir": ssd})
+    with _client(m2.address) as s:
+        kv = KVCacheStore(s, tenant="t", config=KVCacheConfig(chunk_tokens=64))
+        reused = 0
+        for p in prompts:
+            n = kv.match_prefix(p)
+            g = kv.get(p, n)
+            assert g.tokens == n
+            if n:
+                assert torch.equal(g.kv, _kv_for(p, d=64)[:, :, :, :n])
+            reused += n
+        assert reused >= 20 * 64  # at least the chunks that were on SSD
+
+
+def _load_example():
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "prefix_reuse.py")
+    spec = importlib.util.spec_from_file_location("prefix_reuse_example", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_logits_equal_with_and_without_reuse(procs):
+    ex = _load_example()
+    m = sa.start_master()
+    sa.start_agent({"master": m.address, "segment_size": 32 * MiB, "name": "node"})
+    torch.manual_seed(0)
+    model = ex.TinyDecoder().eval()
+    g = torch.Generator().manual_seed(1)
+    system = torch.randint(0, 512, (256,), generator=g)
+    with _client(m.address) as s:
+        kv = KVCacheStore(s, tenant="t", config=KVCacheConfig(chunk_tokens=32))
+        computed = []
+        for agent in range(3):
+            toks = torch.cat([system, torch.randint(0, 512, (40,), generator=g)])
+            logits, n = ex.prefill(model, kv, toks)
+            full, full_kv = model(toks)
+            assert torch.allclose(logits, full[-1], atol=1e-5, rtol=0), (logits - full[-1]).abs().max()
+            assert logits.argmax() == full[-1].argmax()
+            hit = kv.get(toks, 256)  # the stored system prompt K/V equals a fresh computation
+            assert torch.allclose(hit.kv, full_kv[:, :, :, :256], atol=1e-5, rtol=0)
+            computed.append(n)
+    assert computed[0] == 296 and computed[1] == computed[2] == 296 - 256  # prefill saved for agents 2, 3
+
+
+def test_example_runs():
+    out = subprocess.run([sys.executable, os.path.join("examples", "prefix_reuse.py"), "--agents", "3", "--turns", "2",
+                          "--system-tokens", "256", "--chunk", "64"], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "logits equal (within float32 rounding): True" in out.stdout and "TTFT with reuse" in out.stdout

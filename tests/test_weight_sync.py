@@ -1,0 +1,381 @@
+"""Weight sync (CASES.md "Weight sync": WS-1, WS-2, WS-4) and a sharded (FSDP2/DTensor)
+publish. Real processes: a master and a storage client (the segment owner) started by
+store_agents; trainers and rollout workers are ranks of a rank pool (torch.distributed
+processes); the test process only orchestrates and compares digests."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import store_agents as sa  # noqa: E402
+from rankpool import get_pool  # noqa: E402
+
+MiB = 1 << 20
+pytestmark = pytest.mark.timeout(300)
+
+_STATE: dict = {}  # per rank process, across calls: readers and models live here
+
+
+@pytest.fixture
+def store_procs():
+    yield sa
+    sa.cleanup()
+
+
+def _start_store(segment_mib):
+    m = sa.start_master()
+    sa.start_agent({"master": m.address, "segment_size": segment_mib * MiB, "name": "storage"})
+    return m.address
+
+
+# ---------------------------------------------------------------- helpers run in ranks
+def _client(addr):
+    from mooncake_store import MooncakeStore
+
+    key = ("client", addr)
+    if key not in _STATE:
+        _STATE[key] = MooncakeStore(serve_tcp=False, master=addr, segment_size=0)
+    return _STATE[key]
+
+
+def _digests(sd) -> dict:
+    from mooncake_store import tensor_digest
+
+    return {k: (tensor_digest(v), str(v.dtype), list(v.shape)) for k, v in sd.items()}
+
+
+def _small_sd(version):
+    import torch
+
+    g = torch.Generator().manual_seed(version)
+    return {"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g).to(torch.bfloat16),
+            "step": torch.tensor([version], dtype=torch.int64)}
+
+
+def _ws1_rank(rank, world, addr, op, version=None):
+    """rank 0: trainer (a fresh WeightSync each call: no state survives a 'restart'); rank 1: rollout."""
+    import torch
+    import torch.distributed as dist
+    from mooncake_store import StaleVersionError, WeightSync
+
+    out = {}
+    if rank == 0 and op == "publish":
+        ws = WeightSync(_client(addr), "ws1")
+        try:
+            ws.publish(_small_sd(version), version)
+            out["published"] = version
+        except StaleVersionError as e:
+            out["stale"] = str(e)
+    dist.barrier()
+    if rank == 1:
+        r = _STATE.setdefault("ws1_reader", WeightSync(_client(addr), "ws1"))
+        model = _STATE.setdefault("ws1_model", {k: torch.zeros_like(v) for k, v in _small_sd(0).items()})
+        res = r.pull(model)
+        out.update(version=r.version, installed=res.installed, digests=_digests(model))
+        try:
+            r.pull(model, version=1)
+            out["went_back"] = True
+        except StaleVersionError:
+            out["went_back"] = False
+    return out
+
+
+def test_ws1_no_going_back(store_procs):
+    from mooncake_store import tensor_digest
+
+    addr = _start_store(64)
+    pool = get_pool(2)
+    want = {v: {k: tensor_digest(t) for k, t in _small_sd(v).items()} for v in (1, 2, 3)}
+
+    def check(out, v):
+        assert out["version"] == v
+        assert {k: d[0] for k, d in out["digests"].items()} == want[v]  # reported version matches the tensors
+
+    r = pool.run(_ws1_rank, addr, "publish", 1, timeout=60)
+    assert r[0]["published"] == 1 and r[1]["installed"]
+    check(r[1], 1)
+    r = pool.run(_ws1_rank, addr, "publish", 2, timeout=60)
+    check(r[1], 2)
+    assert r[1]["went_back"] is False
+    # the trainer restarts: a new process with a new client; the master kept running
+    _STATE.clear()
+    r = pool.run(_ws1_rank_restart, addr, timeout=60)
+    assert "stale" in r[0] and "version 1" in r[0]["stale"]
+    check(r[1], 2)
+    assert r[1]["installed"] is False and r[1]["went_back"] is False
+    r = pool.run(_ws1_rank, addr, "publish", 3, timeout=60)
+    assert r[0]["published"] == 3
+    check(r[1], 3)
+
+
+def _ws1_rank_restart(rank, world, addr):
+    """The restarted trainer: drop the rank's old client (its process state), open a new one."""
+    if rank == 0:
+        c = _STATE.pop(("client", addr), None)
+        if c is not None:
+            c.close()
+    return _ws1_rank(rank, world, addr, "publish", 1)
+
+
+# ---------------------------------------------------------------- WS-2
+N_BUCKETS = 10
+
+
+def _ws2_sd(version):
+    import torch
+
+    g = torch.Generator().manual_seed(100 + version)
+    sd = {}
+    for i in range(N_BUCKETS):  # 8 MiB each: fp32 and bf16 alternating
+        if i % 2 == 0:
+            sd[f"t{i}"] = torch.randn(2 * MiB, generator=g)
+        else:
+            sd[f"t{i}"] = torch.randn(4 * MiB, generator=g).to(torch.bfloat16)
+    return sd
+
+
+class InjectedError(RuntimeError):
+    pass
+
+
+def _ws2_store_rank(rank, world, addr, version, fail_rank, tag):
+    """rank 0 publishes ``version`` (if not yet); ranks 1..3 pull; ``fail_rank`` raises at bucket 4."""
+    import torch
+    import torch.distributed as dist
+    from mooncake_store import WeightSync, WeightSyncConfig
+
+    cfg = WeightSyncConfig(bucket_bytes=8 * MiB)
+    out = {}
+    if rank == 0:
+        ws = WeightSync(_client(addr), "ws2", config=cfg)
+        if ws.latest_version() < version:
+            out["publish"] = ws.publish(_ws2_sd(version), version).buckets
+    dist.barrier()
+    if rank > 0:
+        r = _STATE.setdefault((tag, "reader"), WeightSync(_client(addr), "ws2", config=cfg))
+        model = _STATE.setdefault((tag, "model"), {k: torch.zeros_like(v) for k, v in _ws2_sd(0).items()})
+        seen = []
+
+        def hook(i):
+            seen.append(i)
+            if rank == fail_rank and i == 4:
+                raise InjectedError(f"worker {rank}: injected failure at bucket 4")
+        try:
+            r.pull(model, stage_hook=hook)
+        except InjectedError as e:
+            out["error"] = str(e)
+        out.update(version=r.version, digests={k: v[0] for k, v in _digests(model).items()}, buckets_seen=seen)
+    return out
+
+
+def _want(version):
+    from mooncake_store import tensor_digest
+
+    return {k: tensor_digest(t) for k, t in _ws2_sd(version).items()}
+
+
+def test_ws2_store_path_all_or_nothing(store_procs):
+    addr = _start_store(256)
+    pool = get_pool(4)
+    want = {v: _want(v) for v in (1, 2)}
+    r = pool.run(_ws2_store_rank, addr, 1, -1, "store", timeout=120)
+    assert r[0]["publish"] == N_BUCKETS
+    for w in (1, 2, 3):
+        assert r[w]["version"] == 1 and r[w]["digests"] == want[1]
+    r = pool.run(_ws2_store_rank, addr, 2, 2, "store", timeout=120)
+    assert "injected" in r[2]["error"]
+    assert r[2]["version"] == 1 and r[2]["digests"] == want[1]  # kept and reports its previous version
+    assert max(r[2]["buckets_seen"]) == 4  # stopped at the failing bucket
+    for w in (1, 3):  # a whole version, old or new, never a mix
+        assert r[w]["digests"] == want[r[w]["version"]]
+        assert r[w]["version"] == 2
+    r = pool.run(_ws2_store_rank, addr, 2, -1, "store", timeout=120)  # worker 2 retries
+    for w in (1, 2, 3):
+        assert r[w]["version"] == 2 and r[w]["digests"] == want[2]
+
+
+def _ws2_pg_rank(rank, world, version, fail_rank, tag):
+    """The process-group path: rank 0 broadcasts ``version``; ranks 1..3 receive."""
+    import torch
+    from mooncake_store import GroupWeightSync, WeightSyncAbortedError
+
+    gs = _STATE.setdefault((tag, "gs"), GroupWeightSync(src=0, bucket_bytes=8 * MiB))
+    if rank == 0:
+        model = _ws2_sd(version)
+    else:
+        model = _STATE.setdefault((tag, "model"), {k: torch.zeros_like(v) for k, v in _ws2_sd(0).items()})
+    seen = []
+
+    def hook(i):
+        seen.append(i)
+        if rank == fail_rank and i == 4:
+            raise InjectedError(f"worker {rank}: injected failure at bucket 4")
+    out = {}
+    try:
+        res = gs.sync(model, version if rank == 0 else None, stage_hook=hook)
+        out["buckets"] = res.buckets
+    except WeightSyncAbortedError as e:
+        out["error"] = str(e)
+        out["cause"] = type(e.__cause__).__name__ if e.__cause__ is not None else None
+    out.update(version=gs.version, buckets_seen=seen)
+    if rank > 0:
+        out["digests"] = {k: v[0] for k, v in _digests(model).items()}
+    return out
+
+
+def test_ws2_process_group_path_all_or_nothing():
+    pool = get_pool(4)
+    want = {v: _want(v) for v in (1, 2)}
+    r = pool.run(_ws2_pg_rank, 1, -1, "pg", timeout=120)
+    for w in (1, 2, 3):
+        assert r[w]["version"] == 1 and r[w]["digests"] == want[1] and r[w]["buckets"] == N_BUCKETS
+    r = pool.run(_ws2_pg_rank, 2, 2, "pg", timeout=120)
+    for w in range(4):
+        assert "aborted at bucket 4" in r[w]["error"], r[w]  # every participant gets an error
+        assert max(r[w]["buckets_seen"]) == 4  # nobody started bucket 5
+        assert r[w]["version"] == 1
+    assert r[2]["cause"] == "InjectedError"
+    for w in (1, 2, 3):
+        assert r[w]["digests"] == want[1]  # every worker still holds the previous version
+    r = pool.run(_ws2_pg_rank, 2, -1, "pg", timeout=120)  # retry succeeds everywhere
+    for w in (1, 2, 3):
+        assert r[w]["version"] == 2 and r[w]["digests"] == want[2]
+
+
+# ---------------------------------------------------------------- WS-4
+def _ws4_sd():
+    import torch
+
+    g = torch.Generator().manual_seed(4)
+    return {
+        "fp32": torch.randn(1000, 33, generator=g),
+        "bf16": torch.randn(77, 5, generator=g).to(torch.bfloat16),
+        "ids": torch.randint(-2**40, 2**40, (999,), generator=g, dtype=torch.int64),
+        "empty": torch.empty(0, 7),
+        "transposed": torch.randn(40, 30, generator=g).t(),
+        "big": torch.randn(300 * MiB // 4, generator=g),
+    }
+
+
+def _ws4_rank(rank, world, addr, version):
+    import resource
+
+    import torch
+    import torch.distributed as dist
+    from mooncake_store import WeightSync, WeightSyncConfig
+
+    cfg = WeightSyncConfig(bucket_bytes=16 * MiB, keep_versions=0)
+    out = {}
+    if rank == 0:
+        sd = _STATE.get("ws4_sd")
+        if sd is None:
+            sd = _STATE["ws4_sd"] = _ws4_sd()
+        assert not sd["transposed"].is_contiguous()
+        if version == 2:
+            sd["big"][12345] += 1.0
+        WeightSync(_client(addr), "ws4", config=cfg).publish(sd, version)
+        out["digests"] = _digests(sd)
+    dist.barrier()
+    if rank == 1:
+        r = _STATE.setdefault("ws4_reader", WeightSync(_client(addr), "ws4", config=cfg))
+        model = _STATE.get("ws4_model")
+        if model is None:
+            model = _STATE["ws4_model"] = {k: torch.zeros_like(v) for k, v in _ws4_sd().items()}
+        res = r.pull(model)
+        out.update(version=res.version, digests=_digests(model))
+    out["maxrss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    if version == 2:
+        _STATE.pop("ws4_sd", None)
+        _STATE.pop("ws4_model", None)
+    return out
+
+
+def test_ws4_bytes_really_moved(store_procs):
+    addr = _start_store(768)
+    pool = get_pool(2)
+    r1 = pool.run(_ws4_rank, addr, 1, timeout=180)
+    assert r1[1]["version"] == 1
+    assert r1[1]["digests"] == r1[0]["digests"]  # hash, dtype and shape per tensor
+    r2 = pool.run(_ws4_rank, addr, 2, timeout=180)
+    assert r2[1]["version"] == 2 and r2[1]["digests"] == r2[0]["digests"]
+    assert r2[0]["digests"]["big"][0] != r1[0]["digests"]["big"][0]
+    assert {k for k in r1[0]["digests"] if r1[0]["digests"][k] != r2[0]["digests"][k]} == {"big"}
+    peak = sum(x["maxrss_mib"] for x in r2) + 768  # ranks' peak RSS + the storage agent's segment
+    assert peak < 4096, peak
+
+
+# ---------------------------------------------------------------- sharded publish
+def _fsdp_rank(rank, world, addr):
+    import torch
+    import torch.distributed as dist
+    from mooncake_store import WeightSync
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.ReLU(), torch.nn.Linear(33, 7))
+    full = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    sd = model.state_dict()
+    from torch.distributed.tensor import DTensor
+
+    assert all(isinstance(v, DTensor) for v in sd.values())
+    res = WeightSync(_client(addr), "fsdp").publish(sd, 1, shard=rank, num_shards=world)
+    dist.barrier()
+    return {"local_rows": {k: v.to_local().shape[0] for k, v in sd.items()}, "committed": res.committed, "bytes": res.bytes, "full": _digests(full)}
+
+
+def test_fsdp2_sharded_publish_pulled_into_plain_model(store_procs):
+    addr = _start_store(64)
+    pool = get_pool(2)
+    r = pool.run(_fsdp_rank, addr, timeout=120)
+    assert [x["committed"] for x in r] == [True, False]
+    assert r[0]["local_rows"]["0.weight"] == 17 and r[1]["local_rows"]["0.weight"] == 16  # uneven FSDP2 shards
+    # the pieces are each rank's own shards: together one full copy, uneven rows included
+    import torch
+    from mooncake_store import MooncakeStore, WeightSync
+
+    plain = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.ReLU(), torch.nn.Linear(33, 7))
+    with MooncakeStore(serve_tcp=False, master=addr, segment_size=0) as s:
+        res = WeightSync(s, "fsdp").pull(plain)
+        # fp32 trainer -> bf16 rollout: dtype casts on request
+        res16 = WeightSync(s, "fsdp").pull(None, dtype=torch.bfloat16)
+    assert res.installed and res.version == 1
+    assert _digests(plain.state_dict()) == r[0]["full"]
+    assert all(v.dtype == torch.bfloat16 and torch.equal(v, plain.state_dict()[k].to(torch.bfloat16))
+               for k, v in res16.state_dict.items())
+    assert r[0]["bytes"] + r[1]["bytes"] >= sum(v.numel() * 4 for v in plain.state_dict().values())
+
+
+def test_corrupt_or_missing_piece_keeps_the_old_version(store_procs):
+    """A bucket whose bytes changed after the commit (checksum) or that is gone: the pull
+    raises WeightSyncAbortedError and the reader keeps its version and tensors."""
+    import torch
+    from mooncake_store import MooncakeStore, WeightSync, WeightSyncAbortedError, WeightSyncConfig
+
+    addr = _start_store(64)
+    cfg = WeightSyncConfig(bucket_bytes=4096)
+    with MooncakeStore(serve_tcp=False, master=addr, segment_size=0) as s:
+        ws = WeightSync(s, "c", config=cfg)
+        ws.publish(_small_sd(1), 1)
+        r = WeightSync(s, "c", config=cfg)
+        model = {k: torch.zeros_like(v) for k, v in _small_sd(0).items()}
+        r.pull(model)
+        ws.publish(_small_sd(2), 2)
+        key = "ws/c/v2/b0.0"
+        good = s.get(key)
+        s.upsert(key, bytes([good[0] ^ 1]) + good[1:])
+        with pytest.raises(WeightSyncAbortedError, match="checksum"):
+            r.pull(model)
+        assert r.version == 1 and _digests(model) == _digests(_small_sd(1))
+        s.remove(key, force=True)
+        with pytest.raises(WeightSyncAbortedError):
+            r.pull(model)
+        assert r.version == 1 and _digests(model) == _digests(_small_sd(1))
+        s.upsert(key, good)
+        assert r.pull(model).version == 2 and _digests(model) == _digests(_small_sd(2))
