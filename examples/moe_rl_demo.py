@@ -106,6 +106,115 @@ def build_model(args, group=None):
     return MoELM()
 
 
+def build_rollout_model(args):
+    """The same network without expert parallelism (all experts local), with a K/V-cache
+    forward for serving. Parameter names equal the published state dict's."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from mooncake_ep import route_topk
+
+    class Expert(nn.Module):
+        def __init__(self, d, hidden):
+            super().__init__()
+            self.up = nn.Linear(d, hidden)
+            self.down = nn.Linear(hidden, d)
+
+        def forward(self, x):
+            return self.down(F.gelu(self.up(x)))
+
+    class MoE(nn.Module):
+        def __init__(self, d, experts):
+            super().__init__()
+            self.gate = nn.Linear(d, experts, bias=False)
+            self.experts = nn.ModuleList([Expert(d, 2 * d) for _ in range(experts)])
+
+        def forward(self, x):
+            idx, w = route_topk(self.gate(x), 2)
+            out = torch.zeros_like(x)
+            for k in range(idx.shape[1]):
+                for e in idx[:, k].unique().tolist():
+                    sel = idx[:, k] == e
+                    out[sel] += w[sel, k:k + 1].to(x.dtype) * self.experts[e](x[sel])
+            return out
+
+    class Block(nn.Module):
+        def __init__(self, d, heads, experts):
+            super().__init__()
+            self.heads = heads
+            self.ln1 = nn.LayerNorm(d)
+            self.qkv = nn.Linear(d, 3 * d)
+            self.proj = nn.Linear(d, d)
+            self.ln2 = nn.LayerNorm(d)
+            self.moe = MoE(d, experts)
+
+        def forward(self, x, past):
+            t, d = x.shape
+            hd = d // self.heads
+            q, k, v = self.qkv(self.ln1(x)).view(t, 3, self.heads, hd).permute(1, 2, 0, 3)
+            if past is not None:
+                k = torch.cat([past[0], k], dim=1)
+                v = torch.cat([past[1], v], dim=1)
+            n_past = k.shape[1] - t
+            mask = torch.arange(k.shape[1])[None, :] <= (torch.arange(t)[:, None] + n_past)
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            x = x + self.proj(a.transpose(0, 1).reshape(t, d))
+            return x + self.moe(self.ln2(x)), (k, v)
+
+    class RolloutLM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            d = args.d_model
+            self.emb = nn.Embedding(256, d)
+            self.pos = nn.Parameter(torch.zeros(args.seq_len, d))
+            self.blocks = nn.ModuleList([Block(d, args.heads, args.experts) for _ in range(args.layers)])
+            self.ln_f = nn.LayerNorm(d)
+            self.head = nn.Linear(d, 256)
+
+        @torch.no_grad()
+        def forward(self, tokens, past=None):
+            """tokens int64 [t] following ``past`` (per-layer (K, V) [heads, t_past, hd] or
+            None) -> (logits [t, 256], per-layer (K, V) over past + tokens)."""
+            n_past = 0 if past is None else past[0][0].shape[1]
+            x = self.emb(tokens) + self.pos[n_past: n_past + tokens.shape[0]]
+            new = []
+            for i, blk in enumerate(self.blocks):
+                x, kv = blk(x, None if past is None else past[i])
+                new.append(kv)
+            return self.head(self.ln_f(x)), new
+
+    return RolloutLM()
+
+
+def full_state_dict(model, args):
+    """Collective over the (full) group: the dense parameters plus every rank's experts
+    under their global expert numbers (all_gather of the expert shards)."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    L = args.experts // world
+    sd = {}
+    local = []
+    for name, p in model.named_parameters():
+        if ".moe.experts." in name:
+            local.append((name, p))
+        else:
+            sd[name] = p.detach().clone()
+    flat = torch.cat([p.detach().reshape(-1) for _, p in local])
+    out = torch.empty(world * flat.numel(), dtype=flat.dtype)
+    dist.all_gather_single(out, flat)
+    for r in range(world):
+        chunk, off = out[r * flat.numel():(r + 1) * flat.numel()], 0
+        for name, p in local:
+            head, tail = name.split(".moe.experts.")
+            l, rest = tail.split(".", 1)
+            sd[f"{head}.moe.experts.{r * L + int(l)}.{rest}"] = chunk[off: off + p.numel()].view_as(p).clone()
+            off += p.numel()
+    return sd
+
+
 def split_parameters(model):
     """(dense parameters, expert parameters): experts are the local shards of the MoE
     layers; everything else is replicated."""
@@ -181,8 +290,7 @@ def train(args) -> int:
     dist.init_process_group("mooncake", pg_options=mooncake_pg.MooncakeOptions(on_failure="mask",
                                                                               timeout=args.op_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
-    ctl = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                        timeout=timedelta(seconds=60))
+    ctl = _control_store()
     first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     raw, _ = read_corpus(args.corpus, args.corpus_bytes)
     data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
@@ -210,7 +318,9 @@ def train(args) -> int:
         for moe in moes:
             moe.restore_experts()
         print(f"[rank {rank}] rejoined at step {step}", flush=True)
+        publish_after_join = True
     else:
+        publish_after_join = False
         for moe in moes:
             moe.snapshot_experts()
 
@@ -224,6 +334,29 @@ def train(args) -> int:
             if reporter():
                 event("recovered")
 
+    sync = None
+    published = -1
+
+    def publish(final=False):
+        """Every --publish-every steps with the full group, and once at the end: the lowest
+        rank publishes (collective: every rank gathers the experts)."""
+        nonlocal sync, published
+        if not args.store or not all(active()) or step == published:
+            return
+        if not final and (step % args.publish_every or step >= args.steps):
+            return
+        sd = full_state_dict(model, args)       # collective
+        if reporter():
+            if sync is None:
+                from mooncake_store import MooncakeStore, WeightSync
+
+                sync = WeightSync(MooncakeStore(master=args.store, segment_size=0), "demo-moe-lm")
+            sync.publish(sd, version=step)
+            ctl.set("demo/published", str(step))
+        published = step
+
+    if publish_after_join:
+        publish()      # the survivors publish right after admitting it, at the same step
     t_last, losses = time.monotonic(), []
     while step < args.steps:
         if rank == args.kill_rank and step == args.kill_at and first_start:
@@ -262,6 +395,7 @@ def train(args) -> int:
                                                "recoveries": recoveries}))
         t_last = time.monotonic()
         admit_joiners()
+        publish()
 
     # the end: wait for respawned ranks, then check the replicated parameters
     deadline = time.monotonic() + args.rejoin_timeout
@@ -269,6 +403,7 @@ def train(args) -> int:
         dist.barrier()
         time.sleep(0.1)
         admit_joiners()
+    publish(final=True)     # the final weights, once every rank is back
     h = hashlib.sha256()
     for p in dense_params:
         h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
@@ -282,6 +417,80 @@ def train(args) -> int:
                                           "dense_equal": equal, "recoveries": recoveries}))
     dist.destroy_process_group()
     return 0 if equal and all(act) else 1
+
+
+# ============================================================================ rollout worker
+
+
+def rollout(args) -> int:
+    """Pulls each new published version (WeightSync, whole versions only, never older) and
+    generates continuations of prompts that share a long prefix, reusing its K/V from the
+    store (KVCacheStore; K/V are per weight version). Reports to the control store."""
+    import torch
+
+    from mooncake_store import KVCacheConfig, KVCacheStore, MooncakeStore, WeightSync
+
+    torch.set_num_threads(1)
+    ctl = _control_store()
+    store = MooncakeStore(master=args.store, segment_size=0)
+    reader = WeightSync(store, "demo-moe-lm")
+    model = build_rollout_model(args)
+    raw, _ = read_corpus(args.corpus, args.corpus_bytes)
+    shared = list(raw[:args.prompt_prefix])                     # e.g. a shared system prompt
+    prompts = [shared + list(raw[1000 * (i + 1): 1000 * (i + 1) + 16]) for i in range(args.prompts)]
+    served, hit, miss, max_diff, sample = [], 0, 0, 0.0, ""
+    me = os.environ.get("SIDECAR_INDEX", "0")
+
+    def report():
+        ctl.set(f"demo/rollout/{me}", json.dumps({"versions": served, "hit_chunks": hit, "miss_chunks": miss,
+                                                  "max_logits_diff": max_diff, "sample": sample}))
+
+    while True:
+        done = ctl.check(["demo/final"])
+        latest = reader.latest_version() if ctl.check(["demo/published"]) else -1
+        if latest > (served[-1] if served else -1):
+            res = reader.pull(into=model)
+            if res.installed:
+                v = res.version
+                kv = KVCacheStore(store, tenant="rollout", config=KVCacheConfig(chunk_tokens=args.chunk_tokens,
+                                                                                 model=f"demo-moe-lm-v{v}"))
+                for i, prompt in enumerate(prompts):
+                    toks = torch.tensor(prompt, dtype=torch.int64)
+                    n = kv.match_prefix(toks)
+                    past = None
+                    if n:
+                        past = [(k.contiguous(), vv.contiguous()) for k, vv in kv.get(toks, n).layers()]
+                    logits, full = model(toks[n:], past)
+                    kv.put(toks, full)
+                    if i == 1 and n:   # reuse must not change the logits
+                        ref, _ = model(toks, None)
+                        max_diff = max(max_diff, (ref[-1] - logits[-1]).abs().max().item())
+                    out, nxt = [], int(logits[-1].argmax())
+                    for _ in range(args.gen_tokens):
+                        if toks.numel() + len(out) >= args.seq_len:
+                            break
+                        out.append(nxt)
+                        lg, full = model(torch.tensor([nxt]), full)
+                        nxt = int(lg[-1].argmax())
+                    if i == 0:
+                        sample = bytes(out).decode("utf-8", "replace")
+                st = kv.stats
+                hit += st.hit_chunks
+                miss += st.miss_chunks
+                served.append(v)
+                report()
+        if done:
+            break
+        time.sleep(0.2)
+    report()
+    return 0
+
+
+def _control_store():
+    import torch.distributed as dist
+
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=60))
 
 
 # ============================================================================ driver
@@ -336,11 +545,24 @@ def drive(args, rest) -> int:
 
     from mooncake_pg import run as mrun
 
+    import shlex
+
     script = os.path.abspath(__file__)
+    embedded = None
+    if args.rollouts > 0 and not args.store:
+        from mooncake_store import MooncakeStore
+
+        # the store master (and a segment for weights and K/V) lives in this process
+        embedded = MooncakeStore(segment_size=args.store_segment_mib << 20)
+        args.store = embedded.master_address
+    if args.store:
+        rest = [*rest, "--store", args.store]
     train_args = ["--role", "train", *rest]
     largv = ["--nproc-per-node", str(args.nproc), "--max-restarts", "2", "--monitor-interval", "0.2"]
     if args.log_dir:
         largv += ["--log-dir", args.log_dir]
+    for _ in range(args.rollouts):
+        largv += ["--sidecar", shlex.join([sys.executable, "-u", script, "--role", "rollout", *rest])]
     largv += [script, *train_args]
     os.makedirs(args.out, exist_ok=True)
     raw, root = read_corpus(args.corpus, args.corpus_bytes)
@@ -357,8 +579,16 @@ def drive(args, rest) -> int:
         s = json.loads(st.get("demo/status"))
         if s["step"] != state.get("step"):
             state["step"] = s["step"]
+            extra = {}
+            if st.check(["demo/published"]):
+                extra["published"] = st.get("demo/published").decode()
+            if args.rollouts and st.check(["demo/rollout/0"]):
+                ro = json.loads(st.get("demo/rollout/0"))
+                extra["serving"] = ro["versions"][-1] if ro["versions"] else "-"
+                looked = ro["hit_chunks"] + ro["miss_chunks"]
+                extra["hit"] = f"{ro['hit_chunks'] / looked:.2f}" if looked else "-"
             bar.set_postfix(loss=f"{s['loss']:.3f}", tok_s=f"{s['tokens_per_s']:.0f}", ranks=s["ranks"],
-                            recoveries=s["recoveries"], refresh=False)
+                            recoveries=s["recoveries"], **extra, refresh=False)
             bar.update(min(s["step"], args.steps) - bar.n)
         if st.check(["demo/events"]):
             ev = _parse_events(st.get("demo/events").decode())
@@ -375,12 +605,16 @@ def drive(args, rest) -> int:
         # keep what the ranks reported before the launcher (and its store) go away
         st = launcher.store
         if st is not None:
-            for k in ("demo/log", "demo/events", "demo/final"):
+            for k in ("demo/log", "demo/events", "demo/final", *[f"demo/rollout/{i}" for i in range(args.rollouts)]):
                 if st.check([k]):
                     holder[k] = st.get(k).decode()
 
-    rc = mrun.main(largv, tick=tick_keep)
-    bar.close()
+    try:
+        rc = mrun.main(largv, tick=tick_keep)
+    finally:
+        bar.close()
+        if embedded is not None:
+            embedded.close()
     wall = time.monotonic() - t0
     rows = _parse_log(holder.get("demo/log", ""))
     events = _parse_events(holder.get("demo/events", ""))
@@ -396,6 +630,10 @@ def drive(args, rest) -> int:
     plot(rows, events, png)
     killed = [s for kind, s in events if kind == "killed"]
     recovered = [s for kind, s in events if kind == "recovered"]
+    rollouts = [json.loads(holder[k]) for k in sorted(holder) if k.startswith("demo/rollout/")]
+    hits = sum(r["hit_chunks"] for r in rollouts)
+    looked = hits + sum(r["miss_chunks"] for r in rollouts)
+    versions = rollouts[0]["versions"] if rollouts else []
     checks = {
         "launcher exit 0": rc == 0,
         "loss went down": last < first,
@@ -403,6 +641,11 @@ def drive(args, rest) -> int:
         "all ranks at the end": bool(final) and all(final["active"]),
         "dense parameters equal": bool(final.get("dense_equal")),
     }
+    if args.rollouts:
+        checks["rollouts served >= 2 increasing versions"] = all(
+            len(r["versions"]) >= 2 and r["versions"] == sorted(set(r["versions"])) for r in rollouts) and bool(rollouts)
+        checks["rollout cache hit rate > 0"] = hits > 0
+        checks["logits equal with K/V reuse"] = all(r["max_logits_diff"] < 1e-4 for r in rollouts)
     summary = [
         ("steps", f"{final.get('steps', rows[-1][0])}"),
         ("wall time", f"{wall:.1f} s"),
@@ -411,6 +654,9 @@ def drive(args, rest) -> int:
         ("killed at step", ", ".join(map(str, killed)) or "-"),
         ("recovered at step", ", ".join(map(str, recovered)) or "-"),
         ("membership epoch at the end", f"{final.get('epoch', '?')}"),
+        ("versions served by rollout 0", ", ".join(map(str, versions)) or "-"),
+        ("rollout K/V chunk hit rate", f"{hits / looked:.2f} ({hits} of {looked} chunks)" if looked else "-"),
+        ("rollout sample (latest version)", repr(rollouts[0]["sample"][:40]) if rollouts else "-"),
         ("loss plot", png),
     ] + [(name, "ok" if ok else "FAILED") for name, ok in checks.items()]
     width = max(len(a) for a, _ in summary)
@@ -423,14 +669,14 @@ def drive(args, rest) -> int:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Train a small MoE LM with EP over mooncake; survive a killed rank.")
-    p.add_argument("--role", choices=["driver", "train"], default="driver")
+    p.add_argument("--role", choices=["driver", "train", "rollout"], default="driver")
     p.add_argument("--nproc", type=int, default=4, help="training ranks (default 4)")
     p.add_argument("--steps", type=int, default=160)
     p.add_argument("--kill-rank", type=int, default=1, help="rank that SIGKILLs itself (-1: none)")
     p.add_argument("--kill-at", type=int, default=None, help="its step (default: the middle)")
     p.add_argument("--corpus", default=None, help="text file or directory (default: Python's stdlib source)")
     p.add_argument("--corpus-bytes", type=int, default=4 << 20)
-    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
@@ -441,6 +687,14 @@ def parse_args(argv=None):
     p.add_argument("--snapshot-every", type=int, default=10, help="steps between expert snapshots")
     p.add_argument("--op-timeout", type=float, default=30.0)
     p.add_argument("--rejoin-timeout", type=float, default=120.0)
+    p.add_argument("--store", default=None, help="store master HOST:PORT (default: one in the launcher process)")
+    p.add_argument("--store-segment-mib", type=int, default=256, help="the launcher's store segment, MiB")
+    p.add_argument("--publish-every", type=int, default=20, help="steps between published weight versions")
+    p.add_argument("--rollouts", type=int, default=1, help="rollout worker processes (0: none)")
+    p.add_argument("--prompts", type=int, default=4, help="prompts per version (sharing a prefix)")
+    p.add_argument("--prompt-prefix", type=int, default=64, help="tokens of the shared prompt prefix")
+    p.add_argument("--chunk-tokens", type=int, default=16, help="K/V chunk size of the cache")
+    p.add_argument("--gen-tokens", type=int, default=24, help="tokens generated per prompt")
     p.add_argument("--out", default="demo_out", help="directory for the loss plot")
     p.add_argument("--log-dir", default=None, help="per-rank logs (default: this terminal)")
     args = p.parse_args(argv)
@@ -458,6 +712,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.role == "train":
         return train(args)
+    if args.role == "rollout":
+        return rollout(args)
     rest = [a for a in argv if a not in ("--role", "driver")]
     if args.kill_at is not None and "--kill-at" not in rest:
         rest += ["--kill-at", str(args.kill_at)]
