@@ -326,12 +326,13 @@ def train(args) -> int:
 
     def admit_joiners():
         nonlocal step, recoveries
-        if mooncake_pg.recover_ranks(None, mooncake_pg.get_pending_ranks()):
+        admitted = mooncake_pg.recover_ranks(None, mooncake_pg.get_pending_ranks())
+        if admitted:
             step = mooncake_pg.sync_state(dense, opt_dense, step=step)
             for moe in moes:
                 moe.restore_experts()
             recoveries += 1
-            if reporter():
+            if rank == min(r for r, a in enumerate(active()) if a and r not in admitted):
                 event("recovered")
 
     sync = None
