@@ -86,6 +86,10 @@ class RejoinPool:
         pool, s = self.pool, rankpool._get_session()
         old_pid = pool.pids[rank]
         self.extra_pids.append(old_pid)
+        # its sockets close while it exits, a moment before /proc shows it dead
+        deadline = time.monotonic() + 5.0
+        while rankpool._alive(old_pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert not rankpool._alive(old_pid), f"seat {rank}: the old process {old_pid} still runs"
         try:
             pool.conns[rank].close()
