@@ -235,11 +235,19 @@ class MooncakeStore:
 
     def _register(self):
         segs = [self._segment.desc(self.cfg.host_id, self._te_desc())] if self._segment else []
-        entries = ssd.scan(self.cfg.ssd_dir) if self.cfg.ssd_dir else []
         res = self._call("register", {"client": self.client_id, "name": self.name, "host": self.cfg.host_id,
-                                      "pid": os.getpid(), "segs": segs, "ssd_dir": self.cfg.ssd_dir, "ssd": entries},
+                                      "pid": os.getpid(), "segs": segs, "ssd_dir": self.cfg.ssd_dir, "ssd": []},
                          register=False)
         self._lease_ttl = res["ttl_ms"] / 1000.0
+        if self.cfg.ssd_dir:  # files found on disk, in chunks well below the frame limit
+            chunk, size = [], 0
+            for e in ssd.scan(self.cfg.ssd_dir) + [None]:
+                if e is not None:
+                    chunk.append(e)
+                    size += len(e[0]) + len(e[3]) + len(e[4]) + 32
+                if chunk and (e is None or size > (512 << 10)):
+                    self._call("adopt_ssd", {"client": self.client_id, "entries": chunk}, register=False)
+                    chunk, size = [], 0
 
     def _resolve(self) -> Optional[str]:
         if self.cfg.etcd is None:

@@ -241,6 +241,16 @@ class Core:
         self._version = max(self._version, version)
         self._dirty(key)
 
+    def adopt_ssd(self, a: dict) -> dict:
+        """A registered client reports SSD files it found (in chunks, after ``register``)."""
+        c = self._client(a.get("client"))
+        entries = a.get("entries")
+        if not isinstance(entries, list) or len(entries) > 100_000:
+            raise ProtocolError("adopt_ssd: entries must be a list of at most 100000 [key, version, size, meta, path]")
+        for e in entries:
+            self._adopt_ssd(c, e)
+        return {}
+
     def unregister(self, a: dict) -> dict:
         c = self._client(a.get("client"))
         self._kill_client(c, reason="unregistered")
