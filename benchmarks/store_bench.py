@@ -5,7 +5,9 @@ key per call; ``batch``: at most 128 keys and at most 16 MiB per call), number o
 processes (1 and 2, running at the same time) and set-up, each client puts its objects,
 then gets them back, and the bench reports throughput (GiB/s and objects/s over all
 clients) and per-call latency (p50, p99). Every case runs ``--reps`` times; the medians
-are reported and compared with the peers measured in the same run.
+are reported and compared with the peers measured in the same run. The systems run side
+by side and take turns case by case (repetition ``r`` starts with system ``r mod n``), so
+that other load on the machine hits all of them alike; the load average is printed.
 
 Set-ups (DESIGN.md "Benchmarks"):
 
@@ -21,8 +23,8 @@ bench starts on a free port) through ``redis-py`` (SET/GET; MSET/MGET for batche
 the published Mooncake store (``pip install mooncake-transfer-engine-non-cuda`` + Debian
 ``libibverbs1 librdmacm1``) through its ``put``/``get``/``put_batch``/``get_batch``, run
 inside ``unshare -n`` (a network namespace with only loopback, since its clients listen
-on every interface) with ``mooncake_master --rpc_address=127.0.0.1`` and clients on
-``P2PHANDSHAKE``, protocol ``tcp``. Systems that are not installed are skipped (said so).
+on every interface; every system then runs inside that namespace, Redis included) with
+``mooncake_master --rpc_address=127.0.0.1`` and clients on ``P2PHANDSHAKE``, protocol ``tcp``. Systems that are not installed are skipped (said so).
 Both masters run as their own process with a 1 s read lease (``--lease-ttl 1``,
 ``--default_kv_lease_ttl=1000``), so the space of each case's objects (removed after the
 case, outside the timed part) comes back before the next case.
@@ -255,148 +257,181 @@ def percentile(xs, q):
     return xs[k]
 
 
-def run_cases(system: str, setup: str, clients: int, base_spec: dict, args, procs: Procs, log) -> list:
-    specs = []
-    workers = []
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    for c in range(clients):
-        spec = dict(base_spec, system=system, setup=setup, name=f"{system}-{setup}-c{c}-{os.getpid()}")
-        specs.append(spec)
-        p = procs.spawn([sys.executable, __file__, "--role", "worker", "--spec", json.dumps(spec)],
-                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, text=True, bufsize=1)
-        workers.append(p)
+class WorkerGroup:
+    """The client processes of one system for one set-up and client count."""
 
-    def read(p):
+    def __init__(self, system, setup, clients, base_spec, procs: Procs, log):
+        self.system, self.setup, self.clients = system, setup, clients
+        env = dict(_env(), OMP_NUM_THREADS="1")
+        self.workers = []
+        for c in range(clients):
+            spec = dict(base_spec, system=system, setup=setup, name=f"{system}-{setup}-c{c}-{os.getpid()}")
+            p = procs.spawn([sys.executable, __file__, "--role", "worker", "--spec", json.dumps(spec)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, text=True, bufsize=1)
+            self.workers.append(p)
+        for p in self.workers:
+            self.read(p)  # ready
+
+    def read(self, p):
         line = p.stdout.readline()
         if not line:
-            raise RuntimeError(f"{system} worker exited (see the log)")
+            raise RuntimeError(f"{self.system} worker exited (see the log)")
         return json.loads(line)
 
-    def tell(obj):
-        for p in workers:
+    def tell(self, obj):
+        for p in self.workers:
             p.stdin.write((obj if isinstance(obj, str) else json.dumps(obj)) + "\n")
             p.stdin.flush()
 
-    for p in workers:
-        read(p)  # ready
+    def run(self, size, mode, n, tag, check) -> dict:
+        """One repetition of one case on every client at once: {op: (seconds, objects, latencies)}."""
+        self.tell({"size": size, "mode": mode, "n": n, "tag": tag, "check": check})
+        for p in self.workers:
+            self.read(p)  # armed
+        self.tell("go")
+        for p in self.workers:
+            self.read(p)  # put phase done
+        self.tell("go")
+        res = [self.read(p) for p in self.workers]
+        if not all(r["ok"] for r in res):
+            raise RuntimeError(f"{self.system} {self.setup} {size_name(size)} {mode}: wrong data read back")
+        out = {}
+        for op in ("put", "get"):
+            out[op] = (max(r[op][1] for r in res) - min(r[op][0] for r in res), n * self.clients,
+                       [x for r in res for x in r[op][2]])
+        return out
+
+    def close(self):
+        try:
+            self.tell({"exit": True})
+        except OSError:
+            return
+        for p in self.workers:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def run_interleaved(groups: list, args) -> list:
+    """Runs every case on every group, alternating between the systems repetition by
+    repetition (rotating who goes first), so that a change of load on the machine hits
+    all systems alike. Returns one record per (group, size, form, op) with medians."""
     records = []
     tag = 0
     for size in args.sizes:
         for mode in ("plain", "batch"):
             n = objects_per_client(size, args.smoke)
-            per_rep = {"put": [], "get": []}
+            reps = {id(g): {"put": [], "get": []} for g in groups}
             for rep in range(args.reps):
-                tag += 1
-                tell({"size": size, "mode": mode, "n": n, "tag": tag, "check": rep == 0})
-                for p in workers:
-                    read(p)  # armed
-                tell("go")
-                for p in workers:
-                    read(p)  # put phase done
-                tell("go")
-                res = [read(p) for p in workers]
-                if not all(r["ok"] for r in res):
-                    raise RuntimeError(f"{system} {setup} {size_name(size)} {mode}: wrong data read back")
+                k = rep % len(groups)
+                for g in groups[k:] + groups[:k]:
+                    tag += 1
+                    res = g.run(size, mode, n, tag, rep == 0)
+                    for op in ("put", "get"):
+                        reps[id(g)][op].append(res[op])
+                # removed objects' space comes back after the 1 s lease of both masters
+                if any(g.system in ("ours", "mooncake") for g in groups):
+                    time.sleep(1.1)
+            for g in groups:
                 for op in ("put", "get"):
-                    start = min(r[op][0] for r in res)
-                    end = max(r[op][1] for r in res)
-                    lats = [x for r in res for x in r[op][2]]
-                    total = n * clients
-                    per_rep[op].append({"secs": end - start, "objs": total, "lats": lats})
-                if system in ("ours", "mooncake"):
-                    time.sleep(1.1)  # removed objects' space returns after the 1 s lease
-            for op in ("put", "get"):
-                reps = per_rep[op]
-                thr = [r["objs"] * size / r["secs"] / (1 << 30) for r in reps]
-                ops = [r["objs"] / r["secs"] for r in reps]
-                lats = [x for r in reps for x in r["lats"]]
-                rec = {"system": system, "setup": setup, "clients": clients, "size": size, "mode": mode, "op": op,
-                       "gib_s": statistics.median(thr), "objs_s": statistics.median(ops),
-                       "p50_ms": percentile(lats, 0.5) * 1e3, "p99_ms": percentile(lats, 0.99) * 1e3,
-                       "reps": len(reps)}
-                records.append(rec)
-                print(f"  {system:8s} {setup:4s} c={clients} {size_name(size):>6s} {mode:5s} {op}: "
-                      f"{rec['gib_s']:7.2f} GiB/s {rec['objs_s']:10.0f} obj/s p50 {rec['p50_ms']:8.3f} ms "
-                      f"p99 {rec['p99_ms']:8.3f} ms", file=sys.stderr, flush=True)
-    tell({"exit": True})
-    for p in workers:
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            pass
+                    rs = reps[id(g)][op]
+                    thr = [objs * size / secs / (1 << 30) for secs, objs, _ in rs]
+                    ops = [objs / secs for secs, objs, _ in rs]
+                    lats = [x for _, _, ls in rs for x in ls]
+                    rec = {"system": g.system, "setup": g.setup, "clients": g.clients, "size": size, "mode": mode,
+                           "op": op, "gib_s": statistics.median(thr), "objs_s": statistics.median(ops),
+                           "p50_ms": percentile(lats, 0.5) * 1e3, "p99_ms": percentile(lats, 0.99) * 1e3,
+                           "reps": len(rs)}
+                    records.append(rec)
+                    print(f"  {g.system:8s} {g.setup:4s} c={g.clients} {size_name(size):>6s} {mode:5s} {op}: "
+                          f"{rec['gib_s']:7.2f} GiB/s {rec['objs_s']:10.0f} obj/s p50 {rec['p50_ms']:8.3f} ms "
+                          f"p99 {rec['p99_ms']:8.3f} ms", file=sys.stderr, flush=True)
     return records
 
 
-def system_main(args):
-    """Runs every case of one system and prints its records as one JSON line."""
-    procs = Procs()
-    log = open(os.path.join(args.logdir, f"{args.system}.log"), "a")
-    records = []
-    seg = max(args.sizes) * 2 + (64 * MiB if args.smoke else 512 * MiB)
-    try:
-        if args.system == "ours":
-            d = tempfile.mkdtemp(prefix="store-bench-")
-            pf = os.path.join(d, "port")
-            procs.spawn([sys.executable, "-m", "mooncake_store.master", "--port", "0", "--port-file", pf,
-                         "--lease-ttl", "1"], stdout=log, stderr=log,
-                        env=dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", "")))
-            deadline = time.monotonic() + 30
-            while not os.path.exists(pf):
-                if time.monotonic() > deadline:
-                    raise RuntimeError("our master did not start")
-                time.sleep(0.05)
-            master = f"127.0.0.1:{open(pf).read().split()[0]}"
-            base = {"master": master, "segment": seg}
-            for clients in args.clients:
-                records += run_cases("ours", "host", clients, base, args, procs, log)
-            # tcp: a storage process on "another host" owns the segment
-            storage = procs.spawn([sys.executable, "-c", (
-                "import sys,time,signal; from mooncake_store import MooncakeStore;"
-                f"s=MooncakeStore(master={master!r}, segment_size={seg * 2}, host_id='storage-host', name='storage');"
-                "print('ready', flush=True); signal.pause()")], stdout=subprocess.PIPE, stderr=log, text=True,
-                env=dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", "")))
-            if storage.stdout.readline().strip() != "ready":
-                raise RuntimeError("storage process did not start")
-            for clients in args.clients:
-                records += run_cases("ours", "tcp", clients, base, args, procs, log)
-        elif args.system == "redis":
-            endpoint = os.environ.get("MOONCAKE_TEST_REDIS")
-            if not endpoint:
-                port = free_port()
-                procs.spawn(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-                             "--appendonly", "no"], stdout=log, stderr=log)
-                endpoint = f"127.0.0.1:{port}"
-                import redis
+def _env():
+    return dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
-                deadline = time.monotonic() + 10
-                while True:
-                    try:
-                        redis.Redis(host="127.0.0.1", port=port).ping()
-                        break
-                    except Exception:
-                        if time.monotonic() > deadline:
-                            raise
-                        time.sleep(0.05)
-            for clients in args.clients:
-                records += run_cases("redis", "host", clients, {"redis": endpoint}, args, procs, log)
-        elif args.system == "mooncake":
+
+def start_services(systems, args, procs: Procs, log, seg) -> dict:
+    """Starts each system's master (or server) and the TCP-hop storage process; returns
+    the base worker spec per (system, set-up)."""
+    bases = {}
+    if "ours" in systems:
+        d = tempfile.mkdtemp(prefix="store-bench-")
+        pf = os.path.join(d, "port")
+        procs.spawn([sys.executable, "-m", "mooncake_store.master", "--port", "0", "--port-file", pf,
+                     "--lease-ttl", "1"], stdout=log, stderr=log, env=_env())
+        deadline = time.monotonic() + 30
+        while not os.path.exists(pf):
+            if time.monotonic() > deadline:
+                raise RuntimeError("our master did not start")
+            time.sleep(0.05)
+        master = f"127.0.0.1:{open(pf).read().split()[0]}"
+        storage = procs.spawn([sys.executable, "-c", (
+            "import signal; from mooncake_store import MooncakeStore;"
+            f"s=MooncakeStore(master={master!r}, segment_size={seg * 2}, host_id='storage-host', name='storage');"
+            "print('ready', flush=True); signal.pause()")], stdout=subprocess.PIPE, stderr=log, text=True, env=_env())
+        if storage.stdout.readline().strip() != "ready":
+            raise RuntimeError("our storage process did not start")
+        bases[("ours", "host")] = bases[("ours", "tcp")] = {"master": master, "segment": seg}
+    if "redis" in systems:
+        endpoint = None if args.in_netns else os.environ.get("MOONCAKE_TEST_REDIS")
+        if not endpoint:
             port = free_port()
-            master_bin = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
-            procs.spawn([master_bin, "--rpc_address=127.0.0.1", f"--port={port}", "--default_kv_lease_ttl=1000"],
-                        stdout=log, stderr=log)
-            time.sleep(1.5)
-            base = {"master": f"127.0.0.1:{port}", "segment": seg}
+            procs.spawn(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                         "--appendonly", "no"], stdout=log, stderr=log)
+            endpoint = f"127.0.0.1:{port}"
+            import redis
+
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    redis.Redis(host="127.0.0.1", port=port).ping()
+                    break
+                except Exception:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+        bases[("redis", "host")] = {"redis": endpoint}
+    if "mooncake" in systems:
+        port = free_port()
+        master_bin = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+        procs.spawn([master_bin, "--rpc_address=127.0.0.1", f"--port={port}", "--default_kv_lease_ttl=1000"],
+                    stdout=log, stderr=log)
+        time.sleep(1.5)
+        storage = procs.spawn([sys.executable, "-c", (
+            "import signal; from mooncake.store import MooncakeDistributedStore as M; s=M();"
+            f"rc=s.setup('127.0.0.1','P2PHANDSHAKE',{seg * 2},{16 * MiB},'tcp','','127.0.0.1:{port}');"
+            "print('ready' if rc == 0 else 'failed', flush=True); signal.pause()")],
+            stdout=subprocess.PIPE, stderr=log, text=True)
+        if storage.stdout.readline().strip() != "ready":
+            raise RuntimeError("mooncake storage process did not start")
+        bases[("mooncake", "host")] = bases[("mooncake", "tcp")] = {"master": f"127.0.0.1:{port}", "segment": seg}
+    return bases
+
+
+def suite_main(args):
+    """Runs every case of every system (interleaved) and prints the records as one JSON line."""
+    procs = Procs()
+    log = open(os.path.join(args.logdir, "systems.log"), "a")
+    seg = max(args.sizes) * 2 + (64 * MiB if args.smoke else 512 * MiB)
+    systems = args.systems.split(",")
+    records = []
+    try:
+        bases = start_services(systems, args, procs, log, seg)
+        for setup in ("host", "tcp"):
             for clients in args.clients:
-                records += run_cases("mooncake", "host", clients, base, args, procs, log)
-            storage = procs.spawn([sys.executable, "-c", (
-                "import signal; from mooncake.store import MooncakeDistributedStore as M; s=M();"
-                f"rc=s.setup('127.0.0.1','P2PHANDSHAKE',{seg * 2},{16 * MiB},'tcp','','127.0.0.1:{port}');"
-                "print('ready' if rc == 0 else 'failed', flush=True); signal.pause()")],
-                stdout=subprocess.PIPE, stderr=log, text=True)
-            if storage.stdout.readline().strip() != "ready":
-                raise RuntimeError("mooncake storage process did not start")
-            for clients in args.clients:
-                records += run_cases("mooncake", "tcp", clients, base, args, procs, log)
+                groups = []
+                try:
+                    for system in systems:
+                        if (system, setup) in bases:
+                            groups.append(WorkerGroup(system, setup, clients, bases[(system, setup)], procs, log))
+                    records += run_interleaved(groups, args)
+                finally:
+                    for g in groups:
+                        g.close()
     finally:
         procs.kill_all()
     print(json.dumps(records), flush=True)
@@ -431,16 +466,16 @@ def available(system: str) -> tuple[bool, str]:
     return False, "unknown system"
 
 
-def run_system(system: str, args) -> list:
-    cmd = [sys.executable, __file__, "--role", "system", "--system", system, "--logdir", args.logdir,
+def run_suite(systems: list, args) -> list:
+    cmd = [sys.executable, __file__, "--role", "suite", "--systems", ",".join(systems), "--logdir", args.logdir,
            "--reps", str(args.reps), "--sizes", ",".join(map(str, args.sizes)),
            "--clients", ",".join(map(str, args.clients))] + (["--smoke"] if args.smoke else [])
-    if system == "mooncake":
-        cmd = ["unshare", "-n", "sh", "-c", "ip link set lo up && exec \"$@\"", "sh"] + cmd
+    if "mooncake" in systems:  # every system in one network namespace that has only loopback
+        cmd = ["unshare", "-n", "sh", "-c", "ip link set lo up && exec \"$@\"", "sh"] + cmd + ["--in-netns"]
     r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.timeout, start_new_session=True)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("[")]
     if r.returncode != 0 or not lines:
-        raise RuntimeError(f"{system}: the benchmark failed (exit {r.returncode}); logs in {args.logdir}")
+        raise RuntimeError(f"the benchmark failed (exit {r.returncode}); logs in {args.logdir}")
     return json.loads(lines[-1])
 
 
@@ -510,8 +545,7 @@ def markdown(records, args) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--role", default="driver", choices=["driver", "system", "worker"])
-    p.add_argument("--system", default=None)
+    p.add_argument("--role", default="driver", choices=["driver", "suite", "worker"])
     p.add_argument("--spec", default=None)
     p.add_argument("--smoke", action="store_true", help="small and fast (CI)")
     p.add_argument("--reps", type=int, default=None, help="repetitions per case (median reported); default 3, smoke 1")
@@ -522,7 +556,8 @@ def main(argv=None):
     p.add_argument("--markdown", default=None, help="write the README table here")
     p.add_argument("--gate", action="store_true", help="exit 1 when a gate fails")
     p.add_argument("--logdir", default=None)
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per system")
+    p.add_argument("--in-netns", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--timeout", type=float, default=3600, help="seconds for the whole run")
     args = p.parse_args(argv)
     if args.role == "worker":
         worker_main(json.loads(args.spec))
@@ -531,19 +566,24 @@ def main(argv=None):
     args.sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else (
         [4 * KiB, MiB] if args.smoke else SIZES)
     args.clients = [int(x) for x in (args.clients or ("1" if args.smoke else "1,2")).split(",")]
-    if args.role == "system":
-        system_main(args)
+    if args.role == "suite":
+        suite_main(args)
         return 0
     args.logdir = args.logdir or tempfile.mkdtemp(prefix="store-bench-logs-")
-    records, skipped = [], {}
+    systems, skipped = [], {}
     for system in args.systems.split(","):
         ok, why = available(system)
-        if not ok:
+        if ok:
+            systems.append(system)
+        else:
             skipped[system] = why
             print(f"[store_bench] skipping {system}: {why}", file=sys.stderr)
-            continue
-        print(f"[store_bench] {system} ...", file=sys.stderr, flush=True)
-        records += run_system(system, args)
+    if "mooncake" in systems and "redis" in systems and shutil.which("redis-server") is None:
+        systems.remove("redis")
+        skipped["redis"] = "no redis-server binary to start inside the network namespace"
+    print(f"[store_bench] systems (interleaved case by case): {', '.join(systems)}; load average "
+          f"{os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+    records = run_suite(systems, args)
     table = markdown(records, args)
     print(table)
     results = gates(records, args)
@@ -558,8 +598,8 @@ def main(argv=None):
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(table)
-    print(f"[store_bench] {len(records)} records, {len(failed)} gate(s) failed, logs in {args.logdir}",
-          file=sys.stderr)
+    print(f"[store_bench] {len(records)} records, {len(failed)} gate(s) failed, load average at the end "
+          f"{os.getloadavg()[0]:.1f}, logs in {args.logdir}", file=sys.stderr)
     return 1 if (args.gate and failed) else 0
 
 

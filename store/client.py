@@ -138,6 +138,20 @@ class StoreStats:
     clients_lost: int
 
 
+def _chunks(keys: list, max_keys: int = 2048, max_bytes: int = 1 << 20):
+    """Index ranges of ``keys`` small enough for one metadata request (the master limits
+    keys per call and frame bytes)."""
+    start, size = 0, 0
+    for i, k in enumerate(keys):
+        n = len(k) * 4 + 64
+        if i > start and (i - start >= max_keys or size + n > max_bytes):
+            yield start, i
+            start, size = i, 0
+        size += n
+    if start < len(keys) or not keys:
+        yield start, len(keys)
+
+
 class _Obj:
     __slots__ = ("key", "size", "version", "meta", "replicas")
 
@@ -235,11 +249,19 @@ class MooncakeStore:
 
     def _register(self):
         segs = [self._segment.desc(self.cfg.host_id, self._te_desc())] if self._segment else []
-        entries = ssd.scan(self.cfg.ssd_dir) if self.cfg.ssd_dir else []
         res = self._call("register", {"client": self.client_id, "name": self.name, "host": self.cfg.host_id,
-                                      "pid": os.getpid(), "segs": segs, "ssd_dir": self.cfg.ssd_dir, "ssd": entries},
+                                      "pid": os.getpid(), "segs": segs, "ssd_dir": self.cfg.ssd_dir, "ssd": []},
                          register=False)
         self._lease_ttl = res["ttl_ms"] / 1000.0
+        if self.cfg.ssd_dir:  # files found on disk, in chunks well below the frame limit
+            chunk, size = [], 0
+            for e in ssd.scan(self.cfg.ssd_dir) + [None]:
+                if e is not None:
+                    chunk.append(e)
+                    size += len(e[0]) + len(e[3]) + len(e[4]) + 32
+                if chunk and (e is None or size > (512 << 10)):
+                    self._call("adopt_ssd", {"client": self.client_id, "entries": chunk}, register=False)
+                    chunk, size = [], 0
 
     def _resolve(self) -> Optional[str]:
         if self.cfg.etcd is None:
@@ -508,6 +530,16 @@ class MooncakeStore:
                   return_exceptions: bool, _retry=True) -> list:
         if not isinstance(cfg, ReplicateConfig):
             raise ValueError("config must be a ReplicateConfig")
+        parts = list(_chunks(keys))
+        if len(parts) > 1:
+            out: list = []
+            for a, b in parts:
+                out += self._put_many(keys[a:b], views[a:b], metas[a:b], cfg, upsert, True, _retry)
+            if not return_exceptions:
+                for r in out:
+                    if isinstance(r, BaseException):
+                        raise r
+            return out
         args = {"client": self.client_id, "items": [[k, len(v), m] for k, v, m in zip(keys, views, metas)],
                 "r": cfg.replica_num, "pref": cfg.preferred_segment, "pin": cfg.pin, "all": cfg.require_all,
                 "upsert": upsert}
@@ -617,6 +649,15 @@ class MooncakeStore:
 
     # ------------------------------------------------------------------ reads
     def _get_meta(self, keys: list):
+        parts = list(_chunks(keys))
+        if len(parts) > 1:
+            objs, segs, deadline = [], {}, float("inf")
+            for a, b in parts:
+                o, sg, d = self._get_meta(keys[a:b])
+                objs += o
+                segs.update(sg)
+                deadline = min(deadline, d)
+            return objs, segs, deadline
         give_up = time.monotonic() + self.cfg.rpc_timeout_s
         while True:
             t0 = time.monotonic()
@@ -776,7 +817,12 @@ class MooncakeStore:
         return self.exists_batch([_check_key(key)])[0]
 
     def exists_batch(self, keys: Sequence[str]) -> list:
-        return self._call("exists", {"keys": _check_keys(keys)})["exists"]
+        """``exists`` for several keys (one request per 2048 keys)."""
+        keys = _check_keys(keys)
+        out: list = []
+        for a, b in _chunks(keys):
+            out += self._call("exists", {"keys": keys[a:b]})["exists"]
+        return out
 
     def remove(self, key: str, force: bool = False) -> None:
         """Removes ``key``. Raises ``ObjectNotFoundError``, or ``ObjectHasLeaseError`` while a
@@ -787,7 +833,10 @@ class MooncakeStore:
             raise from_code(item[1], item[2])
 
     def remove_batch(self, keys: Sequence[str], force: bool = False, *, return_exceptions: bool = False) -> list:
-        res = self._call("remove", {"client": self.client_id, "keys": _check_keys(keys), "force": bool(force)})["items"]
+        keys = _check_keys(keys)
+        res: list = []
+        for a, b in _chunks(keys):
+            res += self._call("remove", {"client": self.client_id, "keys": keys[a:b], "force": bool(force)})["items"]
         out = [None if it[0] == 0 else from_code(it[1], it[2]) for it in res]
         if not return_exceptions:
             for o in out:

@@ -190,9 +190,13 @@ class Core:
                 and isinstance(pid, int) and isinstance(segs, list) and isinstance(ssd, list)
                 and (ssd_dir is None or isinstance(ssd_dir, str))):
             raise ProtocolError("register: bad arguments")
+        if len(segs) > 1:
+            raise ProtocolError("register: a client contributes at most one segment")
         for d in segs:
-            if not (isinstance(d, dict) and isinstance(d.get("size"), int) and d["size"] >= 0):
+            if not (isinstance(d, dict) and isinstance(d.get("size"), int) and 0 <= d["size"] < 1 << 50):
                 raise ProtocolError("register: bad segment descriptor")
+        if len(ssd) > 10_000_000:
+            raise ProtocolError("register: too many SSD entries")
         now = self.clock()
         old = self.clients.get(cid)
         if old is not None:
@@ -218,7 +222,8 @@ class Core:
 
     def _adopt_ssd(self, c: Client, e):
         if not (isinstance(e, list) and len(e) == 5 and isinstance(e[0], str) and isinstance(e[1], int)
-                and isinstance(e[2], int) and isinstance(e[3], bytes) and isinstance(e[4], str)):
+                and isinstance(e[2], int) and e[2] >= 0 and isinstance(e[3], bytes) and isinstance(e[4], str)
+                and e[0]):
             return
         key, version, size, meta, path = e
         cur = self.objects.get(key)
@@ -235,6 +240,16 @@ class Core:
         self.lru[key] = None
         self._version = max(self._version, version)
         self._dirty(key)
+
+    def adopt_ssd(self, a: dict) -> dict:
+        """A registered client reports SSD files it found (in chunks, after ``register``)."""
+        c = self._client(a.get("client"))
+        entries = a.get("entries")
+        if not isinstance(entries, list) or len(entries) > 100_000:
+            raise ProtocolError("adopt_ssd: entries must be a list of at most 100000 [key, version, size, meta, path]")
+        for e in entries:
+            self._adopt_ssd(c, e)
+        return {}
 
     def unregister(self, a: dict) -> dict:
         c = self._client(a.get("client"))

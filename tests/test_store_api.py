@@ -85,3 +85,15 @@ def test_option_validation():
         MooncakeStore(segment_size=100, serve_tcp=False)
     with pytest.raises(ValueError):
         MooncakeStore(StoreConfig(), segment_size=0)
+
+
+def test_large_batches_are_split(store):
+    """Batches larger than one request may carry (keys per call, frame bytes) are sent in
+    several requests; results keep their order."""
+    keys = [f"{i:05d}-" + "k" * 1500 for i in range(3000)]  # about 4.5 MB of keys
+    vals = [i.to_bytes(4, "little") for i in range(3000)]
+    assert store.put_batch(keys, vals) == [1] * 3000
+    assert store.get_batch(keys) == vals
+    assert all(store.exists_batch(keys))
+    assert store.remove_batch(keys, force=True) == [None] * 3000
+    assert not any(store.exists_batch(keys))

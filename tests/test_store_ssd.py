@@ -82,3 +82,18 @@ def test_no_space_when_nothing_evictable(procs):
         assert s.get("q7") == bytes([7]) * MiB
         assert s.stats().evictions >= 4
         assert not s.exists("q0")
+
+
+def test_eviction_skips_leased_objects(procs):
+    """LRU eviction passes over the least recently used object while a reader holds a
+    lease on it and takes the next one."""
+    m = sa.start_master(lease_ttl=30.0)
+    sa.start_agent({"master": m.address, "segment_size": 4 * MiB + 4096})
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0) as s:
+        s.put("o0", bytes([0]) * MiB)
+        assert s.get("o0") == bytes([0]) * MiB  # leased for 30 s
+        for i in range(1, 4):
+            s.put(f"o{i}", bytes([i]) * MiB)  # o0 is now the least recently used
+        s.put("o4", bytes([4]) * MiB)
+        assert s.exists("o0") and s.get("o0") == bytes([0]) * MiB
+        assert not s.exists("o1") and s.exists("o2") and s.exists("o3") and s.exists("o4")
