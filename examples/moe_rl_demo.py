@@ -50,6 +50,27 @@ from datetime import timedelta
 # ============================================================================ model
 
 
+def expert_class():
+    """The expert MLP of both models (training and rollout): ``down(gelu(up(x)))``; the
+    parameter names (``up``, ``down``) are what the published state dict carries."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    global _Expert
+    if "_Expert" not in globals():
+        class Expert(nn.Module):
+            def __init__(self, d, hidden):
+                super().__init__()
+                self.up = nn.Linear(d, hidden)
+                self.down = nn.Linear(hidden, d)
+
+            def forward(self, x):
+                return self.down(F.gelu(self.up(x)))
+
+        _Expert = Expert
+    return _Expert
+
+
 def build_model(args, group=None):
     import torch
     import torch.nn as nn
@@ -57,14 +78,7 @@ def build_model(args, group=None):
 
     import mooncake_ep
 
-    class Expert(nn.Module):
-        def __init__(self, d, hidden):
-            super().__init__()
-            self.up = nn.Linear(d, hidden)
-            self.down = nn.Linear(hidden, d)
-
-        def forward(self, x):
-            return self.down(F.gelu(self.up(x)))
+    Expert = expert_class()
 
     class Block(nn.Module):
         def __init__(self, d, heads, experts):
@@ -115,14 +129,7 @@ def build_rollout_model(args):
 
     from mooncake_ep import route_topk
 
-    class Expert(nn.Module):
-        def __init__(self, d, hidden):
-            super().__init__()
-            self.up = nn.Linear(d, hidden)
-            self.down = nn.Linear(hidden, d)
-
-        def forward(self, x):
-            return self.down(F.gelu(self.up(x)))
+    Expert = expert_class()
 
     class MoE(nn.Module):
         def __init__(self, d, experts):

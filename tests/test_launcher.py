@@ -27,6 +27,8 @@ import time
 
 import pytest
 
+from rankpool import _alive   # a zombie nobody reaped counts as dead
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 
@@ -56,18 +58,6 @@ def _finish(p, timeout):
     text = p.out.read()
     assert rc is not None, f"mooncake-run did not finish within {timeout} s:\n{text[-6000:]}"
     return rc, text
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 @pytest.mark.timeout(240)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 import time
 
@@ -77,7 +78,7 @@ def test_cut_off_host_fences_itself_and_the_store_side_goes_on(tmp_path):
     progress = tmp_path / "progress"
     progress.mkdir()
     with netns.two_hosts("mctest") as t:
-        port = 29611
+        port = random.randint(20000, 60000)   # any port: the namespace and its addresses are ours alone
         launchers = {}
         for node, ns in ((0, t.a), (1, t.b)):
             env = dict(os.environ)
