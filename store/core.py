@@ -30,7 +30,19 @@ class Segment:
         self.size = size
         self.alloc = Allocator(size - SEG_HEADER, base=SEG_HEADER) if size > SEG_HEADER else Allocator(0, SEG_HEADER)
         self.desc = desc
-        self.keys: set = set()  # keys with a replica here (committed or pending)
+        # key -> replicas here (committed or pending): an upsert's new replica may share the
+        # segment with the old one, and freeing the old must not forget the new
+        self.keys: dict = {}
+
+    def add_key(self, key: str):
+        self.keys[key] = self.keys.get(key, 0) + 1
+
+    def drop_key(self, key: str):
+        n = self.keys.get(key, 0) - 1
+        if n > 0:
+            self.keys[key] = n
+        else:
+            self.keys.pop(key, None)
 
 
 class Client:
@@ -139,7 +151,7 @@ class Core:
         seg = self.segments.get(seg_name)
         if seg is None:
             return
-        seg.keys.discard(key)
+        seg.drop_key(key)
         if n <= 0:
             return
         if until > self.clock():
@@ -335,7 +347,7 @@ class Core:
                 self.pending[key] = obj
                 c.writing.add(key)
                 for s, _, _ in repl:
-                    self.segments[s].keys.add(key)
+                    self.segments[s].add_key(key)
                     segs[s] = self.segments[s].desc
                 out.append([0, obj.version, [[s, off] for s, off, _ in repl], r])
             except StoreError as e:
@@ -498,8 +510,10 @@ class Core:
             self.lru.move_to_end(key)
             reps = []
             for s, off, _ in obj.repl:
-                reps.append(["m", s, off])
-                segs[s] = self.segments[s].desc
+                seg = self.segments.get(s)
+                if seg is not None:
+                    reps.append(["m", s, off])
+                    segs[s] = seg.desc
             for cid, path in obj.ssd:
                 cl = self.clients.get(cid)
                 if cl is not None:
@@ -567,7 +581,7 @@ class Core:
                         return True
                     continue
                 self.used += n
-                seg.keys.add(obj.key)
+                seg.add_key(obj.key)
                 obj.loading = [seg.name, off, n]
                 self._queue(c, ["load", obj.key, obj.version, path, off, obj.size])
                 return True
@@ -725,7 +739,7 @@ def load_into(core: Core, clients: list, objs: list):
         if not obj.repl and not obj.ssd:
             continue
         for s, off, n in obj.repl:
-            core.segments[s].keys.add(key)
+            core.segments[s].add_key(key)
             used.setdefault(s, []).append((off, n))
         for cid, _ in obj.ssd:
             core.clients[cid].ssd_keys.add(key)

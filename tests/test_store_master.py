@@ -198,3 +198,32 @@ def test_clients_survive_a_master_restart(procs):
         assert s.get("after") == b"y"
         assert not s.exists("before")
         assert node.cmd("get", key="after")["sha"] == sa.digest(b"y")
+
+
+def test_upserted_key_goes_with_its_dead_writer(procs):
+    """Regression: an upsert whose new replica landed in the same segment as the old one
+    left the key untracked in that segment (freeing the old replica forgot the new), so
+    after the writer died a get failed with an internal ``KeyError`` on the master instead
+    of ``ObjectNotFoundError``."""
+    from mooncake_store import ObjectNotFoundError
+
+    m = sa.start_master(client_ttl=1.0)
+    writer = sa.start_agent({"master": m.address, "segment_size": 4 << 20, "heartbeat_interval_s": 0.2})
+    writer.cmd("put", key="k", seed=1, size=1000, upsert=True)
+    writer.cmd("put", key="k", seed=2, size=2000, upsert=True)
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=1 << 20) as s:
+        assert s.get("k") == sa.pattern(2, 2000)
+        writer.kill()
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                s.get("k")
+            except ObjectNotFoundError:
+                break
+            except Exception as e:  # before the master notices: the segment cannot be mapped
+                assert type(e).__name__ == "TransferError", repr(e)
+            assert time.monotonic() < deadline, "the dead writer's key never went away"
+            time.sleep(0.2)
+        assert not s.exists("k")
+        s.put("k", b"fresh")  # the master still works
+        assert s.get("k") == b"fresh"
