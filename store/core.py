@@ -589,7 +589,8 @@ class Core:
 
     def _space_coming(self, seg: Segment) -> bool:
         """Whether space in ``seg`` frees up by itself soon: offloads to SSD, leases or
-        deferred frees that end, puts that finish or are aborted."""
+        deferred frees that end, puts that finish or are aborted, loads from SSD that
+        finish (and whose lease then ends)."""
         now = self.clock()
         if any(d[1] == seg.name for d in self.deferred):
             return True
@@ -597,8 +598,9 @@ class Core:
             if k in self.pending:
                 return True
             o = self.objects.get(k)
-            if o is not None and (o.offloading or (o.lease_until > now and not o.pin)):
-                return True
+            if o is not None and (o.offloading or (o.lease_until > now and not o.pin)
+                                  or (o.loading is not None and o.loading[0] == seg.name)):
+                return True  # a load in progress becomes evictable once its reader is done
         return False
 
     def load_done(self, a: dict) -> dict:

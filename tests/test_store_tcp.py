@@ -99,4 +99,8 @@ def test_ssd_replica_read_from_another_host(procs, tmp_path):
         assert on_disk
         for i in range(8):
             assert s.get(f"o{i}") == sa.pattern(i, MiB), i
-        assert s.get_batch([f"o{i}" for i in on_disk]) == [sa.pattern(i, MiB) for i in on_disk]
+        # a batch is loaded whole before it is read: at most 3 of the 4 slots of the segment
+        # (more objects may be on disk by now on a loaded machine; a batch larger than the
+        # owner's memory cannot be served, see README "Store")
+        batch = on_disk[:3]
+        assert s.get_batch([f"o{i}" for i in batch]) == [sa.pattern(i, MiB) for i in batch]
