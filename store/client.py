@@ -191,6 +191,7 @@ class MooncakeStore:
         self._te = None
         self._te_region = None
         self._maps = SegmentCache(prefault=cfg.prefault)
+        self._ro_maps = SegmentCache(prefault=cfg.prefault, readonly=True)  # for _local_views
         self._fast = None  # mooncake_pg.transfer (parallel C++ copies) when loaded
         self._lease_ttl = 5.0
         self._epoch = -1
@@ -322,6 +323,7 @@ class MooncakeStore:
                 if "segs" in res:
                     self._epoch = res["epoch"]
                     self._maps.retain(set(res["segs"]))
+                    self._ro_maps.retain(set(res["segs"]))
                 for task in res["tasks"]:
                     self._run_task(task)
             except UnknownClientError:
@@ -710,6 +712,31 @@ class MooncakeStore:
                     raise o
         return out
 
+    def _local_views(self, keys: list) -> tuple:
+        """``(views, deadline)``: per key a read-only ``memoryview`` of the value's first
+        replica where it lies in memory on this host (this client's own segment: a
+        writable one), else ``None`` (also for a missing key); ``deadline`` is the
+        ``time.monotonic()`` at which the read lease ends. No copy: the bytes stay the
+        store's, valid while the object is not removed (the caller protects them, e.g.
+        ``WeightSync`` holds). A view of another client's segment keeps its mapping alive
+        after the segment goes away."""
+        objs, segs, deadline = self._get_meta(_check_keys(keys))
+        out = []
+        for obj in objs:
+            view = None
+            if obj is not None and obj.replicas and obj.replicas[0][0] == "m":
+                desc = segs[obj.replicas[0][1]]
+                if self._is_local(desc):
+                    try:
+                        own = self._segment is not None and desc["name"] == self.name
+                        base = self._segment.view if own else self._ro_maps.get(desc).view
+                        off = obj.replicas[0][2]
+                        view = base[off:off + obj.size]
+                    except TransferError:
+                        view = None
+            out.append(view)
+        return out, deadline
+
     def get_into(self, key: str, buffer) -> int:
         """Copies the value of ``key`` into ``buffer`` (writable bytes-like or contiguous CPU
         tensor, at least the value's size); returns the value's size in bytes.
@@ -888,6 +915,7 @@ class MooncakeStore:
             self._te.close()
             self._te = None
         self._maps.close()
+        self._ro_maps.close()
         if self._segment is not None:
             self._segment.close()
             self._segment = None

@@ -303,6 +303,13 @@ class WeightSyncConfig:
             (a reader that died does not keep old versions forever).
         max_readers: reader slots per model (a reader takes one at its first pull).
         pin: store weight objects pinned (never evicted to make room).
+        install: how ``pull`` installs a version. ``"copy"``: copies into the reader's
+            tensors (staged first, all or nothing). ``"view"``: tensors published whole
+            that lie in memory on the reader's host become read-only views of that memory
+            (``param.data = view``; no copy, one copy of the weights per host however many
+            readers; needs ``pin=True`` and ``into`` an ``nn.Module`` or ``None``); the
+            reader holds the version (refreshed every ``hold_ttl_s / 4``) until its next
+            pull or ``release()``. The rest is copied.
     """
 
     bucket_bytes: int = 64 * MiB
@@ -312,8 +319,13 @@ class WeightSyncConfig:
     hold_ttl_s: float = 600.0
     max_readers: int = 64
     pin: bool = True
+    install: str = "copy"
 
     def __post_init__(self):
+        if self.install not in ("copy", "view"):
+            raise ValueError(f"WeightSyncConfig: install must be 'copy' or 'view', got {self.install!r}")
+        if self.install == "view" and not self.pin:
+            raise ValueError("WeightSyncConfig: install='view' needs pin=True (an evicted object's memory is reused)")
         if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1:
             raise ValueError(f"WeightSyncConfig: bucket_bytes must be an int >= 1, got {self.bucket_bytes!r}")
         if not isinstance(self.keep_versions, int) or self.keep_versions < 0:

@@ -54,13 +54,15 @@ def _flags(prefault: bool) -> int:
 
 
 class MappedSegment:
-    """A same-host segment of another process, mapped read/write."""
+    """A same-host segment of another process, mapped read/write (or read-only: a write
+    through it kills the process with SIGSEGV instead of changing the owner's bytes)."""
 
-    def __init__(self, desc: dict, prefault: bool = True):
+    def __init__(self, desc: dict, prefault: bool = True, readonly: bool = False):
         path, size, token = desc["path"], int(desc["size"]), bytes.fromhex(desc["token"])
         try:
-            with open(path, "r+b") as f:
-                self.mm = mmap.mmap(f.fileno(), size, flags=_flags(prefault))
+            with open(path, "rb" if readonly else "r+b") as f:
+                self.mm = mmap.mmap(f.fileno(), size, flags=_flags(prefault),
+                                    prot=mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE)
         except (OSError, ValueError) as e:
             raise TransferError(f"cannot map segment {desc.get('name')!r} at {path}: {e}") from None
         if self.mm[0:len(MAGIC) + 16] != MAGIC + token:
@@ -80,8 +82,9 @@ class MappedSegment:
 class SegmentCache:
     """Mappings of same-host segments by name, opened on first use."""
 
-    def __init__(self, prefault: bool = True):
+    def __init__(self, prefault: bool = True, readonly: bool = False):
         self.prefault = prefault
+        self.readonly = readonly
         self._maps: dict[str, MappedSegment] = {}
         self._lock = threading.Lock()
 
@@ -93,7 +96,7 @@ class SegmentCache:
         with self._lock:
             m = self._maps.get(name)
             if m is None or m.desc_token != desc["token"]:
-                m = MappedSegment(desc, self.prefault)
+                m = MappedSegment(desc, self.prefault, self.readonly)
                 m.desc_token = desc["token"]
                 old = self._maps.get(name)
                 self._maps[name] = m

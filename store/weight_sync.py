@@ -44,7 +44,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import sys
+import threading
 import time
+import warnings
 from typing import Callable, NamedTuple, Optional
 
 import msgpack
@@ -157,11 +160,14 @@ def _target_dict(into) -> dict:
 def _local_pieces(state_dict: dict, shard: int, num_shards: int) -> list:
     """[(name, dtype, global_shape, offset, local_tensor)] this shard writes."""
     torch = _torch()
-    try:
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    except ImportError:  # pragma: no cover
-        DTensor = None
+    DTensor = None
+    # no DTensor exists before its module is imported; importing it takes about a second
+    if "torch.distributed.tensor" in sys.modules:
+        try:
+            from torch.distributed.tensor import DTensor, Replicate, Shard
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        except ImportError:  # pragma: no cover
+            DTensor = None
     out = []
     for name, t in state_dict.items():
         if not isinstance(name, str) or not name:
@@ -217,6 +223,10 @@ class WeightSync:
         self.version = -1
         self._slot: Optional[int] = None
         self._spare: dict = {}  # staging tensors of the last pull, reused by the next one
+        self._viewed: set = set()  # names installed as views of the store's memory (install="view")
+        self._held: list = []  # versions this reader holds between pulls (install="view")
+        self._refresher: Optional[threading.Thread] = None
+        self._stop = threading.Event()
 
     # ------------------------------------------------------------------ helpers
     def _get_msg(self, key, default=ObjectNotFoundError):
@@ -344,8 +354,8 @@ class WeightSync:
                 continue
             try:
                 rec = msgpack.unpackb(g, raw=False)
-                if rec["version"] >= 0 and now - float(rec["t"]) < self.cfg.hold_ttl_s:
-                    held.add(int(rec["version"]))
+                if now - float(rec["t"]) < self.cfg.hold_ttl_s:
+                    held.update(int(x) for x in rec["versions"] if int(x) >= 0)
             except Exception:
                 continue
         return held
@@ -357,24 +367,29 @@ class WeightSync:
             if v in keep:
                 continue
             vp = f"{self._p}v{v}/"
+            # the commit record first: the version is invisible to pulls from here on. A
+            # reader takes its hold before it reads the commit record, so a reader that saw
+            # it shows in the holds read next: then the pieces stay (a later publish drops
+            # them). force=True is safe for a copy in progress: the store reuses the space
+            # of a leased object only after the lease ends
+            self.store.remove_batch([vp + "commit"], force=True, return_exceptions=True)
+            if v in self._holds():
+                continue
             try:
-                commit = self._get_msg(vp + "commit")
-                mans = [msgpack.unpackb(m, raw=False) for m in
-                        self.store.get_batch([f"{vp}m{s}" for s in range(int(commit["num_shards"]))])]
+                m0 = self._get_msg(vp + "m0")
+                mans = [m0] + [msgpack.unpackb(m, raw=False) for m in
+                               self.store.get_batch([f"{vp}m{s}" for s in range(1, int(m0["num_shards"]))])]
             except ObjectNotFoundError:
                 dropped.append(v)
                 continue
-            # the commit record first: the version is invisible before its pieces go. force=True
-            # is safe for a reader copying right now: the store reuses the space of a leased
-            # object only after the lease ends, so that copy completes intact
-            self.store.remove_batch([vp + "commit"], force=True, return_exceptions=True)
             keys = [b[0] for m in mans for b in m["buckets"]] + [f"{vp}m{s}" for s in range(len(mans))]
             self.store.remove_batch(keys, force=True, return_exceptions=True)
             dropped.append(v)
         return dropped
 
     # ------------------------------------------------------------------ pull
-    def _hold(self, version: int):
+    def _hold(self, versions: list):
+        """Records that this reader uses ``versions`` (publishers do not drop them)."""
         if self._slot is None:
             for i in range(self.cfg.max_readers):
                 try:
@@ -384,12 +399,28 @@ class WeightSync:
                 except ObjectExistsError:
                     continue
             else:
-                return  # no slot: pulls still work, the version is just not protected from dropping
-        self.store.upsert(f"{self._p}hold/{self._slot}", msgpack.packb({"version": version, "t": time.time()}),
+                return False  # no slot: copies still work, the version is just not protected from dropping
+        self.store.upsert(f"{self._p}hold/{self._slot}", msgpack.packb({"versions": list(versions), "t": time.time()}),
                           self._rc)
+        return True
+
+    def _refresh_main(self):
+        # keeps the hold on the viewed version younger than hold_ttl_s while this reader lives
+        while not self._stop.wait(self.cfg.hold_ttl_s / 4):
+            held = list(self._held)
+            if held:
+                try:
+                    self._hold(held)
+                except StoreError:
+                    pass  # retried at the next tick; the hold counts for hold_ttl_s
 
     def release(self):
-        """Gives up this reader's slot (call when the reader goes away for good)."""
+        """Gives up this reader's slot (call when the reader goes away for good). With
+        ``install="view"`` the installed tensors are views of the store's memory: after
+        ``release`` a publisher may reuse it, so release only when the model is no longer
+        used."""
+        self._stop.set()
+        self._held = []
         if self._slot is not None:
             self.store.remove_batch([f"{self._p}hold/{self._slot}", f"{self._p}slot/{self._slot}"], force=True,
                                     return_exceptions=True)
@@ -408,8 +439,20 @@ class WeightSync:
         the one held raises ``StaleVersionError``; ``"latest"`` at or below it does
         nothing (``installed=False``). ``strict``: ``into`` must have exactly the
         published names. ``stage_hook(i)`` runs before bucket ``i`` is staged (for
-        validation and tests; its exception aborts the pull)."""
+        validation and tests; its exception aborts the pull).
+
+        With ``WeightSyncConfig(install="view")`` (``into`` an ``nn.Module`` or ``None``),
+        every tensor published whole, in memory on this host and not cast is installed
+        as a view of the store's memory (``param.data = view``: no copy, shared by all
+        readers of the host; read-only, a write kills the process with SIGSEGV); the
+        reader keeps a hold on that version until its next pull or ``release()``.
+        Other tensors are copied as above (into fresh memory when the target was a
+        view)."""
         torch = _torch()
+        view_mode = self.cfg.install == "view"
+        if view_mode and into is not None and not isinstance(into, torch.nn.Module):
+            raise ValueError(f"{self.model}: install='view' needs into=nn.Module (its parameters take the views) "
+                             f"or None, got {type(into).__name__}")
         targets = _target_dict(into)
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise ValueError(f"dtype must be a torch.dtype or None, got {dtype!r}")
@@ -426,24 +469,45 @@ class WeightSync:
                 return PullResult(prev, prev, False, 0, None)
         else:
             raise ValueError(f"version must be 'latest' or an int >= 0, got {version!r}")
-        self._hold(v)
+        kept = list(self._held)  # the viewed version stays held while the new one is staged
+        if not self._hold(kept + [v]) and view_mode:
+            view_mode = False  # every reader slot taken: unprotected memory must not be viewed; copy
+        ok = False
         try:
-            staged, raw, nbytes = self._stage(v, targets, dtype, strict, stage_hook)
+            staged, raw, nbytes, viewed = self._stage(v, targets, dtype, strict, stage_hook, view_mode)
+            handed = set()
             with torch.no_grad():
                 for name, t in staged.items():
-                    if name in targets:
+                    if name not in targets:
+                        continue
+                    if name in viewed or name in self._viewed:
+                        # a view goes in by reference; a copy replaces a view by reference too
+                        # (the view's memory is read-only), in the target's dtype
+                        targets[name].data = t if t.dtype == targets[name].dtype else t.to(targets[name].dtype)
+                        handed.add(name)
+                    else:
                         targets[name].copy_(t)
             # keep the staging tensors for the next pull (into given and they were not handed out)
-            self._spare = raw if into is not None and (dtype is None or raw is not staged) else {}
+            if into is not None and (dtype is None or raw is not staged):
+                self._spare = {k: t for k, t in raw.items() if k not in handed and k not in viewed}
+            else:
+                self._spare = {}
+            self._viewed = set(viewed) if into is not None else set()
+            self._held = [v] if viewed else []
+            ok = True
         finally:
             try:
-                self._hold(-1)
+                self._hold(self._held if ok else kept)
             except StoreError:
                 pass
+        if self._held and (self._refresher is None or not self._refresher.is_alive()):
+            self._stop = threading.Event()
+            self._refresher = threading.Thread(target=self._refresh_main, name="ws-hold", daemon=True)
+            self._refresher.start()
         self.version = v
         return PullResult(v, prev, True, nbytes, staged if into is None else None)
 
-    def _stage(self, v: int, targets: dict, dtype, strict: bool, stage_hook) -> tuple:
+    def _stage(self, v: int, targets: dict, dtype, strict: bool, stage_hook, view_mode: bool = False) -> tuple:
         torch = _torch()
         vp = f"{self._p}v{v}/"
         try:
@@ -481,14 +545,41 @@ class WeightSync:
             if name in targets and tuple(targets[name].shape) != tuple(gshape):
                 raise ValueError(f"{self.model} v{v}: {name!r} has shape {tuple(gshape)}, into has "
                                  f"{tuple(targets[name].shape)}; kept version {self.version}")
+        buckets = [(b[0], b[1], [p for p in m["pieces"] if p["bucket"] == i])
+                   for m in mans for i, b in enumerate(m["buckets"])]
+        views: dict = {}  # name -> read-only tensor over the store's memory (install="view")
+        if view_mode and buckets:
+            bviews, _ = self.store._local_views([b[0] for b in buckets])
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                for b, bv in zip(buckets, bviews):
+                    if bv is None:
+                        continue
+                    for p in b[2]:
+                        dt = _dtype_of(p["dtype"])
+                        tgt = targets.get(p["name"])
+                        if (p["shape"] != p["gshape"] or not p["nbytes"] or p["boff"] + p["nbytes"] > len(bv)
+                                or (dtype is not None and dt.is_floating_point and dt != dtype)
+                                or (tgt is not None and tgt.dtype != dt)):
+                            continue
+                        if p["digest"] is not None:
+                            flat = torch.frombuffer(bv[p["boff"]:p["boff"] + p["nbytes"]], dtype=torch.uint8)
+                            if _piece_digest(flat, str(p["digest"]).partition(":")[0]) != p["digest"]:
+                                raise WeightSyncAbortedError(f"{self.model} v{v}: checksum of {p['name']!r} differs; "
+                                                             f"kept version {self.version}")
+                        views[p["name"]] = torch.frombuffer(bv[p["boff"]:p["boff"] + p["nbytes"]],
+                                                            dtype=dt).reshape(p["gshape"])
+        for name, (dt, gshape, count) in specs.items():
+            if name in views:
+                staged[name] = views[name]
+                continue
             spare = self._spare.pop(name, None)
             if spare is not None and spare.dtype == _dtype_of(dt) and list(spare.shape) == list(gshape):
                 staged[name] = spare  # the last pull's staging tensor: no fresh pages to fault in
             else:
                 staged[name] = torch.empty(gshape, dtype=_dtype_of(dt))
-        buckets = [(b[0], b[1], [p for p in m["pieces"] if p["bucket"] == i])
-                   for m in mans for i, b in enumerate(m["buckets"])]
-        total = 0
+        fetched = [b for b in buckets if any(p["name"] not in views for p in b[2])]
+        total = sum(b[1] for b in buckets if b not in fetched)  # bytes viewed in place
 
         def fetch(b):
             for attempt in range(3):  # a copy that outlasted its read lease (a loaded host) is redone
@@ -511,8 +602,8 @@ class WeightSync:
             return buf
 
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ws-get") as ex:
-            nxt = ex.submit(fetch, buckets[0]) if buckets else None
-            for i, b in enumerate(buckets):
+            nxt = ex.submit(fetch, fetched[0]) if fetched else None
+            for i, b in enumerate(fetched):
                 try:
                     buf = nxt.result()
                 except ObjectNotFoundError as e:
@@ -520,8 +611,10 @@ class WeightSync:
                                                  f"{self.version}") from None
                 if stage_hook is not None:
                     stage_hook(i)
-                nxt = ex.submit(fetch, buckets[i + 1]) if i + 1 < len(buckets) else None
+                nxt = ex.submit(fetch, fetched[i + 1]) if i + 1 < len(fetched) else None
                 for p in b[2]:
+                    if p["name"] in views:
+                        continue
                     piece = buf[p["boff"]:p["boff"] + p["nbytes"]]
                     if p["digest"] is not None:
                         if _piece_digest(piece, str(p["digest"]).partition(":")[0]) != p["digest"]:
@@ -536,8 +629,8 @@ class WeightSync:
                 total += b[1]
         raw = staged
         if dtype is not None:
-            staged = {k: (t.to(dtype) if t.is_floating_point() else t) for k, t in staged.items()}
-        return staged, raw, total
+            staged = {k: (t.to(dtype) if t.is_floating_point() and k not in views else t) for k, t in staged.items()}
+        return staged, raw, total, set(views)
 
 
 class GroupWeightSync:

@@ -379,3 +379,156 @@ def test_corrupt_or_missing_piece_keeps_the_old_version(store_procs):
         assert r.version == 1 and _digests(model) == _digests(_small_sd(1))
         s.upsert(key, good)
         assert r.pull(model).version == 2 and _digests(model) == _digests(_small_sd(2))
+
+
+# ---------------------------------------------------------------- install="view"
+def _view_cfg(**kw):
+    from mooncake_store import WeightSyncConfig
+
+    return WeightSyncConfig(bucket_bytes=4096, keep_versions=0, install="view", hold_ttl_s=1.0, **kw)
+
+
+def _zero_module(float_dtype=None):
+    import torch
+
+    m = torch.nn.Module()
+    for k, v in _small_sd(0).items():
+        if v.is_floating_point():
+            m.register_parameter(k, torch.nn.Parameter(torch.zeros_like(v, dtype=float_dtype), requires_grad=False))
+        else:
+            m.register_buffer(k, torch.zeros_like(v))
+    return m
+
+
+def _in_store_memory(t) -> bool:
+    """Whether the tensor's bytes lie in a mapping of a store segment (a memfd)."""
+    addr = t.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                return "mooncake-store-" in line
+    return False
+
+
+def _view_rank(rank, world, addr, op, version=None, dtype=None):
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from mooncake_store import WeightSync
+
+    out = {}
+    if rank == 0 and op == "publish":
+        ws = _STATE.setdefault("view_trainer", WeightSync(_client(addr), "view", config=_view_cfg()))
+        out["dropped"] = ws.publish(_small_sd(version), version).dropped
+        out["versions"] = ws.committed_versions()
+    dist.barrier()
+    if rank > 0:
+        r = _STATE.setdefault(("view_reader", dtype), WeightSync(_client(addr), "view", config=_view_cfg()))
+        model = _STATE.setdefault(("view_model", dtype), _zero_module(dtype and getattr(torch, dtype)))
+        if op == "pull":
+            r.pull(model, dtype=None if dtype is None else getattr(torch, dtype))
+        elif op == "wait":
+            time.sleep(version)
+        sd = model.state_dict()
+        out.update(version=r.version, digests={k: d[0] for k, d in _digests(sd).items()},
+                   dtypes={k: str(v.dtype) for k, v in sd.items()},
+                   in_store={k: _in_store_memory(v) for k, v in sd.items()}, held=list(r._held))
+    return out
+
+
+def test_view_install_shares_the_published_bytes_and_holds_them(store_procs):
+    """install="view": two readers' parameters become views of the store's memory (no
+    copy); the version they use is held (the hold refreshed past hold_ttl_s) so later
+    publishes with keep_versions=0 do not drop it and its bytes stay intact; the next pull
+    moves the hold and the old version is dropped by the following publish."""
+    from mooncake_store import tensor_digest
+
+    addr = _start_store(64)
+    pool = get_pool(3)
+    want = {v: {k: tensor_digest(t) for k, t in _small_sd(v).items()} for v in (1, 2, 3, 4)}
+    r = pool.run(_view_rank, addr, "publish", 1, timeout=60)
+    r = pool.run(_view_rank, addr, "pull", timeout=60)
+    for out in r[1:]:
+        assert out["version"] == 1 and out["digests"] == want[1] and out["held"] == [1]
+        assert all(out["in_store"].values()), out["in_store"]
+    r = pool.run(_view_rank, addr, "wait", 2.5, timeout=60)  # > hold_ttl_s: only the refresh keeps v1
+    r = pool.run(_view_rank, addr, "publish", 2, timeout=60)
+    assert r[0]["dropped"] == [] and r[0]["versions"] == [1, 2]
+    r = pool.run(_view_rank, addr, "publish", 3, timeout=60)
+    assert r[0]["dropped"] == [2] and r[0]["versions"] == [1, 3]
+    for out in r[1:]:  # the readers still use version 1, and its bytes did not change
+        assert out["version"] == 1 and out["digests"] == want[1]
+    r = pool.run(_view_rank, addr, "pull", timeout=60)
+    for out in r[1:]:
+        assert out["version"] == 3 and out["digests"] == want[3] and out["held"] == [3]
+    r = pool.run(_view_rank, addr, "publish", 4, timeout=60)
+    assert r[0]["dropped"] == [1] and r[0]["versions"] == [3, 4]
+    for out in r[1:]:
+        assert out["version"] == 3 and out["digests"] == want[3]
+
+
+def test_view_install_with_a_cast_copies_what_it_casts(store_procs):
+    """dtype= with install="view" (the rollout model in float16): cast tensors are copies
+    (writable, private memory), tensors that need no cast are views."""
+    addr = _start_store(64)
+    pool = get_pool(2)
+    pool.run(_view_rank, addr, "publish", 1, timeout=60)
+    r = pool.run(_view_rank, addr, "pull", None, "float16", timeout=60)[1]
+    assert r["version"] == 1
+    assert r["dtypes"] == {"w": "torch.float16", "b": "torch.float16", "step": "torch.int64"}
+    assert r["in_store"] == {"w": False, "b": False, "step": True}
+
+
+_WRITE_TO_VIEW = r"""
+import sys, torch
+from mooncake_store import MooncakeStore, WeightSync, WeightSyncConfig
+m = torch.nn.Module()
+m.register_parameter("w", torch.nn.Parameter(torch.zeros(1024)))
+s = MooncakeStore(serve_tcp=False, master=sys.argv[1], segment_size=0)
+r = WeightSync(s, "ro", config=WeightSyncConfig(install="view"))
+r.pull(m)
+assert m.w.sum().item() == 1024.0
+print("pulled", flush=True)
+with torch.no_grad():
+    m.w.add_(1)
+print("wrote", flush=True)
+"""
+
+
+def test_a_write_to_a_viewed_parameter_kills_the_writer_not_the_weights(store_procs):
+    """Views are read-only mappings: a write kills the writing process (SIGSEGV) and the
+    published bytes, shared with other readers, stay as published."""
+    import signal
+    import subprocess
+
+    import torch
+    from mooncake_store import MooncakeStore, WeightSync
+
+    addr = _start_store(64)
+    with MooncakeStore(serve_tcp=False, master=addr, segment_size=0) as s:
+        WeightSync(s, "ro").publish({"w": torch.ones(1024)}, 1)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([sa.REPO, os.environ.get("PYTHONPATH", "")]))
+        p = subprocess.run([sys.executable, "-c", _WRITE_TO_VIEW, addr], capture_output=True, text=True, timeout=60,
+                           env=env, start_new_session=True)
+        assert "pulled" in p.stdout and "wrote" not in p.stdout, (p.stdout, p.stderr)
+        assert p.returncode == -signal.SIGSEGV, (p.returncode, p.stderr[-2000:])
+        got = WeightSync(s, "ro").pull(None).state_dict["w"]
+        assert torch.equal(got, torch.ones(1024))
+
+
+def test_view_install_rejects_what_it_cannot_protect():
+    import torch
+    from mooncake_store import MooncakeStore, WeightSync, WeightSyncConfig
+
+    with pytest.raises(ValueError, match="install"):
+        WeightSyncConfig(install="mmap")
+    with pytest.raises(ValueError, match="pin=True"):
+        WeightSyncConfig(install="view", pin=False)
+    with MooncakeStore(serve_tcp=False, segment_size=1 << 20) as s:
+        WeightSync(s, "d").publish({"w": torch.ones(4)}, 1)
+        r = WeightSync(s, "d", config=WeightSyncConfig(install="view"))
+        with pytest.raises(ValueError, match="nn.Module"):
+            r.pull({"w": torch.zeros(4)})
+        assert r.version == -1
