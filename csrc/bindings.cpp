@@ -246,6 +246,11 @@ PYBIND11_MODULE(_C, m) {
           }
           {
             py::gil_scoped_release nogil;
+            size_t total = 0;
+            for (const auto& op : ops) total += op.n;
+            if (total >= mooncake::kPrefaultMinTotal)  // fresh bytes objects: see copy.hpp
+              for (const auto& op : ops)
+                if (op.n >= mooncake::kPrefaultMinPiece) mooncake::prefault_write(op.dst, op.n);
             mooncake::copy_parallel(ops, threads);
           }
           py::list result;

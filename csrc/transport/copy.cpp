@@ -42,6 +42,9 @@ void copy_stream(void* dst, const void* src, size_t n) {
 
 }  // namespace mooncake
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <thread>
 
@@ -84,6 +87,18 @@ void copy_parallel(const std::vector<CopyOp>& ops, int threads) {
   }
   copy_range(ops, 0, std::min(total, chunk));
   for (auto& th : pool) th.join();
+}
+
+void prefault_write(void* p, size_t n) {
+#ifdef __linux__
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  uintptr_t a = (reinterpret_cast<uintptr_t>(p) + page - 1) & ~(page - 1);
+  uintptr_t b = (reinterpret_cast<uintptr_t>(p) + n) & ~(page - 1);
+  if (a < b) (void)madvise(reinterpret_cast<void*>(a), b - a, 23 /* MADV_POPULATE_WRITE */);
+#else
+  (void)p;
+  (void)n;
+#endif
 }
 
 }  // namespace mooncake

@@ -34,4 +34,16 @@ void copy_parallel(const std::vector<CopyOp>& ops, int threads);
 constexpr size_t kParallelThreshold = 4 << 20;
 constexpr size_t kStoreStreamThreshold = 64 << 10;
 
+// Makes the kernel allocate the pages of fresh, never-touched memory [p, p+n) in one call
+// (madvise MADV_POPULATE_WRITE, Linux 5.14+) instead of one fault per 4 KiB page during the
+// copy that follows. Measured on the 2-core CI VM (store gets into new bytes objects):
+// 64 MiB 48 -> 25 ms, a batch of 16 x 1 MiB 10.2 -> 6.2 ms; but a lone 1 MiB get, whose
+// bytes come from already-touched heap, 0.19 -> 0.21 ms (the call walks present pages), so
+// callers use it for outputs of at least kPrefaultMinTotal bytes in all and pieces of at
+// least kPrefaultMinPiece. A no-op where the kernel does not have it.
+void prefault_write(void* p, size_t n);
+
+constexpr size_t kPrefaultMinTotal = 4 << 20;
+constexpr size_t kPrefaultMinPiece = 256 << 10;
+
 }  // namespace mooncake
