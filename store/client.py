@@ -117,7 +117,8 @@ class StoreStats:
     capacity_bytes (of all segments; bytes), clients, segments, deferred (allocations
     waiting for a lease to end before reuse), ssd_objects (objects with an SSD copy), puts,
     gets, hits, misses, evictions (objects whose memory copies were evicted), offloads
-    (objects sent to SSD), removes, put_aborts, clients_lost (declared dead)."""
+    (objects sent to SSD), removes, put_aborts, clients_lost (declared dead), ssd_drops
+    (objects dropped from a full SSD directory, ``StoreConfig.ssd_max_bytes``)."""
 
     objects: int
     pending: int
@@ -136,6 +137,7 @@ class StoreStats:
     removes: int
     put_aborts: int
     clients_lost: int
+    ssd_drops: int
 
 
 def _chunks(keys: list, max_keys: int = 2048, max_bytes: int = 1 << 20):
@@ -251,7 +253,8 @@ class MooncakeStore:
     def _register(self):
         segs = [self._segment.desc(self.cfg.host_id, self._te_desc())] if self._segment else []
         res = self._call("register", {"client": self.client_id, "name": self.name, "host": self.cfg.host_id,
-                                      "pid": os.getpid(), "segs": segs, "ssd_dir": self.cfg.ssd_dir, "ssd": []},
+                                      "pid": os.getpid(), "segs": segs, "ssd_dir": self.cfg.ssd_dir,
+                                      "ssd_max": self.cfg.ssd_max_bytes, "ssd": []},
                          register=False)
         self._lease_ttl = res["ttl_ms"] / 1000.0
         if self.cfg.ssd_dir:  # files found on disk, in chunks well below the frame limit

@@ -11,6 +11,7 @@ Every ``MOONCAKE_*`` environment variable the store reads is read here, in
 | ``MOONCAKE_STORE_SECRET`` | shared secret clients must prove (HMAC) to the master and to transfer engines | none |
 | ``MOONCAKE_STORE_SEGMENT_SIZE`` | bytes of shared memory a client contributes (0: none) | 256 MiB |
 | ``MOONCAKE_STORE_SSD_DIR`` | directory a client contributes as SSD tier | none |
+| ``MOONCAKE_STORE_SSD_MAX_BYTES`` | bytes of object data a client's SSD directory may hold | unlimited |
 | ``MOONCAKE_STORE_TRANSFER`` | ``auto`` (map same-host segments, TCP otherwise) or ``tcp`` (always TCP) | ``auto`` |
 | ``MOONCAKE_HOST_ID`` | processes with equal ids count as one host and map each other's segments | hostname + boot id |
 | ``MOONCAKE_SOCKET_IFNAME`` | interface the transfer engine listens on | interface routed to the master |
@@ -67,6 +68,11 @@ def env_defaults() -> dict:
         out["segment_size"] = int(v)
     if env.get("MOONCAKE_STORE_SSD_DIR"):
         out["ssd_dir"] = env["MOONCAKE_STORE_SSD_DIR"]
+    if env.get("MOONCAKE_STORE_SSD_MAX_BYTES"):
+        v = env["MOONCAKE_STORE_SSD_MAX_BYTES"]
+        if not v.isdigit():
+            raise ValueError(f"MOONCAKE_STORE_SSD_MAX_BYTES must be a byte count, got {v!r}")
+        out["ssd_max_bytes"] = int(v)
     if env.get("MOONCAKE_STORE_TRANSFER"):
         out["transfer"] = env["MOONCAKE_STORE_TRANSFER"]
     if env.get("MOONCAKE_HOST_ID"):
@@ -178,6 +184,10 @@ class StoreConfig:
             only reads and writes other clients' segments). Default 256 MiB.
         ssd_dir: directory this client contributes as SSD tier (created if missing);
             entries found there at start are registered again (persistence).
+        ssd_max_bytes: object bytes ``ssd_dir`` may hold (``None``: no limit). When an
+            eviction would go past it, the master first drops the least recently used
+            objects that live only on that SSD; an object that still does not fit (or whose
+            write fails, e.g. a full disk) is evicted without an SSD copy.
         transfer: ``"auto"``: segments of processes with the same ``host_id`` are mapped
             and copied directly, others are reached through the TCP transfer engine;
             ``"tcp"``: always the transfer engine.
@@ -207,6 +217,7 @@ class StoreConfig:
     name: Optional[str] = None
     segment_size: Optional[int] = None
     ssd_dir: Optional[str] = None
+    ssd_max_bytes: Optional[int] = None
     transfer: Optional[str] = None
     host_id: Optional[str] = None
     listen_host: Optional[str] = None
@@ -248,6 +259,9 @@ class StoreConfig:
             _parse_hostport(self.etcd, "StoreConfig.etcd")
         if self.segment_size is not None and (not isinstance(self.segment_size, int) or self.segment_size < 0):
             raise ValueError(f"StoreConfig: segment_size must be a byte count >= 0, got {self.segment_size!r}")
+        if self.ssd_max_bytes is not None and (not isinstance(self.ssd_max_bytes, int)
+                                               or isinstance(self.ssd_max_bytes, bool) or self.ssd_max_bytes < 0):
+            raise ValueError(f"StoreConfig: ssd_max_bytes must be a byte count >= 0 or None, got {self.ssd_max_bytes!r}")
         if self.transfer is not None and self.transfer not in _TRANSFERS:
             raise ValueError(f"StoreConfig: transfer must be one of {_TRANSFERS}, got {self.transfer!r}")
         if self.name is not None and (not self.name or len(self.name) > 200 or "/" in self.name):

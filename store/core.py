@@ -21,6 +21,9 @@ from .errors import (NoSpaceError, ObjectExistsError, ObjectHasLeaseError, Objec
 SEG_HEADER = 4096  # bytes at the start of every segment kept for its header (magic + token)
 
 
+# seconds a client's SSD directory gets no offloads after a write to it failed (a full disk)
+SSD_RETRY_S = 10.0
+
 class Segment:
     __slots__ = ("name", "client", "size", "alloc", "desc", "keys")
 
@@ -47,9 +50,10 @@ class Segment:
 
 class Client:
     __slots__ = ("id", "name", "host", "pid", "last_seen", "segments", "ssd_dir", "tasks", "event",
-                 "writing", "ssd_keys")
+                 "writing", "ssd_keys", "ssd_max", "ssd_bytes", "ssd_failed_at")
 
-    def __init__(self, cid: str, name: str, host: str, pid: int, ssd_dir: Optional[str], now: float):
+    def __init__(self, cid: str, name: str, host: str, pid: int, ssd_dir: Optional[str], now: float,
+                 ssd_max: Optional[int] = None):
         self.id = cid
         self.name = name
         self.host = host
@@ -61,6 +65,9 @@ class Client:
         self.event = None  # asyncio.Event, set by the server
         self.writing: set = set()  # keys of pending puts this client writes
         self.ssd_keys: set = set()  # keys with an SSD replica in this client's directory
+        self.ssd_max = ssd_max  # object bytes the directory may hold (None: no limit)
+        self.ssd_bytes = 0  # object bytes on it, offloads in flight included
+        self.ssd_failed_at = -1e18  # when a write to it last failed (full disk: no offloads for a while)
 
 
 class Obj:
@@ -78,14 +85,14 @@ class Obj:
         self.lease_until = 0.0
         self.writer = None
         self.deadline = 0.0
-        self.offloading = False
+        self.offloading = False  # or the id of the client writing it to its SSD
         self.loading = None  # [segment, offset, bytes] being filled from SSD for remote readers
 
 
 class Counters:
     def __init__(self):
         self.puts = self.gets = self.hits = self.misses = self.evictions = 0
-        self.offloads = self.removes = self.put_aborts = self.clients_lost = 0
+        self.offloads = self.removes = self.put_aborts = self.clients_lost = self.ssd_drops = 0
 
 
 class Core:
@@ -162,6 +169,11 @@ class Core:
 
     def _release(self, obj: Obj, *, delete_ssd=True):
         """Frees everything of ``obj`` (deferred while a lease protects a reader)."""
+        if obj.offloading:  # the SSD space reserved for its write goes too
+            c = self.clients.get(obj.offloading)
+            if c is not None:
+                c.ssd_bytes -= obj.size
+            obj.offloading = False
         if obj.loading is not None:
             seg_name, off, n = obj.loading
             obj.loading = None
@@ -172,7 +184,7 @@ class Core:
         for cid, path in obj.ssd:
             c = self.clients.get(cid)
             if c is not None:
-                c.ssd_keys.discard(obj.key)
+                self._ssd_forget(c, obj)
                 if delete_ssd:
                     self._queue(c, ["delete", path])
         obj.ssd = []
@@ -198,9 +210,11 @@ class Core:
     def register(self, a: dict) -> dict:
         cid, name, host, pid = a.get("client"), a.get("name"), a.get("host"), a.get("pid")
         segs, ssd_dir, ssd = a.get("segs", []), a.get("ssd_dir"), a.get("ssd", [])
+        ssd_max = a.get("ssd_max")
         if not (isinstance(cid, str) and isinstance(name, str) and name and isinstance(host, str)
                 and isinstance(pid, int) and isinstance(segs, list) and isinstance(ssd, list)
-                and (ssd_dir is None or isinstance(ssd_dir, str))):
+                and (ssd_dir is None or isinstance(ssd_dir, str))
+                and (ssd_max is None or (isinstance(ssd_max, int) and not isinstance(ssd_max, bool) and ssd_max >= 0))):
             raise ProtocolError("register: bad arguments")
         if len(segs) > 1:
             raise ProtocolError("register: a client contributes at most one segment")
@@ -216,7 +230,7 @@ class Core:
         for seg in self.segments.values():
             if seg.name == name and seg.client.id != cid:
                 raise ProtocolError(f"register: segment name {name!r} is taken by a live client")
-        c = Client(cid, name, host, pid, ssd_dir, now)
+        c = Client(cid, name, host, pid, ssd_dir, now, ssd_max)
         self.clients[cid] = c
         for d in segs:
             d = dict(d)
@@ -248,6 +262,7 @@ class Core:
         obj = Obj(key, size, version, meta, False)
         obj.ssd.append([c.id, path])
         c.ssd_keys.add(key)
+        c.ssd_bytes += size
         self.objects[key] = obj
         self.lru[key] = None
         self._version = max(self._version, version)
@@ -420,14 +435,43 @@ class Core:
                 continue
             self._evict(obj, now)
 
-    def _evict(self, obj: Obj, now: float) -> bool:
+    def _ssd_room(self, c: Client, size: int, now: float) -> bool:
+        """Whether ``c``'s SSD directory can take ``size`` more bytes, after dropping the
+        least recently used objects that live only there (not leased, not being loaded)."""
+        if now - c.ssd_failed_at < SSD_RETRY_S:
+            return False
+        if c.ssd_max is None:
+            return True
+        if size > c.ssd_max:
+            return False
+        if c.ssd_bytes + size <= c.ssd_max:
+            return True
+        for key in list(self.lru):
+            if c.ssd_bytes + size <= c.ssd_max:
+                break
+            o = self.objects.get(key)
+            if (o is None or key not in c.ssd_keys or o.repl or o.loading is not None or o.lease_until > now
+                    or o.offloading):
+                continue
+            self._drop_committed(key)
+            self.counters.ssd_drops += 1
+        return c.ssd_bytes + size <= c.ssd_max
+
+    def _ssd_forget(self, c: Client, obj: Obj):
+        if obj.key in c.ssd_keys:
+            c.ssd_keys.discard(obj.key)
+            c.ssd_bytes -= obj.size
+
+    def _evict(self, obj: Obj, now: float, to_ssd: bool = True) -> bool:
         """Drops ``obj``'s memory replicas; to SSD first when an owner has a directory
-        (then asynchronously: the object stays until the owner reports). True if freed now."""
-        if not obj.ssd:
+        with room (then asynchronously: the object stays until the owner reports). True
+        if freed now."""
+        if not obj.ssd and to_ssd:
             for seg_name, off, n in obj.repl:
                 seg = self.segments.get(seg_name)
-                if seg is not None and seg.client.ssd_dir:
-                    obj.offloading = True
+                if seg is not None and seg.client.ssd_dir and self._ssd_room(seg.client, obj.size, now):
+                    seg.client.ssd_bytes += obj.size  # reserved until the owner reports
+                    obj.offloading = seg.client.id
                     self._queue(seg.client, ["offload", obj.key, obj.version, off, obj.size, obj.meta])
                     self.counters.offloads += 1
                     return False
@@ -626,7 +670,8 @@ class Core:
         if not (isinstance(key, str) and isinstance(version, int) and isinstance(path, str)):
             raise ProtocolError("offload_done: bad arguments")
         obj = self.objects.get(key)
-        if obj is None or obj.version != version:
+        if obj is None or obj.version != version or not obj.offloading:
+            # the object changed meanwhile; its reservation went with it (see _ssd_forget)
             if ok:
                 self._queue(c, ["delete", path])
             return {}
@@ -639,6 +684,14 @@ class Core:
             obj.repl = []
             self.counters.evictions += 1
             self._dirty(key)
+        else:
+            # the write failed (a full disk, say): evicted without an SSD copy, like a store
+            # without an SSD tier, and no offloads to that directory for SSD_RETRY_S
+            now = self.clock()
+            c.ssd_bytes -= obj.size
+            c.ssd_failed_at = now
+            if self._evictable(obj, now):
+                self._evict(obj, now, to_ssd=False)
         return {}
 
     # ------------------------------------------------------------------ time
@@ -704,6 +757,8 @@ class Core:
         m("misses_total", "counter", "Gets of missing keys.", s["misses"])
         m("evictions_total", "counter", "Objects whose memory replicas were evicted.", s["evictions"])
         m("offloads_total", "counter", "Objects sent to an SSD directory.", s["offloads"])
+        m("ssd_drops_total", "counter", "Objects dropped from an SSD directory to make room (ssd_max_bytes).",
+          s["ssd_drops"])
         m("removes_total", "counter", "Removed objects.", s["removes"])
         m("put_aborts_total", "counter", "Puts aborted (writer died, timed out or revoked).", s["put_aborts"])
         m("clients_lost_total", "counter", "Clients declared dead after missing heartbeats.", s["clients_lost"])
@@ -720,7 +775,9 @@ def load_into(core: Core, clients: list, objs: list):
     now = core.clock()
     for rec in clients:
         try:
-            c = Client(rec["id"], rec["name"], rec["host"], int(rec["pid"]), rec.get("ssd_dir"), now)
+            ssd_max = rec.get("ssd_max")
+            c = Client(rec["id"], rec["name"], rec["host"], int(rec["pid"]), rec.get("ssd_dir"), now,
+                       None if ssd_max is None else int(ssd_max))
             for d in rec["segs"]:
                 seg = Segment(d["name"], c, int(d["size"]), d)
                 core.segments[seg.name] = seg
@@ -745,6 +802,7 @@ def load_into(core: Core, clients: list, objs: list):
             used.setdefault(s, []).append((off, n))
         for cid, _ in obj.ssd:
             core.clients[cid].ssd_keys.add(key)
+            core.clients[cid].ssd_bytes += size
         core.objects[key] = obj
         core.lru[key] = None
         core._version = max(core._version, version)

@@ -108,7 +108,7 @@ def client_record(c) -> str:
     for s in c.segments:
         segs.append(s.desc)
     return json.dumps({"id": c.id, "name": c.name, "host": c.host, "pid": c.pid, "ssd_dir": c.ssd_dir,
-                       "segs": segs})
+                       "ssd_max": c.ssd_max, "segs": segs})
 
 
 def obj_record(o) -> str:

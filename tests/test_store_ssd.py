@@ -97,3 +97,91 @@ def test_eviction_skips_leased_objects(procs):
         s.put("o4", bytes([4]) * MiB)
         assert s.exists("o0") and s.get("o0") == bytes([0]) * MiB
         assert not s.exists("o1") and s.exists("o2") and s.exists("o3") and s.exists("o4")
+
+
+def test_ssd_max_bytes_drops_the_least_recently_used(procs, tmp_path):
+    """ssd_max_bytes=3 MiB: evictions to SSD past it first drop the least recently used
+    objects that live only on that SSD; the directory never holds more than 3 objects of
+    1 MiB, what is read is always the right data, and the newest objects stay."""
+    ssd_dir = tmp_path / "ssd"
+    m = sa.start_master(high_watermark=0.8, low_watermark=0.5)
+    sa.start_agent({"master": m.address, "segment_size": 4 * MiB + 4096, "name": "node", "ssd_dir": str(ssd_dir),
+                    "ssd_max_bytes": 3 * MiB, "heartbeat_interval_s": 0.2})
+    n = 16
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0) as s:
+        for i in range(n):
+            assert s.put(f"o{i}", sa.pattern(i, MiB)) == 1
+            files = list(ssd_dir.rglob("*.obj"))  # complete object files (writes go to *.tmp<pid> first)
+            assert len(files) <= 3, files
+        deadline = time.monotonic() + 20
+        last = None
+        while True:  # until the evictions settle (offloads run after the puts returned)
+            st = s.stats()
+            now = (st.offloads, st.evictions, st.ssd_drops)
+            if now == last and st.ssd_drops > 0:
+                break
+            assert time.monotonic() < deadline, st
+            last = now
+            time.sleep(0.5)
+        assert st.ssd_objects <= 3 and len(list(ssd_dir.rglob("*.obj"))) <= 3, st
+        got = {}
+        for i in range(n):  # a cache: hits return the right bytes, dropped objects miss
+            try:
+                got[i] = s.get(f"o{i}")
+            except KeyError:
+                continue
+            assert got[i] == sa.pattern(i, MiB), i
+        assert 0 not in got and n - 1 in got, sorted(got)
+        metrics = s.metrics()
+        assert "mooncake_store_ssd_drops_total" in metrics
+
+
+def test_ssd_max_bytes_smaller_than_an_object_evicts_without_ssd(procs, tmp_path):
+    m = sa.start_master(high_watermark=0.8, low_watermark=0.5)
+    sa.start_agent({"master": m.address, "segment_size": 4 * MiB + 4096, "name": "node",
+                    "ssd_dir": str(tmp_path / "ssd"), "ssd_max_bytes": MiB // 2, "heartbeat_interval_s": 0.2})
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0) as s:
+        for i in range(8):
+            s.put(f"o{i}", sa.pattern(i, MiB))
+        st = s.stats()
+        assert st.ssd_objects == 0 and st.offloads == 0 and st.evictions > 0
+        assert not list((tmp_path / "ssd").rglob("*.obj"))
+        for i in range(8):  # the watermark eviction may still drop objects: misses are fine
+            try:
+                assert s.get(f"o{i}") == sa.pattern(i, MiB)
+            except KeyError:
+                pass
+    with pytest.raises(ValueError, match="ssd_max_bytes"):
+        MooncakeStore(serve_tcp=False, master=m.address, segment_size=0, ssd_max_bytes=-1)
+
+
+def test_a_failing_ssd_write_evicts_without_ssd(procs, tmp_path):
+    """The SSD directory stops taking writes (here: replaced by a file, so every write
+    fails as on a full disk): evicted objects are dropped instead of staying in memory
+    for good, so puts keep succeeding, and reads return the right data or a miss."""
+    import shutil
+
+    ssd_dir = tmp_path / "ssd"
+    m = sa.start_master(high_watermark=0.8, low_watermark=0.5)
+    sa.start_agent({"master": m.address, "segment_size": 4 * MiB + 4096, "name": "node", "ssd_dir": str(ssd_dir),
+                    "heartbeat_interval_s": 0.2})
+    shutil.rmtree(ssd_dir)
+    ssd_dir.write_bytes(b"not a directory")
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0) as s:
+        for i in range(12):
+            deadline = time.monotonic() + 20
+            while True:  # a put may find the segment full while a failed offload is reported
+                try:
+                    s.put(f"o{i}", sa.pattern(i, MiB))
+                    break
+                except NoSpaceError:
+                    assert time.monotonic() < deadline, f"put {i} never found room"
+                    time.sleep(0.05)
+        st = s.stats()
+        assert st.ssd_objects == 0 and st.evictions > 0 and st.objects <= 4, st
+        assert s.exists("o11")
+        for i in range(12):
+            try:
+                assert s.get(f"o{i}") == sa.pattern(i, MiB)
+            except KeyError:
+                pass
