@@ -7,6 +7,7 @@ same host are mapped and copied directly, others go through the TCP transfer eng
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
@@ -14,6 +15,7 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 from typing import NamedTuple, Optional, Sequence
 
 import msgpack
@@ -154,6 +156,12 @@ def _chunks(keys: list, max_keys: int = 2048, max_bytes: int = 1 << 20):
         yield start, len(keys)
 
 
+def _close_at_exit(ref):
+    store = ref()
+    if store is not None:
+        store._close_at_exit()
+
+
 class _Obj:
     __slots__ = ("key", "size", "version", "meta", "replicas")
 
@@ -225,6 +233,9 @@ class MooncakeStore:
             raise
         self._poll_thread = threading.Thread(target=self._poll_main, name="mooncake-store-heartbeat", daemon=True)
         self._poll_thread.start()
+        # a process that exits without close() unregisters anyway, so that nobody places
+        # objects in its vanished segment until its heartbeat times out
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -420,7 +431,11 @@ class MooncakeStore:
             if len(mv) == 0:
                 continue
             if self._is_local(desc):
-                view = self._seg_view(desc)
+                try:
+                    view = self._seg_view(desc)
+                except TransferError as e:
+                    e.segment = name  # its owner is gone: the put is placed again elsewhere
+                    raise
                 if off + len(mv) > len(view):
                     raise TransferError(f"write to segment {name!r} at {off} leaves the segment")
                 dsts.append(view[off:off + len(mv)])
@@ -439,7 +454,9 @@ class MooncakeStore:
             try:
                 self._te.batch_write(host, port, region, [o for o, _ in items], [m for _, m in items])
             except RuntimeError as e:
-                raise TransferError(f"write to segment {name!r} at {host}:{port} failed: {e}") from None
+                err = TransferError(f"write to segment {name!r} at {host}:{port} failed: {e}")
+                err.segment = name
+                raise err from None
 
     def _local_src(self, obj: _Obj, segs: dict):
         """A view of ``obj``'s first replica when it is in a mapped segment, else None."""
@@ -532,14 +549,14 @@ class MooncakeStore:
 
     # ------------------------------------------------------------------ puts
     def _put_many(self, keys: list, views: list, metas: list, cfg: ReplicateConfig, upsert: bool,
-                  return_exceptions: bool, _retry=True) -> list:
+                  return_exceptions: bool, _retry=True, _avoid: tuple = ()) -> list:
         if not isinstance(cfg, ReplicateConfig):
             raise ValueError("config must be a ReplicateConfig")
         parts = list(_chunks(keys))
         if len(parts) > 1:
             out: list = []
             for a, b in parts:
-                out += self._put_many(keys[a:b], views[a:b], metas[a:b], cfg, upsert, True, _retry)
+                out += self._put_many(keys[a:b], views[a:b], metas[a:b], cfg, upsert, True, _retry, _avoid)
             if not return_exceptions:
                 for r in out:
                     if isinstance(r, BaseException):
@@ -548,6 +565,8 @@ class MooncakeStore:
         args = {"client": self.client_id, "items": [[k, len(v), m] for k, v, m in zip(keys, views, metas)],
                 "r": cfg.replica_num, "pref": cfg.preferred_segment, "pin": cfg.pin, "all": cfg.require_all,
                 "upsert": upsert}
+        if _avoid:
+            args["x"] = list(_avoid)
         deadline = time.monotonic() + _NOSPACE_RETRY_S
         results: list = [None] * len(keys)
         todo = list(range(len(keys)))
@@ -579,12 +598,22 @@ class MooncakeStore:
                 self._call("put_revoke", {"client": self.client_id, "items": [[keys[i], v] for i, v, _ in started]})
             except StoreError:
                 pass
-            if isinstance(e, TransferError) and not return_exceptions:
-                raise
-            for i, _, _ in started:
-                results[i] = e if isinstance(e, StoreError) else TransferError(str(e))
-            if not isinstance(e, StoreError):
-                raise
+            bad = getattr(e, "segment", None)
+            if isinstance(e, TransferError) and bad and bad not in _avoid and len(_avoid) < 8:
+                # a segment that cannot be reached (its owner died and the master does not know
+                # yet): the same puts again, placed elsewhere
+                idx = [i for i, _, _ in started]
+                again = self._put_many([keys[i] for i in idx], [views[i] for i in idx], [metas[i] for i in idx], cfg,
+                                       upsert, True, _retry, _avoid + (bad,))
+                for i, r in zip(idx, again):
+                    results[i] = r
+            else:
+                if isinstance(e, TransferError) and not return_exceptions:
+                    raise
+                for i, _, _ in started:
+                    results[i] = e if isinstance(e, StoreError) else TransferError(str(e))
+                if not isinstance(e, StoreError):
+                    raise
             started = []
         if started:
             res = self._call("put_end", {"client": self.client_id, "items": [[keys[i], v] for i, v, _ in started]})
@@ -903,6 +932,20 @@ class MooncakeStore:
             self._call("unregister", {"client": self.client_id})
         except StoreError:
             pass
+        self._teardown()
+
+    def _close_at_exit(self):
+        if self._closed:
+            return
+        self._closed = True
+        if self._embedded is None and self._lock.acquire(timeout=1.0):
+            try:  # one short try: exit must not wait for an unreachable master
+                if self._conn is not None:
+                    self._conn.call("unregister", {"client": self.client_id}, timeout=1.0)
+            except Exception:
+                pass
+            finally:
+                self._lock.release()
         self._teardown()
 
     def _teardown(self):

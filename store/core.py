@@ -338,6 +338,9 @@ class Core:
             raise ProtocolError("put_start: items must be a list of at most max_keys_per_call [key, size, meta]")
         if not (isinstance(r, int) and 1 <= r <= 64) or not (pref is None or isinstance(pref, str)):
             raise ProtocolError("put_start: bad replica options")
+        avoid = a.get("x", [])
+        if not (isinstance(avoid, list) and len(avoid) <= 64 and all(isinstance(x, str) for x in avoid)):
+            raise ProtocolError("put_start: x must be a list of at most 64 segment names")
         checked = []
         for it in items:
             if not (isinstance(it, list) and len(it) == 3 and isinstance(it[1], int) and it[1] >= 0
@@ -354,7 +357,7 @@ class Core:
                     raise ObjectExistsError(f"key {key!r} is being written by another put")
                 if key in self.objects and not upsert:
                     raise ObjectExistsError(f"key {key!r} exists (use upsert to overwrite)")
-                repl = self._place(key, size, r, pref, require_all)
+                repl = self._place(key, size, r, pref, require_all, set(avoid))
                 obj = Obj(key, size, self._next_version(), meta, pin)
                 obj.repl = repl
                 obj.writer = c.id
@@ -369,9 +372,11 @@ class Core:
                 out.append([1, e.code, str(e)])
         return {"items": out, "segs": segs}
 
-    def _place(self, key, size, r, pref, require_all) -> list:
+    def _place(self, key, size, r, pref, require_all, avoid: set = frozenset()) -> list:
+        """Allocates up to ``r`` replicas in distinct segments (not those in ``avoid``:
+        segments a writer could not reach), evicting as needed."""
         n = aligned(size) if size else 0
-        live = [s for s in self.segments.values() if s.alloc.size >= n]
+        live = [s for s in self.segments.values() if s.alloc.size >= n and s.name not in avoid]
         if not live:
             if not self.segments:
                 raise NoSpaceError("no segment is registered (no client contributes memory)")
@@ -399,7 +404,7 @@ class Core:
 
         try_alloc()
         if len(got) < target:
-            self._evict_for(n, target - len(got), used_names, live)
+            self._evict_for(n, target - len(got), used_names, live, keep=key)
             try_alloc()
         if len(got) < target or (require_all and len(got) < r):
             if require_all and got:
@@ -421,12 +426,33 @@ class Core:
         return (not obj.pin and not obj.offloading and obj.lease_until <= now and bool(obj.repl)
                 and now >= self.no_evict_until)
 
-    def _evict_for(self, n: int, need: int, exclude: set, live: list):
+    def _evict_for(self, n: int, need: int, exclude: set, live: list, keep: Optional[str] = None):
         """Evicts LRU objects with a replica in a segment not in ``exclude`` until ``need``
-        of those segments have ``n`` contiguous free bytes (or nothing is left to evict)."""
+        of those segments have ``n`` contiguous free bytes (or nothing is left to evict).
+        Evicts nothing when even evicting every candidate could not free ``n`` bytes in
+        ``need`` segments (a put that cannot fit must not cost other objects), and never
+        ``keep`` (the key being upserted: its old value stays until the new one is in)."""
         now = self.clock()
         wanted = {s.name for s in live if s.name not in exclude}
+        possible = 0
+        for name in wanted:  # stops as soon as enough is found: cheap when evictable objects abound
+            if possible >= need:
+                break
+            seg = self.segments[name]
+            room = seg.alloc.size - seg.alloc.used
+            if room < n:
+                for k in seg.keys:
+                    o = self.objects.get(k)
+                    if o is not None and k != keep and self._evictable(o, now):
+                        room += sum(aligned(r[2]) for r in o.repl if r[0] == name)
+                        if room >= n:
+                            break
+            possible += room >= n
+        if possible < need:
+            return
         for key in list(self.lru):
+            if key == keep:
+                continue
             fits = sum(1 for name in wanted if self.segments[name].alloc.largest_free() >= n)
             if fits >= need:
                 return

@@ -227,3 +227,63 @@ def test_upserted_key_goes_with_its_dead_writer(procs):
         assert not s.exists("k")
         s.put("k", b"fresh")  # the master still works
         assert s.get("k") == b"fresh"
+
+
+_EXIT_CLIENT = r"""
+import os, sys
+from mooncake_store import MooncakeStore
+s = MooncakeStore(serve_tcp=False, master=sys.argv[1], segment_size=64 << 20, name=sys.argv[2])
+s.put(sys.argv[2], b"x")
+if sys.argv[3] == "kill":
+    os.kill(os.getpid(), 9)
+"""
+
+
+def test_exiting_clients_unregister_and_puts_avoid_a_dead_segment(procs):
+    """A client process that exits without close() unregisters (atexit); one that is
+    SIGKILLed leaves a segment the master still lists until its heartbeat times out: puts
+    placed there are placed again elsewhere instead of failing (found by a new-user trial:
+    49 of 50 puts failed with TransferError for the client TTL)."""
+    import subprocess
+
+    m = sa.start_master(client_ttl=30.0)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([sa.REPO, os.environ.get("PYTHONPATH", "")]))
+
+    def run(name, how):
+        subprocess.run([sys.executable, "-c", _EXIT_CLIENT, m.address, name, how], env=env, timeout=60,
+                       start_new_session=True)
+
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=8 << 20, name="survivor") as s:
+        run("leaver", "exit")
+        st = s.stats()
+        assert st.clients == 1 and st.segments == 1 and st.clients_lost == 0, st
+        assert not s.exists("leaver")
+        run("victim", "kill")
+        assert s.stats().segments == 2  # the master does not know yet (30 s TTL)
+        for i in range(20):  # most would be placed in the victim's larger, emptier segment
+            assert s.put(f"k{i}", bytes([i]) * 100_000) == 1
+            assert s.where(f"k{i}").memory == ["survivor"]
+        assert [s.get(f"k{i}")[:1] for i in range(20)] == [bytes([i]) for i in range(20)]
+
+
+def test_a_put_that_cannot_fit_evicts_nothing_and_an_upsert_keeps_its_old_value():
+    """Found by a new-user trial: a put too large to fit even after evicting everything
+    evictable evicted it all and then raised NoSpaceError; a failed upsert lost the old
+    value."""
+    from mooncake_store import NoSpaceError
+
+    with MooncakeStore(serve_tcp=False, segment_size=8 << 20) as s:
+        for i in range(3):
+            s.put(f"pin{i}", b"p" * (1 << 20), ReplicateConfig(pin=True))
+        for i in range(4):
+            s.put(f"j{i}", bytes([i]) * (512 << 10))
+        with pytest.raises(NoSpaceError):
+            s.put("big", b"n" * (6 << 20))
+        assert [s.get(f"j{i}") for i in range(4)] == [bytes([i]) * (512 << 10) for i in range(4)]
+        assert s.stats().evictions == 0
+        s.put("k", b"old")
+        with pytest.raises(NoSpaceError):
+            s.upsert("k", b"n" * (6 << 20))
+        assert s.get("k") == b"old"
+        s.upsert("k", b"n" * (1 << 20))  # fits after evicting some j's: old value replaced
+        assert s.get("k") == b"n" * (1 << 20)
