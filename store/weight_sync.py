@@ -44,10 +44,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import logging
 import sys
 import threading
 import time
+import uuid
 import warnings
+import weakref
 from typing import Callable, NamedTuple, Optional
 
 import msgpack
@@ -55,6 +58,8 @@ import msgpack
 from .config import ReplicateConfig, WeightSyncConfig
 from .errors import (LeaseExpiredError, ObjectExistsError, ObjectNotFoundError, StaleVersionError, StoreError,
                      WeightSyncAbortedError)
+
+log = logging.getLogger(__name__)
 
 __all__ = ["WeightSync", "GroupWeightSync", "PublishResult", "PullResult", "GroupSyncResult", "tensor_digest"]
 
@@ -133,6 +138,14 @@ def tensor_digest(t) -> str:
     """BLAKE2b-128 hex digest of a CPU tensor's bytes (row-major order)."""
     b = _byte_view(t)
     return hashlib.blake2b(b.numpy() if b.numel() else b"", digest_size=16).hexdigest()
+
+
+def _unref(refs: dict, v: int):
+    n = refs.get(v, 0) - 1
+    if n > 0:
+        refs[v] = n
+    else:
+        refs.pop(v, None)
 
 
 def _dtype_name(dt) -> str:
@@ -223,8 +236,13 @@ class WeightSync:
         self.version = -1
         self._slot: Optional[int] = None
         self._spare: dict = {}  # staging tensors of the last pull, reused by the next one
+        self._rid = uuid.uuid4().hex  # this reader, in its slot and hold records
         self._viewed: set = set()  # names installed as views of the store's memory (install="view")
-        self._held: list = []  # versions this reader holds between pulls (install="view")
+        # version -> live view arrays of it: a version stays held while any tensor viewing
+        # it lives (also one the caller detached or kept from an earlier pull)
+        self._refs: dict = {}
+        self._view_targets: dict = {}  # id(target tensor) -> (weakref to it, data_ptr of its view)
+        self._into = None  # (id, weakref or None) of the last `into`
         self._refresher: Optional[threading.Thread] = None
         self._stop = threading.Event()
 
@@ -257,14 +275,16 @@ class WeightSync:
         the store. With ``num_shards > 1`` every shard calls this; shard 0 waits up to
         ``commit_timeout_s`` for the others' manifests and commits."""
         torch = _torch()
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ValueError(f"version must be an int >= 0, got {version!r}")
+        if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2**63:
+            raise ValueError(f"{self.model}: publish: version must be an int in [0, 2**63), got {version!r}")
         if not isinstance(num_shards, int) or num_shards < 1 or not isinstance(shard, int) or not 0 <= shard < num_shards:
             raise ValueError(f"need 0 <= shard < num_shards, got shard={shard!r} num_shards={num_shards!r}")
         if isinstance(state_dict, torch.nn.Module):
             state_dict = state_dict.state_dict()
         if not isinstance(state_dict, dict):
             raise ValueError(f"state_dict must be a dict of tensors, got {type(state_dict).__name__}")
+        if not state_dict:
+            raise ValueError(f"{self.model}: publish: the state dict is empty (nothing to publish as version {version})")
         pieces = _local_pieces(state_dict, shard, num_shards)
         latest = self.latest_version()
         if version <= latest:
@@ -343,21 +363,31 @@ class WeightSync:
         return PublishResult(version, shard, True, len(plan), total, dropped)
 
     def _holds(self) -> set:
-        keys = [f"{self._p}slot/{i}" for i in range(self.cfg.max_readers)]
-        slots = [i for i, e in zip(range(self.cfg.max_readers), self.store.exists_batch(keys)) if e]
-        if not slots:
-            return set()
-        got = self.store.get_batch([f"{self._p}hold/{i}" for i in slots], return_exceptions=True)
-        now, held = time.time(), set()
-        for g in got:
-            if isinstance(g, BaseException):
+        """Versions some reader holds. Slots of readers silent for ``hold_ttl_s`` (dead, or
+        between pulls without views) are reclaimed here, by the committing shard only."""
+        n = self.cfg.max_readers
+        got = self.store.get_batch([f"{self._p}slot/{i}" for i in range(n)] + [f"{self._p}hold/{i}" for i in range(n)],
+                                   return_exceptions=True)
+        now, held, stale = time.time(), set(), []
+        for i in range(n):
+            slot, hold = got[i], got[n + i]
+            if isinstance(slot, BaseException):
                 continue
             try:
-                rec = msgpack.unpackb(g, raw=False)
-                if now - float(rec["t"]) < self.cfg.hold_ttl_s:
-                    held.update(int(x) for x in rec["versions"] if int(x) >= 0)
+                srec = msgpack.unpackb(slot, raw=False)
+                hrec = None if isinstance(hold, BaseException) else msgpack.unpackb(hold, raw=False)
+                if hrec is not None and hrec.get("rid") == srec["rid"]:
+                    if now - float(hrec["t"]) < self.cfg.hold_ttl_s:
+                        held.update(int(x) for x in hrec["versions"] if int(x) >= 0)
+                        continue
+                elif now - float(srec["t"]) < self.cfg.hold_ttl_s:
+                    continue  # claimed a moment ago, its hold not written yet
             except Exception:
-                continue
+                pass
+            stale.append(i)
+        if stale:
+            self.store.remove_batch([f"{self._p}{k}/{i}" for i in stale for k in ("hold", "slot")], force=True,
+                                    return_exceptions=True)
         return held
 
     def _drop_old(self, versions: list) -> list:
@@ -388,39 +418,64 @@ class WeightSync:
         return dropped
 
     # ------------------------------------------------------------------ pull
-    def _hold(self, versions: list):
-        """Records that this reader uses ``versions`` (publishers do not drop them)."""
+    def _held_versions(self) -> list:
+        return sorted(v for v, c in list(self._refs.items()) if c > 0)
+
+    def _hold(self, versions: list, verify: bool = False) -> bool:
+        """Records that this reader uses ``versions`` (publishers do not drop them). False
+        if no reader slot is free. ``verify``: check first that the slot is still ours (a
+        publisher reclaims the slot of a reader silent for ``hold_ttl_s``)."""
+        if self._slot is not None and verify:
+            try:
+                if msgpack.unpackb(self.store.get(f"{self._p}slot/{self._slot}"), raw=False).get("rid") != self._rid:
+                    self._slot = None
+            except ObjectNotFoundError:
+                self._slot = None
         if self._slot is None:
+            rec = msgpack.packb({"rid": self._rid, "t": time.time()})
             for i in range(self.cfg.max_readers):
                 try:
-                    self.store.put(f"{self._p}slot/{i}", b"", self._rc)
+                    self.store.put(f"{self._p}slot/{i}", rec, self._rc)
                     self._slot = i
                     break
                 except ObjectExistsError:
                     continue
             else:
                 return False  # no slot: copies still work, the version is just not protected from dropping
-        self.store.upsert(f"{self._p}hold/{self._slot}", msgpack.packb({"versions": list(versions), "t": time.time()}),
-                          self._rc)
+        self.store.upsert(f"{self._p}hold/{self._slot}",
+                          msgpack.packb({"rid": self._rid, "versions": list(versions), "t": time.time()}), self._rc)
         return True
 
     def _refresh_main(self):
-        # keeps the hold on the viewed version younger than hold_ttl_s while this reader lives
+        # keeps the holds on viewed versions younger than hold_ttl_s while this reader lives
+        written = True
         while not self._stop.wait(self.cfg.hold_ttl_s / 4):
-            held = list(self._held)
-            if held:
+            held = self._held_versions()
+            if held or written:
                 try:
-                    self._hold(held)
+                    self._hold(held, verify=True)
+                    written = bool(held)
                 except StoreError:
                     pass  # retried at the next tick; the hold counts for hold_ttl_s
 
     def release(self):
         """Gives up this reader's slot (call when the reader goes away for good). With
-        ``install="view"`` the installed tensors are views of the store's memory: after
-        ``release`` a publisher may reuse it, so release only when the model is no longer
-        used."""
+        ``install="view"`` the parameters it installed as views become private copies
+        first; tensors the caller kept or detached from views are not protected after
+        this (a warning says so): publishers may reuse that memory."""
         self._stop.set()
-        self._held = []
+        torch = _torch()
+        with torch.no_grad():
+            for ref, ptr in self._view_targets.values():  # installed views become private copies
+                t = ref()
+                if t is not None and t.numel() and t.data_ptr() == ptr:
+                    t.data = t.data.clone()
+        self._view_targets = {}
+        self._viewed = set()
+        left = self._held_versions()
+        if left:
+            log.warning("%s: release() while tensors viewing version(s) %s are alive (kept or detached by the "
+                        "caller): their bytes may change once publishers reuse the memory", self.model, left)
         if self._slot is not None:
             self.store.remove_batch([f"{self._p}hold/{self._slot}", f"{self._p}slot/{self._slot}"], force=True,
                                     return_exceptions=True)
@@ -454,28 +509,33 @@ class WeightSync:
             raise ValueError(f"{self.model}: install='view' needs into=nn.Module (its parameters take the views) "
                              f"or None, got {type(into).__name__}")
         targets = _target_dict(into)
-        if dtype is not None and not isinstance(dtype, torch.dtype):
-            raise ValueError(f"dtype must be a torch.dtype or None, got {dtype!r}")
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise ValueError(f"{self.model}: pull: dtype must be a floating-point torch.dtype or None (only "
+                             f"floating-point tensors are cast), got {dtype!r}")
         prev = self.version
+        # a different `into` than last time gets the held version too (it is not installed there yet)
+        same_into = into is None or (self._into is not None and self._into[0] == id(into)
+                                     and (self._into[1] is None or self._into[1]() is into))
         if version == "latest":
             v = self.latest_version()
-            if v <= prev:
+            if v < prev or (v == prev and same_into):
                 return PullResult(prev, prev, False, 0, None)
         elif isinstance(version, int) and not isinstance(version, bool) and version >= 0:
             v = version
             if v < prev:
                 raise StaleVersionError(f"{self.model}: holds version {prev}; will not go back to {v}")
-            if v == prev:
+            if v == prev and same_into:
                 return PullResult(prev, prev, False, 0, None)
         else:
             raise ValueError(f"version must be 'latest' or an int >= 0, got {version!r}")
-        kept = list(self._held)  # the viewed version stays held while the new one is staged
-        if not self._hold(kept + [v]) and view_mode:
+        kept = self._held_versions()  # viewed versions stay held while the new one is staged
+        if not self._hold(kept + [v], verify=True) and view_mode:
             view_mode = False  # every reader slot taken: unprotected memory must not be viewed; copy
         ok = False
         try:
             staged, raw, nbytes, viewed = self._stage(v, targets, dtype, strict, stage_hook, view_mode)
             handed = set()
+            self._view_targets = {k: e for k, e in self._view_targets.items() if e[0]() is not None}
             with torch.no_grad():
                 for name, t in staged.items():
                     if name not in targets:
@@ -485,6 +545,11 @@ class WeightSync:
                         # (the view's memory is read-only), in the target's dtype
                         targets[name].data = t if t.dtype == targets[name].dtype else t.to(targets[name].dtype)
                         handed.add(name)
+                        if name in viewed:
+                            self._view_targets[id(targets[name])] = (weakref.ref(targets[name]),
+                                                                     t.data_ptr() if t.numel() else -1)
+                        else:
+                            self._view_targets.pop(id(targets[name]), None)
                     else:
                         targets[name].copy_(t)
             # keep the staging tensors for the next pull (into given and they were not handed out)
@@ -493,19 +558,25 @@ class WeightSync:
             else:
                 self._spare = {}
             self._viewed = set(viewed) if into is not None else set()
-            self._held = [v] if viewed else []
+            staged = staged if into is None else None
+            raw = None
             ok = True
         finally:
             try:
-                self._hold(self._held if ok else kept)
+                self._hold(self._held_versions())  # the new version if viewed, and views still alive
             except StoreError:
                 pass
-        if self._held and (self._refresher is None or not self._refresher.is_alive()):
+        if into is not None:
+            try:
+                self._into = (id(into), weakref.ref(into))
+            except TypeError:  # a dict: its id alone (a reused id only costs an install skipped)
+                self._into = (id(into), None)
+        if self._refs and (self._refresher is None or not self._refresher.is_alive()):
             self._stop = threading.Event()
             self._refresher = threading.Thread(target=self._refresh_main, name="ws-hold", daemon=True)
             self._refresher.start()
-        self.version = v
-        return PullResult(v, prev, True, nbytes, staged if into is None else None)
+        self.version = max(v, prev)
+        return PullResult(v, prev, True, nbytes, staged)
 
     def _stage(self, v: int, targets: dict, dtype, strict: bool, stage_hook, view_mode: bool = False) -> tuple:
         torch = _torch()
@@ -549,9 +620,11 @@ class WeightSync:
                    for m in mans for i, b in enumerate(m["buckets"])]
         views: dict = {}  # name -> read-only tensor over the store's memory (install="view")
         if view_mode and buckets:
+            import numpy as np
+
             bviews, _ = self.store._local_views([b[0] for b in buckets])
             with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                warnings.filterwarnings("ignore", message="The given (buffer|NumPy array) is not writable")
                 for b, bv in zip(buckets, bviews):
                     if bv is None:
                         continue
@@ -567,8 +640,12 @@ class WeightSync:
                             if _piece_digest(flat, str(p["digest"]).partition(":")[0]) != p["digest"]:
                                 raise WeightSyncAbortedError(f"{self.model} v{v}: checksum of {p['name']!r} differs; "
                                                              f"kept version {self.version}")
-                        views[p["name"]] = torch.frombuffer(bv[p["boff"]:p["boff"] + p["nbytes"]],
-                                                            dtype=dt).reshape(p["gshape"])
+                        # through a NumPy array: torch keeps it alive as long as any tensor
+                        # shares the bytes, and its finalizer tells when none does
+                        arr = np.frombuffer(bv[p["boff"]:p["boff"] + p["nbytes"]], dtype=np.uint8)
+                        self._refs[v] = self._refs.get(v, 0) + 1
+                        weakref.finalize(arr, _unref, self._refs, v)
+                        views[p["name"]] = torch.from_numpy(arr).view(dt).reshape(p["gshape"])
         for name, (dt, gshape, count) in specs.items():
             if name in views:
                 staged[name] = views[name]

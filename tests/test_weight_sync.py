@@ -431,10 +431,13 @@ def _view_rank(rank, world, addr, op, version=None, dtype=None):
             r.pull(model, dtype=None if dtype is None else getattr(torch, dtype))
         elif op == "wait":
             time.sleep(version)
+        import gc
+
+        gc.collect()  # views of older versions may sit in reference cycles until a collection
         sd = model.state_dict()
         out.update(version=r.version, digests={k: d[0] for k, d in _digests(sd).items()},
                    dtypes={k: str(v.dtype) for k, v in sd.items()},
-                   in_store={k: _in_store_memory(v) for k, v in sd.items()}, held=list(r._held))
+                   in_store={k: _in_store_memory(v) for k, v in sd.items()}, held=r._held_versions())
     return out
 
 
@@ -532,3 +535,103 @@ def test_view_install_rejects_what_it_cannot_protect():
         with pytest.raises(ValueError, match="nn.Module"):
             r.pull({"w": torch.zeros(4)})
         assert r.version == -1
+
+
+_VIEW_READER = r"""
+import sys, time, torch
+from mooncake_store import MooncakeStore, WeightSync, WeightSyncConfig
+m = torch.nn.Module()
+m.register_parameter("w", torch.nn.Parameter(torch.zeros(4096), requires_grad=False))
+s = MooncakeStore(serve_tcp=False, master=sys.argv[1], segment_size=0)
+r = WeightSync(s, "slots", config=WeightSyncConfig(install="view", max_readers=1, hold_ttl_s=1.0))
+r.pull(m)
+print("in store", "mooncake-store-" in open("/proc/self/maps").read(), flush=True)
+time.sleep(60)
+"""
+
+
+def test_view_holds_follow_the_tensors_and_release_copies(store_procs):
+    """Views of a version keep it held while any tensor shares its bytes (one the caller
+    detached and kept across later pulls, here), so its bytes never change under it;
+    release() turns installed views into private copies; a second module gets the held
+    version; non-float casts and empty or out-of-range publishes are refused (all found
+    by a new-user trial)."""
+    import gc
+
+    import torch
+    from mooncake_store import MooncakeStore, WeightSync, WeightSyncConfig
+
+    import time
+
+    m = sa.start_master(lease_ttl=0.2)  # dropped versions' space is reused 0.2 s after the last read
+    sa.start_agent({"master": m.address, "segment_size": 8 * MiB, "name": "storage"})
+    addr = m.address
+    cfg = WeightSyncConfig(bucket_bytes=1 << 20, keep_versions=0, install="view", hold_ttl_s=1.0)
+    with MooncakeStore(serve_tcp=False, master=addr, segment_size=0) as s:
+        tr, rd = WeightSync(s, "h", config=cfg), WeightSync(s, "h", config=cfg)
+        sd = lambda v: {"w": torch.full((256, 1024), float(v))}  # noqa: E731  1 MiB each
+        m = torch.nn.Module()
+        m.register_parameter("w", torch.nn.Parameter(torch.zeros(256, 1024), requires_grad=False))
+        tr.publish(sd(1), 1)
+        rd.pull(m)
+        kept = m.w.detach()  # e.g. a rollout engine's cached reference
+        for v in range(2, 12):  # 8 MiB of segment: later versions reuse freed space, v1's too unless held
+            time.sleep(0.3)
+            tr.publish(sd(v), v)
+            rd.pull(m)
+            gc.collect()
+            assert torch.equal(m.w, sd(v)["w"]) and torch.equal(kept, sd(1)["w"]), v
+        assert rd._held_versions() == [1, 11]
+        del kept
+        gc.collect()
+        assert rd._held_versions() == [11]
+        other = torch.nn.Module()
+        other.register_parameter("w", torch.nn.Parameter(torch.zeros(256, 1024), requires_grad=False))
+        assert rd.pull(other).installed and torch.equal(other.w, sd(11)["w"])  # same version, other module
+        ptr = m.w.data_ptr()
+        rd.release()
+        assert m.w.data_ptr() != ptr and torch.equal(m.w, sd(11)["w"])  # a private copy now
+        m.w.add_(1)  # writable: no SIGSEGV
+        with pytest.raises(ValueError, match="floating-point"):
+            rd.pull(m, dtype=torch.int8)
+        with pytest.raises(ValueError, match="empty"):
+            tr.publish({}, 20)
+        with pytest.raises(ValueError, match="2\\*\\*63"):
+            tr.publish(sd(1), 2**70)
+
+
+def test_a_dead_view_readers_slot_is_reclaimed(store_procs):
+    """max_readers=1: a view reader that is SIGKILLed keeps its slot only for hold_ttl_s;
+    the next publish reclaims it, and a new reader gets views again (found by a new-user
+    trial: slots leaked, later readers silently copied)."""
+    import signal
+    import subprocess
+    import time
+
+    import torch
+    from mooncake_store import MooncakeStore, WeightSync, WeightSyncConfig
+
+    addr = _start_store(16)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([sa.REPO, os.environ.get("PYTHONPATH", "")]))
+    with MooncakeStore(serve_tcp=False, master=addr, segment_size=0) as s:
+        tr = WeightSync(s, "slots", config=WeightSyncConfig(max_readers=1, hold_ttl_s=1.0, keep_versions=0))
+        tr.publish({"w": torch.ones(4096)}, 1)
+
+        def reader():
+            p = subprocess.Popen([sys.executable, "-c", _VIEW_READER, addr], stdout=subprocess.PIPE, text=True,
+                                 env=env, start_new_session=True)
+            line = p.stdout.readline()
+            return p, line
+
+        p1, line = reader()
+        assert line.strip() == "in store True", line
+        os.killpg(p1.pid, signal.SIGKILL)
+        p1.wait(10)
+        time.sleep(1.5)  # > hold_ttl_s: the dead reader's hold is stale
+        tr.publish({"w": torch.full((4096,), 2.0)}, 2)  # reclaims the slot
+        p2, line = reader()
+        try:
+            assert line.strip() == "in store True", line
+        finally:
+            os.killpg(p2.pid, signal.SIGKILL)
+            p2.wait(10)
