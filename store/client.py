@@ -963,6 +963,22 @@ class MooncakeStore:
             out += self._call("exists", {"keys": uniq[a:b]})["exists"]
         return out if pos is None else [out[j] for j in pos]
 
+    def _exists_meta(self, keys: Sequence[str]) -> list:
+        """Per key ``None`` if it does not exist, else the metadata stored with it (bytes:
+        what :meth:`put_tensor` records, ``b""`` for plain values), or ``True`` where the
+        master does not send metadata (an older master). From the master alone: no lease,
+        no bytes read, nothing loaded from SSD (``KVCacheStore`` checks layouts with it)."""
+        keys = _check_keys(keys, "exists_batch", repeats=True)
+        uniq, pos = _dedup(keys)
+        out: list = []
+        for a, b in _chunks(uniq):
+            r = self._call("exists", {"keys": uniq[a:b], "meta": True})
+            metas = r.get("meta")
+            if not isinstance(metas, list) or len(metas) != len(r["exists"]):
+                metas = [True if e else None for e in r["exists"]]
+            out += [m if e else None for e, m in zip(r["exists"], metas)]
+        return out if pos is None else [out[j] for j in pos]
+
     def remove(self, key: str, force: bool = False) -> None:
         """Removes ``key``. Raises ``ObjectNotFoundError``, or ``ObjectHasLeaseError`` while a
         reader holds a lease (``force=True`` removes anyway; the space is reused only once
