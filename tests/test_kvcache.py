@@ -1,6 +1,7 @@
 """KVCacheStore: chained chunk hashes, shared and diverging prompts, chunk boundaries,
 tenant isolation, eviction (misses only, never wrong data), reuse after a full restart
-from the SSD tier, and logits with reuse equal to a full prefill (a tiny decoder).
+from the SSD tier, logits with reuse equal to a full prefill (a tiny decoder), one layout
+per prefix (put refuses another, get never mixes), and the lookup / lost-chunk counters.
 Real processes: the master and the segment owner are started by store_agents; this
 process is a client without a segment."""
 import importlib.util
