@@ -17,7 +17,6 @@ from .errors import (AuthError, LeaseExpiredError, NoSpaceError, NotLeaderError,
                      ObjectHasLeaseError, ObjectNotFoundError, ProtocolError, ReplicaShortfallError, StaleVersionError, StoreError,
                      TransferError, WeightSyncAbortedError)
 from .kvcache import KVCacheStats, KVCacheStore, KVGetResult, KVPutResult, chunk_hashes
-from .master import Master
 from .weight_sync import GroupSyncResult, GroupWeightSync, PublishResult, PullResult, WeightSync, tensor_digest
 
 __all__ = ["MooncakeStore", "Placement", "StoreStats", "Master", "MasterConfig", "ReplicateConfig", "StoreConfig", "env_defaults",
@@ -26,3 +25,13 @@ __all__ = ["MooncakeStore", "Placement", "StoreStats", "Master", "MasterConfig",
            "StaleVersionError", "WeightSyncAbortedError", "WeightSyncConfig", "WeightSync", "GroupWeightSync",
            "PublishResult", "PullResult", "GroupSyncResult", "tensor_digest",
            "KVCacheStore", "KVCacheConfig", "KVCacheStats", "KVPutResult", "KVGetResult", "chunk_hashes"]
+
+
+def __getattr__(name):
+    # ``Master`` is imported on first use, so that ``python -m mooncake_store.master`` does not
+    # find the module already imported by the package (runpy's RuntimeWarning).
+    if name == "Master":
+        from .master import Master
+
+        return Master
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

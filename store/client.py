@@ -39,7 +39,7 @@ def _as_bytes_view(value, what="value") -> memoryview:
     if isinstance(value, str):
         raise ValueError(f"{what} must be bytes-like (got str; encode it first)")
     if _is_tensor(value):
-        return _tensor_bytes(value)
+        return _tensor_bytes(value, what)
     try:
         mv = memoryview(value)
     except TypeError:
@@ -54,11 +54,11 @@ def _is_tensor(x) -> bool:
     return t.__module__.startswith("torch") and t.__name__ in ("Tensor", "Parameter")
 
 
-def _tensor_bytes(t) -> memoryview:
+def _tensor_bytes(t, what="tensor") -> memoryview:
     import torch
 
     if t.device.type != "cpu":
-        raise ValueError(f"tensor must be on the CPU, got {t.device}")
+        raise ValueError(f"{what} must be on the CPU, got {t.device}")
     t = t.detach().contiguous()
     if t.numel() == 0:
         return memoryview(b"")
@@ -66,41 +66,80 @@ def _tensor_bytes(t) -> memoryview:
     return memoryview(flat.numpy())
 
 
-def _writable_view(buffer) -> memoryview:
+def _writable_view(buffer, op="get_into") -> memoryview:
     if _is_tensor(buffer):
         import torch
 
         if buffer.device.type != "cpu" or not buffer.is_contiguous():
-            raise ValueError("buffer tensor must be a contiguous CPU tensor")
+            raise ValueError(f"{op}: buffer tensor must be a contiguous CPU tensor")
         if buffer.numel() == 0:
             return memoryview(bytearray(0))
         return memoryview(buffer.detach().reshape(-1).view(torch.uint8).numpy())
     try:
         mv = memoryview(buffer)
     except TypeError:
-        raise ValueError(f"buffer must be a writable bytes-like object or tensor, got {type(buffer).__name__}") from None
+        raise ValueError(f"{op}: buffer must be a writable bytes-like object or tensor, got {type(buffer).__name__}") from None
     if mv.readonly:
-        raise ValueError("buffer is read-only")
+        raise ValueError(f"{op}: buffer is read-only")
     if not mv.contiguous:
-        raise ValueError("buffer must be contiguous")
+        raise ValueError(f"{op}: buffer must be contiguous")
     return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
 
 
-def _check_key(key) -> str:
+def _short(key: str) -> str:
+    return repr(key) if len(key) <= 80 else repr(key[:80]) + f"... ({len(key)} chars)"
+
+
+def _check_key(key, op: str) -> str:
+    """``key`` if it is a valid key (a non-empty str of at most 4096 bytes of UTF-8);
+    ValueError naming ``op`` and the problem otherwise."""
     if not isinstance(key, str) or not key:
-        raise ValueError(f"key must be a non-empty str, got {key!r}")
-    if len(key) > 1024 and len(key.encode()) > 4096:
-        raise ValueError("key must be at most 4096 bytes of UTF-8")
+        raise ValueError(f"{op}: key must be a non-empty str, got {key!r}")
+    if key.isascii():
+        n = len(key)
+    else:
+        try:
+            n = len(key.encode())
+        except UnicodeEncodeError as e:  # a lone surrogate (e.g. from os.fsdecode of bad bytes)
+            raise ValueError(f"{op}: key must be valid Unicode text (encodable as UTF-8); it has a lone surrogate "
+                             f"{key[e.start]!r} at index {e.start}: {_short(key)}") from None
+    if n > 4096:
+        raise ValueError(f"{op}: key must be at most 4096 bytes of UTF-8, got {n} bytes: {_short(key)}")
     return key
 
 
-def _check_keys(keys) -> list:
+def _check_keys(keys, op: str, *, repeats: bool = False) -> list:
+    """The keys of a batch call as a list (each checked by :func:`_check_key`). A key may
+    repeat only where ``repeats`` (reads); otherwise a repeat is a ValueError naming it."""
     if isinstance(keys, (str, bytes)):
-        raise ValueError("keys must be a sequence of str, not a single key")
-    keys = [_check_key(k) for k in keys]
-    if len(set(keys)) != len(keys):
-        raise ValueError("keys must not repeat within one batch")
+        raise ValueError(f"{op}: keys must be a sequence of str, not a single key")
+    try:
+        keys = list(keys)
+    except TypeError:
+        raise ValueError(f"{op}: keys must be a sequence of str, got {type(keys).__name__}") from None
+    keys = [_check_key(k, op) for k in keys]
+    if not repeats and len(set(keys)) != len(keys):
+        seen: set = set()
+        dup = next(k for k in keys if k in seen or seen.add(k))
+        raise ValueError(f"{op}: key {_short(dup)} repeats within one batch (each key may be written or removed "
+                         "once per call)")
     return keys
+
+
+def _dedup(keys: list) -> tuple:
+    """``(unique keys in first-seen order, position in it of each key)``; ``(keys, None)``
+    when no key repeats."""
+    if len(set(keys)) == len(keys):
+        return keys, None
+    first: dict = {}
+    pos = [first.setdefault(k, len(first)) for k in keys]
+    return list(first), pos
+
+
+def _raise_first(out: list) -> None:
+    for o in out:
+        if isinstance(o, BaseException):
+            raise o
 
 
 class Placement(NamedTuple):
@@ -644,20 +683,22 @@ class MooncakeStore:
         written (use :meth:`upsert`), ``ReplicaShortfallError`` (``require_all``; nothing
         stored), ``NoSpaceError``, ``TransferError``; ``ValueError`` for bad arguments
         (before anything is sent)."""
-        return self._put_many([_check_key(key)], [_as_bytes_view(value)], [b""], config, False, False)[0]
+        return self._put_many([_check_key(key, "put")], [_as_bytes_view(value, "put: value")], [b""], config, False,
+                              False)[0]
 
     def upsert(self, key: str, value, config: ReplicateConfig = _DEFAULT_REPLICATE) -> int:
         """Like :meth:`put`, but replaces an existing value (any size). Readers see the
         old value until the new one is complete. Returns the replicas placed."""
-        return self._put_many([_check_key(key)], [_as_bytes_view(value)], [b""], config, True, False)[0]
+        return self._put_many([_check_key(key, "upsert")], [_as_bytes_view(value, "upsert: value")], [b""], config,
+                              True, False)[0]
 
     def put_batch(self, keys: Sequence[str], values: Sequence, config: ReplicateConfig = _DEFAULT_REPLICATE, *,
                   upsert: bool = False, return_exceptions: bool = False) -> list:
         """Stores several objects with two metadata round trips. Returns the replica count
         per key; a key that fails does not stop the others: its error is raised after the
         whole batch (the first one), or returned in its place with ``return_exceptions``."""
-        keys = _check_keys(keys)
-        views = [_as_bytes_view(v) for v in values]
+        keys = _check_keys(keys, "put_batch")
+        views = [_as_bytes_view(v, "put_batch: value") for v in values]
         if len(views) != len(keys):
             raise ValueError(f"put_batch: {len(keys)} keys but {len(views)} values")
         return self._put_many(keys, views, [b""] * len(keys), config, upsert, return_exceptions)
@@ -665,20 +706,21 @@ class MooncakeStore:
     def put_tensor(self, key: str, tensor, config: ReplicateConfig = _DEFAULT_REPLICATE, *, upsert: bool = False) -> int:
         """Stores a CPU tensor (any dtype and shape, non-contiguous ones are copied
         first; zero elements allowed); :meth:`get_tensor` returns it with dtype and shape."""
-        return self.put_tensor_batch([key], [tensor], config, upsert=upsert)[0]
+        return self.put_tensor_batch([_check_key(key, "put_tensor")], [tensor], config, upsert=upsert,
+                                     _op="put_tensor")[0]
 
     def put_tensor_batch(self, keys: Sequence[str], tensors: Sequence, config: ReplicateConfig = _DEFAULT_REPLICATE, *,
-                         upsert: bool = False, return_exceptions: bool = False) -> list:
-        """Batch form of :meth:`put_tensor`."""
-        keys = _check_keys(keys)
+                         upsert: bool = False, return_exceptions: bool = False, _op: str = "put_tensor_batch") -> list:
+        """Batch form of :meth:`put_tensor` (a key may appear once per call)."""
+        keys = _check_keys(keys, _op)
         if len(tensors) != len(keys):
-            raise ValueError(f"put_tensor_batch: {len(keys)} keys but {len(tensors)} tensors")
+            raise ValueError(f"{_op}: {len(keys)} keys but {len(tensors)} tensors")
         metas, views = [], []
         for t in tensors:
             if not _is_tensor(t):
-                raise ValueError(f"expected a torch.Tensor, got {type(t).__name__}")
+                raise ValueError(f"{_op}: expected a torch.Tensor, got {type(t).__name__}")
             metas.append(msgpack.packb({"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}))
-            views.append(_tensor_bytes(t))
+            views.append(_tensor_bytes(t, f"{_op}: tensor"))
         return self._put_many(keys, views, metas, config, upsert, return_exceptions)
 
     # ------------------------------------------------------------------ reads
@@ -717,7 +759,7 @@ class MooncakeStore:
         Raises ``ObjectNotFoundError`` (a ``KeyError``) if the key does not exist or no
         version is complete yet, ``LeaseExpiredError`` if the copy outlasted the lease,
         ``TransferError`` if no replica can be read."""
-        key = _check_key(key)
+        key = _check_key(key, "get")
         (obj,), segs, deadline = self._get_meta([key])
         if obj is None:
             raise ObjectNotFoundError(f"key {key!r} not found")
@@ -730,8 +772,16 @@ class MooncakeStore:
     def get_batch(self, keys: Sequence[str], *, return_exceptions: bool = False) -> list:
         """Copies of several values with one metadata round trip. A missing key raises
         ``ObjectNotFoundError`` (after the whole batch) or, with ``return_exceptions``,
-        comes back as that exception in its place."""
-        keys = _check_keys(keys)
+        comes back as that exception in its place. A key may repeat: it is read once and
+        its value returned at each of its positions."""
+        keys = _check_keys(keys, "get_batch", repeats=True)
+        uniq, pos = _dedup(keys)
+        if pos is not None:
+            res = self.get_batch(uniq, return_exceptions=True)
+            out = [res[j] for j in pos]  # bytes: the same object at each position
+            if not return_exceptions:
+                _raise_first(out)
+            return out
         objs, segs, deadline = self._get_meta(keys)
         got = self._read_many(objs, segs)
         out = [ObjectNotFoundError(f"key {k!r} not found") if obj is None else g for k, obj, g in zip(keys, objs, got)]
@@ -752,7 +802,7 @@ class MooncakeStore:
         store's, valid while the object is not removed (the caller protects them, e.g.
         ``WeightSync`` holds). A view of another client's segment keeps its mapping alive
         after the segment goes away."""
-        objs, segs, deadline = self._get_meta(_check_keys(keys))
+        objs, segs, deadline = self._get_meta(_check_keys(keys, "local_views"))
         out = []
         for obj in objs:
             view = None
@@ -778,8 +828,8 @@ class MooncakeStore:
         host lands in a temporary first), ``LeaseExpiredError`` (the copy outlasted the
         lease: the buffer holds bytes that may have been evicted meanwhile and must not be
         used)."""
-        key = _check_key(key)
-        mv = _writable_view(buffer)
+        key = _check_key(key, "get_into")
+        mv = _writable_view(buffer, "get_into")
         (obj,), segs, deadline = self._get_meta([key])
         if obj is None:
             raise ObjectNotFoundError(f"key {key!r} not found")
@@ -793,11 +843,26 @@ class MooncakeStore:
 
     def get_into_batch(self, keys: Sequence[str], buffers: Sequence, *, return_exceptions: bool = False) -> list:
         """Batch form of :meth:`get_into`: returns the sizes (or exceptions in place with
-        ``return_exceptions``)."""
-        keys = _check_keys(keys)
-        mvs = [_writable_view(b) for b in buffers]
+        ``return_exceptions``). A key may repeat: each of its buffers receives the value
+        (one request per repetition)."""
+        keys = _check_keys(keys, "get_into_batch", repeats=True)
+        mvs = [_writable_view(b, "get_into_batch") for b in buffers]
         if len(mvs) != len(keys):
             raise ValueError(f"get_into_batch: {len(keys)} keys but {len(mvs)} buffers")
+        if len(set(keys)) != len(keys):  # rounds of distinct keys: the n-th occurrences of each key together
+            seen: dict = {}
+            rounds: dict = {}
+            for i, k in enumerate(keys):
+                n = seen[k] = seen.get(k, -1) + 1
+                rounds.setdefault(n, []).append(i)
+            out: list = [None] * len(keys)
+            for idx in rounds.values():
+                res = self.get_into_batch([keys[i] for i in idx], [mvs[i] for i in idx], return_exceptions=True)
+                for i, r in zip(idx, res):
+                    out[i] = r
+            if not return_exceptions:
+                _raise_first(out)
+            return out
         objs, segs, deadline = self._get_meta(keys)
         out: list = [None] * len(keys)
         todo = [None] * len(keys)
@@ -826,13 +891,27 @@ class MooncakeStore:
 
         Raises ``ObjectNotFoundError``, ``ValueError`` if the object is not a tensor,
         ``LeaseExpiredError``, ``TransferError``."""
-        return self.get_tensor_batch([key])[0]
+        return self.get_tensor_batch([_check_key(key, "get_tensor")])[0]
 
     def get_tensor_batch(self, keys: Sequence[str], *, return_exceptions: bool = False) -> list:
-        """Batch form of :meth:`get_tensor`."""
+        """Batch form of :meth:`get_tensor`. A key may repeat: it is read once and each
+        further position gets its own copy (a clone)."""
         import torch
 
-        keys = _check_keys(keys)
+        keys = _check_keys(keys, "get_tensor_batch", repeats=True)
+        uniq, pos = _dedup(keys)
+        if pos is not None:
+            res = self.get_tensor_batch(uniq, return_exceptions=True)
+            out, used = [], set()
+            for j in pos:
+                r = res[j]
+                if j in used and isinstance(r, torch.Tensor):
+                    r = r.clone()
+                used.add(j)
+                out.append(r)
+            if not return_exceptions:
+                _raise_first(out)
+            return out
         objs, segs, deadline = self._get_meta(keys)
         out: list = []
         todo, views = [], []
@@ -873,26 +952,45 @@ class MooncakeStore:
     # ------------------------------------------------------------------ other
     def exists(self, key: str) -> bool:
         """True if a complete version of ``key`` exists (an empty value counts)."""
-        return self.exists_batch([_check_key(key)])[0]
+        return self.exists_batch([_check_key(key, "exists")])[0]
 
     def exists_batch(self, keys: Sequence[str]) -> list:
-        """``exists`` for several keys (one request per 2048 keys)."""
-        keys = _check_keys(keys)
+        """``exists`` for several keys (one request per 2048 keys; a key may repeat)."""
+        keys = _check_keys(keys, "exists_batch", repeats=True)
+        uniq, pos = _dedup(keys)
         out: list = []
-        for a, b in _chunks(keys):
-            out += self._call("exists", {"keys": keys[a:b]})["exists"]
-        return out
+        for a, b in _chunks(uniq):
+            out += self._call("exists", {"keys": uniq[a:b]})["exists"]
+        return out if pos is None else [out[j] for j in pos]
+
+    def _exists_meta(self, keys: Sequence[str]) -> list:
+        """Per key ``None`` if it does not exist, else the metadata stored with it (bytes:
+        what :meth:`put_tensor` records, ``b""`` for plain values), or ``True`` where the
+        master does not send metadata (an older master). From the master alone: no lease,
+        no bytes read, nothing loaded from SSD (``KVCacheStore`` checks layouts with it)."""
+        keys = _check_keys(keys, "exists_batch", repeats=True)
+        uniq, pos = _dedup(keys)
+        out: list = []
+        for a, b in _chunks(uniq):
+            r = self._call("exists", {"keys": uniq[a:b], "meta": True})
+            metas = r.get("meta")
+            if not isinstance(metas, list) or len(metas) != len(r["exists"]):
+                metas = [True if e else None for e in r["exists"]]
+            out += [m if e else None for e, m in zip(r["exists"], metas)]
+        return out if pos is None else [out[j] for j in pos]
 
     def remove(self, key: str, force: bool = False) -> None:
         """Removes ``key``. Raises ``ObjectNotFoundError``, or ``ObjectHasLeaseError`` while a
         reader holds a lease (``force=True`` removes anyway; the space is reused only once
         the lease has expired, so the reader's copy stays intact)."""
-        (item,) = self._call("remove", {"client": self.client_id, "keys": [_check_key(key)], "force": bool(force)})["items"]
+        (item,) = self._call("remove", {"client": self.client_id, "keys": [_check_key(key, "remove")], "force": bool(force)})["items"]
         if item[0] != 0:
             raise from_code(item[1], item[2])
 
     def remove_batch(self, keys: Sequence[str], force: bool = False, *, return_exceptions: bool = False) -> list:
-        keys = _check_keys(keys)
+        """:meth:`remove` for several keys (each once); returns ``None`` per key, or the
+        exception in its place with ``return_exceptions``."""
+        keys = _check_keys(keys, "remove_batch")
         res: list = []
         for a, b in _chunks(keys):
             res += self._call("remove", {"client": self.client_id, "keys": keys[a:b], "force": bool(force)})["items"]
@@ -907,7 +1005,7 @@ class MooncakeStore:
         """Where ``key`` lives (introspection for tests and operators): a
         :class:`Placement` of segment names (memory) and client names (SSD).
         Raises ``ObjectNotFoundError``."""
-        (w,) = self._call("where", {"keys": [_check_key(key)]})["where"]
+        (w,) = self._call("where", {"keys": [_check_key(key, "where")]})["where"]
         if w is None:
             raise ObjectNotFoundError(f"key {key!r} not found")
         return Placement(memory=list(w["memory"]), ssd=list(w["ssd"]))

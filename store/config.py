@@ -277,8 +277,12 @@ class ReplicateConfig:
 
     Attributes:
         replica_num: copies to place, each in a different segment (>= 1).
-        preferred_segment: name of the segment (client) to hold the first copy if it has
-            room; ``None``: the master chooses (most free space first).
+        preferred_segment: name of the segment (client, ``StoreConfig.name``) to hold the
+            first copy if it has room; ``None``: the master chooses (most free space
+            first). Only a preference, as in Mooncake (the preferred segment is tried
+            first, then the others): a name that is not registered (a typo, a client that
+            left) is not an error and the copy goes where it would go without one;
+            :meth:`MooncakeStore.where` tells where it went.
         pin: never evict this object (it still goes with its segment if the owner dies).
         require_all: raise :class:`ReplicaShortfallError` and store nothing if fewer than
             ``replica_num`` copies can be placed (default: place what fits and return the

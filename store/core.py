@@ -608,7 +608,12 @@ class Core:
         return {"where": out}
 
     def exists(self, a: dict) -> dict:
+        """Which keys have a committed version; with ``meta``, also each one's metadata
+        bytes (None if missing): no lease, no LRU touch, nothing loaded from SSD."""
         keys = self._keys(a.get("keys"))
+        if a.get("meta") is True:
+            objs = [self.objects.get(k) for k in keys]
+            return {"exists": [o is not None for o in objs], "meta": [None if o is None else o.meta for o in objs]}
         return {"exists": [k in self.objects for k in keys]}
 
     def remove(self, a: dict) -> dict:

@@ -1,6 +1,7 @@
 """KVCacheStore: chained chunk hashes, shared and diverging prompts, chunk boundaries,
 tenant isolation, eviction (misses only, never wrong data), reuse after a full restart
-from the SSD tier, and logits with reuse equal to a full prefill (a tiny decoder).
+from the SSD tier, logits with reuse equal to a full prefill (a tiny decoder), one layout
+per prefix (put refuses another, get never mixes), and the lookup / lost-chunk counters.
 Real processes: the master and the segment owner are started by store_agents; this
 process is a client without a segment."""
 import importlib.util
@@ -75,7 +76,10 @@ def test_shared_diverging_prompts_and_chunk_boundaries(procs):
         with pytest.raises(ValueError):
             kv.put(p, _kv_for(p)[:, :, :, :5])  # K/V shorter than the whole chunks
         st = kv.stats
-        assert st.lookups == 7 and st.hit_chunks == 2 + 2 + 1 + 1 + 3 and st.hit_rate > 0.5
+        # 7 match_prefix calls, plus the gets whose chunks no match_prefix had counted since the
+        # last get: get(p, 4) (get(q, 12) already used the match of their shared chunk) and get(r3)
+        assert st.lookups == 7 + 2 and st.hit_chunks == 2 + 2 + 1 + 1 + 3 + 1 + 2 and st.hit_rate > 0.5
+        assert st.lost_chunks == 0 and st.inconsistent_chunks == 0
         # the same tokens as a tensor give the same keys; other processes compute the same hashes
         assert kv.keys(torch.tensor(p)) == kv.keys(p)
         code = ("import sys; sys.path.insert(0, %r); from mooncake_store.kvcache import chunk_hashes; "
@@ -191,3 +195,113 @@ def test_example_runs():
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stdout + out.stderr
     assert "logits equal (within float32 rounding): True" in out.stdout and "TTFT with reuse" in out.stdout
+
+
+def test_one_layout_per_prefix(procs):
+    """``put`` refuses K/V whose layout (layers, kv heads, head_dim, dtype) differs from the
+    chunks of the same tokens already stored, or whose per-layer K and V differ, before
+    writing anything; ``get`` returns only the leading chunks of the first chunk's layout
+    when the store holds a mix anyway (written behind KVCacheStore's back), never raises."""
+    m = sa.start_master()
+    sa.start_agent({"master": m.address, "segment_size": 16 * MiB, "name": "node"})
+    with _client(m.address) as s:
+        kv = KVCacheStore(s, tenant="lay", config=KVCacheConfig(chunk_tokens=16))
+        X = list(range(500, 548))  # 3 chunks
+        first = torch.randn(2, 2, 2, 16, 8)
+        assert kv.put(X[:16], first).stored_chunks == 1
+        before = s.stats()
+        for bad, got in ((torch.randn(3, 2, 2, 32, 8), "layers=3, kv_heads=2, head_dim=8, dtype=float32"),
+                         (torch.randn(2, 2, 2, 48, 4), "layers=2, kv_heads=2, head_dim=4, dtype=float32"),
+                         (torch.randn(2, 2, 4, 32, 8), "layers=2, kv_heads=4, head_dim=8, dtype=float32"),
+                         (torch.randn(2, 2, 2, 32, 8).bfloat16(), "layers=2, kv_heads=2, head_dim=8, dtype=bfloat16")):
+            with pytest.raises(ValueError, match=r"^KVCacheStore\.put: kv layout differs .*expected layers=2, kv_heads=2, "
+                                                 r"head_dim=8, dtype=float32 as stored in chunk 0 .*got " + got):
+                kv.put(X[:bad.shape[3]], bad)
+        pairs = [(torch.randn(2, 32, 8), torch.randn(2, 32, 8).half()), (torch.randn(2, 32, 8), torch.randn(2, 32, 8))]
+        with pytest.raises(ValueError, match=r"^KVCacheStore\.put: per-layer K and V .*expected \[2, 32, 8\] float32 .*"
+                                             r"\(layer 0 K\), got \[2, 32, 8\] float16 .*\(layer 0 V\)"):
+            kv.put(X[:32], pairs)
+        pairs = [(torch.randn(2, 32, 8), torch.randn(2, 32, 8)), (torch.randn(2, 32, 4), torch.randn(2, 32, 4))]
+        with pytest.raises(ValueError, match=r"got \[2, 32, 4\] float32 .*\(layer 1 K\)"):
+            kv.put(X[:32], pairs)
+        after = s.stats()  # nothing was written; the check read metadata only (no get, no lease)
+        assert after.puts == before.puts and after.gets == before.gets and kv.match_prefix(X) == 16
+        g = kv.get(X)
+        assert g.tokens == 16 and torch.equal(g.kv, first)
+        # the same layout is accepted and extends the prefix; another tenant has its own layout
+        rest = torch.randn(2, 2, 2, 48, 8)
+        assert kv.put(X, rest) == (2, 1, 48)
+        g = kv.get(X)
+        assert g.tokens == 48 and torch.equal(g.kv[:, :, :, :16], first) and torch.equal(g.kv[:, :, :, 16:], rest[:, :, :, 16:])
+        other = KVCacheStore(s, tenant="lay2", config=KVCacheConfig(chunk_tokens=16))
+        assert other.put(X, torch.randn(3, 2, 2, 48, 4).bfloat16()).stored_chunks == 3
+
+        # a mix written around put's check (another writer, an older version): get never mixes
+        Y = list(range(900, 964))  # 4 chunks
+        ky = kv.keys(Y)
+        y0 = torch.randn(2, 2, 2, 16, 8)
+        s.put_tensor(ky[0], y0)
+        s.put_tensor(ky[1], torch.randn(3, 2, 2, 16, 8))       # 3 layers
+        s.put_tensor(ky[2], torch.randn(2, 2, 2, 16, 8))       # the first layout again, after the cut
+        s.put(ky[3], b"not a tensor")
+        g = kv.get(Y)
+        assert g.tokens == 16 and torch.equal(g.kv, y0)
+        assert kv.stats.inconsistent_chunks == 2 and kv.stats.lost_chunks == 0  # chunks 1 and 3
+        with pytest.raises(ValueError, match=r"^KVCacheStore\.put: kv layout differs .*chunk 1 of 4"):
+            kv.put(Y, torch.randn(2, 2, 2, 64, 8))
+        W = list(range(1200, 1232))
+        s.put(kv.keys(W)[1], b"not a tensor")
+        with pytest.raises(ValueError, match=r"expected a K/V chunk there \(it holds another object\) .*chunk 1 of 2"):
+            kv.put(W, torch.randn(2, 2, 2, 32, 8))
+        assert not s.exists(kv.keys(W)[0])
+        Z = list(range(2000, 2032))
+        kz = kv.keys(Z)
+        s.put_tensor(kz[0], torch.randn(2, 2, 2, 16, 8))
+        s.put_tensor(kz[1], torch.randn(2, 2, 2, 16, 8).bfloat16())  # float32 then bf16
+        g = kv.get(Z)
+        assert g.tokens == 16 and g.kv.dtype == torch.float32
+        s.put_tensor(kv.keys(list(range(3000, 3016)))[0], torch.randn(2, 16, 8))  # not [layers, 2, heads, T, D]
+        assert kv.get(list(range(3000, 3016))) == (0, None)
+
+
+def test_stats_lookups_and_lost_chunks(procs):
+    """``get`` is a lookup (chunks returned are hits, the others misses) except for chunks
+    a ``match_prefix`` already counted; ``lost_chunks`` counts only chunks known to exist
+    that could not be read, never chunks that were not stored."""
+    m = sa.start_master()
+    sa.start_agent({"master": m.address, "segment_size": 16 * MiB, "name": "node"})
+    with _client(m.address) as s:
+        cfg = KVCacheConfig(chunk_tokens=16)
+        kv = KVCacheStore(s, tenant="st", config=cfg)
+        unknown = list(range(7000, 7040))
+        assert kv.get(unknown, 32) == (0, None)  # 2 chunks never stored: misses, not lost
+        st = kv.stats
+        assert (st.lookups, st.hit_chunks, st.miss_chunks, st.lost_chunks) == (1, 0, 2, 0) and st.hit_rate == 0.0
+        p = list(range(64))
+        kv.put(p, _kv_for(p))
+        reader = KVCacheStore(s, tenant="st", config=cfg)
+        g = reader.get(p)  # a get alone of 4 chunks that all hit: 4 hits
+        assert g.tokens == 64 and torch.equal(g.kv, _kv_for(p))
+        st = reader.stats
+        assert (st.lookups, st.hit_chunks, st.miss_chunks, st.hit_tokens, st.lost_chunks) == (1, 4, 0, 64, 0)
+        assert st.hit_rate == 1.0
+        # match_prefix then get: each chunk counted once
+        assert reader.match_prefix(p + [1, 2, 3] * 10) == 64  # 4 hits, 1 miss (the 5th whole chunk)
+        assert reader.get(p, 64).tokens == 64
+        st = reader.stats
+        assert (st.lookups, st.hit_chunks, st.miss_chunks, st.lost_chunks) == (2, 8, 1, 0)
+        # a chunk evicted between match_prefix and get is lost; the readable chunk after it is not
+        assert reader.match_prefix(p) == 64
+        s.remove(reader.keys(p)[2], force=True)
+        g = reader.get(p, 64)
+        assert g.tokens == 32 and torch.equal(g.kv, _kv_for(p)[:, :, :, :32])
+        st = reader.stats
+        assert (st.lookups, st.hit_chunks, st.miss_chunks, st.lost_chunks) == (3, 12, 1, 1)
+        # without a match_prefix, the missing chunk is a miss of get's own lookup (not lost)
+        g = reader.get(p)
+        assert g.tokens == 32
+        st = reader.stats
+        assert (st.lookups, st.hit_chunks, st.miss_chunks, st.lost_chunks) == (4, 14, 3, 1)
+        # match_prefix found nothing for unknown tokens: get of them loses nothing
+        assert reader.match_prefix(unknown) == 0 and reader.get(unknown, 32).tokens == 0
+        assert reader.stats.lost_chunks == 1 and reader.stats.miss_chunks == 3 + 2

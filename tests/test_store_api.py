@@ -97,3 +97,80 @@ def test_large_batches_are_split(store):
     assert all(store.exists_batch(keys))
     assert store.remove_batch(keys, force=True) == [None] * 3000
     assert not any(store.exists_batch(keys))
+
+
+def test_key_errors_name_the_op_and_the_problem(store):
+    """A key that cannot be encoded (a lone surrogate) is a ValueError naming the call, as
+    are the other bad arguments; nothing is sent. Valid non-ASCII keys work."""
+    before = store.stats()
+    bad = "ab\udcff"
+    for op, call in (("put", lambda: store.put(bad, b"x")), ("upsert", lambda: store.upsert(bad, b"x")),
+                     ("get", lambda: store.get(bad)), ("exists", lambda: store.exists(bad)),
+                     ("remove", lambda: store.remove(bad)), ("where", lambda: store.where(bad)),
+                     ("put_tensor", lambda: store.put_tensor(bad, torch.zeros(2))),
+                     ("get_tensor", lambda: store.get_tensor(bad)),
+                     ("put_batch", lambda: store.put_batch(["ok", bad], [b"", b""])),
+                     ("get_batch", lambda: store.get_batch(["ok", bad])),
+                     ("exists_batch", lambda: store.exists_batch([bad])),
+                     ("get_into", lambda: store.get_into(bad, bytearray(4)))):
+        with pytest.raises(ValueError, match=rf"^{op}: key must be valid Unicode text .*lone surrogate '\\udcff' at index 2"):
+            call()
+    with pytest.raises(ValueError, match="^put: key must be a non-empty str, got ''"):
+        store.put("", b"x")
+    with pytest.raises(ValueError, match="^get: key must be a non-empty str, got 5"):
+        store.get(5)
+    with pytest.raises(ValueError, match="^put: key must be at most 4096 bytes of UTF-8, got 4098 bytes"):
+        store.put("é" * 2049, b"x")
+    with pytest.raises(ValueError, match="^get_into: buffer is read-only"):
+        store.get_into("k", b"x" * 16)
+    with pytest.raises(ValueError, match="^put: value must be bytes-like"):
+        store.put("k", "str")
+    with pytest.raises(ValueError, match="^put_tensor: expected a torch.Tensor"):
+        store.put_tensor("k", b"x")
+    with pytest.raises(ValueError, match="^get_batch: keys must be a sequence of str, not a single key"):
+        store.get_batch("ab")
+    after = store.stats()
+    assert after.puts == before.puts and after.pending == 0 and not store.exists("ok")
+    for key in ("ключ/é", "emoji-\U0001F600", "é" * 2048):  # non-ASCII, and exactly 4096 bytes
+        store.put(key, key.encode())
+        assert store.get(key) == key.encode() and store.get_batch([key]) == [key.encode()]
+        store.remove(key, force=True)
+
+
+def test_repeated_keys_reads_serve_each_writes_refuse(store):
+    """Reads accept a key more than once (the value at each position); puts and removes
+    name the repeated key in a ValueError and write nothing."""
+    store.put_batch(["rk-a", "rk-b"], [b"AAA", b"B"])
+    store.put_tensor("rk-t", torch.arange(4))
+    assert store.get_batch(["rk-a", "rk-b", "rk-a", "rk-a"]) == [b"AAA", b"B", b"AAA", b"AAA"]
+    got = store.get_batch(["rk-x", "rk-a", "rk-x"], return_exceptions=True)
+    assert isinstance(got[0], ObjectNotFoundError) and got[1] == b"AAA" and isinstance(got[2], ObjectNotFoundError)
+    with pytest.raises(ObjectNotFoundError):
+        store.get_batch(["rk-a", "rk-x", "rk-x"])
+    assert store.exists_batch(["rk-a", "rk-x", "rk-a", "rk-b"]) == [True, False, True, True]
+    t1, t2 = store.get_tensor_batch(["rk-t", "rk-t"])
+    assert torch.equal(t1, torch.arange(4)) and torch.equal(t2, torch.arange(4))
+    t1[0] = 99  # each position is its own tensor
+    assert t2[0] == 0
+    b1, b2, b3 = bytearray(8), bytearray(3), torch.zeros(4, dtype=torch.uint8)
+    assert store.get_into_batch(["rk-a", "rk-a", "rk-b"], [b1, b2, b3]) == [3, 3, 1]
+    assert bytes(b1[:3]) == b"AAA" and bytes(b2) == b"AAA" and bytes(b3[:1].numpy()) == b"B"
+    small = store.get_into_batch(["rk-a", "rk-a"], [bytearray(3), bytearray(2)], return_exceptions=True)
+    assert small[0] == 3 and isinstance(small[1], ValueError) and "too small" in str(small[1])
+    before = store.stats()
+    for op, call in (("put_batch", lambda: store.put_batch(["rk-n", "rk-m", "rk-n"], [b"1", b"2", b"3"])),
+                     ("put_tensor_batch", lambda: store.put_tensor_batch(["rk-n", "rk-n"], [torch.zeros(1)] * 2)),
+                     ("remove_batch", lambda: store.remove_batch(["rk-a", "rk-a"]))):
+        with pytest.raises(ValueError, match=rf"^{op}: key 'rk-[na]' repeats within one batch"):
+            call()
+    assert store.stats().puts == before.puts and not store.exists("rk-n") and store.exists("rk-a")
+
+
+def test_preferred_segment_is_a_preference(store):
+    """``preferred_segment`` naming no registered segment is accepted: the object is placed
+    as without a preference (as in Mooncake, where the preferred segment is tried first and
+    allocation falls back to the others)."""
+    assert store.put("pref-bogus", b"x", ReplicateConfig(preferred_segment="no-such-segment")) == 1
+    assert store.where("pref-bogus").memory == [store.name] and store.get("pref-bogus") == b"x"
+    assert store.put("pref-own", b"y", ReplicateConfig(preferred_segment=store.name)) == 1
+    assert store.where("pref-own").memory == [store.name]

@@ -287,3 +287,20 @@ def test_a_put_that_cannot_fit_evicts_nothing_and_an_upsert_keeps_its_old_value(
         assert s.get("k") == b"old"
         s.upsert("k", b"n" * (1 << 20))  # fits after evicting some j's: old value replaced
         assert s.get("k") == b"n" * (1 << 20)
+
+
+def test_python_m_master_without_runpy_warning(procs):
+    """``python -m mooncake_store.master`` starts with RuntimeWarnings turned into errors:
+    the package does not import ``mooncake_store.master`` itself (runpy would warn that
+    the module was already in sys.modules); ``from mooncake_store import Master`` still works."""
+    m = sa.start_master(env={"PYTHONWARNINGS": "error::RuntimeWarning"})
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=4 << 20) as s:
+        s.put("k", b"v")
+        assert s.get("k") == b"v"
+    assert "RuntimeWarning" not in m.log() and "found in sys.modules" not in m.log()
+    import mooncake_store
+    from mooncake_store import Master
+    from mooncake_store.master import Master as M2
+    assert Master is M2 and mooncake_store.Master is M2 and "Master" in mooncake_store.__all__
+    with pytest.raises(AttributeError):
+        mooncake_store.NoSuchThing  # noqa: B018
