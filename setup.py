@@ -61,14 +61,31 @@ if with_rdma:
     sources += sorted(glob.glob("csrc/transport/rdma/*.cpp"))
     defines.append("-DMOONCAKE_WITH_RDMA")
     libraries.append("ibverbs")
-cxx_flags = ["-O3", "-std=c++17", "-fvisibility=hidden", "-fwrapv"]
+
+
+def _cxx_std():
+    """C++17, or C++20 where torch's headers demand it (torch 2.14 does)."""
+    from torch.utils.cpp_extension import include_paths
+
+    for d in include_paths():
+        try:
+            with open(os.path.join(d, "ATen", "ATen.h")) as f:
+                if "C++20 or later" in f.read():
+                    return "c++20"
+        except OSError:
+            continue
+    return "c++17"
+
+
+std = _cxx_std()
+cxx_flags = ["-O3", f"-std={std}", "-fvisibility=hidden", "-fwrapv"]
 kwargs = dict(name="mooncake_pg._C", include_dirs=[os.path.join(HERE, "csrc")], libraries=libraries)
 if with_cuda:
     sources += sorted(glob.glob("csrc/transport/cuda/*.cpp") + glob.glob("csrc/transport/cuda/*.cu"))
     defines.append("-DMOONCAKE_WITH_CUDA")
     ext = CUDAExtension(sources=sources,
                         extra_compile_args={"cxx": cxx_flags + defines,
-                                            "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr"] + defines},
+                                            "nvcc": ["-O3", f"-std={std}", "--expt-relaxed-constexpr"] + defines},
                         **kwargs)
 else:
     ext = CppExtension(sources=sources, extra_compile_args=cxx_flags + defines, **kwargs)

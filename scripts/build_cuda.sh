@@ -97,10 +97,17 @@ missing=0
 for want in "mooncake::cuda::launch_reduce" "mooncake::cuda::ipc_export" "mooncake_reduce_kernel"; do
     if grep -q "$want" <<<"$syms"; then say "symbol ok: $want"; else say "ERROR: symbol missing: $want"; missing=1; fi
 done
-if command -v cuobjdump >/dev/null || [[ -x "$CUDA_HOME/bin/cuobjdump" ]]; then
+# device code: sm_90 cubins (cuobjdump lists them; a toolkit without it: the build's
+# -gencode flags and the .nv_fatbin section holding their output)
+if [[ -x "$CUDA_HOME/bin/cuobjdump" ]]; then
     arches="$("$CUDA_HOME/bin/cuobjdump" --list-elf "$so" 2>/dev/null | grep -o 'sm_[0-9a-z]*' | sort -u | tr '\n' ' ')"
     say "device code for: ${arches:-none}"
     grep -q sm_90 <<<"$arches" || { say "ERROR: no sm_90 code in $so"; missing=1; }
+else
+    gencode="$(grep -o 'gencode=arch=[^ ]*' "$BUILD/temp/build.ninja" 2>/dev/null | sort -u | tr '\n' ' ')"
+    fatbin="$(readelf -S "$so" 2>/dev/null | grep -c '\.nv_fatbin' || true)"
+    say "device code: ${gencode:-no -gencode flags}; .nv_fatbin sections: $fatbin (no cuobjdump in $CUDA_HOME)"
+    [[ "$gencode" == *"code=sm_90"* && "$fatbin" -ge 1 ]] || { say "ERROR: no sm_90 device code in $so"; missing=1; }
 fi
 [[ "$missing" == 0 ]] || exit 1
 say "ok: $so ($(du -h "$so" | cut -f1)), total $((SECONDS - t0)) s"

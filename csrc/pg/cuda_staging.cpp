@@ -1,10 +1,11 @@
 #ifdef MOONCAKE_WITH_CUDA
 #include "pg/cuda_staging.hpp"
 
-#include <ATen/cuda/CUDAContext.h>
-#include <ATen/cuda/CUDAEvent.h>
+// Only c10/cuda headers (not ATen/cuda, which pulls in cuBLAS/cuSPARSE headers a bare
+// toolkit may lack); events through transport/cuda.
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/version.h>
 
 #include <memory>
@@ -18,6 +19,21 @@
 namespace mooncake {
 
 namespace {
+
+// A CUDA event without timing (RAII over transport/cuda's helpers).
+class Event {
+ public:
+  Event() : ev_(cuda::event_create()) {}
+  ~Event() { cuda::event_destroy(ev_); }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  void record(const c10::cuda::CUDAStream& s) { cuda::event_record(ev_, s.stream()); }
+  void block(const c10::cuda::CUDAStream& s) { cuda::stream_wait_event(s.stream(), ev_); }
+  bool query() { return cuda::event_query(ev_); }
+
+ private:
+  void* ev_;
+};
 
 class CudaStagedWork : public c10d::Work {
  public:
@@ -65,7 +81,7 @@ class CudaStagedWork : public c10d::Work {
     if (done_) return;
     for (auto& c : children_) static_cast<CudaStagedWork*>(c.get())->copy_back();
     c10::cuda::CUDAGuard dg(dev_);
-    stream_ = at::cuda::getStreamFromPool(false, dev_.index());
+    stream_ = c10::cuda::getStreamFromPool(false, dev_.index());
     {
       c10::cuda::CUDAStreamGuard sg(*stream_);
       for (auto& [user, pinned] : back_) {
@@ -74,7 +90,7 @@ class CudaStagedWork : public c10d::Work {
         c10::cuda::CUDACachingAllocator::recordStream(user.storage().data_ptr(), *stream_);
       }
     }
-    done_ = std::make_unique<at::cuda::CUDAEvent>();
+    done_ = std::make_unique<Event>();
     done_->record(*stream_);
   }
 
@@ -87,7 +103,7 @@ class CudaStagedWork : public c10d::Work {
   void block_current() {
     for (auto& c : children_) static_cast<CudaStagedWork*>(c.get())->block_current();
     std::lock_guard<std::mutex> g(mu_);
-    if (done_) done_->block(at::cuda::getCurrentCUDAStream(dev_.index()));
+    if (done_) done_->block(c10::cuda::getCurrentCUDAStream(dev_.index()));
   }
 
   bool wait(std::chrono::milliseconds timeout) override {
@@ -120,7 +136,7 @@ class CudaStagedWork : public c10d::Work {
   std::vector<c10::intrusive_ptr<c10d::Work>> children_;
   std::mutex mu_;
   std::optional<c10::cuda::CUDAStream> stream_;
-  std::unique_ptr<at::cuda::CUDAEvent> done_;
+  std::unique_ptr<Event> done_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
@@ -189,7 +205,7 @@ c10::intrusive_ptr<c10d::Work> cuda_staged(int rank, c10d::OpType type, const ch
                       ", got one on ", p->device());
   }
   c10::cuda::CUDAGuard g(*dev);
-  auto cur = at::cuda::getCurrentCUDAStream(dev->index());
+  auto cur = c10::cuda::getCurrentCUDAStream(dev->index());
   std::unordered_map<at::Tensor*, at::Tensor> orig;
   for (at::Tensor* p : all) {
     at::Tensor pinned = at::empty(p->sizes(), p->options().device(at::kCPU).pinned_memory(true));
@@ -248,7 +264,7 @@ void cuda_reduce_(at::Tensor& dst, const std::vector<at::Tensor>& srcs, int op) 
   try {
     cuda::launch_reduce(dst.data_ptr(), ptrs.data(), static_cast<int>(ptrs.size()), static_cast<size_t>(dst.numel()),
                         to_cuda_dtype(dst.scalar_type(), fn), static_cast<cuda::Op>(op),
-                        at::cuda::getCurrentCUDAStream(dst.device().index()).stream());
+                        c10::cuda::getCurrentCUDAStream(dst.device().index()).stream());
   } catch (const std::runtime_error& e) {
     TORCH_CHECK(false, fn, ": ", e.what());
   }
@@ -275,7 +291,7 @@ void cuda_ipc_reduce_from(at::Tensor& dst, const std::string& handle, int64_t of
   try {
     base = cuda::ipc_open(handle, dst.device().index());
     const void* ptrs[2] = {dst.data_ptr(), static_cast<const char*>(base) + offset};
-    auto stream = at::cuda::getCurrentCUDAStream(dst.device().index());
+    auto stream = c10::cuda::getCurrentCUDAStream(dst.device().index());
     cuda::launch_reduce(dst.data_ptr(), ptrs, 2, static_cast<size_t>(dst.numel()),
                         to_cuda_dtype(dst.scalar_type(), fn), static_cast<cuda::Op>(op), stream.stream());
     stream.synchronize();  // the mapping is closed below
