@@ -25,6 +25,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability (default 90)")
+    ap.add_argument("--module", default="mooncake_ep.triton_kernels",
+                    help="module holding the kernels and AOT_SIGNATURES (default mooncake_ep.triton_kernels)")
     args = ap.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "0")  # as the tests compile them
@@ -38,7 +40,9 @@ def main(argv=None) -> int:
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
-    from mooncake_ep import triton_kernels as tk
+    import importlib
+
+    tk = importlib.import_module(args.module)
 
     jitted = {name: obj for name, obj in vars(tk).items() if isinstance(obj, JITFunction)}
     listed = {id(fn) for fn, _, _ in tk.AOT_SIGNATURES.values()}

@@ -149,6 +149,9 @@ CUDA_BUILD_SMOKE = textwrap.dedent('''
     dist.init_process_group("mooncake", rank=0, world_size=1, init_method="file://" + os.path.join(d, "s"))
     x = torch.ones(8); dist.all_reduce(x)
     r["cpu_all_reduce"] = x.tolist() == [1.0] * 8
+    pg = dist.distributed_c10d._get_default_group()
+    # registered for cpu and cuda: one backend object serves both devices
+    r["one_backend"] = pg._get_backend(torch.device("cpu")) is pg._get_backend(torch.device("cuda"))
     dist.destroy_process_group()
     print("RESULT " + json.dumps(r))
 ''')
@@ -193,6 +196,7 @@ def test_cuda_build_runs_without_a_gpu(tmp_path):
     assert "expected CUDA tensors" in r["reduce_check"]
     assert "expected a CUDA tensor" in r["ipc_check"]
     assert r["cpu_all_reduce"]
+    assert r["one_backend"]
 
 
 def test_gpu_checks_dry_run(tmp_path):
@@ -238,3 +242,47 @@ def test_cuda_work_wait_orders_the_current_stream(tmp_path):
         assert float(x.sum()) == 3 * (1 << 20)
     finally:
         dist.destroy_process_group()
+
+
+UNLISTED = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _helper(x):
+    return x + 1
+
+
+@triton.jit
+def _listed_kernel(p, BLOCK: tl.constexpr):
+    o = tl.arange(0, BLOCK)
+    tl.store(p + o, _helper(tl.load(p + o)))
+
+
+@triton.jit
+def _forgotten_kernel(p, BLOCK: tl.constexpr):
+    o = tl.arange(0, BLOCK)
+    tl.store(p + o, tl.load(p + o) * 2)
+
+
+AOT_SIGNATURES = {"listed": (_listed_kernel, {"p": "*fp32", "BLOCK": "constexpr"}, {"BLOCK": 16})}
+'''
+
+
+def test_triton_aot_names_an_unlisted_kernel(tmp_path):
+    """scripts/triton_aot.py compiles the listed kernels for sm_90, counts called helpers
+    as covered and fails naming a @triton.jit kernel missing from AOT_SIGNATURES."""
+    pytest.importorskip("triton")
+    (tmp_path / "fake_kernels.py").write_text(UNLISTED)
+    out = tmp_path / "aot.json"
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    env.pop("TRITON_INTERPRET", None)
+    p = subprocess.run([sys.executable, os.path.join(REPO, "scripts/triton_aot.py"), "--module", "fake_kernels",
+                        "--json", str(out)], env=env, capture_output=True, text=True, timeout=100)
+    assert p.returncode == 1, p.stdout + p.stderr
+    r = json.loads(out.read_text())
+    assert r["missing"] == ["_forgotten_kernel"] and r["helpers"] == ["_helper"]
+    assert r["kernels"]["listed"]["ok"] and r["kernels"]["listed"]["cubin_bytes"] > 0
+    assert "MISSING: @triton.jit _forgotten_kernel" in p.stdout
