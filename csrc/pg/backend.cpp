@@ -1,5 +1,7 @@
 #include "pg/backend.hpp"
 
+#include <torch/version.h>
+
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
@@ -122,7 +124,11 @@ RedOp to_redop(const c10d::ReduceOp& op, double* premul) {
     case c10d::ReduceOp::BOR: return RedOp::BOR;
     case c10d::ReduceOp::BXOR: return RedOp::BXOR;
     case c10d::ReduceOp::PREMUL_SUM: {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 12)
       auto* sup = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+#else  // torch <= 2.11 names it NCCLPreMulSumSupplement
+      auto* sup = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
+#endif
       TORCH_CHECK_VALUE(sup != nullptr, "MooncakeBackend: PREMUL_SUM without a factor");
       *premul = sup->tensor_factor.defined() ? sup->tensor_factor.item<double>() : sup->double_factor;
       return RedOp::PREMUL_SUM;
@@ -1950,7 +1956,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_coalesced(
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
-  MOONCAKE_CUDA_STAGED(ALLGATHER_INTO_TENSOR_COALESCED, "allgather_into_tensor_coalesced", (tensor_ptrs(inputs)), (tensor_ptrs(outputs)), allgather_into_tensor_coalesced(outputs, inputs, opts));
+  MOONCAKE_CUDA_STAGED(MOONCAKE_OP_AG_COALESCED, "allgather_into_tensor_coalesced", (tensor_ptrs(inputs)), (tensor_ptrs(outputs)), allgather_into_tensor_coalesced(outputs, inputs, opts));
   const char* op = "all_gather_into_tensor_coalesced";
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "mooncake ", op, " (rank ", rank_,
                     "): expected as many outputs as inputs, got ", outputs.size(), " and ", inputs.size());
@@ -2100,7 +2106,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::_reduce_scatter_base(at::Tensor&
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
-  MOONCAKE_CUDA_STAGED(REDUCE_SCATTER_TENSOR_COALESCED, "reduce_scatter_tensor_coalesced", (tensor_ptrs(inputs)), (tensor_ptrs(outputs)), reduce_scatter_tensor_coalesced(outputs, inputs, opts));
+  MOONCAKE_CUDA_STAGED(MOONCAKE_OP_RS_COALESCED, "reduce_scatter_tensor_coalesced", (tensor_ptrs(inputs)), (tensor_ptrs(outputs)), reduce_scatter_tensor_coalesced(outputs, inputs, opts));
   const char* op = "reduce_scatter_tensor_coalesced";
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "mooncake ", op, " (rank ", rank_,
                     "): expected as many outputs as inputs");

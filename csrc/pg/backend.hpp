@@ -36,6 +36,16 @@ std::vector<at::Tensor*> tensor_ptrs(A&... a) {
 }
 }  // namespace mooncake
 
+// OpTypes newer than torch 2.11 (the GPU machine's torch)
+#include <torch/version.h>
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 12)
+#define MOONCAKE_OP_AG_COALESCED ALLGATHER_INTO_TENSOR_COALESCED
+#define MOONCAKE_OP_RS_COALESCED REDUCE_SCATTER_TENSOR_COALESCED
+#else
+#define MOONCAKE_OP_AG_COALESCED COALESCED
+#define MOONCAKE_OP_RS_COALESCED COALESCED
+#endif
+
 // First line of every op taking tensors: with CUDA, an op on CUDA tensors goes through
 // pinned host staging (pg/cuda_staging.hpp) and re-enters the op with CPU tensors.
 #ifdef MOONCAKE_WITH_CUDA
