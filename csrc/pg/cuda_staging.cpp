@@ -295,9 +295,18 @@ void cuda_ipc_reduce_from(at::Tensor& dst, const std::string& handle, int64_t of
     cuda::launch_reduce(dst.data_ptr(), ptrs, 2, static_cast<size_t>(dst.numel()),
                         to_cuda_dtype(dst.scalar_type(), fn), static_cast<cuda::Op>(op), stream.stream());
     stream.synchronize();  // the mapping is closed below
+  } catch (const std::runtime_error& e) {
+    if (base) {
+      try {
+        cuda::ipc_close(base);
+      } catch (const std::runtime_error&) {
+      }
+    }
+    TORCH_CHECK(false, fn, ": ", e.what());
+  }
+  try {
     cuda::ipc_close(base);
   } catch (const std::runtime_error& e) {
-    if (base) cuda::ipc_close(base);
     TORCH_CHECK(false, fn, ": ", e.what());
   }
 }
