@@ -11,7 +11,7 @@ from .config import MooncakeOptions, resolve
 from .transport_addr import listen_address
 
 _default_options: Optional[MooncakeOptions] = None
-_last_created = None  # (group prefix store, backend) of the latest group
+_pending_second = None  # (group prefix store, backend) awaiting the creator's call for "cuda"
 
 
 def _create_backend(dist_opts, pg_options):
@@ -20,13 +20,16 @@ def _create_backend(dist_opts, pg_options):
     Groups made without options (``new_group``, DeviceMesh) inherit the options of the
     first group that was created with them (the default group).
     """
-    global _default_options, _last_created
+    global _default_options, _pending_second
     # Registered for "cpu" and "cuda", torch calls the creator once per device, in a row,
     # with stores under the same group prefix: both devices share one backend (one
-    # membership, one transport).
+    # membership, one transport). Only that second call is answered from here, and the
+    # reference is dropped then, so a destroyed group's backend is not kept alive.
     group_store = getattr(dist_opts.store, "underlying_store", None)
-    if _last_created is not None and group_store is not None and _last_created[0] is group_store:
-        return _last_created[1]
+    if _pending_second is not None:
+        pending, _pending_second = _pending_second, None
+        if group_store is not None and pending[0] is group_store:
+            return pending[1]
     if pg_options is not None and not isinstance(pg_options, MooncakeOptions):
         raise TypeError(
             f"mooncake: pg_options must be mooncake_pg.MooncakeOptions, got {type(pg_options).__name__}")
@@ -91,7 +94,8 @@ def _create_backend(dist_opts, pg_options):
         op, _, rnd = settings["fault_inject"].partition(":")
         cfg.inject_kill_op, cfg.inject_kill_round = int(op), int(rnd or 0)
     be = _C.MooncakeBackend(dist_opts.store, dist_opts.group_rank, dist_opts.group_size, cfg)
-    _last_created = (group_store, be) if group_store is not None else None
+    if getattr(_C, "WITH_CUDA", False) and group_store is not None:
+        _pending_second = (group_store, be)
     return be
 
 
