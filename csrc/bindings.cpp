@@ -111,6 +111,27 @@ PYBIND11_MODULE(_C, m) {
     }
     return out;
   });
+  // private, for tests: the port choice over a given device list, and QP info codec
+  m.def("_rdma_choose", [](const py::list& devs, const std::string& spec) {
+    std::vector<mooncake::RdmaDeviceInfo> v;
+    for (const auto& d : devs) {
+      mooncake::RdmaDeviceInfo info;
+      info.name = d["name"].cast<std::string>();
+      for (const auto& p : d["ports"]) {
+        mooncake::RdmaPortInfo pi;
+        pi.port = p["port"].cast<int>();
+        pi.state = p["state"].cast<std::string>();
+        pi.active = pi.state == "PORT_ACTIVE";
+        info.ports.push_back(pi);
+      }
+      v.push_back(info);
+    }
+    std::string dev;
+    int port = 0;
+    mooncake::rdma_choose(v, spec, &dev, &port);
+    return py::make_tuple(dev, port);
+  }, py::arg("devices"), py::arg("spec"));
+  m.def("_rdma_qp_info_roundtrip", [](const std::string& s) { return mooncake::RdmaQpInfo::decode(s).encode(); });
 #else
   m.attr("WITH_RDMA") = false;
   m.def("rdma_devices", []() { return py::list(); });

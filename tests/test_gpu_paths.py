@@ -286,3 +286,35 @@ def test_triton_aot_names_an_unlisted_kernel(tmp_path):
     assert r["missing"] == ["_forgotten_kernel"] and r["helpers"] == ["_helper"]
     assert r["kernels"]["listed"]["ok"] and r["kernels"]["listed"]["cubin_bytes"] > 0
     assert "MISSING: @triton.jit _forgotten_kernel" in p.stdout
+
+
+def _dev(name, *ports):
+    return {"name": name, "ports": [{"port": i + 1, "state": st} for i, st in enumerate(ports)]}
+
+
+@pytest.mark.skipif(not mooncake_pg.WITH_RDMA, reason="built without the RDMA transport")
+def test_rdma_port_choice():
+    """The port transport='rdma' uses: the first active one, or the one MOONCAKE_RDMA_DEVICE
+    names; otherwise an error naming what was expected and every port found."""
+    devs = [_dev("mlx5_0", "PORT_DOWN", "PORT_ACTIVE"), _dev("mlx5_1", "PORT_ACTIVE")]
+    assert _C._rdma_choose(devs, "") == ("mlx5_0", 2)
+    assert _C._rdma_choose(devs, "mlx5_1") == ("mlx5_1", 1)
+    assert _C._rdma_choose(devs, "mlx5_0:2") == ("mlx5_0", 2)
+    with pytest.raises(RuntimeError, match=r"expected an RDMA device port in state PORT_ACTIVE matching 'mlx5_0:1', "
+                                           r"got 2 device\(s\) \[mlx5_0:1 PORT_DOWN, mlx5_0:2 PORT_ACTIVE, "
+                                           r"mlx5_1:1 PORT_ACTIVE\]"):
+        _C._rdma_choose(devs, "mlx5_0:1")
+    with pytest.raises(RuntimeError, match=r"got 0 device\(s\)"):
+        _C._rdma_choose([], "")
+    with pytest.raises(RuntimeError, match="expected DEVICE\\[:PORT\\]"):
+        _C._rdma_choose(devs, "mlx5_0:x")
+
+
+@pytest.mark.skipif(not mooncake_pg.WITH_RDMA, reason="built without the RDMA transport")
+def test_rdma_qp_info_codec():
+    """Queue pair info travels through the store as text; malformed text raises."""
+    s = "4660 1193046 7 5 fe800000000000000000000000000001"
+    assert _C._rdma_qp_info_roundtrip(s) == s
+    for bad in ("", "1 2 3", "1 2 3 4 fe80"):
+        with pytest.raises(RuntimeError, match="RdmaQpInfo::decode: malformed queue pair info"):
+            _C._rdma_qp_info_roundtrip(bad)
