@@ -10,6 +10,9 @@
 #include "transport/shm.hpp"
 #include "transport/tcp.hpp"
 #include "transport/transfer_engine.hpp"
+#ifdef MOONCAKE_WITH_RDMA
+#include "transport/rdma/verbs.hpp"
+#endif
 
 namespace py = pybind11;
 
@@ -45,7 +48,94 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("inject_kill_round", &mooncake::BackendConfig::inject_kill_round)
       .def_readwrite("global_ranks", &mooncake::BackendConfig::global_ranks)
       .def_readwrite("initial_active", &mooncake::BackendConfig::initial_active)
-      .def_readwrite("is_recovery", &mooncake::BackendConfig::is_recovery);
+      .def_readwrite("is_recovery", &mooncake::BackendConfig::is_recovery)
+      .def_readwrite("rdma_device", &mooncake::BackendConfig::rdma_device)
+      .def_readwrite("rdma_gid_index", &mooncake::BackendConfig::rdma_gid_index);
+
+  // CUDA parts (private helpers for GPU tests; without CUDA they raise)
+#ifdef MOONCAKE_WITH_CUDA
+  m.attr("WITH_CUDA") = true;
+  m.def("_cuda_reduce", [](at::Tensor dst, const std::vector<at::Tensor>& srcs, int op) {
+    mooncake::cuda_reduce_(dst, srcs, op);
+  }, py::arg("dst"), py::arg("srcs"), py::arg("op"));
+  m.def("_cuda_ipc_export", [](const at::Tensor& t) {
+    int64_t off = 0;
+    std::string h = mooncake::cuda_ipc_export(t, &off);
+    return py::make_tuple(py::bytes(h), off);
+  }, py::arg("tensor"));
+  m.def("_cuda_ipc_reduce_from", [](at::Tensor dst, const py::bytes& handle, int64_t offset, int op) {
+    mooncake::cuda_ipc_reduce_from(dst, std::string(handle), offset, op);
+  }, py::arg("dst"), py::arg("handle"), py::arg("offset"), py::arg("op"), py::call_guard<py::gil_scoped_release>());
+#else
+  m.attr("WITH_CUDA") = false;
+  auto no_cuda = [](const char* fn) {
+    return [fn](py::args, py::kwargs) {
+      throw std::runtime_error(std::string("mooncake_pg._C.") + fn + ": expected a build with CUDA "
+                               "(MOONCAKE_WITH_CUDA=1), got a CPU-only build");
+    };
+  };
+  m.def("_cuda_reduce", no_cuda("_cuda_reduce"));
+  m.def("_cuda_ipc_export", no_cuda("_cuda_ipc_export"));
+  m.def("_cuda_ipc_reduce_from", no_cuda("_cuda_ipc_reduce_from"));
+#endif
+
+  // RDMA NIC discovery (lists of plain dicts; mooncake_pg.rdma_devices() wraps them)
+#ifdef MOONCAKE_WITH_RDMA
+  m.attr("WITH_RDMA") = true;
+  m.def("rdma_devices", []() {
+    std::vector<mooncake::RdmaDeviceInfo> devs;
+    {
+      py::gil_scoped_release nogil;
+      devs = mooncake::rdma_devices();
+    }
+    py::list out;
+    for (const auto& d : devs) {
+      py::list ports;
+      for (const auto& p : d.ports) {
+        py::dict pd;
+        pd["port"] = p.port;
+        pd["state"] = p.state;
+        pd["active"] = p.active;
+        pd["link_layer"] = p.link_layer;
+        pd["lid"] = p.lid;
+        pd["active_mtu"] = p.active_mtu;
+        pd["gid_index"] = p.gid_index;
+        pd["gid"] = p.gid;
+        ports.append(pd);
+      }
+      py::dict dd;
+      dd["name"] = d.name;
+      dd["node_guid"] = d.node_guid;
+      dd["ports"] = ports;
+      out.append(dd);
+    }
+    return out;
+  });
+  // private, for tests: the port choice over a given device list, and QP info codec
+  m.def("_rdma_choose", [](const py::list& devs, const std::string& spec) {
+    std::vector<mooncake::RdmaDeviceInfo> v;
+    for (const auto& d : devs) {
+      mooncake::RdmaDeviceInfo info;
+      info.name = d["name"].cast<std::string>();
+      for (const auto& p : d["ports"]) {
+        mooncake::RdmaPortInfo pi;
+        pi.port = p["port"].cast<int>();
+        pi.state = p["state"].cast<std::string>();
+        pi.active = pi.state == "PORT_ACTIVE";
+        info.ports.push_back(pi);
+      }
+      v.push_back(info);
+    }
+    std::string dev;
+    int port = 0;
+    mooncake::rdma_choose(v, spec, &dev, &port);
+    return py::make_tuple(dev, port);
+  }, py::arg("devices"), py::arg("spec"));
+  m.def("_rdma_qp_info_roundtrip", [](const std::string& s) { return mooncake::RdmaQpInfo::decode(s).encode(); });
+#else
+  m.attr("WITH_RDMA") = false;
+  m.def("rdma_devices", []() { return py::list(); });
+#endif
 
   // RankFailure -> mooncake_pg.errors.RankFailureError / RankFencedError (subclasses of
   // torch.distributed.DistBackendError), also when raised through torch's Work.wait.

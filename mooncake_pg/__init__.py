@@ -128,3 +128,7 @@ def sync_state(module=None, optimizer=None, src=None, group=None, step=None):
 
 
 __all__ += ["get_pending_ranks", "recover_ranks", "is_joining", "join_group", "sync_state"]
+
+from .hardware import WITH_CUDA, WITH_RDMA, RdmaDevice, RdmaPort, rdma_devices  # noqa: E402
+
+__all__ += ["WITH_CUDA", "WITH_RDMA", "RdmaDevice", "RdmaPort", "rdma_devices"]

@@ -11,6 +11,7 @@ from .config import MooncakeOptions, resolve
 from .transport_addr import listen_address
 
 _default_options: Optional[MooncakeOptions] = None
+_pending_second = None  # (group prefix store, backend) awaiting the creator's call for "cuda"
 
 
 def _create_backend(dist_opts, pg_options):
@@ -19,7 +20,16 @@ def _create_backend(dist_opts, pg_options):
     Groups made without options (``new_group``, DeviceMesh) inherit the options of the
     first group that was created with them (the default group).
     """
-    global _default_options
+    global _default_options, _pending_second
+    # Registered for "cpu" and "cuda", torch calls the creator once per device, in a row,
+    # with stores under the same group prefix: both devices share one backend (one
+    # membership, one transport). Only that second call is answered from here, and the
+    # reference is dropped then, so a destroyed group's backend is not kept alive.
+    group_store = getattr(dist_opts.store, "underlying_store", None)
+    if _pending_second is not None:
+        pending, _pending_second = _pending_second, None
+        if group_store is not None and pending[0] is group_store:
+            return pending[1]
     if pg_options is not None and not isinstance(pg_options, MooncakeOptions):
         raise TypeError(
             f"mooncake: pg_options must be mooncake_pg.MooncakeOptions, got {type(pg_options).__name__}")
@@ -77,11 +87,16 @@ def _create_backend(dist_opts, pg_options):
     cfg.group_name = str(getattr(dist_opts, "group_id", ""))
     cfg.on_failure = settings["on_failure"]
     cfg.is_recovery = is_recovery
+    cfg.rdma_device = settings["rdma_device"]
+    cfg.rdma_gid_index = int(settings["rdma_gid_index"])
     cfg.initial_active = initial_active
     if settings["fault_inject"]:
         op, _, rnd = settings["fault_inject"].partition(":")
         cfg.inject_kill_op, cfg.inject_kill_round = int(op), int(rnd or 0)
-    return _C.MooncakeBackend(dist_opts.store, dist_opts.group_rank, dist_opts.group_size, cfg)
+    be = _C.MooncakeBackend(dist_opts.store, dist_opts.group_rank, dist_opts.group_size, cfg)
+    if getattr(_C, "WITH_CUDA", False) and group_store is not None:
+        _pending_second = (group_store, be)
+    return be
 
 
 def _default_backend():
@@ -97,4 +112,7 @@ def _default_backend():
 def _register():
     if "mooncake" in dist.Backend.backend_list:
         return
-    dist.Backend.register_backend("mooncake", _create_backend, extended_api=True, devices=["cpu"])
+    # CUDA tensors only when the extension was built with CUDA (pinned host staging and
+    # CUDA kernels); a CPU-only build serves CPU tensors only.
+    devices = ["cpu", "cuda"] if getattr(_C, "WITH_CUDA", False) else ["cpu"]
+    dist.Backend.register_backend("mooncake", _create_backend, extended_api=True, devices=devices)

@@ -12,6 +12,8 @@ Every ``MOONCAKE_*`` environment variable the process group reads is read here, 
 | ``MOONCAKE_SHM_SLOT_BYTES`` | bytes per rank per pipeline stage of the shm engine | 1 MiB |
 | ``MOONCAKE_ACTIVE_RANKS`` | comma-separated seats that found the default group; the others are extension seats (``mooncake-run`` sets it) | every seat |
 | ``MOONCAKE_IS_RECOVERY`` | ``1``: this process replaces a dead rank or fills an extension seat (``mooncake-run`` sets it on respawn) | off |
+| ``MOONCAKE_RDMA_DEVICE`` | transport ``rdma``: ``DEVICE[:PORT]`` (e.g. ``mlx5_0:1``) | the first device port in state ``PORT_ACTIVE`` |
+| ``MOONCAKE_RDMA_GID_INDEX`` | transport ``rdma``: GID index | RoCE: the first RoCE v2 IPv4-mapped GID; InfiniBand: none (LID routing) |
 | ``MOONCAKE_FAULT_INJECT`` | tests only: ``OP:ROUND`` makes the process SIGKILL itself on collective number ``OP`` (0-based, per group) just before round ``ROUND`` | off |
 """
 from __future__ import annotations
@@ -35,8 +37,10 @@ class MooncakeOptions:
             does not take part in an op within it makes the op raise. Default 30 s.
             ``init_process_group(timeout=...)`` only governs rendezvous.
         transport: ``"auto"`` (shared memory between ranks of one host, TCP between
-            hosts), ``"shm"``, ``"tcp"`` (forced, also on one host) or ``"rdma"`` (needs a
-            build with ibverbs; raises otherwise). Must agree across ranks.
+            hosts), ``"shm"``, ``"tcp"`` (forced, also on one host) or ``"rdma"``
+            (collectives over RDMA RC queue pairs, p2p over TCP; needs a build with
+            ibverbs and an active RDMA port on every rank, see ``MOONCAKE_RDMA_DEVICE``;
+            otherwise init raises on every rank). Must agree across ranks.
         max_group_size: number of seats (fixed world size); must equal the ``world_size``
             given to ``init_process_group`` (``None``: that world size).
         active_ranks: the seats that found the group (the default group only; default:
@@ -139,6 +143,8 @@ def env_defaults() -> dict:
         "fault_inject": env.get("MOONCAKE_FAULT_INJECT") or None,
         "active_ranks": _ranks_env(env, "MOONCAKE_ACTIVE_RANKS"),
         "is_recovery": _flag(env.get("MOONCAKE_IS_RECOVERY")),
+        "rdma_device": env.get("MOONCAKE_RDMA_DEVICE") or "",
+        "rdma_gid_index": _int_env(env, "MOONCAKE_RDMA_GID_INDEX", -1),
     }
 
 
@@ -162,4 +168,6 @@ def resolve(opts: Optional[MooncakeOptions]) -> dict:
         "active_ranks": env["active_ranks"] if opts.active_ranks is None else list(opts.active_ranks),
         "is_recovery": env["is_recovery"] if opts.is_recovery is None else bool(opts.is_recovery),
         "fault_inject": env["fault_inject"],
+        "rdma_device": env["rdma_device"],
+        "rdma_gid_index": env["rdma_gid_index"],
     }

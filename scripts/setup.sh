@@ -101,7 +101,8 @@ fi
 # with `setup.py build_ext --inplace`, whose ninja build in build/ is incremental.
 sha_of() { find "$@" -type f 2>/dev/null | LC_ALL=C sort | xargs -r sha1sum | sha1sum | cut -d' ' -f1; }
 torch_now="$("$VPY" -c 'import importlib.metadata as m; print(m.version("torch"))')"
-meta_stamp="$(echo "$torch_now $(sha_of setup.py pyproject.toml)")"
+# (whether infiniband/verbs.h exists decides if the RDMA transport is compiled in)
+meta_stamp="$(echo "$torch_now $(sha_of setup.py pyproject.toml) verbs=$([[ -e /usr/include/infiniband/verbs.h ]] && echo 1 || echo 0)")"
 src_stamp="$(sha_of csrc)"
 stamp_file="$VENV/.mooncake_build_stamp"
 old_meta=""; old_src=""

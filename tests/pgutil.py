@@ -346,3 +346,27 @@ def set_threads():
 
 def env_flag(name: str, default: str = "0") -> bool:
     return os.environ.get(name, default) not in ("", "0", "false", "False")
+
+
+def test_device() -> str:
+    """Device the rank side of the conformance cases runs on: ``MOONCAKE_TEST_DEVICE``
+    (``cpu`` by default; ``cuda`` on a GPU machine, see tests/device/)."""
+    dev = os.environ.get("MOONCAKE_TEST_DEVICE", "cpu") or "cpu"
+    if dev not in ("cpu", "cuda"):
+        raise ValueError(f"MOONCAKE_TEST_DEVICE must be cpu or cuda, got {dev!r}")
+    if dev == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("MOONCAKE_TEST_DEVICE=cuda but torch.cuda.is_available() is False")
+    return dev
+
+
+def to_cpu(x):
+    """``x`` with every tensor inside (lists, tuples, dicts) moved to the CPU."""
+    if isinstance(x, torch.Tensor):
+        return x.cpu()
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*(to_cpu(v) for v in x))
+    if isinstance(x, (list, tuple)):
+        return type(x)(to_cpu(v) for v in x)
+    if isinstance(x, dict):
+        return {k: to_cpu(v) for k, v in x.items()}
+    return x

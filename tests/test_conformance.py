@@ -417,13 +417,25 @@ OPS = {k[len("op_"):]: v for k, v in dict(globals()).items() if k.startswith("op
 
 
 def rank_run_cases(rank, ws, opname, cases):
-    """Runs a batch of cases of one op; per case ("ok", result) or ("err", text)."""
+    """Runs a batch of cases of one op; per case ("ok", result) or ("err", text).
+
+    With ``MOONCAKE_TEST_DEVICE=cuda`` (tests/device/gpu_checks.py sets it) the cases of
+    the ``mooncake`` backend run on CUDA tensors: tensors are made on the GPU (torch's
+    default device) and results come back as CPU tensors, so the references stay as they
+    are."""
     torch.set_num_threads(1)
     fn = OPS[opname]
+    device = P.test_device() if dist.get_backend() == "mooncake" else "cpu"
     out = []
     for c in cases:
         try:
-            out.append(("ok", fn(rank, ws, c)))
+            if device == "cpu":
+                out.append(("ok", fn(rank, ws, c)))
+            else:
+                with torch.device(device):
+                    res = fn(rank, ws, c)
+                torch.cuda.synchronize()
+                out.append(("ok", P.to_cpu(res)))
         except Exception as e:  # noqa: BLE001 - reported per case
             out.append(("err", f"{type(e).__name__}: {e}"))
     return out

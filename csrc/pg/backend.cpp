@@ -1,5 +1,7 @@
 #include "pg/backend.hpp"
 
+#include <torch/version.h>
+
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
@@ -24,6 +26,9 @@
 #include "transport/copy.hpp"
 #include "transport/shm.hpp"
 #include "transport/tcp.hpp"
+#ifdef MOONCAKE_WITH_RDMA
+#include "pg/engine_rdma.hpp"
+#endif
 
 namespace mooncake {
 
@@ -119,7 +124,11 @@ RedOp to_redop(const c10d::ReduceOp& op, double* premul) {
     case c10d::ReduceOp::BOR: return RedOp::BOR;
     case c10d::ReduceOp::BXOR: return RedOp::BXOR;
     case c10d::ReduceOp::PREMUL_SUM: {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 12)
       auto* sup = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+#else  // torch <= 2.11 names it NCCLPreMulSumSupplement
+      auto* sup = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
+#endif
       TORCH_CHECK_VALUE(sup != nullptr, "MooncakeBackend: PREMUL_SUM without a factor");
       *premul = sup->tensor_factor.defined() ? sup->tensor_factor.item<double>() : sup->double_factor;
       return RedOp::PREMUL_SUM;
@@ -253,9 +262,23 @@ void MooncakeBackend::setup(const c10::intrusive_ptr<c10d::Store>& store) {
   const std::string& t = cfg_.transport;
   TORCH_CHECK_VALUE(t == "auto" || t == "shm" || t == "tcp" || t == "rdma",
                     "MooncakeBackend::setup: unknown transport '", t, "'");
+#ifndef MOONCAKE_WITH_RDMA
   TORCH_CHECK(t != "rdma",
-              "MooncakeBackend::setup: transport 'rdma' needs a build with ibverbs; this build has "
-              "shm and tcp only");
+              "MooncakeBackend::setup: transport 'rdma' needs a build with ibverbs: expected a build with "
+              "MOONCAKE_WITH_RDMA (infiniband/verbs.h present at build time), got one with shm and tcp only "
+              "(install libibverbs-dev and rebuild)");
+#else
+  if (t == "rdma") {
+    // fails on every rank before any rendezvous when no device port is active
+    std::string dev;
+    int port = 0;
+    try {
+      rdma_choose(rdma_devices(), cfg_.rdma_device, &dev, &port);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "MooncakeBackend::setup: transport 'rdma': ", e.what());
+    }
+  }
+#endif
   TORCH_CHECK_VALUE(cfg_.shm_slot_bytes >= 4096, "MooncakeBackend::setup: shm_slot_bytes must be >= 4096");
   TORCH_CHECK_VALUE(cfg_.on_failure == "raise" || cfg_.on_failure == "mask" || cfg_.on_failure == "manual",
                     "MooncakeBackend::setup: on_failure must be raise, mask or manual, got '", cfg_.on_failure, "'");
@@ -450,7 +473,34 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
         (l == &lc ? cfds : pfds)[who] = fd;
       }
     }
-    coll = std::make_unique<TcpEngine>(rank_, W, slot, hcap, cfds);
+    if (t == "rdma") {
+#ifdef MOONCAKE_WITH_RDMA
+      // collectives over RDMA queue pairs; p2p byte streams stay on TCP
+      for (int& fd : cfds)
+        if (fd >= 0) close(fd);
+      auto publish = [&](const std::string& k, const std::string& v) { store_set_str(store, key("rdma/" + k), v); };
+      auto fetch = [&](int j, const std::string& k) {
+        const std::string full = key("rdma/" + k);
+        try {
+          store->wait({full}, std::chrono::milliseconds(tmo));
+        } catch (const std::exception&) {
+          TORCH_CHECK(false, "MooncakeBackend::build_transport: rank ", j, " did not publish its RDMA '", k,
+                      "' within ", tmo, " ms");
+        }
+        return store_get_str(store, full);
+      };
+      try {
+        coll = std::make_unique<RdmaEngine>(rank_, W, slot, hcap, members, cfg_.rdma_device,
+                                            static_cast<int>(cfg_.rdma_gid_index), publish, fetch);
+      } catch (const c10::Error&) {
+        throw;
+      } catch (const std::exception& e) {
+        TORCH_CHECK(false, "MooncakeBackend::build_transport: transport 'rdma': ", e.what());
+      }
+#endif
+    } else {
+      coll = std::make_unique<TcpEngine>(rank_, W, slot, hcap, cfds);
+    }
     p2p = std::make_unique<TcpP2P>(rank_, W, pfds);
   }
   coll->set_liveness([this](const std::vector<int>& ranks) { return probe_dead(ranks); });
@@ -1245,6 +1295,13 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::endCoalescing() {
     p->finish(p->child_error());
     p->complete_future();
   }
+#ifdef MOONCAKE_WITH_CUDA
+  if (!coalesced_cuda_.empty()) {
+    auto children = std::move(coalesced_cuda_);
+    coalesced_cuda_.clear();
+    return cuda_coalesced(rank_, p, std::move(children));
+  }
+#endif
   return p;
 }
 
@@ -1752,6 +1809,7 @@ std::function<void()> MooncakeBackend::backup_for_retry(const std::vector<at::Te
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::AllreduceOptions& opts) {
+  MOONCAKE_CUDA_STAGED(ALLREDUCE, "allreduce", (tensor_ptrs(tensors)), (tensor_ptrs(tensors)), allreduce(tensors, opts));
   const char* op = "all_reduce";
   check_single(tensors, op, rank_);
   double premul;
@@ -1766,6 +1824,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce(std::vector<at::Tensor
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  MOONCAKE_CUDA_STAGED(ALLREDUCE_COALESCED, "allreduce_coalesced", (tensor_ptrs(tensors)), (tensor_ptrs(tensors)), allreduce_coalesced(tensors, opts));
   const char* op = "all_reduce_coalesced";
   double premul;
   RedOp rop = to_redop(opts.reduceOp, &premul);
@@ -1785,6 +1844,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce_coalesced(
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce(std::vector<at::Tensor>& tensors,
                                                        const c10d::ReduceOptions& opts) {
+  MOONCAKE_CUDA_STAGED(REDUCE, "reduce", (tensor_ptrs(tensors)), (tensor_ptrs(tensors)), reduce(tensors, opts));
   const char* op = "reduce";
   check_single(tensors, op, rank_);
   check_root(opts.rootRank, size_, op, rank_);
@@ -1801,6 +1861,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce(std::vector<at::Tensor>& 
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                           const c10d::BroadcastOptions& opts) {
+  MOONCAKE_CUDA_STAGED(BROADCAST, "broadcast", (tensor_ptrs(tensors)), (tensor_ptrs(tensors)), broadcast(tensors, opts));
   const char* op = "broadcast";
   check_single(tensors, op, rank_);
   check_root(opts.rootRank, size_, op, rank_);
@@ -1815,6 +1876,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::broadcast(std::vector<at::Tensor
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                           std::vector<at::Tensor>& inputs,
                                                           const c10d::AllgatherOptions& opts) {
+  MOONCAKE_CUDA_STAGED(ALLGATHER, "allgather", (tensor_ptrs(inputs)), (tensor_ptrs(outputs)), allgather(outputs, inputs, opts));
   const char* op = "all_gather";
   check_single(inputs, op, rank_);
   TORCH_CHECK_VALUE(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size_, "mooncake ", op,
@@ -1840,6 +1902,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather(std::vector<std::vecto
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                                 const c10d::AllgatherOptions& opts) {
+  MOONCAKE_CUDA_STAGED(_ALLGATHER_BASE, "_allgather_base", (tensor_ptrs(input)), (tensor_ptrs(output)), _allgather_base(output, input, opts));
   const char* op = "all_gather_single";
   check_tensor(input, op, rank_);
   check_tensor(output, op, rank_);
@@ -1861,6 +1924,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::_allgather_base(at::Tensor& outp
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  MOONCAKE_CUDA_STAGED(ALLGATHER_COALESCED, "allgather_coalesced", (tensor_ptrs(inputs)), (tensor_ptrs(outputs)), allgather_coalesced(outputs, inputs, opts));
   const char* op = "all_gather_coalesced";
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "mooncake ", op, " (rank ", rank_,
                     "): expected one output list per input, got ", outputs.size(), " for ", inputs.size());
@@ -1892,6 +1956,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_coalesced(
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
+  MOONCAKE_CUDA_STAGED(MOONCAKE_OP_AG_COALESCED, "allgather_into_tensor_coalesced", (tensor_ptrs(inputs)), (tensor_ptrs(outputs)), allgather_into_tensor_coalesced(outputs, inputs, opts));
   const char* op = "all_gather_into_tensor_coalesced";
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "mooncake ", op, " (rank ", rank_,
                     "): expected as many outputs as inputs, got ", outputs.size(), " and ", inputs.size());
@@ -1921,6 +1986,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_into_tensor_coalesced(
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                        std::vector<at::Tensor>& inputs,
                                                        const c10d::GatherOptions& opts) {
+  MOONCAKE_CUDA_STAGED(GATHER, "gather", (tensor_ptrs(inputs)), (tensor_ptrs(outputs)), gather(outputs, inputs, opts));
   const char* op = "gather";
   check_single(inputs, op, rank_);
   check_root(opts.rootRank, size_, op, rank_);
@@ -1952,6 +2018,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::gather(std::vector<std::vector<a
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::scatter(std::vector<at::Tensor>& outputs,
                                                         std::vector<std::vector<at::Tensor>>& inputs,
                                                         const c10d::ScatterOptions& opts) {
+  MOONCAKE_CUDA_STAGED(SCATTER, "scatter", (tensor_ptrs(inputs)), (tensor_ptrs(outputs)), scatter(outputs, inputs, opts));
   const char* op = "scatter";
   check_single(outputs, op, rank_);
   check_root(opts.rootRank, size_, op, rank_);
@@ -1984,6 +2051,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::scatter(std::vector<at::Tensor>&
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                                std::vector<std::vector<at::Tensor>>& inputs,
                                                                const c10d::ReduceScatterOptions& opts) {
+  MOONCAKE_CUDA_STAGED(REDUCE_SCATTER, "reduce_scatter", (tensor_ptrs(inputs)), (tensor_ptrs(outputs)), reduce_scatter(outputs, inputs, opts));
   const char* op = "reduce_scatter";
   check_single(outputs, op, rank_);
   double premul;
@@ -2012,6 +2080,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter(std::vector<at::T
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                      const c10d::ReduceScatterOptions& opts) {
+  MOONCAKE_CUDA_STAGED(_REDUCE_SCATTER_BASE, "_reduce_scatter_base", (tensor_ptrs(input)), (tensor_ptrs(output)), _reduce_scatter_base(output, input, opts));
   const char* op = "reduce_scatter_single";
   check_tensor(input, op, rank_);
   check_tensor(output, op, rank_);
@@ -2037,6 +2106,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::_reduce_scatter_base(at::Tensor&
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
+  MOONCAKE_CUDA_STAGED(MOONCAKE_OP_RS_COALESCED, "reduce_scatter_tensor_coalesced", (tensor_ptrs(inputs)), (tensor_ptrs(outputs)), reduce_scatter_tensor_coalesced(outputs, inputs, opts));
   const char* op = "reduce_scatter_tensor_coalesced";
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "mooncake ", op, " (rank ", rank_,
                     "): expected as many outputs as inputs");
@@ -2070,6 +2140,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall_base(at::Tensor& output
                                                               std::vector<int64_t>& output_split_sizes,
                                                               std::vector<int64_t>& input_split_sizes,
                                                               const c10d::AllToAllOptions& opts) {
+  MOONCAKE_CUDA_STAGED(ALLTOALL_BASE, "alltoall_base", (tensor_ptrs(input)), (tensor_ptrs(output)), alltoall_base(output, input, output_split_sizes, input_split_sizes, opts));
   const char* op = "all_to_all_single";
   check_tensor(input, op, rank_);
   check_tensor(output, op, rank_);
@@ -2125,6 +2196,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall_base(at::Tensor& output
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                          std::vector<at::Tensor>& inputs,
                                                          const c10d::AllToAllOptions& opts) {
+  MOONCAKE_CUDA_STAGED(ALLTOALL, "alltoall", (tensor_ptrs(inputs)), (tensor_ptrs(outputs)), alltoall(outputs, inputs, opts));
   const char* op = "all_to_all";
   const int W = size_;
   TORCH_CHECK_VALUE(static_cast<int>(inputs.size()) == W && static_cast<int>(outputs.size()) == W, "mooncake ",

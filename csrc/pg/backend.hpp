@@ -14,8 +14,54 @@
 #include <thread>
 #include <vector>
 
+#include "pg/cuda_staging.hpp"
 #include "pg/engine.hpp"
 #include "pg/reduce.hpp"
+
+namespace mooncake {
+// Pointers to the tensors of an op's arguments (for CUDA staging).
+inline void tensor_ptrs_add(std::vector<at::Tensor*>& v, at::Tensor& t) { v.push_back(&t); }
+inline void tensor_ptrs_add(std::vector<at::Tensor*>& v, std::vector<at::Tensor>& ts) {
+  for (auto& t : ts) v.push_back(&t);
+}
+inline void tensor_ptrs_add(std::vector<at::Tensor*>& v, std::vector<std::vector<at::Tensor>>& ts) {
+  for (auto& l : ts)
+    for (auto& t : l) v.push_back(&t);
+}
+template <typename... A>
+std::vector<at::Tensor*> tensor_ptrs(A&... a) {
+  std::vector<at::Tensor*> v;
+  (tensor_ptrs_add(v, a), ...);
+  return v;
+}
+}  // namespace mooncake
+
+// OpTypes newer than torch 2.11 (the GPU machine's torch)
+#include <torch/version.h>
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 12)
+#define MOONCAKE_OP_AG_COALESCED ALLGATHER_INTO_TENSOR_COALESCED
+#define MOONCAKE_OP_RS_COALESCED REDUCE_SCATTER_TENSOR_COALESCED
+#else
+#define MOONCAKE_OP_AG_COALESCED COALESCED
+#define MOONCAKE_OP_RS_COALESCED COALESCED
+#endif
+
+// First line of every op taking tensors: with CUDA, an op on CUDA tensors goes through
+// pinned host staging (pg/cuda_staging.hpp) and re-enters the op with CPU tensors.
+#ifdef MOONCAKE_WITH_CUDA
+#define MOONCAKE_CUDA_STAGED(TYPE, NAME, INS, OUTS, ...)                                                   \
+  do {                                                                                                    \
+    auto mc_ins_ = INS;                                                                                   \
+    auto mc_outs_ = OUTS;                                                                                 \
+    if (::mooncake::any_cuda(mc_ins_) || ::mooncake::any_cuda(mc_outs_))                                  \
+      return ::mooncake::cuda_staged(rank_, c10d::OpType::TYPE, NAME, mc_ins_, mc_outs_,                 \
+                                     [&]() { return __VA_ARGS__; }, coalescing_, &coalesced_cuda_);      \
+  } while (0)
+#else
+#define MOONCAKE_CUDA_STAGED(TYPE, NAME, INS, OUTS, ...) \
+  do {                                                   \
+  } while (0)
+#endif
 
 namespace mooncake {
 
@@ -46,6 +92,8 @@ struct BackendConfig {
   bool debug = false;
   std::string group_name;
   std::string on_failure = "raise";  // raise | mask | manual
+  std::string rdma_device;           // transport "rdma": "DEVICE[:PORT]" (empty: first active port)
+  int64_t rdma_gid_index = -1;       // transport "rdma": GID index (-1: RoCE v2 IPv4 GID, or none on IB)
   // Fault injection for tests (MOONCAKE_FAULT_INJECT="OP:ROUND"): the process SIGKILLs
   // itself on the collective with sequence number OP (0-based, per group) just before it
   // arrives at that op's round ROUND (0 = the first round).
@@ -194,6 +242,9 @@ class MooncakeBackend : public c10d::Backend {
   std::vector<int> last_joined();  // ranks admitted by the latest recovery
 
  private:
+#ifdef MOONCAKE_WITH_CUDA
+  std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_cuda_;  // staged works of the open coalescing session
+#endif
   using Job = std::function<void(int64_t deadline_ns)>;
   // Sync ops (async_op false) run on the caller's thread when nothing is queued; async
   // ops run on the progress thread in issue order.

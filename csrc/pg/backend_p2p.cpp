@@ -99,6 +99,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::failed_work(c10d::OpType type, s
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
+  MOONCAKE_CUDA_STAGED(SEND, "send", (tensor_ptrs(tensors)), (std::vector<at::Tensor*>{}), send(tensors, dstRank, tag));
   if (coalescing_) {
     // inside batch_isend_irecv: report bad arguments through the batch's Work
     try {
@@ -111,6 +112,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::send(std::vector<at::Tensor>& te
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
+  MOONCAKE_CUDA_STAGED(RECV, "recv", (std::vector<at::Tensor*>{}), (tensor_ptrs(tensors)), recv(tensors, srcRank, tag));
   if (coalescing_) {
     try {
       return recv_impl(tensors, srcRank, tag);

@@ -1,0 +1,470 @@
+"""GPU checks of the CUDA paths, for a machine with one GPU (an H200: torch 2.11 + CUDA 13,
+Python 3.12, Triton 3.6, no network). Run through ``tests/device/run_gpu_checks.sh``.
+
+Steps (each in a child process with its own time limit; the whole run stays under 6 min):
+
+1. ``env``: GPU, torch/CUDA/Triton versions, nvcc, build tools.
+2. ``build``: ``MOONCAKE_WITH_CUDA=1 TORCH_CUDA_ARCH_LIST=<the GPU's> setup.py build_ext
+   --inplace`` against the installed torch (nothing downloaded); ``WITH_CUDA`` checked.
+3. ``kernels``: the CUDA reduction kernels (``_C._cuda_reduce``) against torch for every
+   dtype and op of DESIGN.md; a reduction from a peer process's tensor through CUDA IPC.
+4. ``conformance``: tests/test_conformance.py with ``MOONCAKE_TEST_DEVICE=cuda`` (world
+   sizes up to 4, every rank on the one GPU).
+5. ``ep``: the Triton kernels of mooncake_ep on CUDA tensors against the references of
+   tests/test_ep_triton.py; their latency; the EP low-latency round trip (2 ranks).
+6. ``allreduce_bw``: all_reduce bus bandwidth of ``mooncake`` on CUDA tensors (2 and 4
+   ranks sharing the GPU) against gloo on CUDA tensors (NCCL refuses two ranks on one
+   GPU) and against the device-to-device copy ceiling of the GPU.
+
+Writes one JSON (``--json``, default ``bench_out/gpu_checks.json``): per step ``ok``,
+``seconds`` and its results. ``--dry-run`` runs nothing: it checks that every step can be
+planned here (arguments, repository files, tools, imports), prints the plan and writes
+the JSON with ``"dry_run": true``; it exits 0 on a machine without a GPU.
+Exit status: 0 when every step that ran passed.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STEPS = ["env", "build", "kernels", "conformance", "ep", "allreduce_bw"]
+# seconds per step; the whole run has DEADLINE_S (the shell wrapper kills it at 360 s)
+LIMITS = {"env": 20, "build": 150, "kernels": 30, "conformance": 100, "ep": 45, "allreduce_bw": 80}
+DEADLINE_S = 340
+
+
+def _left(ctx, want: float) -> float:
+    """A step's time limit: `want`, or less when the run's deadline is nearer."""
+    return max(5.0, min(want, ctx["deadline"] - time.monotonic()))
+
+
+def _run(cmd, limit: float, env=None):
+    """Runs `cmd` in its own session; on timeout the whole session (rank processes too) is
+    killed. Returns (returncode or None on timeout, stdout, stderr)."""
+    p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=limit)
+        return p.returncode, out, err
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, err = p.communicate()
+        return None, out, err
+
+
+def _child(code: str, limit: float, env=None, args=()):
+    """Runs ``code`` in a fresh Python; returns (ok, last RESULT json or None, tail of output)."""
+    e = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p),
+             OMP_NUM_THREADS="1")
+    e.update(env or {})
+    # from a file, not -c: multiprocessing's spawn re-imports the main module by path
+    with tempfile.TemporaryDirectory(prefix="mc_gpu_check_") as d:
+        path = os.path.join(d, "check.py")
+        with open(path, "w") as f:
+            f.write(code)
+        rc, out, err = _run([sys.executable, path, *args], limit, e)
+    res = None
+    for line in out.splitlines():
+        if line.startswith("RESULT "):
+            res = json.loads(line[len("RESULT "):])
+    tail = ("" if rc is not None else f"timed out after {limit:.0f} s\n") + out[-3000:] + err[-4000:]
+    return rc == 0 and res is not None, res, tail
+
+
+# ------------------------------------------------------------------------- the steps
+ENV_CODE = r'''
+import json, torch
+r = {"torch": torch.__version__, "cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
+if r["cuda_available"]:
+    p = torch.cuda.get_device_properties(0)
+    r.update(gpu=p.name, capability=list(torch.cuda.get_device_capability(0)), memory_gib=round(p.total_memory / 2**30, 1),
+             device_count=torch.cuda.device_count())
+try:
+    import triton; r["triton"] = triton.__version__
+except Exception as e:
+    r["triton"] = None
+print("RESULT " + json.dumps(r))
+assert r["cuda_available"], "torch.cuda.is_available() is False"
+'''
+
+KERNEL_CODE = r'''
+import json, os, sys, subprocess, torch
+import mooncake_pg
+from mooncake_pg import _C
+assert _C.WITH_CUDA, "the extension was built without CUDA"
+ops = {"SUM": 0, "AVG": 1, "PRODUCT": 2, "MIN": 3, "MAX": 4, "BAND": 5, "BOR": 6, "BXOR": 7}
+floats = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+ints = [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8]
+res, bad = {}, []
+g = torch.Generator(device="cuda").manual_seed(1)
+def ref(op, xs):
+    if op == "SUM": return sum(xs[1:], xs[0].clone())
+    if op == "PRODUCT":
+        out = xs[0].clone()
+        for x in xs[1:]: out = out * x
+        return out
+    if op == "MIN": return torch.stack(xs).amin(0)
+    if op == "MAX": return torch.stack(xs).amax(0)
+    if op == "AVG":
+        s = sum(xs[1:], xs[0].clone())
+        return s / len(xs) if s.is_floating_point() else torch.div(s, len(xs), rounding_mode="trunc")
+    if op == "BAND":
+        out = xs[0].clone()
+        for x in xs[1:]: out &= x
+        return out
+    if op == "BOR":
+        out = xs[0].clone()
+        for x in xs[1:]: out |= x
+        return out
+    out = xs[0].clone()
+    for x in xs[1:]: out ^= x
+    return out
+n = 100003
+for dt in floats + ints:
+    for op, code in ops.items():
+        if dt.is_floating_point and op in ("BAND", "BOR", "BXOR"): continue
+        xs = [(torch.randint(-4, 5, (n,), device="cuda", generator=g) * (0.5 if dt.is_floating_point else 1)).to(dt)
+              if dt != torch.uint8 else torch.randint(0, 5, (n,), device="cuda", generator=g).to(dt) for _ in range(3)]
+        dst = xs[0].clone()
+        _C._cuda_reduce(dst, xs[1:], code)
+        exp = ref(op, [x.double() if dt in (torch.float16, torch.bfloat16) else x for x in xs]).to(dt)
+        ok = torch.equal(dst, exp) if not dt.is_floating_point else bool(torch.allclose(dst.double(), exp.double(), rtol=1e-2, atol=1e-2))
+        res[f"{dt}/{op}"] = ok
+        if not ok: bad.append(f"{dt}/{op}")
+# bool: SUM/MAX = OR, PRODUCT/MIN = AND
+b = [torch.rand(n, device="cuda", generator=g) > 0.5 for _ in range(3)]
+for op, code, exp in (("SUM", 0, b[0] | b[1] | b[2]), ("MIN", 3, b[0] & b[1] & b[2])):
+    d = b[0].clone(); _C._cuda_reduce(d, b[1:], code)
+    res[f"bool/{op}"] = torch.equal(d, exp)
+    if not res[f"bool/{op}"]: bad.append(f"bool/{op}")
+# CUDA IPC: a child process exports a tensor, this one adds it into its own
+child = r"""
+import sys, torch
+from mooncake_pg import _C
+t = torch.arange(1000, device="cuda", dtype=torch.float32)[10:]   # an offset inside the allocation
+h, off = _C._cuda_ipc_export(t)
+sys.stdout.write(h.hex() + " " + str(off) + "\n"); sys.stdout.flush()
+sys.stdin.readline()
+"""
+p = subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+h, off = p.stdout.readline().split()
+dst = torch.ones(990, device="cuda", dtype=torch.float32)
+_C._cuda_ipc_reduce_from(dst, bytes.fromhex(h), int(off), 0)
+p.stdin.write("\n"); p.stdin.flush(); p.wait(10)
+res["ipc_sum"] = torch.equal(dst, torch.arange(10, 1000, device="cuda", dtype=torch.float32) + 1)
+if not res["ipc_sum"]: bad.append("ipc_sum")
+res["failed"] = bad
+print("RESULT " + json.dumps(res))
+assert not bad, bad
+'''
+
+EP_CODE = r'''
+import json, os, sys, time, torch
+sys.path.insert(0, os.path.join(os.environ["MC_REPO"], "tests"))
+import test_ep_triton as T
+from mooncake_ep import triton_kernels as real
+class _OnCuda:
+    """triton_kernels with inputs moved to the GPU and results back (the reference code is CPU code)."""
+    def __getattr__(self, name):
+        f = getattr(real, name)
+        def call(*a, **k):
+            mv = lambda v: v.cuda() if isinstance(v, torch.Tensor) else v
+            out = f(*[mv(v) for v in a], **{kk: mv(v) for kk, v in k.items()})
+            if isinstance(out, tuple): return tuple(o.cpu() for o in out)
+            return out.cpu()
+        return call
+code = T.INTERPRET_CHECKS.replace("from mooncake_ep import triton_kernels as tk", "tk = _OnCuda()")
+code = code.replace('print("RESULT " + json.dumps(out))', "")
+ns = {"_OnCuda": _OnCuda}
+exec(code, ns)
+out = ns["out"]
+res = {"triton": out.pop("triton")}
+werr = out.pop("weighted_f32"); shapes = out.pop("fp8_shapes")
+bad = [k for k, v in out.items() if v is not True]
+if werr >= 1e-5: bad.append("weighted_f32")
+res["checks"] = len(out) + 1; res["failed"] = bad
+# latency of one permute + weighted combine (T=512 tokens, top-8, H=4096, bf16)
+Tn, K, H = 512, 8, 4096
+x = torch.randn(Tn, H, device="cuda").to(torch.bfloat16)
+src = torch.randint(0, Tn, (Tn * K,), device="cuda")
+pos = torch.arange(Tn * K, device="cuda").reshape(Tn, K)
+w = torch.rand(Tn, K, device="cuda")
+for _ in range(3): real.weighted_combine(real.permute(x, src), pos, w)
+torch.cuda.synchronize()
+a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+a.record()
+for _ in range(20): real.weighted_combine(real.permute(x, src), pos, w)
+b.record(); torch.cuda.synchronize()
+res["kernel_round_trip_us"] = round(a.elapsed_time(b) / 20 * 1000, 1)
+print("RESULT " + json.dumps(res))
+assert not bad, bad
+'''
+
+RANKS_CODE = r'''
+import json, os, sys, time, torch, torch.distributed as dist, torch.multiprocessing as mp
+
+def rank_main(rank, ws, port, q, cfg):
+    torch.set_num_threads(1)
+    torch.cuda.set_device(0)
+    import mooncake_pg  # registers "mooncake" for cpu and cuda
+    dist.init_process_group("mooncake", rank=rank, world_size=ws, init_method=f"tcp://127.0.0.1:{port}")
+    out = {}
+    if cfg["what"] == "allreduce":
+        groups = {"mooncake": None, "gloo": dist.new_group(list(range(ws)), backend="gloo")}
+        for name, grp in groups.items():
+            r = out[name] = {}
+            for nbytes in cfg["sizes"]:
+                x = torch.ones(nbytes // 4, device="cuda")
+                for _ in range(2): dist.all_reduce(x, group=grp)
+                torch.cuda.synchronize(); dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(cfg["iters"]): dist.all_reduce(x, group=grp)
+                torch.cuda.synchronize()
+                dt = (time.perf_counter() - t0) / cfg["iters"]
+                r[str(nbytes)] = {"seconds": dt, "busbw_GBps": nbytes * 2 * (ws - 1) / ws / dt / 1e9}
+            y = torch.full((1024,), float(rank + 1), device="cuda"); dist.all_reduce(y, group=grp)
+            r["correct"] = bool(torch.all(y == ws * (ws + 1) / 2))
+    else:  # EP low-latency round trip; Buffer takes CPU tensors for now: staged from/to the GPU
+        import mooncake_ep
+        buf = mooncake_ep.Buffer()
+        Tn, H, E, K = 128, 4096, 32, 8
+        x = torch.randn(Tn, H, device="cuda").to(torch.bfloat16)
+        idx = torch.argsort(torch.rand(Tn, E), dim=1)[:, :K].contiguous()
+        w = torch.rand(Tn, K)
+        def trip():
+            ll = buf.low_latency_dispatch(x.cpu(), idx, Tn, E)
+            return buf.low_latency_combine(ll.recv_x, idx, w, ll.handle).combined_x.cuda()
+        # identity experts: each token comes back as x * sum of its weights (ep_bench's check)
+        got = trip().double().cpu()
+        ref = x.double().cpu() * w.double().sum(1, keepdim=True)
+        tol = float(ref.abs().max()) * 2 ** -7 + 1e-6
+        out["ll_max_err"] = float((got - ref).abs().max()); out["ll_correct"] = out["ll_max_err"] <= tol
+        for _ in range(3): trip()
+        times = []
+        for _ in range(10):
+            dist.barrier(); t0 = time.perf_counter(); trip(); torch.cuda.synchronize(); times.append(time.perf_counter() - t0)
+        times.sort()
+        out["ll_round_trip_us_median"] = round(times[len(times) // 2] * 1e6, 1)
+        out["staged_through_cpu"] = True
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    cfg = json.loads(sys.argv[1])
+    import socket
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+    ctx = mp.get_context("spawn"); q = ctx.Queue()
+    ps = [ctx.Process(target=rank_main, args=(r, cfg["ws"], port, q, cfg)) for r in range(cfg["ws"])]
+    for p in ps: p.start()
+    res = dict(q.get(timeout=cfg["timeout"]) for _ in ps)
+    for p in ps: p.join(10)
+    print("RESULT " + json.dumps(res[0]))
+'''
+
+CEILING_CODE = r'''
+import json, torch
+n = 256 << 20
+a = torch.empty(n, dtype=torch.uint8, device="cuda"); b = torch.empty_like(a)
+for _ in range(3): b.copy_(a)
+s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+torch.cuda.synchronize(); s.record()
+for _ in range(20): b.copy_(a)
+e.record(); torch.cuda.synchronize()
+print("RESULT " + json.dumps({"d2d_copy_GBps": n * 20 / (s.elapsed_time(e) / 1000) / 1e9}))
+'''
+
+
+def step_env(ctx):
+    ok, res, tail = _child(ENV_CODE, _left(ctx, LIMITS["env"]))
+    res = res or {}
+    res["nvidia_smi"] = shutil.which("nvidia-smi")
+    res["nvcc"] = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if os.path.exists(p)), None)
+    res["ninja"] = shutil.which("ninja") is not None or importlib.util.find_spec("ninja") is not None
+    res["python"] = platform.python_version()
+    ctx["arch"] = ".".join(map(str, res.get("capability", [9, 0])))
+    return ok, res, tail
+
+
+def build_cmd(ctx):
+    env = {"MOONCAKE_WITH_CUDA": "1", "TORCH_CUDA_ARCH_LIST": ctx.get("arch", "9.0"),
+           "MAX_JOBS": str(max(1, min(16, os.cpu_count() or 1)))}
+    return [sys.executable, "setup.py", "-q", "build_ext", "--inplace"], env
+
+
+def step_build(ctx):
+    cmd, env = build_cmd(ctx)
+    e = dict(os.environ, **env)
+    t0 = time.perf_counter()
+    rc, out, err = _run(cmd, _left(ctx, LIMITS["build"]), e)
+    if rc != 0:
+        why = "build timed out" if rc is None else f"build failed (exit {rc})"
+        return False, {"cmd": " ".join(cmd)}, why + "\n" + out[-3000:] + err[-6000:]
+    build_s = round(time.perf_counter() - t0, 1)
+    ok, res, tail = _child("import json, mooncake_pg as m; print('RESULT ' + json.dumps({'WITH_CUDA': m.WITH_CUDA, "
+                           "'WITH_RDMA': m.WITH_RDMA, 'rdma_devices': [d.name for d in m.rdma_devices()]})); "
+                           "assert m.WITH_CUDA", 60)
+    return ok, dict(res or {}, cmd=" ".join(cmd), env=env, build_seconds=build_s), tail
+
+
+def step_kernels(ctx):
+    return _child(KERNEL_CODE, _left(ctx, LIMITS["kernels"]))
+
+
+def conformance_cmd():
+    return ([sys.executable, "-m", "pytest", "-q", "--maxfail=10", "-p", "no:cacheprovider", "tests/test_conformance.py"],
+            {"MOONCAKE_TEST_DEVICE": "cuda"})
+
+
+def step_conformance(ctx):
+    cmd, env = conformance_cmd()
+    e = dict(os.environ, **env)
+    # leave the last two steps their time
+    limit = _left(ctx, min(LIMITS["conformance"], ctx["deadline"] - time.monotonic() - 110))
+    rc, out, err = _run(cmd, limit, e)
+    summary = [ln for ln in out.splitlines() if " passed" in ln or " failed" in ln or " error" in ln][-1:]
+    res = {"cmd": " ".join(cmd), "summary": summary, "timed_out": rc is None, "limit_s": round(limit)}
+    return rc == 0, res, out[-4000:] + err[-2000:]
+
+
+def step_ep(ctx):
+    ok, res, tail = _child(EP_CODE, _left(ctx, 25), env={"MC_REPO": REPO, "TRITON_DEFAULT_FP_FUSION": "0"})
+    res = res or {}
+    ok2, r2, t2 = _child(RANKS_CODE, _left(ctx, 30), args=(json.dumps({"what": "ep", "ws": 2, "timeout": 25}),))
+    res["ep_low_latency_ws2"] = r2
+    return ok and ok2 and bool(r2 and r2.get("ll_correct")), res, tail + t2
+
+
+def step_allreduce_bw(ctx):
+    sizes = [1 << 20, 16 << 20, 64 << 20]
+    ok, ceil, tail = _child(CEILING_CODE, 20)
+    res = {"ceiling": ceil, "runs": {}}
+    for ws in (2, 4):
+        cfg = {"what": "allreduce", "ws": ws, "sizes": sizes, "iters": 5, "timeout": 50}
+        ok2, r, t = _child(RANKS_CODE, _left(ctx, 60), args=(json.dumps(cfg),))
+        for backend in ("mooncake", "gloo"):
+            rb = (r or {}).get(backend)
+            res["runs"][f"{backend}/ws{ws}"] = rb
+            ok = ok and ok2 and bool(rb and rb.get("correct"))
+        tail += t
+    if ceil:
+        for name, r in res["runs"].items():
+            if r:
+                big = r.get(str(sizes[-1]), {})
+                r["fraction_of_d2d_ceiling"] = big.get("busbw_GBps", 0) / ceil["d2d_copy_GBps"]
+    mc, gl = res["runs"].get("mooncake/ws2"), res["runs"].get("gloo/ws2")
+    if mc and gl:
+        res["mooncake_over_gloo_ws2_64MiB"] = mc[str(sizes[-1])]["busbw_GBps"] / gl[str(sizes[-1])]["busbw_GBps"]
+    return ok, res, tail
+
+
+RUN = {"env": step_env, "build": step_build, "kernels": step_kernels, "conformance": step_conformance,
+       "ep": step_ep, "allreduce_bw": step_allreduce_bw}
+
+
+def plan(ctx):
+    """What each step would run, and whether this machine has what it needs."""
+    cmd_b, env_b = build_cmd(ctx)
+    cmd_c, env_c = conformance_cmd()
+    tools = {
+        "python": sys.executable,
+        "torch": importlib.util.find_spec("torch") is not None,
+        "triton": importlib.util.find_spec("triton") is not None,
+        "pytest": importlib.util.find_spec("pytest") is not None,
+        "setuptools": importlib.util.find_spec("setuptools") is not None,
+        "ninja": shutil.which("ninja") is not None or importlib.util.find_spec("ninja") is not None,
+        "nvcc": shutil.which("nvcc") or (os.path.exists("/usr/local/cuda/bin/nvcc") and "/usr/local/cuda/bin/nvcc") or None,
+        "nvidia-smi": shutil.which("nvidia-smi"),
+    }
+    files = ["setup.py", "tests/test_conformance.py", "tests/test_ep_triton.py", "csrc/transport/cuda/kernels.cu",
+             "mooncake_ep/triton_kernels.py"]
+    missing_files = [f for f in files if not os.path.exists(os.path.join(REPO, f))]
+    # the code the children run must at least compile
+    for name, code in (("ENV_CODE", ENV_CODE), ("KERNEL_CODE", KERNEL_CODE), ("EP_CODE", EP_CODE),
+                       ("RANKS_CODE", RANKS_CODE), ("CEILING_CODE", CEILING_CODE)):
+        compile(code, name, "exec")
+    steps = [
+        {"step": "env", "limit_s": LIMITS["env"], "runs": "torch/CUDA/Triton versions, GPU properties"},
+        {"step": "build", "limit_s": LIMITS["build"], "runs": " ".join(cmd_b), "env": env_b},
+        {"step": "kernels", "limit_s": LIMITS["kernels"], "runs": "_C._cuda_reduce vs torch; CUDA IPC reduction"},
+        {"step": "conformance", "limit_s": LIMITS["conformance"], "runs": " ".join(cmd_c), "env": env_c},
+        {"step": "ep", "limit_s": LIMITS["ep"], "runs": "Triton kernels on CUDA vs test_ep_triton references; "
+                                                       "kernel latency; EP low-latency round trip, 2 ranks"},
+        {"step": "allreduce_bw", "limit_s": LIMITS["allreduce_bw"],
+         "runs": "d2d copy ceiling; all_reduce busbw mooncake vs gloo on CUDA tensors, 2 and 4 ranks"},
+    ]
+    return {"steps": steps, "tools": tools, "missing_files": missing_files,
+            "needs_on_gpu_machine": [k for k in ("nvcc", "nvidia-smi", "triton", "pytest", "setuptools")
+                                     if not tools[k]]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="GPU checks of the CUDA paths (see the module docstring).")
+    ap.add_argument("--dry-run", action="store_true", help="plan only: check tools and imports, run nothing")
+    ap.add_argument("--json", default=os.path.join(REPO, "bench_out", "gpu_checks.json"))
+    ap.add_argument("--steps", default=",".join(STEPS), help=f"comma list out of {','.join(STEPS)}")
+    ap.add_argument("--skip-build", action="store_true", help="use the extension already built in place")
+    args = ap.parse_args(argv)
+    steps = [s for s in args.steps.split(",") if s]
+    unknown = [s for s in steps if s not in STEPS]
+    if unknown:
+        ap.error(f"unknown step(s) {unknown}; choose from {STEPS}")
+    if args.skip_build and "build" in steps:
+        steps.remove("build")
+    ctx = {"arch": "9.0", "deadline": time.monotonic() + DEADLINE_S}
+    out = {"dry_run": args.dry_run, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "host": platform.node(), "steps": {}}
+    t_all = time.perf_counter()
+    if args.dry_run:
+        p = plan(ctx)
+        out["plan"] = p
+        for s in p["steps"]:
+            if s["step"] in steps:
+                print(f"[gpu-checks] plan {s['step']:13s} (<= {s['limit_s']:4d} s): {s['runs']}")
+        print(f"[gpu-checks] tools: {json.dumps(p['tools'])}")
+        if p["needs_on_gpu_machine"]:
+            print(f"[gpu-checks] not here (needed on the GPU machine): {', '.join(p['needs_on_gpu_machine'])}")
+        ok = not p["missing_files"] and p["tools"]["torch"]
+        if p["missing_files"]:
+            print(f"[gpu-checks] MISSING files: {p['missing_files']}")
+    else:
+        ok = True
+        for s in steps:
+            t0 = time.perf_counter()
+            print(f"[gpu-checks] {s} ...", flush=True)
+            try:
+                good, res, tail = RUN[s](ctx)
+            except Exception as e:  # a broken step is reported, the others still run
+                good, res, tail = False, None, f"{type(e).__name__}: {e}"
+            dt = time.perf_counter() - t0
+            out["steps"][s] = {"ok": bool(good), "seconds": round(dt, 1), "result": res}
+            if not good:
+                out["steps"][s]["output_tail"] = tail[-6000:]
+            print(f"[gpu-checks] {s}: {'ok' if good else 'FAILED'} in {dt:.1f} s {json.dumps(res)[:600]}", flush=True)
+            ok = ok and good
+            if s in ("env", "build") and not good:
+                print("[gpu-checks] later steps need this one: stopping", flush=True)
+                break
+    out["ok"] = bool(ok)
+    out["seconds"] = round(time.perf_counter() - t_all, 1)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"[gpu-checks] {'ok' if ok else 'FAILED'} in {out['seconds']} s; wrote {args.json}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

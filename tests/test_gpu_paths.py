@@ -1,0 +1,320 @@
+"""The GPU and RDMA paths as far as a CPU reaches them (issue 8).
+
+- ``transport="rdma"`` fails at init on every rank with a clear error (expected what, got
+  what): on a build without ibverbs, and on a build with it but no active RDMA port (this
+  machine); nobody hangs.
+- ``mooncake_pg.rdma_devices()`` (NIC discovery) returns records; empty without devices.
+- The CUDA-only helpers raise a clear error on a CPU-only build; "cuda" is registered for
+  the backend only when the extension was built with CUDA.
+- The CUDA build (scripts/build_cuda.sh, outside the tree) imports and answers argument
+  checks on a machine without a GPU (skips when that build is absent).
+- ``tests/device/run_gpu_checks.sh --dry-run`` plans every step and writes its JSON.
+- GPU tests (CUDA tensors in the group, stream order) skip here with a reason.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import pytest
+import torch
+
+import mooncake_pg
+from mooncake_pg import _C
+
+pytestmark = pytest.mark.timeout(120)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _env(**extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    env.update(extra)
+    return env
+
+
+RDMA_RANK = textwrap.dedent('''
+    import sys, torch.distributed as dist, mooncake_pg
+    rank, ws, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    try:
+        dist.init_process_group("mooncake", rank=rank, world_size=ws, init_method="file://" + store,
+                                pg_options=mooncake_pg.MooncakeOptions(transport="rdma", timeout=10))
+    except Exception as e:
+        print("ERROR", type(e).__name__, str(e).splitlines()[0])
+        sys.exit(3)
+    print("NO ERROR")
+''')
+
+
+def test_rdma_transport_fails_clearly_on_every_rank():
+    """transport="rdma" without a usable RDMA port: each of 2 ranks raises at init, naming
+    what was expected and what was found, within seconds."""
+    if mooncake_pg.WITH_RDMA and any(p.active for d in mooncake_pg.rdma_devices() for p in d.ports):
+        pytest.skip("this machine has an active RDMA port: transport='rdma' would initialize")
+    with tempfile.TemporaryDirectory() as d:
+        store = os.path.join(d, "store")
+        procs = [subprocess.Popen([sys.executable, "-c", RDMA_RANK, str(r), "2", store], env=_env(),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                 for r in range(2)]
+        outs = []
+        for p in procs:
+            try:
+                out, err = p.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                pytest.fail("a rank hung on transport='rdma'")
+            outs.append((p.returncode, out, err))
+    for rc, out, err in outs:
+        assert rc == 3, (out, err[-2000:])
+        line = [ln for ln in out.splitlines() if ln.startswith("ERROR")][0]
+        assert "transport 'rdma'" in line, line
+        if mooncake_pg.WITH_RDMA:
+            assert "expected an RDMA device port in state PORT_ACTIVE" in line and "got 0 device(s)" in line, line
+        else:
+            assert "expected a build with MOONCAKE_WITH_RDMA" in line, line
+
+
+def test_rdma_devices_records():
+    """NIC discovery: a list of RdmaDevice records (frozen dataclasses); empty here."""
+    devs = mooncake_pg.rdma_devices()
+    assert isinstance(devs, list)
+    for d in devs:
+        assert isinstance(d, mooncake_pg.RdmaDevice) and d.name
+        for p in d.ports:
+            assert isinstance(p, mooncake_pg.RdmaPort) and p.port >= 1 and p.link_layer in ("InfiniBand", "Ethernet")
+    if not os.path.exists("/sys/class/infiniband"):
+        assert devs == []
+
+
+def test_rdma_compiled_when_headers_exist():
+    """setup.py builds the RDMA transport whenever infiniband/verbs.h exists."""
+    if os.environ.get("MOONCAKE_WITH_RDMA") == "0":
+        pytest.skip("MOONCAKE_WITH_RDMA=0 at build time")
+    assert mooncake_pg.WITH_RDMA == os.path.exists("/usr/include/infiniband/verbs.h")
+
+
+def test_rdma_options_from_environment(monkeypatch):
+    from mooncake_pg.config import resolve
+
+    monkeypatch.setenv("MOONCAKE_RDMA_DEVICE", "mlx5_1:2")
+    monkeypatch.setenv("MOONCAKE_RDMA_GID_INDEX", "3")
+    s = resolve(mooncake_pg.MooncakeOptions(transport="rdma"))
+    assert (s["transport"], s["rdma_device"], s["rdma_gid_index"]) == ("rdma", "mlx5_1:2", 3)
+    monkeypatch.setenv("MOONCAKE_RDMA_GID_INDEX", "three")
+    with pytest.raises(ValueError, match="MOONCAKE_RDMA_GID_INDEX must be an integer"):
+        resolve(None)
+
+
+def test_cuda_registration_follows_the_build():
+    import torch.distributed as dist
+
+    devices = dist.Backend.backend_capability["mooncake"]
+    assert ("cuda" in devices) == mooncake_pg.WITH_CUDA, devices
+    assert "cpu" in devices
+
+
+@pytest.mark.skipif(mooncake_pg.WITH_CUDA, reason="this extension was built with CUDA")
+def test_cuda_helpers_raise_on_a_cpu_build():
+    for fn, args in ((_C._cuda_reduce, (torch.zeros(2), [torch.zeros(2)], 0)), (_C._cuda_ipc_export, (torch.zeros(2),)),
+                     (_C._cuda_ipc_reduce_from, (torch.zeros(2), b"", 0, 0))):
+        with pytest.raises(RuntimeError, match="expected a build with CUDA .* got a CPU-only build"):
+            fn(*args)
+
+
+CUDA_BUILD_SMOKE = textwrap.dedent('''
+    import json, torch, torch.distributed as dist
+    import mooncake_pg
+    from mooncake_pg import _C
+    r = {"WITH_CUDA": mooncake_pg.WITH_CUDA, "cuda_available": torch.cuda.is_available(),
+         "devices": dist.Backend.backend_capability["mooncake"]}
+    # argument checks of the CUDA helpers are reachable without a GPU
+    try:
+        _C._cuda_reduce(torch.zeros(4), [torch.zeros(4)], 0)
+    except ValueError as e:
+        r["reduce_check"] = str(e).splitlines()[0]
+    try:
+        _C._cuda_ipc_export(torch.zeros(4))
+    except ValueError as e:
+        r["ipc_check"] = str(e).splitlines()[0]
+    # a CPU op of the CUDA build (1 rank)
+    import tempfile, os
+    d = tempfile.mkdtemp()
+    dist.init_process_group("mooncake", rank=0, world_size=1, init_method="file://" + os.path.join(d, "s"))
+    x = torch.ones(8); dist.all_reduce(x)
+    r["cpu_all_reduce"] = x.tolist() == [1.0] * 8
+    pg = dist.distributed_c10d._get_default_group()
+    # registered for cpu and cuda: one backend object serves both devices
+    r["one_backend"] = pg._get_backend(torch.device("cpu")) is pg._get_backend(torch.device("cuda"))
+    dist.destroy_process_group()
+    print("RESULT " + json.dumps(r))
+''')
+
+
+def cuda_build_paths():
+    """(python of the CUDA venv, built .so) from scripts/build_cuda.sh's default places, or None."""
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mooncake")
+    ver = os.environ.get("MOONCAKE_CUDA_TORCH", "2.14.1")
+    py = os.path.join(os.environ.get("MOONCAKE_CUDA_VENV") or os.path.join(cache, f"cuda-venv-torch{ver}"), "bin", "python")
+    build = os.environ.get("MOONCAKE_CUDA_BUILD") or os.path.join(cache, f"cuda-build-torch{ver}")
+    sos = glob.glob(os.path.join(build, "lib", "mooncake_pg", "_C*.so"))
+    return (py, sos[0]) if os.path.exists(py) and sos else None
+
+
+def run_cuda_build_smoke(py, so, workdir):
+    """Imports the CUDA-built extension next to a copy of the Python package (the source
+    tree's _C is the CPU build) and runs CUDA_BUILD_SMOKE; returns its RESULT."""
+    pkg = os.path.join(workdir, "mooncake_pg")
+    shutil.copytree(os.path.join(REPO, "mooncake_pg"), pkg,
+                    ignore=shutil.ignore_patterns("_C*.so", "__pycache__", "_build_info.py"))
+    shutil.copy2(so, pkg)
+    ver = subprocess.run([py, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True,
+                         timeout=120).stdout.strip()
+    with open(os.path.join(pkg, "_build_info.py"), "w") as f:
+        f.write(f"TORCH_VERSION = {ver!r}\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=workdir, CUDA_VISIBLE_DEVICES="")
+    p = subprocess.run([py, "-c", CUDA_BUILD_SMOKE], cwd=workdir, env=env, capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    return json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
+
+
+def test_cuda_build_runs_without_a_gpu(tmp_path):
+    """The CUDA build (torch 2.14.1 CUDA) imports here, registers "cuda", answers argument
+    checks of its CUDA helpers with ValueError and runs CPU ops."""
+    paths = cuda_build_paths()
+    if paths is None:
+        pytest.skip("no CUDA build of the extension on this machine (run scripts/build_cuda.sh)")
+    r = run_cuda_build_smoke(*paths, str(tmp_path))
+    assert r["WITH_CUDA"] and not r["cuda_available"]
+    assert "cuda" in r["devices"]
+    assert "expected CUDA tensors" in r["reduce_check"]
+    assert "expected a CUDA tensor" in r["ipc_check"]
+    assert r["cpu_all_reduce"]
+    assert r["one_backend"]
+
+
+def test_gpu_checks_dry_run(tmp_path):
+    """tests/device/run_gpu_checks.sh --dry-run plans every step and exits 0 without a GPU."""
+    out = tmp_path / "gpu.json"
+    p = subprocess.run(["bash", os.path.join(REPO, "tests/device/run_gpu_checks.sh"), "--dry-run", "--json", str(out)],
+                       cwd=REPO, env=_env(PYTHON=sys.executable), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    r = json.loads(out.read_text())
+    assert r["dry_run"] is True and r["ok"] is True
+    assert [s["step"] for s in r["plan"]["steps"]] == ["env", "build", "kernels", "conformance", "ep", "allreduce_bw"]
+    assert sum(s["limit_s"] for s in r["plan"]["steps"]) <= 6 * 60 + 150  # steps share a 340 s deadline
+    bad = subprocess.run(["bash", os.path.join(REPO, "tests/device/run_gpu_checks.sh"), "--steps", "nope"],
+                         cwd=REPO, env=_env(PYTHON=sys.executable), capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown step" in bad.stderr
+
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (torch.cuda.is_available() is False); "
+                         "tests/device/run_gpu_checks.sh runs these paths on a GPU machine")
+
+
+@GPU
+@pytest.mark.skipif(not mooncake_pg.WITH_CUDA, reason="the extension was built without CUDA")
+def test_cuda_reduce_kernel_sum():
+    a, b = torch.arange(10, device="cuda", dtype=torch.float32), torch.ones(10, device="cuda")
+    _C._cuda_reduce(a, [b], 0)
+    assert torch.equal(a.cpu(), torch.arange(10, dtype=torch.float32) + 1)
+
+
+@GPU
+@pytest.mark.skipif(not mooncake_pg.WITH_CUDA, reason="the extension was built without CUDA")
+def test_cuda_work_wait_orders_the_current_stream(tmp_path):
+    """all_reduce on a CUDA tensor after a kernel on the current stream sees its result;
+    Work.wait() makes the current stream wait for the copy back."""
+    import torch.distributed as dist
+
+    dist.init_process_group("mooncake", rank=0, world_size=1, init_method="file://" + str(tmp_path / "s"))
+    try:
+        x = torch.zeros(1 << 20, device="cuda")
+        x.add_(3)                      # queued on the current stream
+        w = dist.all_reduce(x, async_op=True)
+        w.wait()
+        assert float(x.sum()) == 3 * (1 << 20)
+    finally:
+        dist.destroy_process_group()
+
+
+UNLISTED = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _helper(x):
+    return x + 1
+
+
+@triton.jit
+def _listed_kernel(p, BLOCK: tl.constexpr):
+    o = tl.arange(0, BLOCK)
+    tl.store(p + o, _helper(tl.load(p + o)))
+
+
+@triton.jit
+def _forgotten_kernel(p, BLOCK: tl.constexpr):
+    o = tl.arange(0, BLOCK)
+    tl.store(p + o, tl.load(p + o) * 2)
+
+
+AOT_SIGNATURES = {"listed": (_listed_kernel, {"p": "*fp32", "BLOCK": "constexpr"}, {"BLOCK": 16})}
+'''
+
+
+def test_triton_aot_names_an_unlisted_kernel(tmp_path):
+    """scripts/triton_aot.py compiles the listed kernels for sm_90, counts called helpers
+    as covered and fails naming a @triton.jit kernel missing from AOT_SIGNATURES."""
+    pytest.importorskip("triton")
+    (tmp_path / "fake_kernels.py").write_text(UNLISTED)
+    out = tmp_path / "aot.json"
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    env.pop("TRITON_INTERPRET", None)
+    p = subprocess.run([sys.executable, os.path.join(REPO, "scripts/triton_aot.py"), "--module", "fake_kernels",
+                        "--json", str(out)], env=env, capture_output=True, text=True, timeout=100)
+    assert p.returncode == 1, p.stdout + p.stderr
+    r = json.loads(out.read_text())
+    assert r["missing"] == ["_forgotten_kernel"] and r["helpers"] == ["_helper"]
+    assert r["kernels"]["listed"]["ok"] and r["kernels"]["listed"]["cubin_bytes"] > 0
+    assert "MISSING: @triton.jit _forgotten_kernel" in p.stdout
+
+
+def _dev(name, *ports):
+    return {"name": name, "ports": [{"port": i + 1, "state": st} for i, st in enumerate(ports)]}
+
+
+@pytest.mark.skipif(not mooncake_pg.WITH_RDMA, reason="built without the RDMA transport")
+def test_rdma_port_choice():
+    """The port transport='rdma' uses: the first active one, or the one MOONCAKE_RDMA_DEVICE
+    names; otherwise an error naming what was expected and every port found."""
+    devs = [_dev("mlx5_0", "PORT_DOWN", "PORT_ACTIVE"), _dev("mlx5_1", "PORT_ACTIVE")]
+    assert _C._rdma_choose(devs, "") == ("mlx5_0", 2)
+    assert _C._rdma_choose(devs, "mlx5_1") == ("mlx5_1", 1)
+    assert _C._rdma_choose(devs, "mlx5_0:2") == ("mlx5_0", 2)
+    with pytest.raises(RuntimeError, match=r"expected an RDMA device port in state PORT_ACTIVE matching 'mlx5_0:1', "
+                                           r"got 2 device\(s\) \[mlx5_0:1 PORT_DOWN, mlx5_0:2 PORT_ACTIVE, "
+                                           r"mlx5_1:1 PORT_ACTIVE\]"):
+        _C._rdma_choose(devs, "mlx5_0:1")
+    with pytest.raises(RuntimeError, match=r"got 0 device\(s\)"):
+        _C._rdma_choose([], "")
+    with pytest.raises(RuntimeError, match="expected DEVICE\\[:PORT\\]"):
+        _C._rdma_choose(devs, "mlx5_0:x")
+
+
+@pytest.mark.skipif(not mooncake_pg.WITH_RDMA, reason="built without the RDMA transport")
+def test_rdma_qp_info_codec():
+    """Queue pair info travels through the store as text; malformed text raises."""
+    s = "4660 1193046 7 5 fe800000000000000000000000000001"
+    assert _C._rdma_qp_info_roundtrip(s) == s
+    for bad in ("", "1 2 3", "1 2 3 4 fe80"):
+        with pytest.raises(RuntimeError, match="RdmaQpInfo::decode: malformed queue pair info"):
+            _C._rdma_qp_info_roundtrip(bad)
