@@ -240,6 +240,8 @@ class MooncakeStore:
         self._te = None
         self._te_region = None
         self._maps = SegmentCache(prefault=cfg.prefault)
+        self._close_hooks: list = []  # weakref.WeakMethod, run by close() and at exit
+        self._exiting = False
         self._ro_maps = SegmentCache(prefault=cfg.prefault, readonly=True)  # for _local_views
         self._fast = None  # mooncake_pg.transfer (parallel C++ copies) when loaded
         self._lease_ttl = 5.0
@@ -341,6 +343,17 @@ class MooncakeStore:
         """One metadata request; follows leader changes for ``failover_timeout_s``."""
         deadline = time.monotonic() + self.cfg.failover_timeout_s
         reregistered = False
+        if self._exiting:  # interpreter exit: one short try, never a wait for a failover
+            if not self._lock.acquire(timeout=1.0):
+                raise StoreError(f"{method}: the store client is busy at exit")
+            try:
+                if self._conn is None:
+                    raise StoreError(f"{method}: no connection at exit")
+                return self._conn.call(method, args, timeout=1.0)
+            except (OSError, ProtocolError) as e:
+                raise StoreError(f"{method} at exit: {e}") from None
+            finally:
+                self._lock.release()
         while True:
             try:
                 with self._lock:
@@ -1025,6 +1038,7 @@ class MooncakeStore:
         everything. Idempotent."""
         if self._closed:
             return
+        self._run_close_hooks()
         self._closed = True
         try:
             self._call("unregister", {"client": self.client_id})
@@ -1032,9 +1046,23 @@ class MooncakeStore:
             pass
         self._teardown()
 
+    def _run_close_hooks(self):
+        # users of this client that must act before it goes (WeightSync: views of the
+        # store's memory become private copies, the reader slot is given back)
+        for ref in list(self._close_hooks):
+            fn = ref()
+            if fn is not None:
+                try:
+                    fn()
+                except Exception as e:  # noqa: BLE001 - closing goes on
+                    log.warning("store: close hook failed: %s", e)
+        self._close_hooks.clear()
+
     def _close_at_exit(self):
         if self._closed:
             return
+        self._exiting = True
+        self._run_close_hooks()
         self._closed = True
         if self._embedded is None and self._lock.acquire(timeout=1.0):
             try:  # one short try: exit must not wait for an unreachable master

@@ -380,6 +380,9 @@ class Core:
         if not live:
             if not self.segments:
                 raise NoSpaceError("no segment is registered (no client contributes memory)")
+            if all(s.name in avoid for s in self.segments.values()):
+                raise NoSpaceError(f"no reachable segment for {size} bytes: the writer could not reach "
+                                   f"{sorted(avoid)} (owners gone?)")
             raise NoSpaceError(f"object of {size} bytes is larger than every segment")
         live.sort(key=lambda s: (s.name != pref, -(s.alloc.size - s.alloc.used)))
         target = min(r, len(live))

@@ -237,14 +237,17 @@ class WeightSync:
         self._slot: Optional[int] = None
         self._spare: dict = {}  # staging tensors of the last pull, reused by the next one
         self._rid = uuid.uuid4().hex  # this reader, in its slot and hold records
-        self._viewed: set = set()  # names installed as views of the store's memory (install="view")
+        self._hold_lock = threading.Lock()  # pulls and the refresh thread write one hold key
         # version -> live view arrays of it: a version stays held while any tensor viewing
         # it lives (also one the caller detached or kept from an earlier pull)
         self._refs: dict = {}
         self._view_targets: dict = {}  # id(target tensor) -> (weakref to it, data_ptr of its view)
-        self._into = None  # (id, weakref or None) of the last `into`
+        self._into = None  # (id, weakref or None) of the last `into`, or "none" (into=None)
         self._refresher: Optional[threading.Thread] = None
         self._stop = threading.Event()
+        hooks = getattr(store, "_close_hooks", None)
+        if hooks is not None:  # closing the store (or the process exiting) releases this reader first
+            hooks.append(weakref.WeakMethod(self.release))
 
     # ------------------------------------------------------------------ helpers
     def _get_msg(self, key, default=ObjectNotFoundError):
@@ -425,6 +428,10 @@ class WeightSync:
         """Records that this reader uses ``versions`` (publishers do not drop them). False
         if no reader slot is free. ``verify``: check first that the slot is still ours (a
         publisher reclaims the slot of a reader silent for ``hold_ttl_s``)."""
+        with self._hold_lock:
+            return self._hold_locked(versions, verify)
+
+    def _hold_locked(self, versions: list, verify: bool) -> bool:
         if self._slot is not None and verify:
             try:
                 if msgpack.unpackb(self.store.get(f"{self._p}slot/{self._slot}"), raw=False).get("rid") != self._rid:
@@ -471,7 +478,6 @@ class WeightSync:
                 if t is not None and t.numel() and t.data_ptr() == ptr:
                     t.data = t.data.clone()
         self._view_targets = {}
-        self._viewed = set()
         left = self._held_versions()
         if left:
             log.warning("%s: release() while tensors viewing version(s) %s are alive (kept or detached by the "
@@ -514,8 +520,11 @@ class WeightSync:
                              f"floating-point tensors are cast), got {dtype!r}")
         prev = self.version
         # a different `into` than last time gets the held version too (it is not installed there yet)
-        same_into = into is None or (self._into is not None and self._into[0] == id(into)
-                                     and (self._into[1] is None or self._into[1]() is into))
+        if into is None:
+            same_into = self._into == "none"
+        else:
+            same_into = (isinstance(self._into, tuple) and self._into[0] == id(into)
+                         and (self._into[1] is None or self._into[1]() is into))
         if version == "latest":
             v = self.latest_version()
             if v < prev or (v == prev and same_into):
@@ -533,14 +542,27 @@ class WeightSync:
             view_mode = False  # every reader slot taken: unprotected memory must not be viewed; copy
         ok = False
         try:
-            staged, raw, nbytes, viewed = self._stage(v, targets, dtype, strict, stage_hook, view_mode)
+            for attempt in range(3 if version == "latest" else 1):
+                try:
+                    staged, raw, nbytes, viewed = self._stage(v, targets, dtype, strict, stage_hook, view_mode)
+                    break
+                except (ObjectNotFoundError, WeightSyncAbortedError):
+                    # "latest" dropped under us by a faster publisher: take the newer one
+                    newer = self.latest_version() if version == "latest" else v
+                    if attempt == 2 or newer <= v:
+                        raise
+                    v = newer
+                    self._hold(kept + [v])
             handed = set()
             self._view_targets = {k: e for k, e in self._view_targets.items() if e[0]() is not None}
             with torch.no_grad():
                 for name, t in staged.items():
                     if name not in targets:
                         continue
-                    if name in viewed or name in self._viewed:
+                    tgt = targets[name]
+                    e = self._view_targets.get(id(tgt))
+                    is_view = e is not None and e[0]() is tgt and tgt.numel() and tgt.data_ptr() == e[1]
+                    if name in viewed or is_view:
                         # a view goes in by reference; a copy replaces a view by reference too
                         # (the view's memory is read-only), in the target's dtype
                         targets[name].data = t if t.dtype == targets[name].dtype else t.to(targets[name].dtype)
@@ -557,7 +579,6 @@ class WeightSync:
                 self._spare = {k: t for k, t in raw.items() if k not in handed and k not in viewed}
             else:
                 self._spare = {}
-            self._viewed = set(viewed) if into is not None else set()
             staged = staged if into is None else None
             raw = None
             ok = True
@@ -566,7 +587,9 @@ class WeightSync:
                 self._hold(self._held_versions())  # the new version if viewed, and views still alive
             except StoreError:
                 pass
-        if into is not None:
+        if into is None:
+            self._into = "none"
+        else:
             try:
                 self._into = (id(into), weakref.ref(into))
             except TypeError:  # a dict: its id alone (a reused id only costs an install skipped)

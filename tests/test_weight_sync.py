@@ -635,3 +635,37 @@ def test_a_dead_view_readers_slot_is_reclaimed(store_procs):
         finally:
             os.killpg(p2.pid, signal.SIGKILL)
             p2.wait(10)
+
+
+def test_view_reader_pulls_mixed_with_into_none_and_store_close(store_procs):
+    """Found by a second new-user trial: a pull with into=None then into=model left the
+    model on the old version while reporting the new one; closing the store left the
+    model's parameters as views that later publishes overwrote; the refresh thread and a
+    pull raced on the hold key."""
+    import time
+
+    import torch
+    from mooncake_store import MooncakeStore, WeightSync, WeightSyncConfig
+
+    m = sa.start_master(lease_ttl=0.2)
+    sa.start_agent({"master": m.address, "segment_size": 2 * MiB, "name": "storage"})
+    cfg = WeightSyncConfig(keep_versions=0, install="view", hold_ttl_s=0.05)
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0) as s:
+        tr = WeightSync(s, "x", config=cfg)
+        model = torch.nn.Module()
+        model.register_parameter("w", torch.nn.Parameter(torch.zeros(4096), requires_grad=False))
+        rd_store = MooncakeStore(serve_tcp=False, master=m.address, segment_size=0)
+        rd = WeightSync(rd_store, "x", config=cfg)
+        for v in range(1, 200):  # the refresh thread ticks every 12.5 ms meanwhile
+            tr.publish({"w": torch.full((4096,), float(v))}, v)
+            if v % 3 == 0:
+                got = rd.pull(None).state_dict["w"]
+                assert torch.equal(got, torch.full((4096,), float(v))), v
+            else:
+                rd.pull(model)
+                assert torch.equal(model.w, torch.full((4096,), float(v))), v
+        rd_store.close()  # releases the reader: its parameters become private copies
+        for v in range(200, 230):
+            time.sleep(0.01)
+            tr.publish({"w": torch.full((4096,), float(v))}, v)
+        assert torch.equal(model.w, torch.full((4096,), 199.0))
