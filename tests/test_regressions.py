@@ -77,22 +77,10 @@ def _outcome(fn):
                 "failed": list(getattr(e, "failed_ranks", []) or [])}
 
 
-def _is_dead(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return True
-
-
 def _wait_dead(pid, limit=15.0):
     """Until process ``pid`` is gone (or a zombie); False if it is still alive at ``limit``."""
     deadline = time.monotonic() + limit
-    while not _is_dead(pid):
+    while rankpool._alive(pid):
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.01)
