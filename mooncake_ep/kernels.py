@@ -1,11 +1,16 @@
-"""Row kernels of the dispatch/combine data path: vectorized torch ops for CPU tensors,
-Triton kernels (:mod:`mooncake_ep.triton_kernels`) for CUDA tensors.
+"""Row kernels of the dispatch/combine data path: vectorized torch ops, or Triton kernels
+(:mod:`mooncake_ep.triton_kernels`) for CUDA tensors (``kernels="auto"``/``"triton"``) and,
+with ``kernels="triton"`` and ``TRITON_INTERPRET=1``, for CPU tensors under Triton's
+interpreter (how the Triton path is tested without a GPU). Every tensor a function here
+allocates is on its input's device.
 
 Names of dimensions: ``T`` tokens of this rank, ``N`` rows moved (one per token and
 destination rank in normal mode, one per distinct (token, expert) pair in low-latency
 mode), ``H`` hidden size.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -15,8 +20,17 @@ FP8_BLOCK = 128          # channels per scale
 FP8_MIN_AMAX = 1e-4      # a block of zeros gets scale FP8_MIN_AMAX / FP8_MAX
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+
+
 def _use_triton(t: torch.Tensor, kernels: str) -> bool:
-    if kernels == "torch" or not t.is_cuda:
+    """Whether ``t`` goes through the Triton kernels: ``"torch"`` never; ``"auto"`` for CUDA
+    tensors when Triton imports; ``"triton"`` for CUDA tensors (an ImportError propagates)
+    and for CPU tensors when ``TRITON_INTERPRET=1`` (else CPU tensors use torch ops)."""
+    if kernels == "torch":
+        return False
+    if not t.is_cuda and not (kernels == "triton" and t.device.type == "cpu" and _interpreting()):
         return False
     try:
         from . import triton_kernels  # noqa: F401
@@ -47,7 +61,8 @@ def scatter_add_rows(rows: torch.Tensor, idx: torch.Tensor, num_out: int, *,
     (or when weighted) and round once. ``max_per_row``: at most this many rows add into
     one output row; with 2 or fewer, unweighted sums in the data's own dtype already round
     exactly once (0 + a is exact, a + b rounds once), so the float32 detour is skipped.
-    ``alloc(shape, dtype)`` supplies the (uninitialised) output/accumulator tensors."""
+    ``alloc(shape, dtype, device)`` supplies the (uninitialised) output/accumulator
+    tensors; everything is allocated on ``rows``' device."""
     out_dtype = out_dtype or rows.dtype
     H = rows.shape[1] if rows.dim() == 2 else 0
     acc_dtype = out_dtype
@@ -57,7 +72,7 @@ def scatter_add_rows(rows: torch.Tensor, idx: torch.Tensor, num_out: int, *,
     if alloc is None:
         out = torch.zeros((num_out, H), dtype=acc_dtype, device=rows.device)
     else:
-        out = alloc((num_out, H), acc_dtype).zero_()
+        out = alloc((num_out, H), acc_dtype, rows.device).zero_()
     if rows.shape[0]:
         src = rows if rows.dtype == acc_dtype else rows.to(acc_dtype)
         if weights is not None:
@@ -67,7 +82,7 @@ def scatter_add_rows(rows: torch.Tensor, idx: torch.Tensor, num_out: int, *,
         return out
     if alloc is None:
         return out.to(out_dtype)
-    return alloc((num_out, H), out_dtype).copy_(out)
+    return alloc((num_out, H), out_dtype, rows.device).copy_(out)
 
 
 def scatter_rows(rows: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
