@@ -10,6 +10,15 @@ is never sent and its weight is ignored); any other negative id or an id ``>= E`
 rejected with ``ValueError`` before anything is sent. A token whose top-k names one
 expert twice goes to it once; the two weights add up.
 
+Devices: every op takes tensors on one device (CPU, or CUDA where the group's backend
+serves CUDA tensors: a ``mooncake`` group of a build with ``mooncake_pg.WITH_CUDA``, or
+e.g. gloo); all of an op's tensor arguments must be on ``x``'s device (a combine's on its
+dispatch's), its results and handles are there too. A device the group cannot serve, or
+mixed devices, raise ``ValueError`` (op, rank, expected vs actual device) on every rank
+before anything is sent. The small header always travels as CPU int64; the row kernels
+are the Triton ones on CUDA tensors (``EPConfig(kernels=...)``). Ops are synchronous with
+the host (they read counts), so ``async_finish``/events have no effect on any device.
+
 Every op that moves tokens is collective over the group (``get_dispatch_layout`` is
 local). Each one first exchanges a small header
 (``all_gather_single`` of a few int64 per rank: status, op, sizes, row counts), so
@@ -309,14 +318,16 @@ class _Recycler:
 
 
 class Buffer:
-    """Dispatch/combine of MoE tokens over ``group`` (DeepEP's ``Buffer``, CPU data path).
+    """Dispatch/combine of MoE tokens over ``group`` (DeepEP's ``Buffer``; CPU or CUDA
+    tensors, see the module docstring on devices).
 
     Args:
         group: the process group (default: the default group); a ``mooncake`` group
             gives dead-rank awareness, any other backend with ``all_to_all_single`` works
             with every rank taken as active.
         num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank: accepted for
-            DeepEP compatibility; buffers are allocated per call on CPU, so they are unused.
+            DeepEP compatibility; buffers are allocated per call (on the inputs' device,
+            large ones recycled), so they are unused.
         config: :class:`EPConfig` (keyword-only).
 
     Collective calls: every rank of the group calls the same ops in the same order, and
@@ -498,7 +509,8 @@ class Buffer:
         """Sends each token of ``x`` once to every rank that holds one of its experts.
 
         Args:
-            x: [T, H] float32/bfloat16/float16/float64 tokens of this rank (T may be 0).
+            x: [T, H] float32/bfloat16/float16/float64 tokens of this rank (T may be 0), on
+                a device the group serves; every other tensor argument on the same device.
             handle: a :class:`DispatchHandle` from an earlier dispatch: reuse its layout
                 (no header exchange, ``topk_*`` must be ``None``); returns only ``recv_x``.
             topk_idx: int64/int32 [T, K], expert ids or -1 (required without ``handle``).
@@ -625,7 +637,7 @@ class Buffer:
 
         Args:
             x: [N_recv, H] (the rows of ``dispatch``'s ``recv_x``, typically the weighted
-                expert outputs), float32/bfloat16/float16/float64.
+                expert outputs), float32/bfloat16/float16/float64, on the dispatch's device.
             handle: the :class:`DispatchHandle` of the dispatch.
             topk_weights: float32 [N_recv, K] or ``None``: summed back the same way.
             bias, config, previous_event, async_finish, allocate_on_comm_stream: DeepEP
@@ -676,7 +688,8 @@ class Buffer:
         """Sends each (token, expert) pair to the expert's rank, packed per local expert.
 
         Args:
-            x: [T, H] float32/bfloat16/float16/float64 (T <= T_max).
+            x: [T, H] float32/bfloat16/float16/float64 (T <= T_max), on a device the group
+                serves; ``topk_idx`` and the stats tensor on the same device.
             topk_idx: int64/int32 [T, K], expert ids or -1.
             num_max_dispatch_tokens_per_rank: T_max, the same on every rank.
             num_experts: E, a multiple of W.
@@ -806,7 +819,8 @@ class Buffer:
         Args:
             x: [L, W * T_max, H] float32/bfloat16/float16/float64 (not float8: dequantize
                 first), the experts' outputs in the layout of ``low_latency_dispatch``'s
-                ``recv_x``; it need not be the dispatched dtype.
+                ``recv_x``; it need not be the dispatched dtype; on the dispatch's device
+                (as ``topk_idx``, ``topk_weights`` and ``out``).
             topk_idx: the dispatch's ``topk_idx`` ([T, K]; checked to be the same).
             topk_weights: float32 [T, K]; differentiable.
             handle: the :class:`LowLatencyHandle` of the dispatch.

@@ -56,8 +56,9 @@ def scatter_add_rows(rows: torch.Tensor, idx: torch.Tensor, num_out: int, *,
                      alloc=None) -> torch.Tensor:
     """``out[t] = sum over n with idx[n] == t of weights[n] * rows[n]`` (weights 1 when
     ``None``): ``rows`` [N, H], ``idx`` int64 [N] in ``[0, num_out)``, ``weights`` float [N]
-    -> [num_out, H] of ``out_dtype`` (default rows' dtype). Rows add in index order (the
-    result is deterministic); 16-bit rows accumulate in float32 when ``fp32_accumulate``
+    -> [num_out, H] of ``out_dtype`` (default rows' dtype), on rows' device. On CPU rows
+    add in index order (the result is deterministic); on CUDA ``index_add_`` adds them in
+    no fixed order (identical results only where at most two rows meet); 16-bit rows accumulate in float32 when ``fp32_accumulate``
     (or when weighted) and round once. ``max_per_row``: at most this many rows add into
     one output row; with 2 or fewer, unweighted sums in the data's own dtype already round
     exactly once (0 + a is exact, a + b rounds once), so the float32 detour is skipped.

@@ -243,11 +243,16 @@ def rank_cuda_vs_cpu(rank, ws, kernels):
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_cuda_tensors_match_cpu(pool_factory, kernels):
     """On a GPU with a CUDA build: every op on CUDA tensors (torch ops or the compiled
-    Triton kernels) returns CUDA tensors equal to the CPU path bit for bit."""
+    Triton kernels) returns CUDA tensors equal to the CPU path bit for bit (2 ranks: a
+    token has at most two rows to sum in normal mode), the low-latency combine within one
+    bf16 rounding (CUDA's index_add_ sums a token's K weighted rows in no fixed order)."""
     ws = 2
     res = pool_factory(ws).run(rank_cuda_vs_cpu, kernels, timeout=240)
     for r in range(ws):
         o = res[r]
         assert set(o["devices"].values()) == {o["dev"]}, o["devices"]
         for k in o["cpu"]:
+            if k == "out_ll":   # up to K weighted rows per token: CUDA's index_add_ adds them in any order
+                torch.testing.assert_close(o["gpu"][k].float(), o["cpu"][k].float(), rtol=2 ** -7, atol=1e-6)
+                continue
             assert torch.equal(_bits(o["gpu"][k]), _bits(o["cpu"][k])), f"rank {r} {k} differs on CUDA"
