@@ -159,6 +159,15 @@ class DispatchHandle:
         """The device of the dispatch's tensors (its inputs, results and index tensors)."""
         return self.send_token_idx.device
 
+    def row_table(self) -> torch.Tensor:
+        """int64 [T, W]: the row (of the rows sent, in send order) that carried token ``t``
+        to rank ``r``, -1 where it did not go there."""
+        T, W = self.is_token_in_rank.shape
+        pos = torch.full((T, W), -1, dtype=torch.int64, device=self.device)
+        nz = self.is_token_in_rank.t().nonzero()                 # (rank, token) in send order
+        pos[nz[:, 1], nz[:, 0]] = torch.arange(nz.shape[0], device=self.device)
+        return pos
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class LowLatencyHandle:
@@ -935,9 +944,16 @@ class _CombineFn(torch.autograd.Function):
         ctx.buf, ctx.handle = buf, handle
         ctx.x_dtype = x.dtype
         rows = buf._bwd(handle, x.detach())
-        out = K_.scatter_add_rows(rows, handle.send_token_idx, handle.num_tokens,
-                                  max_per_row=handle.max_ranks_per_token, alloc=buf._recycler.empty,
-                                  fp32_accumulate=buf._cfg["fp32_accumulate"], out_dtype=x.dtype)
+        out = None
+        if K_._use_triton(rows, buf._cfg["kernels"]):
+            # Triton: each token sums its rows in rank order, as index_add_ does on CPU
+            out = K_.sum_rows_by_table(rows.contiguous(), handle.row_table(), kernels=buf._cfg["kernels"],
+                                       fp32_accumulate=buf._cfg["fp32_accumulate"],
+                                       max_per_row=handle.max_ranks_per_token)
+        if out is None:
+            out = K_.scatter_add_rows(rows, handle.send_token_idx, handle.num_tokens,
+                                      max_per_row=handle.max_ranks_per_token, alloc=buf._recycler.empty,
+                                      fp32_accumulate=buf._cfg["fp32_accumulate"], out_dtype=x.dtype)
         out_w = None
         if w is not None:
             wr = buf._bwd(handle, w.detach())

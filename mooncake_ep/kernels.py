@@ -86,6 +86,26 @@ def scatter_add_rows(rows: torch.Tensor, idx: torch.Tensor, num_out: int, *,
     return alloc((num_out, H), out_dtype, rows.device).copy_(out)
 
 
+def sum_rows_by_table(rows: torch.Tensor, pos: torch.Tensor, *, fp32_accumulate: bool = True,
+                      max_per_row: int | None = None, kernels: str = "auto") -> torch.Tensor | None:
+    """``out[t] = sum_j rows[pos[t, j]]`` over ``pos[t, j] >= 0``, in ``j`` order, with the
+    Triton ``unpermute`` kernel: ``rows`` [N, H] float32/bfloat16, ``pos`` int64 [T, M] on
+    rows' device -> [T, H] of rows' dtype (float32 accumulation, one rounding). Equal bit
+    for bit to :func:`scatter_add_rows` on CPU when ``pos`` lists each token's rows in
+    increasing row order (its CPU index order), and deterministic on CUDA. Returns ``None``
+    where the Triton path does not apply (kernels, device, dtype, or 16-bit sums of more
+    than two rows without ``fp32_accumulate``); the caller then uses ``scatter_add_rows``."""
+    if rows.dtype not in (torch.float32, torch.bfloat16) or rows.dim() != 2 or rows.stride(1) != 1:
+        return None
+    if rows.dtype != torch.float32 and not fp32_accumulate and (max_per_row is None or max_per_row > 2):
+        return None
+    if not _use_triton(rows, kernels):
+        return None
+    from .triton_kernels import unpermute
+
+    return unpermute(rows, pos)
+
+
 def scatter_rows(rows: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out[idx[n]] = rows[n]`` in place (indices distinct); returns ``out``."""
     if rows.shape[0]:

@@ -2,7 +2,8 @@
 
 * ``kernels="triton"`` (and ``MOONCAKE_EP_KERNELS=triton``) runs the Triton kernels on CPU
   tensors under ``TRITON_INTERPRET=1``: dispatch/combine (normal, cached, low-latency, fp8
-  low-latency, backward) on 2 real rank processes equal ``kernels="torch"`` bit for bit.
+  low-latency, backward) on 2 and 4 real rank processes equal ``kernels="torch"`` bit for
+  bit.
 * Inputs on a device the group cannot serve (``meta``; CUDA tensors on a CPU-only build,
   made as fake tensors here) or on mixed devices raise ``ValueError`` on every rank,
   naming op, rank, and expected vs got device, before anything is sent; the group still
@@ -39,7 +40,11 @@ def _ops(buf, rank, ws, dtype, seed, device="cpu"):
     ``recv_count`` (uninitialised by contract) left out."""
     E, K, H, T = 2 * ws, 3, 200, 9
     L = E // ws
-    x, idx, w = eputil.make_inputs(rank, T + rank, H, E, K, dtype, seed, 0.2)
+    _, idx, w = eputil.make_inputs(rank, T + rank, H, E, K, dtype, seed, 0.2)
+    # random values (not eputil's exact ones): sums round, so their order shows
+    g = torch.Generator().manual_seed(100 * seed + rank)
+    x = (torch.randn((T + rank, H), generator=g) * 3).to(dtype)
+    w = torch.rand(w.shape, generator=g)
     x, idx, w = x.to(device), idx.to(device), w.to(device)
     xg = x.clone().requires_grad_(True)
     r = buf.dispatch(xg, topk_idx=idx, topk_weights=w, num_experts=E)
@@ -95,6 +100,8 @@ def rank_triton_vs_torch(rank, ws):
     out["loaded_after_triton"] = "mooncake_ep.triton_kernels" in sys.modules
     probe = torch.zeros(2, 2)
     out["use"] = {k: K_._use_triton(probe, k) for k in ("auto", "torch", "triton")}
+    # the normal combine's Triton path applies to these inputs (not a silent fallback)
+    out["combine_triton"] = K_.sum_rows_by_table(probe, torch.tensor([[0, 1]]), kernels="triton") is not None
     return out
 
 
@@ -103,16 +110,18 @@ def _bits(t):
 
 
 @pytest.mark.skipif(not _triton_importable(), reason="triton is not importable")
-def test_triton_kernels_match_torch_under_interpreter(pool_factory):
+@pytest.mark.parametrize("ws", [2, 4])
+def test_triton_kernels_match_torch_under_interpreter(pool_factory, ws):
     """kernels="triton" (EPConfig or MOONCAKE_EP_KERNELS) on CPU tensors with
     TRITON_INTERPRET=1: dispatch + combine (with backward), cached dispatch, low-latency
     dispatch + combine and fp8 low-latency dispatch equal kernels="torch" bit for bit
-    (bf16 and float32, 2 ranks); "auto" keeps CPU tensors on torch ops."""
-    ws = 2
+    (bf16 and float32, 2 and 4 ranks: up to 4 rows per token in the normal combine);
+    "auto" keeps CPU tensors on torch ops."""
     res = pool_factory(ws, env=INTERP_ENV).run(rank_triton_vs_torch, timeout=240)
     for r in range(ws):
         o = res[r]
         assert o["use"] == {"auto": False, "torch": False, "triton": True}, o["use"]
+        assert o["combine_triton"]
         assert not o["loaded_before"] and not o["loaded_after_torch"], "torch kernels imported Triton's"
         assert o["loaded_after_triton"], "the Triton kernels were never imported"
         for name in ("bfloat16", "float32"):
