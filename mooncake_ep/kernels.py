@@ -101,6 +101,8 @@ def sum_rows_by_table(rows: torch.Tensor, pos: torch.Tensor, *, fp32_accumulate:
         return None
     if not _use_triton(rows, kernels):
         return None
+    if rows.shape[0] == 0:          # no rows came back: no kernel (an empty CUDA tensor has no address)
+        return torch.zeros((pos.shape[0], rows.shape[1]), dtype=rows.dtype, device=rows.device)
     from .triton_kernels import unpermute
 
     return unpermute(rows, pos)

@@ -97,6 +97,14 @@ def rank_triton_vs_torch(rank, ws):
         got, devs = _ops(b_triton, rank, ws, dt, 5)
         env_got, _ = _ops(b_env, rank, ws, dt, 5)
         out[name] = {"ref": ref, "got": got, "env": env_got, "devices": devs}
+    # nothing routed anywhere (every slot -1): empty rows, combine gives zeros on both paths
+    none_idx = torch.full((5, 2), -1, dtype=torch.int64)
+    xz = torch.randn(5, 16)
+    for name, b in (("torch", b_torch), ("triton", b_triton)):
+        r = b.dispatch(xz, topk_idx=none_idx, num_experts=2 * ws)
+        out[f"empty_{name}"] = (tuple(r.recv_x.shape), b.combine(r.recv_x, r.handle).combined_x)
+        ll = b.low_latency_dispatch(xz, none_idx, 5, 2 * ws)
+        out[f"empty_ll_{name}"] = b.low_latency_combine(ll.recv_x, none_idx, torch.ones(5, 2), ll.handle).combined_x
     out["loaded_after_triton"] = "mooncake_ep.triton_kernels" in sys.modules
     probe = torch.zeros(2, 2)
     out["use"] = {k: K_._use_triton(probe, k) for k in ("auto", "torch", "triton")}
@@ -122,6 +130,10 @@ def test_triton_kernels_match_torch_under_interpreter(pool_factory, ws):
         o = res[r]
         assert o["use"] == {"auto": False, "torch": False, "triton": True}, o["use"]
         assert o["combine_triton"]
+        for name in ("torch", "triton"):
+            shape, comb = o[f"empty_{name}"]
+            assert shape == (0, 16) and torch.equal(comb, torch.zeros(5, 16)), (r, name)
+            assert torch.equal(o[f"empty_ll_{name}"], torch.zeros(5, 16)), (r, name)
         assert not o["loaded_before"] and not o["loaded_after_torch"], "torch kernels imported Triton's"
         assert o["loaded_after_triton"], "the Triton kernels were never imported"
         for name in ("bfloat16", "float32"):
