@@ -10,6 +10,15 @@ is never sent and its weight is ignored); any other negative id or an id ``>= E`
 rejected with ``ValueError`` before anything is sent. A token whose top-k names one
 expert twice goes to it once; the two weights add up.
 
+Devices: every op takes tensors on one device (CPU, or CUDA where the group's backend
+serves CUDA tensors: a ``mooncake`` group of a build with ``mooncake_pg.WITH_CUDA``, or
+e.g. gloo); all of an op's tensor arguments must be on ``x``'s device (a combine's on its
+dispatch's), its results and handles are there too. A device the group cannot serve, or
+mixed devices, raise ``ValueError`` (op, rank, expected vs actual device) on every rank
+before anything is sent. The small header always travels as CPU int64; the row kernels
+are the Triton ones on CUDA tensors (``EPConfig(kernels=...)``). Ops are synchronous with
+the host (they read counts), so ``async_finish``/events have no effect on any device.
+
 Every op that moves tokens is collective over the group (``get_dispatch_layout`` is
 local). Each one first exchanges a small header
 (``all_gather_single`` of a few int64 per rank: status, op, sizes, row counts), so
@@ -145,6 +154,20 @@ class DispatchHandle:
     epoch: int
     max_ranks_per_token: int = 0
 
+    @property
+    def device(self) -> torch.device:
+        """The device of the dispatch's tensors (its inputs, results and index tensors)."""
+        return self.send_token_idx.device
+
+    def row_table(self) -> torch.Tensor:
+        """int64 [T, W]: the row (of the rows sent, in send order) that carried token ``t``
+        to rank ``r``, -1 where it did not go there."""
+        T, W = self.is_token_in_rank.shape
+        pos = torch.full((T, W), -1, dtype=torch.int64, device=self.device)
+        nz = self.is_token_in_rank.t().nonzero()                 # (rank, token) in send order
+        pos[nz[:, 1], nz[:, 0]] = torch.arange(nz.shape[0], device=self.device)
+        return pos
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class LowLatencyHandle:
@@ -170,6 +193,11 @@ class LowLatencyHandle:
     recv_count: torch.Tensor
     use_fp8: bool
     epoch: int
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the dispatch's tensors (its inputs, results and index tensors)."""
+        return self.pair_token.device
 
 
 # ------------------------------------------------------------------------ helpers
@@ -214,12 +242,20 @@ def _check_topk_idx(topk_idx, num_experts):
                        f"expected -1 (no expert) or an expert id in [0, {num_experts})")
 
 
+def _same_device(name, t, device, whose="x's device"):
+    """``t`` must be on ``device`` (all inputs of an op share one device)."""
+    if isinstance(t, torch.Tensor) and t.device != device:
+        raise _BadArgs(f"{name} is on {t.device}, expected {device} ({whose}): all inputs of one op "
+                       "must be on one device")
+
+
+def _input_device(x) -> torch.device:
+    return x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
+
+
 def _check_x(x, what="x"):
     if not isinstance(x, torch.Tensor):
         raise _BadArgs(f"{what} must be a tensor, got {type(x).__name__}")
-    if x.device.type != "cpu":
-        raise _BadArgs(f"{what} is on {x.device}: the data path takes CPU tensors for now (the mooncake "
-                       "backend has no CUDA build yet; mooncake_ep.triton_kernels holds the GPU kernels)")
     if x.dtype not in _DTYPES:
         raise _BadArgs(f"{what} must be float32, bfloat16, float16 or float64, got {x.dtype}")
     if x.dim() != 2:
@@ -265,18 +301,20 @@ class _Recycler:
         self.per_dtype, self.min_bytes = per_dtype, min_bytes
         self._cache = {}
 
-    def empty(self, shape, dtype) -> torch.Tensor:
+    def empty(self, shape, dtype, device="cpu") -> torch.Tensor:
+        """An uninitialised ``dtype`` tensor of ``shape`` on ``device``."""
+        device = torch.device(device)
         n = 1
         for d in shape:
             n *= int(d)
         if n * torch.empty((), dtype=dtype).element_size() < self.min_bytes:
-            return torch.empty(shape, dtype=dtype)
-        lst = self._cache.setdefault(dtype, [])
+            return torch.empty(shape, dtype=dtype, device=device)
+        lst = self._cache.setdefault((dtype, device), [])
         for i, (flat, base) in enumerate(lst):
             if flat.numel() >= n and _storage_uses(flat) == base:
                 lst.append(lst.pop(i))                    # most recently used last
                 return flat[:n].view(shape)
-        flat = torch.empty(n, dtype=dtype)
+        flat = torch.empty(n, dtype=dtype, device=device)
         out = flat[:n].view(shape)
         lst.append((flat, _storage_uses(flat) - 1))      # "free" = no user but the cache (out is one now)
         free = [i for i, (f, b) in enumerate(lst) if _storage_uses(f) == b]
@@ -289,14 +327,16 @@ class _Recycler:
 
 
 class Buffer:
-    """Dispatch/combine of MoE tokens over ``group`` (DeepEP's ``Buffer``, CPU data path).
+    """Dispatch/combine of MoE tokens over ``group`` (DeepEP's ``Buffer``; CPU or CUDA
+    tensors, see the module docstring on devices).
 
     Args:
         group: the process group (default: the default group); a ``mooncake`` group
             gives dead-rank awareness, any other backend with ``all_to_all_single`` works
             with every rank taken as active.
         num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank: accepted for
-            DeepEP compatibility; buffers are allocated per call on CPU, so they are unused.
+            DeepEP compatibility; buffers are allocated per call (on the inputs' device,
+            large ones recycled), so they are unused.
         config: :class:`EPConfig` (keyword-only).
 
     Collective calls: every rank of the group calls the same ops in the same order, and
@@ -315,6 +355,7 @@ class Buffer:
         self.group_size = dist.get_world_size(self.group)
         self._cfg = resolve(config, self.group_size)
         self._recycler = _Recycler()
+        self._device_types = {}
         self.low_latency_mode = bool(low_latency_mode)
         self._mooncake = None
         try:
@@ -334,6 +375,31 @@ class Buffer:
     def get_epoch(self) -> int:
         """The group's membership epoch (0 for groups that are not ``mooncake``)."""
         return self._membership()[1]
+
+    def _takes_device(self, device: torch.device) -> bool:
+        """Whether the group's backend serves tensors of ``device``'s type (asked once per type)."""
+        ok = self._device_types.get(device.type)
+        if ok is None:
+            try:
+                self.group._get_backend(torch.device(device.type))
+                ok = True
+            except (RuntimeError, ValueError):
+                ok = False
+            self._device_types[device.type] = ok
+        return ok
+
+    def _check_device(self, x, what="x"):
+        """The group must be able to move tensors of ``x``'s device (before anything is sent)."""
+        dev = x.device
+        if self._takes_device(dev):
+            return
+        served = [t for t in ("cpu", "cuda") if self._takes_device(torch.device(t))]
+        hint = ""
+        if dev.type == "cuda" and self._mooncake is not None and not getattr(self._mooncake, "WITH_CUDA", False):
+            hint = "; this mooncake_pg build has no CUDA (mooncake_pg.WITH_CUDA is False: rebuild with " \
+                   "MOONCAKE_WITH_CUDA=1, or pass CPU tensors)"
+        raise _BadArgs(f"{what} is on {dev}, expected a device the group's backend "
+                       f"({dist.get_backend(self.group)}) serves: {' or '.join(served) or 'none'}{hint}")
 
     def _membership(self):
         if self._mooncake is None:
@@ -393,7 +459,7 @@ class Buffer:
         """Rows of ``send`` (grouped by destination) to every rank; returns the received rows
         grouped by source. Rows an inactive rank did not send are zero."""
         send = send.contiguous()
-        out = self._recycler.empty((sum(recv_counts),) + tuple(send.shape[1:]), send.dtype)
+        out = self._recycler.empty((sum(recv_counts),) + tuple(send.shape[1:]), send.dtype, send.device)
         dist.all_to_all_single(out, send, list(recv_counts), list(send_counts), group=self.group)
         if self._mooncake is not None and out.numel():
             active, _ = self._membership()
@@ -452,7 +518,8 @@ class Buffer:
         """Sends each token of ``x`` once to every rank that holds one of its experts.
 
         Args:
-            x: [T, H] float32/bfloat16/float16/float64 tokens of this rank (T may be 0).
+            x: [T, H] float32/bfloat16/float16/float64 tokens of this rank (T may be 0), on
+                a device the group serves; every other tensor argument on the same device.
             handle: a :class:`DispatchHandle` from an earlier dispatch: reuse its layout
                 (no header exchange, ``topk_*`` must be ``None``); returns only ``recv_x``.
             topk_idx: int64/int32 [T, K], expert ids or -1 (required without ``handle``).
@@ -483,6 +550,8 @@ class Buffer:
                 if topk_idx is not None or topk_weights is not None:
                     raise _BadArgs("a cached dispatch (handle given) takes no topk_idx/topk_weights")
                 _check_x(x)
+                self._check_device(x)
+                _same_device("x", x, handle.device, "the handle's dispatch ran there")
                 if tuple(x.shape) != (handle.num_tokens, handle.hidden):
                     raise _BadArgs(f"x must have shape {(handle.num_tokens, handle.hidden)} (the handle's), "
                                    f"got {tuple(x.shape)}")
@@ -498,20 +567,24 @@ class Buffer:
         E = num_experts if num_experts is not None else (
             int(num_tokens_per_expert.numel()) if isinstance(num_tokens_per_expert, torch.Tensor) else None)
         T = H = Kk = 0
+        dev = _input_device(x)
         try:
             if E is None:
                 raise _BadArgs("num_experts is unknown: pass num_experts= or num_tokens_per_expert")
             if E <= 0 or E % W:
                 raise _BadArgs(f"num_experts ({E}) must be a positive multiple of the group size ({W})")
             _check_x(x)
+            self._check_device(x)
             T, H = x.shape
             if topk_idx is None:
                 raise _BadArgs("topk_idx is required without a handle")
             _int_tensor("topk_idx", topk_idx, op, self.rank, T)
+            _same_device("topk_idx", topk_idx, dev)
             Kk = topk_idx.shape[1]
             _check_topk_idx(topk_idx, E)
             if topk_weights is not None:
                 _check_weights(topk_weights, (T, Kk))
+                _same_device("topk_weights", topk_weights, dev)
             if num_worst_tokens:
                 raise _BadArgs("num_worst_tokens must be 0 (not supported on CPU)")
             if int(expert_alignment) < 1:
@@ -536,11 +609,11 @@ class Buffer:
             active0, _ = self._membership()
             counts = None
             if err is None:
-                mask = torch.tensor(active0, dtype=torch.bool)
+                mask = torch.tensor(active0, dtype=torch.bool, device=dev)
                 counts = (in_rank & mask).sum(0)
             hdr, active, epoch = self._header(op, fields, counts if counts is not None else torch.zeros(W),
                                               error=err, names=names)
-            act = torch.tensor(active, dtype=torch.bool) & torch.tensor(active0, dtype=torch.bool)
+            act = torch.tensor([int(a and b) for a, b in zip(active, active0)], dtype=torch.bool, device=dev)
             sent = in_rank & act
             send_counts = tuple(int(c) for c in sent.sum(0))
             recv_counts = tuple(int(hdr[s, _HDR + self.rank]) if active[s] else 0 for s in range(W))
@@ -573,7 +646,7 @@ class Buffer:
 
         Args:
             x: [N_recv, H] (the rows of ``dispatch``'s ``recv_x``, typically the weighted
-                expert outputs), float32/bfloat16/float16/float64.
+                expert outputs), float32/bfloat16/float16/float64, on the dispatch's device.
             handle: the :class:`DispatchHandle` of the dispatch.
             topk_weights: float32 [N_recv, K] or ``None``: summed back the same way.
             bias, config, previous_event, async_finish, allocate_on_comm_stream: DeepEP
@@ -594,6 +667,8 @@ class Buffer:
             if not isinstance(handle, DispatchHandle):
                 raise _BadArgs(f"handle must be a DispatchHandle, got {type(handle).__name__}")
             _check_x(x)
+            self._check_device(x)
+            _same_device("x", x, handle.device, "the dispatch's device")
             n = sum(handle.recv_counts)
             if tuple(x.shape) != (n, handle.hidden):
                 raise _BadArgs(f"x must have shape {(n, handle.hidden)} (rows received by the dispatch), "
@@ -602,6 +677,7 @@ class Buffer:
             if topk_weights is not None:
                 Kk = handle.num_topk
                 _check_weights(topk_weights, (n, Kk))
+                _same_device("topk_weights", topk_weights, x.device)
             if bias is not None:
                 raise _BadArgs("bias is not supported")
         except _BadArgs as e:
@@ -621,7 +697,8 @@ class Buffer:
         """Sends each (token, expert) pair to the expert's rank, packed per local expert.
 
         Args:
-            x: [T, H] float32/bfloat16/float16/float64 (T <= T_max).
+            x: [T, H] float32/bfloat16/float16/float64 (T <= T_max), on a device the group
+                serves; ``topk_idx`` and the stats tensor on the same device.
             topk_idx: int64/int32 [T, K], expert ids or -1.
             num_max_dispatch_tokens_per_rank: T_max, the same on every rank.
             num_experts: E, a multiple of W.
@@ -645,14 +722,17 @@ class Buffer:
         err = None
         T = H = Kk = 0
         E, Tm = int(num_experts), int(num_max_dispatch_tokens_per_rank)
+        dev = _input_device(x)
         try:
             if E <= 0 or E % W:
                 raise _BadArgs(f"num_experts ({E}) must be a positive multiple of the group size ({W})")
             _check_x(x)
+            self._check_device(x)
             T, H = x.shape
             if T > Tm:
                 raise _BadArgs(f"x has {T} tokens, more than num_max_dispatch_tokens_per_rank={Tm}")
             _int_tensor("topk_idx", topk_idx, op, self.rank, T)
+            _same_device("topk_idx", topk_idx, dev)
             Kk = topk_idx.shape[1]
             _check_topk_idx(topk_idx, E)
             if round_scale or use_ue8m0 or return_recv_hook:
@@ -661,6 +741,7 @@ class Buffer:
                 st = cumulative_local_expert_recv_stats
                 if not isinstance(st, torch.Tensor) or st.dtype != torch.int32 or tuple(st.shape) != (E // W,):
                     raise _BadArgs(f"cumulative_local_expert_recv_stats must be int32 [{E // W}]")
+                _same_device("cumulative_local_expert_recv_stats", st, dev)
         except _BadArgs as e:
             err = str(e)
         L = E // W if E > 0 and E % W == 0 else 1
@@ -674,12 +755,12 @@ class Buffer:
             active0, _ = self._membership()
             per_expert = None
             if err is None:
-                emask = torch.tensor(active0, dtype=torch.bool).repeat_interleave(L)
+                emask = torch.tensor(active0, dtype=torch.bool, device=dev).repeat_interleave(L)
                 per_expert = (cnt & emask).sum(0)
             hdr, active, epoch = self._header(op, fields, per_expert if per_expert is not None else torch.zeros(E),
                                               error=err, names=names)
             act = [int(a and b) for a, b in zip(active, active0)]
-            emask = torch.tensor(act, dtype=torch.bool).repeat_interleave(L)
+            emask = torch.tensor(act, dtype=torch.bool, device=dev).repeat_interleave(L)
             pairs = (cnt & emask).t().nonzero()                  # [P, 2] (expert, token)
             pair_e, pair_t = pairs[:, 0].contiguous(), pairs[:, 1].contiguous()
             send_counts = tuple(int(c) for c in torch.bincount(pair_e // L, minlength=W)) if pairs.numel() \
@@ -697,14 +778,15 @@ class Buffer:
             starts = torch.cumsum(sizes, 0) - sizes
             q = torch.arange(int(sizes.sum())) - starts[gid]
             lid = gid % L
-            recv_dst = (lid * WT + off.reshape(-1)[gid] + q).contiguous()
-            recv_count = c.sum(0).to(torch.int32)
+            # computed from the (CPU) header, then moved to the data's device
+            recv_dst = (lid * WT + off.reshape(-1)[gid] + q).contiguous().to(dev)
+            recv_count = c.sum(0).to(device=dev, dtype=torch.int32)
             # slot -> pair (pairs are sorted by expert, then token)
             keys = pair_e * max(T, 1) + pair_t
             sidx = topk_idx.long()
-            skeys = sidx * max(T, 1) + torch.arange(T).unsqueeze(1)
+            skeys = sidx * max(T, 1) + torch.arange(T, device=dev).unsqueeze(1)
             pos = torch.searchsorted(keys, skeys.reshape(-1)).reshape(T, Kk) if keys.numel() \
-                else torch.zeros((T, Kk), dtype=torch.int64)
+                else torch.zeros((T, Kk), dtype=torch.int64, device=dev)
             posc = pos.clamp(max=max(keys.numel() - 1, 0))
             found = (sidx >= 0) & (pos < keys.numel())
             if keys.numel():
@@ -718,8 +800,8 @@ class Buffer:
                     qx, sc = K_.fp8_quantize(send, self._cfg["kernels"])
                     rq, rs = self._fwd(h, qx), self._fwd(h, sc)
                     nb = sc.shape[1]
-                    px = self._recycler.empty((L * WT, H), K_.FP8_DTYPE)
-                    ps = self._recycler.empty((L * WT, nb), torch.float32)
+                    px = self._recycler.empty((L * WT, H), K_.FP8_DTYPE, dev)
+                    ps = self._recycler.empty((L * WT, nb), torch.float32, dev)
                     K_.scatter_rows(rq, recv_dst, px)
                     K_.scatter_rows(rs, recv_dst, ps)
                     recv_x = (px.view(L, WT, H), ps.view(L, WT, nb))
@@ -746,7 +828,8 @@ class Buffer:
         Args:
             x: [L, W * T_max, H] float32/bfloat16/float16/float64 (not float8: dequantize
                 first), the experts' outputs in the layout of ``low_latency_dispatch``'s
-                ``recv_x``; it need not be the dispatched dtype.
+                ``recv_x``; it need not be the dispatched dtype; on the dispatch's device
+                (as ``topk_idx``, ``topk_weights`` and ``out``).
             topk_idx: the dispatch's ``topk_idx`` ([T, K]; checked to be the same).
             topk_weights: float32 [T, K]; differentiable.
             handle: the :class:`LowLatencyHandle` of the dispatch.
@@ -766,19 +849,24 @@ class Buffer:
             if not isinstance(handle, LowLatencyHandle):
                 raise _BadArgs(f"handle must be a LowLatencyHandle, got {type(handle).__name__}")
             _check_x(x.reshape(-1, x.shape[-1]) if isinstance(x, torch.Tensor) and x.dim() == 3 else x)
+            self._check_device(x)
+            _same_device("x", x, handle.device, "the dispatch's device")
             L = handle.num_experts // self.group_size
             shp = (L, self.group_size * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
             if tuple(x.shape) != shp:
                 raise _BadArgs(f"x must have shape {shp}, got {tuple(x.shape)}")
             H = handle.hidden
             _int_tensor("topk_idx", topk_idx, op, self.rank, handle.num_tokens)
+            _same_device("topk_idx", topk_idx, x.device)
             if not torch.equal(topk_idx.long(), handle.topk_idx.long()):
                 raise _BadArgs("topk_idx differs from the one given to low_latency_dispatch")
             _check_weights(topk_weights, tuple(topk_idx.shape))
+            _same_device("topk_weights", topk_weights, x.device)
             if use_logfmt or zero_copy or return_recv_hook:
                 raise _BadArgs("use_logfmt, zero_copy and return_recv_hook are not supported on CPU")
             if out is not None and (tuple(out.shape) != (handle.num_tokens, H) or out.dtype != x.dtype):
                 raise _BadArgs(f"out must be {x.dtype} [{handle.num_tokens}, {H}]")
+            _same_device("out", out, x.device)
         except _BadArgs as e:
             err = str(e)
         fields = [H, _DTYPES.get(getattr(x, "dtype", None), 0)]
@@ -834,14 +922,14 @@ class _DispatchFn(torch.autograd.Function):
         gx = gw = None
         if ctx.needs_input_grad[3]:
             if g_x is None:
-                g_x = torch.zeros((sum(h.recv_counts), h.hidden), dtype=ctx.x_dtype)
+                g_x = torch.zeros((sum(h.recv_counts), h.hidden), dtype=ctx.x_dtype, device=h.device)
             rows = buf._bwd(h, g_x.contiguous())
             gx = K_.scatter_add_rows(rows, h.send_token_idx, h.num_tokens, max_per_row=h.max_ranks_per_token,
                                      fp32_accumulate=buf._cfg["fp32_accumulate"], out_dtype=rows.dtype)
         if ctx.needs_input_grad[4]:
             n = sum(h.recv_counts)
             if g_w is None:
-                g_w = torch.zeros((n, h.num_topk))
+                g_w = torch.zeros((n, h.num_topk), device=h.device)
             g_w = torch.where(ctx.recv_idx >= 0, g_w, torch.zeros_like(g_w))
             rows = buf._bwd(h, g_w.float().contiguous())
             gw = K_.scatter_add_rows(rows, h.send_token_idx, h.num_tokens, out_dtype=torch.float32)
@@ -856,9 +944,16 @@ class _CombineFn(torch.autograd.Function):
         ctx.buf, ctx.handle = buf, handle
         ctx.x_dtype = x.dtype
         rows = buf._bwd(handle, x.detach())
-        out = K_.scatter_add_rows(rows, handle.send_token_idx, handle.num_tokens,
-                                  max_per_row=handle.max_ranks_per_token, alloc=buf._recycler.empty,
-                                  fp32_accumulate=buf._cfg["fp32_accumulate"], out_dtype=x.dtype)
+        out = None
+        if K_._use_triton(rows, buf._cfg["kernels"]):
+            # Triton: each token sums its rows in rank order, as index_add_ does on CPU
+            out = K_.sum_rows_by_table(rows.contiguous(), handle.row_table(), kernels=buf._cfg["kernels"],
+                                       fp32_accumulate=buf._cfg["fp32_accumulate"],
+                                       max_per_row=handle.max_ranks_per_token)
+        if out is None:
+            out = K_.scatter_add_rows(rows, handle.send_token_idx, handle.num_tokens,
+                                      max_per_row=handle.max_ranks_per_token, alloc=buf._recycler.empty,
+                                      fp32_accumulate=buf._cfg["fp32_accumulate"], out_dtype=x.dtype)
         out_w = None
         if w is not None:
             wr = buf._bwd(handle, w.detach())
@@ -872,11 +967,11 @@ class _CombineFn(torch.autograd.Function):
         kern = buf._cfg["kernels"]
         if ctx.needs_input_grad[2]:
             if g_out is None:
-                g_out = torch.zeros((h.num_tokens, h.hidden), dtype=ctx.x_dtype)
+                g_out = torch.zeros((h.num_tokens, h.hidden), dtype=ctx.x_dtype, device=h.device)
             gx = buf._fwd(h, K_.gather_rows(g_out.contiguous(), h.send_token_idx, kern))
         if ctx.needs_input_grad[3]:
             if g_w is None:
-                g_w = torch.zeros((h.num_tokens, h.num_topk))
+                g_w = torch.zeros((h.num_tokens, h.num_topk), device=h.device)
             gw = buf._fwd(h, K_.gather_rows(g_w.float().contiguous(), h.send_token_idx, kern))
         return None, None, gx, gw
 
@@ -890,7 +985,7 @@ class _LLDispatchFn(torch.autograd.Function):
         L = handle.num_experts // buf.group_size
         WT = buf.group_size * handle.num_max_dispatch_tokens_per_rank
         rows = buf._fwd(handle, K_.gather_rows(x.detach(), handle.pair_token, buf._cfg["kernels"]))
-        packed = buf._recycler.empty((L * WT, handle.hidden), x.dtype)
+        packed = buf._recycler.empty((L * WT, handle.hidden), x.dtype, x.device)
         K_.scatter_rows(rows, handle.recv_dst, packed)
         return packed.view(L, WT, handle.hidden)
 
@@ -907,7 +1002,7 @@ class _LLDispatchFn(torch.autograd.Function):
 def _pair_weights(handle, topk_weights):
     """float32 [P]: sum of the weights of the slots that map to each pair."""
     P = handle.pair_token.numel()
-    wp = torch.zeros(P, dtype=torch.float32)
+    wp = torch.zeros(P, dtype=torch.float32, device=handle.device)
     sel = handle.slot_pair >= 0
     if P and bool(sel.any()):
         wp.index_add_(0, handle.slot_pair[sel], topk_weights[sel].float())
@@ -938,7 +1033,7 @@ class _LLCombineFn(torch.autograd.Function):
         if ctx.needs_input_grad[3]:
             gp = (g_rows.float() * rows.float()).sum(1)                                # [P]
             sel = h.slot_pair >= 0
-            gw = torch.zeros(h.slot_pair.shape, dtype=torch.float32)
+            gw = torch.zeros(h.slot_pair.shape, dtype=torch.float32, device=h.device)
             if bool(sel.any()):
                 gw[sel] = gp[h.slot_pair[sel]]
         if ctx.needs_input_grad[2]:
@@ -946,7 +1041,7 @@ class _LLCombineFn(torch.autograd.Function):
             recv = buf._fwd(h, send)
             L = h.num_experts // buf.group_size
             WT = buf.group_size * h.num_max_dispatch_tokens_per_rank
-            packed = torch.zeros((L * WT, h.hidden), dtype=ctx.x_dtype)
+            packed = torch.zeros((L * WT, h.hidden), dtype=ctx.x_dtype, device=h.device)
             K_.scatter_rows(recv, h.recv_dst, packed)
             gx = packed.view(L, WT, h.hidden)
         return None, None, gx, gw

@@ -5,7 +5,7 @@ Every ``MOONCAKE_EP_*`` environment variable the package reads is read here, in
 
 | variable | meaning | default |
 |---|---|---|
-| ``MOONCAKE_EP_KERNELS`` | ``auto`` (Triton for CUDA tensors when importable, torch ops otherwise) / ``torch`` / ``triton`` | ``auto`` |
+| ``MOONCAKE_EP_KERNELS`` | ``auto`` (Triton for CUDA tensors when importable, torch ops otherwise) / ``torch`` / ``triton`` (Triton for CUDA tensors, and for CPU tensors under ``TRITON_INTERPRET=1``) | ``auto`` |
 | ``MOONCAKE_EP_FP32_ACCUMULATE`` | ``1``: 16-bit combines accumulate in float32 and round once; ``0``: accumulate in the data's dtype (faster on CPU) | ``1`` |
 """
 from __future__ import annotations
@@ -24,7 +24,9 @@ class EPConfig:
     Attributes:
         kernels: ``"auto"`` (Triton kernels for CUDA tensors when Triton is importable,
             vectorized torch ops otherwise), ``"torch"`` or ``"triton"``
-            (``MOONCAKE_EP_KERNELS``). CPU tensors always use torch ops.
+            (``MOONCAKE_EP_KERNELS``). With ``"triton"``, CPU tensors run the Triton kernels
+            under Triton's interpreter when ``TRITON_INTERPRET=1`` is set (before triton is
+            imported); otherwise CPU tensors use torch ops.
         fp32_accumulate: combines of bfloat16/float16 data sum in float32 and round once
             (``MOONCAKE_EP_FP32_ACCUMULATE``, default ``True``); ``False`` sums in the data's
             own dtype (one rounding per partial sum, about 3x faster on CPU).

@@ -1,11 +1,16 @@
-"""Row kernels of the dispatch/combine data path: vectorized torch ops for CPU tensors,
-Triton kernels (:mod:`mooncake_ep.triton_kernels`) for CUDA tensors.
+"""Row kernels of the dispatch/combine data path: vectorized torch ops, or Triton kernels
+(:mod:`mooncake_ep.triton_kernels`) for CUDA tensors (``kernels="auto"``/``"triton"``) and,
+with ``kernels="triton"`` and ``TRITON_INTERPRET=1``, for CPU tensors under Triton's
+interpreter (how the Triton path is tested without a GPU). Every tensor a function here
+allocates is on its input's device.
 
 Names of dimensions: ``T`` tokens of this rank, ``N`` rows moved (one per token and
 destination rank in normal mode, one per distinct (token, expert) pair in low-latency
 mode), ``H`` hidden size.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -15,8 +20,17 @@ FP8_BLOCK = 128          # channels per scale
 FP8_MIN_AMAX = 1e-4      # a block of zeros gets scale FP8_MIN_AMAX / FP8_MAX
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
+
+
 def _use_triton(t: torch.Tensor, kernels: str) -> bool:
-    if kernels == "torch" or not t.is_cuda:
+    """Whether ``t`` goes through the Triton kernels: ``"torch"`` never; ``"auto"`` for CUDA
+    tensors when Triton imports; ``"triton"`` for CUDA tensors (an ImportError propagates)
+    and for CPU tensors when ``TRITON_INTERPRET=1`` (else CPU tensors use torch ops)."""
+    if kernels == "torch":
+        return False
+    if not t.is_cuda and not (kernels == "triton" and t.device.type == "cpu" and _interpreting()):
         return False
     try:
         from . import triton_kernels  # noqa: F401
@@ -42,12 +56,14 @@ def scatter_add_rows(rows: torch.Tensor, idx: torch.Tensor, num_out: int, *,
                      alloc=None) -> torch.Tensor:
     """``out[t] = sum over n with idx[n] == t of weights[n] * rows[n]`` (weights 1 when
     ``None``): ``rows`` [N, H], ``idx`` int64 [N] in ``[0, num_out)``, ``weights`` float [N]
-    -> [num_out, H] of ``out_dtype`` (default rows' dtype). Rows add in index order (the
-    result is deterministic); 16-bit rows accumulate in float32 when ``fp32_accumulate``
+    -> [num_out, H] of ``out_dtype`` (default rows' dtype), on rows' device. On CPU rows
+    add in index order (the result is deterministic); on CUDA ``index_add_`` adds them in
+    no fixed order (identical results only where at most two rows meet); 16-bit rows accumulate in float32 when ``fp32_accumulate``
     (or when weighted) and round once. ``max_per_row``: at most this many rows add into
     one output row; with 2 or fewer, unweighted sums in the data's own dtype already round
     exactly once (0 + a is exact, a + b rounds once), so the float32 detour is skipped.
-    ``alloc(shape, dtype)`` supplies the (uninitialised) output/accumulator tensors."""
+    ``alloc(shape, dtype, device)`` supplies the (uninitialised) output/accumulator
+    tensors; everything is allocated on ``rows``' device."""
     out_dtype = out_dtype or rows.dtype
     H = rows.shape[1] if rows.dim() == 2 else 0
     acc_dtype = out_dtype
@@ -57,7 +73,7 @@ def scatter_add_rows(rows: torch.Tensor, idx: torch.Tensor, num_out: int, *,
     if alloc is None:
         out = torch.zeros((num_out, H), dtype=acc_dtype, device=rows.device)
     else:
-        out = alloc((num_out, H), acc_dtype).zero_()
+        out = alloc((num_out, H), acc_dtype, rows.device).zero_()
     if rows.shape[0]:
         src = rows if rows.dtype == acc_dtype else rows.to(acc_dtype)
         if weights is not None:
@@ -67,7 +83,29 @@ def scatter_add_rows(rows: torch.Tensor, idx: torch.Tensor, num_out: int, *,
         return out
     if alloc is None:
         return out.to(out_dtype)
-    return alloc((num_out, H), out_dtype).copy_(out)
+    return alloc((num_out, H), out_dtype, rows.device).copy_(out)
+
+
+def sum_rows_by_table(rows: torch.Tensor, pos: torch.Tensor, *, fp32_accumulate: bool = True,
+                      max_per_row: int | None = None, kernels: str = "auto") -> torch.Tensor | None:
+    """``out[t] = sum_j rows[pos[t, j]]`` over ``pos[t, j] >= 0``, in ``j`` order, with the
+    Triton ``unpermute`` kernel: ``rows`` [N, H] float32/bfloat16, ``pos`` int64 [T, M] on
+    rows' device -> [T, H] of rows' dtype (float32 accumulation, one rounding). Equal bit
+    for bit to :func:`scatter_add_rows` on CPU when ``pos`` lists each token's rows in
+    increasing row order (its CPU index order), and deterministic on CUDA. Returns ``None``
+    where the Triton path does not apply (kernels, device, dtype, or 16-bit sums of more
+    than two rows without ``fp32_accumulate``); the caller then uses ``scatter_add_rows``."""
+    if rows.dtype not in (torch.float32, torch.bfloat16) or rows.dim() != 2 or rows.stride(1) != 1:
+        return None
+    if rows.dtype != torch.float32 and not fp32_accumulate and (max_per_row is None or max_per_row > 2):
+        return None
+    if not _use_triton(rows, kernels):
+        return None
+    if rows.shape[0] == 0:          # no rows came back: no kernel (an empty CUDA tensor has no address)
+        return torch.zeros((pos.shape[0], rows.shape[1]), dtype=rows.dtype, device=rows.device)
+    from .triton_kernels import unpermute
+
+    return unpermute(rows, pos)
 
 
 def scatter_rows(rows: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -145,7 +145,7 @@ class ExpertParallelMoE(nn.Module):
     def _experts(self, recv_x, recv_idx, recv_w):
         """Weighted outputs of the local experts, one row per received token."""
         H = recv_x.shape[1]
-        y = torch.zeros((recv_x.shape[0], H), dtype=torch.float32)
+        y = torch.zeros((recv_x.shape[0], H), dtype=torch.float32, device=recv_x.device)
         for l, expert in enumerate(self.experts):
             hit = recv_idx == l                                   # [N, K]
             rows = hit.any(1).nonzero().squeeze(1)
@@ -159,7 +159,7 @@ class ExpertParallelMoE(nn.Module):
             # backward move data, so they must run on every rank, also where no rows
             # arrived or no expert was hit.
             y = y + (recv_x.sum() * 0 + recv_w.sum() * 0)
-            y = y + _anchor()
+            y = y + _anchor(recv_x.device)
         return y.to(recv_x.dtype)
 
 
@@ -220,12 +220,13 @@ class ExpertParallelMoE(nn.Module):
         buddy = {r: live[(live.index(r) + 1) % len(live)] for r in live}
         src = [r for r in live if buddy[r] == rank]
         ts, n = self._flat_state()
+        sdev = ts[0].device if ts else torch.device("cpu")     # the experts' device
         with torch.no_grad():
             mine = torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in ts]) if ts \
-                else torch.zeros(0, dtype=torch.uint8)
+                else torch.zeros(0, dtype=torch.uint8, device=sdev)
             send = [n if r == buddy.get(rank) else 0 for r in range(W)]
             recv = [n if r in src else 0 for r in range(W)]
-            out = torch.empty(sum(recv), dtype=torch.uint8)
+            out = torch.empty(sum(recv), dtype=torch.uint8, device=sdev)
             dist.all_to_all_single(out, mine, recv, send, group=self.buffer.group)
         after = self.buffer.get_active_ranks().tolist()
         # copies of ranks that are gone now stay until they are restored (a snapshot taken
@@ -282,8 +283,9 @@ class ExpertParallelMoE(nn.Module):
                 chunks.append(self._backup[j])
             if j == rank:
                 recv[holder[j]] = n
-        inp = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8)
-        out = torch.empty(sum(recv), dtype=torch.uint8)
+        sdev = ts[0].device if ts else torch.device("cpu")     # the experts' device
+        inp = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8, device=sdev)
+        out = torch.empty(sum(recv), dtype=torch.uint8, device=sdev)
         dist.all_to_all_single(out, inp, recv, send, group=self.buffer.group)
         if rank in want_all:
             with torch.no_grad():
@@ -304,5 +306,5 @@ def _gate_name(gate):
     return r if "\n" not in r and len(r) <= 100 else type(gate).__name__
 
 
-def _anchor():
-    return torch.zeros((), requires_grad=True)
+def _anchor(device):
+    return torch.zeros((), requires_grad=True, device=device)
