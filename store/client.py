@@ -201,6 +201,19 @@ def _close_at_exit(ref):
         store._close_at_exit()
 
 
+def _batch_result(keys: list, out: list, deadline: float, return_exceptions: bool) -> list:
+    """A batch read's results: every read that ended after the lease becomes a
+    ``LeaseExpiredError``; the first error is raised unless ``return_exceptions``."""
+    if time.monotonic() > deadline:
+        out = [o if isinstance(o, BaseException) else LeaseExpiredError(f"the read of {k!r} outlasted its lease")
+               for k, o in zip(keys, out)]
+    if not return_exceptions:
+        for o in out:
+            if isinstance(o, BaseException):
+                raise o
+    return out
+
+
 class _Obj:
     __slots__ = ("key", "size", "version", "meta", "replicas")
 
@@ -798,14 +811,7 @@ class MooncakeStore:
         objs, segs, deadline = self._get_meta(keys)
         got = self._read_many(objs, segs)
         out = [ObjectNotFoundError(f"key {k!r} not found") if obj is None else g for k, obj, g in zip(keys, objs, got)]
-        if time.monotonic() > deadline:
-            out = [o if isinstance(o, BaseException) else
-                   LeaseExpiredError(f"the read of {k!r} outlasted its lease") for k, o in zip(keys, out)]
-        if not return_exceptions:
-            for o in out:
-                if isinstance(o, BaseException):
-                    raise o
-        return out
+        return _batch_result(keys, out, deadline, return_exceptions)
 
     def _local_views(self, keys: list) -> tuple:
         """``(views, deadline)``: per key a read-only ``memoryview`` of the value's first
@@ -890,14 +896,7 @@ class MooncakeStore:
         for i, obj in enumerate(todo):
             if obj is not None:
                 out[i] = got[i] if isinstance(got[i], BaseException) else obj.size
-        if time.monotonic() > deadline:
-            out = [o if isinstance(o, BaseException) else LeaseExpiredError(f"the read of {k!r} outlasted its lease")
-                   for k, o in zip(keys, out)]
-        if not return_exceptions:
-            for o in out:
-                if isinstance(o, BaseException):
-                    raise o
-        return out
+        return _batch_result(keys, out, deadline, return_exceptions)
 
     def get_tensor(self, key: str):
         """The tensor stored by :meth:`put_tensor` (same dtype and shape).
@@ -953,14 +952,7 @@ class MooncakeStore:
                 views[-1] = memoryview(t.reshape(-1).view(torch.uint8).numpy())
         got = self._read_many(todo, segs, views)
         out = [g if isinstance(g, BaseException) else o for o, g in zip(out, got)]
-        if time.monotonic() > deadline:
-            out = [o if isinstance(o, BaseException) else LeaseExpiredError(f"the read of {k!r} outlasted its lease")
-                   for k, o in zip(keys, out)]
-        if not return_exceptions:
-            for o in out:
-                if isinstance(o, BaseException):
-                    raise o
-        return out
+        return _batch_result(keys, out, deadline, return_exceptions)
 
     # ------------------------------------------------------------------ other
     def exists(self, key: str) -> bool:

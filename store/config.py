@@ -47,38 +47,28 @@ def default_host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+# variable -> StoreConfig field, taken as a string / as a byte count
+_ENV_STR = {"MOONCAKE_STORE_MASTER": "master", "MOONCAKE_STORE_ETCD": "etcd",
+            "MOONCAKE_STORE_ETCD_PREFIX": "etcd_prefix", "MOONCAKE_STORE_SECRET": "secret",
+            "MOONCAKE_STORE_SSD_DIR": "ssd_dir", "MOONCAKE_STORE_TRANSFER": "transfer",
+            "MOONCAKE_HOST_ID": "host_id", "MOONCAKE_SOCKET_IFNAME": "ifname"}
+_ENV_BYTES = {"MOONCAKE_STORE_SEGMENT_SIZE": "segment_size", "MOONCAKE_STORE_SSD_MAX_BYTES": "ssd_max_bytes"}
+
+
 def env_defaults() -> dict:
     """The store's ``MOONCAKE_*`` environment variables, parsed (absent ones omitted).
 
     Raises ``ValueError`` for a malformed value, naming the variable."""
     env = os.environ
     out: dict = {}
-    if env.get("MOONCAKE_STORE_MASTER"):
-        out["master"] = env["MOONCAKE_STORE_MASTER"]
-    if env.get("MOONCAKE_STORE_ETCD"):
-        out["etcd"] = env["MOONCAKE_STORE_ETCD"]
-    if env.get("MOONCAKE_STORE_ETCD_PREFIX"):
-        out["etcd_prefix"] = env["MOONCAKE_STORE_ETCD_PREFIX"]
-    if env.get("MOONCAKE_STORE_SECRET"):
-        out["secret"] = env["MOONCAKE_STORE_SECRET"]
-    if env.get("MOONCAKE_STORE_SEGMENT_SIZE"):
-        v = env["MOONCAKE_STORE_SEGMENT_SIZE"]
-        if not v.isdigit():
-            raise ValueError(f"MOONCAKE_STORE_SEGMENT_SIZE must be a byte count, got {v!r}")
-        out["segment_size"] = int(v)
-    if env.get("MOONCAKE_STORE_SSD_DIR"):
-        out["ssd_dir"] = env["MOONCAKE_STORE_SSD_DIR"]
-    if env.get("MOONCAKE_STORE_SSD_MAX_BYTES"):
-        v = env["MOONCAKE_STORE_SSD_MAX_BYTES"]
-        if not v.isdigit():
-            raise ValueError(f"MOONCAKE_STORE_SSD_MAX_BYTES must be a byte count, got {v!r}")
-        out["ssd_max_bytes"] = int(v)
-    if env.get("MOONCAKE_STORE_TRANSFER"):
-        out["transfer"] = env["MOONCAKE_STORE_TRANSFER"]
-    if env.get("MOONCAKE_HOST_ID"):
-        out["host_id"] = env["MOONCAKE_HOST_ID"]
-    if env.get("MOONCAKE_SOCKET_IFNAME"):
-        out["ifname"] = env["MOONCAKE_SOCKET_IFNAME"]
+    for var, field in _ENV_STR.items():
+        if env.get(var):
+            out[field] = env[var]
+    for var, field in _ENV_BYTES.items():
+        if env.get(var):
+            if not env[var].isdigit():
+                raise ValueError(f"{var} must be a byte count, got {env[var]!r}")
+            out[field] = int(env[var])
     if env.get("MOONCAKE_STORE_NO_UVLOOP"):
         out["no_uvloop"] = env["MOONCAKE_STORE_NO_UVLOOP"] not in ("0", "")
     if env.get("MOONCAKE_STORE_TEST_PAUSE"):
