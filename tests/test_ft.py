@@ -850,7 +850,8 @@ def rank_soak_p2p(rank, ws, trial, fault):
 
 def check_p2p_trial(ft_pool, trial, label):
     """Checks :func:`rank_soak_p2p`: p2p with the dead rank raises RankFailureError naming
-    it (a send to it may complete if the victim took the whole message before dying),
+    it (a send to it may complete if the victim, or its socket buffers, took the whole
+    message before it died),
     p2p between live ranks delivers the right bytes (under ``manual`` it may instead fail
     fast once the failure is agreed), the first collective has one outcome everywhere,
     and the survivors end in epoch 1 without the victim."""
@@ -878,7 +879,9 @@ def check_p2p_trial(ft_pool, trial, label):
             assert (o["recv"]["ok"] and o["recv_equal"]) or (policy == "manual" and failed_on_victim(o["recv"])), (
                 f"{ctx} rank {r}: irecv from live rank {(r - 1) % SOAK_W}: {o['recv']} equal={o['recv_equal']}\n{logs}")
         if r == (v - 1) % SOAK_W:   # sends to the victim
-            assert failed_on_victim(o["send"]) or (trial["round"] == 1 and o["send"]["ok"]), (
+            # completing is fine too: over TCP the kernel may take the whole 3 MiB into the
+            # victim's socket buffers just before it dies, whether or not it posted its irecv
+            assert failed_on_victim(o["send"]) or o["send"]["ok"], (
                 f"{ctx} rank {r}: isend to the dead rank: {o['send']}\n{logs}")
         else:
             assert o["send"]["ok"] or (policy == "manual" and failed_on_victim(o["send"])), (
