@@ -246,5 +246,6 @@ def test_joiners_fail_fast_when_every_rank_died(tmp_path):
     rc, text = _finish(p, 100)
     took = time.monotonic() - t0
     assert rc == 1, text
-    assert text.count("JOIN-FAILED DistBackendError") == 2 and "no live member is left" in text, text
+    # (the two ranks print at once into one stream: their lines may interleave)
+    assert text.count("JOIN-FAILED") == 2 and text.count("no live member is left") == 2, text
     assert took < 50, f"took {took:.1f} s\n{text}"
