@@ -71,6 +71,30 @@ def expert_class():
     return _Expert
 
 
+def _init_attention(block, d, heads):
+    """The attention half of a block (the same names in the training and the rollout model)."""
+    import torch.nn as nn
+
+    block.heads = heads
+    block.ln1 = nn.LayerNorm(d)
+    block.qkv = nn.Linear(d, 3 * d)
+    block.proj = nn.Linear(d, d)
+    block.ln2 = nn.LayerNorm(d)
+
+
+def _init_lm(lm, args, block_cls):
+    """Embedding, positions, ``args.layers`` blocks, final norm and head, in this order."""
+    import torch
+    import torch.nn as nn
+
+    d = args.d_model
+    lm.emb = nn.Embedding(256, d)
+    lm.pos = nn.Parameter(torch.zeros(args.seq_len, d))
+    lm.blocks = nn.ModuleList([block_cls(d, args.heads, args.experts) for _ in range(args.layers)])
+    lm.ln_f = nn.LayerNorm(d)
+    lm.head = nn.Linear(d, 256)
+
+
 def build_model(args, group=None):
     import torch
     import torch.nn as nn
@@ -83,11 +107,7 @@ def build_model(args, group=None):
     class Block(nn.Module):
         def __init__(self, d, heads, experts):
             super().__init__()
-            self.heads = heads
-            self.ln1 = nn.LayerNorm(d)
-            self.qkv = nn.Linear(d, 3 * d)
-            self.proj = nn.Linear(d, d)
-            self.ln2 = nn.LayerNorm(d)
+            _init_attention(self, d, heads)
             gate = nn.Linear(d, experts, bias=False)
             self.moe = mooncake_ep.ExpertParallelMoE(gate, [Expert(d, 2 * d) for _ in range(experts)], group,
                                                      top_k=2)
@@ -103,12 +123,7 @@ def build_model(args, group=None):
     class MoELM(nn.Module):
         def __init__(self):
             super().__init__()
-            d = args.d_model
-            self.emb = nn.Embedding(256, d)
-            self.pos = nn.Parameter(torch.zeros(args.seq_len, d))
-            self.blocks = nn.ModuleList([Block(d, args.heads, args.experts) for _ in range(args.layers)])
-            self.ln_f = nn.LayerNorm(d)
-            self.head = nn.Linear(d, 256)
+            _init_lm(self, args, Block)
 
         def forward(self, idx):
             x = self.emb(idx) + self.pos[: idx.shape[1]]
@@ -149,11 +164,7 @@ def build_rollout_model(args):
     class Block(nn.Module):
         def __init__(self, d, heads, experts):
             super().__init__()
-            self.heads = heads
-            self.ln1 = nn.LayerNorm(d)
-            self.qkv = nn.Linear(d, 3 * d)
-            self.proj = nn.Linear(d, d)
-            self.ln2 = nn.LayerNorm(d)
+            _init_attention(self, d, heads)
             self.moe = MoE(d, experts)
 
         def forward(self, x, past):
@@ -172,12 +183,7 @@ def build_rollout_model(args):
     class RolloutLM(nn.Module):
         def __init__(self):
             super().__init__()
-            d = args.d_model
-            self.emb = nn.Embedding(256, d)
-            self.pos = nn.Parameter(torch.zeros(args.seq_len, d))
-            self.blocks = nn.ModuleList([Block(d, args.heads, args.experts) for _ in range(args.layers)])
-            self.ln_f = nn.LayerNorm(d)
-            self.head = nn.Linear(d, 256)
+            _init_lm(self, args, Block)
 
         @torch.no_grad()
         def forward(self, tokens, past=None):

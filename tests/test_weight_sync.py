@@ -139,6 +139,22 @@ class InjectedError(RuntimeError):
     pass
 
 
+def _ws2_target(tag):
+    """This worker's model for WS-2 (zeros; kept across calls)."""
+    import torch
+
+    return _STATE.setdefault((tag, "model"), {k: torch.zeros_like(v) for k, v in _ws2_sd(0).items()})
+
+
+def _fail_at_bucket_4(rank, fail_rank, seen):
+    """A stage hook recording bucket indices; ``fail_rank`` raises at bucket 4."""
+    def hook(i):
+        seen.append(i)
+        if rank == fail_rank and i == 4:
+            raise InjectedError(f"worker {rank}: injected failure at bucket 4")
+    return hook
+
+
 def _ws2_store_rank(rank, world, addr, version, fail_rank, tag):
     """rank 0 publishes ``version`` (if not yet); ranks 1..3 pull; ``fail_rank`` raises at bucket 4."""
     import torch
@@ -154,15 +170,10 @@ def _ws2_store_rank(rank, world, addr, version, fail_rank, tag):
     dist.barrier()
     if rank > 0:
         r = _STATE.setdefault((tag, "reader"), WeightSync(_client(addr), "ws2", config=cfg))
-        model = _STATE.setdefault((tag, "model"), {k: torch.zeros_like(v) for k, v in _ws2_sd(0).items()})
+        model = _ws2_target(tag)
         seen = []
-
-        def hook(i):
-            seen.append(i)
-            if rank == fail_rank and i == 4:
-                raise InjectedError(f"worker {rank}: injected failure at bucket 4")
         try:
-            r.pull(model, stage_hook=hook)
+            r.pull(model, stage_hook=_fail_at_bucket_4(rank, fail_rank, seen))
         except InjectedError as e:
             out["error"] = str(e)
         out.update(version=r.version, digests={k: v[0] for k, v in _digests(model).items()}, buckets_seen=seen)
@@ -204,16 +215,11 @@ def _ws2_pg_rank(rank, world, version, fail_rank, tag):
     if rank == 0:
         model = _ws2_sd(version)
     else:
-        model = _STATE.setdefault((tag, "model"), {k: torch.zeros_like(v) for k, v in _ws2_sd(0).items()})
+        model = _ws2_target(tag)
     seen = []
-
-    def hook(i):
-        seen.append(i)
-        if rank == fail_rank and i == 4:
-            raise InjectedError(f"worker {rank}: injected failure at bucket 4")
     out = {}
     try:
-        res = gs.sync(model, version if rank == 0 else None, stage_hook=hook)
+        res = gs.sync(model, version if rank == 0 else None, stage_hook=_fail_at_bucket_4(rank, fail_rank, seen))
         out["buckets"] = res.buckets
     except WeightSyncAbortedError as e:
         out["error"] = str(e)
