@@ -329,8 +329,10 @@ void RdmaQp::connect(const RdmaQpInfo& r) {
   if (rc != 0) throw std::runtime_error(err("RdmaQp::connect", "ibv_modify_qp(RTS): " + errno_str(rc)));
 }
 
-void RdmaQp::post_write(const void* local, size_t len, uint32_t lkey, uint64_t remote_addr, uint32_t rkey,
-                        uint64_t wr_id, bool signaled, const uint32_t* imm) {
+namespace {
+// One RDMA write or read work request on `qp` (no scatter entry for zero bytes).
+void post_rdma(ibv_qp* qp, ibv_wr_opcode opcode, const char* where, const void* local, size_t len, uint32_t lkey,
+               uint64_t remote_addr, uint32_t rkey, uint64_t wr_id, bool signaled, const uint32_t* imm) {
   ibv_sge sge{};
   sge.addr = reinterpret_cast<uint64_t>(local);
   sge.length = static_cast<uint32_t>(len);
@@ -339,31 +341,25 @@ void RdmaQp::post_write(const void* local, size_t len, uint32_t lkey, uint64_t r
   wr.wr_id = wr_id;
   wr.sg_list = len ? &sge : nullptr;
   wr.num_sge = len ? 1 : 0;
-  wr.opcode = imm ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE;
+  wr.opcode = opcode;
   wr.send_flags = signaled ? IBV_SEND_SIGNALED : 0;
   if (imm) wr.imm_data = htonl(*imm);
   wr.wr.rdma.remote_addr = remote_addr;
   wr.wr.rdma.rkey = rkey;
-  int rc = ibv_post_send(qp_, &wr, &bad);
-  if (rc != 0) throw std::runtime_error(err("RdmaQp::post_write", "ibv_post_send: " + errno_str(rc)));
+  int rc = ibv_post_send(qp, &wr, &bad);
+  if (rc != 0) throw std::runtime_error(err(where, "ibv_post_send: " + errno_str(rc)));
+}
+}  // namespace
+
+void RdmaQp::post_write(const void* local, size_t len, uint32_t lkey, uint64_t remote_addr, uint32_t rkey,
+                        uint64_t wr_id, bool signaled, const uint32_t* imm) {
+  post_rdma(qp_, imm ? IBV_WR_RDMA_WRITE_WITH_IMM : IBV_WR_RDMA_WRITE, "RdmaQp::post_write", local, len, lkey,
+            remote_addr, rkey, wr_id, signaled, imm);
 }
 
 void RdmaQp::post_read(void* local, size_t len, uint32_t lkey, uint64_t remote_addr, uint32_t rkey, uint64_t wr_id,
                        bool signaled) {
-  ibv_sge sge{};
-  sge.addr = reinterpret_cast<uint64_t>(local);
-  sge.length = static_cast<uint32_t>(len);
-  sge.lkey = lkey;
-  ibv_send_wr wr{}, *bad = nullptr;
-  wr.wr_id = wr_id;
-  wr.sg_list = &sge;
-  wr.num_sge = 1;
-  wr.opcode = IBV_WR_RDMA_READ;
-  wr.send_flags = signaled ? IBV_SEND_SIGNALED : 0;
-  wr.wr.rdma.remote_addr = remote_addr;
-  wr.wr.rdma.rkey = rkey;
-  int rc = ibv_post_send(qp_, &wr, &bad);
-  if (rc != 0) throw std::runtime_error(err("RdmaQp::post_read", "ibv_post_send: " + errno_str(rc)));
+  post_rdma(qp_, IBV_WR_RDMA_READ, "RdmaQp::post_read", local, len, lkey, remote_addr, rkey, wr_id, signaled, nullptr);
 }
 
 void RdmaQp::post_recv(uint64_t wr_id) {
