@@ -22,6 +22,7 @@ import msgpack
 
 from . import protocol, ssd
 from .config import MasterConfig, ReplicateConfig, StoreConfig, _parse_hostport
+from .alloc import aligned
 from .core import SEG_HEADER
 from .errors import (LeaseExpiredError, NoSpaceError, NotLeaderError, ObjectNotFoundError, ProtocolError,
                      PutLostError, StoreError, TransferError, UnknownClientError, from_code)
@@ -31,6 +32,8 @@ log = logging.getLogger("mooncake_store")
 
 _DEFAULT_REPLICATE = ReplicateConfig()
 _NOSPACE_RETRY_S = 5.0
+_RESV_IDLE_S = 3.0  # a put reservation unused this long goes back to the master
+_RESV_REFUSED_S = 1.0  # after the master refused (or took back) a reservation, no new request this long
 _FAST_COPY_BYTES = 64 << 10  # copies from this size on go through the parallel C++ copy
 
 
@@ -159,7 +162,9 @@ class StoreStats:
     waiting for a lease to end before reuse), ssd_objects (objects with an SSD copy), puts,
     gets, hits, misses, evictions (objects whose memory copies were evicted), offloads
     (objects sent to SSD), removes, put_aborts, clients_lost (declared dead), ssd_drops
-    (objects dropped from a full SSD directory, ``StoreConfig.ssd_max_bytes``)."""
+    (objects dropped from a full SSD directory, ``StoreConfig.ssd_max_bytes``),
+    reserved_bytes (part of used_bytes: space reserved for clients' next puts,
+    ``StoreConfig.put_reservation_bytes``)."""
 
     objects: int
     pending: int
@@ -179,6 +184,17 @@ class StoreStats:
     put_aborts: int
     clients_lost: int
     ssd_drops: int
+    reserved_bytes: int = 0
+
+
+class _Reservation:
+    """Segment space the master reserved for this client's next puts (``Core.reserve``)."""
+
+    __slots__ = ("seg", "off", "left", "desc", "pref", "session", "used_at")
+
+    def __init__(self, seg, off, left, desc, pref, session, used_at):
+        self.seg, self.off, self.left, self.desc = seg, off, left, desc
+        self.pref, self.session, self.used_at = pref, session, used_at
 
 
 def _chunks(keys: list, max_keys: int = 2048, max_bytes: int = 1 << 20):
@@ -259,6 +275,12 @@ class MooncakeStore:
         self._fast = None  # mooncake_pg.transfer (parallel C++ copies) when loaded
         self._lease_ttl = 5.0
         self._epoch = -1
+        # one-round-trip puts (Core.reserve / Core.put): the reservation this client fills
+        self._resv: Optional[_Reservation] = None
+        self._resv_lock = threading.Lock()  # held from placing a put in the reservation to its commit
+        self._resv_refused = (0.0, 0)  # (until when, for requests of at least how many bytes) not to ask again
+        self._resv_rid = 0
+        self._session = 0  # counts connections to a master: a reservation is valid only in its own
         if cfg.master is None and cfg.etcd is None:
             from .master import Master
 
@@ -374,11 +396,13 @@ class MooncakeStore:
                         raise StoreError("the store client is closed")
                     if self._conn is None:
                         self._conn = self._connect()
+                        self._session += 1
                     return self._conn.call(method, args)
             except UnknownClientError:
                 if not register or reregistered:
                     raise
                 reregistered = True
+                self._session += 1  # the master forgot this client, and its reservation
                 self._register()
             except (OSError, NotLeaderError) as e:
                 with self._lock:
@@ -397,6 +421,7 @@ class MooncakeStore:
             try:
                 if conn is None:
                     conn = self._connect_poll()
+                    self._session += 1  # perhaps another master: reservations are checked again
                 res = conn.call("poll", {"client": self.client_id, "wait_ms": int(self.cfg.heartbeat_interval_s * 1000),
                                          "epoch": self._epoch}, timeout=self.cfg.rpc_timeout_s + 3)
                 if "segs" in res:
@@ -405,6 +430,9 @@ class MooncakeStore:
                     self._ro_maps.retain(set(res["segs"]))
                 for task in res["tasks"]:
                     self._run_task(task)
+                r = self._resv
+                if r is not None and time.monotonic() - r.used_at > _RESV_IDLE_S:
+                    self._give_back_reservation(wait=False)
             except UnknownClientError:
                 if self._closed:
                     break
@@ -438,7 +466,9 @@ class MooncakeStore:
 
     def _run_task(self, task):
         op = task[0]
-        if op == "delete" and self.cfg.ssd_dir:
+        if op == "unreserve":
+            self._give_back_reservation(wait=True)
+        elif op == "delete" and self.cfg.ssd_dir:
             path = task[1]
             if os.path.realpath(path).startswith(os.path.realpath(self.cfg.ssd_dir) + os.sep):
                 ssd.delete(path)
@@ -627,6 +657,14 @@ class MooncakeStore:
                     if isinstance(r, BaseException):
                         raise r
             return out
+        if not _avoid and _retry:
+            fast = self._put_reserved(keys, views, metas, cfg, upsert)
+            if fast is not None:
+                if not return_exceptions:
+                    for r in fast:
+                        if isinstance(r, BaseException):
+                            raise r
+                return fast
         args = {"client": self.client_id, "items": [[k, len(v), m] for k, v, m in zip(keys, views, metas)],
                 "r": cfg.replica_num, "pref": cfg.preferred_segment, "pin": cfg.pin, "all": cfg.require_all,
                 "upsert": upsert}
@@ -700,6 +738,87 @@ class MooncakeStore:
                 if isinstance(r, BaseException):
                     raise r
         return results
+
+    def _put_reserved(self, keys: list, views: list, metas: list, cfg: ReplicateConfig, upsert: bool):
+        """One-round-trip put: writes the objects back to back into this client's
+        reservation and commits them with one request (``Core.put``). Returns the results
+        as ``_put_many`` does, or None when this path is not taken (more than one replica,
+        ``require_all``, objects larger than a quarter of ``put_reservation_bytes``, no
+        reservation granted, another thread using it, the master no longer knowing it):
+        the caller then puts them the two-request way, from the start."""
+        want = self.cfg.put_reservation_bytes
+        if (not want or cfg.replica_num != 1 or cfg.require_all
+                or (self.cfg.test_pause and self.cfg.test_pause[0] == "put")):
+            return None
+        sizes = [aligned(len(v)) for v in views]
+        total = sum(sizes)
+        if total > want // 4 or not self._resv_lock.acquire(blocking=False):
+            return None
+        try:
+            r = self._resv
+            if r is None or r.session != self._session or r.pref != cfg.preferred_segment or r.left < total:
+                until, least = self._resv_refused
+                if time.monotonic() < until and 4 * total >= least:
+                    return None
+                r = self._reserve(cfg.preferred_segment, 4 * total)
+                if r is None or r.left < total:
+                    return None
+            jobs, off = [], r.off
+            for v, n in zip(views, sizes):
+                jobs.append((r.seg, off, v))
+                off += n
+            try:
+                self._write_all(jobs, {r.seg: r.desc})
+            except TransferError:
+                self._resv = None  # its segment cannot be reached: the slow path places them elsewhere
+                return None
+            self._resv_rid += 1
+            try:
+                res = self._call("put", {"client": self.client_id, "rid": self._resv_rid, "seg": r.seg, "off": r.off,
+                                         "items": [[k, len(v), m] for k, v, m in zip(keys, views, metas)],
+                                         "pin": cfg.pin, "upsert": upsert})
+            except BaseException:
+                self._resv = None
+                raise
+            if res.get("lost"):  # another master, or this client was declared dead meanwhile
+                self._resv = None
+                return None
+            r.off, r.left = res["resv"]
+            r.used_at = time.monotonic()
+            return [it[1] if it[0] == 0 else from_code(it[1], it[2]) for it in res["items"]]
+        finally:
+            self._resv_lock.release()
+
+    def _reserve(self, pref: Optional[str], least: int) -> Optional["_Reservation"]:
+        """Gives the current reservation back and asks for a new one of at least ``least``
+        bytes (``_resv_lock`` held)."""
+        old, self._resv = self._resv, None
+        res = self._call("reserve", {"client": self.client_id, "bytes": self.cfg.put_reservation_bytes, "pref": pref,
+                                     "min": least,
+                                     "ret": [[old.seg, old.off, old.left]] if old is not None else []})
+        if res["resv"] is None:
+            self._resv_refused = (time.monotonic() + _RESV_REFUSED_S, least)
+            return None
+        seg, off, n = res["resv"]
+        self._resv = _Reservation(seg, off, n, res["segs"][seg], pref, self._session, time.monotonic())
+        return self._resv
+
+    def _give_back_reservation(self, wait: bool):
+        """Returns the reservation to the master (asked to, or idle); ``wait``: after a put
+        in flight in it has committed."""
+        if not self._resv_lock.acquire(blocking=wait):
+            return
+        try:
+            old, self._resv = self._resv, None
+            if old is not None and not self._closed:
+                self._resv_refused = (time.monotonic() + _RESV_REFUSED_S, 0)
+                try:
+                    self._call("reserve", {"client": self.client_id, "bytes": 0,
+                                           "ret": [[old.seg, old.off, old.left]]})
+                except StoreError as e:
+                    log.warning("store: giving a put reservation back failed: %s", e)
+        finally:
+            self._resv_lock.release()
 
     def put(self, key: str, value, config: ReplicateConfig = _DEFAULT_REPLICATE) -> int:
         """Stores ``value`` (bytes-like, ``b""`` allowed) under ``key``.

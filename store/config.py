@@ -52,7 +52,8 @@ _ENV_STR = {"MOONCAKE_STORE_MASTER": "master", "MOONCAKE_STORE_ETCD": "etcd",
             "MOONCAKE_STORE_ETCD_PREFIX": "etcd_prefix", "MOONCAKE_STORE_SECRET": "secret",
             "MOONCAKE_STORE_SSD_DIR": "ssd_dir", "MOONCAKE_STORE_TRANSFER": "transfer",
             "MOONCAKE_HOST_ID": "host_id", "MOONCAKE_SOCKET_IFNAME": "ifname"}
-_ENV_BYTES = {"MOONCAKE_STORE_SEGMENT_SIZE": "segment_size", "MOONCAKE_STORE_SSD_MAX_BYTES": "ssd_max_bytes"}
+_ENV_BYTES = {"MOONCAKE_STORE_SEGMENT_SIZE": "segment_size", "MOONCAKE_STORE_SSD_MAX_BYTES": "ssd_max_bytes",
+              "MOONCAKE_STORE_PUT_RESERVATION_BYTES": "put_reservation_bytes"}
 
 
 def env_defaults() -> dict:
@@ -192,9 +193,18 @@ class StoreConfig:
         serve_tcp: start the transfer engine so that clients on other hosts (or with
             ``transfer="tcp"``) reach this client's segment; imports torch and the C++
             extension. ``False``: same-host clients only, no torch import.
-        prefault: map segments with every page allocated up front (``MAP_POPULATE``): the
-            first copies into a segment then take no page faults, at the cost of committing
+        prefault: map segments with every page allocated and mapped up front
+            (``MADV_POPULATE_WRITE``; ``MAP_POPULATE`` for read-only mappings): the first
+            copies into a segment then take no page faults, at the cost of committing
             ``segment_size`` bytes at start and a one-time cost per mapped peer segment.
+        put_reservation_bytes: bytes of segment space this client asks the master to
+            reserve for its next puts (default 64 MiB; the master grants at most 1/16 of a
+            segment, and none once the store is above its low watermark). A put of
+            ``replica_num=1`` whose objects fit in a quarter of it is written into that
+            space and committed with one metadata round trip instead of two; the master
+            takes reserved space back (the client gives it up) before it evicts anything,
+            and the client gives it back after a few idle seconds. 0: every put takes two
+            round trips (``MOONCAKE_STORE_PUT_RESERVATION_BYTES``).
         master_config: options of the embedded master.
         test_pause: tests only: ``("put", s)`` / ``("get", s)`` sleeps ``s`` seconds after the
             master answered put-start / get, before any byte moves (``MOONCAKE_STORE_TEST_PAUSE``).
@@ -217,6 +227,7 @@ class StoreConfig:
     heartbeat_interval_s: float = 0.5
     serve_tcp: bool = True
     prefault: bool = True
+    put_reservation_bytes: Optional[int] = None
     master_config: Optional[MasterConfig] = None
     test_pause: Optional[tuple] = None
 
@@ -233,6 +244,8 @@ class StoreConfig:
             out.etcd_prefix = "/mooncake_store/default"
         if out.segment_size is None:
             out.segment_size = 256 * MiB
+        if out.put_reservation_bytes is None:
+            out.put_reservation_bytes = 64 * MiB
         if out.transfer is None:
             out.transfer = "auto"
         if out.host_id is None:
@@ -252,6 +265,11 @@ class StoreConfig:
         if self.ssd_max_bytes is not None and (not isinstance(self.ssd_max_bytes, int)
                                                or isinstance(self.ssd_max_bytes, bool) or self.ssd_max_bytes < 0):
             raise ValueError(f"StoreConfig: ssd_max_bytes must be a byte count >= 0 or None, got {self.ssd_max_bytes!r}")
+        if self.put_reservation_bytes is not None and (not isinstance(self.put_reservation_bytes, int)
+                                                       or isinstance(self.put_reservation_bytes, bool)
+                                                       or self.put_reservation_bytes < 0):
+            raise ValueError("StoreConfig: put_reservation_bytes must be a byte count >= 0, got "
+                             f"{self.put_reservation_bytes!r}")
         if self.transfer is not None and self.transfer not in _TRANSFERS:
             raise ValueError(f"StoreConfig: transfer must be one of {_TRANSFERS}, got {self.transfer!r}")
         if self.name is not None and (not self.name or len(self.name) > 200 or "/" in self.name):

@@ -50,7 +50,8 @@ class Segment:
 
 class Client:
     __slots__ = ("id", "name", "host", "pid", "last_seen", "segments", "ssd_dir", "tasks", "event",
-                 "writing", "ssd_keys", "ssd_max", "ssd_bytes", "ssd_failed_at")
+                 "writing", "ssd_keys", "ssd_max", "ssd_bytes", "ssd_failed_at", "reserved", "reclaim_at",
+                 "last_put")
 
     def __init__(self, cid: str, name: str, host: str, pid: int, ssd_dir: Optional[str], now: float,
                  ssd_max: Optional[int] = None):
@@ -68,6 +69,10 @@ class Client:
         self.ssd_max = ssd_max  # object bytes the directory may hold (None: no limit)
         self.ssd_bytes = 0  # object bytes on it, offloads in flight included
         self.ssd_failed_at = -1e18  # when a write to it last failed (full disk: no offloads for a while)
+        # put reservations: segment name -> [offset of the next byte, bytes left] (see Core.reserve)
+        self.reserved: dict = {}
+        self.reclaim_at = -1e18  # when it was last asked to give its reservations back
+        self.last_put = None  # [request id, reply] of its last one-round-trip put (a resent request gets it again)
 
 
 class Obj:
@@ -110,7 +115,8 @@ class Core:
         self.deferred: list = []  # [until, segment name, offset, bytes]
         self.counters = Counters()
         self.capacity = 0
-        self.used = 0
+        self.used = 0  # allocated bytes, reservations included
+        self.reserved_bytes = 0  # bytes of all put reservations (part of used)
         self.seg_epoch = 0
         self._version = int(time.time() * 1e6)
         self.no_evict_until = 0.0
@@ -295,6 +301,11 @@ class Core:
     def _kill_client(self, c: Client, reason: str):
         self.clients.pop(c.id, None)
         dead = {s.name for s in c.segments}
+        for seg_name in list(c.reserved):
+            self._unreserve(c, seg_name)
+        for other in self.clients.values():
+            for seg_name in [n for n in other.reserved if n in dead]:
+                self._unreserve(other, seg_name)
         for key in list(c.writing):
             self._abort_pending(key)
         for seg in c.segments:
@@ -406,6 +417,14 @@ class Core:
                     used_names.add(s.name)
 
         try_alloc()
+        if len(got) < target and self._reclaim([s.name for s in live if s.name not in used_names]):
+            # space handed out for other puts comes back first: nothing is evicted for it
+            for s_, off, nn in got:
+                self.segments[s_].alloc.free(off, nn)
+                self.used -= nn
+            e = NoSpaceError(f"no space for {size} bytes yet: put reservations are being given back")
+            e.code = "NoSpaceRetry"
+            raise e
         if len(got) < target:
             self._evict_for(n, target - len(got), used_names, live, keep=key)
             try_alloc()
@@ -539,17 +558,21 @@ class Core:
                 out.append([1, PutLostError.code, f"every segment of {key!r} died during the put"])
                 continue
             p.repl = live
-            old = self.objects.get(key)
-            if old is not None:
-                self.lru.pop(key, None)
-                self._release(old)
             p.writer = None
-            self.objects[key] = p
-            self.lru[key] = None
-            self.counters.puts += 1
-            self._dirty(key)
+            self._install(p)
             out.append([0, len(live)])
         return {"items": out}
+
+    def _install(self, obj: Obj):
+        """Makes ``obj`` the committed version of its key (the old one is released)."""
+        old = self.objects.get(obj.key)
+        if old is not None:
+            self.lru.pop(obj.key, None)
+            self._release(old)
+        self.objects[obj.key] = obj
+        self.lru[obj.key] = None
+        self.counters.puts += 1
+        self._dirty(obj.key)
 
     def put_revoke(self, a: dict) -> dict:
         c = self._client(a.get("client"))
@@ -562,6 +585,134 @@ class Core:
                 if p is not None and p.version == it[1] and p.writer == c.id:
                     self._abort_pending(it[0])
         return {}
+
+    # ------------------------------------------------------------------ one-round-trip puts
+    # A client may hold one reservation per segment: a range the master allocated to it
+    # (counted as used), which it fills from the front with the bytes of its next puts and
+    # then commits with one request (``put``) instead of two (``put_start``, ``put_end``).
+    # Only that client writes into its reservation, so no other put can be handed its
+    # bytes. The master frees what is left when the client gives it back (``reserve`` with
+    # ``ret``), dies or unregisters; when space runs short it asks holders to give theirs
+    # back (an ``unreserve`` task) before anything is evicted. Reservations are not written
+    # to etcd: a new leader treats their space as free, and clients drop theirs when their
+    # connection to the master changes.
+    def _unreserve(self, c: Client, seg_name: str):
+        off, n = c.reserved.pop(seg_name)
+        self.reserved_bytes -= n
+        seg = self.segments.get(seg_name)
+        if seg is not None and n > 0:
+            seg.alloc.free(off, n)
+            self.used -= n
+
+    def _reclaim(self, seg_names) -> bool:
+        """Asks every holder of a reservation in ``seg_names`` to give it back (at most
+        every 0.2 s per holder). True if there was any."""
+        now = self.clock()
+        found = False
+        for c in self.clients.values():
+            if any(n in c.reserved for n in seg_names):
+                found = True
+                if now - c.reclaim_at > 0.2:
+                    c.reclaim_at = now
+                    self._queue(c, ["unreserve"])
+        return found
+
+    def reserve(self, a: dict) -> dict:
+        """Gives back the reservations in ``ret`` ([segment, offset, bytes] as last known to
+        the client; others are ignored) and, with ``bytes`` > 0, reserves up to that many
+        bytes in ``pref`` (or the segment with the most free space not in ``x``). Grants
+        only what fits without eviction while the store stays below its low watermark, at
+        most 1/16 of the segment, and nothing if that is less than ``min`` bytes. Returns ``{"resv": [segment, offset, bytes] or None,
+        "segs": {name: descriptor}}``."""
+        c = self._client(a.get("client"))
+        ret, want, pref, avoid = a.get("ret", []), a.get("bytes", 0), a.get("pref"), a.get("x", [])
+        least = a.get("min", 0)
+        if not (isinstance(ret, list) and len(ret) <= 64 and isinstance(want, int) and not isinstance(want, bool)
+                and 0 <= want < 1 << 50 and (pref is None or isinstance(pref, str))
+                and isinstance(least, int) and not isinstance(least, bool)
+                and isinstance(avoid, list) and len(avoid) <= 64 and all(isinstance(x, str) for x in avoid)):
+            raise ProtocolError("reserve: bad arguments")
+        for r in ret:
+            if not (isinstance(r, list) and len(r) == 3 and isinstance(r[0], str) and isinstance(r[1], int)
+                    and isinstance(r[2], int)):
+                raise ProtocolError("reserve: each returned reservation must be [segment, offset, bytes]")
+        for seg_name, off, n in ret:
+            if c.reserved.get(seg_name) == [off, n]:
+                self._unreserve(c, seg_name)
+        if want <= 0:
+            return {"resv": None, "segs": {}}
+        cands = [s for s in self.segments.values() if s.name not in avoid and s.name not in c.reserved
+                 and (pref is None or s.name == pref)]
+        cands.sort(key=lambda s: -(s.alloc.size - s.alloc.used))
+        for seg in cands[:1]:
+            n = aligned(min(want, seg.alloc.size // 16))
+            if n < max(4096, least) or self.used + n > self.cfg.low_watermark * self.capacity or seg.alloc.largest_free() < 4 * n:
+                break
+            off = seg.alloc.alloc(n)
+            if off is None:
+                break
+            self.used += n
+            self.reserved_bytes += n
+            c.reserved[seg.name] = [off, n]
+            return {"resv": [seg.name, off, n], "segs": {seg.name: seg.desc}}
+        return {"resv": None, "segs": {}}
+
+    def put(self, a: dict) -> dict:
+        """Commits objects the client already wrote into its reservation in ``seg``: items
+        ``[key, size, meta]`` lie back to back (each at an ``aligned`` size) from the
+        reservation's front, whose offset the client names (``off``). Per item the same
+        checks and results as ``put_start`` + ``put_end``; a refused item's bytes go back to
+        the free space. Returns ``{"items": [...], "resv": [offset, bytes] left}``, or
+        ``{"lost": True}`` (nothing done) when the master holds no such reservation: the
+        client then puts the same objects the two-request way."""
+        c = self._client(a.get("client"))
+        rid = a.get("rid")
+        if c.last_put is not None and c.last_put[0] == rid:
+            return c.last_put[1]  # the same request again (the reply was lost): same answer
+        items, seg_name, off0 = a.get("items"), a.get("seg"), a.get("off")
+        pin, upsert = bool(a.get("pin", False)), bool(a.get("upsert", False))
+        if not (isinstance(items, list) and 0 < len(items) <= self.cfg.max_keys_per_call
+                and isinstance(seg_name, str) and isinstance(off0, int)):
+            raise ProtocolError("put: bad arguments (items, seg, off)")
+        checked = []
+        for it in items:
+            if not (isinstance(it, list) and len(it) == 3 and isinstance(it[1], int) and it[1] >= 0
+                    and isinstance(it[2], bytes) and len(it[2]) <= self.cfg.max_meta_bytes):
+                raise ProtocolError("put: each item must be [key, size >= 0, meta bytes]")
+            checked.append((self._check_key(it[0]), it[1], it[2]))
+        if len({k for k, _, _ in checked}) != len(checked):
+            raise ProtocolError("put: duplicate keys in one batch")
+        resv = c.reserved.get(seg_name)
+        total = sum(aligned(n) for _, n, _ in checked)
+        if resv is None or resv[0] != off0 or total > resv[1] or seg_name not in self.segments:
+            return {"lost": True}
+        seg = self.segments[seg_name]
+        resv[0] += total
+        resv[1] -= total
+        self.reserved_bytes -= total
+        out, off = [], off0
+        for key, size, meta in checked:
+            n = aligned(size)
+            try:
+                if key in self.pending:
+                    raise ObjectExistsError(f"key {key!r} is being written by another put")
+                if key in self.objects and not upsert:
+                    raise ObjectExistsError(f"key {key!r} exists (use upsert to overwrite)")
+                obj = Obj(key, size, self._next_version(), meta, pin)
+                obj.repl = [[seg_name, off, n]] if n else [[seg_name, 0, 0]]
+                seg.add_key(key)
+                self._install(obj)
+                out.append([0, 1])
+            except StoreError as e:
+                if n:
+                    seg.alloc.free(off, n)
+                    self.used -= n
+                out.append([1, e.code, str(e)])
+            off += n
+        reply = {"items": out, "resv": list(resv)}
+        if isinstance(rid, int):
+            c.last_put = [rid, reply]
+        return reply
 
     # ------------------------------------------------------------------ reads
     def get(self, a: dict) -> dict:
@@ -670,7 +821,7 @@ class Core:
         deferred frees that end, puts that finish or are aborted, loads from SSD that
         finish (and whose lease then ends)."""
         now = self.clock()
-        if any(d[1] == seg.name for d in self.deferred):
+        if any(d[1] == seg.name for d in self.deferred) or self._reclaim([seg.name]):
             return True
         for k in seg.keys:
             if k in self.pending:
@@ -749,9 +900,11 @@ class Core:
                 else:
                     keep.append(d)
             self.deferred = keep
-        if self.capacity and self.used > self.cfg.high_watermark * self.capacity:
+        if self.capacity and self.used > self.cfg.high_watermark * self.capacity and self.reserved_bytes:
+            self._reclaim(list(self.segments))  # reserved space counts as free below
+        if self.capacity and self.used - self.reserved_bytes > self.cfg.high_watermark * self.capacity:
             goal = self.cfg.low_watermark * self.capacity
-            projected = self.used
+            projected = self.used - self.reserved_bytes
             for key in list(self.lru):
                 if projected <= goal:
                     break
@@ -765,6 +918,7 @@ class Core:
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
         return {"objects": len(self.objects), "pending": len(self.pending), "used_bytes": self.used,
+                "reserved_bytes": self.reserved_bytes,
                 "capacity_bytes": self.capacity, "clients": len(self.clients),
                 "segments": len(self.segments), "deferred": len(self.deferred),
                 "ssd_objects": sum(1 for o in self.objects.values() if o.ssd),
@@ -782,7 +936,8 @@ class Core:
         m("objects", "gauge", "Committed objects.", s["objects"])
         m("objects_on_ssd", "gauge", "Committed objects with an SSD replica.", s["ssd_objects"])
         m("pending_puts", "gauge", "Puts in progress.", s["pending"])
-        m("used_bytes", "gauge", "Bytes allocated in segments.", s["used_bytes"])
+        m("used_bytes", "gauge", "Bytes allocated in segments (put reservations included).", s["used_bytes"])
+        m("reserved_bytes", "gauge", "Bytes of segments reserved for clients' next puts.", s["reserved_bytes"])
         m("capacity_bytes", "gauge", "Bytes of all registered segments.", s["capacity_bytes"])
         m("clients", "gauge", "Live clients.", s["clients"])
         m("segments", "gauge", "Registered segments.", s["segments"])

@@ -465,7 +465,8 @@ class _Connection(asyncio.Protocol):
 
 
 _METHODS = {
-    "register": Core.register, "unregister": Core.unregister, "put_start": Core.put_start,
+    "register": Core.register, "unregister": Core.unregister, "put_start": Core.put_start, "put": Core.put,
+    "reserve": Core.reserve,
     "put_end": Core.put_end, "put_revoke": Core.put_revoke, "get": Core.get, "exists": Core.exists, "where": Core.where,
     "remove": Core.remove, "offload_done": Core.offload_done, "load_done": Core.load_done, "adopt_ssd": Core.adopt_ssd,
     "stats": lambda core, a: core.stats(),

@@ -27,7 +27,7 @@ class LocalSegment:
         self.token = os.urandom(16)
         self.fd = os.memfd_create(f"mooncake-store-{name}"[:200], os.MFD_CLOEXEC)
         os.ftruncate(self.fd, size)
-        self.mm = mmap.mmap(self.fd, size, flags=_flags(prefault))
+        self.mm = _map(self.fd, size, prefault, writable=True)
         self.mm[0:len(MAGIC) + 16] = MAGIC + self.token
         self.view = memoryview(self.mm)
 
@@ -47,10 +47,25 @@ class LocalSegment:
             pass
 
 
-def _flags(prefault: bool) -> int:
-    # MAP_POPULATE: allocate and map every page now instead of one fault per 4 KiB page
-    # during the first copies.
-    return mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if prefault else 0)
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
+
+
+def _map(fd: int, size: int, prefault: bool, writable: bool) -> mmap.mmap:
+    """Maps ``fd`` shared. With ``prefault``, every page is allocated and mapped now
+    instead of one fault per 4 KiB page during the first copies: writable mappings with
+    ``MADV_POPULATE_WRITE`` (``MAP_POPULATE`` maps shared pages read-only first, and the
+    first write to each page then still faults: a first 1 MiB write measured 274 us
+    against 63 us), read-only ones (and kernels before 5.14) with ``MAP_POPULATE``."""
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    if prefault and writable:
+        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
+        try:
+            mm.madvise(_MADV_POPULATE_WRITE)
+            return mm
+        except (OSError, ValueError):
+            mm.close()
+    flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if prefault else 0)
+    return mmap.mmap(fd, size, flags=flags, prot=prot)
 
 
 class MappedSegment:
@@ -61,8 +76,7 @@ class MappedSegment:
         path, size, token = desc["path"], int(desc["size"]), bytes.fromhex(desc["token"])
         try:
             with open(path, "rb" if readonly else "r+b") as f:
-                self.mm = mmap.mmap(f.fileno(), size, flags=_flags(prefault),
-                                    prot=mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE)
+                self.mm = _map(f.fileno(), size, prefault, writable=not readonly)
         except (OSError, ValueError) as e:
             raise TransferError(f"cannot map segment {desc.get('name')!r} at {path}: {e}") from None
         if self.mm[0:len(MAGIC) + 16] != MAGIC + token:

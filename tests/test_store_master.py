@@ -17,10 +17,12 @@ import store_agents as sa  # noqa: E402
 from mooncake_store import AuthError, MooncakeStore, ProtocolError, ReplicateConfig  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
-METHODS = ["register", "unregister", "adopt_ssd", "load_done", "poll", "put_start", "put_end", "put_revoke", "get", "exists", "where",
+METHODS = ["register", "unregister", "adopt_ssd", "load_done", "poll", "put_start", "put_end", "put_revoke", "put",
+           "reserve", "get", "exists", "where",
            "remove", "offload_done", "stats", "metrics", "leader", "hello", "nope", ""]
 ARG_NAMES = ["client", "items", "keys", "r", "pref", "pin", "all", "upsert", "force", "wait_ms", "epoch", "name",
-             "host", "pid", "segs", "ssd", "ssd_dir", "key", "version", "path", "ok", "mac"]
+             "host", "pid", "segs", "ssd", "ssd_dir", "key", "version", "path", "ok", "mac", "seg", "off", "rid",
+             "bytes", "ret", "min", "x"]
 
 
 @pytest.fixture

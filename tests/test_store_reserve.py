@@ -1,0 +1,200 @@
+"""One-round-trip puts (put reservations, ``StoreConfig.put_reservation_bytes``): a client
+writes small objects into segment space the master reserved for it and commits them with
+one request. Real master and client processes on 127.0.0.1; the master's bookkeeping is
+also driven directly through ``Core`` (its state machine, no I/O) where a race is needed."""
+import os
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import store_agents as sa  # noqa: E402
+
+from mooncake_store import MooncakeStore, ObjectExistsError, ReplicateConfig, StoreConfig  # noqa: E402
+from mooncake_store.alloc import aligned  # noqa: E402
+from mooncake_store.config import MasterConfig  # noqa: E402
+from mooncake_store.core import Core  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+MiB = 1 << 20
+
+
+@pytest.fixture
+def procs():
+    yield sa
+    sa.cleanup()
+
+
+class Calls:
+    """Records the metadata requests one client sends (its own method, wrapped)."""
+
+    def __init__(self, store):
+        self.names = []
+        inner = store._call
+
+        def call(method, args, register=True):
+            self.names.append(method)
+            return inner(method, args, register)
+
+        store._call = call
+
+
+def wait_for(pred, timeout=10.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_small_puts_take_one_round_trip(procs):
+    """After one reserve request, every put of a small object is one request; another
+    process reads the bytes back; the master counts the reserved space as used."""
+    m = sa.start_master()
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=64 * MiB + 4096, name="w") as s:
+        calls = Calls(s)
+        vals = {f"k{i}": sa.pattern(i, 1000 + 4099 * i) for i in range(20)}
+        for k, v in vals.items():
+            assert s.put(k, v) == 1
+        assert calls.names == ["reserve"] + ["put"] * 20
+        st = s.stats()
+        assert st.reserved_bytes == 4 * MiB - sum(aligned(len(v)) for v in vals.values())  # 1/16 of the segment
+        assert st.used_bytes == 4 * MiB and st.objects == 20 and st.puts == 20
+        reader = sa.start_agent({"master": m.address, "segment_size": 0})
+        for k, v in vals.items():
+            assert reader.cmd("get", key=k) == {"size": len(v), "sha": sa.digest(v)}
+        # a batch too: one request, results per key, the existing key refused and its bytes freed
+        calls.names.clear()
+        res = s.put_batch(["b0", "k3", "b1"], [b"x" * 5000, b"y" * 7000, b"z" * 3], return_exceptions=True)
+        assert calls.names == ["put"]
+        assert res[0] == 1 and isinstance(res[1], ObjectExistsError) and res[2] == 1
+        assert s.get("k3") == vals["k3"] and s.get("b0") == b"x" * 5000 and s.get("b1") == b"z" * 3
+        st = s.stats()
+        committed = sum(aligned(len(v)) for v in vals.values()) + aligned(5000) + aligned(3)
+        assert st.used_bytes - st.reserved_bytes == committed
+        # upsert through the same path replaces the value; zero-byte objects too
+        assert s.upsert("k0", b"new") == 1 and s.get("k0") == b"new"
+        assert s.put("empty", b"") == 1 and s.get("empty") == b""
+        assert reader.cmd("get", key="k0") == {"size": 3, "sha": sa.digest(b"new")}
+
+
+def test_large_objects_and_replicas_take_two_round_trips(procs):
+    """Objects above a quarter of put_reservation_bytes, replica_num > 1 and
+    put_reservation_bytes=0 use put_start/put_end."""
+    m = sa.start_master()
+    sa.start_agent({"master": m.address, "segment_size": 64 * MiB, "name": "other"})
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=64 * MiB, name="w",
+                       put_reservation_bytes=4 * MiB) as s:
+        calls = Calls(s)
+        s.put("big", b"b" * (MiB + 1))
+        s.put("two", b"t" * 100, ReplicateConfig(replica_num=2))
+        assert calls.names == ["put_start", "put_end"] * 2
+        assert s.get("big") == b"b" * (MiB + 1) and sorted(s.where("two").memory) == ["other", "w"]
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=64 * MiB, name="w2",
+                       put_reservation_bytes=0) as s:
+        calls = Calls(s)
+        s.put("small", b"s" * 100)
+        assert calls.names == ["put_start", "put_end"] and s.stats().reserved_bytes == 0
+
+
+def test_preferred_segment_is_honoured(procs):
+    """A reservation lives in the preferred segment; changing the preference moves it."""
+    m = sa.start_master()
+    sa.start_agent({"master": m.address, "segment_size": 64 * MiB, "name": "a"})
+    sa.start_agent({"master": m.address, "segment_size": 64 * MiB, "name": "b"})
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0) as s:
+        for i in range(3):
+            s.put(f"a{i}", b"1" * 1000, ReplicateConfig(preferred_segment="a"))
+            s.put(f"b{i}", b"2" * 1000, ReplicateConfig(preferred_segment="b"))
+        assert all(s.where(f"a{i}").memory == ["a"] and s.where(f"b{i}").memory == ["b"] for i in range(3))
+        assert s.stats().reserved_bytes <= 4 * MiB  # one reservation at a time
+        assert s.get("a2") == b"1" * 1000 and s.get("b2") == b"2" * 1000
+
+
+def test_reserved_space_comes_back_before_anything_is_evicted(procs):
+    """Client A holds a reservation; client B then fills the segment: B's put that needs
+    A's reserved space waits for A to give it back instead of evicting A's objects (the
+    watermarks are at 100 %: no background eviction either)."""
+    m = sa.start_master(high_watermark=1.0, low_watermark=1.0)
+    sa.start_agent({"master": m.address, "segment_size": 32 * MiB + 4096, "name": "node"})
+    a = sa.start_agent({"master": m.address, "segment_size": 0})
+    a.cmd("put", key="a-small", seed=1, size=4096)  # reserves 2 MiB (1/16 of 32 MiB)
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0, put_reservation_bytes=0) as b:
+        assert b.stats().reserved_bytes == 2 * MiB - 4096
+        for i in range(30):  # the segment is now full, A's reservation included
+            b.put(f"b{i}", bytes([i]) * MiB)
+        t0 = time.monotonic()
+        b.put("b-last", b"L" * MiB)  # fits only in what A holds
+        assert time.monotonic() - t0 < 5
+        st = b.stats()
+        assert st.evictions == 0 and st.reserved_bytes == 0
+        assert a.cmd("get", key="a-small") == {"size": 4096, "sha": sa.digest(sa.pattern(1, 4096))}
+        assert all(b.get(f"b{i}") == bytes([i]) * MiB for i in range(30)) and b.get("b-last") == b"L" * MiB
+
+
+def test_idle_and_dead_holders_give_space_back(procs):
+    """A reservation unused for a few seconds goes back; a SIGKILLed holder's goes back
+    once its heartbeat lease ends; the store's used bytes are then the objects' alone."""
+    m = sa.start_master(client_ttl=1.0)
+    sa.start_agent({"master": m.address, "segment_size": 64 * MiB, "name": "node"})
+    idle = sa.start_agent({"master": m.address, "segment_size": 0})
+    idle.cmd("put", key="i", seed=2, size=10_000)
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0, put_reservation_bytes=0) as obs:
+        assert obs.stats().reserved_bytes > 0
+        wait_for(lambda: obs.stats().reserved_bytes == 0, 10, "the idle reservation to come back")
+        assert obs.stats().used_bytes == aligned(10_000)
+        victim = sa.start_agent({"master": m.address, "segment_size": 0, "heartbeat_interval_s": 0.2})
+        victim.cmd("put", key="v", seed=3, size=20_000)
+        assert obs.stats().reserved_bytes > 0
+        victim.kill()
+        wait_for(lambda: obs.stats().reserved_bytes == 0 and obs.stats().clients == 3, 10,
+                 "the dead client's reservation to be freed")
+        assert obs.stats().used_bytes == aligned(10_000) + aligned(20_000)
+        assert idle.cmd("get", key="v") == {"size": 20_000, "sha": sa.digest(sa.pattern(3, 20_000))}
+
+
+def test_core_commit_rules():
+    """The master's side in isolation: a commit must start at the reservation's front and
+    fit in it (else nothing changes and the client is told to put the slow way); a request
+    sent again (reply lost) gets the same answer and commits nothing twice; returning a
+    reservation that does not match is ignored; the segment's owner dying drops others'
+    reservations in it."""
+    core = Core(MasterConfig())
+    seg = {"size": 64 * MiB + 4096, "path": "/x", "token": "00", "host": "h", "te": None, "base": 4096}
+    core.register({"client": "owner", "name": "seg", "host": "h", "pid": 1, "segs": [seg]})
+    core.register({"client": "c", "name": "c", "host": "h", "pid": 2, "segs": []})
+    r = core.reserve({"client": "c", "bytes": 64 * MiB, "min": 4096})["resv"]
+    assert r is not None and r[0] == "seg" and r[2] == 4 * MiB
+    _, off, n = r
+    used0 = core.used
+    assert core.put({"client": "c", "seg": "seg", "off": off + 64, "items": [["k", 10, b""]]}) == {"lost": True}
+    assert core.put({"client": "c", "seg": "seg", "off": off, "items": [["k", n + 1, b""]]}) == {"lost": True}
+    assert core.used == used0 and not core.objects
+    req = {"client": "c", "rid": 7, "seg": "seg", "off": off, "items": [["k", 100, b"m"], ["k2", 0, b""]]}
+    rep = core.put(dict(req))
+    assert rep["items"] == [[0, 1], [0, 1]] and rep["resv"] == [off + 128, n - 128]
+    assert core.put(dict(req)) == rep and core.counters.puts == 2  # the resend
+    assert core.objects["k"].repl == [["seg", off, 128]] and core.objects["k"].meta == b"m"
+    core.reserve({"client": "c", "ret": [["seg", off, n]]})  # stale figures: ignored
+    assert core.reserved_bytes == n - 128
+    core.reserve({"client": "c", "ret": [["seg", off + 128, n - 128]]})
+    assert core.reserved_bytes == 0 and core.used == used0 - n + 128
+    assert core.reserve({"client": "c", "bytes": 64 * MiB, "min": 8 * MiB})["resv"] is None  # more than 1/16
+    assert core.reserve({"client": "c", "bytes": MiB})["resv"] is not None
+    core.unregister({"client": "owner"})
+    assert core.clients["c"].reserved == {} and core.reserved_bytes == 0
+
+
+def test_config_and_env():
+    assert StoreConfig(master="127.0.0.1:1").resolved().put_reservation_bytes == 64 * MiB
+    with pytest.raises(ValueError, match="put_reservation_bytes"):
+        StoreConfig(master="127.0.0.1:1", put_reservation_bytes=-1).resolved()
+    os.environ["MOONCAKE_STORE_PUT_RESERVATION_BYTES"] = "1048576"
+    try:
+        assert StoreConfig(master="127.0.0.1:1").resolved().put_reservation_bytes == MiB
+        assert StoreConfig(master="127.0.0.1:1", put_reservation_bytes=0).resolved().put_reservation_bytes == 0
+        os.environ["MOONCAKE_STORE_PUT_RESERVATION_BYTES"] = "1M"
+        with pytest.raises(ValueError, match="MOONCAKE_STORE_PUT_RESERVATION_BYTES"):
+            StoreConfig(master="127.0.0.1:1").resolved()
+    finally:
+        del os.environ["MOONCAKE_STORE_PUT_RESERVATION_BYTES"]
