@@ -82,5 +82,9 @@ class Allocator:
         if pos < self.base + self.size:
             self._insert(pos, self.base + self.size - pos)
 
+    def free_spans(self) -> list[tuple[int, int]]:
+        """The free blocks as ``(offset, bytes)``, in no particular order."""
+        return list(self._start.items())
+
     def largest_free(self) -> int:
         return self._by_size[-1][0] if self._by_size else 0

@@ -457,19 +457,10 @@ class Core:
         now = self.clock()
         wanted = {s.name for s in live if s.name not in exclude}
         possible = 0
-        for name in wanted:  # stops as soon as enough is found: cheap when evictable objects abound
+        for name in wanted:  # stops as soon as enough is found
             if possible >= need:
                 break
-            seg = self.segments[name]
-            room = seg.alloc.size - seg.alloc.used
-            if room < n:
-                for k in seg.keys:
-                    o = self.objects.get(k)
-                    if o is not None and k != keep and self._evictable(o, now):
-                        room += sum(aligned(r[2]) for r in o.repl if r[0] == name)
-                        if room >= n:
-                            break
-            possible += room >= n
+            possible += self._could_fit(self.segments[name], n, keep, now)
         if possible < need:
             return
         for key in list(self.lru):
@@ -482,6 +473,28 @@ class Core:
             if obj is None or not self._evictable(obj, now) or not any(r[0] in wanted for r in obj.repl):
                 continue
             self._evict(obj, now)
+
+    def _could_fit(self, seg: Segment, n: int, keep: Optional[str], now: float) -> bool:
+        """Whether ``seg`` would have ``n`` contiguous free bytes if every object that may be
+        evicted (not ``keep``) were: free blocks and those objects' ranges, merged where
+        they touch (a leased, pinned or reserved range between them splits the run)."""
+        if seg.alloc.largest_free() >= n:
+            return True
+        spans = seg.alloc.free_spans()
+        for k in seg.keys:
+            o = self.objects.get(k)
+            if o is not None and k != keep and self._evictable(o, now):
+                spans += [(r[1], aligned(r[2])) for r in o.repl if r[0] == seg.name and r[2] > 0]
+        spans.sort()
+        start = end = -1
+        for off, size in spans:
+            if off == end:
+                end += size
+            else:
+                start, end = off, off + size
+            if end - start >= n:
+                return True
+        return False
 
     def _ssd_room(self, c: Client, size: int, now: float) -> bool:
         """Whether ``c``'s SSD directory can take ``size`` more bytes, after dropping the

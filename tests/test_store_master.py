@@ -291,6 +291,31 @@ def test_a_put_that_cannot_fit_evicts_nothing_and_an_upsert_keeps_its_old_value(
         assert s.get("k") == b"n" * (1 << 20)
 
 
+def test_fragmentation_around_a_pinned_object_evicts_nothing():
+    """A put whose bytes would be free after evicting everything evictable, but not in one
+    piece (a pinned object sits between the evictable ones), raises NoSpaceError and
+    evicts nothing; one that fits in a run of evictable objects evicts only those."""
+    from mooncake_store import NoSpaceError
+
+    from mooncake_store import MasterConfig
+
+    MiB = 1 << 20
+    with MooncakeStore(serve_tcp=False, segment_size=4 * MiB + 4096, put_reservation_bytes=0,
+                       master_config=MasterConfig(lease_ttl_s=0.2)) as s:
+        s.put("a", b"a" * MiB)
+        s.put("pinned", b"p" * MiB, ReplicateConfig(pin=True))
+        s.put("b", b"b" * MiB)
+        s.put("c", b"c" * MiB)  # layout: a | pinned | b | c
+        with pytest.raises(NoSpaceError):
+            s.put("wide", b"w" * (2 * MiB + 1))  # a and b+c are 3 MiB in all, but 1 + 2 apart
+        assert s.stats().evictions == 0
+        assert [s.get(k) for k in "bca"] == [k.encode() * MiB for k in "bca"]  # a: most recently used
+        time.sleep(0.3)  # the reads' leases end
+        s.put("two", b"t" * (2 * MiB))  # b + c make one 2 MiB run: both go (LRU order), a stays
+        assert s.get("two") == b"t" * (2 * MiB) and s.get("a") == b"a" * MiB
+        assert not s.exists("b") and not s.exists("c") and s.stats().evictions == 2
+
+
 def test_python_m_master_without_runpy_warning(procs):
     """``python -m mooncake_store.master`` starts with RuntimeWarnings turned into errors:
     the package does not import ``mooncake_store.master`` itself (runpy would warn that
