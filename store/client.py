@@ -416,12 +416,14 @@ class MooncakeStore:
     # ------------------------------------------------------------------ heartbeat
     def _poll_main(self):
         conn = None
-        etcd_resolver = None
+        connected = False
         while not self._closed:
             try:
                 if conn is None:
                     conn = self._connect_poll()
-                    self._session += 1  # perhaps another master: reservations are checked again
+                    if connected:
+                        self._session += 1  # perhaps another master now: put reservations are asked for again
+                    connected = True
                 res = conn.call("poll", {"client": self.client_id, "wait_ms": int(self.cfg.heartbeat_interval_s * 1000),
                                          "epoch": self._epoch}, timeout=self.cfg.rpc_timeout_s + 3)
                 if "segs" in res:
