@@ -324,3 +324,54 @@ def test_nvshmem_init_failure(pool_factory, backend, tmp_path):
             _equal(o["ref"], o["got"])
             _equal(o["ref"], o["again"])
             assert "NVSHMEM setup failed on rank(s) [1]" in o["reason"], o["reason"]
+
+
+# ------------------------------------------------------------------ real nvshmem4py, no GPU
+
+
+def _real_nvshmem_without_gpu():
+    try:
+        import nvshmem.core  # noqa: F401
+    except Exception as e:
+        return f"nvshmem.core does not import ({type(e).__name__}); CI does not install nvshmem4py-cu13"
+    if torch.cuda.is_available():
+        return "a GPU is present: tests/device/gpu_checks.py (step ep_nvshmem) covers the real library there"
+    return None
+
+
+def rank_real_nvshmem_no_gpu(rank, ws, backend):
+    import mooncake_ep
+    from mooncake_ep import _nvshmem
+
+    _nvshmem._reset_for_tests()
+    _nvshmem._TEST_ALLOW_CPU = True     # CPU tensors through to the real library's init
+    try:
+        buf = mooncake_ep.Buffer(config=mooncake_ep.EPConfig(low_latency_backend=backend))
+        out = {}
+        try:
+            out["got"] = _ll_round(buf, rank, ws, backward=False)
+        except ValueError as e:
+            out["error"] = str(e)
+        out["reason"] = buf.low_latency_fallback_reason
+        return out
+    finally:
+        _nvshmem._reset_for_tests()
+
+
+@pytest.mark.skipif(_real_nvshmem_without_gpu() is not None, reason=str(_real_nvshmem_without_gpu()))
+@pytest.mark.parametrize("backend", ["nvshmem", "auto"])
+def test_real_nvshmem4py_without_gpu(pool_factory, backend):
+    """Where nvshmem4py-cu13 is installed but there is no GPU (a scratch venv; not CI): the
+    unique id goes through the group, the real init fails, and every rank raises
+    (``nvshmem``) or falls back to the group (``auto``) with the reason."""
+    ws = 2
+    res = pool_factory(ws, env={"MOONCAKE_TEST_REAL_NVSHMEM": "1"}).run(rank_real_nvshmem_no_gpu, backend,
+                                                                          timeout=120)
+    for r in range(ws):
+        o = res[r]
+        text = o.get("error") or o["reason"]
+        assert "NVSHMEM setup failed on rank(s)" in text and "nvshmem.core.init failed" in text, text
+        if backend == "nvshmem":
+            assert o["error"].startswith(f"mooncake_ep low_latency_dispatch (rank {r}): "), o["error"]
+        else:
+            assert o["got"]["backend"] == "group"
