@@ -19,6 +19,17 @@ before anything is sent. The small header always travels as CPU int64; the row k
 are the Triton ones on CUDA tensors (``EPConfig(kernels=...)``). Ops are synchronous with
 the host (they read counts), so ``async_finish``/events have no effect on any device.
 
+Low-latency transport (``EPConfig(low_latency_backend=...)``, environment
+``MOONCAKE_EP_LOW_LATENCY_BACKEND``; default ``"auto"``): the rows of
+``low_latency_dispatch``/``low_latency_combine`` and their backward passes move either with
+the group's ``all_to_all_single`` (``"group"``) or with one-sided NVSHMEM puts into
+symmetric buffers (``"nvshmem"``; CUDA tensors, ``nvshmem.core`` from ``nvshmem4py-cu13``,
+every rank of the group active; see :mod:`mooncake_ep._nvshmem`). ``"auto"`` uses NVSHMEM
+when every rank can, else the group, silently (``Buffer.low_latency_backend``,
+``Buffer.low_latency_fallback_reason``); ``"nvshmem"`` that cannot be served raises
+``ValueError`` on every rank before any token moves. Both give the same rows bit for bit;
+the header still travels over the group.
+
 Every op that moves tokens is collective over the group (``get_dispatch_layout`` is
 local). Each one first exchanges a small header
 (``all_gather_single`` of a few int64 per rank: status, op, sizes, row counts), so
@@ -340,7 +351,11 @@ class Buffer:
             with every rank taken as active.
         num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank: accepted for
             DeepEP compatibility; buffers are allocated per call (on the inputs' device,
-            large ones recycled), so they are unused.
+            large ones recycled), so they are unused. (The NVSHMEM low-latency path sizes
+            its symmetric buffers itself: 2 x ``W * T_max * L * H * max(4, element size)``
+            bytes, allocated at its first use, grown when wider rows need it, kept until
+            the process ends; ``nvshmem.core.finalize()`` frees them, after which this
+            Buffer must not run low-latency ops.)
         config: :class:`EPConfig` (keyword-only).
 
     Collective calls: every rank of the group calls the same ops in the same order, and
@@ -513,6 +528,9 @@ class Buffer:
 
         if self._nvs_disabled:
             return self._nvs_disabled
+        if self._nvs is not None and self._nvs.device != dev:
+            return (f"this Buffer's NVSHMEM buffers live on {self._nvs.device}, expected x there, got x on "
+                    f"{dev} (one device per Buffer)")
         return _nvshmem.local_unusable(dev, self.rank, self.group_size,
                                        dist.get_process_group_ranks(self.group))
 
@@ -521,11 +539,8 @@ class Buffer:
         or why not (the same on every rank; the Buffer then stays on the group)."""
         from . import _nvshmem
 
-        if self._nvs is not None and self._nvs.device == dev:
+        if self._nvs is not None:      # same device (checked before the header)
             why = self._nvs._grow(nbytes)
-        elif self._nvs is not None:
-            why = (f"this Buffer's NVSHMEM buffers live on {self._nvs.device}, expected {dev} "
-                   "(one device per Buffer)")
         else:
             nvs = _nvshmem.SymmetricExchange(self.group, self.rank, self.group_size, dev)
             why = nvs.setup(nbytes)
@@ -814,10 +829,21 @@ class Buffer:
                 (not supported on CPU).
 
         Returns: :class:`LowLatencyDispatchResult`. Without fp8, differentiable in ``x``
-        (the backward sums each pair's gradient back to its token).
+        (the backward sums each pair's gradient back to its token). The rows move over
+        NVSHMEM or the group per ``EPConfig.low_latency_backend`` (module docstring);
+        ``self.low_latency_backend`` then says which, and the handle keeps it for the
+        combine and the backward passes. On the NVSHMEM path the first call (per process,
+        then per Buffer) initialises NVSHMEM over the group and allocates the symmetric
+        buffers (collective).
 
         Raises: ``ValueError`` on every rank before any token moves for bad arguments or
-        disagreeing T_max/E/H/dtype/use_fp8.
+        disagreeing T_max/E/H/dtype/use_fp8/low_latency_backend, and, with
+        ``low_latency_backend="nvshmem"``, when NVSHMEM cannot serve the op on some rank
+        (tensors not on CUDA, ``nvshmem.core`` not importable, an inactive rank, NVSHMEM
+        initialised over another group, its init or allocation failed), e.g.
+        ``mooncake_ep low_latency_dispatch (rank 0): low_latency_backend='nvshmem' (EPConfig
+        or MOONCAKE_EP_LOW_LATENCY_BACKEND) cannot be served: expected CUDA tensors, got x
+        on cpu; nothing was sent``.
         """
         op = "low_latency_dispatch"
         W = self.group_size
@@ -951,8 +977,11 @@ class Buffer:
 
         Returns: :class:`LowLatencyCombineResult` ``(combined_x, event, hook)``:
         ``combined_x`` [T, H] in x's dtype (accumulated in float32), ``event`` and ``hook``
-        ``None`` on CPU. Differentiable in ``x`` and ``topk_weights``. Raises ``ValueError``
-        on every rank, before any row moves, for bad arguments on some rank.
+        ``None`` on CPU. Differentiable in ``x`` and ``topk_weights``. Rows move the way
+        the dispatch's did (``handle.backend``: NVSHMEM or the group). Raises ``ValueError``
+        on every rank, before any row moves, for bad arguments on some rank;
+        ``RuntimeError`` on the NVSHMEM path when a rank has left the group since the
+        dispatch (NVSHMEM cannot run without it; dispatch again).
         """
         op = "low_latency_combine"
         err = None
