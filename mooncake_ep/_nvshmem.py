@@ -206,6 +206,9 @@ class SymmetricExchange:
         nc, _ = import_core()
         err = ""
         try:
+            if self.send_t is not None and self.device.type == "cuda":
+                # queued exchanges may still read them; nvshmem_free does not wait for streams
+                torch.cuda.current_stream(self.device).synchronize()
             for t in (self.send_t, self.recv_t):
                 if t is not None:
                     nc.free_tensor(t)
