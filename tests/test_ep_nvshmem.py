@@ -14,7 +14,10 @@
   memory; CPU tensors allowed through a test-only switch): low-latency dispatch, combine,
   backward and fp8 equal the group path bit for bit at 2 and 4 ranks, buffers grow for
   float64 rows, a failed init raises everywhere (``nvshmem``) or falls back (``auto``).
-  The real library runs only in ``tests/device/gpu_checks.py`` (step ``ep``) on a GPU.
+* Where nvshmem4py is installed without a GPU (a scratch venv, not CI): the real
+  library's unique id crosses the group and its init fails cleanly on every rank.
+* On a GPU with a CUDA build and nvshmem4py: the real NVSHMEM path against the group path
+  (skipped elsewhere; ``tests/device/gpu_checks.py`` step ``ep_nvshmem`` runs it too).
 """
 from __future__ import annotations
 
@@ -81,39 +84,46 @@ def test_nvshmem_import_is_lazy_and_guarded():
 E_PER_RANK, K, H, T = 2, 3, 24, 6
 
 
-def _ll_round(buf, rank, ws, dtype=torch.float32, seed=3, fp8=False, backward=True):
+def _ll_round(buf, rank, ws, dtype=torch.float32, seed=3, fp8=False, backward=True, device="cpu"):
     """low_latency_dispatch + combine (+ backward, + fp8 dispatch); results on CPU, rows past
     recv_count left out (uninitialised by contract)."""
     E = E_PER_RANK * ws
     L = E // ws
-    x, idx, w = eputil.make_inputs(rank, T + rank % 2, H, E, K, dtype, seed, 0.2)
+    x, idx, w = (t.to(device) for t in eputil.make_inputs(rank, T + rank % 2, H, E, K, dtype, seed, 0.2))
     Tm = T + 2
     xg = x.clone().requires_grad_(backward)
     wg = w.clone().requires_grad_(backward)
     ll = buf.low_latency_dispatch(xg, idx, Tm, E)
-    y = eputil.scaled_experts_ll(ll.recv_x, rank, L, lambda e: float(e + 1))
+    f = torch.tensor([float(rank * L + l + 1) for l in range(L)], device=device).view(L, 1, 1)
+    y = (ll.recv_x.float() * f).to(ll.recv_x.dtype)      # local expert e multiplies by e + 1
     out = buf.low_latency_combine(y, idx, wg, ll.handle).combined_x
     res = {"count": ll.recv_count.clone(), "out": out.detach().clone(), "backend": buf.low_latency_backend,
            "handle_backend": ll.handle.backend}
     for l, n in enumerate(ll.recv_count.tolist()):
         res[f"x{l}"] = ll.recv_x[l, :n].detach().clone()
     if backward:
-        (out.float() * torch.arange(H).float()).sum().backward()
+        (out.float() * torch.arange(H, device=device).float()).sum().backward()
         res["gx"], res["gw"] = xg.grad.clone(), wg.grad.clone()
     if fp8:
         q = buf.low_latency_dispatch(x, idx, Tm, E, use_fp8=True)
         for l, n in enumerate(q.recv_count.tolist()):
             res[f"q{l}"] = q.recv_x[0][l, :n].contiguous().view(torch.uint8).clone()
             res[f"s{l}"] = q.recv_x[1][l, :n].clone()
-    return res
+    res["device"] = str(ll.recv_x[0].device if fp8 else ll.recv_x.device)
+    return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in res.items()}
 
 
-def _equal(a, b):
+def _equal(a, b, close=()):
+    """Bit for bit, except ``close`` keys: within one bf16 rounding (sums that CUDA's
+    index_add_ adds in no fixed order)."""
     assert set(a) == set(b), (set(a) ^ set(b))
     for k in a:
         if isinstance(a[k], torch.Tensor):
             assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
-            assert torch.equal(a[k], b[k]), f"{k} differs"
+            if k in close:
+                torch.testing.assert_close(a[k].float(), b[k].float(), rtol=2 ** -7, atol=1e-5)
+            else:
+                assert torch.equal(a[k], b[k]), f"{k} differs"
 
 
 def rank_selection(rank, ws):
@@ -375,3 +385,54 @@ def test_real_nvshmem4py_without_gpu(pool_factory, backend):
             assert o["error"].startswith(f"mooncake_ep low_latency_dispatch (rank {r}): "), o["error"]
         else:
             assert o["got"]["backend"] == "group"
+
+
+# ------------------------------------------------------------------ on a GPU with nvshmem4py
+
+
+def _gpu_nvshmem_ready():
+    if not torch.cuda.is_available():
+        return "no CUDA device (torch.cuda.is_available() is False)"
+    try:
+        import mooncake_pg
+    except ImportError as e:
+        return f"mooncake_pg does not import: {e}"
+    if not mooncake_pg.WITH_CUDA:
+        return "mooncake_pg was built without CUDA (mooncake_pg.WITH_CUDA is False)"
+    try:
+        import nvshmem.core  # noqa: F401
+    except Exception as e:
+        return f"nvshmem.core does not import ({type(e).__name__}); pip install nvshmem4py-cu13"
+    return None
+
+
+def rank_cuda_nvshmem(rank, ws):
+    import mooncake_ep
+
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    cfg = mooncake_ep.EPConfig
+    nv = mooncake_ep.Buffer(config=cfg(low_latency_backend="nvshmem"))
+    grp = mooncake_ep.Buffer(config=cfg(low_latency_backend="group"))
+    out = {}
+    for dt in (torch.bfloat16, torch.float32):
+        out[str(dt)] = (_ll_round(grp, rank, ws, dt, fp8=True, device=dev),
+                        _ll_round(nv, rank, ws, dt, fp8=True, device=dev))
+    out["dev"] = str(dev)
+    return out
+
+
+@pytest.mark.skipif(_gpu_nvshmem_ready() is not None, reason=str(_gpu_nvshmem_ready()))
+def test_nvshmem_on_cuda_matches_group(pool_factory):
+    """On a GPU with a CUDA build and nvshmem4py: low-latency dispatch, combine, backward
+    and fp8 over the real NVSHMEM equal the group path (rows, counts, fp8 bit for bit; the
+    weighted sums within one bf16 rounding), results on the GPU."""
+    ws = 2
+    res = pool_factory(ws, env={"MOONCAKE_TEST_NVSHMEM_GPU": "1"}).run(rank_cuda_nvshmem, timeout=240)
+    for r in range(ws):
+        o = res[r]
+        for name in ("torch.bfloat16", "torch.float32"):
+            ref, got = o[name]
+            assert got["backend"] == "nvshmem" and ref["backend"] == "group"
+            assert got["device"] == o["dev"]
+            _equal(ref, got, close=("out", "gx", "gw"))
