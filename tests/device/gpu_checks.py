@@ -371,7 +371,9 @@ def step_conformance(ctx):
 def step_ep(ctx):
     ok, res, tail = _child(EP_CODE, _left(ctx, 25), env={"MC_REPO": REPO, "TRITON_DEFAULT_FP_FUSION": "0"})
     res = res or {}
-    ok2, r2, t2 = _child(RANKS_CODE, _left(ctx, 40), args=(json.dumps({"what": "ep", "ws": 2, "timeout": 35}),))
+    # the group path here (step ep_nvshmem covers NVSHMEM, where nvshmem4py is installed)
+    ok2, r2, t2 = _child(RANKS_CODE, _left(ctx, 40), args=(json.dumps({"what": "ep", "ws": 2, "timeout": 35}),),
+                         env={"MOONCAKE_EP_LOW_LATENCY_BACKEND": "group"})
     res["ep_ws2"] = r2
     passed = bool(r2) and all(r2.get(k) for k in ("ll_on_cuda", "ll_correct", "ll_cuda_close_to_staged",
                                                   "normal_on_cuda", "normal_correct", "fp8_on_cuda", "fp8_close"))
