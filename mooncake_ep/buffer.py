@@ -19,6 +19,17 @@ before anything is sent. The small header always travels as CPU int64; the row k
 are the Triton ones on CUDA tensors (``EPConfig(kernels=...)``). Ops are synchronous with
 the host (they read counts), so ``async_finish``/events have no effect on any device.
 
+Low-latency transport (``EPConfig(low_latency_backend=...)``, environment
+``MOONCAKE_EP_LOW_LATENCY_BACKEND``; default ``"auto"``): the rows of
+``low_latency_dispatch``/``low_latency_combine`` and their backward passes move either with
+the group's ``all_to_all_single`` (``"group"``) or with one-sided NVSHMEM puts into
+symmetric buffers (``"nvshmem"``; CUDA tensors, ``nvshmem.core`` from ``nvshmem4py-cu13``,
+every rank of the group active; see :mod:`mooncake_ep._nvshmem`). ``"auto"`` uses NVSHMEM
+when every rank can, else the group, silently (``Buffer.low_latency_backend``,
+``Buffer.low_latency_fallback_reason``); ``"nvshmem"`` that cannot be served raises
+``ValueError`` on every rank before any token moves. Both give the same rows bit for bit;
+the header still travels over the group.
+
 Every op that moves tokens is collective over the group (``get_dispatch_layout`` is
 local). Each one first exchanges a small header
 (``all_gather_single`` of a few int64 per rank: status, op, sizes, row counts), so
@@ -177,7 +188,8 @@ class LowLatencyHandle:
     expert id, then token. ``pair_token`` int64 [P] is each pair's token; ``slot_pair``
     int64 [T, K] maps each top-k slot to its pair (-1: masked slot or expert on an
     inactive rank); ``recv_dst`` int64 [N_recv] is the flat row (``l * W * T_max + j``) of
-    ``recv_x`` that each received row went to.
+    ``recv_x`` that each received row went to. ``backend`` is how its rows move
+    (``"nvshmem"`` or ``"group"``): the combine and the backward passes use the same.
     """
 
     num_tokens: int
@@ -193,6 +205,7 @@ class LowLatencyHandle:
     recv_count: torch.Tensor
     use_fp8: bool
     epoch: int
+    backend: str = "group"
 
     @property
     def device(self) -> torch.device:
@@ -213,6 +226,8 @@ _OPS = {"dispatch": 1, "combine": 2, "low_latency_dispatch": 3, "low_latency_com
 _DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
 _DTYPE_NAMES = {code: str(dt).replace("torch.", "") for dt, code in _DTYPES.items()}
 _HDR = 8  # status, op, then 6 op-specific fields every rank must agree on
+_LL_CODES = {"auto": 0, "nvshmem": 1, "group": 2}
+_FORCED = "low_latency_backend='nvshmem' (EPConfig or MOONCAKE_EP_LOW_LATENCY_BACKEND)"
 _OK, _BAD = 1, 2
 
 
@@ -336,7 +351,11 @@ class Buffer:
             with every rank taken as active.
         num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank: accepted for
             DeepEP compatibility; buffers are allocated per call (on the inputs' device,
-            large ones recycled), so they are unused.
+            large ones recycled), so they are unused. (The NVSHMEM low-latency path sizes
+            its symmetric buffers itself: 2 x ``W * T_max * L * H * max(4, element size)``
+            bytes, allocated at its first use, grown when wider rows need it, kept until
+            the process ends; ``nvshmem.core.finalize()`` frees them, after which this
+            Buffer must not run low-latency ops.)
         config: :class:`EPConfig` (keyword-only).
 
     Collective calls: every rank of the group calls the same ops in the same order, and
@@ -357,6 +376,10 @@ class Buffer:
         self._recycler = _Recycler()
         self._device_types = {}
         self.low_latency_mode = bool(low_latency_mode)
+        self._ll_backend = None      # "nvshmem" / "group" of the last low_latency_dispatch
+        self._ll_why = None          # why it was not NVSHMEM
+        self._nvs = None             # _nvshmem.SymmetricExchange, made at the first NVSHMEM use
+        self._nvs_disabled = None    # why NVSHMEM failed for this Buffer (agreed by every rank)
         self._mooncake = None
         try:
             import mooncake_pg
@@ -419,15 +442,19 @@ class Buffer:
     def _err(self, op, msg):
         return ValueError(f"mooncake_ep {op} (rank {self.rank}): {msg}")
 
-    def _header(self, op, fields, counts=None, error=None, names=()):
-        """Collective header exchange; returns (headers int64 [W, n], active mask, epoch)."""
+    def _header(self, op, fields, counts=None, error=None, names=(), extra=None):
+        """Collective header exchange; returns (headers int64 [W, n], active mask, epoch).
+        ``extra``: a per-rank value in the last field, not compared across ranks."""
         n_counts = 0 if counts is None else int(counts.numel())
         hdr = torch.zeros(_HDR + n_counts, dtype=torch.int64)
         hdr[0] = _BAD if error else _OK
         hdr[1] = _OPS[op]
         if not error:
-            for i, f in enumerate(fields[:_HDR - 2]):
+            assert len(fields) <= (_HDR - 3 if extra is not None else _HDR - 2)
+            for i, f in enumerate(fields):
                 hdr[2 + i] = int(f)
+            if extra is not None:
+                hdr[_HDR - 1] = int(extra)
             if n_counts:
                 hdr[_HDR:] = counts.to(torch.int64).cpu()
         out = torch.zeros(self.group_size * hdr.numel(), dtype=torch.int64)   # flat: gloo wants [W * n]
@@ -471,10 +498,100 @@ class Buffer:
         return out
 
     def _fwd(self, handle, send):
+        if getattr(handle, "backend", "group") == "nvshmem":
+            return self._nvshmem_a2a(handle, send, handle.send_counts, handle.recv_counts)
         return self._a2a(send, handle.send_counts, handle.recv_counts)
 
     def _bwd(self, handle, recv):
+        if getattr(handle, "backend", "group") == "nvshmem":
+            return self._nvshmem_a2a(handle, recv, handle.recv_counts, handle.send_counts)
         return self._a2a(recv, handle.recv_counts, handle.send_counts)
+
+    # ------------------------------------------------- low-latency backend
+
+    @property
+    def low_latency_backend(self) -> Optional[str]:
+        """How the last ``low_latency_dispatch`` moved its rows: ``"nvshmem"`` or
+        ``"group"`` (``None`` before the first one). Its combine and backward passes use
+        the same (the handle remembers)."""
+        return self._ll_backend
+
+    @property
+    def low_latency_fallback_reason(self) -> Optional[str]:
+        """Why the last ``low_latency_dispatch`` did not use NVSHMEM (``None`` when it did,
+        or when the configuration is ``"group"``)."""
+        return self._ll_why
+
+    def _nvshmem_unusable(self, dev: torch.device) -> Optional[str]:
+        """Why this rank cannot move low-latency rows over NVSHMEM (``None``: it can)."""
+        from . import _nvshmem
+
+        if self._nvs_disabled:
+            return self._nvs_disabled
+        if self._nvs is not None and self._nvs.device != dev:
+            return (f"this Buffer's NVSHMEM buffers live on {self._nvs.device}, expected x there, got x on "
+                    f"{dev} (one device per Buffer)")
+        return _nvshmem.local_unusable(dev, self.rank, self.group_size,
+                                       dist.get_process_group_ranks(self.group))
+
+    def _nvshmem_setup(self, dev: torch.device, nbytes: int) -> Optional[str]:
+        """Collective: NVSHMEM world and this Buffer's symmetric buffers. Returns ``None``,
+        or why not (the same on every rank; the Buffer then stays on the group)."""
+        from . import _nvshmem
+
+        if self._nvs is not None:      # same device (checked before the header)
+            why = self._nvs._grow(nbytes)
+        else:
+            nvs = _nvshmem.SymmetricExchange(self.group, self.rank, self.group_size, dev)
+            why = nvs.setup(nbytes)
+            if why is None:
+                self._nvs = nvs
+        if why:
+            self._nvs_disabled = why
+        return why
+
+    def _choose_ll_backend(self, op, want, hdr, active, dev, slot_bytes, local_why=None):
+        """After the header: ``("nvshmem" | "group", why not NVSHMEM)``, the same on every
+        rank (from the gathered header). ``want="nvshmem"`` raises ``ValueError`` on every
+        rank instead of falling back."""
+        W = self.group_size
+        live = [r for r in range(W) if active[r]]
+        codes = {r: int(hdr[r, _HDR - 1]) >> 1 for r in live}
+        if len(set(codes.values())) > 1:
+            names = {c: n for n, c in _LL_CODES.items()}
+            got = ", ".join(f"rank {r}: {names.get(c, c)!r}" for r, c in codes.items())
+            raise self._err(op, f"ranks disagree on low_latency_backend (EPConfig or "
+                                f"MOONCAKE_EP_LOW_LATENCY_BACKEND): {got}; nothing was sent")
+        if want == "group":
+            return "group", None
+        inactive = [r for r in range(W) if not active[r]]
+        no = [r for r in live if not int(hdr[r, _HDR - 1]) & 1]
+        if inactive:
+            why = f"rank(s) {inactive} are inactive (the NVSHMEM path needs every rank of the group)"
+        elif no:
+            why = (f"NVSHMEM is not usable on rank(s) {no} (CUDA tensors, nvshmem4py-cu13 installed and "
+                   "initialised over this group are needed on every rank)")
+            if local_why:
+                why += f"; on rank {self.rank}: {local_why}"
+        else:
+            why = self._nvshmem_setup(dev, W * slot_bytes)
+        if why is None:
+            return "nvshmem", None
+        if want == "nvshmem":
+            raise self._err(op, f"{_FORCED} cannot be served: {why}; nothing was sent")
+        return "group", why
+
+    def _nvshmem_a2a(self, handle, send, send_counts, recv_counts):
+        active, _ = self._membership()
+        if not all(active):
+            raise RuntimeError(f"mooncake_ep low-latency (rank {self.rank}): rank(s) "
+                               f"{[r for r, a in enumerate(active) if not a]} left the group since the "
+                               "dispatch; the NVSHMEM path needs every rank (dispatch again: it falls "
+                               "back to the group with low_latency_backend='auto')")
+        send = send.contiguous()
+        out = self._recycler.empty((sum(recv_counts),) + tuple(send.shape[1:]), send.dtype, send.device)
+        cap = handle.num_max_dispatch_tokens_per_rank * (handle.num_experts // self.group_size)
+        return self._nvs.alltoallv(send, send_counts, recv_counts, cap, out)
 
     # ---------------------------------------------------------------- layout
 
@@ -712,10 +829,21 @@ class Buffer:
                 (not supported on CPU).
 
         Returns: :class:`LowLatencyDispatchResult`. Without fp8, differentiable in ``x``
-        (the backward sums each pair's gradient back to its token).
+        (the backward sums each pair's gradient back to its token). The rows move over
+        NVSHMEM or the group per ``EPConfig.low_latency_backend`` (module docstring);
+        ``self.low_latency_backend`` then says which, and the handle keeps it for the
+        combine and the backward passes. On the NVSHMEM path the first call (per process,
+        then per Buffer) initialises NVSHMEM over the group and allocates the symmetric
+        buffers (collective).
 
         Raises: ``ValueError`` on every rank before any token moves for bad arguments or
-        disagreeing T_max/E/H/dtype/use_fp8.
+        disagreeing T_max/E/H/dtype/use_fp8/low_latency_backend, and, with
+        ``low_latency_backend="nvshmem"``, when NVSHMEM cannot serve the op on some rank
+        (tensors not on CUDA, ``nvshmem.core`` not importable, an inactive rank, NVSHMEM
+        initialised over another group, its init or allocation failed), e.g.
+        ``mooncake_ep low_latency_dispatch (rank 0): low_latency_backend='nvshmem' (EPConfig
+        or MOONCAKE_EP_LOW_LATENCY_BACKEND) cannot be served: expected CUDA tensors, got x
+        on cpu; nothing was sent``.
         """
         op = "low_latency_dispatch"
         W = self.group_size
@@ -744,6 +872,13 @@ class Buffer:
                 _same_device("cumulative_local_expert_recv_stats", st, dev)
         except _BadArgs as e:
             err = str(e)
+        want = self._cfg["low_latency_backend"]
+        nvs_ok, local_why = 0, None
+        if err is None and want != "group":
+            local_why = self._nvshmem_unusable(dev)
+            nvs_ok = int(local_why is None)
+            if local_why is not None and want == "nvshmem":
+                err = f"{_FORCED} cannot be served: {local_why}"
         L = E // W if E > 0 and E % W == 0 else 1
         cnt = None
         if err is None:
@@ -758,7 +893,10 @@ class Buffer:
                 emask = torch.tensor(active0, dtype=torch.bool, device=dev).repeat_interleave(L)
                 per_expert = (cnt & emask).sum(0)
             hdr, active, epoch = self._header(op, fields, per_expert if per_expert is not None else torch.zeros(E),
-                                              error=err, names=names)
+                                              error=err, names=names, extra=nvs_ok | (_LL_CODES[want] << 1))
+            backend, why = self._choose_ll_backend(op, want, hdr, active, dev, Tm * L * H * max(4, x.element_size()),
+                                                   local_why)
+            self._ll_backend, self._ll_why = backend, why
             act = [int(a and b) for a, b in zip(active, active0)]
             emask = torch.tensor(act, dtype=torch.bool, device=dev).repeat_interleave(L)
             pairs = (cnt & emask).t().nonzero()                  # [P, 2] (expert, token)
@@ -793,7 +931,7 @@ class Buffer:
                 found &= keys[posc] == skeys
             slot_pair = torch.where(found, posc, torch.full_like(posc, -1))
             h = LowLatencyHandle(T, H, E, Tm, topk_idx, pair_t, slot_pair, send_counts, recv_counts,
-                                 recv_dst, recv_count, bool(use_fp8), epoch)
+                                 recv_dst, recv_count, bool(use_fp8), epoch, backend)
             if use_fp8:
                 with torch.no_grad():
                     send = K_.gather_rows(x, pair_t, self._cfg["kernels"])
@@ -839,8 +977,11 @@ class Buffer:
 
         Returns: :class:`LowLatencyCombineResult` ``(combined_x, event, hook)``:
         ``combined_x`` [T, H] in x's dtype (accumulated in float32), ``event`` and ``hook``
-        ``None`` on CPU. Differentiable in ``x`` and ``topk_weights``. Raises ``ValueError``
-        on every rank, before any row moves, for bad arguments on some rank.
+        ``None`` on CPU. Differentiable in ``x`` and ``topk_weights``. Rows move the way
+        the dispatch's did (``handle.backend``: NVSHMEM or the group). Raises ``ValueError``
+        on every rank, before any row moves, for bad arguments on some rank;
+        ``RuntimeError`` on the NVSHMEM path when a rank has left the group since the
+        dispatch (NVSHMEM cannot run without it; dispatch again).
         """
         op = "low_latency_combine"
         err = None

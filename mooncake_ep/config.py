@@ -7,6 +7,7 @@ Every ``MOONCAKE_EP_*`` environment variable the package reads is read here, in
 |---|---|---|
 | ``MOONCAKE_EP_KERNELS`` | ``auto`` (Triton for CUDA tensors when importable, torch ops otherwise) / ``torch`` / ``triton`` (Triton for CUDA tensors, and for CPU tensors under ``TRITON_INTERPRET=1``) | ``auto`` |
 | ``MOONCAKE_EP_FP32_ACCUMULATE`` | ``1``: 16-bit combines accumulate in float32 and round once; ``0``: accumulate in the data's dtype (faster on CPU) | ``1`` |
+| ``MOONCAKE_EP_LOW_LATENCY_BACKEND`` | how the low-latency ops move rows: ``auto`` (NVSHMEM when usable on every rank, else the process group) / ``nvshmem`` (NVSHMEM or ``ValueError``) / ``group`` (the process group's ``all_to_all_single``) | ``auto`` |
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import os
 from typing import Optional
 
 _KERNELS = ("auto", "torch", "triton")
+_LL_BACKENDS = ("auto", "nvshmem", "group")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -33,15 +35,27 @@ class EPConfig:
         max_membership_retries: how many times a normal-mode ``dispatch`` restarts when the
             group's membership epoch changes while it runs (``on_failure="mask"``);
             ``None`` means the world size.
+        low_latency_backend: how ``low_latency_dispatch``/``low_latency_combine`` (and their
+            backward passes) move rows (``MOONCAKE_EP_LOW_LATENCY_BACKEND``, default
+            ``"auto"``). ``"nvshmem"``: one-sided puts into NVSHMEM symmetric buffers
+            (needs CUDA tensors, ``nvshmem.core`` from ``nvshmem4py-cu13`` importable and
+            every rank of the group active; otherwise the op raises ``ValueError`` on every
+            rank before any token moves). ``"group"``: the process group's
+            ``all_to_all_single``. ``"auto"``: NVSHMEM when it is usable on every rank,
+            the group otherwise (silently; ``Buffer.low_latency_backend`` says which ran).
     """
 
     kernels: Optional[str] = None
     fp32_accumulate: Optional[bool] = None
     max_membership_retries: Optional[int] = None
+    low_latency_backend: Optional[str] = None
 
     def __post_init__(self):
         if self.kernels is not None and self.kernels not in _KERNELS:
             raise ValueError(f"EPConfig: kernels must be one of {_KERNELS}, got {self.kernels!r}")
+        if self.low_latency_backend is not None and self.low_latency_backend not in _LL_BACKENDS:
+            raise ValueError(f"EPConfig: low_latency_backend must be one of {_LL_BACKENDS}, "
+                             f"got {self.low_latency_backend!r}")
         if self.max_membership_retries is not None and self.max_membership_retries < 0:
             raise ValueError(f"EPConfig: max_membership_retries must be >= 0, got {self.max_membership_retries}")
 
@@ -58,9 +72,14 @@ def env_defaults() -> dict:
     kernels = env.get("MOONCAKE_EP_KERNELS", "auto") or "auto"
     if kernels not in _KERNELS:
         raise ValueError(f"MOONCAKE_EP_KERNELS must be one of {_KERNELS}, got {kernels!r}")
+    ll = (env.get("MOONCAKE_EP_LOW_LATENCY_BACKEND", "auto") or "auto").strip().lower()
+    if ll not in _LL_BACKENDS:
+        raise ValueError(f"MOONCAKE_EP_LOW_LATENCY_BACKEND must be one of {_LL_BACKENDS}, "
+                         f"got {env.get('MOONCAKE_EP_LOW_LATENCY_BACKEND')!r}")
     return {
         "kernels": kernels,
         "fp32_accumulate": _flag(env.get("MOONCAKE_EP_FP32_ACCUMULATE"), True),
+        "low_latency_backend": ll,
     }
 
 
@@ -72,4 +91,5 @@ def resolve(cfg: Optional[EPConfig], world_size: int) -> dict:
         "kernels": cfg.kernels or env["kernels"],
         "fp32_accumulate": env["fp32_accumulate"] if cfg.fp32_accumulate is None else bool(cfg.fp32_accumulate),
         "max_membership_retries": world_size if cfg.max_membership_retries is None else int(cfg.max_membership_retries),
+        "low_latency_backend": cfg.low_latency_backend or env["low_latency_backend"],
     }

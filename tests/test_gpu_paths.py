@@ -207,7 +207,8 @@ def test_gpu_checks_dry_run(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     r = json.loads(out.read_text())
     assert r["dry_run"] is True and r["ok"] is True
-    assert [s["step"] for s in r["plan"]["steps"]] == ["env", "build", "kernels", "conformance", "ep", "allreduce_bw"]
+    assert [s["step"] for s in r["plan"]["steps"]] == ["env", "build", "kernels", "conformance", "ep", "ep_nvshmem",
+                                                   "allreduce_bw"]
     assert sum(s["limit_s"] for s in r["plan"]["steps"]) <= 6 * 60 + 150  # steps share a 340 s deadline
     bad = subprocess.run(["bash", os.path.join(REPO, "tests/device/run_gpu_checks.sh"), "--steps", "nope"],
                          cwd=REPO, env=_env(PYTHON=sys.executable), capture_output=True, text=True, timeout=60)

@@ -14,6 +14,11 @@ Steps (each in a child process with its own time limit; the whole run stays unde
    tests/test_ep_triton.py; their latency; ``Buffer`` on CUDA tensors end to end (2 ranks):
    low-latency round trip (against the reference and the CPU-staged path), normal
    dispatch + combine, fp8 low-latency dispatch; CUDA vs CPU-staged round-trip latency.
+   ``ep_nvshmem``: only where ``nvshmem.core`` (``pip install nvshmem4py-cu13``) imports,
+   else recorded as skipped with the reason: ``Buffer`` with
+   ``low_latency_backend="nvshmem"`` against ``"group"`` on CUDA tensors, 1 rank and 2
+   ranks sharing the GPU (dispatch rows, counts and fp8 bit for bit, combine and backward
+   within one bf16 rounding, round-trip latency of both).
 6. ``allreduce_bw``: all_reduce bus bandwidth of ``mooncake`` on CUDA tensors (2 and 4
    ranks sharing the GPU) against gloo on CUDA tensors (NCCL refuses two ranks on one
    GPU) and against the device-to-device copy ceiling of the GPU.
@@ -39,9 +44,9 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-STEPS = ["env", "build", "kernels", "conformance", "ep", "allreduce_bw"]
+STEPS = ["env", "build", "kernels", "conformance", "ep", "ep_nvshmem", "allreduce_bw"]
 # seconds per step; the whole run has DEADLINE_S (the shell wrapper kills it at 360 s)
-LIMITS = {"env": 20, "build": 150, "kernels": 30, "conformance": 100, "ep": 55, "allreduce_bw": 80}
+LIMITS = {"env": 20, "build": 150, "kernels": 30, "conformance": 100, "ep": 55, "ep_nvshmem": 45, "allreduce_bw": 80}
 DEADLINE_S = 340
 
 
@@ -366,11 +371,111 @@ def step_conformance(ctx):
 def step_ep(ctx):
     ok, res, tail = _child(EP_CODE, _left(ctx, 25), env={"MC_REPO": REPO, "TRITON_DEFAULT_FP_FUSION": "0"})
     res = res or {}
-    ok2, r2, t2 = _child(RANKS_CODE, _left(ctx, 40), args=(json.dumps({"what": "ep", "ws": 2, "timeout": 35}),))
+    # the group path here (step ep_nvshmem covers NVSHMEM, where nvshmem4py is installed)
+    ok2, r2, t2 = _child(RANKS_CODE, _left(ctx, 40), args=(json.dumps({"what": "ep", "ws": 2, "timeout": 35}),),
+                         env={"MOONCAKE_EP_LOW_LATENCY_BACKEND": "group"})
     res["ep_ws2"] = r2
     passed = bool(r2) and all(r2.get(k) for k in ("ll_on_cuda", "ll_correct", "ll_cuda_close_to_staged",
                                                   "normal_on_cuda", "normal_correct", "fp8_on_cuda", "fp8_close"))
     return ok and ok2 and passed, res, tail + t2
+
+
+NVSHMEM_CODE = r'''
+import json, os, sys, time, traceback, torch, torch.distributed as dist, torch.multiprocessing as mp
+
+def rank_main(rank, ws, port, q):
+    out = {}
+    nv = None
+    try:
+        torch.set_num_threads(1)
+        torch.cuda.set_device(0)
+        import mooncake_pg  # registers "mooncake" for cpu and cuda
+        dist.init_process_group("mooncake", rank=rank, world_size=ws, init_method=f"tcp://127.0.0.1:{port}")
+        import mooncake_ep
+        nv = mooncake_ep.Buffer(config=mooncake_ep.EPConfig(low_latency_backend="nvshmem"))
+        grp = mooncake_ep.Buffer(config=mooncake_ep.EPConfig(low_latency_backend="group"))
+        Tn, H, E, K = 128, 4096, 8 * ws, 4
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(Tn, H, generator=g).to(torch.bfloat16).cuda()
+        idx = torch.argsort(torch.rand(Tn, E, generator=g), dim=1)[:, :K].contiguous().cuda()
+        w = torch.rand(Tn, K, generator=g).cuda()
+        def trip(buf, grad=False):
+            xg = x.clone().requires_grad_(grad)
+            ll = buf.low_latency_dispatch(xg, idx, Tn, E)
+            c = buf.low_latency_combine(ll.recv_x, idx, w, ll.handle).combined_x
+            if grad:
+                (c.float() * torch.arange(H, device="cuda").float()).sum().backward()
+            return ll, c, xg.grad
+        ll_n, c_n, gx_n = trip(nv, True)
+        ll_g, c_g, gx_g = trip(grp, True)
+        out["backend"] = nv.low_latency_backend
+        out["on_cuda"] = ll_n.recv_x.is_cuda and c_n.is_cuda
+        counts = ll_g.recv_count.tolist()
+        out["counts_equal"] = bool(torch.equal(ll_n.recv_count, ll_g.recv_count))
+        out["rows_equal"] = all(bool(torch.equal(ll_n.recv_x[l, :n], ll_g.recv_x[l, :n])) for l, n in enumerate(counts))
+        # both sum up to K weighted rows per token with CUDA's index_add_ (no fixed order)
+        out["combine_close"] = bool(torch.allclose(c_n.float(), c_g.float(), rtol=2 ** -7, atol=1e-6))
+        out["grad_close"] = bool(torch.allclose(gx_n.float(), gx_g.float(), rtol=2 ** -7, atol=1e-3))
+        ref = x.double().cpu() * w.double().cpu().sum(1, keepdim=True)   # identity experts
+        out["combine_max_err"] = float((c_n.double().cpu() - ref).abs().max())
+        out["combine_correct"] = out["combine_max_err"] <= float(ref.abs().max()) * 2 ** -7 + 1e-6
+        qn = nv.low_latency_dispatch(x, idx, Tn, E, use_fp8=True)
+        qg = grp.low_latency_dispatch(x, idx, Tn, E, use_fp8=True)
+        out["fp8_equal"] = all(bool(torch.equal(qn.recv_x[0][l, :n].view(torch.uint8), qg.recv_x[0][l, :n].view(torch.uint8)))
+                               and bool(torch.equal(qn.recv_x[1][l, :n], qg.recv_x[1][l, :n]))
+                               for l, n in enumerate(qg.recv_count.tolist()))
+        for name, buf in (("nvshmem", nv), ("group", grp)):
+            for _ in range(3): trip(buf)
+            ts = []
+            for _ in range(10):
+                dist.barrier(); torch.cuda.synchronize(); t0 = time.perf_counter(); trip(buf); torch.cuda.synchronize()
+                ts.append(time.perf_counter() - t0)
+            ts.sort()
+            out[f"ll_round_trip_us_median_{name}"] = round(ts[len(ts) // 2] * 1e6, 1)
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+        out["traceback"] = traceback.format_exc()[-2000:]
+    q.put((rank, out))
+    if "error" not in out and nv is not None and nv.low_latency_backend == "nvshmem":
+        torch.cuda.synchronize()
+        import nvshmem.core
+        nvshmem.core.finalize()   # collective; frees the symmetric buffers
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+if __name__ == "__main__":
+    cfg = json.loads(sys.argv[1])
+    import socket
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+    ctx = mp.get_context("spawn"); q = ctx.Queue()
+    ps = [ctx.Process(target=rank_main, args=(r, cfg["ws"], port, q)) for r in range(cfg["ws"])]
+    for p in ps: p.start()
+    res = dict(q.get(timeout=cfg["timeout"]) for _ in ps)
+    for p in ps: p.join(10)
+    print("RESULT " + json.dumps({str(r): res[r] for r in sorted(res)}))
+'''
+
+NVSHMEM_KEYS = ("on_cuda", "counts_equal", "rows_equal", "combine_close", "grad_close", "combine_correct", "fp8_equal")
+
+
+def step_ep_nvshmem(ctx):
+    """NVSHMEM low-latency path against the group path (1 rank, then 2 sharing the GPU);
+    skipped, with the reason in the JSON, where nvshmem.core does not import."""
+    ok, probe, tail = _child("import json\ntry:\n    import nvshmem.core as n\n    r = {'version': str(n.get_version())}\n"
+                             "except Exception as e:\n    r = {'skipped': f'nvshmem.core does not import ({type(e).__name__}: {e}); "
+                             "pip install nvshmem4py-cu13 to run this step'}\nprint('RESULT ' + json.dumps(r))\n", 20)
+    if not ok or "skipped" in (probe or {}):
+        return True, probe or {"skipped": "the import probe failed: " + tail[-500:]}, tail
+    res = {"nvshmem": probe.get("version"), "runs": {}}
+    good = True
+    for ws in (1, 2):
+        ok2, r, t = _child(NVSHMEM_CODE, _left(ctx, 22), args=(json.dumps({"ws": ws, "timeout": 20}),))
+        res["runs"][f"ws{ws}"] = r
+        tail += t
+        for rank_out in (r or {}).values():
+            ok2 = ok2 and rank_out.get("backend") == "nvshmem" and all(rank_out.get(k) for k in NVSHMEM_KEYS)
+        good = good and ok2 and bool(r)
+    return good, res, tail
 
 
 def step_allreduce_bw(ctx):
@@ -397,7 +502,7 @@ def step_allreduce_bw(ctx):
 
 
 RUN = {"env": step_env, "build": step_build, "kernels": step_kernels, "conformance": step_conformance,
-       "ep": step_ep, "allreduce_bw": step_allreduce_bw}
+       "ep": step_ep, "ep_nvshmem": step_ep_nvshmem, "allreduce_bw": step_allreduce_bw}
 
 
 def plan(ctx):
@@ -413,13 +518,14 @@ def plan(ctx):
         "ninja": shutil.which("ninja") is not None or importlib.util.find_spec("ninja") is not None,
         "nvcc": shutil.which("nvcc") or (os.path.exists("/usr/local/cuda/bin/nvcc") and "/usr/local/cuda/bin/nvcc") or None,
         "nvidia-smi": shutil.which("nvidia-smi"),
+        "nvshmem4py": importlib.util.find_spec("nvshmem") is not None,   # optional: step ep_nvshmem
     }
     files = ["setup.py", "tests/test_conformance.py", "tests/test_ep_triton.py", "csrc/transport/cuda/kernels.cu",
              "mooncake_ep/triton_kernels.py"]
     missing_files = [f for f in files if not os.path.exists(os.path.join(REPO, f))]
     # the code the children run must at least compile
     for name, code in (("ENV_CODE", ENV_CODE), ("KERNEL_CODE", KERNEL_CODE), ("EP_CODE", EP_CODE),
-                       ("RANKS_CODE", RANKS_CODE), ("CEILING_CODE", CEILING_CODE)):
+                       ("RANKS_CODE", RANKS_CODE), ("CEILING_CODE", CEILING_CODE), ("NVSHMEM_CODE", NVSHMEM_CODE)):
         compile(code, name, "exec")
     steps = [
         {"step": "env", "limit_s": LIMITS["env"], "runs": "torch/CUDA/Triton versions, GPU properties"},
@@ -428,6 +534,9 @@ def plan(ctx):
         {"step": "conformance", "limit_s": LIMITS["conformance"], "runs": " ".join(cmd_c), "env": env_c},
         {"step": "ep", "limit_s": LIMITS["ep"], "runs": "Triton kernels on CUDA vs test_ep_triton references; "
                                                        "kernel latency; Buffer on CUDA tensors (LL, normal, fp8) vs CPU-staged, 2 ranks"},
+        {"step": "ep_nvshmem", "limit_s": LIMITS["ep_nvshmem"],
+         "runs": "Buffer low_latency_backend='nvshmem' vs 'group' on CUDA tensors, 1 and 2 ranks; "
+                 + ("nvshmem4py found" if tools["nvshmem4py"] else "skipped here: nvshmem4py-cu13 not installed")},
         {"step": "allreduce_bw", "limit_s": LIMITS["allreduce_bw"],
          "runs": "d2d copy ceiling; all_reduce busbw mooncake vs gloo on CUDA tensors, 2 and 4 ranks"},
     ]
