@@ -24,6 +24,9 @@
 #include <sstream>
 
 #include "transport/copy.hpp"
+#ifdef MOONCAKE_WITH_CUDA
+#include "transport/cuda/cuda.hpp"
+#endif
 #include "transport/shm.hpp"
 #include "transport/tcp.hpp"
 #ifdef MOONCAKE_WITH_RDMA
@@ -46,6 +49,7 @@ enum OpCode : uint32_t {
   OP_SCATTER,
   OP_ALLTOALL,
   OP_BARRIER,
+  OP_ALLREDUCE_IPC,  // all_reduce of CUDA tensors through CUDA IPC (pg/cuda_ipc.hpp): one round per piece
 };
 
 const char* op_name(uint32_t op) {
@@ -59,6 +63,7 @@ const char* op_name(uint32_t op) {
     case OP_SCATTER: return "scatter";
     case OP_ALLTOALL: return "all_to_all";
     case OP_BARRIER: return "barrier";
+    case OP_ALLREDUCE_IPC: return "all_reduce (CUDA IPC path)";
   }
   return "unknown op";
 }
@@ -91,7 +96,7 @@ std::string describe(const OpHeader& h) {
     o << " of " << h.count << (h.op == OP_ALLTOALL ? " element(s) per row" : " element(s)")
       << " of dtype " << dtype_name(h.dtype);
   }
-  if (h.op == OP_ALLREDUCE || h.op == OP_REDUCE || h.op == OP_REDUCE_SCATTER)
+  if (h.op == OP_ALLREDUCE || h.op == OP_REDUCE || h.op == OP_REDUCE_SCATTER || h.op == OP_ALLREDUCE_IPC)
     o << " with ReduceOp " << red_op_name(static_cast<RedOp>(h.redop));
   if (h.op == OP_REDUCE || h.op == OP_BROADCAST || h.op == OP_GATHER || h.op == OP_SCATTER)
     o << " (root " << h.root << ")";
@@ -226,6 +231,22 @@ MooncakeBackend::MooncakeBackend(const c10::intrusive_ptr<c10d::Store>& store, i
       cfg_(std::move(cfg)),
       timeout_(static_cast<int64_t>(cfg_.timeout_s * 1000)) {
   setup(store);
+#ifdef MOONCAKE_WITH_CUDA
+  ipc_ = std::make_unique<CudaIpc>(rank_, size_, store_, store_ns_);
+#endif
+}
+
+std::string MooncakeBackend::cuda_ipc_status() const {
+#ifndef MOONCAKE_WITH_CUDA
+  return "unavailable: this build has no CUDA (rebuild with MOONCAKE_WITH_CUDA=1)";
+#else
+  if (!cfg_.cuda_ipc) return "staging: CUDA IPC switched off (MOONCAKE_CUDA_IPC=0 or MooncakeOptions(cuda_ipc=False))";
+  if (!one_host_) return "staging: the group's ranks are not all on this host (MOONCAKE_HOST_ID differs)";
+  if (size_ > cuda::kMaxSources)
+    return "staging: max_group_size " + std::to_string(size_) + " exceeds the " + std::to_string(cuda::kMaxSources) +
+           " sources the IPC reduction kernel takes";
+  return "ipc";
+#endif
 }
 
 MooncakeBackend::~MooncakeBackend() {
@@ -395,6 +416,7 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
 #endif
     peer_pid_[j] = pid;
   }
+  one_host_ = one_host;
   const bool use_shm = (t == "shm") || (t == "auto" && one_host);
   TORCH_CHECK(!(t == "shm" && !one_host),
               "MooncakeBackend::setup: transport 'shm' needs every rank on one host (MOONCAKE_HOST_ID differs)");
@@ -1807,8 +1829,69 @@ std::function<void()> MooncakeBackend::backup_for_retry(const std::vector<at::Te
   };
 }
 
+#ifdef MOONCAKE_WITH_CUDA
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce_ipc(at::Tensor& t, const c10d::AllreduceOptions& opts) {
+  // the rank's own argument errors raise here, before anything is queued
+  const char* op = "all_reduce";
+  TORCH_CHECK_VALUE(t.layout() == c10::kStrided, "mooncake ", op, " (rank ", rank_,
+                    "): expected a dense (strided) tensor, got layout ", t.layout());
+  TORCH_CHECK_VALUE(data_dtype_ok(t.scalar_type()), "mooncake ", op, " (rank ", rank_, "): unsupported dtype ",
+                    t.scalar_type());
+  double premul;
+  RedOp rop = to_redop(opts.reduceOp, &premul);
+  check_reduce(t.scalar_type(), rop, op, rank_);
+  TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes,
+                    "mooncake: an output tensor has overlapping elements (e.g. an expanded view with stride 0); "
+                    "pass a tensor whose elements are distinct in memory");
+  std::shared_ptr<CudaIpcOp> iop = ipc_->begin(t, op);
+  auto w = submit(c10d::OpType::ALLREDUCE, {}, opts.asyncOp, opts.timeout,
+                  [this, iop, rop, premul](int64_t dl) { run_allreduce_ipc(*iop, rop, premul, dl); });
+  return CudaIpc::wrap(rank_, c10d::OpType::ALLREDUCE, w, iop);
+}
+
+void MooncakeBackend::run_allreduce_ipc(CudaIpcOp& op, RedOp rop, double premul, int64_t dl) {
+  // pg/cuda_ipc.hpp: per piece, copy in (side stream), one engine round with the header (the
+  // handshake: peers' copies are queued; failures and mismatches as on the CPU path), reduce
+  // every active rank's buffer (side stream). The calling thread never waits for the GPU.
+  TORCH_CHECK(one_host_, "MooncakeBackend::allreduce: the CUDA IPC path needs every rank on this host, and the "
+              "membership now spans hosts (MOONCAKE_CUDA_IPC=0 stages through host memory instead)");
+  CollEngine* e = coll_.get();
+  const size_t n = static_cast<size_t>(op.user.numel());
+  const size_t R = ipc_->round_elems(op);
+  const size_t pieces = std::max<size_t>(1, (n + R - 1) / R);
+  // a rerun over survivors (mask) must find the input as it was: reduce into a copy
+  ipc_->prepare(op, policy_ == FailurePolicy::MASK && pieces > 1);
+  const std::vector<int64_t> noextra;
+  for (size_t s = 0; s < pieces; ++s) {
+    OpHeader h{};
+    h.op = OP_ALLREDUCE_IPC;
+    h.dtype = static_cast<int32_t>(op.user.scalar_type());
+    h.redop = static_cast<int32_t>(rop);
+    h.root = -1;
+    h.count = static_cast<int64_t>(n);
+    h.seq = seq_exec_++;
+    const int parity = static_cast<int>(h.seq & 1);
+    const size_t off = s * R, len = std::min(R, n - std::min(n, off));
+    if (len) ipc_->stage(op, parity, off, len, act_, peer_pid_, rop, premul);
+    const uint64_t k = e->next_round();
+    write_header(e, k, h, noextra);
+    PeerRanges sends(size_);
+    exchange(&sends, header_len(noextra), dl, "all_reduce");
+    check_headers(e, k, act_[0], act_);
+    if (len) ipc_->reduce(op, parity, off, len, act_, peer_pid_, rop);
+  }
+  ipc_->finish(op);
+}
+#endif
+
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::AllreduceOptions& opts) {
+#ifdef MOONCAKE_WITH_CUDA
+  // one host, one CUDA tensor: CUDA IPC (cuda_ipc_status() says why not otherwise)
+  if (tensors.size() == 1 && tensors[0].defined() && tensors[0].is_cuda() && !coalescing_ && cfg_.cuda_ipc &&
+      one_host_ && size_ <= cuda::kMaxSources)
+    return allreduce_ipc(tensors[0], opts);
+#endif
   MOONCAKE_CUDA_STAGED(ALLREDUCE, "allreduce", (tensor_ptrs(tensors)), (tensor_ptrs(tensors)), allreduce(tensors, opts));
   const char* op = "all_reduce";
   check_single(tensors, op, rank_);

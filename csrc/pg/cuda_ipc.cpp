@@ -1,0 +1,296 @@
+#ifdef MOONCAKE_WITH_CUDA
+#include "pg/cuda_ipc.hpp"
+
+// Only c10/cuda headers (see cuda_staging.cpp); CUDA calls through transport/cuda.
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <unistd.h>
+
+#include <stdexcept>
+
+#include "pg/cuda_staging.hpp"
+#include "transport/cuda/cuda.hpp"
+
+namespace mooncake {
+
+namespace {
+
+// Runs a transport/cuda call; its std::runtime_error becomes a c10::Error naming `where`.
+template <class F>
+auto cuda_call(const char* where, F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const std::runtime_error& e) {
+    TORCH_CHECK(false, where, ": ", e.what(), " (MOONCAKE_CUDA_IPC=0 makes the group stage CUDA tensors through "
+                "pinned host memory instead)");
+  }
+}
+
+size_t size_class(size_t nbytes) {
+  size_t c = CudaIpc::kMinClassBytes;
+  while (c < nbytes && c < CudaIpc::kMaxClassBytes) c <<= 1;
+  return c;
+}
+
+// Store values: "<pid> <raw handle bytes>"
+std::string with_pid(const std::string& raw) { return std::to_string(getpid()) + " " + raw; }
+
+}  // namespace
+
+CudaIpcOp::CudaIpcOp(at::Tensor t, c10::Device d, c10::cuda::CUDAStream s)
+    : user(std::move(t)), dev(d), stream(s) {}
+
+CudaIpcOp::~CudaIpcOp() {
+  cuda::event_destroy(start);  // released by CUDA once pending work is done
+  cuda::event_destroy(end);
+}
+
+CudaIpc::CudaIpc(int rank, int size, c10::intrusive_ptr<c10d::Store> store, std::string ns)
+    : rank_(rank), size_(size), store_(std::move(store)), ns_(std::move(ns)), peers_(size) {}
+
+CudaIpc::~CudaIpc() {
+  // Never throws: at process exit the driver may already be gone.
+  try {
+    if (stream_) stream_->synchronize();
+  } catch (...) {
+  }
+  for (auto& p : peers_) {
+    try {
+      drop_peer(p);
+    } catch (...) {
+    }
+  }
+  for (auto& [cls, b] : bufs_) cuda::device_free(b);
+  for (void* e : ev_) cuda::event_destroy(e);
+}
+
+std::shared_ptr<CudaIpcOp> CudaIpc::begin(const at::Tensor& t, const char* opname) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (!dev_) {
+    dev_ = t.device();
+    stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, t.device().index());
+  }
+  TORCH_CHECK_VALUE(t.device() == *dev_, "CudaIpc::begin: ", opname, " on ", t.device(), ", but this group's CUDA IPC "
+                    "buffers live on ", *dev_, " (one device per process and group; MOONCAKE_CUDA_IPC=0 stages "
+                    "through host memory instead)");
+  c10::cuda::CUDAGuard dg(*dev_);
+  auto op = std::make_shared<CudaIpcOp>(t, *dev_, *stream_);
+  op->start = cuda_call("CudaIpc::begin", [] { return cuda::event_create(); });
+  op->end = cuda_call("CudaIpc::begin", [] { return cuda::event_create(); });
+  cuda_call("CudaIpc::begin",
+            [&] { cuda::event_record(op->start, c10::cuda::getCurrentCUDAStream(dev_->index()).stream()); });
+  op->cls = size_class(static_cast<size_t>(t.numel()) * t.element_size());
+  return op;
+}
+
+void CudaIpc::prepare(CudaIpcOp& op, bool separate) {
+  c10::cuda::CUDAGuard dg(op.dev);
+  c10::cuda::CUDAStreamGuard sg(op.stream);
+  cuda_call("CudaIpc::prepare", [&] { cuda::stream_wait_event(op.stream.stream(), op.start); });
+  // the caller's tensor is used on the side stream: the allocator must not reuse it early
+  if (op.user.numel()) c10::cuda::CUDACachingAllocator::recordStream(op.user.storage().data_ptr(), op.stream);
+  // on the side stream; a separate tensor when the caller's must stay untouched until the end
+  op.work = (op.user.is_contiguous() && !separate) ? op.user : op.user.clone(at::MemoryFormat::Contiguous);
+}
+
+void CudaIpc::ensure_own(size_t cls) {
+  c10::cuda::CUDAGuard dg(*dev_);
+  if (!ev_published_) {
+    std::string raw;
+    for (int i = 0; i < 4; ++i) {
+      if (!ev_[i]) ev_[i] = cuda_call("CudaIpc::stage", [] { return cuda::ipc_event_create(); });
+      raw += cuda_call("CudaIpc::stage", [&] { return cuda::ipc_event_export(ev_[i]); });
+    }
+    const std::string v = with_pid(raw);
+    store_->set(ns_ + "cudaipc/" + std::to_string(rank_) + "/ev", std::vector<uint8_t>(v.begin(), v.end()));
+    ev_published_ = true;
+  }
+  if (bufs_.count(cls)) return;
+  void* b = cuda_call("CudaIpc::stage", [&] { return cuda::device_alloc(2 * cls, dev_->index()); });
+  std::string h;
+  try {
+    h = cuda::ipc_export(b);
+  } catch (const std::runtime_error& e) {
+    cuda::device_free(b);
+    TORCH_CHECK(false, "CudaIpc::stage: ", e.what());
+  }
+  bufs_[cls] = b;
+  const std::string v = with_pid(h);
+  store_->set(ns_ + "cudaipc/" + std::to_string(rank_) + "/" + std::to_string(cls),
+              std::vector<uint8_t>(v.begin(), v.end()));
+}
+
+std::string CudaIpc::get_key(const std::string& k, int j, int64_t pid) {
+  // published by rank j before the round this rank has just passed with it: present
+  const std::string key = ns_ + "cudaipc/" + std::to_string(j) + "/" + k;
+  TORCH_CHECK(store_->check({key}), "CudaIpc::reduce: rank ", j, " has not published '", key,
+              "' although it passed the op's round");
+  auto raw = store_->get(key);
+  std::string v(raw.begin(), raw.end());
+  const size_t sp = v.find(' ');
+  TORCH_CHECK(sp != std::string::npos, "CudaIpc::reduce: malformed value of '", key, "'");
+  const int64_t got = std::stoll(v.substr(0, sp));
+  TORCH_CHECK(got == pid, "CudaIpc::reduce: '", key, "' belongs to process ", got, " but rank ", j, " is process ",
+              pid, " (a stale incarnation)");
+  return v.substr(sp + 1);
+}
+
+void CudaIpc::drop_peer(Peer& p) {
+  for (auto& [cls, b] : p.bufs) {
+    try {
+      cuda::ipc_close(b);
+    } catch (const std::runtime_error&) {
+    }
+  }
+  p.bufs.clear();
+  for (void*& e : p.ev) {
+    cuda::event_destroy(e);
+    e = nullptr;
+  }
+  p.pid = -1;
+}
+
+CudaIpc::Peer& CudaIpc::peer(int j, int64_t pid, size_t cls) {
+  Peer& p = peers_[j];
+  if (p.pid != pid) {  // first use, or a new incarnation of rank j (rejoined)
+    drop_peer(p);
+    const std::string raw = get_key("ev", j, pid);
+    TORCH_CHECK(raw.size() == 4 * cuda::kIpcHandleBytes, "CudaIpc::reduce: rank ", j, " published ", raw.size(),
+                " bytes of event handles, expected ", 4 * cuda::kIpcHandleBytes);
+    for (int i = 0; i < 4; ++i)
+      p.ev[i] = cuda_call("CudaIpc::reduce", [&] {
+        return cuda::ipc_event_open(raw.substr(i * cuda::kIpcHandleBytes, cuda::kIpcHandleBytes), dev_->index());
+      });
+    p.pid = pid;
+  }
+  if (!p.bufs.count(cls)) {
+    const std::string h = get_key(std::to_string(cls), j, pid);
+    p.bufs[cls] = cuda_call("CudaIpc::reduce", [&] { return cuda::ipc_open(h, dev_->index()); });
+  }
+  return p;
+}
+
+void CudaIpc::stage(CudaIpcOp& op, int parity, size_t off, size_t len, const std::vector<int>& act,
+                    const std::vector<int64_t>& pids, RedOp rop, double premul) {
+  ensure_own(op.cls);
+  c10::cuda::CUDAGuard dg(op.dev);
+  void* st = op.stream.stream();
+  // peers' reads of my half `parity` (two rounds ago) are done before I overwrite it
+  for (int j : act) {
+    if (j == rank_) continue;
+    const Peer& p = peers_[j];
+    if (p.pid == pids[j] && p.ev[2 + parity])
+      cuda_call("CudaIpc::stage", [&] { cuda::stream_wait_event(st, p.ev[2 + parity]); });
+  }
+  const size_t E = op.work.element_size();
+  uint8_t* dst = static_cast<uint8_t*>(bufs_[op.cls]) + parity * op.cls;
+  const uint8_t* src = static_cast<const uint8_t*>(op.work.data_ptr()) + off * E;
+  if (rop == RedOp::PREMUL_SUM && premul != 1.0) {
+    auto dt = static_cast<cuda::DType>(cuda_dtype_code(op.work.scalar_type(), "CudaIpc::stage"));
+    cuda_call("CudaIpc::stage", [&] { cuda::launch_scale(dst, src, len, dt, premul, st); });
+  } else {
+    cuda_call("CudaIpc::stage", [&] { cuda::copy_async(dst, src, len * E, st); });
+  }
+  cuda_call("CudaIpc::stage", [&] { cuda::event_record(ev_[parity], st); });
+}
+
+void CudaIpc::reduce(CudaIpcOp& op, int parity, size_t off, size_t len, const std::vector<int>& act,
+                     const std::vector<int64_t>& pids, RedOp rop) {
+  c10::cuda::CUDAGuard dg(op.dev);
+  void* st = op.stream.stream();
+  TORCH_CHECK(static_cast<int>(act.size()) <= cuda::kMaxSources, "CudaIpc::reduce: ", act.size(),
+              " active ranks, the kernels take at most ", cuda::kMaxSources);
+  std::vector<const void*> srcs;
+  for (int j : act) {
+    if (j == rank_) {
+      srcs.push_back(static_cast<const uint8_t*>(bufs_[op.cls]) + parity * op.cls);
+      continue;
+    }
+    Peer& p = peer(j, pids[j], op.cls);
+    cuda_call("CudaIpc::reduce", [&] { cuda::stream_wait_event(st, p.ev[parity]); });  // its copy is done
+    srcs.push_back(static_cast<const uint8_t*>(p.bufs[op.cls]) + parity * op.cls);
+  }
+  const size_t E = op.work.element_size();
+  auto dt = static_cast<cuda::DType>(cuda_dtype_code(op.work.scalar_type(), "CudaIpc::reduce"));
+  uint8_t* out = static_cast<uint8_t*>(op.work.data_ptr()) + off * E;
+  cuda_call("CudaIpc::reduce", [&] {
+    cuda::launch_reduce(out, srcs.data(), static_cast<int>(srcs.size()), len, dt, static_cast<cuda::Op>(rop), st);
+  });
+  cuda_call("CudaIpc::reduce", [&] { cuda::event_record(ev_[2 + parity], st); });  // my reads are done
+}
+
+void CudaIpc::finish(CudaIpcOp& op) {
+  c10::cuda::CUDAGuard dg(op.dev);
+  c10::cuda::CUDAStreamGuard sg(op.stream);
+  if (!op.work.is_same(op.user)) op.user.copy_(op.work);
+  cuda_call("CudaIpc::finish", [&] { cuda::event_record(op.end, op.stream.stream()); });
+  op.ended = true;
+}
+
+namespace {
+
+class CudaIpcWork : public c10d::Work {
+ public:
+  CudaIpcWork(int rank, c10d::OpType type, c10::intrusive_ptr<c10d::Work> inner, std::shared_ptr<CudaIpcOp> op)
+      : c10d::Work(rank, type), inner_(std::move(inner)), op_(std::move(op)) {
+    future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                       std::vector<c10::Device>{op_->dev});
+  }
+  void hook() {
+    c10::intrusive_ptr<c10::ivalue::Future> fut = future_;
+    std::shared_ptr<CudaIpcOp> op = op_;
+    inner_->getFuture()->addCallback([fut, op](c10::ivalue::Future& f) {
+      if (f.hasError()) {
+        fut->setErrorIfNeeded(f.exception_ptr());
+        return;
+      }
+      try {
+        c10::cuda::CUDAGuard dg(op->dev);
+        c10::cuda::CUDAStreamGuard sg(op->stream);  // the future's event goes after the op
+        fut->markCompleted(c10::IValue(std::vector<at::Tensor>{op->user}));
+      } catch (...) {
+        fut->setErrorIfNeeded(std::current_exception());
+      }
+    });
+  }
+  void block_current() {
+    if (!op_->ended) return;
+    c10::cuda::CUDAGuard dg(op_->dev);
+    cuda_call("CudaIpcWork::wait",
+              [&] { cuda::stream_wait_event(c10::cuda::getCurrentCUDAStream(op_->dev.index()).stream(), op_->end); });
+  }
+  bool wait(std::chrono::milliseconds timeout) override {
+    inner_->wait(timeout);  // the op's error (or a timeout), as on the CPU
+    block_current();
+    return true;
+  }
+  bool isCompleted() override {
+    if (!inner_->isCompleted()) return false;
+    if (!inner_->isSuccess() || !op_->ended) return true;
+    return cuda_call("CudaIpcWork::isCompleted", [&] { return cuda::event_query(op_->end); });
+  }
+  bool isSuccess() const override { return inner_->isSuccess(); }
+  std::exception_ptr exception() const override { return inner_->exception(); }
+  int sourceRank() const override { return inner_->sourceRank(); }
+  std::vector<at::Tensor> result() override { return {op_->user}; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  void synchronize() override { block_current(); }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> inner_;
+  std::shared_ptr<CudaIpcOp> op_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> CudaIpc::wrap(int rank, c10d::OpType type, c10::intrusive_ptr<c10d::Work> inner,
+                                             std::shared_ptr<CudaIpcOp> op) {
+  auto w = c10::make_intrusive<CudaIpcWork>(rank, type, std::move(inner), std::move(op));
+  w->hook();
+  return w;
+}
+
+}  // namespace mooncake
+#endif  // MOONCAKE_WITH_CUDA
