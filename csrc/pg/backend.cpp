@@ -63,7 +63,7 @@ const char* op_name(uint32_t op) {
     case OP_SCATTER: return "scatter";
     case OP_ALLTOALL: return "all_to_all";
     case OP_BARRIER: return "barrier";
-    case OP_ALLREDUCE_IPC: return "all_reduce (CUDA IPC path)";
+    case OP_ALLREDUCE_IPC: return "all_reduce";  // describe() adds "through CUDA IPC"
   }
   return "unknown op";
 }
@@ -100,6 +100,7 @@ std::string describe(const OpHeader& h) {
     o << " with ReduceOp " << red_op_name(static_cast<RedOp>(h.redop));
   if (h.op == OP_REDUCE || h.op == OP_BROADCAST || h.op == OP_GATHER || h.op == OP_SCATTER)
     o << " (root " << h.root << ")";
+  if (h.op == OP_ALLREDUCE_IPC) o << " through CUDA IPC";
   o << " [op #" << h.seq << "]";
   return o.str();
 }

@@ -53,6 +53,11 @@ CudaIpc::~CudaIpc() {
   // Never throws: at process exit the driver may already be gone.
   try {
     if (stream_) stream_->synchronize();
+    // best effort before freeing my buffers: the peers' latest "done reading" records (a
+    // peer that passed the last round but has not queued its reduction yet is not covered)
+    for (auto& p : peers_)
+      for (int i = 2; i < 4; ++i)
+        if (p.ev[i]) cuda::event_synchronize(p.ev[i]);
   } catch (...) {
   }
   for (auto& p : peers_) {
