@@ -50,6 +50,7 @@ enum OpCode : uint32_t {
   OP_ALLTOALL,
   OP_BARRIER,
   OP_ALLREDUCE_IPC,  // all_reduce of CUDA tensors through CUDA IPC (pg/cuda_ipc.hpp): one round per piece
+  OP_BROADCAST_IPC,  // broadcast likewise
 };
 
 const char* op_name(uint32_t op) {
@@ -64,6 +65,7 @@ const char* op_name(uint32_t op) {
     case OP_ALLTOALL: return "all_to_all";
     case OP_BARRIER: return "barrier";
     case OP_ALLREDUCE_IPC: return "all_reduce";  // describe() adds "through CUDA IPC"
+    case OP_BROADCAST_IPC: return "broadcast";
   }
   return "unknown op";
 }
@@ -98,9 +100,10 @@ std::string describe(const OpHeader& h) {
   }
   if (h.op == OP_ALLREDUCE || h.op == OP_REDUCE || h.op == OP_REDUCE_SCATTER || h.op == OP_ALLREDUCE_IPC)
     o << " with ReduceOp " << red_op_name(static_cast<RedOp>(h.redop));
-  if (h.op == OP_REDUCE || h.op == OP_BROADCAST || h.op == OP_GATHER || h.op == OP_SCATTER)
+  if (h.op == OP_REDUCE || h.op == OP_BROADCAST || h.op == OP_GATHER || h.op == OP_SCATTER ||
+      h.op == OP_BROADCAST_IPC)
     o << " (root " << h.root << ")";
-  if (h.op == OP_ALLREDUCE_IPC) o << " through CUDA IPC";
+  if (h.op == OP_ALLREDUCE_IPC || h.op == OP_BROADCAST_IPC) o << " through CUDA IPC";
   o << " [op #" << h.seq << "]";
   return o.str();
 }
@@ -1883,15 +1886,68 @@ void MooncakeBackend::run_allreduce_ipc(CudaIpcOp& op, RedOp rop, double premul,
   }
   ipc_->finish(op);
 }
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::broadcast_ipc(at::Tensor& t, const c10d::BroadcastOptions& opts) {
+  const char* op = "broadcast";
+  TORCH_CHECK_VALUE(t.layout() == c10::kStrided, "mooncake ", op, " (rank ", rank_,
+                    "): expected a dense (strided) tensor, got layout ", t.layout());
+  TORCH_CHECK_VALUE(data_dtype_ok(t.scalar_type()), "mooncake ", op, " (rank ", rank_, "): unsupported dtype ",
+                    t.scalar_type());
+  check_root(opts.rootRank, size_, op, rank_);
+  const int root = static_cast<int>(opts.rootRank);
+  TORCH_CHECK_VALUE(rank_ == root || at::has_internal_overlap(t) != at::MemOverlap::Yes,
+                    "mooncake: an output tensor has overlapping elements (e.g. an expanded view with stride 0); "
+                    "pass a tensor whose elements are distinct in memory");
+  std::shared_ptr<CudaIpcOp> iop = ipc_->begin(t, op);
+  auto w = submit(c10d::OpType::BROADCAST, {}, opts.asyncOp, opts.timeout,
+                  [this, iop, root](int64_t dl) { run_broadcast_ipc(*iop, root, dl); });
+  return CudaIpc::wrap(rank_, c10d::OpType::BROADCAST, w, iop);
+}
+
+void MooncakeBackend::run_broadcast_ipc(CudaIpcOp& op, int root, int64_t dl) {
+  // as run_allreduce_ipc: the root copies each piece into its buffer, the round is the
+  // handshake, the others copy the piece out of the root's buffer (side stream)
+  TORCH_CHECK(one_host_, "MooncakeBackend::broadcast: the CUDA IPC path needs every rank on this host, and the "
+              "membership now spans hosts (MOONCAKE_CUDA_IPC=0 stages through host memory instead)");
+  require_active_root(root, "broadcast");
+  CollEngine* e = coll_.get();
+  const size_t n = static_cast<size_t>(op.user.numel());
+  const size_t R = ipc_->round_elems(op);
+  const size_t pieces = std::max<size_t>(1, (n + R - 1) / R);
+  ipc_->prepare(op, false);  // a rerun rewrites every piece; the root's tensor is only read
+  const std::vector<int64_t> noextra;
+  for (size_t s = 0; s < pieces; ++s) {
+    OpHeader h{};
+    h.op = OP_BROADCAST_IPC;
+    h.dtype = static_cast<int32_t>(op.user.scalar_type());
+    h.root = root;
+    h.count = static_cast<int64_t>(n);
+    h.seq = seq_exec_++;
+    const int parity = static_cast<int>(h.seq & 1);
+    const size_t off = s * R, len = std::min(R, n - std::min(n, off));
+    if (rank_ == root && len) ipc_->stage(op, parity, off, len, act_, peer_pid_, RedOp::SUM, 1.0);
+    else ipc_->publish_events();  // the root waits for my reads before it overwrites its buffer
+    const uint64_t k = e->next_round();
+    write_header(e, k, h, noextra);
+    PeerRanges sends(size_);
+    exchange(&sends, header_len(noextra), dl, "broadcast");
+    check_headers(e, k, root, act_);
+    if (rank_ != root && len) ipc_->copy_from(op, parity, root, off, len, peer_pid_);
+  }
+  ipc_->finish(op);
+}
+
+bool MooncakeBackend::ipc_eligible(const std::vector<at::Tensor>& ts) const {
+  // one host, one CUDA tensor: CUDA IPC (cuda_ipc_status() says why not otherwise)
+  return ts.size() == 1 && ts[0].defined() && ts[0].is_cuda() && !coalescing_ && cfg_.cuda_ipc && one_host_ &&
+         size_ <= cuda::kMaxSources;
+}
 #endif
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::AllreduceOptions& opts) {
 #ifdef MOONCAKE_WITH_CUDA
-  // one host, one CUDA tensor: CUDA IPC (cuda_ipc_status() says why not otherwise)
-  if (tensors.size() == 1 && tensors[0].defined() && tensors[0].is_cuda() && !coalescing_ && cfg_.cuda_ipc &&
-      one_host_ && size_ <= cuda::kMaxSources)
-    return allreduce_ipc(tensors[0], opts);
+  if (ipc_eligible(tensors)) return allreduce_ipc(tensors[0], opts);
 #endif
   MOONCAKE_CUDA_STAGED(ALLREDUCE, "allreduce", (tensor_ptrs(tensors)), (tensor_ptrs(tensors)), allreduce(tensors, opts));
   const char* op = "all_reduce";
@@ -1945,6 +2001,9 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce(std::vector<at::Tensor>& 
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                           const c10d::BroadcastOptions& opts) {
+#ifdef MOONCAKE_WITH_CUDA
+  if (ipc_eligible(tensors)) return broadcast_ipc(tensors[0], opts);
+#endif
   MOONCAKE_CUDA_STAGED(BROADCAST, "broadcast", (tensor_ptrs(tensors)), (tensor_ptrs(tensors)), broadcast(tensors, opts));
   const char* op = "broadcast";
   check_single(tensors, op, rank_);

@@ -99,19 +99,23 @@ void CudaIpc::prepare(CudaIpcOp& op, bool separate) {
   op.work = (op.user.is_contiguous() && !separate) ? op.user : op.user.clone(at::MemoryFormat::Contiguous);
 }
 
-void CudaIpc::ensure_own(size_t cls) {
+void CudaIpc::publish_events() {
+  if (ev_published_) return;
   c10::cuda::CUDAGuard dg(*dev_);
-  if (!ev_published_) {
-    std::string raw;
-    for (int i = 0; i < 4; ++i) {
-      if (!ev_[i]) ev_[i] = cuda_call("CudaIpc::stage", [] { return cuda::ipc_event_create(); });
-      raw += cuda_call("CudaIpc::stage", [&] { return cuda::ipc_event_export(ev_[i]); });
-    }
-    const std::string v = with_pid(raw);
-    store_->set(ns_ + "cudaipc/" + std::to_string(rank_) + "/ev", std::vector<uint8_t>(v.begin(), v.end()));
-    ev_published_ = true;
+  std::string raw;
+  for (int i = 0; i < 4; ++i) {
+    if (!ev_[i]) ev_[i] = cuda_call("CudaIpc::publish_events", [] { return cuda::ipc_event_create(); });
+    raw += cuda_call("CudaIpc::publish_events", [&] { return cuda::ipc_event_export(ev_[i]); });
   }
+  const std::string v = with_pid(raw);
+  store_->set(ns_ + "cudaipc/" + std::to_string(rank_) + "/ev", std::vector<uint8_t>(v.begin(), v.end()));
+  ev_published_ = true;
+}
+
+void CudaIpc::ensure_own(size_t cls) {
+  publish_events();
   if (bufs_.count(cls)) return;
+  c10::cuda::CUDAGuard dg(*dev_);
   void* b = cuda_call("CudaIpc::stage", [&] { return cuda::device_alloc(2 * cls, dev_->index()); });
   std::string h;
   try {
@@ -126,19 +130,26 @@ void CudaIpc::ensure_own(size_t cls) {
               std::vector<uint8_t>(v.begin(), v.end()));
 }
 
-std::string CudaIpc::get_key(const std::string& k, int j, int64_t pid) {
-  // published by rank j before the round this rank has just passed with it: present
+bool CudaIpc::get_key(const std::string& k, int j, int64_t pid, bool required, std::string* out) {
+  // required: published by rank j before the round this rank has just passed with it
   const std::string key = ns_ + "cudaipc/" + std::to_string(j) + "/" + k;
-  TORCH_CHECK(store_->check({key}), "CudaIpc::reduce: rank ", j, " has not published '", key,
-              "' although it passed the op's round");
+  if (!store_->check({key})) {
+    TORCH_CHECK(!required, "CudaIpc::get_key: rank ", j, " has not published '", key,
+                "' although it passed the op's round");
+    return false;
+  }
   auto raw = store_->get(key);
   std::string v(raw.begin(), raw.end());
   const size_t sp = v.find(' ');
-  TORCH_CHECK(sp != std::string::npos, "CudaIpc::reduce: malformed value of '", key, "'");
+  TORCH_CHECK(sp != std::string::npos, "CudaIpc::get_key: malformed value of '", key, "'");
   const int64_t got = std::stoll(v.substr(0, sp));
-  TORCH_CHECK(got == pid, "CudaIpc::reduce: '", key, "' belongs to process ", got, " but rank ", j, " is process ",
-              pid, " (a stale incarnation)");
-  return v.substr(sp + 1);
+  if (got != pid) {
+    TORCH_CHECK(!required, "CudaIpc::get_key: '", key, "' belongs to process ", got, " but rank ", j,
+                " is process ", pid, " (a stale incarnation)");
+    return false;
+  }
+  *out = v.substr(sp + 1);
+  return true;
 }
 
 void CudaIpc::drop_peer(Peer& p) {
@@ -156,22 +167,30 @@ void CudaIpc::drop_peer(Peer& p) {
   p.pid = -1;
 }
 
-CudaIpc::Peer& CudaIpc::peer(int j, int64_t pid, size_t cls) {
+bool CudaIpc::open_events(int j, int64_t pid, bool required) {
   Peer& p = peers_[j];
-  if (p.pid != pid) {  // first use, or a new incarnation of rank j (rejoined)
-    drop_peer(p);
-    const std::string raw = get_key("ev", j, pid);
-    TORCH_CHECK(raw.size() == 4 * cuda::kIpcHandleBytes, "CudaIpc::reduce: rank ", j, " published ", raw.size(),
-                " bytes of event handles, expected ", 4 * cuda::kIpcHandleBytes);
-    for (int i = 0; i < 4; ++i)
-      p.ev[i] = cuda_call("CudaIpc::reduce", [&] {
-        return cuda::ipc_event_open(raw.substr(i * cuda::kIpcHandleBytes, cuda::kIpcHandleBytes), dev_->index());
-      });
-    p.pid = pid;
-  }
+  if (p.pid == pid) return true;
+  // first use, or a new incarnation of rank j (rejoined)
+  std::string raw;
+  if (!get_key("ev", j, pid, required, &raw)) return false;
+  drop_peer(p);
+  TORCH_CHECK(raw.size() == 4 * cuda::kIpcHandleBytes, "CudaIpc::open_events: rank ", j, " published ", raw.size(),
+              " bytes of event handles, expected ", 4 * cuda::kIpcHandleBytes);
+  for (int i = 0; i < 4; ++i)
+    p.ev[i] = cuda_call("CudaIpc::open_events", [&] {
+      return cuda::ipc_event_open(raw.substr(i * cuda::kIpcHandleBytes, cuda::kIpcHandleBytes), dev_->index());
+    });
+  p.pid = pid;
+  return true;
+}
+
+CudaIpc::Peer& CudaIpc::peer(int j, int64_t pid, size_t cls) {
+  open_events(j, pid, /*required=*/true);
+  Peer& p = peers_[j];
   if (!p.bufs.count(cls)) {
-    const std::string h = get_key(std::to_string(cls), j, pid);
-    p.bufs[cls] = cuda_call("CudaIpc::reduce", [&] { return cuda::ipc_open(h, dev_->index()); });
+    std::string h;
+    get_key(std::to_string(cls), j, pid, /*required=*/true, &h);
+    p.bufs[cls] = cuda_call("CudaIpc::peer", [&] { return cuda::ipc_open(h, dev_->index()); });
   }
   return p;
 }
@@ -181,12 +200,12 @@ void CudaIpc::stage(CudaIpcOp& op, int parity, size_t off, size_t len, const std
   ensure_own(op.cls);
   c10::cuda::CUDAGuard dg(op.dev);
   void* st = op.stream.stream();
-  // peers' reads of my half `parity` (two rounds ago) are done before I overwrite it
+  // peers' reads of my half `parity` (two rounds ago) are done before I overwrite it; a peer
+  // whose events are not published yet (or only by an earlier incarnation) has read nothing
   for (int j : act) {
-    if (j == rank_) continue;
-    const Peer& p = peers_[j];
-    if (p.pid == pids[j] && p.ev[2 + parity])
-      cuda_call("CudaIpc::stage", [&] { cuda::stream_wait_event(st, p.ev[2 + parity]); });
+    if (j == rank_ || !open_events(j, pids[j], /*required=*/false)) continue;
+    void* d = peers_[j].ev[2 + parity];
+    cuda_call("CudaIpc::stage", [&] { cuda::stream_wait_event(st, d); });
   }
   const size_t E = op.work.element_size();
   uint8_t* dst = static_cast<uint8_t*>(bufs_[op.cls]) + parity * op.cls;
@@ -223,6 +242,20 @@ void CudaIpc::reduce(CudaIpcOp& op, int parity, size_t off, size_t len, const st
     cuda::launch_reduce(out, srcs.data(), static_cast<int>(srcs.size()), len, dt, static_cast<cuda::Op>(rop), st);
   });
   cuda_call("CudaIpc::reduce", [&] { cuda::event_record(ev_[2 + parity], st); });  // my reads are done
+}
+
+void CudaIpc::copy_from(CudaIpcOp& op, int parity, int src, size_t off, size_t len, const std::vector<int64_t>& pids) {
+  publish_events();
+  c10::cuda::CUDAGuard dg(op.dev);
+  void* st = op.stream.stream();
+  Peer& p = peer(src, pids[src], op.cls);
+  cuda_call("CudaIpc::copy_from", [&] { cuda::stream_wait_event(st, p.ev[parity]); });  // its copy is done
+  const size_t E = op.work.element_size();
+  cuda_call("CudaIpc::copy_from", [&] {
+    cuda::copy_async(static_cast<uint8_t*>(op.work.data_ptr()) + off * E,
+                     static_cast<const uint8_t*>(p.bufs[op.cls]) + parity * op.cls, len * E, st);
+  });
+  cuda_call("CudaIpc::copy_from", [&] { cuda::event_record(ev_[2 + parity], st); });  // my reads are done
 }
 
 void CudaIpc::finish(CudaIpcOp& op) {

@@ -84,6 +84,10 @@ class CudaIpc {
              const std::vector<int64_t>& pids, RedOp rop, double premul);
   void reduce(CudaIpcOp& op, int parity, size_t off, size_t len, const std::vector<int>& act,
               const std::vector<int64_t>& pids, RedOp rop);
+  // broadcast: the root stage()s; the others publish_events() before the round and
+  // copy_from() the root after it (then record their "done reading").
+  void publish_events();
+  void copy_from(CudaIpcOp& op, int parity, int src, size_t off, size_t len, const std::vector<int64_t>& pids);
   void finish(CudaIpcOp& op);
   // The Work returned to the caller: completes with `inner` (the engine side), wait() makes
   // the current stream wait for the op's end event.
@@ -96,10 +100,13 @@ class CudaIpc {
     void* ev[4] = {nullptr, nullptr, nullptr, nullptr};  // R0, R1, D0, D1 (imported)
     std::map<size_t, void*> bufs;                        // size class -> imported base
   };
-  void ensure_own(size_t cls);
-  Peer& peer(int j, int64_t pid, size_t cls);
+  void ensure_own(size_t cls);  // my events and my buffer of class `cls`, published
+  // Rank j's events (required: they must be published by incarnation `pid`; else false
+  // when they are not, or only by an earlier incarnation).
+  bool open_events(int j, int64_t pid, bool required);
+  Peer& peer(int j, int64_t pid, size_t cls);  // events and buffer of class `cls` (required)
   void drop_peer(Peer& p);
-  std::string get_key(const std::string& k, int j, int64_t pid);
+  bool get_key(const std::string& k, int j, int64_t pid, bool required, std::string* out);
 
   int rank_, size_;
   c10::intrusive_ptr<c10d::Store> store_;

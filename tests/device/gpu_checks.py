@@ -16,7 +16,8 @@ Steps (each in a child process with its own time limit; the whole run stays unde
    dispatch + combine, fp8 low-latency dispatch; CUDA vs CPU-staged round-trip latency.
 6. ``allreduce_bw``: all_reduce of ``mooncake`` on CUDA tensors (2 and 4 ranks sharing the
    GPU) through CUDA IPC against references (dtypes, ops, two pieces, a non-contiguous view,
-   an async op on a side stream; ``mooncake_pg.cuda_path`` must say ``ipc``), then bus
+   an async op on a side stream; broadcast too; ``mooncake_pg.cuda_path`` must say
+   ``ipc``), then bus
    bandwidth of both paths (IPC, and pinned host staging forced with
    ``MooncakeOptions(cuda_ipc=False)``) against gloo on CUDA tensors (NCCL refuses two ranks
    on one GPU) and against the device-to-device copy ceiling of the GPU.
@@ -222,9 +223,10 @@ RANKS_CODE = r'''
 import json, os, sys, time, torch, torch.distributed as dist, torch.multiprocessing as mp
 
 def ipc_reference_checks(rank, ws, grp):
-    """all_reduce of CUDA tensors on the IPC path against references computed here from every
-    rank's (seeded) input: dtypes, ops, a tensor of two pieces (above the 64 MiB size class),
-    a non-contiguous view, an async op on a side stream after a kernel queued there."""
+    """all_reduce (and broadcast) of CUDA tensors on the IPC path against references computed
+    here from every rank's (seeded) input: dtypes, ops, a tensor of two pieces (above the
+    64 MiB size class), a non-contiguous view, an async op on a side stream after a kernel
+    queued there."""
     res, bad = {}, []
     R = dist.ReduceOp
     cases = [("f32_sum", torch.float32, R.SUM, (4099,)), ("bf16_sum", torch.bfloat16, R.SUM, (1 << 20,)),
@@ -264,6 +266,16 @@ def ipc_reference_checks(rank, ws, grp):
         ok = torch.equal(got, ref.to(dt)) if op != R.AVG else bool(torch.allclose(got, ref.to(dt)))
         res[name] = ok
         if not ok: bad.append(name)
+    # broadcast through CUDA IPC: from the last rank, two pieces, and a non-contiguous view
+    for name, shape in (("broadcast_two_pieces", ((64 << 20) // 4 + 777,)), ("broadcast_noncontig", (40, 31))):
+        root = ws - 1
+        xs = inputs(len(cases), shape, torch.float32)
+        x = xs[rank].cuda()
+        if name == "broadcast_noncontig": x = x.t()
+        dist.broadcast(x, src=root, group=grp)
+        want = xs[root].t() if name == "broadcast_noncontig" else xs[root]
+        res[name] = bool(torch.equal(x.cpu(), want))
+        if not res[name]: bad.append(name)
     # stream semantics: a kernel queued on a side stream right before an async all_reduce
     # issued there; Work.wait() orders the current (side) stream after the result
     s = torch.cuda.Stream()
