@@ -205,6 +205,11 @@ CUDA_BUILD_SMOKE = textwrap.dedent('''
     r["cuda_path"] = mooncake_pg.cuda_path()
     r["cuda_path_off"] = mooncake_pg.cuda_path(dist.new_group([0], pg_options=mooncake_pg.MooncakeOptions(cuda_ipc=False)))
     dist.destroy_process_group()
+    # more seats than the IPC reduction kernel takes sources (8): staging, with the reason
+    dist.init_process_group("mooncake", rank=0, world_size=9, init_method="file://" + os.path.join(d, "s9"),
+                            pg_options=mooncake_pg.MooncakeOptions(active_ranks=[0]))
+    r["cuda_path_9_seats"] = mooncake_pg.cuda_path()
+    dist.destroy_process_group()
     print("RESULT " + json.dumps(r))
 ''')
 
@@ -251,6 +256,7 @@ def test_cuda_build_runs_without_a_gpu(tmp_path):
     assert r["one_backend"]
     assert r["cuda_path"] == "ipc", r
     assert r["cuda_path_off"].startswith("staging: CUDA IPC switched off (MOONCAKE_CUDA_IPC=0"), r
+    assert r["cuda_path_9_seats"].startswith("staging: max_group_size 9 exceeds the 8 sources"), r
     syms = subprocess.run(["nm", "-C", paths[1]], capture_output=True, text=True, timeout=60).stdout
     for want in ("mooncake::CudaIpc::stage", "mooncake::CudaIpc::reduce", "mooncake::cuda::ipc_event_open"):
         assert want in syms, want
