@@ -51,6 +51,7 @@ enum OpCode : uint32_t {
   OP_BARRIER,
   OP_ALLREDUCE_IPC,  // all_reduce of CUDA tensors through CUDA IPC (pg/cuda_ipc.hpp): one round per piece
   OP_BROADCAST_IPC,  // broadcast likewise
+  OP_ALLGATHER_IPC,  // all_gather into one tensor likewise
 };
 
 const char* op_name(uint32_t op) {
@@ -66,6 +67,7 @@ const char* op_name(uint32_t op) {
     case OP_BARRIER: return "barrier";
     case OP_ALLREDUCE_IPC: return "all_reduce";  // describe() adds "through CUDA IPC"
     case OP_BROADCAST_IPC: return "broadcast";
+    case OP_ALLGATHER_IPC: return "all_gather";
   }
   return "unknown op";
 }
@@ -103,7 +105,7 @@ std::string describe(const OpHeader& h) {
   if (h.op == OP_REDUCE || h.op == OP_BROADCAST || h.op == OP_GATHER || h.op == OP_SCATTER ||
       h.op == OP_BROADCAST_IPC)
     o << " (root " << h.root << ")";
-  if (h.op == OP_ALLREDUCE_IPC || h.op == OP_BROADCAST_IPC) o << " through CUDA IPC";
+  if (h.op == OP_ALLREDUCE_IPC || h.op == OP_BROADCAST_IPC || h.op == OP_ALLGATHER_IPC) o << " through CUDA IPC";
   o << " [op #" << h.seq << "]";
   return o.str();
 }
@@ -1937,6 +1939,62 @@ void MooncakeBackend::run_broadcast_ipc(CudaIpcOp& op, int root, int64_t dl) {
   ipc_->finish(op);
 }
 
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_base_ipc(at::Tensor& output, at::Tensor& input,
+                                                                   const c10d::AllgatherOptions& opts) {
+  const char* op = "all_gather_single";
+  for (const at::Tensor* t : {&input, &output}) {
+    TORCH_CHECK_VALUE(t->layout() == c10::kStrided, "mooncake ", op, " (rank ", rank_,
+                      "): expected a dense (strided) tensor, got layout ", t->layout());
+    TORCH_CHECK_VALUE(data_dtype_ok(t->scalar_type()), "mooncake ", op, " (rank ", rank_, "): unsupported dtype ",
+                      t->scalar_type());
+  }
+  check_same(input, output, op, rank_, "the output");
+  TORCH_CHECK_VALUE(output.numel() == input.numel() * size_, "mooncake ", op, " (rank ", rank_,
+                    "): output must have world_size * input.numel() = ", input.numel() * size_,
+                    " element(s), got ", output.numel());
+  TORCH_CHECK_VALUE(at::has_internal_overlap(output) != at::MemOverlap::Yes,
+                    "mooncake: an output tensor has overlapping elements (e.g. an expanded view with stride 0); "
+                    "pass a tensor whose elements are distinct in memory");
+  std::shared_ptr<CudaIpcOp> iop = ipc_->begin(input, op, output);
+  iop->writes_user = false;  // the input is only read
+  auto w = submit(c10d::OpType::_ALLGATHER_BASE, {}, opts.asyncOp, opts.timeout,
+                  [this, iop](int64_t dl) { run_allgather_ipc(*iop, dl); });
+  return CudaIpc::wrap(rank_, c10d::OpType::_ALLGATHER_BASE, w, iop);
+}
+
+void MooncakeBackend::run_allgather_ipc(CudaIpcOp& op, int64_t dl) {
+  // as run_allreduce_ipc: every rank copies its piece into its buffer, the round is the
+  // handshake, every rank copies every active rank's piece into its slot of the output
+  // (slots of inactive seats are left untouched)
+  TORCH_CHECK(one_host_, "MooncakeBackend::_allgather_base: the CUDA IPC path needs every rank on this host, and "
+              "the membership now spans hosts (MOONCAKE_CUDA_IPC=0 stages through host memory instead)");
+  CollEngine* e = coll_.get();
+  const size_t n = static_cast<size_t>(op.user.numel());
+  const size_t R = ipc_->round_elems(op);
+  const size_t pieces = std::max<size_t>(1, (n + R - 1) / R);
+  // a rerun over survivors (mask) must find the slot of a rank that died mid-op untouched
+  ipc_->prepare(op, policy_ == FailurePolicy::MASK && pieces > 1);
+  const std::vector<int64_t> noextra;
+  for (size_t s = 0; s < pieces; ++s) {
+    OpHeader h{};
+    h.op = OP_ALLGATHER_IPC;
+    h.dtype = static_cast<int32_t>(op.user.scalar_type());
+    h.root = -1;
+    h.count = static_cast<int64_t>(n);
+    h.seq = seq_exec_++;
+    const int parity = static_cast<int>(h.seq & 1);
+    const size_t off = s * R, len = std::min(R, n - std::min(n, off));
+    if (len) ipc_->stage(op, parity, off, len, act_, peer_pid_, RedOp::SUM, 1.0);
+    const uint64_t k = e->next_round();
+    write_header(e, k, h, noextra);
+    PeerRanges sends(size_);
+    exchange(&sends, header_len(noextra), dl, "all_gather");
+    check_headers(e, k, act_[0], act_);
+    if (len) ipc_->gather_into(op, parity, off, len, n, act_, peer_pid_);
+  }
+  ipc_->finish(op);
+}
+
 bool MooncakeBackend::ipc_eligible(const std::vector<at::Tensor>& ts) const {
   // one host, one CUDA tensor: CUDA IPC (cuda_ipc_status() says why not otherwise)
   return ts.size() == 1 && ts[0].defined() && ts[0].is_cuda() && !coalescing_ && cfg_.cuda_ipc && one_host_ &&
@@ -2045,6 +2103,10 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather(std::vector<std::vecto
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                                 const c10d::AllgatherOptions& opts) {
+#ifdef MOONCAKE_WITH_CUDA
+  if (ipc_eligible({input}) && output.defined() && output.is_cuda())
+    return allgather_base_ipc(output, input, opts);
+#endif
   MOONCAKE_CUDA_STAGED(_ALLGATHER_BASE, "_allgather_base", (tensor_ptrs(input)), (tensor_ptrs(output)), _allgather_base(output, input, opts));
   const char* op = "all_gather_single";
   check_tensor(input, op, rank_);

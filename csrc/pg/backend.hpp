@@ -227,7 +227,8 @@ class MooncakeBackend : public c10d::Backend {
   // Introspection for tests and benchmarks.
   std::string transport_name() const { return coll_ ? coll_->name() : "none"; }
   uint64_t ops_issued() const { return seq_; }
-  // How all_reduce and broadcast move CUDA tensors in this group: "ipc", or "staging: <why>" (or
+  // How all_reduce, broadcast and all_gather_single move CUDA tensors in this group: "ipc",
+  // or "staging: <why>" (or
   // "unavailable: <why>" on a build without CUDA).
   std::string cuda_ipc_status() const;
 
@@ -258,6 +259,9 @@ class MooncakeBackend : public c10d::Backend {
   void run_allreduce_ipc(CudaIpcOp& op, RedOp rop, double premul, int64_t dl);
   c10::intrusive_ptr<c10d::Work> broadcast_ipc(at::Tensor& t, const c10d::BroadcastOptions& opts);
   void run_broadcast_ipc(CudaIpcOp& op, int root, int64_t dl);
+  c10::intrusive_ptr<c10d::Work> allgather_base_ipc(at::Tensor& output, at::Tensor& input,
+                                                    const c10d::AllgatherOptions& opts);
+  void run_allgather_ipc(CudaIpcOp& op, int64_t dl);
   bool ipc_eligible(const std::vector<at::Tensor>& ts) const;
 #endif
   using Job = std::function<void(int64_t deadline_ns)>;

@@ -70,7 +70,7 @@ CudaIpc::~CudaIpc() {
   for (void* e : ev_) cuda::event_destroy(e);
 }
 
-std::shared_ptr<CudaIpcOp> CudaIpc::begin(const at::Tensor& t, const char* opname) {
+std::shared_ptr<CudaIpcOp> CudaIpc::begin(const at::Tensor& t, const char* opname, const at::Tensor& out) {
   std::lock_guard<std::mutex> g(mu_);
   if (!dev_) {
     dev_ = t.device();
@@ -80,7 +80,10 @@ std::shared_ptr<CudaIpcOp> CudaIpc::begin(const at::Tensor& t, const char* opnam
                     "buffers live on ", *dev_, " (one device per process and group; MOONCAKE_CUDA_IPC=0 stages "
                     "through host memory instead)");
   c10::cuda::CUDAGuard dg(*dev_);
+  TORCH_CHECK_VALUE(!out.defined() || out.device() == *dev_, "CudaIpc::begin: ", opname, ": output on ",
+                    out.defined() ? out.device() : *dev_, ", expected ", *dev_, " (the input's device)");
   auto op = std::make_shared<CudaIpcOp>(t, *dev_, *stream_);
+  op->out_user = out;
   op->start = cuda_call("CudaIpc::begin", [] { return cuda::event_create(); });
   op->end = cuda_call("CudaIpc::begin", [] { return cuda::event_create(); });
   cuda_call("CudaIpc::begin",
@@ -97,6 +100,13 @@ void CudaIpc::prepare(CudaIpcOp& op, bool separate) {
   if (op.user.numel()) c10::cuda::CUDACachingAllocator::recordStream(op.user.storage().data_ptr(), op.stream);
   // on the side stream; a separate tensor when the caller's must stay untouched until the end
   op.work = (op.user.is_contiguous() && !separate) ? op.user : op.user.clone(at::MemoryFormat::Contiguous);
+  if (op.out_user.defined()) {
+    if (op.out_user.numel())
+      c10::cuda::CUDACachingAllocator::recordStream(op.out_user.storage().data_ptr(), op.stream);
+    // a copy keeps the slots of inactive seats as they were
+    op.out_work = (op.out_user.is_contiguous() && !separate) ? op.out_user
+                                                              : op.out_user.clone(at::MemoryFormat::Contiguous);
+  }
 }
 
 void CudaIpc::publish_events() {
@@ -258,10 +268,31 @@ void CudaIpc::copy_from(CudaIpcOp& op, int parity, int src, size_t off, size_t l
   cuda_call("CudaIpc::copy_from", [&] { cuda::event_record(ev_[2 + parity], st); });  // my reads are done
 }
 
+void CudaIpc::gather_into(CudaIpcOp& op, int parity, size_t off, size_t len, size_t n, const std::vector<int>& act,
+                          const std::vector<int64_t>& pids) {
+  c10::cuda::CUDAGuard dg(op.dev);
+  void* st = op.stream.stream();
+  const size_t E = op.work.element_size();
+  uint8_t* out = static_cast<uint8_t*>(op.out_work.data_ptr());
+  for (int j : act) {
+    const uint8_t* src;
+    if (j == rank_) {
+      src = static_cast<const uint8_t*>(bufs_[op.cls]) + parity * op.cls;  // copied on this stream
+    } else {
+      Peer& p = peer(j, pids[j], op.cls);
+      cuda_call("CudaIpc::gather_into", [&] { cuda::stream_wait_event(st, p.ev[parity]); });  // its copy is done
+      src = static_cast<const uint8_t*>(p.bufs[op.cls]) + parity * op.cls;
+    }
+    cuda_call("CudaIpc::gather_into", [&] { cuda::copy_async(out + (j * n + off) * E, src, len * E, st); });
+  }
+  cuda_call("CudaIpc::gather_into", [&] { cuda::event_record(ev_[2 + parity], st); });  // my reads are done
+}
+
 void CudaIpc::finish(CudaIpcOp& op) {
   c10::cuda::CUDAGuard dg(op.dev);
   c10::cuda::CUDAStreamGuard sg(op.stream);
-  if (!op.work.is_same(op.user)) op.user.copy_(op.work);
+  if (op.writes_user && !op.work.is_same(op.user)) op.user.copy_(op.work);
+  if (op.out_user.defined() && !op.out_work.is_same(op.out_user)) op.out_user.copy_(op.out_work);
   cuda_call("CudaIpc::finish", [&] { cuda::event_record(op.end, op.stream.stream()); });
   op.ended = true;
 }
@@ -286,7 +317,7 @@ class CudaIpcWork : public c10d::Work {
       try {
         c10::cuda::CUDAGuard dg(op->dev);
         c10::cuda::CUDAStreamGuard sg(op->stream);  // the future's event goes after the op
-        fut->markCompleted(c10::IValue(std::vector<at::Tensor>{op->user}));
+        fut->markCompleted(c10::IValue(std::vector<at::Tensor>{op->out_user.defined() ? op->out_user : op->user}));
       } catch (...) {
         fut->setErrorIfNeeded(std::current_exception());
       }
@@ -311,7 +342,7 @@ class CudaIpcWork : public c10d::Work {
   bool isSuccess() const override { return inner_->isSuccess(); }
   std::exception_ptr exception() const override { return inner_->exception(); }
   int sourceRank() const override { return inner_->sourceRank(); }
-  std::vector<at::Tensor> result() override { return {op_->user}; }
+  std::vector<at::Tensor> result() override { return {op_->out_user.defined() ? op_->out_user : op_->user}; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   void synchronize() override { block_current(); }
 

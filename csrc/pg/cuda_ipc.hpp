@@ -1,5 +1,6 @@
-// CUDA tensors of one host's ranks: all_reduce through CUDA IPC (built with
-// MOONCAKE_WITH_CUDA only; pinned host staging, pg/cuda_staging.hpp, serves every other case).
+// CUDA tensors of one host's ranks: all_reduce, broadcast and all_gather into one tensor
+// through CUDA IPC (built with MOONCAKE_WITH_CUDA only; pinned host staging,
+// pg/cuda_staging.hpp, serves every other case).
 //
 // Per group and per size class (powers of two from kMinClassBytes to kMaxClassBytes) each
 // rank owns one device buffer of 2 x class bytes (two halves, "parities"), allocated on first
@@ -16,6 +17,8 @@
 //   3. side stream: wait for every active peer's R[p], reduce all active ranks' halves p (in
 //      rank order, so every rank gets the same bits) into my output piece with launch_reduce,
 //      record D[p].
+//   broadcast: only the root does step 1; the others copy the root's half out in step 3.
+//   all_gather: step 3 copies every active rank's half into its slot of the output.
 //
 // Why interprocess events and not a CPU barrier after an event synchronize: the round in
 // step 2 only needs peers to have *queued* their copies (every record in step 1 is issued
@@ -51,6 +54,9 @@ struct CudaIpcOp {
   ~CudaIpcOp();
   at::Tensor user;             // the caller's tensor (the result is written into it)
   at::Tensor work;             // contiguous tensor the rounds reduce into (user when contiguous)
+  at::Tensor out_user;         // all_gather: the caller's output (undefined otherwise)
+  at::Tensor out_work;         // all_gather: contiguous output the rounds write into
+  bool writes_user = true;     // finish() copies `work` back into `user` when they differ
   c10::Device dev;
   c10::cuda::CUDAStream stream;  // the group's side stream on dev
   void* start = nullptr;       // recorded on the caller's current stream at issue
@@ -72,7 +78,8 @@ class CudaIpc {
 
   // Caller's thread: records the start event on the current stream of t's device. The
   // group's IPC state is bound to the device of its first CUDA op (ValueError otherwise).
-  std::shared_ptr<CudaIpcOp> begin(const at::Tensor& t, const char* opname);
+  // `out`: all_gather's output (same device), undefined otherwise.
+  std::shared_ptr<CudaIpcOp> begin(const at::Tensor& t, const char* opname, const at::Tensor& out = at::Tensor());
   // In the job, in this order: prepare; per round stage, (engine round), reduce; finish.
   size_t round_elems(const CudaIpcOp& op) const { return op.cls / op.user.element_size(); }
   // `separate`: reduce into a copy and write the caller's tensor only in finish() (a rerun
@@ -87,6 +94,10 @@ class CudaIpc {
   // broadcast: the root stage()s; the others publish_events() before the round and
   // copy_from() the root after it (then record their "done reading").
   void publish_events();
+  // all_gather: after the round, every active rank j's half `parity` (its piece [off, off+len)
+  // of n elements) goes to out_work[j*n + off ...] (then "done reading" is recorded).
+  void gather_into(CudaIpcOp& op, int parity, size_t off, size_t len, size_t n, const std::vector<int>& act,
+                   const std::vector<int64_t>& pids);
   void copy_from(CudaIpcOp& op, int parity, int src, size_t off, size_t len, const std::vector<int64_t>& pids);
   void finish(CudaIpcOp& op);
   // The Work returned to the caller: completes with `inner` (the engine side), wait() makes

@@ -16,7 +16,8 @@ Steps (each in a child process with its own time limit; the whole run stays unde
    dispatch + combine, fp8 low-latency dispatch; CUDA vs CPU-staged round-trip latency.
 6. ``allreduce_bw``: all_reduce of ``mooncake`` on CUDA tensors (2 and 4 ranks sharing the
    GPU) through CUDA IPC against references (dtypes, ops, two pieces, a non-contiguous view,
-   an async op on a side stream; broadcast too; ``mooncake_pg.cuda_path`` must say
+   an async op on a side stream; broadcast and all_gather_into_tensor too;
+   ``mooncake_pg.cuda_path`` must say
    ``ipc``), then bus
    bandwidth of both paths (IPC, and pinned host staging forced with
    ``MooncakeOptions(cuda_ipc=False)``) against gloo on CUDA tensors (NCCL refuses two ranks
@@ -223,7 +224,7 @@ RANKS_CODE = r'''
 import json, os, sys, time, torch, torch.distributed as dist, torch.multiprocessing as mp
 
 def ipc_reference_checks(rank, ws, grp):
-    """all_reduce (and broadcast) of CUDA tensors on the IPC path against references computed
+    """all_reduce (and broadcast, all_gather_into_tensor) of CUDA tensors on the IPC path against references computed
     here from every rank's (seeded) input: dtypes, ops, a tensor of two pieces (above the
     64 MiB size class), a non-contiguous view, an async op on a side stream after a kernel
     queued there."""
@@ -275,6 +276,13 @@ def ipc_reference_checks(rank, ws, grp):
         dist.broadcast(x, src=root, group=grp)
         want = xs[root].t() if name == "broadcast_noncontig" else xs[root]
         res[name] = bool(torch.equal(x.cpu(), want))
+        if not res[name]: bad.append(name)
+    # all_gather_into_tensor through CUDA IPC: one piece, and two pieces per rank
+    for k, (name, n) in enumerate((("all_gather_small", 1000), ("all_gather_two_pieces", (64 << 20) // 4 + 99))):
+        xs = inputs(len(cases) + 1 + k, (n,), torch.float32)
+        out_t = torch.empty(ws * n, device="cuda")
+        dist.all_gather_into_tensor(out_t, xs[rank].cuda(), group=grp)
+        res[name] = bool(torch.equal(out_t.cpu(), torch.cat(xs)))
         if not res[name]: bad.append(name)
     # stream semantics: a kernel queued on a side stream right before an async all_reduce
     # issued there; Work.wait() orders the current (side) stream after the result
