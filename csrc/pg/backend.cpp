@@ -1836,6 +1836,17 @@ std::function<void()> MooncakeBackend::backup_for_retry(const std::vector<at::Te
 }
 
 #ifdef MOONCAKE_WITH_CUDA
+void MooncakeBackend::ipc_epoch_start(int64_t dl) {
+  // Buffer half p of round k may be overwritten once every peer recorded "done reading"
+  // for the rounds before k-1 (pg/cuda_ipc.hpp); within an epoch the round k-1 in between
+  // proves it. Rounds restart with each membership epoch (a failure agreed through the
+  // store, a join), so the first IPC op of an epoch starts with a barrier: every active
+  // rank has left its previous op, its records included.
+  if (ipc_epoch_ == coll_->epoch()) return;
+  run_barrier(dl);
+  ipc_epoch_ = coll_->epoch();
+}
+
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce_ipc(at::Tensor& t, const c10d::AllreduceOptions& opts) {
   // the rank's own argument errors raise here, before anything is queued
   const char* op = "all_reduce";
@@ -1868,18 +1879,19 @@ void MooncakeBackend::run_allreduce_ipc(CudaIpcOp& op, RedOp rop, double premul,
   // a rerun over survivors (mask) must find the input as it was: reduce into a copy
   ipc_->prepare(op, policy_ == FailurePolicy::MASK && pieces > 1);
   const std::vector<int64_t> noextra;
+  ipc_epoch_start(dl);
+  OpHeader h{};
+  h.op = OP_ALLREDUCE_IPC;
+  h.dtype = static_cast<int32_t>(op.user.scalar_type());
+  h.redop = static_cast<int32_t>(rop);
+  h.root = -1;
+  h.count = static_cast<int64_t>(n);
+  h.seq = seq_exec_++;  // once per op, as on the CPU path
   for (size_t s = 0; s < pieces; ++s) {
-    OpHeader h{};
-    h.op = OP_ALLREDUCE_IPC;
-    h.dtype = static_cast<int32_t>(op.user.scalar_type());
-    h.redop = static_cast<int32_t>(rop);
-    h.root = -1;
-    h.count = static_cast<int64_t>(n);
-    h.seq = seq_exec_++;
-    const int parity = static_cast<int>(h.seq & 1);
+    const uint64_t k = e->next_round();
+    const int parity = static_cast<int>(k & 1);  // alternates; equal on every rank (engine.hpp)
     const size_t off = s * R, len = std::min(R, n - std::min(n, off));
     if (len) ipc_->stage(op, parity, off, len, act_, peer_pid_, rop, premul);
-    const uint64_t k = e->next_round();
     write_header(e, k, h, noextra);
     PeerRanges sends(size_);
     exchange(&sends, header_len(noextra), dl, "all_reduce");
@@ -1918,18 +1930,19 @@ void MooncakeBackend::run_broadcast_ipc(CudaIpcOp& op, int root, int64_t dl) {
   const size_t pieces = std::max<size_t>(1, (n + R - 1) / R);
   ipc_->prepare(op, false);  // a rerun rewrites every piece; the root's tensor is only read
   const std::vector<int64_t> noextra;
+  ipc_epoch_start(dl);
+  OpHeader h{};
+  h.op = OP_BROADCAST_IPC;
+  h.dtype = static_cast<int32_t>(op.user.scalar_type());
+  h.root = root;
+  h.count = static_cast<int64_t>(n);
+  h.seq = seq_exec_++;  // once per op, as on the CPU path
   for (size_t s = 0; s < pieces; ++s) {
-    OpHeader h{};
-    h.op = OP_BROADCAST_IPC;
-    h.dtype = static_cast<int32_t>(op.user.scalar_type());
-    h.root = root;
-    h.count = static_cast<int64_t>(n);
-    h.seq = seq_exec_++;
-    const int parity = static_cast<int>(h.seq & 1);
+    const uint64_t k = e->next_round();
+    const int parity = static_cast<int>(k & 1);  // alternates; equal on every rank (engine.hpp)
     const size_t off = s * R, len = std::min(R, n - std::min(n, off));
     if (rank_ == root && len) ipc_->stage(op, parity, off, len, act_, peer_pid_, RedOp::SUM, 1.0);
     else ipc_->publish_events();  // the root waits for my reads before it overwrites its buffer
-    const uint64_t k = e->next_round();
     write_header(e, k, h, noextra);
     PeerRanges sends(size_);
     exchange(&sends, header_len(noextra), dl, "broadcast");
@@ -1975,17 +1988,18 @@ void MooncakeBackend::run_allgather_ipc(CudaIpcOp& op, int64_t dl) {
   // a rerun over survivors (mask) must find the slot of a rank that died mid-op untouched
   ipc_->prepare(op, policy_ == FailurePolicy::MASK && pieces > 1);
   const std::vector<int64_t> noextra;
+  ipc_epoch_start(dl);
+  OpHeader h{};
+  h.op = OP_ALLGATHER_IPC;
+  h.dtype = static_cast<int32_t>(op.user.scalar_type());
+  h.root = -1;
+  h.count = static_cast<int64_t>(n);
+  h.seq = seq_exec_++;  // once per op, as on the CPU path
   for (size_t s = 0; s < pieces; ++s) {
-    OpHeader h{};
-    h.op = OP_ALLGATHER_IPC;
-    h.dtype = static_cast<int32_t>(op.user.scalar_type());
-    h.root = -1;
-    h.count = static_cast<int64_t>(n);
-    h.seq = seq_exec_++;
-    const int parity = static_cast<int>(h.seq & 1);
+    const uint64_t k = e->next_round();
+    const int parity = static_cast<int>(k & 1);  // alternates; equal on every rank (engine.hpp)
     const size_t off = s * R, len = std::min(R, n - std::min(n, off));
     if (len) ipc_->stage(op, parity, off, len, act_, peer_pid_, RedOp::SUM, 1.0);
-    const uint64_t k = e->next_round();
     write_header(e, k, h, noextra);
     PeerRanges sends(size_);
     exchange(&sends, header_len(noextra), dl, "all_gather");

@@ -263,6 +263,8 @@ class MooncakeBackend : public c10d::Backend {
                                                     const c10d::AllgatherOptions& opts);
   void run_allgather_ipc(CudaIpcOp& op, int64_t dl);
   bool ipc_eligible(const std::vector<at::Tensor>& ts) const;
+  void ipc_epoch_start(int64_t dl);
+  uint64_t ipc_epoch_ = ~uint64_t(0);  // engine epoch of the latest IPC op
 #endif
   using Job = std::function<void(int64_t deadline_ns)>;
   // Sync ops (async_op false) run on the caller's thread when nothing is queued; async

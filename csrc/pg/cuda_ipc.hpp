@@ -7,7 +7,9 @@
 // use and kept; its CUDA IPC handle goes to the group's store once. Each rank also owns four
 // interprocess events R0, R1 ("my copy into half p is done") and D0, D1 ("my reads of
 // everybody's half p are done"), exported once. An all_reduce runs in rounds of at most one
-// class (a tensor above kMaxClassBytes takes several); round s uses parity p = s % 2:
+// class (a tensor above kMaxClassBytes takes several); engine round k uses parity p = k % 2
+// (rounds are numbered alike on every rank and restart with each membership epoch, whose
+// first IPC op therefore starts with a barrier):
 //
 //   1. side stream: wait for every active peer's D[p] (its reads of my half p, two rounds
 //      ago), copy my piece into my half p (PREMUL_SUM: scaled), record R[p];
@@ -25,7 +27,8 @@
 // before the round), so no thread waits for the GPU; a stream waiting on an imported event
 // waits for the exporter's latest record of it, and nobody records R[p] or D[p] again
 // before the next round, which needs every active rank. Two parities make the "buffer may
-// be overwritten" handshake free: the wait in step 1 is for reads two rounds back.
+// be overwritten" handshake free: the wait in step 1 is for reads two or more rounds back,
+// whose records every peer issued before it entered the round in between.
 //
 // Stream semantics (NCCL's): the op is ordered after the work queued on the caller's current
 // stream when it was issued (an event recorded there, waited on by the group's side stream);
