@@ -14,7 +14,7 @@ Every ``MOONCAKE_*`` environment variable the process group reads is read here, 
 | ``MOONCAKE_IS_RECOVERY`` | ``1``: this process replaces a dead rank or fills an extension seat (``mooncake-run`` sets it on respawn) | off |
 | ``MOONCAKE_RDMA_DEVICE`` | transport ``rdma``: ``DEVICE[:PORT]`` (e.g. ``mlx5_0:1``) | the first device port in state ``PORT_ACTIVE`` |
 | ``MOONCAKE_RDMA_GID_INDEX`` | transport ``rdma``: GID index | RoCE: the first RoCE v2 IPv4-mapped GID; InfiniBand: none (LID routing) |
-| ``MOONCAKE_CUDA_IPC`` | CUDA builds: ``0`` stages CUDA tensors through pinned host memory even when every rank is on one host (default: ``all_reduce``, ``broadcast`` and ``all_gather_into_tensor`` of CUDA tensors go through CUDA IPC there) | ``1`` |
+| ``MOONCAKE_CUDA_IPC`` | CUDA builds: ``0`` stages CUDA tensors through pinned host memory even when every rank is on one host (default: ``all_reduce``, ``broadcast``, ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` of CUDA tensors go through CUDA IPC there) | ``1`` |
 | ``MOONCAKE_FAULT_INJECT`` | tests only: ``OP:ROUND`` makes the process SIGKILL itself on collective number ``OP`` (0-based, per group) just before round ``ROUND`` | off |
 """
 from __future__ import annotations
@@ -61,11 +61,11 @@ class MooncakeOptions:
         shm_slot_bytes: bytes per rank per pipeline stage of the shared-memory engine
             (``MOONCAKE_SHM_SLOT_BYTES``); must agree across ranks.
         debug: keep a trace of recent ops and dump it on timeout (``MOONCAKE_DEBUG``).
-        cuda_ipc: CUDA builds: ``all_reduce``, ``broadcast`` and ``all_gather_into_tensor`` of
-            CUDA tensors through CUDA IPC when every rank is on this host (default:
-            ``MOONCAKE_CUDA_IPC``, on); ``False`` stages them through pinned host memory.
-            Must agree across ranks (else the first such op raises ``ValueError`` on every
-            rank).
+        cuda_ipc: CUDA builds: ``all_reduce``, ``broadcast``, ``all_gather_into_tensor`` and
+            ``reduce_scatter_tensor`` of CUDA tensors through CUDA IPC when every rank is on
+            this host (default: ``MOONCAKE_CUDA_IPC``, on); ``False`` stages them through
+            pinned host memory. Must agree across ranks (else the first such op raises
+            ``ValueError`` on every rank).
     """
 
     timeout: float | timedelta = 30.0

@@ -52,6 +52,7 @@ enum OpCode : uint32_t {
   OP_ALLREDUCE_IPC,  // all_reduce of CUDA tensors through CUDA IPC (pg/cuda_ipc.hpp): one round per piece
   OP_BROADCAST_IPC,  // broadcast likewise
   OP_ALLGATHER_IPC,  // all_gather into one tensor likewise
+  OP_REDUCE_SCATTER_IPC,  // reduce_scatter from one tensor likewise
 };
 
 const char* op_name(uint32_t op) {
@@ -68,6 +69,7 @@ const char* op_name(uint32_t op) {
     case OP_ALLREDUCE_IPC: return "all_reduce";  // describe() adds "through CUDA IPC"
     case OP_BROADCAST_IPC: return "broadcast";
     case OP_ALLGATHER_IPC: return "all_gather";
+    case OP_REDUCE_SCATTER_IPC: return "reduce_scatter";
   }
   return "unknown op";
 }
@@ -100,12 +102,15 @@ std::string describe(const OpHeader& h) {
     o << " of " << h.count << (h.op == OP_ALLTOALL ? " element(s) per row" : " element(s)")
       << " of dtype " << dtype_name(h.dtype);
   }
-  if (h.op == OP_ALLREDUCE || h.op == OP_REDUCE || h.op == OP_REDUCE_SCATTER || h.op == OP_ALLREDUCE_IPC)
+  if (h.op == OP_ALLREDUCE || h.op == OP_REDUCE || h.op == OP_REDUCE_SCATTER || h.op == OP_ALLREDUCE_IPC ||
+      h.op == OP_REDUCE_SCATTER_IPC)
     o << " with ReduceOp " << red_op_name(static_cast<RedOp>(h.redop));
   if (h.op == OP_REDUCE || h.op == OP_BROADCAST || h.op == OP_GATHER || h.op == OP_SCATTER ||
       h.op == OP_BROADCAST_IPC)
     o << " (root " << h.root << ")";
-  if (h.op == OP_ALLREDUCE_IPC || h.op == OP_BROADCAST_IPC || h.op == OP_ALLGATHER_IPC) o << " through CUDA IPC";
+  if (h.op == OP_ALLREDUCE_IPC || h.op == OP_BROADCAST_IPC || h.op == OP_ALLGATHER_IPC ||
+      h.op == OP_REDUCE_SCATTER_IPC)
+    o << " through CUDA IPC";
   o << " [op #" << h.seq << "]";
   return o.str();
 }
@@ -2009,6 +2014,65 @@ void MooncakeBackend::run_allgather_ipc(CudaIpcOp& op, int64_t dl) {
   ipc_->finish(op);
 }
 
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter_base_ipc(at::Tensor& output, at::Tensor& input,
+                                                                        const c10d::ReduceScatterOptions& opts) {
+  const char* op = "reduce_scatter_single";
+  for (const at::Tensor* t : {&input, &output}) {
+    TORCH_CHECK_VALUE(t->layout() == c10::kStrided, "mooncake ", op, " (rank ", rank_,
+                      "): expected a dense (strided) tensor, got layout ", t->layout());
+    TORCH_CHECK_VALUE(data_dtype_ok(t->scalar_type()), "mooncake ", op, " (rank ", rank_, "): unsupported dtype ",
+                      t->scalar_type());
+  }
+  check_same(output, input, op, rank_, "the input");
+  double premul;
+  RedOp rop = to_redop(opts.reduceOp, &premul);
+  check_reduce(output.scalar_type(), rop, op, rank_);
+  TORCH_CHECK_VALUE(input.numel() == output.numel() * size_, "mooncake ", op, " (rank ", rank_,
+                    "): input must have world_size * output.numel() = ", output.numel() * size_,
+                    " element(s), got ", input.numel());
+  TORCH_CHECK_VALUE(at::has_internal_overlap(output) != at::MemOverlap::Yes,
+                    "mooncake: an output tensor has overlapping elements (e.g. an expanded view with stride 0); "
+                    "pass a tensor whose elements are distinct in memory");
+  std::shared_ptr<CudaIpcOp> iop = ipc_->begin(input, op, output);
+  iop->writes_user = false;  // the input is only read
+  auto w = submit(c10d::OpType::_REDUCE_SCATTER_BASE, {}, opts.asyncOp, opts.timeout,
+                  [this, iop, rop, premul](int64_t dl) { run_reduce_scatter_ipc(*iop, rop, premul, dl); });
+  return CudaIpc::wrap(rank_, c10d::OpType::_REDUCE_SCATTER_BASE, w, iop);
+}
+
+void MooncakeBackend::run_reduce_scatter_ipc(CudaIpcOp& op, RedOp rop, double premul, int64_t dl) {
+  // as run_allreduce_ipc: every rank copies its pieces for every active seat into its
+  // buffer, the round is the handshake, every rank reduces the active ranks' pieces for it
+  TORCH_CHECK(one_host_, "MooncakeBackend::_reduce_scatter_base: the CUDA IPC path needs every rank on this host, "
+              "and the membership now spans hosts (MOONCAKE_CUDA_IPC=0 stages through host memory instead)");
+  CollEngine* e = coll_.get();
+  const size_t n = static_cast<size_t>(op.out_user.numel());  // elements per seat
+  const size_t R = ipc_->scatter_round_elems(op);
+  const size_t pieces = std::max<size_t>(1, (n + R - 1) / R);
+  ipc_->prepare(op, false);  // a rerun rewrites every piece of the output; the input is only read
+  const std::vector<int64_t> noextra;
+  ipc_epoch_start(dl);
+  OpHeader h{};
+  h.op = OP_REDUCE_SCATTER_IPC;
+  h.dtype = static_cast<int32_t>(op.user.scalar_type());
+  h.redop = static_cast<int32_t>(rop);
+  h.root = -1;
+  h.count = static_cast<int64_t>(n);
+  h.seq = seq_exec_++;  // once per op, as on the CPU path
+  for (size_t s = 0; s < pieces; ++s) {
+    const uint64_t k = e->next_round();
+    const int parity = static_cast<int>(k & 1);  // alternates; equal on every rank (engine.hpp)
+    const size_t off = s * R, len = std::min(R, n - std::min(n, off));
+    if (len) ipc_->stage_scatter(op, parity, off, len, n, act_, peer_pid_, rop, premul);
+    write_header(e, k, h, noextra);
+    PeerRanges sends(size_);
+    exchange(&sends, header_len(noextra), dl, "reduce_scatter");
+    check_headers(e, k, act_[0], act_);
+    if (len) ipc_->reduce_scatter(op, parity, off, len, act_, peer_pid_, rop);
+  }
+  ipc_->finish(op);
+}
+
 bool MooncakeBackend::ipc_eligible(const std::vector<at::Tensor>& ts) const {
   // one host, one CUDA tensor: CUDA IPC (cuda_ipc_status() says why not otherwise)
   return ts.size() == 1 && ts[0].defined() && ts[0].is_cuda() && !coalescing_ && cfg_.cuda_ipc && one_host_ &&
@@ -2299,6 +2363,10 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter(std::vector<at::T
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                      const c10d::ReduceScatterOptions& opts) {
+#ifdef MOONCAKE_WITH_CUDA
+  if (ipc_eligible({input}) && output.defined() && output.is_cuda())
+    return reduce_scatter_base_ipc(output, input, opts);
+#endif
   MOONCAKE_CUDA_STAGED(_REDUCE_SCATTER_BASE, "_reduce_scatter_base", (tensor_ptrs(input)), (tensor_ptrs(output)), _reduce_scatter_base(output, input, opts));
   const char* op = "reduce_scatter_single";
   check_tensor(input, op, rank_);

@@ -227,7 +227,8 @@ class MooncakeBackend : public c10d::Backend {
   // Introspection for tests and benchmarks.
   std::string transport_name() const { return coll_ ? coll_->name() : "none"; }
   uint64_t ops_issued() const { return seq_; }
-  // How all_reduce, broadcast and all_gather_single move CUDA tensors in this group: "ipc",
+  // How all_reduce, broadcast, all_gather_single and reduce_scatter_single move CUDA tensors
+  // in this group: "ipc",
   // or "staging: <why>" (or
   // "unavailable: <why>" on a build without CUDA).
   std::string cuda_ipc_status() const;
@@ -263,6 +264,9 @@ class MooncakeBackend : public c10d::Backend {
                                                     const c10d::AllgatherOptions& opts);
   void run_allgather_ipc(CudaIpcOp& op, int64_t dl);
   bool ipc_eligible(const std::vector<at::Tensor>& ts) const;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_base_ipc(at::Tensor& output, at::Tensor& input,
+                                                         const c10d::ReduceScatterOptions& opts);
+  void run_reduce_scatter_ipc(CudaIpcOp& op, RedOp rop, double premul, int64_t dl);
   void ipc_epoch_start(int64_t dl);
   uint64_t ipc_epoch_ = ~uint64_t(0);  // engine epoch of the latest IPC op
 #endif

@@ -205,8 +205,9 @@ CudaIpc::Peer& CudaIpc::peer(int j, int64_t pid, size_t cls) {
   return p;
 }
 
-void CudaIpc::stage(CudaIpcOp& op, int parity, size_t off, size_t len, const std::vector<int>& act,
-                    const std::vector<int64_t>& pids, RedOp rop, double premul) {
+void CudaIpc::stage_segments(CudaIpcOp& op, int parity, const std::vector<std::pair<size_t, size_t>>& segs,
+                             size_t len, const std::vector<int>& act, const std::vector<int64_t>& pids, RedOp rop,
+                             double premul) {
   ensure_own(op.cls);
   c10::cuda::CUDAGuard dg(op.dev);
   void* st = op.stream.stream();
@@ -218,40 +219,65 @@ void CudaIpc::stage(CudaIpcOp& op, int parity, size_t off, size_t len, const std
     cuda_call("CudaIpc::stage", [&] { cuda::stream_wait_event(st, d); });
   }
   const size_t E = op.work.element_size();
-  uint8_t* dst = static_cast<uint8_t*>(bufs_[op.cls]) + parity * op.cls;
-  const uint8_t* src = static_cast<const uint8_t*>(op.work.data_ptr()) + off * E;
-  if (rop == RedOp::PREMUL_SUM && premul != 1.0) {
-    auto dt = static_cast<cuda::DType>(cuda_dtype_code(op.work.scalar_type(), "CudaIpc::stage"));
-    cuda_call("CudaIpc::stage", [&] { cuda::launch_scale(dst, src, len, dt, premul, st); });
-  } else {
-    cuda_call("CudaIpc::stage", [&] { cuda::copy_async(dst, src, len * E, st); });
+  uint8_t* half = static_cast<uint8_t*>(bufs_[op.cls]) + parity * op.cls;
+  const bool scaled = rop == RedOp::PREMUL_SUM && premul != 1.0;
+  const auto dt = static_cast<cuda::DType>(cuda_dtype_code(op.work.scalar_type(), "CudaIpc::stage"));
+  for (const auto& [src_off, dst_off] : segs) {
+    TORCH_CHECK((dst_off + len) * E <= op.cls, "CudaIpc::stage: segment beyond the buffer");
+    uint8_t* dst = half + dst_off * E;
+    const uint8_t* src = static_cast<const uint8_t*>(op.work.data_ptr()) + src_off * E;
+    if (scaled) cuda_call("CudaIpc::stage", [&] { cuda::launch_scale(dst, src, len, dt, premul, st); });
+    else cuda_call("CudaIpc::stage", [&] { cuda::copy_async(dst, src, len * E, st); });
   }
   cuda_call("CudaIpc::stage", [&] { cuda::event_record(ev_[parity], st); });
 }
 
-void CudaIpc::reduce(CudaIpcOp& op, int parity, size_t off, size_t len, const std::vector<int>& act,
-                     const std::vector<int64_t>& pids, RedOp rop) {
+void CudaIpc::stage(CudaIpcOp& op, int parity, size_t off, size_t len, const std::vector<int>& act,
+                    const std::vector<int64_t>& pids, RedOp rop, double premul) {
+  stage_segments(op, parity, {{off, 0}}, len, act, pids, rop, premul);
+}
+
+void CudaIpc::stage_scatter(CudaIpcOp& op, int parity, size_t off, size_t len, size_t n, const std::vector<int>& act,
+                            const std::vector<int64_t>& pids, RedOp rop, double premul) {
+  std::vector<std::pair<size_t, size_t>> segs;
+  for (int d : act) segs.emplace_back(d * n + off, d * len);  // seat d's piece
+  stage_segments(op, parity, segs, len, act, pids, rop, premul);
+}
+
+void CudaIpc::reduce_at(CudaIpcOp& op, int parity, size_t half_off, void* out, size_t len,
+                        const std::vector<int>& act, const std::vector<int64_t>& pids, RedOp rop) {
   c10::cuda::CUDAGuard dg(op.dev);
   void* st = op.stream.stream();
   TORCH_CHECK(static_cast<int>(act.size()) <= cuda::kMaxSources, "CudaIpc::reduce: ", act.size(),
               " active ranks, the kernels take at most ", cuda::kMaxSources);
+  const size_t E = op.work.element_size();
   std::vector<const void*> srcs;
   for (int j : act) {
     if (j == rank_) {
-      srcs.push_back(static_cast<const uint8_t*>(bufs_[op.cls]) + parity * op.cls);
+      srcs.push_back(static_cast<const uint8_t*>(bufs_[op.cls]) + parity * op.cls + half_off * E);
       continue;
     }
     Peer& p = peer(j, pids[j], op.cls);
     cuda_call("CudaIpc::reduce", [&] { cuda::stream_wait_event(st, p.ev[parity]); });  // its copy is done
-    srcs.push_back(static_cast<const uint8_t*>(p.bufs[op.cls]) + parity * op.cls);
+    srcs.push_back(static_cast<const uint8_t*>(p.bufs[op.cls]) + parity * op.cls + half_off * E);
   }
-  const size_t E = op.work.element_size();
   auto dt = static_cast<cuda::DType>(cuda_dtype_code(op.work.scalar_type(), "CudaIpc::reduce"));
-  uint8_t* out = static_cast<uint8_t*>(op.work.data_ptr()) + off * E;
   cuda_call("CudaIpc::reduce", [&] {
     cuda::launch_reduce(out, srcs.data(), static_cast<int>(srcs.size()), len, dt, static_cast<cuda::Op>(rop), st);
   });
   cuda_call("CudaIpc::reduce", [&] { cuda::event_record(ev_[2 + parity], st); });  // my reads are done
+}
+
+void CudaIpc::reduce(CudaIpcOp& op, int parity, size_t off, size_t len, const std::vector<int>& act,
+                     const std::vector<int64_t>& pids, RedOp rop) {
+  reduce_at(op, parity, 0, static_cast<uint8_t*>(op.work.data_ptr()) + off * op.work.element_size(), len, act, pids,
+            rop);
+}
+
+void CudaIpc::reduce_scatter(CudaIpcOp& op, int parity, size_t off, size_t len, const std::vector<int>& act,
+                             const std::vector<int64_t>& pids, RedOp rop) {
+  reduce_at(op, parity, rank_ * len, static_cast<uint8_t*>(op.out_work.data_ptr()) + off * op.out_work.element_size(),
+            len, act, pids, rop);
 }
 
 void CudaIpc::copy_from(CudaIpcOp& op, int parity, int src, size_t off, size_t len, const std::vector<int64_t>& pids) {

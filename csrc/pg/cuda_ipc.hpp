@@ -1,5 +1,5 @@
-// CUDA tensors of one host's ranks: all_reduce, broadcast and all_gather into one tensor
-// through CUDA IPC (built with MOONCAKE_WITH_CUDA only; pinned host staging,
+// CUDA tensors of one host's ranks: all_reduce, broadcast, all_gather into one tensor and
+// reduce_scatter from one tensor through CUDA IPC (built with MOONCAKE_WITH_CUDA only; pinned host staging,
 // pg/cuda_staging.hpp, serves every other case).
 //
 // Per group and per size class (powers of two from kMinClassBytes to kMaxClassBytes) each
@@ -21,6 +21,8 @@
 //      record D[p].
 //   broadcast: only the root does step 1; the others copy the root's half out in step 3.
 //   all_gather: step 3 copies every active rank's half into its slot of the output.
+//   reduce_scatter: step 1 copies the pieces for every active seat; step 3 reduces the
+//   peers' pieces for this rank into its output.
 //
 // Why interprocess events and not a CPU barrier after an event synchronize: the round in
 // step 2 only needs peers to have *queued* their copies (every record in step 1 is issued
@@ -94,6 +96,14 @@ class CudaIpc {
              const std::vector<int64_t>& pids, RedOp rop, double premul);
   void reduce(CudaIpcOp& op, int parity, size_t off, size_t len, const std::vector<int>& act,
               const std::vector<int64_t>& pids, RedOp rop);
+  // reduce_scatter (input: `user`, W x n elements; output: `out_user`, n): per active seat d
+  // the piece [d*n + off, +len) of my input goes to offset d*len of my half; after the round
+  // every active rank's half at offset rank*len is reduced into out_work[off, off+len).
+  size_t scatter_round_elems(const CudaIpcOp& op) const { return op.cls / (op.user.element_size() * size_); }
+  void stage_scatter(CudaIpcOp& op, int parity, size_t off, size_t len, size_t n, const std::vector<int>& act,
+                     const std::vector<int64_t>& pids, RedOp rop, double premul);
+  void reduce_scatter(CudaIpcOp& op, int parity, size_t off, size_t len, const std::vector<int>& act,
+                      const std::vector<int64_t>& pids, RedOp rop);
   // broadcast: the root stage()s; the others publish_events() before the round and
   // copy_from() the root after it (then record their "done reading").
   void publish_events();
@@ -115,6 +125,11 @@ class CudaIpc {
     std::map<size_t, void*> bufs;                        // size class -> imported base
   };
   void ensure_own(size_t cls);  // my events and my buffer of class `cls`, published
+  // (src offset in work, dst offset in my half), elements; `len` elements each
+  void stage_segments(CudaIpcOp& op, int parity, const std::vector<std::pair<size_t, size_t>>& segs, size_t len,
+                      const std::vector<int>& act, const std::vector<int64_t>& pids, RedOp rop, double premul);
+  void reduce_at(CudaIpcOp& op, int parity, size_t half_off, void* out, size_t len, const std::vector<int>& act,
+                 const std::vector<int64_t>& pids, RedOp rop);
   // Rank j's events (required: they must be published by incarnation `pid`; else false
   // when they are not, or only by an earlier incarnation).
   bool open_events(int j, int64_t pid, bool required);

@@ -16,7 +16,8 @@ Steps (each in a child process with its own time limit; the whole run stays unde
    dispatch + combine, fp8 low-latency dispatch; CUDA vs CPU-staged round-trip latency.
 6. ``allreduce_bw``: all_reduce of ``mooncake`` on CUDA tensors (2 and 4 ranks sharing the
    GPU) through CUDA IPC against references (dtypes, ops, two pieces, a non-contiguous view,
-   an async op on a side stream; broadcast and all_gather_into_tensor too;
+   an async op on a side stream; broadcast, all_gather_into_tensor and
+   reduce_scatter_tensor too;
    ``mooncake_pg.cuda_path`` must say
    ``ipc``), then bus
    bandwidth of both paths (IPC, and pinned host staging forced with
@@ -224,7 +225,8 @@ RANKS_CODE = r'''
 import json, os, sys, time, torch, torch.distributed as dist, torch.multiprocessing as mp
 
 def ipc_reference_checks(rank, ws, grp):
-    """all_reduce (and broadcast, all_gather_into_tensor) of CUDA tensors on the IPC path against references computed
+    """all_reduce (and broadcast, all_gather_into_tensor, reduce_scatter_tensor) of CUDA
+    tensors on the IPC path against references computed
     here from every rank's (seeded) input: dtypes, ops, a tensor of two pieces (above the
     64 MiB size class), a non-contiguous view, an async op on a side stream after a kernel
     queued there."""
@@ -283,6 +285,15 @@ def ipc_reference_checks(rank, ws, grp):
         out_t = torch.empty(ws * n, device="cuda")
         dist.all_gather_into_tensor(out_t, xs[rank].cuda(), group=grp)
         res[name] = bool(torch.equal(out_t.cpu(), torch.cat(xs)))
+        if not res[name]: bad.append(name)
+    # reduce_scatter_tensor through CUDA IPC: SUM and AVG, one piece and two pieces per seat
+    for k, (name, op, n) in enumerate((("reduce_scatter_sum", R.SUM, 1000), ("reduce_scatter_avg", R.AVG, 4096),
+                                       ("reduce_scatter_two_pieces", R.SUM, (64 << 20) // 4 // ws + 55))):
+        xs = inputs(len(cases) + 3 + k, (ws * n,), torch.float32)
+        out_t = torch.empty(n, device="cuda")
+        dist.reduce_scatter_tensor(out_t, xs[rank].cuda(), op=op, group=grp)
+        ref = reference(xs, op)[rank * n:(rank + 1) * n]
+        res[name] = bool(torch.equal(out_t.cpu(), ref) if op != R.AVG else torch.allclose(out_t.cpu(), ref))
         if not res[name]: bad.append(name)
     # stream semantics: a kernel queued on a side stream right before an async all_reduce
     # issued there; Work.wait() orders the current (side) stream after the result
