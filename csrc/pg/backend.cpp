@@ -1841,14 +1841,22 @@ std::function<void()> MooncakeBackend::backup_for_retry(const std::vector<at::Te
 }
 
 #ifdef MOONCAKE_WITH_CUDA
-void MooncakeBackend::ipc_epoch_start(int64_t dl) {
+void MooncakeBackend::ipc_epoch_start(const void* hdr, int ref, const char* opname, int64_t dl) {
   // Buffer half p of round k may be overwritten once every peer recorded "done reading"
   // for the rounds before k-1 (pg/cuda_ipc.hpp); within an epoch the round k-1 in between
   // proves it. Rounds restart with each membership epoch (a failure agreed through the
-  // store, a join), so the first IPC op of an epoch starts with a barrier: every active
-  // rank has left its previous op, its records included.
+  // store, a join), so the first IPC op of an epoch starts with an extra round (a barrier
+  // carrying the op's header, so a mismatch is caught there too): every active rank has
+  // left its previous op, its records included.
   if (ipc_epoch_ == coll_->epoch()) return;
-  run_barrier(dl);
+  CollEngine* e = coll_.get();
+  const uint64_t k = e->next_round();
+  OpHeader h;
+  std::memcpy(&h, hdr, sizeof(h));
+  write_header(e, k, h, {});
+  PeerRanges sends(size_);
+  exchange(&sends, header_len({}), dl, opname);
+  check_headers(e, k, ref, act_);
   ipc_epoch_ = coll_->epoch();
 }
 
@@ -1884,7 +1892,6 @@ void MooncakeBackend::run_allreduce_ipc(CudaIpcOp& op, RedOp rop, double premul,
   // a rerun over survivors (mask) must find the input as it was: reduce into a copy
   ipc_->prepare(op, policy_ == FailurePolicy::MASK && pieces > 1);
   const std::vector<int64_t> noextra;
-  ipc_epoch_start(dl);
   OpHeader h{};
   h.op = OP_ALLREDUCE_IPC;
   h.dtype = static_cast<int32_t>(op.user.scalar_type());
@@ -1892,6 +1899,7 @@ void MooncakeBackend::run_allreduce_ipc(CudaIpcOp& op, RedOp rop, double premul,
   h.root = -1;
   h.count = static_cast<int64_t>(n);
   h.seq = seq_exec_++;  // once per op, as on the CPU path
+  ipc_epoch_start(&h, act_[0], "all_reduce", dl);
   for (size_t s = 0; s < pieces; ++s) {
     const uint64_t k = e->next_round();
     const int parity = static_cast<int>(k & 1);  // alternates; equal on every rank (engine.hpp)
@@ -1935,13 +1943,13 @@ void MooncakeBackend::run_broadcast_ipc(CudaIpcOp& op, int root, int64_t dl) {
   const size_t pieces = std::max<size_t>(1, (n + R - 1) / R);
   ipc_->prepare(op, false);  // a rerun rewrites every piece; the root's tensor is only read
   const std::vector<int64_t> noextra;
-  ipc_epoch_start(dl);
   OpHeader h{};
   h.op = OP_BROADCAST_IPC;
   h.dtype = static_cast<int32_t>(op.user.scalar_type());
   h.root = root;
   h.count = static_cast<int64_t>(n);
   h.seq = seq_exec_++;  // once per op, as on the CPU path
+  ipc_epoch_start(&h, root, "broadcast", dl);
   for (size_t s = 0; s < pieces; ++s) {
     const uint64_t k = e->next_round();
     const int parity = static_cast<int>(k & 1);  // alternates; equal on every rank (engine.hpp)
@@ -1993,13 +2001,13 @@ void MooncakeBackend::run_allgather_ipc(CudaIpcOp& op, int64_t dl) {
   // a rerun over survivors (mask) must find the slot of a rank that died mid-op untouched
   ipc_->prepare(op, policy_ == FailurePolicy::MASK && pieces > 1);
   const std::vector<int64_t> noextra;
-  ipc_epoch_start(dl);
   OpHeader h{};
   h.op = OP_ALLGATHER_IPC;
   h.dtype = static_cast<int32_t>(op.user.scalar_type());
   h.root = -1;
   h.count = static_cast<int64_t>(n);
   h.seq = seq_exec_++;  // once per op, as on the CPU path
+  ipc_epoch_start(&h, act_[0], "all_gather", dl);
   for (size_t s = 0; s < pieces; ++s) {
     const uint64_t k = e->next_round();
     const int parity = static_cast<int>(k & 1);  // alternates; equal on every rank (engine.hpp)
@@ -2051,7 +2059,6 @@ void MooncakeBackend::run_reduce_scatter_ipc(CudaIpcOp& op, RedOp rop, double pr
   const size_t pieces = std::max<size_t>(1, (n + R - 1) / R);
   ipc_->prepare(op, false);  // a rerun rewrites every piece of the output; the input is only read
   const std::vector<int64_t> noextra;
-  ipc_epoch_start(dl);
   OpHeader h{};
   h.op = OP_REDUCE_SCATTER_IPC;
   h.dtype = static_cast<int32_t>(op.user.scalar_type());
@@ -2059,6 +2066,7 @@ void MooncakeBackend::run_reduce_scatter_ipc(CudaIpcOp& op, RedOp rop, double pr
   h.root = -1;
   h.count = static_cast<int64_t>(n);
   h.seq = seq_exec_++;  // once per op, as on the CPU path
+  ipc_epoch_start(&h, act_[0], "reduce_scatter", dl);
   for (size_t s = 0; s < pieces; ++s) {
     const uint64_t k = e->next_round();
     const int parity = static_cast<int>(k & 1);  // alternates; equal on every rank (engine.hpp)

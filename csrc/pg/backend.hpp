@@ -267,7 +267,7 @@ class MooncakeBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> reduce_scatter_base_ipc(at::Tensor& output, at::Tensor& input,
                                                          const c10d::ReduceScatterOptions& opts);
   void run_reduce_scatter_ipc(CudaIpcOp& op, RedOp rop, double premul, int64_t dl);
-  void ipc_epoch_start(int64_t dl);
+  void ipc_epoch_start(const void* hdr, int ref, const char* opname, int64_t dl);  // hdr: an OpHeader
   uint64_t ipc_epoch_ = ~uint64_t(0);  // engine epoch of the latest IPC op
 #endif
   using Job = std::function<void(int64_t deadline_ns)>;
