@@ -50,7 +50,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("initial_active", &mooncake::BackendConfig::initial_active)
       .def_readwrite("is_recovery", &mooncake::BackendConfig::is_recovery)
       .def_readwrite("rdma_device", &mooncake::BackendConfig::rdma_device)
-      .def_readwrite("rdma_gid_index", &mooncake::BackendConfig::rdma_gid_index);
+      .def_readwrite("rdma_gid_index", &mooncake::BackendConfig::rdma_gid_index)
+      .def_readwrite("cuda_ipc", &mooncake::BackendConfig::cuda_ipc);
 
   // CUDA parts (private helpers for GPU tests; without CUDA they raise)
 #ifdef MOONCAKE_WITH_CUDA
@@ -176,6 +177,7 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("transport", &mooncake::MooncakeBackend::transport_name)
       .def_property_readonly("ops_issued", &mooncake::MooncakeBackend::ops_issued)
+      .def("_cuda_ipc_status", &mooncake::MooncakeBackend::cuda_ipc_status)
       .def("active_ranks", &mooncake::MooncakeBackend::active_ranks)
       .def("epoch", &mooncake::MooncakeBackend::epoch)
       .def("failed_ranks", &mooncake::MooncakeBackend::failed_ranks)

@@ -132,3 +132,15 @@ __all__ += ["get_pending_ranks", "recover_ranks", "is_joining", "join_group", "s
 from .hardware import WITH_CUDA, WITH_RDMA, RdmaDevice, RdmaPort, rdma_devices  # noqa: E402
 
 __all__ += ["WITH_CUDA", "WITH_RDMA", "RdmaDevice", "RdmaPort", "rdma_devices"]
+
+
+def cuda_path(group=None) -> str:
+    """How ``all_reduce``, ``broadcast``, ``all_gather_into_tensor`` and
+    ``reduce_scatter_tensor`` move CUDA tensors in ``group`` (default: the default group):
+    ``"ipc"`` (CUDA IPC buffers and reduction kernels, every rank on this host),
+    ``"staging: <why not>"`` (pinned host staging over the group's transport), or
+    ``"unavailable: <why>"`` on a build without CUDA. Other ops always stage for now."""
+    return backend_of(group)._cuda_ipc_status()
+
+
+__all__.append("cuda_path")

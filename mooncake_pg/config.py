@@ -14,6 +14,7 @@ Every ``MOONCAKE_*`` environment variable the process group reads is read here, 
 | ``MOONCAKE_IS_RECOVERY`` | ``1``: this process replaces a dead rank or fills an extension seat (``mooncake-run`` sets it on respawn) | off |
 | ``MOONCAKE_RDMA_DEVICE`` | transport ``rdma``: ``DEVICE[:PORT]`` (e.g. ``mlx5_0:1``) | the first device port in state ``PORT_ACTIVE`` |
 | ``MOONCAKE_RDMA_GID_INDEX`` | transport ``rdma``: GID index | RoCE: the first RoCE v2 IPv4-mapped GID; InfiniBand: none (LID routing) |
+| ``MOONCAKE_CUDA_IPC`` | CUDA builds: ``0`` stages CUDA tensors through pinned host memory even when every rank is on one host (default: ``all_reduce``, ``broadcast``, ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` of CUDA tensors go through CUDA IPC there) | ``1`` |
 | ``MOONCAKE_FAULT_INJECT`` | tests only: ``OP:ROUND`` makes the process SIGKILL itself on collective number ``OP`` (0-based, per group) just before round ``ROUND`` | off |
 """
 from __future__ import annotations
@@ -60,6 +61,11 @@ class MooncakeOptions:
         shm_slot_bytes: bytes per rank per pipeline stage of the shared-memory engine
             (``MOONCAKE_SHM_SLOT_BYTES``); must agree across ranks.
         debug: keep a trace of recent ops and dump it on timeout (``MOONCAKE_DEBUG``).
+        cuda_ipc: CUDA builds: ``all_reduce``, ``broadcast``, ``all_gather_into_tensor`` and
+            ``reduce_scatter_tensor`` of CUDA tensors through CUDA IPC when every rank is on
+            this host (default: ``MOONCAKE_CUDA_IPC``, on); ``False`` stages them through
+            pinned host memory. Must agree across ranks (else the first such op raises
+            ``ValueError`` on every rank).
     """
 
     timeout: float | timedelta = 30.0
@@ -71,6 +77,7 @@ class MooncakeOptions:
     host_ip: Optional[str] = None
     shm_slot_bytes: Optional[int] = None
     debug: Optional[bool] = None
+    cuda_ipc: Optional[bool] = None
 
     def __post_init__(self):
         if isinstance(self.timeout, timedelta):
@@ -131,6 +138,17 @@ def _flag(raw: Optional[str]) -> bool:
     return (raw or "") not in ("", "0", "false", "False")
 
 
+def _bool_env(env, name: str, default: bool) -> bool:
+    raw = (env.get(name) or "").strip().lower()
+    if raw == "":
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be 0 or 1, got {env.get(name)!r}")
+
+
 def env_defaults() -> dict:
     """The process group's settings from ``MOONCAKE_*`` variables (the only place they are read)."""
     env = os.environ
@@ -145,6 +163,7 @@ def env_defaults() -> dict:
         "is_recovery": _flag(env.get("MOONCAKE_IS_RECOVERY")),
         "rdma_device": env.get("MOONCAKE_RDMA_DEVICE") or "",
         "rdma_gid_index": _int_env(env, "MOONCAKE_RDMA_GID_INDEX", -1),
+        "cuda_ipc": _bool_env(env, "MOONCAKE_CUDA_IPC", True),
     }
 
 
@@ -170,4 +189,5 @@ def resolve(opts: Optional[MooncakeOptions]) -> dict:
         "fault_inject": env["fault_inject"],
         "rdma_device": env["rdma_device"],
         "rdma_gid_index": env["rdma_gid_index"],
+        "cuda_ipc": env["cuda_ipc"] if opts.cuda_ipc is None else bool(opts.cuda_ipc),
     }

@@ -94,7 +94,8 @@ so="$(ls "$BUILD"/lib/mooncake_pg/_C*.so 2>/dev/null | head -n1 || true)"
 [[ -n "$so" ]] || { say "ERROR: no mooncake_pg/_C*.so under $BUILD/lib"; exit 1; }
 syms="$(nm -C -D --defined-only "$so" 2>/dev/null; nm -C "$so" 2>/dev/null)"
 missing=0
-for want in "mooncake::cuda::launch_reduce" "mooncake::cuda::ipc_export" "mooncake_reduce_kernel"; do
+for want in "mooncake::cuda::launch_reduce" "mooncake::cuda::ipc_export" "mooncake_reduce_kernel" \
+            "mooncake::CudaIpc::reduce"; do
     if grep -q "$want" <<<"$syms"; then say "symbol ok: $want"; else say "ERROR: symbol missing: $want"; missing=1; fi
 done
 # device code: sm_90 cubins (cuobjdump lists them; a toolkit without it: the build's

@@ -6,6 +6,9 @@
 - ``mooncake_pg.rdma_devices()`` (NIC discovery) returns records; empty without devices.
 - The CUDA-only helpers raise a clear error on a CPU-only build; "cuda" is registered for
   the backend only when the extension was built with CUDA.
+- ``MOONCAKE_CUDA_IPC`` is parsed (``MooncakeOptions(cuda_ipc=...)`` wins); a CPU-only build
+  reports the CUDA IPC path as unavailable with its reason and holds no IPC code; the CUDA
+  build reports ``ipc`` for a one-host group and ``staging: ...`` when switched off.
 - The CUDA build (scripts/build_cuda.sh, outside the tree) imports and answers argument
   checks on a machine without a GPU (skips when that build is absent).
 - ``tests/device/run_gpu_checks.sh --dry-run`` plans every step and writes its JSON.
@@ -128,6 +131,52 @@ def test_cuda_helpers_raise_on_a_cpu_build():
             fn(*args)
 
 
+def test_cuda_ipc_switch_from_environment(monkeypatch):
+    """MOONCAKE_CUDA_IPC (read in mooncake_pg/config.py): on by default, 0/false/off force
+    pinned host staging, an explicit MooncakeOptions(cuda_ipc=...) wins, junk raises."""
+    from mooncake_pg.config import resolve
+
+    monkeypatch.delenv("MOONCAKE_CUDA_IPC", raising=False)
+    assert resolve(None)["cuda_ipc"] is True
+    for raw, want in (("0", False), ("false", False), ("off", False), ("1", True), ("on", True), ("", True)):
+        monkeypatch.setenv("MOONCAKE_CUDA_IPC", raw)
+        assert resolve(None)["cuda_ipc"] is want, raw
+    monkeypatch.setenv("MOONCAKE_CUDA_IPC", "0")
+    assert resolve(mooncake_pg.MooncakeOptions(cuda_ipc=True))["cuda_ipc"] is True
+    monkeypatch.setenv("MOONCAKE_CUDA_IPC", "1")
+    assert resolve(mooncake_pg.MooncakeOptions(cuda_ipc=False))["cuda_ipc"] is False
+    monkeypatch.setenv("MOONCAKE_CUDA_IPC", "sometimes")
+    with pytest.raises(ValueError, match="MOONCAKE_CUDA_IPC must be 0 or 1, got 'sometimes'"):
+        resolve(None)
+
+
+CUDA_PATH_RANK = textwrap.dedent('''
+    import json, os, sys, tempfile, torch.distributed as dist, mooncake_pg
+    d = tempfile.mkdtemp()
+    dist.init_process_group("mooncake", rank=0, world_size=1, init_method="file://" + os.path.join(d, "s"))
+    r = {"default": mooncake_pg.cuda_path(),
+         "off": mooncake_pg.cuda_path(dist.new_group([0], pg_options=mooncake_pg.MooncakeOptions(cuda_ipc=False)))}
+    dist.destroy_process_group()
+    print("RESULT " + json.dumps(r))
+''')
+
+
+@pytest.mark.skipif(mooncake_pg.WITH_CUDA, reason="this extension was built with CUDA")
+def test_cuda_ipc_unavailable_on_a_cpu_build():
+    """A CPU-only build reports the CUDA IPC path as unavailable, with the reason, for every
+    setting of the switch, and its extension holds no IPC code."""
+    for env in ({}, {"MOONCAKE_CUDA_IPC": "0"}):
+        p = subprocess.run([sys.executable, "-c", CUDA_PATH_RANK], env=_env(**env), capture_output=True, text=True,
+                           timeout=100)
+        assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+        r = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
+        for v in r.values():
+            assert v == "unavailable: this build has no CUDA (rebuild with MOONCAKE_WITH_CUDA=1)", r
+    if shutil.which("nm"):
+        syms = subprocess.run(["nm", "-C", _C.__file__], capture_output=True, text=True, timeout=60).stdout
+        assert "CudaIpc" not in syms and "ipc_event_open" not in syms
+
+
 CUDA_BUILD_SMOKE = textwrap.dedent('''
     import json, torch, torch.distributed as dist
     import mooncake_pg
@@ -152,6 +201,14 @@ CUDA_BUILD_SMOKE = textwrap.dedent('''
     pg = dist.distributed_c10d._get_default_group()
     # registered for cpu and cuda: one backend object serves both devices
     r["one_backend"] = pg._get_backend(torch.device("cpu")) is pg._get_backend(torch.device("cuda"))
+    # all_reduce's path for CUDA tensors: IPC on one host unless switched off
+    r["cuda_path"] = mooncake_pg.cuda_path()
+    r["cuda_path_off"] = mooncake_pg.cuda_path(dist.new_group([0], pg_options=mooncake_pg.MooncakeOptions(cuda_ipc=False)))
+    dist.destroy_process_group()
+    # more seats than the IPC reduction kernel takes sources (8): staging, with the reason
+    dist.init_process_group("mooncake", rank=0, world_size=9, init_method="file://" + os.path.join(d, "s9"),
+                            pg_options=mooncake_pg.MooncakeOptions(active_ranks=[0]))
+    r["cuda_path_9_seats"] = mooncake_pg.cuda_path()
     dist.destroy_process_group()
     print("RESULT " + json.dumps(r))
 ''')
@@ -197,6 +254,12 @@ def test_cuda_build_runs_without_a_gpu(tmp_path):
     assert "expected a CUDA tensor" in r["ipc_check"]
     assert r["cpu_all_reduce"]
     assert r["one_backend"]
+    assert r["cuda_path"] == "ipc", r
+    assert r["cuda_path_off"].startswith("staging: CUDA IPC switched off (MOONCAKE_CUDA_IPC=0"), r
+    assert r["cuda_path_9_seats"].startswith("staging: max_group_size 9 exceeds the 8 sources"), r
+    syms = subprocess.run(["nm", "-C", paths[1]], capture_output=True, text=True, timeout=60).stdout
+    for want in ("mooncake::CudaIpc::stage", "mooncake::CudaIpc::reduce", "mooncake::cuda::ipc_event_open"):
+        assert want in syms, want
 
 
 def test_gpu_checks_dry_run(tmp_path):

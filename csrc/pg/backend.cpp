@@ -24,6 +24,9 @@
 #include <sstream>
 
 #include "transport/copy.hpp"
+#ifdef MOONCAKE_WITH_CUDA
+#include "transport/cuda/cuda.hpp"
+#endif
 #include "transport/shm.hpp"
 #include "transport/tcp.hpp"
 #ifdef MOONCAKE_WITH_RDMA
@@ -46,6 +49,10 @@ enum OpCode : uint32_t {
   OP_SCATTER,
   OP_ALLTOALL,
   OP_BARRIER,
+  OP_ALLREDUCE_IPC,  // all_reduce of CUDA tensors through CUDA IPC (pg/cuda_ipc.hpp): one round per piece
+  OP_BROADCAST_IPC,  // broadcast likewise
+  OP_ALLGATHER_IPC,  // all_gather into one tensor likewise
+  OP_REDUCE_SCATTER_IPC,  // reduce_scatter from one tensor likewise
 };
 
 const char* op_name(uint32_t op) {
@@ -59,6 +66,10 @@ const char* op_name(uint32_t op) {
     case OP_SCATTER: return "scatter";
     case OP_ALLTOALL: return "all_to_all";
     case OP_BARRIER: return "barrier";
+    case OP_ALLREDUCE_IPC: return "all_reduce";  // describe() adds "through CUDA IPC"
+    case OP_BROADCAST_IPC: return "broadcast";
+    case OP_ALLGATHER_IPC: return "all_gather";
+    case OP_REDUCE_SCATTER_IPC: return "reduce_scatter";
   }
   return "unknown op";
 }
@@ -91,10 +102,15 @@ std::string describe(const OpHeader& h) {
     o << " of " << h.count << (h.op == OP_ALLTOALL ? " element(s) per row" : " element(s)")
       << " of dtype " << dtype_name(h.dtype);
   }
-  if (h.op == OP_ALLREDUCE || h.op == OP_REDUCE || h.op == OP_REDUCE_SCATTER)
+  if (h.op == OP_ALLREDUCE || h.op == OP_REDUCE || h.op == OP_REDUCE_SCATTER || h.op == OP_ALLREDUCE_IPC ||
+      h.op == OP_REDUCE_SCATTER_IPC)
     o << " with ReduceOp " << red_op_name(static_cast<RedOp>(h.redop));
-  if (h.op == OP_REDUCE || h.op == OP_BROADCAST || h.op == OP_GATHER || h.op == OP_SCATTER)
+  if (h.op == OP_REDUCE || h.op == OP_BROADCAST || h.op == OP_GATHER || h.op == OP_SCATTER ||
+      h.op == OP_BROADCAST_IPC)
     o << " (root " << h.root << ")";
+  if (h.op == OP_ALLREDUCE_IPC || h.op == OP_BROADCAST_IPC || h.op == OP_ALLGATHER_IPC ||
+      h.op == OP_REDUCE_SCATTER_IPC)
+    o << " through CUDA IPC";
   o << " [op #" << h.seq << "]";
   return o.str();
 }
@@ -226,6 +242,22 @@ MooncakeBackend::MooncakeBackend(const c10::intrusive_ptr<c10d::Store>& store, i
       cfg_(std::move(cfg)),
       timeout_(static_cast<int64_t>(cfg_.timeout_s * 1000)) {
   setup(store);
+#ifdef MOONCAKE_WITH_CUDA
+  ipc_ = std::make_unique<CudaIpc>(rank_, size_, store_, store_ns_);
+#endif
+}
+
+std::string MooncakeBackend::cuda_ipc_status() const {
+#ifndef MOONCAKE_WITH_CUDA
+  return "unavailable: this build has no CUDA (rebuild with MOONCAKE_WITH_CUDA=1)";
+#else
+  if (!cfg_.cuda_ipc) return "staging: CUDA IPC switched off (MOONCAKE_CUDA_IPC=0 or MooncakeOptions(cuda_ipc=False))";
+  if (!one_host_) return "staging: the group's ranks are not all on this host (MOONCAKE_HOST_ID differs)";
+  if (size_ > cuda::kMaxSources)
+    return "staging: max_group_size " + std::to_string(size_) + " exceeds the " + std::to_string(cuda::kMaxSources) +
+           " sources the IPC reduction kernel takes";
+  return "ipc";
+#endif
 }
 
 MooncakeBackend::~MooncakeBackend() {
@@ -395,6 +427,7 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
 #endif
     peer_pid_[j] = pid;
   }
+  one_host_ = one_host;
   const bool use_shm = (t == "shm") || (t == "auto" && one_host);
   TORCH_CHECK(!(t == "shm" && !one_host),
               "MooncakeBackend::setup: transport 'shm' needs every rank on one host (MOONCAKE_HOST_ID differs)");
@@ -1807,8 +1840,259 @@ std::function<void()> MooncakeBackend::backup_for_retry(const std::vector<at::Te
   };
 }
 
+#ifdef MOONCAKE_WITH_CUDA
+void MooncakeBackend::ipc_epoch_start(const void* hdr, int ref, const char* opname, int64_t dl) {
+  // Buffer half p of round k may be overwritten once every peer recorded "done reading"
+  // for the rounds before k-1 (pg/cuda_ipc.hpp); within an epoch the round k-1 in between
+  // proves it. Rounds restart with each membership epoch (a failure agreed through the
+  // store, a join), so the first IPC op of an epoch starts with an extra round (a barrier
+  // carrying the op's header, so a mismatch is caught there too): every active rank has
+  // left its previous op, its records included.
+  if (ipc_epoch_ == coll_->epoch()) return;
+  CollEngine* e = coll_.get();
+  const uint64_t k = e->next_round();
+  OpHeader h;
+  std::memcpy(&h, hdr, sizeof(h));
+  write_header(e, k, h, {});
+  PeerRanges sends(size_);
+  exchange(&sends, header_len({}), dl, opname);
+  check_headers(e, k, ref, act_);
+  ipc_epoch_ = coll_->epoch();
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce_ipc(at::Tensor& t, const c10d::AllreduceOptions& opts) {
+  // the rank's own argument errors raise here, before anything is queued
+  const char* op = "all_reduce";
+  TORCH_CHECK_VALUE(t.layout() == c10::kStrided, "mooncake ", op, " (rank ", rank_,
+                    "): expected a dense (strided) tensor, got layout ", t.layout());
+  TORCH_CHECK_VALUE(data_dtype_ok(t.scalar_type()), "mooncake ", op, " (rank ", rank_, "): unsupported dtype ",
+                    t.scalar_type());
+  double premul;
+  RedOp rop = to_redop(opts.reduceOp, &premul);
+  check_reduce(t.scalar_type(), rop, op, rank_);
+  TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes,
+                    "mooncake: an output tensor has overlapping elements (e.g. an expanded view with stride 0); "
+                    "pass a tensor whose elements are distinct in memory");
+  std::shared_ptr<CudaIpcOp> iop = ipc_->begin(t, op);
+  auto w = submit(c10d::OpType::ALLREDUCE, {}, opts.asyncOp, opts.timeout,
+                  [this, iop, rop, premul](int64_t dl) { run_allreduce_ipc(*iop, rop, premul, dl); });
+  return CudaIpc::wrap(rank_, c10d::OpType::ALLREDUCE, w, iop);
+}
+
+void MooncakeBackend::run_allreduce_ipc(CudaIpcOp& op, RedOp rop, double premul, int64_t dl) {
+  // pg/cuda_ipc.hpp: per piece, copy in (side stream), one engine round with the header (the
+  // handshake: peers' copies are queued; failures and mismatches as on the CPU path), reduce
+  // every active rank's buffer (side stream). The calling thread never waits for the GPU.
+  TORCH_CHECK(one_host_, "MooncakeBackend::allreduce: the CUDA IPC path needs every rank on this host, and the "
+              "membership now spans hosts (MOONCAKE_CUDA_IPC=0 stages through host memory instead)");
+  CollEngine* e = coll_.get();
+  const size_t n = static_cast<size_t>(op.user.numel());
+  const size_t R = ipc_->round_elems(op);
+  const size_t pieces = std::max<size_t>(1, (n + R - 1) / R);
+  // a rerun over survivors (mask) must find the input as it was: reduce into a copy
+  ipc_->prepare(op, policy_ == FailurePolicy::MASK && pieces > 1);
+  const std::vector<int64_t> noextra;
+  OpHeader h{};
+  h.op = OP_ALLREDUCE_IPC;
+  h.dtype = static_cast<int32_t>(op.user.scalar_type());
+  h.redop = static_cast<int32_t>(rop);
+  h.root = -1;
+  h.count = static_cast<int64_t>(n);
+  h.seq = seq_exec_++;  // once per op, as on the CPU path
+  ipc_epoch_start(&h, act_[0], "all_reduce", dl);
+  for (size_t s = 0; s < pieces; ++s) {
+    const uint64_t k = e->next_round();
+    const int parity = static_cast<int>(k & 1);  // alternates; equal on every rank (engine.hpp)
+    const size_t off = s * R, len = std::min(R, n - std::min(n, off));
+    if (len) ipc_->stage(op, parity, off, len, act_, peer_pid_, rop, premul);
+    write_header(e, k, h, noextra);
+    PeerRanges sends(size_);
+    exchange(&sends, header_len(noextra), dl, "all_reduce");
+    check_headers(e, k, act_[0], act_);
+    if (len) ipc_->reduce(op, parity, off, len, act_, peer_pid_, rop);
+  }
+  ipc_->finish(op);
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::broadcast_ipc(at::Tensor& t, const c10d::BroadcastOptions& opts) {
+  const char* op = "broadcast";
+  TORCH_CHECK_VALUE(t.layout() == c10::kStrided, "mooncake ", op, " (rank ", rank_,
+                    "): expected a dense (strided) tensor, got layout ", t.layout());
+  TORCH_CHECK_VALUE(data_dtype_ok(t.scalar_type()), "mooncake ", op, " (rank ", rank_, "): unsupported dtype ",
+                    t.scalar_type());
+  check_root(opts.rootRank, size_, op, rank_);
+  const int root = static_cast<int>(opts.rootRank);
+  TORCH_CHECK_VALUE(rank_ == root || at::has_internal_overlap(t) != at::MemOverlap::Yes,
+                    "mooncake: an output tensor has overlapping elements (e.g. an expanded view with stride 0); "
+                    "pass a tensor whose elements are distinct in memory");
+  std::shared_ptr<CudaIpcOp> iop = ipc_->begin(t, op);
+  auto w = submit(c10d::OpType::BROADCAST, {}, opts.asyncOp, opts.timeout,
+                  [this, iop, root](int64_t dl) { run_broadcast_ipc(*iop, root, dl); });
+  return CudaIpc::wrap(rank_, c10d::OpType::BROADCAST, w, iop);
+}
+
+void MooncakeBackend::run_broadcast_ipc(CudaIpcOp& op, int root, int64_t dl) {
+  // as run_allreduce_ipc: the root copies each piece into its buffer, the round is the
+  // handshake, the others copy the piece out of the root's buffer (side stream)
+  TORCH_CHECK(one_host_, "MooncakeBackend::broadcast: the CUDA IPC path needs every rank on this host, and the "
+              "membership now spans hosts (MOONCAKE_CUDA_IPC=0 stages through host memory instead)");
+  require_active_root(root, "broadcast");
+  CollEngine* e = coll_.get();
+  const size_t n = static_cast<size_t>(op.user.numel());
+  const size_t R = ipc_->round_elems(op);
+  const size_t pieces = std::max<size_t>(1, (n + R - 1) / R);
+  ipc_->prepare(op, false);  // a rerun rewrites every piece; the root's tensor is only read
+  const std::vector<int64_t> noextra;
+  OpHeader h{};
+  h.op = OP_BROADCAST_IPC;
+  h.dtype = static_cast<int32_t>(op.user.scalar_type());
+  h.root = root;
+  h.count = static_cast<int64_t>(n);
+  h.seq = seq_exec_++;  // once per op, as on the CPU path
+  ipc_epoch_start(&h, root, "broadcast", dl);
+  for (size_t s = 0; s < pieces; ++s) {
+    const uint64_t k = e->next_round();
+    const int parity = static_cast<int>(k & 1);  // alternates; equal on every rank (engine.hpp)
+    const size_t off = s * R, len = std::min(R, n - std::min(n, off));
+    if (rank_ == root && len) ipc_->stage(op, parity, off, len, act_, peer_pid_, RedOp::SUM, 1.0);
+    else ipc_->publish_events();  // the root waits for my reads before it overwrites its buffer
+    write_header(e, k, h, noextra);
+    PeerRanges sends(size_);
+    exchange(&sends, header_len(noextra), dl, "broadcast");
+    check_headers(e, k, root, act_);
+    if (rank_ != root && len) ipc_->copy_from(op, parity, root, off, len, peer_pid_);
+  }
+  ipc_->finish(op);
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_base_ipc(at::Tensor& output, at::Tensor& input,
+                                                                   const c10d::AllgatherOptions& opts) {
+  const char* op = "all_gather_single";
+  for (const at::Tensor* t : {&input, &output}) {
+    TORCH_CHECK_VALUE(t->layout() == c10::kStrided, "mooncake ", op, " (rank ", rank_,
+                      "): expected a dense (strided) tensor, got layout ", t->layout());
+    TORCH_CHECK_VALUE(data_dtype_ok(t->scalar_type()), "mooncake ", op, " (rank ", rank_, "): unsupported dtype ",
+                      t->scalar_type());
+  }
+  check_same(input, output, op, rank_, "the output");
+  TORCH_CHECK_VALUE(output.numel() == input.numel() * size_, "mooncake ", op, " (rank ", rank_,
+                    "): output must have world_size * input.numel() = ", input.numel() * size_,
+                    " element(s), got ", output.numel());
+  TORCH_CHECK_VALUE(at::has_internal_overlap(output) != at::MemOverlap::Yes,
+                    "mooncake: an output tensor has overlapping elements (e.g. an expanded view with stride 0); "
+                    "pass a tensor whose elements are distinct in memory");
+  std::shared_ptr<CudaIpcOp> iop = ipc_->begin(input, op, output);
+  iop->writes_user = false;  // the input is only read
+  auto w = submit(c10d::OpType::_ALLGATHER_BASE, {}, opts.asyncOp, opts.timeout,
+                  [this, iop](int64_t dl) { run_allgather_ipc(*iop, dl); });
+  return CudaIpc::wrap(rank_, c10d::OpType::_ALLGATHER_BASE, w, iop);
+}
+
+void MooncakeBackend::run_allgather_ipc(CudaIpcOp& op, int64_t dl) {
+  // as run_allreduce_ipc: every rank copies its piece into its buffer, the round is the
+  // handshake, every rank copies every active rank's piece into its slot of the output
+  // (slots of inactive seats are left untouched)
+  TORCH_CHECK(one_host_, "MooncakeBackend::_allgather_base: the CUDA IPC path needs every rank on this host, and "
+              "the membership now spans hosts (MOONCAKE_CUDA_IPC=0 stages through host memory instead)");
+  CollEngine* e = coll_.get();
+  const size_t n = static_cast<size_t>(op.user.numel());
+  const size_t R = ipc_->round_elems(op);
+  const size_t pieces = std::max<size_t>(1, (n + R - 1) / R);
+  // a rerun over survivors (mask) must find the slot of a rank that died mid-op untouched
+  ipc_->prepare(op, policy_ == FailurePolicy::MASK && pieces > 1);
+  const std::vector<int64_t> noextra;
+  OpHeader h{};
+  h.op = OP_ALLGATHER_IPC;
+  h.dtype = static_cast<int32_t>(op.user.scalar_type());
+  h.root = -1;
+  h.count = static_cast<int64_t>(n);
+  h.seq = seq_exec_++;  // once per op, as on the CPU path
+  ipc_epoch_start(&h, act_[0], "all_gather", dl);
+  for (size_t s = 0; s < pieces; ++s) {
+    const uint64_t k = e->next_round();
+    const int parity = static_cast<int>(k & 1);  // alternates; equal on every rank (engine.hpp)
+    const size_t off = s * R, len = std::min(R, n - std::min(n, off));
+    if (len) ipc_->stage(op, parity, off, len, act_, peer_pid_, RedOp::SUM, 1.0);
+    write_header(e, k, h, noextra);
+    PeerRanges sends(size_);
+    exchange(&sends, header_len(noextra), dl, "all_gather");
+    check_headers(e, k, act_[0], act_);
+    if (len) ipc_->gather_into(op, parity, off, len, n, act_, peer_pid_);
+  }
+  ipc_->finish(op);
+}
+
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter_base_ipc(at::Tensor& output, at::Tensor& input,
+                                                                        const c10d::ReduceScatterOptions& opts) {
+  const char* op = "reduce_scatter_single";
+  for (const at::Tensor* t : {&input, &output}) {
+    TORCH_CHECK_VALUE(t->layout() == c10::kStrided, "mooncake ", op, " (rank ", rank_,
+                      "): expected a dense (strided) tensor, got layout ", t->layout());
+    TORCH_CHECK_VALUE(data_dtype_ok(t->scalar_type()), "mooncake ", op, " (rank ", rank_, "): unsupported dtype ",
+                      t->scalar_type());
+  }
+  check_same(output, input, op, rank_, "the input");
+  double premul;
+  RedOp rop = to_redop(opts.reduceOp, &premul);
+  check_reduce(output.scalar_type(), rop, op, rank_);
+  TORCH_CHECK_VALUE(input.numel() == output.numel() * size_, "mooncake ", op, " (rank ", rank_,
+                    "): input must have world_size * output.numel() = ", output.numel() * size_,
+                    " element(s), got ", input.numel());
+  TORCH_CHECK_VALUE(at::has_internal_overlap(output) != at::MemOverlap::Yes,
+                    "mooncake: an output tensor has overlapping elements (e.g. an expanded view with stride 0); "
+                    "pass a tensor whose elements are distinct in memory");
+  std::shared_ptr<CudaIpcOp> iop = ipc_->begin(input, op, output);
+  iop->writes_user = false;  // the input is only read
+  auto w = submit(c10d::OpType::_REDUCE_SCATTER_BASE, {}, opts.asyncOp, opts.timeout,
+                  [this, iop, rop, premul](int64_t dl) { run_reduce_scatter_ipc(*iop, rop, premul, dl); });
+  return CudaIpc::wrap(rank_, c10d::OpType::_REDUCE_SCATTER_BASE, w, iop);
+}
+
+void MooncakeBackend::run_reduce_scatter_ipc(CudaIpcOp& op, RedOp rop, double premul, int64_t dl) {
+  // as run_allreduce_ipc: every rank copies its pieces for every active seat into its
+  // buffer, the round is the handshake, every rank reduces the active ranks' pieces for it
+  TORCH_CHECK(one_host_, "MooncakeBackend::_reduce_scatter_base: the CUDA IPC path needs every rank on this host, "
+              "and the membership now spans hosts (MOONCAKE_CUDA_IPC=0 stages through host memory instead)");
+  CollEngine* e = coll_.get();
+  const size_t n = static_cast<size_t>(op.out_user.numel());  // elements per seat
+  const size_t R = ipc_->scatter_round_elems(op);
+  const size_t pieces = std::max<size_t>(1, (n + R - 1) / R);
+  ipc_->prepare(op, false);  // a rerun rewrites every piece of the output; the input is only read
+  const std::vector<int64_t> noextra;
+  OpHeader h{};
+  h.op = OP_REDUCE_SCATTER_IPC;
+  h.dtype = static_cast<int32_t>(op.user.scalar_type());
+  h.redop = static_cast<int32_t>(rop);
+  h.root = -1;
+  h.count = static_cast<int64_t>(n);
+  h.seq = seq_exec_++;  // once per op, as on the CPU path
+  ipc_epoch_start(&h, act_[0], "reduce_scatter", dl);
+  for (size_t s = 0; s < pieces; ++s) {
+    const uint64_t k = e->next_round();
+    const int parity = static_cast<int>(k & 1);  // alternates; equal on every rank (engine.hpp)
+    const size_t off = s * R, len = std::min(R, n - std::min(n, off));
+    if (len) ipc_->stage_scatter(op, parity, off, len, n, act_, peer_pid_, rop, premul);
+    write_header(e, k, h, noextra);
+    PeerRanges sends(size_);
+    exchange(&sends, header_len(noextra), dl, "reduce_scatter");
+    check_headers(e, k, act_[0], act_);
+    if (len) ipc_->reduce_scatter(op, parity, off, len, act_, peer_pid_, rop);
+  }
+  ipc_->finish(op);
+}
+
+bool MooncakeBackend::ipc_eligible(const std::vector<at::Tensor>& ts) const {
+  // one host, one CUDA tensor: CUDA IPC (cuda_ipc_status() says why not otherwise)
+  return ts.size() == 1 && ts[0].defined() && ts[0].is_cuda() && !coalescing_ && cfg_.cuda_ipc && one_host_ &&
+         size_ <= cuda::kMaxSources;
+}
+#endif
+
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::AllreduceOptions& opts) {
+#ifdef MOONCAKE_WITH_CUDA
+  if (ipc_eligible(tensors)) return allreduce_ipc(tensors[0], opts);
+#endif
   MOONCAKE_CUDA_STAGED(ALLREDUCE, "allreduce", (tensor_ptrs(tensors)), (tensor_ptrs(tensors)), allreduce(tensors, opts));
   const char* op = "all_reduce";
   check_single(tensors, op, rank_);
@@ -1861,6 +2145,9 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce(std::vector<at::Tensor>& 
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::broadcast(std::vector<at::Tensor>& tensors,
                                                           const c10d::BroadcastOptions& opts) {
+#ifdef MOONCAKE_WITH_CUDA
+  if (ipc_eligible(tensors)) return broadcast_ipc(tensors[0], opts);
+#endif
   MOONCAKE_CUDA_STAGED(BROADCAST, "broadcast", (tensor_ptrs(tensors)), (tensor_ptrs(tensors)), broadcast(tensors, opts));
   const char* op = "broadcast";
   check_single(tensors, op, rank_);
@@ -1902,6 +2189,10 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather(std::vector<std::vecto
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                                 const c10d::AllgatherOptions& opts) {
+#ifdef MOONCAKE_WITH_CUDA
+  if (ipc_eligible({input}) && output.defined() && output.is_cuda())
+    return allgather_base_ipc(output, input, opts);
+#endif
   MOONCAKE_CUDA_STAGED(_ALLGATHER_BASE, "_allgather_base", (tensor_ptrs(input)), (tensor_ptrs(output)), _allgather_base(output, input, opts));
   const char* op = "all_gather_single";
   check_tensor(input, op, rank_);
@@ -2080,6 +2371,10 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter(std::vector<at::T
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                      const c10d::ReduceScatterOptions& opts) {
+#ifdef MOONCAKE_WITH_CUDA
+  if (ipc_eligible({input}) && output.defined() && output.is_cuda())
+    return reduce_scatter_base_ipc(output, input, opts);
+#endif
   MOONCAKE_CUDA_STAGED(_REDUCE_SCATTER_BASE, "_reduce_scatter_base", (tensor_ptrs(input)), (tensor_ptrs(output)), _reduce_scatter_base(output, input, opts));
   const char* op = "reduce_scatter_single";
   check_tensor(input, op, rank_);

@@ -4,6 +4,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -14,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "pg/cuda_ipc.hpp"
 #include "pg/cuda_staging.hpp"
 #include "pg/engine.hpp"
 #include "pg/reduce.hpp"
@@ -104,6 +106,9 @@ struct BackendConfig {
   // Seats that found the group (ascending; empty: every seat). The others are extension
   // seats: inactive until a process joins them through recover_ranks/join_group.
   std::vector<int> initial_active;
+  // CUDA builds: all_reduce of CUDA tensors through CUDA IPC when every rank is on this host
+  // (MOONCAKE_CUDA_IPC=0 / MooncakeOptions(cuda_ipc=False): pinned host staging always).
+  bool cuda_ipc = true;
 };
 
 // Default-group ranks agreed failed by any group of this process (DESIGN.md: an agreed
@@ -222,6 +227,11 @@ class MooncakeBackend : public c10d::Backend {
   // Introspection for tests and benchmarks.
   std::string transport_name() const { return coll_ ? coll_->name() : "none"; }
   uint64_t ops_issued() const { return seq_; }
+  // How all_reduce, broadcast, all_gather_single and reduce_scatter_single move CUDA tensors
+  // in this group: "ipc",
+  // or "staging: <why>" (or
+  // "unavailable: <why>" on a build without CUDA).
+  std::string cuda_ipc_status() const;
 
   // Membership (DESIGN.md "Membership and fault tolerance").
   std::vector<int32_t> active_ranks();
@@ -242,8 +252,23 @@ class MooncakeBackend : public c10d::Backend {
   std::vector<int> last_joined();  // ranks admitted by the latest recovery
 
  private:
+  std::atomic<bool> one_host_{false};  // every member of the current transport shares this host
 #ifdef MOONCAKE_WITH_CUDA
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_cuda_;  // staged works of the open coalescing session
+  std::unique_ptr<CudaIpc> ipc_;  // all_reduce of CUDA tensors on one host (pg/cuda_ipc.hpp)
+  c10::intrusive_ptr<c10d::Work> allreduce_ipc(at::Tensor& t, const c10d::AllreduceOptions& opts);
+  void run_allreduce_ipc(CudaIpcOp& op, RedOp rop, double premul, int64_t dl);
+  c10::intrusive_ptr<c10d::Work> broadcast_ipc(at::Tensor& t, const c10d::BroadcastOptions& opts);
+  void run_broadcast_ipc(CudaIpcOp& op, int root, int64_t dl);
+  c10::intrusive_ptr<c10d::Work> allgather_base_ipc(at::Tensor& output, at::Tensor& input,
+                                                    const c10d::AllgatherOptions& opts);
+  void run_allgather_ipc(CudaIpcOp& op, int64_t dl);
+  bool ipc_eligible(const std::vector<at::Tensor>& ts) const;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_base_ipc(at::Tensor& output, at::Tensor& input,
+                                                         const c10d::ReduceScatterOptions& opts);
+  void run_reduce_scatter_ipc(CudaIpcOp& op, RedOp rop, double premul, int64_t dl);
+  void ipc_epoch_start(const void* hdr, int ref, const char* opname, int64_t dl);  // hdr: an OpHeader
+  uint64_t ipc_epoch_ = ~uint64_t(0);  // engine epoch of the latest IPC op
 #endif
   using Job = std::function<void(int64_t deadline_ns)>;
   // Sync ops (async_op false) run on the caller's thread when nothing is queued; async

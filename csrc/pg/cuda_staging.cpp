@@ -18,6 +18,8 @@
 
 namespace mooncake {
 
+cuda::DType to_cuda_dtype(c10::ScalarType st, const char* fn);
+
 namespace {
 
 // A CUDA event without timing (RAII over transport/cuda's helpers).
@@ -140,6 +142,27 @@ class CudaStagedWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
+
+void check_reduce_args(const at::Tensor& dst, const at::Tensor& src, int op, const char* fn) {
+  TORCH_CHECK_VALUE(dst.is_cuda() && src.is_cuda(), fn, ": expected CUDA tensors, got ", dst.device(), " and ",
+                    src.device());
+  TORCH_CHECK_VALUE(dst.device() == src.device(), fn, ": expected tensors on one device, got ", dst.device(), " and ",
+                    src.device());
+  TORCH_CHECK_VALUE(dst.scalar_type() == src.scalar_type(), fn, ": expected dtype ", dst.scalar_type(), ", got ",
+                    src.scalar_type());
+  TORCH_CHECK_VALUE(dst.numel() == src.numel(), fn, ": expected ", dst.numel(), " elements, got ", src.numel());
+  TORCH_CHECK_VALUE(dst.is_contiguous() && src.is_contiguous(), fn, ": expected contiguous tensors");
+  TORCH_CHECK_VALUE(op >= 0 && op <= static_cast<int>(RedOp::PREMUL_SUM), fn, ": unknown ReduceOp code ", op);
+  const std::string why = check_reduce_supported(dst.scalar_type(), static_cast<RedOp>(op));
+  TORCH_CHECK_VALUE(why.empty(), fn, ": ", why);
+}
+
+}  // namespace
+
+int cuda_dtype_code(c10::ScalarType st, const char* fn) {
+  return static_cast<int>(to_cuda_dtype(st, fn));
+}
+
 cuda::DType to_cuda_dtype(c10::ScalarType st, const char* fn) {
   using ST = c10::ScalarType;
   switch (st) {
@@ -164,22 +187,6 @@ cuda::DType to_cuda_dtype(c10::ScalarType st, const char* fn) {
   }
   TORCH_CHECK_VALUE(false, fn, ": unsupported dtype ", c10::toString(st));
 }
-
-void check_reduce_args(const at::Tensor& dst, const at::Tensor& src, int op, const char* fn) {
-  TORCH_CHECK_VALUE(dst.is_cuda() && src.is_cuda(), fn, ": expected CUDA tensors, got ", dst.device(), " and ",
-                    src.device());
-  TORCH_CHECK_VALUE(dst.device() == src.device(), fn, ": expected tensors on one device, got ", dst.device(), " and ",
-                    src.device());
-  TORCH_CHECK_VALUE(dst.scalar_type() == src.scalar_type(), fn, ": expected dtype ", dst.scalar_type(), ", got ",
-                    src.scalar_type());
-  TORCH_CHECK_VALUE(dst.numel() == src.numel(), fn, ": expected ", dst.numel(), " elements, got ", src.numel());
-  TORCH_CHECK_VALUE(dst.is_contiguous() && src.is_contiguous(), fn, ": expected contiguous tensors");
-  TORCH_CHECK_VALUE(op >= 0 && op <= static_cast<int>(RedOp::PREMUL_SUM), fn, ": unknown ReduceOp code ", op);
-  const std::string why = check_reduce_supported(dst.scalar_type(), static_cast<RedOp>(op));
-  TORCH_CHECK_VALUE(why.empty(), fn, ": ", why);
-}
-
-}  // namespace
 
 bool any_cuda(const std::vector<at::Tensor*>& ts) {
   for (const at::Tensor* t : ts)

@@ -18,6 +18,10 @@ namespace mooncake {
 
 bool any_cuda(const std::vector<at::Tensor*>& ts);
 
+// The kernels' element type code (cuda::DType) of a torch dtype; ValueError naming `fn` for
+// a dtype the kernels do not handle.
+int cuda_dtype_code(c10::ScalarType st, const char* fn);
+
 // Swaps every CUDA tensor in `ins` and `outs` for a pinned host copy while `cpu_call` runs
 // (the same pointers may appear in both), then restores them; returns a Work that copies
 // `outs` back. `op` names the op in errors. Raises ValueError when the tensors are not all

@@ -19,9 +19,15 @@ Steps (each in a child process with its own time limit; the whole run stays unde
    ``low_latency_backend="nvshmem"`` against ``"group"`` on CUDA tensors, 1 rank and 2
    ranks sharing the GPU (dispatch rows, counts and fp8 bit for bit, combine and backward
    within one bf16 rounding, round-trip latency of both).
-6. ``allreduce_bw``: all_reduce bus bandwidth of ``mooncake`` on CUDA tensors (2 and 4
-   ranks sharing the GPU) against gloo on CUDA tensors (NCCL refuses two ranks on one
-   GPU) and against the device-to-device copy ceiling of the GPU.
+6. ``allreduce_bw``: all_reduce of ``mooncake`` on CUDA tensors (2 and 4 ranks sharing the
+   GPU) through CUDA IPC against references (dtypes, ops, two pieces, a non-contiguous view,
+   an async op on a side stream; broadcast, all_gather_into_tensor and
+   reduce_scatter_tensor too;
+   ``mooncake_pg.cuda_path`` must say
+   ``ipc``), then bus
+   bandwidth of both paths (IPC, and pinned host staging forced with
+   ``MooncakeOptions(cuda_ipc=False)``) against gloo on CUDA tensors (NCCL refuses two ranks
+   on one GPU) and against the device-to-device copy ceiling of the GPU.
 
 Writes one JSON (``--json``, default ``bench_out/gpu_checks.json``): per step ``ok``,
 ``seconds`` and its results. ``--dry-run`` runs nothing: it checks that every step can be
@@ -223,6 +229,93 @@ assert not bad, bad
 RANKS_CODE = r'''
 import json, os, sys, time, torch, torch.distributed as dist, torch.multiprocessing as mp
 
+def ipc_reference_checks(rank, ws, grp):
+    """all_reduce (and broadcast, all_gather_into_tensor, reduce_scatter_tensor) of CUDA
+    tensors on the IPC path against references computed
+    here from every rank's (seeded) input: dtypes, ops, a tensor of two pieces (above the
+    64 MiB size class), a non-contiguous view, an async op on a side stream after a kernel
+    queued there."""
+    res, bad = {}, []
+    R = dist.ReduceOp
+    cases = [("f32_sum", torch.float32, R.SUM, (4099,)), ("bf16_sum", torch.bfloat16, R.SUM, (1 << 20,)),
+             ("f16_max", torch.float16, R.MAX, (3001,)), ("i64_min", torch.int64, R.MIN, (777,)),
+             ("i32_bxor", torch.int32, R.BXOR, (1000,)), ("u8_sum", torch.uint8, R.SUM, (513,)),
+             ("f64_product", torch.float64, R.PRODUCT, (100,)), ("f32_avg", torch.float32, R.AVG, (5000,)),
+             ("c64_sum", torch.complex64, R.SUM, (300,)), ("bool_max", torch.bool, R.MAX, (999,)),
+             ("f32_two_pieces", torch.float32, R.SUM, ((64 << 20) // 4 + 12345,)),
+             ("f32_noncontig", torch.float32, R.SUM, (65, 33)), ("empty", torch.float32, R.SUM, (0,))]
+    def inputs(i, shape, dt):
+        xs = []
+        for r in range(ws):
+            g = torch.Generator().manual_seed(1000 * i + r)
+            v = torch.randint(0, 4, shape, generator=g) if dt in (torch.uint8, torch.bool) else torch.randint(-8, 9, shape, generator=g)
+            xs.append(v.to(dt) if dt != torch.complex64 else torch.complex(v.float(), -v.float()))
+        return xs
+    def reference(xs, op):
+        acc = xs[0].clone()
+        for x in xs[1:]:
+            if op == R.SUM: acc = (acc | x) if acc.dtype == torch.bool else acc + x
+            elif op == R.PRODUCT: acc = acc * x
+            elif op == R.MIN: acc = torch.minimum(acc, x)
+            elif op == R.MAX: acc = torch.maximum(acc, x)
+            elif op == R.BXOR: acc = acc ^ x
+            elif op == R.AVG: acc = acc + x
+        return acc / len(xs) if op == R.AVG else acc
+    for i, (name, dt, op, shape) in enumerate(cases):
+        xs = inputs(i, shape, dt)
+        if name == "f32_noncontig":
+            x = xs[rank].cuda().t()          # a transposed view: not contiguous
+            ref = reference(xs, op).t()
+        else:
+            x = xs[rank].cuda()
+            ref = reference(xs, op)
+        dist.all_reduce(x, op=op, group=grp)
+        got = x.cpu()
+        ok = torch.equal(got, ref.to(dt)) if op != R.AVG else bool(torch.allclose(got, ref.to(dt)))
+        res[name] = ok
+        if not ok: bad.append(name)
+    # broadcast through CUDA IPC: from the last rank, two pieces, and a non-contiguous view
+    for name, shape in (("broadcast_two_pieces", ((64 << 20) // 4 + 777,)), ("broadcast_noncontig", (40, 31))):
+        root = ws - 1
+        xs = inputs(len(cases), shape, torch.float32)
+        x = xs[rank].cuda()
+        if name == "broadcast_noncontig": x = x.t()
+        dist.broadcast(x, src=root, group=grp)
+        want = xs[root].t() if name == "broadcast_noncontig" else xs[root]
+        res[name] = bool(torch.equal(x.cpu(), want))
+        if not res[name]: bad.append(name)
+    # all_gather_into_tensor through CUDA IPC: one piece, and two pieces per rank
+    for k, (name, n) in enumerate((("all_gather_small", 1000), ("all_gather_two_pieces", (64 << 20) // 4 + 99))):
+        xs = inputs(len(cases) + 1 + k, (n,), torch.float32)
+        out_t = torch.empty(ws * n, device="cuda")
+        dist.all_gather_into_tensor(out_t, xs[rank].cuda(), group=grp)
+        res[name] = bool(torch.equal(out_t.cpu(), torch.cat(xs)))
+        if not res[name]: bad.append(name)
+    # reduce_scatter_tensor through CUDA IPC: SUM and AVG, one piece and two pieces per seat
+    for k, (name, op, n) in enumerate((("reduce_scatter_sum", R.SUM, 1000), ("reduce_scatter_avg", R.AVG, 4096),
+                                       ("reduce_scatter_two_pieces", R.SUM, (64 << 20) // 4 // ws + 55))):
+        xs = inputs(len(cases) + 3 + k, (ws * n,), torch.float32)
+        out_t = torch.empty(n, device="cuda")
+        dist.reduce_scatter_tensor(out_t, xs[rank].cuda(), op=op, group=grp)
+        ref = reference(xs, op)[rank * n:(rank + 1) * n]
+        res[name] = bool(torch.equal(out_t.cpu(), ref) if op != R.AVG else torch.allclose(out_t.cpu(), ref))
+        if not res[name]: bad.append(name)
+    # stream semantics: a kernel queued on a side stream right before an async all_reduce
+    # issued there; Work.wait() orders the current (side) stream after the result
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        y = torch.zeros(1 << 22, device="cuda")
+        y.add_(rank + 1)
+        w = dist.all_reduce(y, async_op=True, group=grp)
+        w.wait()
+        z = y * 2
+    s.synchronize()
+    res["async_side_stream"] = bool(torch.all(z == ws * (ws + 1)))
+    if not res["async_side_stream"]: bad.append("async_side_stream")
+    res["failed"] = bad
+    return res
+
+
 def rank_main(rank, ws, port, q, cfg):
     torch.set_num_threads(1)
     torch.cuda.set_device(0)
@@ -230,9 +323,17 @@ def rank_main(rank, ws, port, q, cfg):
     dist.init_process_group("mooncake", rank=rank, world_size=ws, init_method=f"tcp://127.0.0.1:{port}")
     out = {}
     if cfg["what"] == "allreduce":
-        groups = {"mooncake": None, "gloo": dist.new_group(list(range(ws)), backend="gloo")}
+        # "mooncake": CUDA IPC (every rank on this host); "mooncake_staged": the same backend
+        # forced to pinned host staging (MooncakeOptions(cuda_ipc=False) = MOONCAKE_CUDA_IPC=0)
+        groups = {"mooncake": None,
+                  "mooncake_staged": dist.new_group(list(range(ws)),
+                                                    pg_options=mooncake_pg.MooncakeOptions(cuda_ipc=False)),
+                  "gloo": dist.new_group(list(range(ws)), backend="gloo")}
+        out["ipc_checks"] = ipc_reference_checks(rank, ws, None)
         for name, grp in groups.items():
             r = out[name] = {}
+            if name != "gloo":
+                r["path"] = mooncake_pg.cuda_path(grp)
             for nbytes in cfg["sizes"]:
                 x = torch.ones(nbytes // 4, device="cuda")
                 for _ in range(2): dist.all_reduce(x, group=grp)
@@ -485,10 +586,16 @@ def step_allreduce_bw(ctx):
     for ws in (2, 4):
         cfg = {"what": "allreduce", "ws": ws, "sizes": sizes, "iters": 5, "timeout": 50}
         ok2, r, t = _child(RANKS_CODE, _left(ctx, 60), args=(json.dumps(cfg),))
-        for backend in ("mooncake", "gloo"):
+        for backend in ("mooncake", "mooncake_staged", "gloo"):
             rb = (r or {}).get(backend)
             res["runs"][f"{backend}/ws{ws}"] = rb
             ok = ok and ok2 and bool(rb and rb.get("correct"))
+        # the IPC path was taken (and the forced one staged), and matched the references
+        ipc = (r or {}).get("ipc_checks")
+        res[f"ipc_checks/ws{ws}"] = ipc
+        paths = ((r or {}).get("mooncake", {}).get("path"), (r or {}).get("mooncake_staged", {}).get("path"))
+        res[f"paths/ws{ws}"] = paths
+        ok = ok and bool(ipc) and not ipc.get("failed") and paths[0] == "ipc" and str(paths[1]).startswith("staging")
         tail += t
     if ceil:
         for name, r in res["runs"].items():
@@ -498,6 +605,9 @@ def step_allreduce_bw(ctx):
     mc, gl = res["runs"].get("mooncake/ws2"), res["runs"].get("gloo/ws2")
     if mc and gl:
         res["mooncake_over_gloo_ws2_64MiB"] = mc[str(sizes[-1])]["busbw_GBps"] / gl[str(sizes[-1])]["busbw_GBps"]
+    st = res["runs"].get("mooncake_staged/ws2")
+    if mc and st:
+        res["ipc_over_staged_ws2_64MiB"] = mc[str(sizes[-1])]["busbw_GBps"] / st[str(sizes[-1])]["busbw_GBps"]
     return ok, res, tail
 
 
@@ -538,7 +648,8 @@ def plan(ctx):
          "runs": "Buffer low_latency_backend='nvshmem' vs 'group' on CUDA tensors, 1 and 2 ranks; "
                  + ("nvshmem4py found" if tools["nvshmem4py"] else "skipped here: nvshmem4py-cu13 not installed")},
         {"step": "allreduce_bw", "limit_s": LIMITS["allreduce_bw"],
-         "runs": "d2d copy ceiling; all_reduce busbw mooncake vs gloo on CUDA tensors, 2 and 4 ranks"},
+         "runs": "d2d copy ceiling; IPC all_reduce vs references; all_reduce busbw mooncake (IPC and staged) "
+                 "vs gloo on CUDA tensors, 2 and 4 ranks"},
     ]
     return {"steps": steps, "tools": tools, "missing_files": missing_files,
             "needs_on_gpu_machine": [k for k in ("nvcc", "nvidia-smi", "triton", "pytest", "setuptools")

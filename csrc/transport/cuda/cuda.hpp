@@ -44,6 +44,21 @@ std::string ipc_export(const void* base);
 void* ipc_open(const std::string& handle, int device);
 void ipc_close(void* base);
 
+// Device memory of its own cudaMalloc block (so it can be exported whole with ipc_export)
+// on `device`; device_free(nullptr) is a no-op. copy_async: device-to-device bytes on
+// `stream`. Asynchronous.
+void* device_alloc(size_t bytes, int device);
+void device_free(void* p);
+void copy_async(void* dst, const void* src, size_t bytes, void* stream);
+
+// Interprocess events (cudaEventInterprocess | cudaEventDisableTiming) on the current
+// device: ipc_event_export gives the 64-byte cudaIpcEventHandle_t; ipc_event_open maps a
+// peer's event (on `device`; destroy with event_destroy). A stream that waits on an opened
+// event waits for the exporter's most recent record of it.
+void* ipc_event_create();
+std::string ipc_event_export(void* ev);
+void* ipc_event_open(const std::string& handle, int device);
+
 // Page-locked host memory (cudaHostAlloc, portable). Throws when it cannot be allocated.
 void* pinned_alloc(size_t bytes);
 void pinned_free(void* p);

@@ -47,6 +47,57 @@ void* ipc_open(const std::string& handle, int device) {
 
 void ipc_close(void* base) { check(cudaIpcCloseMemHandle(base), "ipc_close", "cudaIpcCloseMemHandle"); }
 
+void* device_alloc(size_t bytes, int device) {
+  int prev = 0;
+  check(cudaGetDevice(&prev), "device_alloc", "cudaGetDevice");
+  check(cudaSetDevice(device), "device_alloc", "cudaSetDevice");
+  void* p = nullptr;
+  cudaError_t e = cudaMalloc(&p, bytes ? bytes : 1);
+  cudaSetDevice(prev);
+  check(e, "device_alloc", "cudaMalloc");
+  return p;
+}
+
+void device_free(void* p) {
+  if (p) cudaFree(p);
+}
+
+void copy_async(void* dst, const void* src, size_t bytes, void* stream) {
+  if (bytes == 0) return;
+  check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)), "copy_async",
+        "cudaMemcpyAsync");
+}
+
+void* ipc_event_create() {
+  cudaEvent_t ev;
+  check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming | cudaEventInterprocess), "ipc_event_create",
+        "cudaEventCreateWithFlags");
+  return ev;
+}
+
+std::string ipc_event_export(void* ev) {
+  static_assert(sizeof(cudaIpcEventHandle_t) == kIpcHandleBytes, "cudaIpcEventHandle_t size");
+  cudaIpcEventHandle_t h;
+  check(cudaIpcGetEventHandle(&h, static_cast<cudaEvent_t>(ev)), "ipc_event_export", "cudaIpcGetEventHandle");
+  return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+}
+
+void* ipc_event_open(const std::string& handle, int device) {
+  if (handle.size() != kIpcHandleBytes)
+    throw std::runtime_error("mooncake::cuda::ipc_event_open: expected a " + std::to_string(kIpcHandleBytes) +
+                             "-byte handle, got " + std::to_string(handle.size()) + " bytes");
+  int prev = 0;
+  check(cudaGetDevice(&prev), "ipc_event_open", "cudaGetDevice");
+  check(cudaSetDevice(device), "ipc_event_open", "cudaSetDevice");
+  cudaIpcEventHandle_t h;
+  std::memcpy(&h, handle.data(), sizeof(h));
+  cudaEvent_t ev = nullptr;
+  cudaError_t e = cudaIpcOpenEventHandle(&ev, h);
+  cudaSetDevice(prev);
+  check(e, "ipc_event_open", "cudaIpcOpenEventHandle");
+  return ev;
+}
+
 void* pinned_alloc(size_t bytes) {
   void* p = nullptr;
   check(cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocPortable), "pinned_alloc", "cudaHostAlloc");
