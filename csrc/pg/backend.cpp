@@ -1879,39 +1879,60 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce_ipc(at::Tensor& t, con
   return CudaIpc::wrap(rank_, c10d::OpType::ALLREDUCE, w, iop);
 }
 
-void MooncakeBackend::run_allreduce_ipc(CudaIpcOp& op, RedOp rop, double premul, int64_t dl) {
-  // pg/cuda_ipc.hpp: per piece, copy in (side stream), one engine round with the header (the
-  // handshake: peers' copies are queued; failures and mismatches as on the CPU path), reduce
-  // every active rank's buffer (side stream). The calling thread never waits for the GPU.
-  TORCH_CHECK(one_host_, "MooncakeBackend::allreduce: the CUDA IPC path needs every rank on this host, and the "
+void MooncakeBackend::ipc_check_one_host(const char* method) const {
+  TORCH_CHECK(one_host_, "MooncakeBackend::", method, ": the CUDA IPC path needs every rank on this host, and the "
               "membership now spans hosts (MOONCAKE_CUDA_IPC=0 stages through host memory instead)");
+}
+
+void MooncakeBackend::run_ipc_pieces(CudaIpcOp& op, const void* hdr, int ref, size_t n, size_t R, const char* opname,
+                                     int64_t dl, const IpcPieceFn& before, const IpcPieceFn& after) {
+  // pg/cuda_ipc.hpp: per piece of at most R elements, `before` (copies in, side stream),
+  // one engine round with the header (the handshake: peers' copies are queued; failures
+  // and mismatches as on the CPU path), `after` (reads peers' buffers, side stream). The
+  // calling thread never waits for the GPU.
   CollEngine* e = coll_.get();
+  const size_t pieces = std::max<size_t>(1, (n + R - 1) / R);
+  const std::vector<int64_t> noextra;
+  OpHeader h;
+  std::memcpy(&h, hdr, sizeof(h));
+  h.count = static_cast<int64_t>(n);
+  h.seq = seq_exec_++;  // once per op, as on the CPU path
+  ipc_epoch_start(&h, ref, opname, dl);
+  for (size_t s = 0; s < pieces; ++s) {
+    const uint64_t k = e->next_round();
+    const int parity = static_cast<int>(k & 1);  // alternates; equal on every rank (engine.hpp)
+    const size_t off = s * R, len = std::min(R, n - std::min(n, off));
+    before(parity, off, len);
+    write_header(e, k, h, noextra);
+    PeerRanges sends(size_);
+    exchange(&sends, header_len(noextra), dl, opname);
+    check_headers(e, k, ref, act_);
+    after(parity, off, len);
+  }
+  ipc_->finish(op);
+}
+
+void MooncakeBackend::run_allreduce_ipc(CudaIpcOp& op, RedOp rop, double premul, int64_t dl) {
+  // every rank copies its piece into its buffer, the round is the handshake, every rank
+  // reduces every active rank's piece into its output
+  ipc_check_one_host("allreduce");
   const size_t n = static_cast<size_t>(op.user.numel());
   const size_t R = ipc_->round_elems(op);
-  const size_t pieces = std::max<size_t>(1, (n + R - 1) / R);
   // a rerun over survivors (mask) must find the input as it was: reduce into a copy
-  ipc_->prepare(op, policy_ == FailurePolicy::MASK && pieces > 1);
-  const std::vector<int64_t> noextra;
+  ipc_->prepare(op, policy_ == FailurePolicy::MASK && n > R);
   OpHeader h{};
   h.op = OP_ALLREDUCE_IPC;
   h.dtype = static_cast<int32_t>(op.user.scalar_type());
   h.redop = static_cast<int32_t>(rop);
   h.root = -1;
-  h.count = static_cast<int64_t>(n);
-  h.seq = seq_exec_++;  // once per op, as on the CPU path
-  ipc_epoch_start(&h, act_[0], "all_reduce", dl);
-  for (size_t s = 0; s < pieces; ++s) {
-    const uint64_t k = e->next_round();
-    const int parity = static_cast<int>(k & 1);  // alternates; equal on every rank (engine.hpp)
-    const size_t off = s * R, len = std::min(R, n - std::min(n, off));
-    if (len) ipc_->stage(op, parity, off, len, act_, peer_pid_, rop, premul);
-    write_header(e, k, h, noextra);
-    PeerRanges sends(size_);
-    exchange(&sends, header_len(noextra), dl, "all_reduce");
-    check_headers(e, k, act_[0], act_);
-    if (len) ipc_->reduce(op, parity, off, len, act_, peer_pid_, rop);
-  }
-  ipc_->finish(op);
+  run_ipc_pieces(
+      op, &h, act_[0], n, R, "all_reduce", dl,
+      [&](int parity, size_t off, size_t len) {
+        if (len) ipc_->stage(op, parity, off, len, act_, peer_pid_, rop, premul);
+      },
+      [&](int parity, size_t off, size_t len) {
+        if (len) ipc_->reduce(op, parity, off, len, act_, peer_pid_, rop);
+      });
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::broadcast_ipc(at::Tensor& t, const c10d::BroadcastOptions& opts) {
@@ -1932,37 +1953,25 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::broadcast_ipc(at::Tensor& t, con
 }
 
 void MooncakeBackend::run_broadcast_ipc(CudaIpcOp& op, int root, int64_t dl) {
-  // as run_allreduce_ipc: the root copies each piece into its buffer, the round is the
-  // handshake, the others copy the piece out of the root's buffer (side stream)
-  TORCH_CHECK(one_host_, "MooncakeBackend::broadcast: the CUDA IPC path needs every rank on this host, and the "
-              "membership now spans hosts (MOONCAKE_CUDA_IPC=0 stages through host memory instead)");
+  // the root copies each piece into its buffer, the round is the handshake, the others
+  // copy the piece out of the root's buffer
+  ipc_check_one_host("broadcast");
   require_active_root(root, "broadcast");
-  CollEngine* e = coll_.get();
   const size_t n = static_cast<size_t>(op.user.numel());
-  const size_t R = ipc_->round_elems(op);
-  const size_t pieces = std::max<size_t>(1, (n + R - 1) / R);
   ipc_->prepare(op, false);  // a rerun rewrites every piece; the root's tensor is only read
-  const std::vector<int64_t> noextra;
   OpHeader h{};
   h.op = OP_BROADCAST_IPC;
   h.dtype = static_cast<int32_t>(op.user.scalar_type());
   h.root = root;
-  h.count = static_cast<int64_t>(n);
-  h.seq = seq_exec_++;  // once per op, as on the CPU path
-  ipc_epoch_start(&h, root, "broadcast", dl);
-  for (size_t s = 0; s < pieces; ++s) {
-    const uint64_t k = e->next_round();
-    const int parity = static_cast<int>(k & 1);  // alternates; equal on every rank (engine.hpp)
-    const size_t off = s * R, len = std::min(R, n - std::min(n, off));
-    if (rank_ == root && len) ipc_->stage(op, parity, off, len, act_, peer_pid_, RedOp::SUM, 1.0);
-    else ipc_->publish_events();  // the root waits for my reads before it overwrites its buffer
-    write_header(e, k, h, noextra);
-    PeerRanges sends(size_);
-    exchange(&sends, header_len(noextra), dl, "broadcast");
-    check_headers(e, k, root, act_);
-    if (rank_ != root && len) ipc_->copy_from(op, parity, root, off, len, peer_pid_);
-  }
-  ipc_->finish(op);
+  run_ipc_pieces(
+      op, &h, root, n, ipc_->round_elems(op), "broadcast", dl,
+      [&](int parity, size_t off, size_t len) {
+        if (rank_ == root && len) ipc_->stage(op, parity, off, len, act_, peer_pid_, RedOp::SUM, 1.0);
+        else ipc_->publish_events();  // the root waits for my reads before it overwrites its buffer
+      },
+      [&](int parity, size_t off, size_t len) {
+        if (rank_ != root && len) ipc_->copy_from(op, parity, root, off, len, peer_pid_);
+      });
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_base_ipc(at::Tensor& output, at::Tensor& input,
@@ -1989,37 +1998,26 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_base_ipc(at::Tensor& o
 }
 
 void MooncakeBackend::run_allgather_ipc(CudaIpcOp& op, int64_t dl) {
-  // as run_allreduce_ipc: every rank copies its piece into its buffer, the round is the
-  // handshake, every rank copies every active rank's piece into its slot of the output
-  // (slots of inactive seats are left untouched)
-  TORCH_CHECK(one_host_, "MooncakeBackend::_allgather_base: the CUDA IPC path needs every rank on this host, and "
-              "the membership now spans hosts (MOONCAKE_CUDA_IPC=0 stages through host memory instead)");
-  CollEngine* e = coll_.get();
+  // every rank copies its piece into its buffer, the round is the handshake, every rank
+  // copies every active rank's piece into its slot of the output (slots of inactive seats
+  // are left untouched)
+  ipc_check_one_host("_allgather_base");
   const size_t n = static_cast<size_t>(op.user.numel());
   const size_t R = ipc_->round_elems(op);
-  const size_t pieces = std::max<size_t>(1, (n + R - 1) / R);
   // a rerun over survivors (mask) must find the slot of a rank that died mid-op untouched
-  ipc_->prepare(op, policy_ == FailurePolicy::MASK && pieces > 1);
-  const std::vector<int64_t> noextra;
+  ipc_->prepare(op, policy_ == FailurePolicy::MASK && n > R);
   OpHeader h{};
   h.op = OP_ALLGATHER_IPC;
   h.dtype = static_cast<int32_t>(op.user.scalar_type());
   h.root = -1;
-  h.count = static_cast<int64_t>(n);
-  h.seq = seq_exec_++;  // once per op, as on the CPU path
-  ipc_epoch_start(&h, act_[0], "all_gather", dl);
-  for (size_t s = 0; s < pieces; ++s) {
-    const uint64_t k = e->next_round();
-    const int parity = static_cast<int>(k & 1);  // alternates; equal on every rank (engine.hpp)
-    const size_t off = s * R, len = std::min(R, n - std::min(n, off));
-    if (len) ipc_->stage(op, parity, off, len, act_, peer_pid_, RedOp::SUM, 1.0);
-    write_header(e, k, h, noextra);
-    PeerRanges sends(size_);
-    exchange(&sends, header_len(noextra), dl, "all_gather");
-    check_headers(e, k, act_[0], act_);
-    if (len) ipc_->gather_into(op, parity, off, len, n, act_, peer_pid_);
-  }
-  ipc_->finish(op);
+  run_ipc_pieces(
+      op, &h, act_[0], n, R, "all_gather", dl,
+      [&](int parity, size_t off, size_t len) {
+        if (len) ipc_->stage(op, parity, off, len, act_, peer_pid_, RedOp::SUM, 1.0);
+      },
+      [&](int parity, size_t off, size_t len) {
+        if (len) ipc_->gather_into(op, parity, off, len, n, act_, peer_pid_);
+      });
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter_base_ipc(at::Tensor& output, at::Tensor& input,
@@ -2049,36 +2047,24 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter_base_ipc(at::Tens
 }
 
 void MooncakeBackend::run_reduce_scatter_ipc(CudaIpcOp& op, RedOp rop, double premul, int64_t dl) {
-  // as run_allreduce_ipc: every rank copies its pieces for every active seat into its
-  // buffer, the round is the handshake, every rank reduces the active ranks' pieces for it
-  TORCH_CHECK(one_host_, "MooncakeBackend::_reduce_scatter_base: the CUDA IPC path needs every rank on this host, "
-              "and the membership now spans hosts (MOONCAKE_CUDA_IPC=0 stages through host memory instead)");
-  CollEngine* e = coll_.get();
+  // every rank copies its pieces for every active seat into its buffer, the round is the
+  // handshake, every rank reduces the active ranks' pieces for it
+  ipc_check_one_host("_reduce_scatter_base");
   const size_t n = static_cast<size_t>(op.out_user.numel());  // elements per seat
-  const size_t R = ipc_->scatter_round_elems(op);
-  const size_t pieces = std::max<size_t>(1, (n + R - 1) / R);
   ipc_->prepare(op, false);  // a rerun rewrites every piece of the output; the input is only read
-  const std::vector<int64_t> noextra;
   OpHeader h{};
   h.op = OP_REDUCE_SCATTER_IPC;
   h.dtype = static_cast<int32_t>(op.user.scalar_type());
   h.redop = static_cast<int32_t>(rop);
   h.root = -1;
-  h.count = static_cast<int64_t>(n);
-  h.seq = seq_exec_++;  // once per op, as on the CPU path
-  ipc_epoch_start(&h, act_[0], "reduce_scatter", dl);
-  for (size_t s = 0; s < pieces; ++s) {
-    const uint64_t k = e->next_round();
-    const int parity = static_cast<int>(k & 1);  // alternates; equal on every rank (engine.hpp)
-    const size_t off = s * R, len = std::min(R, n - std::min(n, off));
-    if (len) ipc_->stage_scatter(op, parity, off, len, n, act_, peer_pid_, rop, premul);
-    write_header(e, k, h, noextra);
-    PeerRanges sends(size_);
-    exchange(&sends, header_len(noextra), dl, "reduce_scatter");
-    check_headers(e, k, act_[0], act_);
-    if (len) ipc_->reduce_scatter(op, parity, off, len, act_, peer_pid_, rop);
-  }
-  ipc_->finish(op);
+  run_ipc_pieces(
+      op, &h, act_[0], n, ipc_->scatter_round_elems(op), "reduce_scatter", dl,
+      [&](int parity, size_t off, size_t len) {
+        if (len) ipc_->stage_scatter(op, parity, off, len, n, act_, peer_pid_, rop, premul);
+      },
+      [&](int parity, size_t off, size_t len) {
+        if (len) ipc_->reduce_scatter(op, parity, off, len, act_, peer_pid_, rop);
+      });
 }
 
 bool MooncakeBackend::ipc_eligible(const std::vector<at::Tensor>& ts) const {

@@ -268,6 +268,10 @@ class MooncakeBackend : public c10d::Backend {
                                                          const c10d::ReduceScatterOptions& opts);
   void run_reduce_scatter_ipc(CudaIpcOp& op, RedOp rop, double premul, int64_t dl);
   void ipc_epoch_start(const void* hdr, int ref, const char* opname, int64_t dl);  // hdr: an OpHeader
+  using IpcPieceFn = std::function<void(int parity, size_t off, size_t len)>;
+  void run_ipc_pieces(CudaIpcOp& op, const void* hdr, int ref, size_t n, size_t R, const char* opname, int64_t dl,
+                      const IpcPieceFn& before, const IpcPieceFn& after);
+  void ipc_check_one_host(const char* method) const;
   uint64_t ipc_epoch_ = ~uint64_t(0);  // engine epoch of the latest IPC op
 #endif
   using Job = std::function<void(int64_t deadline_ns)>;
