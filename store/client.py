@@ -661,6 +661,12 @@ class MooncakeStore:
             return out
         if not _avoid and _retry:
             fast = self._put_reserved(keys, views, metas, cfg, upsert)
+            lost = [i for i, r in enumerate(fast or ()) if isinstance(r, PutLostError)]
+            if lost:  # lost in a leader change: the two-request way, once
+                again = self._put_many([keys[i] for i in lost], [views[i] for i in lost], [metas[i] for i in lost],
+                                       cfg, upsert, True, _retry=False)
+                for i, r in zip(lost, again):
+                    fast[i] = r
             if fast is not None:
                 if not return_exceptions:
                     for r in fast:
@@ -785,8 +791,11 @@ class MooncakeStore:
             if res.get("lost"):  # another master, or this client was declared dead meanwhile
                 self._resv = None
                 return None
-            r.off, r.left = res["resv"]
-            r.used_at = time.monotonic()
+            if res["resv"] is None:  # a new leader found the objects a resent request committed
+                self._resv = None
+            else:
+                r.off, r.left = res["resv"]
+                r.used_at = time.monotonic()
             return [it[1] if it[0] == 0 else from_code(it[1], it[2]) for it in res["items"]]
         finally:
             self._resv_lock.release()
@@ -813,7 +822,8 @@ class MooncakeStore:
         try:
             old, self._resv = self._resv, None
             if old is not None and not self._closed:
-                self._resv_refused = (time.monotonic() + _RESV_REFUSED_S, 0)
+                if wait:  # the master asked for it back: space is short, do not ask again at once
+                    self._resv_refused = (time.monotonic() + _RESV_REFUSED_S, 0)
                 try:
                     self._call("reserve", {"client": self.client_id, "bytes": 0,
                                            "ret": [[old.seg, old.off, old.left]]})

@@ -12,6 +12,7 @@ Every ``MOONCAKE_*`` environment variable the store reads is read here, in
 | ``MOONCAKE_STORE_SEGMENT_SIZE`` | bytes of shared memory a client contributes (0: none) | 256 MiB |
 | ``MOONCAKE_STORE_SSD_DIR`` | directory a client contributes as SSD tier | none |
 | ``MOONCAKE_STORE_SSD_MAX_BYTES`` | bytes of object data a client's SSD directory may hold | unlimited |
+| ``MOONCAKE_STORE_PUT_RESERVATION_BYTES`` | bytes a client asks to reserve for one-round-trip puts (0: off) | 64 MiB |
 | ``MOONCAKE_STORE_TRANSFER`` | ``auto`` (map same-host segments, TCP otherwise) or ``tcp`` (always TCP) | ``auto`` |
 | ``MOONCAKE_HOST_ID`` | processes with equal ids count as one host and map each other's segments | hostname + boot id |
 | ``MOONCAKE_SOCKET_IFNAME`` | interface the transfer engine listens on | interface routed to the master |
@@ -267,8 +268,8 @@ class StoreConfig:
             raise ValueError(f"StoreConfig: ssd_max_bytes must be a byte count >= 0 or None, got {self.ssd_max_bytes!r}")
         if self.put_reservation_bytes is not None and (not isinstance(self.put_reservation_bytes, int)
                                                        or isinstance(self.put_reservation_bytes, bool)
-                                                       or self.put_reservation_bytes < 0):
-            raise ValueError("StoreConfig: put_reservation_bytes must be a byte count >= 0, got "
+                                                       or not 0 <= self.put_reservation_bytes < 1 << 50):
+            raise ValueError("StoreConfig: put_reservation_bytes must be a byte count >= 0 and < 2**50, got "
                              f"{self.put_reservation_bytes!r}")
         if self.transfer is not None and self.transfer not in _TRANSFERS:
             raise ValueError(f"StoreConfig: transfer must be one of {_TRANSFERS}, got {self.transfer!r}")

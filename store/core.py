@@ -23,6 +23,8 @@ SEG_HEADER = 4096  # bytes at the start of every segment kept for its header (ma
 
 # seconds a client's SSD directory gets no offloads after a write to it failed (a full disk)
 SSD_RETRY_S = 10.0
+# a gap between two ticks (every 0.1 s) longer than this is a stall of the master itself
+STALL_S = 1.0
 
 class Segment:
     __slots__ = ("name", "client", "size", "alloc", "desc", "keys")
@@ -120,6 +122,7 @@ class Core:
         self.seg_epoch = 0
         self._version = int(time.time() * 1e6)
         self.no_evict_until = 0.0
+        self.last_tick = clock()
         # persistence hooks (etcd): keys/segments/clients changed since the last flush
         self.dirty_objs: set = set()
         self.dirty_clients: set = set()
@@ -698,7 +701,8 @@ class Core:
         resv = c.reserved.get(seg_name)
         total = sum(aligned(n) for _, n, _ in checked)
         if resv is None or resv[0] != off0 or total > resv[1] or seg_name not in self.segments:
-            return {"lost": True}
+            done = self._put_done_before(checked, seg_name, off0)
+            return {"lost": True} if done is None else {"items": done, "resv": None}
         seg = self.segments[seg_name]
         resv[0] += total
         resv[1] -= total
@@ -726,6 +730,24 @@ class Core:
         if isinstance(rid, int):
             c.last_put = [rid, reply]
         return reply
+
+    def _put_done_before(self, checked: list, seg_name: str, off0: int) -> Optional[list]:
+        """A ``put`` whose reservation this master does not hold may be a request resent
+        after a leader change whose first sending the old leader committed (and wrote to
+        etcd): then its objects are here, each at exactly the range the client wrote. Per
+        item success for those, ``PutLostError`` for the others (the client puts them
+        again the two-request way); None if no object is found so (nothing was committed)."""
+        out, off, found = [], off0, False
+        for key, size, _ in checked:
+            n = aligned(size)
+            o = self.objects.get(key)
+            if n and o is not None and o.size == size and o.repl[:1] == [[seg_name, off, n]]:
+                out.append([0, len(o.repl)])
+                found = True
+            else:
+                out.append([1, PutLostError.code, f"put of {key!r} was lost in a leader change"])
+            off += n
+        return out if found else None
 
     # ------------------------------------------------------------------ reads
     def get(self, a: dict) -> dict:
@@ -897,6 +919,16 @@ class Core:
         """Declares silent clients dead, aborts overdue puts, frees expired deferred
         space and evicts down to the low watermark when above the high one."""
         now = self.clock()
+        stall = now - self.last_tick - STALL_S
+        self.last_tick = now
+        if stall > 0:
+            # this master did not run for a while (stopped, swapped out, starved): the
+            # clients' heartbeats could not be served, so the stall does not count against
+            # them, nor against puts in progress
+            for c in self.clients.values():
+                c.last_seen += stall
+            for p in self.pending.values():
+                p.deadline += stall
         for c in [c for c in self.clients.values() if now - c.last_seen > self.cfg.client_ttl_s]:
             self.counters.clients_lost += 1
             self._kill_client(c, reason="heartbeat")

@@ -488,7 +488,7 @@ def main(argv=None):
     p.add_argument("--low-watermark", type=float, default=0.85)
     p.add_argument("--leader-ttl", type=int, default=2, help="etcd lease of the leader, seconds")
     p.add_argument("--max-frame-bytes", type=int, default=4 << 20)
-    p.add_argument("--port-file", default=None, help="write the bound port here once listening")
+    p.add_argument("--port-file", default=None, help="once listening, write 'PORT METRICS_PORT' here (METRICS_PORT 0 without --metrics-port)")
     a = p.parse_args(argv)
     from .config import env_defaults
 

@@ -316,6 +316,31 @@ def test_fragmentation_around_a_pinned_object_evicts_nothing():
         assert not s.exists("b") and not s.exists("c") and s.stats().evictions == 2
 
 
+def test_a_stalled_master_does_not_declare_its_clients_dead(procs):
+    """Found by a new-user trial: a master stopped (SIGSTOP) for longer than client_ttl
+    declared every client dead when it ran again and dropped all objects, though no
+    client had missed a heartbeat; the stall no longer counts against them."""
+    import signal
+
+    m = sa.start_master(client_ttl=1.0)
+    node = sa.start_agent({"master": m.address, "segment_size": 4 << 20, "heartbeat_interval_s": 0.2})
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0, heartbeat_interval_s=0.2) as s:
+        for i in range(10):
+            s.put(f"k{i}", bytes([i]) * 1000)
+        os.kill(m.pid, signal.SIGSTOP)
+        time.sleep(2.5)
+        os.kill(m.pid, signal.SIGCONT)
+        time.sleep(1.5)  # more than client_ttl after the master runs again
+        st = s.stats()
+        assert st.clients_lost == 0 and st.clients == 2 and st.objects == 10, st
+        assert all(s.get(f"k{i}") == bytes([i]) * 1000 for i in range(10))
+        node.kill()  # a client that really dies is still declared dead
+        deadline = time.monotonic() + 10
+        while s.stats().clients_lost == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+
+
 def test_python_m_master_without_runpy_warning(procs):
     """``python -m mooncake_store.master`` starts with RuntimeWarnings turned into errors:
     the package does not import ``mooncake_store.master`` itself (runpy would warn that

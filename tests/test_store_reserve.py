@@ -185,10 +185,36 @@ def test_core_commit_rules():
     assert core.clients["c"].reserved == {} and core.reserved_bytes == 0
 
 
+def test_core_resent_put_after_a_leader_change():
+    """Found by a new-user trial: a put the old leader committed (and wrote to etcd) whose
+    reply was lost was sent again to the new leader, which knew no reservation, so the
+    client redid it the two-request way and got ObjectExistsError for its own object. The
+    new leader now recognises the objects at exactly the ranges the client wrote."""
+    from mooncake_store.core import load_into
+    from mooncake_store.ha import client_record, obj_record
+    import json
+
+    old = Core(MasterConfig())
+    seg = {"size": 64 * MiB + 4096, "path": "/x", "token": "00", "host": "h", "te": None, "base": 4096}
+    old.register({"client": "c", "name": "seg", "host": "h", "pid": 1, "segs": [seg]})
+    _, off, n = old.reserve({"client": "c", "bytes": MiB})["resv"]
+    req = {"client": "c", "rid": 1, "seg": "seg", "off": off,
+           "items": [["a", 1000, b""], ["b", 0, b""], ["c", 5000, b""]]}
+    assert old.put(dict(req))["items"] == [[0, 1]] * 3
+    new = Core(MasterConfig())  # the standby, from what the old leader wrote to etcd
+    load_into(new, [json.loads(client_record(c)) for c in old.clients.values()],
+              [json.loads(obj_record(o)) for o in old.objects.values()])
+    rep = new.put(dict(req))
+    assert rep["resv"] is None and rep["items"][0] == [0, 1] and rep["items"][2] == [0, 1]
+    assert rep["items"][1][1] == "PutLost"  # zero bytes: no range to recognise it by; put again
+    assert new.put({**req, "items": [["x", 10, b""]]}) == {"lost": True}  # never committed
+
+
 def test_config_and_env():
     assert StoreConfig(master="127.0.0.1:1").resolved().put_reservation_bytes == 64 * MiB
-    with pytest.raises(ValueError, match="put_reservation_bytes"):
-        StoreConfig(master="127.0.0.1:1", put_reservation_bytes=-1).resolved()
+    for bad in (-1, 1 << 50, 1 << 70, 1.5, True):
+        with pytest.raises(ValueError, match="put_reservation_bytes"):
+            StoreConfig(master="127.0.0.1:1", put_reservation_bytes=bad).resolved()
     os.environ["MOONCAKE_STORE_PUT_RESERVATION_BYTES"] = "1048576"
     try:
         assert StoreConfig(master="127.0.0.1:1").resolved().put_reservation_bytes == MiB
