@@ -1769,15 +1769,27 @@ void MooncakeBackend::run_barrier(int64_t dl) {
 // ===================================================================================
 namespace {
 
+// dense (strided) with a dtype the data path moves
+void check_dense(const at::Tensor& t, const char* op, int rank) {
+  TORCH_CHECK_VALUE(t.layout() == c10::kStrided, "mooncake ", op, " (rank ", rank,
+                    "): expected a dense (strided) tensor, got layout ", t.layout());
+  TORCH_CHECK_VALUE(data_dtype_ok(t.scalar_type()), "mooncake ", op, " (rank ", rank,
+                    "): unsupported dtype ", t.scalar_type());
+}
+
 void check_tensor(const at::Tensor& t, const char* op, int rank) {
   TORCH_CHECK_VALUE(t.defined(), "mooncake ", op, " (rank ", rank, "): undefined tensor");
   TORCH_CHECK_VALUE(t.device().is_cpu(), "mooncake ", op, " (rank ", rank,
                     "): expected a CPU tensor, got one on ", t.device(),
                     " (CUDA tensors need a build with CUDA)");
-  TORCH_CHECK_VALUE(t.layout() == c10::kStrided, "mooncake ", op, " (rank ", rank,
-                    "): expected a dense (strided) tensor, got layout ", t.layout());
-  TORCH_CHECK_VALUE(data_dtype_ok(t.scalar_type()), "mooncake ", op, " (rank ", rank,
-                    "): unsupported dtype ", t.scalar_type());
+  check_dense(t, op, rank);
+}
+
+// an output's elements must be distinct in memory (not an expanded view)
+void check_distinct(const at::Tensor& out) {
+  TORCH_CHECK_VALUE(at::has_internal_overlap(out) != at::MemOverlap::Yes,
+                    "mooncake: an output tensor has overlapping elements (e.g. an expanded view with stride 0); "
+                    "pass a tensor whose elements are distinct in memory");
 }
 
 void check_same(const at::Tensor& a, const at::Tensor& b, const char* op, int rank,
@@ -1804,9 +1816,7 @@ void check_reduce(c10::ScalarType dt, RedOp op, const char* opname, int rank) {
 
 // A contiguous tensor to work on; copies back into `user` afterwards when they differ.
 at::Tensor contiguous_out(const at::Tensor& user, std::vector<std::function<void()>>& backs) {
-  TORCH_CHECK_VALUE(at::has_internal_overlap(user) != at::MemOverlap::Yes,
-                    "mooncake: an output tensor has overlapping elements (e.g. an expanded view with stride 0); "
-                    "pass a tensor whose elements are distinct in memory");
+  check_distinct(user);
   if (user.is_contiguous()) return user;
   at::Tensor tmp = user.contiguous();
   backs.push_back([user, tmp]() mutable { user.copy_(tmp); });
@@ -1863,16 +1873,11 @@ void MooncakeBackend::ipc_epoch_start(const void* hdr, int ref, const char* opna
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce_ipc(at::Tensor& t, const c10d::AllreduceOptions& opts) {
   // the rank's own argument errors raise here, before anything is queued
   const char* op = "all_reduce";
-  TORCH_CHECK_VALUE(t.layout() == c10::kStrided, "mooncake ", op, " (rank ", rank_,
-                    "): expected a dense (strided) tensor, got layout ", t.layout());
-  TORCH_CHECK_VALUE(data_dtype_ok(t.scalar_type()), "mooncake ", op, " (rank ", rank_, "): unsupported dtype ",
-                    t.scalar_type());
+  check_dense(t, op, rank_);
   double premul;
   RedOp rop = to_redop(opts.reduceOp, &premul);
   check_reduce(t.scalar_type(), rop, op, rank_);
-  TORCH_CHECK_VALUE(at::has_internal_overlap(t) != at::MemOverlap::Yes,
-                    "mooncake: an output tensor has overlapping elements (e.g. an expanded view with stride 0); "
-                    "pass a tensor whose elements are distinct in memory");
+  check_distinct(t);
   std::shared_ptr<CudaIpcOp> iop = ipc_->begin(t, op);
   auto w = submit(c10d::OpType::ALLREDUCE, {}, opts.asyncOp, opts.timeout,
                   [this, iop, rop, premul](int64_t dl) { run_allreduce_ipc(*iop, rop, premul, dl); });
@@ -1937,15 +1942,10 @@ void MooncakeBackend::run_allreduce_ipc(CudaIpcOp& op, RedOp rop, double premul,
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::broadcast_ipc(at::Tensor& t, const c10d::BroadcastOptions& opts) {
   const char* op = "broadcast";
-  TORCH_CHECK_VALUE(t.layout() == c10::kStrided, "mooncake ", op, " (rank ", rank_,
-                    "): expected a dense (strided) tensor, got layout ", t.layout());
-  TORCH_CHECK_VALUE(data_dtype_ok(t.scalar_type()), "mooncake ", op, " (rank ", rank_, "): unsupported dtype ",
-                    t.scalar_type());
+  check_dense(t, op, rank_);
   check_root(opts.rootRank, size_, op, rank_);
   const int root = static_cast<int>(opts.rootRank);
-  TORCH_CHECK_VALUE(rank_ == root || at::has_internal_overlap(t) != at::MemOverlap::Yes,
-                    "mooncake: an output tensor has overlapping elements (e.g. an expanded view with stride 0); "
-                    "pass a tensor whose elements are distinct in memory");
+  if (rank_ != root) check_distinct(t);
   std::shared_ptr<CudaIpcOp> iop = ipc_->begin(t, op);
   auto w = submit(c10d::OpType::BROADCAST, {}, opts.asyncOp, opts.timeout,
                   [this, iop, root](int64_t dl) { run_broadcast_ipc(*iop, root, dl); });
@@ -1977,19 +1977,13 @@ void MooncakeBackend::run_broadcast_ipc(CudaIpcOp& op, int root, int64_t dl) {
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_base_ipc(at::Tensor& output, at::Tensor& input,
                                                                    const c10d::AllgatherOptions& opts) {
   const char* op = "all_gather_single";
-  for (const at::Tensor* t : {&input, &output}) {
-    TORCH_CHECK_VALUE(t->layout() == c10::kStrided, "mooncake ", op, " (rank ", rank_,
-                      "): expected a dense (strided) tensor, got layout ", t->layout());
-    TORCH_CHECK_VALUE(data_dtype_ok(t->scalar_type()), "mooncake ", op, " (rank ", rank_, "): unsupported dtype ",
-                      t->scalar_type());
-  }
+  check_dense(input, op, rank_);
+  check_dense(output, op, rank_);
   check_same(input, output, op, rank_, "the output");
   TORCH_CHECK_VALUE(output.numel() == input.numel() * size_, "mooncake ", op, " (rank ", rank_,
                     "): output must have world_size * input.numel() = ", input.numel() * size_,
                     " element(s), got ", output.numel());
-  TORCH_CHECK_VALUE(at::has_internal_overlap(output) != at::MemOverlap::Yes,
-                    "mooncake: an output tensor has overlapping elements (e.g. an expanded view with stride 0); "
-                    "pass a tensor whose elements are distinct in memory");
+  check_distinct(output);
   std::shared_ptr<CudaIpcOp> iop = ipc_->begin(input, op, output);
   iop->writes_user = false;  // the input is only read
   auto w = submit(c10d::OpType::_ALLGATHER_BASE, {}, opts.asyncOp, opts.timeout,
@@ -2023,12 +2017,8 @@ void MooncakeBackend::run_allgather_ipc(CudaIpcOp& op, int64_t dl) {
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter_base_ipc(at::Tensor& output, at::Tensor& input,
                                                                         const c10d::ReduceScatterOptions& opts) {
   const char* op = "reduce_scatter_single";
-  for (const at::Tensor* t : {&input, &output}) {
-    TORCH_CHECK_VALUE(t->layout() == c10::kStrided, "mooncake ", op, " (rank ", rank_,
-                      "): expected a dense (strided) tensor, got layout ", t->layout());
-    TORCH_CHECK_VALUE(data_dtype_ok(t->scalar_type()), "mooncake ", op, " (rank ", rank_, "): unsupported dtype ",
-                      t->scalar_type());
-  }
+  check_dense(input, op, rank_);
+  check_dense(output, op, rank_);
   check_same(output, input, op, rank_, "the input");
   double premul;
   RedOp rop = to_redop(opts.reduceOp, &premul);
@@ -2036,9 +2026,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter_base_ipc(at::Tens
   TORCH_CHECK_VALUE(input.numel() == output.numel() * size_, "mooncake ", op, " (rank ", rank_,
                     "): input must have world_size * output.numel() = ", output.numel() * size_,
                     " element(s), got ", input.numel());
-  TORCH_CHECK_VALUE(at::has_internal_overlap(output) != at::MemOverlap::Yes,
-                    "mooncake: an output tensor has overlapping elements (e.g. an expanded view with stride 0); "
-                    "pass a tensor whose elements are distinct in memory");
+  check_distinct(output);
   std::shared_ptr<CudaIpcOp> iop = ipc_->begin(input, op, output);
   iop->writes_user = false;  // the input is only read
   auto w = submit(c10d::OpType::_REDUCE_SCATTER_BASE, {}, opts.asyncOp, opts.timeout,
