@@ -130,3 +130,18 @@ def build_model(H, E, K, F, mode, seed=0):
     gate = Gate(H, E, K, mode)
     experts = [Expert(H, F) for _ in range(E)]
     return gate, experts
+
+
+def gpu_missing():
+    """Why the GPU tests cannot run here (a reason for ``skipif``), or None."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA device (torch.cuda.is_available() is False)"
+    try:
+        import mooncake_pg
+    except ImportError as e:
+        return f"mooncake_pg does not import: {e}"
+    if not mooncake_pg.WITH_CUDA:
+        return "mooncake_pg was built without CUDA (mooncake_pg.WITH_CUDA is False)"
+    return None

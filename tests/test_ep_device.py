@@ -271,15 +271,7 @@ def test_device_errors_raise_everywhere(pool_factory):
 
 
 def _gpu_ready():
-    if not torch.cuda.is_available():
-        return "no CUDA device (torch.cuda.is_available() is False)"
-    try:
-        import mooncake_pg
-    except ImportError as e:
-        return f"mooncake_pg does not import: {e}"
-    if not mooncake_pg.WITH_CUDA:
-        return "mooncake_pg was built without CUDA (mooncake_pg.WITH_CUDA is False)"
-    return None
+    return eputil.gpu_missing()
 
 
 def rank_cuda_vs_cpu(rank, ws, kernels):

@@ -391,14 +391,9 @@ def test_real_nvshmem4py_without_gpu(pool_factory, backend):
 
 
 def _gpu_nvshmem_ready():
-    if not torch.cuda.is_available():
-        return "no CUDA device (torch.cuda.is_available() is False)"
-    try:
-        import mooncake_pg
-    except ImportError as e:
-        return f"mooncake_pg does not import: {e}"
-    if not mooncake_pg.WITH_CUDA:
-        return "mooncake_pg was built without CUDA (mooncake_pg.WITH_CUDA is False)"
+    missing = eputil.gpu_missing()
+    if missing is not None:
+        return missing
     try:
         import nvshmem.core  # noqa: F401
     except Exception as e:
