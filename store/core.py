@@ -343,6 +343,27 @@ class Core:
             self.dirty_clients.add(c.id)
 
     # ------------------------------------------------------------------ puts
+    def _put_items(self, items: list, op: str) -> list:
+        """``[(key, size, meta)]`` of a put request's items; ``ProtocolError`` for a
+        malformed item or a key repeated in one batch."""
+        checked = []
+        for it in items:
+            if not (isinstance(it, list) and len(it) == 3 and isinstance(it[1], int) and it[1] >= 0
+                    and isinstance(it[2], bytes) and len(it[2]) <= self.cfg.max_meta_bytes):
+                raise ProtocolError(f"{op}: each item must be [key, size >= 0, meta bytes]")
+            checked.append((self._check_key(it[0]), it[1], it[2]))
+        if len({k for k, _, _ in checked}) != len(checked):
+            raise ProtocolError(f"{op}: duplicate keys in one batch")
+        return checked
+
+    def _check_new(self, key: str, upsert: bool):
+        """``ObjectExistsError`` unless a put of ``key`` may start now."""
+        if key in self.pending:
+            raise ObjectExistsError(f"key {key!r} is being written by another put")
+        if key in self.objects and not upsert:
+            raise ObjectExistsError(f"key {key!r} exists (use upsert to overwrite)")
+
+    # ------------------------------------------------------------------ puts
     def put_start(self, a: dict) -> dict:
         c = self._client(a.get("client"))
         items = a.get("items")
@@ -355,22 +376,12 @@ class Core:
         avoid = a.get("x", [])
         if not (isinstance(avoid, list) and len(avoid) <= 64 and all(isinstance(x, str) for x in avoid)):
             raise ProtocolError("put_start: x must be a list of at most 64 segment names")
-        checked = []
-        for it in items:
-            if not (isinstance(it, list) and len(it) == 3 and isinstance(it[1], int) and it[1] >= 0
-                    and isinstance(it[2], bytes) and len(it[2]) <= self.cfg.max_meta_bytes):
-                raise ProtocolError("put_start: each item must be [key, size >= 0, meta bytes]")
-            checked.append((self._check_key(it[0]), it[1], it[2]))
-        if len({k for k, _, _ in checked}) != len(checked):
-            raise ProtocolError("put_start: duplicate keys in one batch")
+        checked = self._put_items(items, "put_start")
         out, segs = [], {}
         now = self.clock()
         for key, size, meta in checked:
             try:
-                if key in self.pending:
-                    raise ObjectExistsError(f"key {key!r} is being written by another put")
-                if key in self.objects and not upsert:
-                    raise ObjectExistsError(f"key {key!r} exists (use upsert to overwrite)")
+                self._check_new(key, upsert)
                 repl = self._place(key, size, r, pref, require_all, set(avoid))
                 obj = Obj(key, size, self._next_version(), meta, pin)
                 obj.repl = repl
@@ -690,14 +701,7 @@ class Core:
         if not (isinstance(items, list) and 0 < len(items) <= self.cfg.max_keys_per_call
                 and isinstance(seg_name, str) and isinstance(off0, int)):
             raise ProtocolError("put: bad arguments (items, seg, off)")
-        checked = []
-        for it in items:
-            if not (isinstance(it, list) and len(it) == 3 and isinstance(it[1], int) and it[1] >= 0
-                    and isinstance(it[2], bytes) and len(it[2]) <= self.cfg.max_meta_bytes):
-                raise ProtocolError("put: each item must be [key, size >= 0, meta bytes]")
-            checked.append((self._check_key(it[0]), it[1], it[2]))
-        if len({k for k, _, _ in checked}) != len(checked):
-            raise ProtocolError("put: duplicate keys in one batch")
+        checked = self._put_items(items, "put")
         resv = c.reserved.get(seg_name)
         total = sum(aligned(n) for _, n, _ in checked)
         if resv is None or resv[0] != off0 or total > resv[1] or seg_name not in self.segments:
@@ -711,10 +715,7 @@ class Core:
         for key, size, meta in checked:
             n = aligned(size)
             try:
-                if key in self.pending:
-                    raise ObjectExistsError(f"key {key!r} is being written by another put")
-                if key in self.objects and not upsert:
-                    raise ObjectExistsError(f"key {key!r} exists (use upsert to overwrite)")
+                self._check_new(key, upsert)
                 obj = Obj(key, size, self._next_version(), meta, pin)
                 obj.repl = [[seg_name, off, n]] if n else [[seg_name, 0, 0]]
                 seg.add_key(key)
