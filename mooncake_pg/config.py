@@ -111,14 +111,24 @@ def _boot_id() -> str:
         return ""
 
 
-def _int_env(env, name: str, default: int) -> int:
+def _int_env(env, name: str, default: int, what: str = "bytes") -> int:
     raw = env.get(name)
     if raw in (None, ""):
         return default
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"{name} must be an integer (bytes), got {raw!r}") from None
+        raise ValueError(f"{name} must be an integer ({what}), got {raw!r}") from None
+
+
+def _opt_bool(value, name: str) -> Optional[bool]:
+    """An explicit boolean option: None (unset), a bool, or 0/1; strings such as "0"
+    (which bool() would turn into True) raise."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ValueError(f"MooncakeOptions.{name} must be True or False, got {value!r}")
 
 
 def _ranks_env(env, name: str):
@@ -162,7 +172,7 @@ def env_defaults() -> dict:
         "active_ranks": _ranks_env(env, "MOONCAKE_ACTIVE_RANKS"),
         "is_recovery": _flag(env.get("MOONCAKE_IS_RECOVERY")),
         "rdma_device": env.get("MOONCAKE_RDMA_DEVICE") or "",
-        "rdma_gid_index": _int_env(env, "MOONCAKE_RDMA_GID_INDEX", -1),
+        "rdma_gid_index": _int_env(env, "MOONCAKE_RDMA_GID_INDEX", -1, "a GID index"),
         "cuda_ipc": _bool_env(env, "MOONCAKE_CUDA_IPC", True),
     }
 
@@ -180,14 +190,14 @@ def resolve(opts: Optional[MooncakeOptions]) -> dict:
         "host_id": env["host_id"],
         "host_ip": opts.host_ip,
         "socket_ifname": env["socket_ifname"],
-        "debug": env["debug"] if opts.debug is None else bool(opts.debug),
+        "debug": env["debug"] if opts.debug is None else _opt_bool(opts.debug, "debug"),
         "shm_slot_bytes": opts.shm_slot_bytes or env["shm_slot_bytes"],
         "on_failure": opts.on_failure,
         "max_group_size": opts.max_group_size,
         "active_ranks": env["active_ranks"] if opts.active_ranks is None else list(opts.active_ranks),
-        "is_recovery": env["is_recovery"] if opts.is_recovery is None else bool(opts.is_recovery),
+        "is_recovery": env["is_recovery"] if opts.is_recovery is None else _opt_bool(opts.is_recovery, "is_recovery"),
         "fault_inject": env["fault_inject"],
         "rdma_device": env["rdma_device"],
         "rdma_gid_index": env["rdma_gid_index"],
-        "cuda_ipc": env["cuda_ipc"] if opts.cuda_ipc is None else bool(opts.cuda_ipc),
+        "cuda_ipc": env["cuda_ipc"] if opts.cuda_ipc is None else _opt_bool(opts.cuda_ipc, "cuda_ipc"),
     }

@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import textwrap
 
 import pytest
@@ -45,9 +46,10 @@ def _env(**extra):
 RDMA_RANK = textwrap.dedent('''
     import sys, torch.distributed as dist, mooncake_pg
     rank, ws, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    transport = sys.argv[4] if len(sys.argv) > 4 else "rdma"
     try:
         dist.init_process_group("mooncake", rank=rank, world_size=ws, init_method="file://" + store,
-                                pg_options=mooncake_pg.MooncakeOptions(transport="rdma", timeout=10))
+                                pg_options=mooncake_pg.MooncakeOptions(transport=transport, timeout=10))
     except Exception as e:
         print("ERROR", type(e).__name__, str(e).splitlines()[0])
         sys.exit(3)
@@ -82,6 +84,36 @@ def test_rdma_transport_fails_clearly_on_every_rank():
             assert "expected an RDMA device port in state PORT_ACTIVE" in line and "got 0 device(s)" in line, line
         else:
             assert "expected a build with MOONCAKE_WITH_RDMA" in line, line
+
+
+@pytest.mark.skipif(not mooncake_pg.WITH_RDMA, reason="this extension was built without RDMA")
+def test_one_rank_without_rdma_fails_the_others_at_once():
+    """Found by a new-user trial: rank 1 asks for transport="rdma" and has no active port,
+    rank 0 uses tcp. Rank 1 raised at once and rank 0 waited for its host record for
+    torch's 30-minute store timeout; now rank 1 publishes why it failed and rank 0 raises
+    within seconds, naming rank 1 and the reason."""
+    if any(p.active for d in mooncake_pg.rdma_devices() for p in d.ports):
+        pytest.skip("this machine has an active RDMA port: transport='rdma' would initialize")
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory() as d:
+        store = os.path.join(d, "store")
+        procs = [subprocess.Popen([sys.executable, "-c", RDMA_RANK, str(r), "2", store, ("tcp", "rdma")[r]],
+                                  env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  start_new_session=True) for r in range(2)]
+        outs = []
+        for p in procs:
+            try:
+                out, err = p.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    os.killpg(q.pid, 9)
+                pytest.fail("a rank waited for the rank that could not set up RDMA")
+            outs.append((p.returncode, out, err))
+    assert time.monotonic() - t0 < 30
+    (rc0, out0, err0), (rc1, out1, err1) = outs
+    assert rc0 == 3 and rc1 == 3, (out0, err0[-2000:], out1, err1[-2000:])
+    assert "expected an RDMA device port in state PORT_ACTIVE" in out1, out1
+    assert "rank 1 could not set up its transport" in out0 and "PORT_ACTIVE" in out0, out0
 
 
 def test_rdma_devices_records():
@@ -148,6 +180,11 @@ def test_cuda_ipc_switch_from_environment(monkeypatch):
     monkeypatch.setenv("MOONCAKE_CUDA_IPC", "sometimes")
     with pytest.raises(ValueError, match="MOONCAKE_CUDA_IPC must be 0 or 1, got 'sometimes'"):
         resolve(None)
+    monkeypatch.delenv("MOONCAKE_CUDA_IPC")
+    assert resolve(mooncake_pg.MooncakeOptions(cuda_ipc=0))["cuda_ipc"] is False
+    for bad in ("0", "false", 2, 0.0):  # bool("0") is True: strings are refused, not guessed
+        with pytest.raises(ValueError, match="MooncakeOptions.cuda_ipc must be True or False"):
+            resolve(mooncake_pg.MooncakeOptions(cuda_ipc=bad))
 
 
 CUDA_PATH_RANK = textwrap.dedent('''

@@ -301,13 +301,16 @@ void MooncakeBackend::setup(const c10::intrusive_ptr<c10d::Store>& store) {
               "(install libibverbs-dev and rebuild)");
 #else
   if (t == "rdma") {
-    // fails on every rank before any rendezvous when no device port is active
+    // no active device port: a joiner raises now; a founder raises once it has told the
+    // other founders (build_transport publishes it in place of its host record), so that
+    // they raise too instead of waiting for this rank's record
     std::string dev;
     int port = 0;
     try {
       rdma_choose(rdma_devices(), cfg_.rdma_device, &dev, &port);
     } catch (const std::exception& e) {
-      TORCH_CHECK(false, "MooncakeBackend::setup: transport 'rdma': ", e.what());
+      setup_error_ = std::string("MooncakeBackend::setup: transport 'rdma': ") + e.what();
+      TORCH_CHECK(!cfg_.is_recovery, setup_error_);
     }
   }
 #endif
@@ -396,7 +399,12 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
     }
   };
 
-  // 1. who shares a host (and agree on the transport)
+  // 1. who shares a host (and agree on the transport); a rank that cannot set up its
+  // transport says so here ("!" + why) and raises, and so does every rank that reads it
+  if (!setup_error_.empty()) {
+    store_set_str(store, key("host/" + std::to_string(rank_)), "!" + setup_error_);
+    TORCH_CHECK(false, setup_error_);
+  }
   const std::string mine = cfg_.host_id + "|" + t + "|" + std::to_string(slot) + "|members=" + join_ranks(members);
   store_set_str(store, key("host/" + std::to_string(rank_)), mine);
   await_keys("host/", members);
@@ -404,6 +412,8 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
   std::vector<std::string> hosts(W);
   for (int j : members) {
     std::string v = store_get_str(store, key("host/" + std::to_string(j)));
+    TORCH_CHECK(v.empty() || v[0] != '!', "MooncakeBackend::setup: rank ", j,
+                " could not set up its transport, so this group cannot start (", v.substr(v.empty() ? 0 : 1), ")");
     hosts[j] = v.substr(0, v.find('|'));
     if (hosts[j] != cfg_.host_id) one_host = false;
     TORCH_CHECK_VALUE(v.substr(v.find('|')) == mine.substr(mine.find('|')),

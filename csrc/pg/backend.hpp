@@ -358,6 +358,7 @@ class MooncakeBackend : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Store> store_;
   std::string store_ns_;  // key prefix of this incarnation of the group in the store
+  std::string setup_error_;  // why this rank cannot set up its transport (told to the founders, then raised)
   FailurePolicy policy_ = FailurePolicy::RAISE;
   std::vector<char> active_;
   std::vector<int> act_;  // active ranks, ascending
