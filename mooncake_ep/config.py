@@ -72,7 +72,7 @@ def env_defaults() -> dict:
     kernels = env.get("MOONCAKE_EP_KERNELS", "auto") or "auto"
     if kernels not in _KERNELS:
         raise ValueError(f"MOONCAKE_EP_KERNELS must be one of {_KERNELS}, got {kernels!r}")
-    ll = (env.get("MOONCAKE_EP_LOW_LATENCY_BACKEND", "auto") or "auto").strip().lower()
+    ll = env.get("MOONCAKE_EP_LOW_LATENCY_BACKEND") or "auto"  # exact, as MOONCAKE_EP_KERNELS
     if ll not in _LL_BACKENDS:
         raise ValueError(f"MOONCAKE_EP_LOW_LATENCY_BACKEND must be one of {_LL_BACKENDS}, "
                          f"got {env.get('MOONCAKE_EP_LOW_LATENCY_BACKEND')!r}")

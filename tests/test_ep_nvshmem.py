@@ -41,9 +41,13 @@ def test_config_and_environment(monkeypatch):
     monkeypatch.delenv("MOONCAKE_EP_LOW_LATENCY_BACKEND", raising=False)
     assert env_defaults()["low_latency_backend"] == "auto"
     assert resolve(None, 2)["low_latency_backend"] == "auto"
-    for raw, want in (("nvshmem", "nvshmem"), ("GROUP", "group"), (" auto ", "auto"), ("", "auto")):
+    for raw, want in (("nvshmem", "nvshmem"), ("group", "group"), ("auto", "auto"), ("", "auto")):
         monkeypatch.setenv("MOONCAKE_EP_LOW_LATENCY_BACKEND", raw)
         assert env_defaults()["low_latency_backend"] == want, raw
+    for raw in ("GROUP", " auto "):  # exact values, as MOONCAKE_EP_KERNELS and EPConfig take them
+        monkeypatch.setenv("MOONCAKE_EP_LOW_LATENCY_BACKEND", raw)
+        with pytest.raises(ValueError, match="MOONCAKE_EP_LOW_LATENCY_BACKEND must be one of"):
+            env_defaults()
     monkeypatch.setenv("MOONCAKE_EP_LOW_LATENCY_BACKEND", "nvshmem")
     # explicit options win over the environment
     assert resolve(mooncake_ep.EPConfig(low_latency_backend="group"), 2)["low_latency_backend"] == "group"
