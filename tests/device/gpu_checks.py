@@ -615,6 +615,18 @@ RUN = {"env": step_env, "build": step_build, "kernels": step_kernels, "conforman
        "ep": step_ep, "ep_nvshmem": step_ep_nvshmem, "allreduce_bw": step_allreduce_bw}
 
 
+def _torch_cuda_version():
+    """``torch.version.cuda`` read in a child (importing torch here would slow every run),
+    or None (a CPU build of torch, or no torch)."""
+    try:
+        r = subprocess.run([sys.executable, "-c", "import torch; print(torch.version.cuda)"], capture_output=True,
+                           text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    v = r.stdout.strip().splitlines()[-1:] if r.returncode == 0 else []
+    return v[0] if v and v[0] != "None" else None
+
+
 def plan(ctx):
     """What each step would run, and whether this machine has what it needs."""
     cmd_b, env_b = build_cmd(ctx)
@@ -629,6 +641,7 @@ def plan(ctx):
         "nvcc": shutil.which("nvcc") or (os.path.exists("/usr/local/cuda/bin/nvcc") and "/usr/local/cuda/bin/nvcc") or None,
         "nvidia-smi": shutil.which("nvidia-smi"),
         "nvshmem4py": importlib.util.find_spec("nvshmem") is not None,   # optional: step ep_nvshmem
+        "torch_cuda": _torch_cuda_version(),  # the CUDA version torch was built for (None: a CPU build)
     }
     files = ["setup.py", "tests/test_conformance.py", "tests/test_ep_triton.py", "csrc/transport/cuda/kernels.cu",
              "mooncake_ep/triton_kernels.py"]
@@ -652,8 +665,8 @@ def plan(ctx):
                  "vs gloo on CUDA tensors, 2 and 4 ranks"},
     ]
     return {"steps": steps, "tools": tools, "missing_files": missing_files,
-            "needs_on_gpu_machine": [k for k in ("nvcc", "nvidia-smi", "triton", "pytest", "setuptools")
-                                     if not tools[k]]}
+            "needs_on_gpu_machine": [k for k in ("torch", "torch_cuda", "nvcc", "nvidia-smi", "triton", "pytest",
+                                                 "setuptools", "ninja") if not tools[k]]}
 
 
 def main(argv=None) -> int:
@@ -663,12 +676,22 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", default=",".join(STEPS), help=f"comma list out of {','.join(STEPS)}")
     ap.add_argument("--skip-build", action="store_true", help="use the extension already built in place")
     args = ap.parse_args(argv)
-    steps = [s for s in args.steps.split(",") if s]
+    steps = [s.strip() for s in args.steps.split(",") if s.strip()]
     unknown = [s for s in steps if s not in STEPS]
     if unknown:
         ap.error(f"unknown step(s) {unknown}; choose from {STEPS}")
     if args.skip_build and "build" in steps:
         steps.remove("build")
+    if not steps:
+        ap.error(f"no step to run (--steps {args.steps!r}{' with --skip-build' if args.skip_build else ''}); "
+                 f"choose from {STEPS}")
+    json_dir = os.path.dirname(os.path.abspath(args.json))
+    try:  # a bad --json must fail now, not after six minutes of steps
+        os.makedirs(json_dir, exist_ok=True)
+        with open(args.json, "a"):
+            pass
+    except OSError as e:
+        ap.error(f"--json {args.json!r} cannot be written: {e}")
     ctx = {"arch": "9.0", "deadline": time.monotonic() + DEADLINE_S}
     out = {"dry_run": args.dry_run, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "host": platform.node(), "steps": {}}
@@ -699,13 +722,15 @@ def main(argv=None) -> int:
             if not good:
                 out["steps"][s]["output_tail"] = tail[-6000:]
             print(f"[gpu-checks] {s}: {'ok' if good else 'FAILED'} in {dt:.1f} s {json.dumps(res)[:600]}", flush=True)
+            if not good:  # the reason, here too (the whole tail is in the JSON)
+                why = [ln for ln in (tail or "").strip().splitlines() if ln.strip()][-3:]
+                print("[gpu-checks]   " + "\n[gpu-checks]   ".join(why), flush=True)
             ok = ok and good
             if s in ("env", "build") and not good:
                 print("[gpu-checks] later steps need this one: stopping", flush=True)
                 break
     out["ok"] = bool(ok)
     out["seconds"] = round(time.perf_counter() - t_all, 1)
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
     print(f"[gpu-checks] {'ok' if ok else 'FAILED'} in {out['seconds']} s; wrote {args.json}")
