@@ -1824,6 +1824,27 @@ void check_reduce(c10::ScalarType dt, RedOp op, const char* opname, int rank) {
   TORCH_CHECK_VALUE(why.empty(), "mooncake ", opname, " (rank ", rank, "): ", why);
 }
 
+// all_gather_into_tensor: output holds world_size inputs of input's dtype
+void check_gather_shapes(const at::Tensor& output, const at::Tensor& input, int size, const char* op, int rank) {
+  check_same(input, output, op, rank, "the output");
+  TORCH_CHECK_VALUE(output.numel() == input.numel() * size, "mooncake ", op, " (rank ", rank,
+                    "): output must have world_size * input.numel() = ", input.numel() * size,
+                    " element(s), got ", output.numel());
+}
+
+// reduce_scatter_tensor: input holds world_size outputs of output's dtype, and the
+// reduction is supported for it; returns the reduction (premul: PREMUL_SUM's factor)
+RedOp check_scatter_args(const at::Tensor& output, const at::Tensor& input, const c10d::ReduceScatterOptions& opts,
+                         int size, const char* op, int rank, double* premul) {
+  check_same(output, input, op, rank, "the input");
+  const RedOp rop = to_redop(opts.reduceOp, premul);
+  check_reduce(output.scalar_type(), rop, op, rank);
+  TORCH_CHECK_VALUE(input.numel() == output.numel() * size, "mooncake ", op, " (rank ", rank,
+                    "): input must have world_size * output.numel() = ", output.numel() * size,
+                    " element(s), got ", input.numel());
+  return rop;
+}
+
 // A contiguous tensor to work on; copies back into `user` afterwards when they differ.
 at::Tensor contiguous_out(const at::Tensor& user, std::vector<std::function<void()>>& backs) {
   check_distinct(user);
@@ -1989,10 +2010,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_base_ipc(at::Tensor& o
   const char* op = "all_gather_single";
   check_dense(input, op, rank_);
   check_dense(output, op, rank_);
-  check_same(input, output, op, rank_, "the output");
-  TORCH_CHECK_VALUE(output.numel() == input.numel() * size_, "mooncake ", op, " (rank ", rank_,
-                    "): output must have world_size * input.numel() = ", input.numel() * size_,
-                    " element(s), got ", output.numel());
+  check_gather_shapes(output, input, size_, op, rank_);
   check_distinct(output);
   std::shared_ptr<CudaIpcOp> iop = ipc_->begin(input, op, output);
   iop->writes_user = false;  // the input is only read
@@ -2029,13 +2047,8 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter_base_ipc(at::Tens
   const char* op = "reduce_scatter_single";
   check_dense(input, op, rank_);
   check_dense(output, op, rank_);
-  check_same(output, input, op, rank_, "the input");
   double premul;
-  RedOp rop = to_redop(opts.reduceOp, &premul);
-  check_reduce(output.scalar_type(), rop, op, rank_);
-  TORCH_CHECK_VALUE(input.numel() == output.numel() * size_, "mooncake ", op, " (rank ", rank_,
-                    "): input must have world_size * output.numel() = ", output.numel() * size_,
-                    " element(s), got ", input.numel());
+  const RedOp rop = check_scatter_args(output, input, opts, size_, op, rank_, &premul);
   check_distinct(output);
   std::shared_ptr<CudaIpcOp> iop = ipc_->begin(input, op, output);
   iop->writes_user = false;  // the input is only read
@@ -2181,10 +2194,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::_allgather_base(at::Tensor& outp
   const char* op = "all_gather_single";
   check_tensor(input, op, rank_);
   check_tensor(output, op, rank_);
-  check_same(input, output, op, rank_, "the output");
-  TORCH_CHECK_VALUE(output.numel() == input.numel() * size_, "mooncake ", op, " (rank ", rank_,
-                    "): output must have world_size * input.numel() = ", input.numel() * size_,
-                    " element(s), got ", output.numel());
+  check_gather_shapes(output, input, size_, op, rank_);
   at::Tensor in = input.contiguous();
   std::vector<std::function<void()>> backs;
   at::Tensor out = contiguous_out(output, backs);
@@ -2363,13 +2373,8 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::_reduce_scatter_base(at::Tensor&
   const char* op = "reduce_scatter_single";
   check_tensor(input, op, rank_);
   check_tensor(output, op, rank_);
-  check_same(output, input, op, rank_, "the input");
   double premul;
-  RedOp rop = to_redop(opts.reduceOp, &premul);
-  check_reduce(output.scalar_type(), rop, op, rank_);
-  TORCH_CHECK_VALUE(input.numel() == output.numel() * size_, "mooncake ", op, " (rank ", rank_,
-                    "): input must have world_size * output.numel() = ", output.numel() * size_,
-                    " element(s), got ", input.numel());
+  const RedOp rop = check_scatter_args(output, input, opts, size_, op, rank_, &premul);
   std::vector<std::function<void()>> backs;
   at::Tensor out = contiguous_out(output, backs);
   at::Tensor in = input.contiguous();
