@@ -46,7 +46,7 @@ def _env(**extra):
 RDMA_RANK = textwrap.dedent('''
     import sys, torch.distributed as dist, mooncake_pg
     rank, ws, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    transport = sys.argv[4] if len(sys.argv) > 4 else "rdma"
+    transport = sys.argv[4]
     try:
         dist.init_process_group("mooncake", rank=rank, world_size=ws, init_method="file://" + store,
                                 pg_options=mooncake_pg.MooncakeOptions(transport=transport, timeout=10))
@@ -57,26 +57,32 @@ RDMA_RANK = textwrap.dedent('''
 ''')
 
 
-def test_rdma_transport_fails_clearly_on_every_rank():
-    """transport="rdma" without a usable RDMA port: each of 2 ranks raises at init, naming
-    what was expected and what was found, within seconds."""
-    if mooncake_pg.WITH_RDMA and any(p.active for d in mooncake_pg.rdma_devices() for p in d.ports):
-        pytest.skip("this machine has an active RDMA port: transport='rdma' would initialize")
+def _init_ranks(transports: list) -> list:
+    """Runs RDMA_RANK once per rank (rank r with transport transports[r]) in its own
+    session; [(returncode, stdout, stderr)]; fails the test if a rank hangs (60 s)."""
     with tempfile.TemporaryDirectory() as d:
         store = os.path.join(d, "store")
-        procs = [subprocess.Popen([sys.executable, "-c", RDMA_RANK, str(r), "2", store], env=_env(),
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-                 for r in range(2)]
+        procs = [subprocess.Popen([sys.executable, "-c", RDMA_RANK, str(r), str(len(transports)), store, t],
+                                  env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  start_new_session=True) for r, t in enumerate(transports)]
         outs = []
         for p in procs:
             try:
                 out, err = p.communicate(timeout=60)
             except subprocess.TimeoutExpired:
                 for q in procs:
-                    q.kill()
-                pytest.fail("a rank hung on transport='rdma'")
+                    os.killpg(q.pid, 9)
+                pytest.fail(f"a rank hung at init (transports {transports})")
             outs.append((p.returncode, out, err))
-    for rc, out, err in outs:
+    return outs
+
+
+def test_rdma_transport_fails_clearly_on_every_rank():
+    """transport="rdma" without a usable RDMA port: each of 2 ranks raises at init, naming
+    what was expected and what was found, within seconds."""
+    if mooncake_pg.WITH_RDMA and any(p.active for d in mooncake_pg.rdma_devices() for p in d.ports):
+        pytest.skip("this machine has an active RDMA port: transport='rdma' would initialize")
+    for rc, out, err in _init_ranks(["rdma", "rdma"]):
         assert rc == 3, (out, err[-2000:])
         line = [ln for ln in out.splitlines() if ln.startswith("ERROR")][0]
         assert "transport 'rdma'" in line, line
@@ -95,20 +101,7 @@ def test_one_rank_without_rdma_fails_the_others_at_once():
     if any(p.active for d in mooncake_pg.rdma_devices() for p in d.ports):
         pytest.skip("this machine has an active RDMA port: transport='rdma' would initialize")
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory() as d:
-        store = os.path.join(d, "store")
-        procs = [subprocess.Popen([sys.executable, "-c", RDMA_RANK, str(r), "2", store, ("tcp", "rdma")[r]],
-                                  env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  start_new_session=True) for r in range(2)]
-        outs = []
-        for p in procs:
-            try:
-                out, err = p.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    os.killpg(q.pid, 9)
-                pytest.fail("a rank waited for the rank that could not set up RDMA")
-            outs.append((p.returncode, out, err))
+    outs = _init_ranks(["tcp", "rdma"])
     assert time.monotonic() - t0 < 30
     (rc0, out0, err0), (rc1, out1, err1) = outs
     assert rc0 == 3 and rc1 == 3, (out0, err0[-2000:], out1, err1[-2000:])
