@@ -224,9 +224,7 @@ def _batch_result(keys: list, out: list, deadline: float, return_exceptions: boo
         out = [o if isinstance(o, BaseException) else LeaseExpiredError(f"the read of {k!r} outlasted its lease")
                for k, o in zip(keys, out)]
     if not return_exceptions:
-        for o in out:
-            if isinstance(o, BaseException):
-                raise o
+        _raise_first(out)
     return out
 
 
@@ -655,9 +653,7 @@ class MooncakeStore:
             for a, b in parts:
                 out += self._put_many(keys[a:b], views[a:b], metas[a:b], cfg, upsert, True, _retry, _avoid)
             if not return_exceptions:
-                for r in out:
-                    if isinstance(r, BaseException):
-                        raise r
+                _raise_first(out)
             return out
         if not _avoid and _retry:
             fast = self._put_reserved(keys, views, metas, cfg, upsert)
@@ -669,9 +665,7 @@ class MooncakeStore:
                     fast[i] = r
             if fast is not None:
                 if not return_exceptions:
-                    for r in fast:
-                        if isinstance(r, BaseException):
-                            raise r
+                    _raise_first(fast)
                 return fast
         args = {"client": self.client_id, "items": [[k, len(v), m] for k, v, m in zip(keys, views, metas)],
                 "r": cfg.replica_num, "pref": cfg.preferred_segment, "pin": cfg.pin, "all": cfg.require_all,
@@ -742,9 +736,7 @@ class MooncakeStore:
                 for i, r in zip(lost, again):
                     results[i] = r
         if not return_exceptions:
-            for r in results:
-                if isinstance(r, BaseException):
-                    raise r
+            _raise_first(results)
         return results
 
     def _put_reserved(self, keys: list, views: list, metas: list, cfg: ReplicateConfig, upsert: bool):
@@ -778,7 +770,9 @@ class MooncakeStore:
             try:
                 self._write_all(jobs, {r.seg: r.desc})
             except TransferError:
-                self._resv = None  # its segment cannot be reached: the slow path places them elsewhere
+                # its segment cannot be reached: the slow path places them elsewhere, and the
+                # next reservation request gives this one back (was: forgotten, held until exit)
+                r.session = -1
                 return None
             self._resv_rid += 1
             try:
