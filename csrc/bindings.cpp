@@ -350,6 +350,15 @@ PYBIND11_MODULE(_C, m) {
           return result;
         },
         py::arg("srcs"), py::arg("threads"));
+  m.def(
+      "touch_pages",
+      [](const py::buffer& b) {
+        py::buffer_info i = b.request(false);
+        size_t n = static_cast<size_t>(i.size) * static_cast<size_t>(i.itemsize);
+        py::gil_scoped_release nogil;
+        return mooncake::touch_pages(i.ptr, n);
+      },
+      py::arg("buffer"));
   m.def("local_address_for", [](const std::string& peer, const std::string& ifname) {
     try {
       return mooncake::local_address_for(peer, ifname);

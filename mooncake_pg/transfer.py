@@ -98,5 +98,12 @@ def copy_to_bytes(srcs: Sequence, threads: int = 0) -> list:
     return _C.copy_to_bytes(list(srcs), _threads(threads))
 
 
+def touch_pages(buffer) -> int:
+    """Reads one byte of every page of ``buffer`` with the GIL released (contents
+    unchanged); returns the pages read. Memory idle for about a second costs ~0.5 us per
+    4 KiB page at its next access on VMs; this pays that ahead of a copy, on another thread."""
+    return _C.touch_pages(buffer)
+
+
 def _threads(threads: int) -> int:
     return threads if threads > 0 else max(1, min(4, _C.available_cpus()))

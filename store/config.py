@@ -13,6 +13,7 @@ Every ``MOONCAKE_*`` environment variable the store reads is read here, in
 | ``MOONCAKE_STORE_SSD_DIR`` | directory a client contributes as SSD tier | none |
 | ``MOONCAKE_STORE_SSD_MAX_BYTES`` | bytes of object data a client's SSD directory may hold | unlimited |
 | ``MOONCAKE_STORE_PUT_RESERVATION_BYTES`` | bytes a client asks to reserve for one-round-trip puts (0: off) | 64 MiB |
+| ``MOONCAKE_STORE_RPC_BUSY_POLL_US`` | microseconds a client checks for a metadata reply without sleeping (0: always sleeps) | 200 |
 | ``MOONCAKE_STORE_TRANSFER`` | ``auto`` (map same-host segments, TCP otherwise) or ``tcp`` (always TCP) | ``auto`` |
 | ``MOONCAKE_HOST_ID`` | processes with equal ids count as one host and map each other's segments | hostname + boot id |
 | ``MOONCAKE_SOCKET_IFNAME`` | interface the transfer engine listens on | interface routed to the master |
@@ -48,13 +49,15 @@ def default_host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-# variable -> StoreConfig field, taken as a string / as a byte count
+# variable -> StoreConfig field, taken as a string / as a whole number (and what it counts)
 _ENV_STR = {"MOONCAKE_STORE_MASTER": "master", "MOONCAKE_STORE_ETCD": "etcd",
             "MOONCAKE_STORE_ETCD_PREFIX": "etcd_prefix", "MOONCAKE_STORE_SECRET": "secret",
             "MOONCAKE_STORE_SSD_DIR": "ssd_dir", "MOONCAKE_STORE_TRANSFER": "transfer",
             "MOONCAKE_HOST_ID": "host_id", "MOONCAKE_SOCKET_IFNAME": "ifname"}
-_ENV_BYTES = {"MOONCAKE_STORE_SEGMENT_SIZE": "segment_size", "MOONCAKE_STORE_SSD_MAX_BYTES": "ssd_max_bytes",
-              "MOONCAKE_STORE_PUT_RESERVATION_BYTES": "put_reservation_bytes"}
+_ENV_INT = {"MOONCAKE_STORE_SEGMENT_SIZE": ("segment_size", "a byte count"),
+            "MOONCAKE_STORE_SSD_MAX_BYTES": ("ssd_max_bytes", "a byte count"),
+            "MOONCAKE_STORE_PUT_RESERVATION_BYTES": ("put_reservation_bytes", "a byte count"),
+            "MOONCAKE_STORE_RPC_BUSY_POLL_US": ("rpc_busy_poll_us", "a whole number of microseconds")}
 
 
 def env_defaults() -> dict:
@@ -66,10 +69,10 @@ def env_defaults() -> dict:
     for var, field in _ENV_STR.items():
         if env.get(var):
             out[field] = env[var]
-    for var, field in _ENV_BYTES.items():
+    for var, (field, what) in _ENV_INT.items():
         if env.get(var):
             if not env[var].isdigit():
-                raise ValueError(f"{var} must be a byte count, got {env[var]!r}")
+                raise ValueError(f"{var} must be {what}, got {env[var]!r}")
             out[field] = int(env[var])
     if env.get("MOONCAKE_STORE_NO_UVLOOP"):
         out["no_uvloop"] = env["MOONCAKE_STORE_NO_UVLOOP"] not in ("0", "")
@@ -188,6 +191,12 @@ class StoreConfig:
             routes to the master, or ``ifname``).
         ifname: network interface for ``listen_host``.
         rpc_timeout_s: seconds one metadata request may take.
+        rpc_busy_poll_us: microseconds a client checks for the master's reply without
+            sleeping before it waits in ``poll()`` (default 200; 0: always sleeps). On VMs
+            waking a sleeping vCPU costs about as much as the master's answer (the 2-core
+            CI VM: a loopback ping-pong 70-80 us when the caller sleeps, 21-22 us when it
+            spins; see ``protocol.Connection``); the spin is bounded, so at most this much
+            CPU per request (``MOONCAKE_STORE_RPC_BUSY_POLL_US``).
         failover_timeout_s: seconds a request keeps retrying while no leader answers.
         heartbeat_interval_s: seconds between heartbeats (must be well below the master's
             ``client_ttl_s``).
@@ -224,6 +233,7 @@ class StoreConfig:
     listen_host: Optional[str] = None
     ifname: Optional[str] = None
     rpc_timeout_s: float = 10.0
+    rpc_busy_poll_us: Optional[int] = None
     failover_timeout_s: float = 10.0
     heartbeat_interval_s: float = 0.5
     serve_tcp: bool = True
@@ -247,6 +257,8 @@ class StoreConfig:
             out.segment_size = 256 * MiB
         if out.put_reservation_bytes is None:
             out.put_reservation_bytes = 64 * MiB
+        if out.rpc_busy_poll_us is None:
+            out.rpc_busy_poll_us = 200
         if out.transfer is None:
             out.transfer = "auto"
         if out.host_id is None:
@@ -271,6 +283,11 @@ class StoreConfig:
                                                        or not 0 <= self.put_reservation_bytes < 1 << 50):
             raise ValueError("StoreConfig: put_reservation_bytes must be a byte count >= 0 and < 2**50, got "
                              f"{self.put_reservation_bytes!r}")
+        if self.rpc_busy_poll_us is not None and (not isinstance(self.rpc_busy_poll_us, int)
+                                                  or isinstance(self.rpc_busy_poll_us, bool)
+                                                  or not 0 <= self.rpc_busy_poll_us <= 1_000_000):
+            raise ValueError("StoreConfig: rpc_busy_poll_us must be microseconds in 0..1000000, got "
+                             f"{self.rpc_busy_poll_us!r}")
         if self.transfer is not None and self.transfer not in _TRANSFERS:
             raise ValueError(f"StoreConfig: transfer must be one of {_TRANSFERS}, got {self.transfer!r}")
         if self.name is not None and (not self.name or len(self.name) > 200 or "/" in self.name):

@@ -89,6 +89,14 @@ void copy_parallel(const std::vector<CopyOp>& ops, int threads) {
   for (auto& th : pool) th.join();
 }
 
+size_t touch_pages(const void* p, size_t n) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const volatile uint8_t* b = static_cast<const volatile uint8_t*>(p);
+  size_t pages = 0;
+  for (size_t i = 0; i < n; i += page, ++pages) (void)b[i];
+  return pages;
+}
+
 void prefault_write(void* p, size_t n) {
 #ifdef __linux__
   const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
