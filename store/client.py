@@ -578,6 +578,7 @@ class MooncakeStore:
         ``TransferError`` in its place."""
         res: list = [None] * len(objs)
         local_i, local_src = [], []
+        remote: dict = {}  # segment name -> indexes of objects whose first replica is there
         for i, obj in enumerate(objs):
             if obj is None:
                 continue
@@ -585,9 +586,32 @@ class MooncakeStore:
             if src is not None:
                 local_i.append(i)
                 local_src.append(src)
+            elif obj.size and obj.replicas and obj.replicas[0][0] == "m" and not self._is_local(segs[obj.replicas[0][1]]):
+                remote.setdefault(obj.replicas[0][1], []).append(i)
             else:
                 try:
                     res[i] = self._read_one(obj, segs, None if outs is None else outs[i])
+                except TransferError as e:
+                    res[i] = e
+        for name, idx in remote.items():
+            # one pipelined transfer-engine batch per segment; if it fails, each object
+            # again on its own, through its other replicas
+            got = None
+            if len(idx) > 1:
+                try:
+                    host, port, region = self._te_for(segs[name])
+                    got = self._te.batch_read_bytes(host, port, region, [objs[i].replicas[0][2] for i in idx],
+                                                    [objs[i].size for i in idx])
+                except (TransferError, RuntimeError):
+                    got = None
+            for j, i in enumerate(idx):
+                try:
+                    if got is None:
+                        res[i] = self._read_one(objs[i], segs, None if outs is None else outs[i])
+                    elif outs is None:
+                        res[i] = got[j]
+                    else:
+                        outs[i][:] = got[j]  # written only once the whole read worked
                 except TransferError as e:
                     res[i] = e
         if local_i:

@@ -72,10 +72,22 @@ def test_store_over_tcp_between_hosts(procs):
         t = torch.arange(1000, dtype=torch.float32).reshape(10, 100).t()  # non-contiguous
         s.put_tensor("t", t)
         assert torch.equal(s.get_tensor("t"), t)
-        # the first holder dies: reads fall back to the other replica over TCP
+        # a batch with two replicas per key, read in one pipelined engine batch per segment;
+        # a missing key in the middle comes back in its place
+        rkeys = [f"r{i}" for i in range(40)]
+        rvals = [sa.pattern(100 + i, 3000 + 97 * i) for i in range(40)]
+        assert s.put_batch(rkeys, rvals, ReplicateConfig(replica_num=2)) == [2] * 40
+        got = s.get_batch(rkeys[:20] + ["missing"] + rkeys[20:], return_exceptions=True)
+        assert got[:20] + got[21:] == rvals and isinstance(got[20], KeyError)
+        # the first holder dies: reads fall back to the other replica over TCP, a batch whose
+        # engine read from the dead segment fails object by object
         first = s.where(f"s{16 * MiB}").memory[0]
         nodes[int(first[1])].kill()
         assert s.get(f"s{16 * MiB}") == sa.pattern(16 * MiB, 16 * MiB)
+        assert s.get_batch(rkeys) == rvals
+        bufs = [bytearray(8000) for _ in rkeys]
+        assert s.get_into_batch(rkeys, bufs) == [len(v) for v in rvals]
+        assert all(bytes(b[:len(v)]) == v for b, v in zip(bufs, rvals))
         time.sleep(1.5)
         assert s.get(f"s{16 * MiB}") == sa.pattern(16 * MiB, 16 * MiB)
 
