@@ -35,6 +35,7 @@ _NOSPACE_RETRY_S = 5.0
 _RESV_IDLE_S = 3.0  # a put reservation unused this long goes back to the master
 _RESV_REFUSED_S = 1.0  # after the master refused (or took back) a reservation, no new request this long
 _WARM_IDLE_S = 0.5  # a reservation unused this long is warmed up again before its next put (_warm)
+_WARM_MAX_PUT = 4 << 20  # puts from this size on copy with two threads and warm nothing (_warm)
 _FAST_COPY_BYTES = 64 << 10  # copies from this size on go through the parallel C++ copy
 
 
@@ -792,8 +793,11 @@ class MooncakeStore:
                 r = self._reserve(cfg.preferred_segment, 4 * total)
                 if r is None or r.left < total:
                     return None
-            elif r.seg == self.name and self._fast is not None and time.monotonic() - r.used_at > _WARM_IDLE_S:
-                self._warm(r.off + total, r.left - total)  # idle a while: its pages have gone cold
+                warm = True
+            else:
+                warm = time.monotonic() - r.used_at > _WARM_IDLE_S  # idle a while: its pages have gone cold
+            if warm and total < _WARM_MAX_PUT and r.seg == self.name and self._segment is not None and self._fast:
+                self._warm(r.off + total, r.left - total)  # the part the next puts will write
             jobs, off = [], r.off
             for v, n in zip(views, sizes):
                 jobs.append((r.seg, off, v))
@@ -837,15 +841,14 @@ class MooncakeStore:
             return None
         seg, off, n = res["resv"]
         self._resv = _Reservation(seg, off, n, res["segs"][seg], pref, self._session, time.monotonic())
-        if seg == self.name and self._segment is not None and self._fast is not None:
-            self._warm(off, n)
         return self._resv
 
     def _warm(self, off: int, n: int):
         """Has a background thread read a byte of every page of ``[off, off + n)`` of this
         client's segment (``touch_pages``) ahead of the puts that will write there: on VMs a
         page idle for about a second costs ~0.5 us at its next access (a 1 MiB copy 150-300
-        us instead of ~60 us on the CI VM), paid there off the put's path."""
+        us instead of ~60 us on the CI VM), paid there off the put's path. Only for puts
+        below _WARM_MAX_PUT: larger ones copy with two threads, which a third would slow."""
         self._warm_job = (off, n)
         if self._warm_thread is None:
             self._warm_thread = threading.Thread(target=self._warm_main, name="mooncake-store-warm", daemon=True)
