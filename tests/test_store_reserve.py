@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import store_agents as sa  # noqa: E402
 
-from mooncake_store import MooncakeStore, ObjectExistsError, ReplicateConfig, StoreConfig  # noqa: E402
+from mooncake_store import MooncakeStore, ObjectExistsError, ReplicateConfig  # noqa: E402
 from mooncake_store.alloc import aligned  # noqa: E402
 from mooncake_store.config import MasterConfig  # noqa: E402
 from mooncake_store.core import Core  # noqa: E402
@@ -208,19 +208,3 @@ def test_core_resent_put_after_a_leader_change():
     assert rep["resv"] is None and rep["items"][0] == [0, 1] and rep["items"][2] == [0, 1]
     assert rep["items"][1][1] == "PutLost"  # zero bytes: no range to recognise it by; put again
     assert new.put({**req, "items": [["x", 10, b""]]}) == {"lost": True}  # never committed
-
-
-def test_config_and_env():
-    assert StoreConfig(master="127.0.0.1:1").resolved().put_reservation_bytes == 64 * MiB
-    for bad in (-1, 1 << 50, 1 << 70, 1.5, True):
-        with pytest.raises(ValueError, match="put_reservation_bytes"):
-            StoreConfig(master="127.0.0.1:1", put_reservation_bytes=bad).resolved()
-    os.environ["MOONCAKE_STORE_PUT_RESERVATION_BYTES"] = "1048576"
-    try:
-        assert StoreConfig(master="127.0.0.1:1").resolved().put_reservation_bytes == MiB
-        assert StoreConfig(master="127.0.0.1:1", put_reservation_bytes=0).resolved().put_reservation_bytes == 0
-        os.environ["MOONCAKE_STORE_PUT_RESERVATION_BYTES"] = "1M"
-        with pytest.raises(ValueError, match="MOONCAKE_STORE_PUT_RESERVATION_BYTES"):
-            StoreConfig(master="127.0.0.1:1").resolved()
-    finally:
-        del os.environ["MOONCAKE_STORE_PUT_RESERVATION_BYTES"]

@@ -161,21 +161,28 @@ def test_greeting_timeout_and_closed_peer():
         peer.close()
 
 
-def test_busy_poll_config_and_env():
-    assert StoreConfig(master="127.0.0.1:1").resolved().rpc_busy_poll_us == 200
-    assert StoreConfig(master="127.0.0.1:1", rpc_busy_poll_us=0).resolved().rpc_busy_poll_us == 0
-    for bad in (-1, 1_000_001, 1.5, True, "200"):
-        with pytest.raises(ValueError, match="rpc_busy_poll_us"):
-            StoreConfig(master="127.0.0.1:1", rpc_busy_poll_us=bad).resolved()
-    os.environ["MOONCAKE_STORE_RPC_BUSY_POLL_US"] = "50"
-    try:
-        assert StoreConfig(master="127.0.0.1:1").resolved().rpc_busy_poll_us == 50
-        assert StoreConfig(master="127.0.0.1:1", rpc_busy_poll_us=0).resolved().rpc_busy_poll_us == 0
-        os.environ["MOONCAKE_STORE_RPC_BUSY_POLL_US"] = "50us"
-        with pytest.raises(ValueError, match="MOONCAKE_STORE_RPC_BUSY_POLL_US must be a whole number of microseconds"):
-            StoreConfig(master="127.0.0.1:1").resolved()
-    finally:
-        del os.environ["MOONCAKE_STORE_RPC_BUSY_POLL_US"]
+@pytest.mark.parametrize("field,default,bad,var,good,malformed,says", [
+    ("rpc_busy_poll_us", 200, (-1, 1_000_001, 1.5, True, "200"), "MOONCAKE_STORE_RPC_BUSY_POLL_US", "50", "50us",
+     "must be a whole number of microseconds"),
+    ("put_reservation_bytes", 64 * MiB, (-1, 1 << 50, 1 << 70, 1.5, True), "MOONCAKE_STORE_PUT_RESERVATION_BYTES",
+     "1048576", "1M", "must be a byte count"),
+])
+def test_config_and_env(monkeypatch, field, default, bad, var, good, malformed, says):
+    """The default; bad values raise naming the field; the variable is read, an explicit
+    argument wins over it, a malformed one raises naming the variable."""
+    def resolved(**kw):
+        return getattr(StoreConfig(master="127.0.0.1:1", **kw).resolved(), field)
+
+    assert resolved() == default
+    for b in bad:
+        with pytest.raises(ValueError, match=field):
+            resolved(**{field: b})
+    monkeypatch.setenv(var, good)
+    assert resolved() == int(good)
+    assert resolved(**{field: 0}) == 0
+    monkeypatch.setenv(var, malformed)
+    with pytest.raises(ValueError, match=f"{var} {says}"):
+        resolved()
 
 
 def test_touch_pages_reads_and_changes_nothing():
