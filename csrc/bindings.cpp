@@ -20,6 +20,21 @@ namespace py = pybind11;
 #define MOONCAKE_TORCH_VERSION "unknown"
 #endif
 
+namespace {
+// Bytes of a C-contiguous buffer (what the copies and transfers below read or write
+// linearly); a strided one (a slice with a step, a broadcast or reversed array) is refused
+// with TORCH_CHECK naming `what`, instead of reading or writing past what it covers.
+size_t contiguous_bytes(const py::buffer_info& i, const char* what) {
+  py::ssize_t expect = i.itemsize;
+  for (py::ssize_t d = i.ndim - 1; d >= 0; --d) {
+    TORCH_CHECK(i.shape[d] <= 1 || i.strides[d] == expect, what, ": buffer is not contiguous (dimension ", d,
+                " has stride ", i.strides[d], " bytes, expected ", expect, ")");
+    expect *= i.shape[d];
+  }
+  return static_cast<size_t>(i.size) * static_cast<size_t>(i.itemsize);
+}
+}  // namespace
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "mooncake_pg private extension";
   {
@@ -210,8 +225,7 @@ PYBIND11_MODULE(_C, m) {
       .def("register_memory",
            [](mooncake::TransferEngine& te, py::buffer b) {
              py::buffer_info info = b.request(true);
-             TORCH_CHECK(info.itemsize == 1 || info.ndim <= 1, "TransferEngine::register_memory: buffer must be contiguous");
-             size_t len = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
+             size_t len = contiguous_bytes(info, "TransferEngine::register_memory");
              return te.register_memory(info.ptr, len);
            },
            py::arg("buffer"))
@@ -237,7 +251,7 @@ PYBIND11_MODULE(_C, m) {
                infos.push_back(b.request(false));
                auto& i = infos.back();
                ptrs.push_back(i.ptr);
-               lens.push_back(static_cast<uint64_t>(i.size) * static_cast<uint64_t>(i.itemsize));
+               lens.push_back(contiguous_bytes(i, "TransferEngine::batch_write"));
              }
              try {
                py::gil_scoped_release nogil;
@@ -260,7 +274,7 @@ PYBIND11_MODULE(_C, m) {
                auto& i = infos.back();
                TORCH_CHECK(!i.readonly, "TransferEngine::batch_read: buffer is read-only");
                ptrs.push_back(i.ptr);
-               lens.push_back(static_cast<uint64_t>(i.size) * static_cast<uint64_t>(i.itemsize));
+               lens.push_back(contiguous_bytes(i, "TransferEngine::batch_read"));
              }
              try {
                py::gil_scoped_release nogil;
@@ -309,11 +323,11 @@ PYBIND11_MODULE(_C, m) {
             infos.push_back(dsts[i].request(true));
             auto& d = infos.back();
             TORCH_CHECK(!d.readonly, "copy_buffers: destination ", i, " is read-only");
-            size_t dn = static_cast<size_t>(d.size) * static_cast<size_t>(d.itemsize);
+            size_t dn = contiguous_bytes(d, "copy_buffers: destination");
             void* dp = d.ptr;
             infos.push_back(srcs[i].request(false));
             auto& s = infos.back();
-            size_t sn = static_cast<size_t>(s.size) * static_cast<size_t>(s.itemsize);
+            size_t sn = contiguous_bytes(s, "copy_buffers: source");
             TORCH_CHECK(dn == sn, "copy_buffers: destination ", i, " has ", dn, " bytes but its source ", sn);
             ops.push_back({dp, s.ptr, sn});
           }
@@ -330,7 +344,7 @@ PYBIND11_MODULE(_C, m) {
           for (auto& b : srcs) {
             infos.push_back(b.request(false));
             auto& s = infos.back();
-            size_t n = static_cast<size_t>(s.size) * static_cast<size_t>(s.itemsize);
+            size_t n = contiguous_bytes(s, "copy_to_bytes");
             PyObject* o = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(n));
             if (!o) throw py::error_already_set();
             outs.push_back(py::reinterpret_steal<py::object>(o));
@@ -354,7 +368,7 @@ PYBIND11_MODULE(_C, m) {
       "touch_pages",
       [](const py::buffer& b) {
         py::buffer_info i = b.request(false);
-        size_t n = static_cast<size_t>(i.size) * static_cast<size_t>(i.itemsize);
+        size_t n = contiguous_bytes(i, "touch_pages");
         py::gil_scoped_release nogil;
         return mooncake::touch_pages(i.ptr, n);
       },

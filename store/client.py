@@ -279,6 +279,9 @@ class MooncakeStore:
         self._resv: Optional[_Reservation] = None
         self._resv_lock = threading.Lock()  # held from placing a put in the reservation to its commit
         self._resv_refused = (0.0, 0)  # (until when, for requests of at least how many bytes) not to ask again
+        # segments where this client may still hold a reservation it no longer knows the
+        # extent of (its commit request failed): given back as a whole with the next request
+        self._resv_orphans: set = set()
         self._resv_rid = 0
         self._warm_job: Optional[tuple] = None  # (offset, bytes) of this client's segment to warm up
         self._warm_evt = threading.Event()
@@ -437,7 +440,7 @@ class MooncakeStore:
                 for task in res["tasks"]:
                     self._run_task(task)
                 r = self._resv
-                if r is not None and time.monotonic() - r.used_at > _RESV_IDLE_S:
+                if (r is not None and time.monotonic() - r.used_at > _RESV_IDLE_S) or self._resv_orphans:
                     self._give_back_reservation(wait=False)
             except UnknownClientError:
                 if self._closed:
@@ -596,19 +599,23 @@ class MooncakeStore:
                     res[i] = e
         for name, idx in remote.items():
             # one pipelined transfer-engine batch per segment; if it fails, each object
-            # again on its own, through its other replicas
-            got = None
+            # again on its own, through its other replicas (not through this segment again
+            # when its owner could not be reached at all: each try would wait for the
+            # engine's connect timeout)
+            got, skip = None, frozenset()
             if len(idx) > 1:
                 try:
                     host, port, region = self._te_for(segs[name])
                     got = self._te.batch_read_bytes(host, port, region, [objs[i].replicas[0][2] for i in idx],
                                                     [objs[i].size for i in idx])
-                except (TransferError, RuntimeError):
+                except (TransferError, RuntimeError) as e:
                     got = None
+                    if "cannot connect" in str(e):
+                        skip = frozenset((name,))
             for j, i in enumerate(idx):
                 try:
                     if got is None:
-                        res[i] = self._read_one(objs[i], segs, None if outs is None else outs[i])
+                        res[i] = self._read_one(objs[i], segs, None if outs is None else outs[i], skip)
                     elif outs is None:
                         res[i] = got[j]
                     else:
@@ -631,12 +638,15 @@ class MooncakeStore:
                         d[:] = v
         return res
 
-    def _read_one(self, obj: _Obj, segs: dict, out: Optional[memoryview] = None):
-        """Copies ``obj`` into ``out`` from the first replica that works; with ``out=None``
-        returns a new ``bytes`` (one copy)."""
+    def _read_one(self, obj: _Obj, segs: dict, out: Optional[memoryview] = None, skip: frozenset = frozenset()):
+        """Copies ``obj`` into ``out`` from the first replica that works (none in a segment
+        named in ``skip``: found unreachable just before); with ``out=None`` returns a new
+        ``bytes`` (one copy)."""
         errors = []
         for rep in obj.replicas:
             try:
+                if rep[0] == "m" and rep[1] in skip:
+                    raise TransferError(f"segment {rep[1]!r}: its owner could not be reached")
                 if rep[0] == "m":
                     desc = segs[rep[1]]
                     if obj.size == 0:
@@ -816,6 +826,7 @@ class MooncakeStore:
                                          "pin": cfg.pin, "upsert": upsert})
             except BaseException:
                 self._resv = None
+                self._resv_orphans.add(r.seg)  # the master may have moved its front or not: give back all
                 raise
             if res.get("lost"):  # another master, or this client was declared dead meanwhile
                 self._resv = None
@@ -834,8 +845,8 @@ class MooncakeStore:
         bytes (``_resv_lock`` held)."""
         old, self._resv = self._resv, None
         res = self._call("reserve", {"client": self.client_id, "bytes": self.cfg.put_reservation_bytes, "pref": pref,
-                                     "min": least,
-                                     "ret": [[old.seg, old.off, old.left]] if old is not None else []})
+                                     "min": least, "ret": self._returns(old)})
+        self._resv_orphans.clear()
         if res["resv"] is None:
             self._resv_refused = (time.monotonic() + _RESV_REFUSED_S, least)
             return None
@@ -873,6 +884,12 @@ class MooncakeStore:
             finally:
                 view.release()
 
+    def _returns(self, old: Optional["_Reservation"]) -> list:
+        """The ``ret`` list of a reserve request: ``old`` as this client knows it, and every
+        orphaned reservation as a whole (offset -1)."""
+        out = [[old.seg, old.off, old.left]] if old is not None else []
+        return out + [[seg, -1, -1] for seg in sorted(self._resv_orphans) if old is None or seg != old.seg]
+
     def _give_back_reservation(self, wait: bool):
         """Returns the reservation to the master (asked to, or idle); ``wait``: after a put
         in flight in it has committed."""
@@ -880,12 +897,12 @@ class MooncakeStore:
             return
         try:
             old, self._resv = self._resv, None
-            if old is not None and not self._closed:
+            if (old is not None or self._resv_orphans) and not self._closed:
                 if wait:  # the master asked for it back: space is short, do not ask again at once
                     self._resv_refused = (time.monotonic() + _RESV_REFUSED_S, 0)
                 try:
-                    self._call("reserve", {"client": self.client_id, "bytes": 0,
-                                           "ret": [[old.seg, old.off, old.left]]})
+                    self._call("reserve", {"client": self.client_id, "bytes": 0, "ret": self._returns(old)})
+                    self._resv_orphans.clear()
                 except StoreError as e:
                     log.warning("store: giving a put reservation back failed: %s", e)
         finally:

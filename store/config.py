@@ -71,7 +71,7 @@ def env_defaults() -> dict:
             out[field] = env[var]
     for var, (field, what) in _ENV_INT.items():
         if env.get(var):
-            if not env[var].isdigit():
+            if not (env[var].isascii() and env[var].isdigit()):
                 raise ValueError(f"{var} must be {what}, got {env[var]!r}")
             out[field] = int(env[var])
     if env.get("MOONCAKE_STORE_NO_UVLOOP"):
@@ -251,6 +251,8 @@ class StoreConfig:
             if k in vals and vals[k] is None:
                 vals[k] = v
         out = StoreConfig(**vals)
+        from_env = {f: var for var, f in _ENV_STR.items() if f in env and getattr(self, f) is None}
+        from_env.update({f: var for var, (f, _) in _ENV_INT.items() if f in env and getattr(self, f) is None})
         if out.etcd_prefix is None:
             out.etcd_prefix = "/mooncake_store/default"
         if out.segment_size is None:
@@ -265,7 +267,13 @@ class StoreConfig:
             out.host_id = default_host_id()
         if out.name is None:
             out.name = f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
-        out.validate()
+        try:
+            out.validate()
+        except ValueError as e:  # a value from the environment: name the variable too
+            var = next((v for f, v in from_env.items() if f in str(e)), None)
+            if var is None:
+                raise
+            raise ValueError(f"{e} (from {var})") from None
         return out
 
     def validate(self):

@@ -606,12 +606,17 @@ class Core:
         items = a.get("items")
         if not isinstance(items, list):
             raise ProtocolError("put_revoke: items must be a list of [key, version]")
+        self.abort_puts(c.id, items)
+        return {}
+
+    def abort_puts(self, cid: str, items: list):
+        """Aborts the puts ``[key, version]`` that client ``cid`` started and has not ended
+        (others are ignored); unlike a request, this does not count as its heartbeat."""
         for it in items:
             if isinstance(it, list) and len(it) == 2:
                 p = self.pending.get(it[0]) if isinstance(it[0], str) else None
-                if p is not None and p.version == it[1] and p.writer == c.id:
+                if p is not None and p.version == it[1] and p.writer == cid:
                     self._abort_pending(it[0])
-        return {}
 
     # ------------------------------------------------------------------ one-round-trip puts
     # A client may hold one reservation per segment: a range the master allocated to it
@@ -646,7 +651,7 @@ class Core:
 
     def reserve(self, a: dict) -> dict:
         """Gives back the reservations in ``ret`` ([segment, offset, bytes] as last known to
-        the client; others are ignored) and, with ``bytes`` > 0, reserves up to that many
+        the client, others are ignored; offset -1: whatever it holds in that segment) and, with ``bytes`` > 0, reserves up to that many
         bytes in ``pref`` (or the segment with the most free space not in ``x``). Grants
         only what fits without eviction while the store stays below its low watermark, at
         most 1/16 of the segment, and nothing if that is less than ``min`` bytes. Returns ``{"resv": [segment, offset, bytes] or None,
@@ -664,7 +669,8 @@ class Core:
                     and isinstance(r[2], int)):
                 raise ProtocolError("reserve: each returned reservation must be [segment, offset, bytes]")
         for seg_name, off, n in ret:
-            if c.reserved.get(seg_name) == [off, n]:
+            # offset -1: whatever this client holds there (it lost track of the extent)
+            if c.reserved.get(seg_name) == [off, n] or (off == -1 and seg_name in c.reserved):
                 self._unreserve(c, seg_name)
         if want <= 0:
             return {"resv": None, "segs": {}}

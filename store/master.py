@@ -354,6 +354,8 @@ class _Connection(asyncio.Protocol):
         self.busy = False  # a poll is waiting: later frames wait their turn
         self.write_paused = False
         self.closed = False
+        # puts this connection started (put_start) and did not end: key -> [client, version]
+        self.started: dict = {}
 
     def connection_made(self, transport):
         self.transport = transport
@@ -373,6 +375,15 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc):
         self.closed = True
         self.m._conns -= 1
+        # A put started on this connection and not ended here is aborted: its writer gave up
+        # on the connection (a timeout, e.g. while this master was stopped, whose put_start
+        # is then only handled now), and would otherwise find its own key "being written"
+        # until put_ttl_s when it tries again. A writer that only lost the connection
+        # between the two requests gets PutLost from put_end and puts it again by itself.
+        if self.m.leader:
+            for key, (cid, version) in self.started.items():
+                self.m.core.abort_puts(cid, [[key, version]])
+        self.started = {}
 
     def pause_writing(self):
         self.write_paused = True
@@ -441,6 +452,14 @@ class _Connection(asyncio.Protocol):
                 return
             else:
                 reply = [mid, 0, self.m._dispatch(method, args)]
+                if method == "put_start":
+                    for it, res in zip(args["items"], reply[2]["items"]):
+                        if res[0] == 0:
+                            self.started[it[0]] = [args["client"], res[1]]
+                elif method in ("put_end", "put_revoke"):
+                    for it in args["items"]:
+                        if isinstance(it, list) and it and isinstance(it[0], str):
+                            self.started.pop(it[0], None)
         except StoreError as e:
             reply = [mid, 1, [e.code, str(e)]]
         except Exception as e:  # a bug: report, keep serving

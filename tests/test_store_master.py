@@ -341,6 +341,36 @@ def test_a_stalled_master_does_not_declare_its_clients_dead(procs):
             time.sleep(0.1)
 
 
+def test_a_put_given_up_in_a_stall_does_not_block_its_retry(procs):
+    """Found by a new-user trial: a two-request put that timed out while the master was
+    stopped was started when the master ran again (its request was still queued), and the
+    writer's retry then got ObjectExistsError ("being written") for put_ttl_s. A put started
+    on a connection that is gone by then is aborted with it."""
+    import signal
+
+    from mooncake_store import StoreError
+
+    m = sa.start_master(put_ttl=30)
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=4 << 20, put_reservation_bytes=0,
+                       rpc_timeout_s=1, failover_timeout_s=2) as s:
+        s.put("warm", b"w")
+        os.kill(m.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(StoreError):
+                s.put("p", b"x" * 5000)
+        finally:
+            os.kill(m.pid, signal.SIGCONT)
+        t0 = time.monotonic()
+        while True:  # the stale start is aborted as soon as the master sees its connection gone
+            try:
+                assert s.put("p", b"y" * 5000) == 1
+                break
+            except StoreError:
+                assert time.monotonic() - t0 < 5, "the retry stayed blocked"
+                time.sleep(0.1)
+        assert s.get("p") == b"y" * 5000 and s.stats().pending == 0
+
+
 def test_python_m_master_without_runpy_warning(procs):
     """``python -m mooncake_store.master`` starts with RuntimeWarnings turned into errors:
     the package does not import ``mooncake_store.master`` itself (runpy would warn that

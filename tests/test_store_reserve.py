@@ -208,3 +208,30 @@ def test_core_resent_put_after_a_leader_change():
     assert rep["resv"] is None and rep["items"][0] == [0, 1] and rep["items"][2] == [0, 1]
     assert rep["items"][1][1] == "PutLost"  # zero bytes: no range to recognise it by; put again
     assert new.put({**req, "items": [["x", 10, b""]]}) == {"lost": True}  # never committed
+
+
+def test_commit_lost_in_a_stall_gives_the_reservation_back(procs):
+    """A put whose commit request times out (the master stopped longer than the client's
+    failover timeout) leaves the master holding the client's reservation at an extent the
+    client no longer knows: the client gives it back as a whole by itself (was: held until
+    the client exited, and the client never got another one in that segment)."""
+    import signal
+
+    from mooncake_store import StoreError
+
+    m = sa.start_master()
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=16 * MiB + 4096, rpc_timeout_s=1,
+                       failover_timeout_s=2, name="w") as s:
+        s.put("a", b"x" * 1000)
+        assert s.stats().reserved_bytes > 0
+        os.kill(m.p.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(StoreError):
+                s.put("b", b"y" * 1000)
+        finally:
+            os.kill(m.p.pid, signal.SIGCONT)
+        wait_for(lambda: s.stats().reserved_bytes == 0, timeout=10, what="the orphaned reservation given back")
+        for i in range(20):
+            s.put(f"c{i}", b"z" * 4096)
+        assert s._resv is not None and s.stats().reserved_bytes > 0  # a new one, in the same segment
+        assert s.get("a") == b"x" * 1000 and s.get("c19") == b"z" * 4096

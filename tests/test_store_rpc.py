@@ -161,15 +161,16 @@ def test_greeting_timeout_and_closed_peer():
         peer.close()
 
 
-@pytest.mark.parametrize("field,default,bad,var,good,malformed,says", [
+@pytest.mark.parametrize("field,default,bad,var,good,malformed,says,too_big", [
     ("rpc_busy_poll_us", 200, (-1, 1_000_001, 1.5, True, "200"), "MOONCAKE_STORE_RPC_BUSY_POLL_US", "50", "50us",
-     "must be a whole number of microseconds"),
+     "must be a whole number of microseconds", "2000000"),
     ("put_reservation_bytes", 64 * MiB, (-1, 1 << 50, 1 << 70, 1.5, True), "MOONCAKE_STORE_PUT_RESERVATION_BYTES",
-     "1048576", "1M", "must be a byte count"),
+     "1048576", "1M", "must be a byte count", str(1 << 50)),
 ])
-def test_config_and_env(monkeypatch, field, default, bad, var, good, malformed, says):
+def test_config_and_env(monkeypatch, field, default, bad, var, good, malformed, says, too_big):
     """The default; bad values raise naming the field; the variable is read, an explicit
-    argument wins over it, a malformed one raises naming the variable."""
+    argument wins over it, a malformed one (also non-ASCII digits) raises naming the
+    variable, and so does one out of range."""
     def resolved(**kw):
         return getattr(StoreConfig(master="127.0.0.1:1", **kw).resolved(), field)
 
@@ -180,8 +181,12 @@ def test_config_and_env(monkeypatch, field, default, bad, var, good, malformed, 
     monkeypatch.setenv(var, good)
     assert resolved() == int(good)
     assert resolved(**{field: 0}) == 0
-    monkeypatch.setenv(var, malformed)
-    with pytest.raises(ValueError, match=f"{var} {says}"):
+    for m in (malformed, "\u0663", "\u00b2"):  # ARABIC-INDIC DIGIT THREE, SUPERSCRIPT TWO
+        monkeypatch.setenv(var, m)
+        with pytest.raises(ValueError, match=f"{var} {says}"):
+            resolved()
+    monkeypatch.setenv(var, too_big)
+    with pytest.raises(ValueError, match=f"{field} .*\\(from {var}\\)"):
         resolved()
 
 
@@ -192,6 +197,18 @@ def test_touch_pages_reads_and_changes_nothing():
     assert transfer.touch_pages(memoryview(buf)[:0]) == 0
     assert bytes(buf) == before
     assert transfer.touch_pages(b"read-only is fine") == 1
+    # strided buffers are refused (they were read past their end: a broadcast array crashed)
+    np = pytest.importorskip("numpy")
+    for strided in (np.broadcast_to(np.zeros(1), (1 << 24,)), np.arange(8192, dtype=np.uint8)[::-1],
+                    memoryview(bytearray(8192))[::2]):
+        with pytest.raises(RuntimeError, match="touch_pages: buffer is not contiguous"):
+            transfer.touch_pages(strided)
+        with pytest.raises(RuntimeError, match="copy_to_bytes: buffer is not contiguous"):
+            transfer.copy_to_bytes([strided])
+        with pytest.raises(RuntimeError, match="copy_buffers: source: buffer is not contiguous"):
+            transfer.copy_buffers([bytearray(strided.nbytes)], [strided])
+    assert transfer.copy_to_bytes([np.arange(4, dtype=np.uint8)]) == [b"\x00\x01\x02\x03"]
+    assert transfer.touch_pages(np.zeros((3, 4096), dtype=np.uint8)[1:2]) == 1  # a contiguous row
 
 
 def test_reservation_warmed_and_client_closes_cleanly():
