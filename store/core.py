@@ -23,7 +23,9 @@ SEG_HEADER = 4096  # bytes at the start of every segment kept for its header (ma
 
 # seconds a client's SSD directory gets no offloads after a write to it failed (a full disk)
 SSD_RETRY_S = 10.0
-# a gap between two ticks (every 0.1 s) longer than this is a stall of the master itself
+# seconds between two ticks (Master's ticker); a gap longer than STALL_S is a stall of the
+# master itself, and all of it but one tick period is credited to clients and puts
+TICK_S = 0.1
 STALL_S = 1.0
 
 class Segment:
@@ -926,9 +928,13 @@ class Core:
         """Declares silent clients dead, aborts overdue puts, frees expired deferred
         space and evicts down to the low watermark when above the high one."""
         now = self.clock()
-        stall = now - self.last_tick - STALL_S
+        gap = now - self.last_tick
         self.last_tick = now
-        if stall > 0:
+        if gap > STALL_S:
+            # (all of the gap: a client whose heartbeat the master was holding when it stopped
+            # was last seen before the stall, and the tick can run before that heartbeat's
+            # answer; crediting only the part above STALL_S declared it dead now and then)
+            stall = gap - TICK_S
             # this master did not run for a while (stopped, swapped out, starved): the
             # clients' heartbeats could not be served, so the stall does not count against
             # them, nor against puts in progress

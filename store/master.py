@@ -31,7 +31,7 @@ from typing import Optional
 
 from . import protocol
 from .config import MasterConfig, _parse_hostport
-from .core import Core, load_into
+from .core import TICK_S, Core, load_into
 from .errors import AuthError, NotLeaderError, ProtocolError, StoreError, UnknownClientError
 
 log = logging.getLogger("mooncake_store.master")
@@ -270,7 +270,7 @@ class Master:
     # ----------------------------------------------------------------- serving
     async def _ticker(self):
         while True:
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(TICK_S)
             if self.leader:
                 try:
                     self.core.tick()
