@@ -611,13 +611,16 @@ class Core:
         self.abort_puts(c.id, items)
         return {}
 
-    def abort_puts(self, cid: str, items: list):
+    def abort_puts(self, cid: str, items: list, grace_s: float = 0.0):
         """Aborts the puts ``[key, version]`` that client ``cid`` started and has not ended
-        (others are ignored); unlike a request, this does not count as its heartbeat."""
+        (others are ignored); unlike a request, this does not count as its heartbeat. Their
+        space is freed after ``grace_s`` seconds (a writer that may still be copying into
+        it must not land in the next object placed there)."""
         for it in items:
             if isinstance(it, list) and len(it) == 2:
                 p = self.pending.get(it[0]) if isinstance(it[0], str) else None
                 if p is not None and p.version == it[1] and p.writer == cid:
+                    p.lease_until = max(p.lease_until, self.clock() + grace_s)
                     self._abort_pending(it[0])
 
     # ------------------------------------------------------------------ one-round-trip puts

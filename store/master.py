@@ -379,10 +379,11 @@ class _Connection(asyncio.Protocol):
         # on the connection (a timeout, e.g. while this master was stopped, whose put_start
         # is then only handled now), and would otherwise find its own key "being written"
         # until put_ttl_s when it tries again. A writer that only lost the connection
-        # between the two requests gets PutLost from put_end and puts it again by itself.
+        # between the two requests gets PutLost from put_end and puts it again by itself;
+        # its space is kept for a lease TTL, in case that writer is still copying into it.
         if self.m.leader:
             for key, (cid, version) in self.started.items():
-                self.m.core.abort_puts(cid, [[key, version]])
+                self.m.core.abort_puts(cid, [[key, version]], grace_s=self.m.cfg.lease_ttl_s)
         self.started = {}
 
     def pause_writing(self):
