@@ -297,7 +297,8 @@ class MooncakeStore:
             if cfg.segment_size:
                 if cfg.segment_size <= SEG_HEADER:
                     raise ValueError(f"segment_size must be 0 or more than {SEG_HEADER} bytes")
-                self._segment = LocalSegment(self.name, cfg.segment_size, prefault=cfg.prefault)
+                self._segment = LocalSegment(self.name, cfg.segment_size, prefault=cfg.prefault,
+                                             huge_pages=cfg.huge_pages)
             if serve_tcp or cfg.transfer == "tcp":
                 self._start_te(serve=serve_tcp and self._segment is not None)
             if self._te is not None or "torch" in sys.modules:
@@ -336,7 +337,7 @@ class MooncakeStore:
                 host = TransferEngine.local_address_for(mhost, self.cfg.ifname or "")
         self._te = TransferEngine(listen_host=host, secret=self.cfg.secret or "")
         if serve:
-            self._te_region = self._te.register_memory(self._segment.mm)
+            self._te_region = self._te.register_memory(self._segment.view)
 
     def _te_desc(self):
         if self._te is None or self._te_region is None:
@@ -806,7 +807,8 @@ class MooncakeStore:
                 warm = True
             else:
                 warm = time.monotonic() - r.used_at > _WARM_IDLE_S  # idle a while: its pages have gone cold
-            if warm and total < _WARM_MAX_PUT and r.seg == self.name and self._segment is not None and self._fast:
+            if (warm and total < _WARM_MAX_PUT and r.seg == self.name and self._segment is not None
+                    and not self._segment.all_huge and self._fast):
                 self._warm(r.off + total, r.left - total)  # the part the next puts will write
             jobs, off = [], r.off
             for v, n in zip(views, sizes):
@@ -859,7 +861,8 @@ class MooncakeStore:
         client's segment (``touch_pages``) ahead of the puts that will write there: on VMs a
         page idle for about a second costs ~0.5 us at its next access (a 1 MiB copy 150-300
         us instead of ~60 us on the CI VM), paid there off the put's path. Only for puts
-        below _WARM_MAX_PUT: larger ones copy with two threads, which a third would slow."""
+        below _WARM_MAX_PUT: larger ones copy with two threads, which a third would slow.
+        Not needed (not done) where the segment is in 2 MiB pages, which do not go cold."""
         self._warm_job = (off, n)
         if self._warm_thread is None:
             self._warm_thread = threading.Thread(target=self._warm_main, name="mooncake-store-warm", daemon=True)

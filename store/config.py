@@ -207,6 +207,11 @@ class StoreConfig:
             (``MADV_POPULATE_WRITE``; ``MAP_POPULATE`` for read-only mappings): the first
             copies into a segment then take no page faults, at the cost of committing
             ``segment_size`` bytes at start and a one-time cost per mapped peer segment.
+        huge_pages: with ``prefault``, back this client's segment with 2 MiB pages
+            (``MADV_COLLAPSE``, Linux 6.1+; 4 KiB pages where the kernel refuses). On VMs
+            a 4 KiB page nobody touched for about a second costs 0.5 to several us at its
+            next access, which the store's copies into idle space would otherwise pay
+            (``store/segment.py`` ``_map`` has the measurements).
         put_reservation_bytes: bytes of segment space this client asks the master to
             reserve for its next puts (default 64 MiB; the master grants at most 1/16 of a
             segment, and none once the store is above its low watermark). A put of
@@ -238,6 +243,7 @@ class StoreConfig:
     heartbeat_interval_s: float = 0.5
     serve_tcp: bool = True
     prefault: bool = True
+    huge_pages: bool = True
     put_reservation_bytes: Optional[int] = None
     master_config: Optional[MasterConfig] = None
     test_pause: Optional[tuple] = None

@@ -1,0 +1,173 @@
+"""Segment memory (``store/segment.py``): a client's segment in 2 MiB pages
+(``StoreConfig.huge_pages``, ``MADV_COLLAPSE``), mapped at 2 MiB-aligned addresses so
+that other mappings of it use those pages whole too; mappings that live as long as any
+view of them; read-only mappings of other clients' segments. The kernel's own account
+(``/proc/self/smaps``) is the reference for what is mapped how."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mooncake_store import MooncakeStore
+from mooncake_store import segment as S
+
+MiB = 1 << 20
+
+
+def collapse_supported() -> bool:
+    """Whether this kernel turns shared memory into 2 MiB pages on request (Linux 6.1+)."""
+    fd = os.memfd_create("probe", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, 2 * MiB)
+        view, huge = S._map(fd, 2 * MiB, prefault=True, writable=True, huge_pages=True)
+        view.release()
+        return huge == 2 * MiB
+    finally:
+        os.close(fd)
+
+
+needs_collapse = pytest.mark.skipif(not collapse_supported(), reason="the kernel refuses MADV_COLLAPSE on shmem "
+                                    "(before Linux 6.1, or shmem_enabled=deny)")
+
+
+def vmas(fd: int):
+    """smaps entries (dict of field -> kB, plus 'start') of this process's mappings of ``fd``."""
+    target = os.stat(f"/proc/self/fd/{fd}")
+    out, cur = [], None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if "-" in parts[0] and len(parts) >= 5 and ":" in parts[3]:
+                cur = None
+                if int(parts[4]) == target.st_ino:
+                    cur = {"start": int(parts[0].split("-")[0], 16)}
+                    out.append(cur)
+            elif cur is not None and parts[0].endswith(":") and len(parts) >= 2 and parts[1].isdigit():
+                cur[parts[0][:-1]] = int(parts[1])
+    return out
+
+
+@needs_collapse
+def test_segment_in_huge_pages_and_peer_mappings_use_them():
+    s = MooncakeStore(serve_tcp=False, segment_size=64 * MiB + 4096)
+    try:
+        seg = s._segment
+        assert seg.huge_bytes == 64 * MiB and seg.all_huge  # the 4 KiB tail stays in small pages
+        (own,) = vmas(seg.fd)
+        assert own["start"] % (2 * MiB) == 0
+        assert own["ShmemPmdMapped"] == 64 * 1024  # kB, the kernel's count
+        # another mapping of the segment (what a same-host reader makes) maps the same pages whole
+        peer = S.MappedSegment(seg.desc("h", None) | {"name": seg.name}, readonly=True)
+        try:
+            both = vmas(seg.fd)
+            assert len(both) == 2 and all(v["ShmemPmdMapped"] == 64 * 1024 for v in both)
+            vals = {f"k{i}": os.urandom(3 * MiB + i) for i in range(8)}
+            for k, v in vals.items():
+                assert s.put(k, v) == 1
+            assert all(s.get(k) == v for k, v in vals.items())
+            (obj,), segs, _ = s._get_meta(["k3"])
+            off = obj.replicas[0][2]
+            assert peer.view[off:off + obj.size] == vals["k3"]
+        finally:
+            peer.close()
+        assert s._warm_thread is None  # 2 MiB pages do not go cold: no warm-up thread
+    finally:
+        s.close()
+
+
+def test_huge_pages_off_keeps_small_pages_and_warms_up():
+    pytest.importorskip("torch")  # the warm-up runs in the C++ extension, loaded once torch is
+    s = MooncakeStore(serve_tcp=False, segment_size=64 * MiB, huge_pages=False, put_reservation_bytes=4 * MiB)
+    try:
+        assert s._segment.huge_bytes == 0 and not s._segment.all_huge
+        (own,) = vmas(s._segment.fd)
+        assert own.get("ShmemPmdMapped", 0) == 0
+        assert own["Rss"] == 64 * 1024  # prefaulted all the same
+        for i in range(50):
+            assert s.put(f"k{i}", bytes([i]) * 1000) == 1
+        assert s._warm_thread is not None
+        assert all(s.get(f"k{i}") == bytes([i]) * 1000 for i in range(50))
+    finally:
+        s.close()
+
+
+def test_mapping_lives_while_a_view_does():
+    seg = S.LocalSegment("life", 4 * MiB + 100)
+    seg.view[5000:5004] = b"abcd"
+    v = seg.view[5000:5004]
+    fd = os.dup(seg.fd)  # to find the mapping after close() closed the segment's own fd
+    try:
+        seg.close()
+        assert bytes(v) == b"abcd"  # still mapped: no crash, same bytes
+        assert len(vmas(fd)) == 1
+        v.release()
+        assert vmas(fd) == []  # unmapped with the last view
+    finally:
+        os.close(fd)
+
+
+def test_read_only_peer_mapping_refuses_writes():
+    seg = S.LocalSegment("ro", 2 * MiB)
+    try:
+        peer = S.MappedSegment(seg.desc("h", None) | {"name": "ro"}, readonly=True)
+        assert peer.view.readonly
+        with pytest.raises(TypeError):
+            peer.view[100:101] = b"x"
+        seg.view[100:101] = b"y"
+        assert peer.view[100:101] == b"y"
+        peer.close()
+    finally:
+        seg.close()
+
+
+def test_wrong_token_and_missing_file_are_transfer_errors():
+    from mooncake_store import TransferError
+
+    seg = S.LocalSegment("tok", 2 * MiB)
+    try:
+        bad = seg.desc("h", None) | {"name": "tok", "token": os.urandom(16).hex()}
+        with pytest.raises(TransferError, match="not the registered one"):
+            S.MappedSegment(bad)
+        gone = seg.desc("h", None) | {"name": "tok", "path": "/proc/self/fd/999999"}
+        with pytest.raises(TransferError, match="cannot map segment"):
+            S.MappedSegment(gone)
+    finally:
+        seg.close()
+
+
+@needs_collapse
+def test_peer_process_maps_whole_pages():
+    """A second process maps the segment through /proc/<pid>/fd and reads it through 2 MiB
+    mappings (its own smaps), getting the owner's bytes."""
+    seg = S.LocalSegment("peer", 8 * MiB)
+    try:
+        data = os.urandom(MiB)
+        seg.view[3 * MiB:4 * MiB] = data
+        code = (
+            "import sys, json, hashlib; from mooncake_store import segment as S\n"
+            "desc = json.loads(sys.argv[1])\n"
+            "m = S.MappedSegment(desc, readonly=True)\n"
+            "pmd = sum(int(l.split()[1]) for l in open('/proc/self/smaps') if l.startswith('ShmemPmdMapped:'))\n"
+            "print(hashlib.sha256(m.view[3 << 20:4 << 20]).hexdigest(), pmd)\n")
+        import hashlib
+        import json
+
+        desc = seg.desc("h", None) | {"name": "peer"}
+        out = subprocess.run([sys.executable, "-c", code, json.dumps(desc)], capture_output=True, text=True,
+                             timeout=60, start_new_session=True)
+        assert out.returncode == 0, out.stderr
+        digest, pmd = out.stdout.split()
+        assert digest == hashlib.sha256(data).hexdigest()
+        assert int(pmd) >= 8 * 1024
+    finally:
+        seg.close()
+
+
+def test_map_errors_are_oserrors():
+    fd = os.memfd_create("small", os.MFD_CLOEXEC)
+    try:
+        with pytest.raises(OSError):
+            S._map(fd, 1 << 60, prefault=False, writable=True)  # no such address space
+    finally:
+        os.close(fd)
