@@ -301,6 +301,7 @@ PYBIND11_MODULE(_C, m) {
              }
              try {
                py::gil_scoped_release nogil;
+               mooncake::prefault_fresh_outputs(ptrs, lens);  // see copy.hpp
                te.batch_read(host, port, region, offsets, ptrs, lens);
              } catch (const std::exception& e) {
                TORCH_CHECK(false, e.what());
@@ -352,11 +353,13 @@ PYBIND11_MODULE(_C, m) {
           }
           {
             py::gil_scoped_release nogil;
-            size_t total = 0;
-            for (const auto& op : ops) total += op.n;
-            if (total >= mooncake::kPrefaultMinTotal)  // fresh bytes objects: see copy.hpp
-              for (const auto& op : ops)
-                if (op.n >= mooncake::kPrefaultMinPiece) mooncake::prefault_write(op.dst, op.n);
+            std::vector<void*> dsts;
+            std::vector<uint64_t> lens;
+            for (const auto& op : ops) {
+              dsts.push_back(op.dst);
+              lens.push_back(op.n);
+            }
+            mooncake::prefault_fresh_outputs(dsts, lens);  // fresh bytes objects: see copy.hpp
             mooncake::copy_parallel(ops, threads);
           }
           py::list result;

@@ -51,6 +51,49 @@ def test_transfer_engine_bounds_and_secret():
         srv.close()
 
 
+def test_transfer_engine_large_batches_and_a_peer_killed_mid_batch():
+    """Batches of 4 MiB and more (a helper thread reads the caller's pages ahead of the
+    kernel's copies) move the exact bytes both ways, into fresh bytes objects too; a peer
+    killed in the middle of one raises promptly and leaves the engine usable."""
+    import signal
+    import subprocess
+
+    from mooncake_pg.transfer import TransferEngine
+
+    code = ("import signal, sys; import torch; from mooncake_pg.transfer import TransferEngine\n"
+            "te = TransferEngine('127.0.0.1'); buf = bytearray(64 << 20); r = te.register_memory(buf)\n"
+            "print(te.port, r, flush=True); signal.pause()\n")
+    srv = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    cli = TransferEngine()
+    try:
+        port, region = map(int, srv.stdout.readline().split())
+        vals = [os.urandom(n) for n in (5 * MiB + 3, 1, 3 * MiB)]
+        offs = [0, 6 * MiB, 7 * MiB]
+        cli.batch_write("127.0.0.1", port, region, offs, vals)
+        outs = [bytearray(len(v)) for v in vals]
+        cli.batch_read("127.0.0.1", port, region, offs, outs)
+        assert outs == vals
+        assert cli.batch_read_bytes("127.0.0.1", port, region, offs, [len(v) for v in vals]) == vals
+        # stopped, then killed while a 48 MiB batch waits on it
+        os.kill(srv.pid, signal.SIGSTOP)
+        killer = __import__("threading").Timer(0.5, lambda: os.killpg(srv.pid, signal.SIGKILL))
+        killer.start()
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="TransferEngine::batch_write: peer .* closed the connection"):
+            cli.batch_write("127.0.0.1", port, region, [0, 16 * MiB, 32 * MiB], [os.urandom(16 * MiB)] * 3)
+        assert time.monotonic() - t0 < 20
+        killer.join()
+        with pytest.raises(RuntimeError, match="cannot connect"):
+            cli.batch_read("127.0.0.1", port, region, [0], [bytearray(8)])
+    finally:
+        cli.close()
+        try:
+            os.killpg(srv.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        srv.wait(10)
+
+
 def test_store_over_tcp_between_hosts(procs):
     m = sa.start_master(client_ttl=1.0)
     nodes = [sa.start_agent({"master": m.address, "segment_size": 64 * MiB, "name": f"h{i}",

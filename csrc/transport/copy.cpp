@@ -89,6 +89,14 @@ void copy_parallel(const std::vector<CopyOp>& ops, int threads) {
   for (auto& th : pool) th.join();
 }
 
+void prefault_fresh_outputs(const std::vector<void*>& ptrs, const std::vector<uint64_t>& lens) {
+  uint64_t total = 0;
+  for (uint64_t n : lens) total += n;
+  if (total < kPrefaultMinTotal) return;
+  for (size_t i = 0; i < ptrs.size(); ++i)
+    if (lens[i] >= kPrefaultMinPiece) prefault_write(ptrs[i], lens[i]);
+}
+
 size_t touch_pages(const void* p, size_t n) {
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   const volatile uint8_t* b = static_cast<const volatile uint8_t*>(p);

@@ -14,6 +14,7 @@ constexpr size_t kStreamThreshold = 4 << 20;
 
 }  // namespace mooncake
 
+#include <cstdint>
 #include <vector>
 
 namespace mooncake {
@@ -47,6 +48,11 @@ void prefault_write(void* p, size_t n);
 
 constexpr size_t kPrefaultMinTotal = 4 << 20;
 constexpr size_t kPrefaultMinPiece = 256 << 10;
+
+// prefault_write over fresh outputs [ptrs[i], ptrs[i] + lens[i]) that are about to be
+// filled, by the rule above (at least kPrefaultMinTotal bytes in all; pieces of at least
+// kPrefaultMinPiece).
+void prefault_fresh_outputs(const std::vector<void*>& ptrs, const std::vector<uint64_t>& lens);
 
 // Reads one byte of every page of [p, p+n) and changes nothing. On VMs (the 2-core CI VM
 // among them) a page nobody has touched for about a second costs ~0.5 us at its next

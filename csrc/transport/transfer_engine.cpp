@@ -9,11 +9,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <climits>
 #include <cstring>
 #include <stdexcept>
+#include <thread>
 
+#include "transport/copy.hpp"
 #include "transport/tcp.hpp"
 
 namespace mooncake {
@@ -242,6 +245,40 @@ void TransferEngine::drop(const std::string& host, int port, const std::shared_p
   if (it != conns_.end() && it->second == c) conns_.erase(it);
 }
 
+// Reads one byte of every page of the caller's buffers on a helper thread while a batch
+// of at least kTouchAheadMin bytes is sent or received, ahead of the kernel's copies.
+// On VMs a page nobody touched for about a second costs extra at its next access, and
+// more inside send/recv than from user space: on the 2-core CI VM the first put over
+// TCP of a 64 MiB value idle for 1.2 s took 225-235 ms against 43-60 ms for the next
+// ones, and 47-67 ms with this thread running ahead (which costs nothing measurable on
+// touched memory). Stops (and is joined) when the batch ends.
+class TouchAhead {
+ public:
+  static constexpr uint64_t kTouchAheadMin = 4 << 20;
+  static constexpr uint64_t kChunk = 1 << 20;  // checks for the end of the batch this often
+
+  TouchAhead(const std::vector<uint8_t*>& bufs, const std::vector<uint64_t>& lens) {
+    uint64_t total = 0;
+    for (uint64_t n : lens) total += n;
+    if (total < kTouchAheadMin) return;
+    th_ = std::thread([this, &bufs, &lens] {
+      for (size_t i = 0; i < bufs.size(); ++i)
+        for (uint64_t off = 0; off < lens[i]; off += kChunk) {
+          if (stop_.load(std::memory_order_relaxed)) return;
+          touch_pages(bufs[i] + off, std::min(kChunk, lens[i] - off));
+        }
+    });
+  }
+  ~TouchAhead() {
+    stop_.store(true, std::memory_order_relaxed);
+    if (th_.joinable()) th_.join();
+  }
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::thread th_;
+};
+
 template <bool kWrite>
 void TransferEngine::batch(const char* what, const std::string& host, int port, uint32_t region,
                            const std::vector<uint64_t>& offsets, const std::vector<uint8_t*>& bufs,
@@ -272,6 +309,7 @@ void TransferEngine::batch(const char* what, const std::string& host, int port, 
     c->fd = fd;
   }
   int fd = c->fd;
+  TouchAhead ahead(bufs, lens);
   for (size_t start = 0; start < offsets.size(); start += kWindow) {
     size_t end = std::min(offsets.size(), start + kWindow);
     // the whole window's headers (and payloads) in one gathered send
