@@ -110,11 +110,6 @@ void prefault_write(void* p, size_t n) {
   const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
   uintptr_t a = (reinterpret_cast<uintptr_t>(p) + page - 1) & ~(page - 1);
   uintptr_t b = (reinterpret_cast<uintptr_t>(p) + n) & ~(page - 1);
-  // Whole 2 MiB pages inside the range first become eligible for transparent huge pages
-  // (where the system's THP mode is "madvise"): one fault per 2 MiB instead of 512.
-  constexpr uintptr_t huge = 2 << 20;
-  uintptr_t ha = (a + huge - 1) & ~(huge - 1), hb = b & ~(huge - 1);
-  if (ha < hb) (void)madvise(reinterpret_cast<void*>(ha), hb - ha, MADV_HUGEPAGE);
   if (a < b) (void)madvise(reinterpret_cast<void*>(a), b - a, 23 /* MADV_POPULATE_WRITE */);
 #else
   (void)p;

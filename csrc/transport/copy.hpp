@@ -41,9 +41,10 @@ constexpr size_t kStoreStreamThreshold = 64 << 10;
 // 64 MiB 48 -> 25 ms, a batch of 16 x 1 MiB 10.2 -> 6.2 ms; but a lone 1 MiB get, whose
 // bytes come from already-touched heap, 0.19 -> 0.21 ms (the call walks present pages), so
 // callers use it for outputs of at least kPrefaultMinTotal bytes in all and pieces of at
-// least kPrefaultMinPiece. A no-op where the kernel does not have it. Whole 2 MiB pages of
-// the range are first marked MADV_HUGEPAGE: a fresh 64 MiB output then took 8.5 ms to
-// allocate and map instead of 19 ms (the CI VM, THP mode "madvise").
+// least kPrefaultMinPiece. A no-op where the kernel does not have it. Not in 2 MiB pages
+// (MADV_HUGEPAGE): on the CI VM that mapped a fresh 64 MiB output in 8.5 ms instead of
+// 19 ms, but the first one after a pause took ~180 ms (free 2 MiB blocks are the ones the
+// VM hands back to its host, which then has to supply them again).
 void prefault_write(void* p, size_t n);
 
 constexpr size_t kPrefaultMinTotal = 4 << 20;
