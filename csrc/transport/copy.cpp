@@ -9,6 +9,40 @@
 
 namespace mooncake {
 
+#if defined(__x86_64__)
+namespace {
+// The same with 32-byte loads and stores, 128 bytes per round. On the CI VM (Xeon, AVX2
+// and AVX-512) against the 16-byte loop below, medians: 1 MiB out of a segment into a fresh
+// bytes object 96 vs 217 us (plain memcpy 156), into a segment 53 vs 59 us (memcpy 113);
+// 8 MiB 997 vs 1103 and 642 vs 649 us. 64-byte AVX-512 stores were no faster.
+__attribute__((target("avx2"))) void copy_stream_avx2(uint8_t* d, const uint8_t* s, size_t n) {
+  size_t blocks = n / 128;
+  for (size_t i = 0; i < blocks; ++i) {
+    __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s));
+    __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32));
+    __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 64));
+    __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 96));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + 32), b);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + 64), c);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + 96), e);
+    s += 128;
+    d += 128;
+  }
+  _mm_sfence();
+  std::memcpy(d, s, n - blocks * 128);
+}
+
+bool have_avx2() {
+  static const bool yes = [] {
+    __builtin_cpu_init();  // may run before libgcc's own initialisation (static init order)
+    return __builtin_cpu_supports("avx2") != 0;
+  }();
+  return yes;
+}
+}  // namespace
+#endif
+
 void copy_stream(void* dst, const void* src, size_t n) {
 #if defined(__x86_64__)
   if (n >= 4096) {
@@ -19,6 +53,10 @@ void copy_stream(void* dst, const void* src, size_t n) {
     d += head;
     s += head;
     n -= head;
+    if (have_avx2()) {
+      copy_stream_avx2(d, s, n);
+      return;
+    }
     size_t blocks = n / 64;
     for (size_t i = 0; i < blocks; ++i) {
       __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
