@@ -171,3 +171,21 @@ def test_map_errors_are_oserrors():
             S._map(fd, 1 << 60, prefault=False, writable=True)  # no such address space
     finally:
         os.close(fd)
+
+
+def test_copies_exact_at_odd_sizes_and_alignments():
+    """The C++ copies (non-temporal from 64 KiB, two threads from 4 MiB) against Python's
+    own slicing, at sizes and offsets that leave heads and tails around the 32-byte and
+    128-byte steps."""
+    transfer = pytest.importorskip("mooncake_pg.transfer")
+    seg = S.LocalSegment("copies", 16 * MiB)
+    try:
+        src = os.urandom(6 * MiB + 999)
+        for n in (1, 4095, 4096, 4097, 64 * 1024 + 7, MiB + 123, 5 * MiB + 3):
+            for soff, doff in ((0, 0), (1, 5), (31, 64), (100, 4096 + 17)):
+                piece = memoryview(src)[soff:soff + n]
+                transfer.copy_buffers([seg.view[doff:doff + n]], [piece])
+                assert seg.view[doff:doff + n] == piece, (n, soff, doff)
+                assert transfer.copy_to_bytes([seg.view[doff:doff + n]]) == [bytes(piece)], (n, soff, doff)
+    finally:
+        seg.close()
