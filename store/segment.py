@@ -40,11 +40,18 @@ class LocalSegment:
     def close(self):
         # The memory is unmapped once no view of it is left (a transfer engine
         # registration keeps one until it is unregistered).
-        self.view.release()
+        _release(self.view)
         try:
             os.close(self.fd)
         except OSError:
             pass
+
+
+def _release(view: memoryview):
+    try:
+        view.release()
+    except BufferError:
+        pass  # a buffer taken straight from it is still in use: unmapped when that goes
 
 
 _MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # Linux 5.14+
@@ -168,7 +175,7 @@ class MappedSegment:
         self.size = size
 
     def close(self):
-        self.view.release()  # unmapped once views handed out of it are released too
+        _release(self.view)  # unmapped once views handed out of it are released too
 
 
 class SegmentCache:

@@ -105,6 +105,11 @@ def test_mapping_lives_while_a_view_does():
         assert vmas(fd) == []  # unmapped with the last view
     finally:
         os.close(fd)
+    np = pytest.importorskip("numpy")
+    seg = S.LocalSegment("life2", 2 * MiB)
+    arr = np.frombuffer(seg.view, dtype=np.uint8)  # a buffer taken from the segment's own view
+    seg.close()  # no BufferError: the mapping waits for the array
+    assert arr[:8].tobytes() == S.MAGIC
 
 
 def test_read_only_peer_mapping_refuses_writes():
