@@ -237,6 +237,10 @@ class _Obj:
         self.key, self.size, self.version, self.meta, self.replicas = key, size, version, meta, replicas
 
 
+class _Unreachable(str):
+    """A segment name ``_put_reserved`` could not write to."""
+
+
 class MooncakeStore:
     """A client of the store. ``MooncakeStore()`` alone starts an embedded master.
 
@@ -611,7 +615,10 @@ class MooncakeStore:
                                                     [objs[i].size for i in idx])
                 except (TransferError, RuntimeError) as e:
                     got = None
-                    if "cannot connect" in str(e):
+                    # Unless the owner answered and refused one op (a live peer), the
+                    # connection failed: a dead owner (each new connect would retry for 5 s)
+                    # or a stopped one (each would wait 30 s for the handshake).
+                    if "refused op" not in str(e):
                         skip = frozenset((name,))
             for j, i in enumerate(idx):
                 try:
@@ -692,12 +699,19 @@ class MooncakeStore:
         if len(parts) > 1:
             out: list = []
             for a, b in parts:
-                out += self._put_many(keys[a:b], views[a:b], metas[a:b], cfg, upsert, True, _retry, _avoid)
+                got = self._put_many(keys[a:b], views[a:b], metas[a:b], cfg, upsert, True, _retry, _avoid)
+                out += got
+                # a segment that could not be reached is not tried again by the next parts
+                # (each try would wait for the engine's timeout)
+                bad = {getattr(r, "segment", None) for r in got if isinstance(r, TransferError)} - {None}
+                _avoid = _avoid + tuple(sorted(bad - set(_avoid)))
             if not return_exceptions:
                 _raise_first(out)
             return out
         if not _avoid and _retry:
             fast = self._put_reserved(keys, views, metas, cfg, upsert)
+            if isinstance(fast, _Unreachable):  # the two-request way, elsewhere
+                return self._put_many(keys, views, metas, cfg, upsert, return_exceptions, _retry, (str(fast),))
             lost = [i for i, r in enumerate(fast or ()) if isinstance(r, PutLostError)]
             if lost:  # lost in a leader change: the two-request way, once
                 again = self._put_many([keys[i] for i in lost], [views[i] for i in lost], [metas[i] for i in lost],
@@ -752,6 +766,9 @@ class MooncakeStore:
                 again = self._put_many([keys[i] for i in idx], [views[i] for i in idx], [metas[i] for i in idx], cfg,
                                        upsert, True, _retry, _avoid + (bad,))
                 for i, r in zip(idx, again):
+                    if isinstance(r, NoSpaceError):  # nowhere else to go: the write failure is the news
+                        r = TransferError(f"{e} (and no other segment could take the object: {r})")
+                        r.segment = bad
                     results[i] = r
             else:
                 if isinstance(e, TransferError) and not return_exceptions:
@@ -786,7 +803,8 @@ class MooncakeStore:
         as ``_put_many`` does, or None when this path is not taken (more than one replica,
         ``require_all``, objects larger than a quarter of ``put_reservation_bytes``, no
         reservation granted, another thread using it, the master no longer knowing it):
-        the caller then puts them the two-request way, from the start."""
+        the caller then puts them the two-request way, from the start. ``_Unreachable(segment)``
+        when the reservation's segment could not be written: the same, avoiding that segment."""
         want = self.cfg.put_reservation_bytes
         if (not want or cfg.replica_num != 1 or cfg.require_all
                 or (self.cfg.test_pause and self.cfg.test_pause[0] == "put")):
@@ -820,7 +838,7 @@ class MooncakeStore:
                 # its segment cannot be reached: the slow path places them elsewhere, and the
                 # next reservation request gives this one back (was: forgotten, held until exit)
                 r.session = -1
-                return None
+                return _Unreachable(r.seg)
             self._resv_rid += 1
             try:
                 res = self._call("put", {"client": self.client_id, "rid": self._resv_rid, "seg": r.seg, "off": r.off,

@@ -287,8 +287,18 @@ class StoreConfig:
             _parse_hostport(self.master, "StoreConfig.master")
         if self.etcd is not None:
             _parse_hostport(self.etcd, "StoreConfig.etcd")
-        if self.segment_size is not None and (not isinstance(self.segment_size, int) or self.segment_size < 0):
+        if self.segment_size is not None and (not isinstance(self.segment_size, int) or isinstance(self.segment_size, bool)
+                                              or self.segment_size < 0):
             raise ValueError(f"StoreConfig: segment_size must be a byte count >= 0, got {self.segment_size!r}")
+        for n in ("serve_tcp", "prefault", "huge_pages"):
+            if not isinstance(getattr(self, n), bool):
+                raise ValueError(f"StoreConfig: {n} must be True or False, got {getattr(self, n)!r}")
+        for n in ("host_id", "listen_host", "ifname", "secret", "etcd_prefix"):
+            v = getattr(self, n)
+            if v is not None and not isinstance(v, str):
+                raise ValueError(f"StoreConfig: {n} must be a str, got {v!r}")
+        if self.ssd_dir is not None and not isinstance(self.ssd_dir, (str, os.PathLike)):
+            raise ValueError(f"StoreConfig: ssd_dir must be a path, got {self.ssd_dir!r}")
         if self.ssd_max_bytes is not None and (not isinstance(self.ssd_max_bytes, int)
                                                or isinstance(self.ssd_max_bytes, bool) or self.ssd_max_bytes < 0):
             raise ValueError(f"StoreConfig: ssd_max_bytes must be a byte count >= 0 or None, got {self.ssd_max_bytes!r}")

@@ -13,7 +13,7 @@ import os
 import time
 from typing import Callable, Optional
 
-from .alloc import Allocator, aligned
+from .alloc import ALIGN, Allocator, aligned
 from .config import MasterConfig
 from .errors import (NoSpaceError, ObjectExistsError, ObjectHasLeaseError, ObjectNotFoundError,
                      ProtocolError, PutLostError, ReplicaShortfallError, StoreError, UnknownClientError)
@@ -410,7 +410,8 @@ class Core:
             if all(s.name in avoid for s in self.segments.values()):
                 raise NoSpaceError(f"no reachable segment for {size} bytes: the writer could not reach "
                                    f"{sorted(avoid)} (owners gone?)")
-            raise NoSpaceError(f"object of {size} bytes is larger than every segment")
+            raise NoSpaceError(f"object of {size} bytes ({n} with the {ALIGN}-byte rounding of allocations) is "
+                               f"larger than every segment's usable size")
         live.sort(key=lambda s: (s.name != pref, -(s.alloc.size - s.alloc.used)))
         target = min(r, len(live))
         if require_all and target < r:

@@ -28,8 +28,12 @@ class LocalSegment:
         self.size = size
         self.token = os.urandom(16)
         self.fd = os.memfd_create(f"mooncake-store-{name}"[:200], os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, size)
-        self.view, self.huge_bytes = _map(self.fd, size, prefault, writable=True, huge_pages=huge_pages)
+        try:
+            os.ftruncate(self.fd, size)
+            self.view, self.huge_bytes = _map(self.fd, size, prefault, writable=True, huge_pages=huge_pages)
+        except OSError as e:
+            os.close(self.fd)
+            raise OSError(e.errno, f"cannot create a segment of {size} bytes (segment_size): {e.strerror}") from None
         self.all_huge = size >= _HUGE and self.huge_bytes == size // _HUGE * _HUGE  # all but a tail < 2 MiB
         self.view[0:len(MAGIC) + 16] = MAGIC + self.token
 

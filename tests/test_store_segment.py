@@ -194,3 +194,37 @@ def test_copies_exact_at_odd_sizes_and_alignments():
                 assert transfer.copy_to_bytes([seg.view[doff:doff + n]]) == [bytes(piece)], (n, soff, doff)
     finally:
         seg.close()
+
+
+@pytest.mark.parametrize("kw, says", [
+    (dict(huge_pages="False"), "huge_pages must be True or False"),  # was: a truthy string, huge pages on
+    (dict(prefault="no"), "prefault must be True or False"),
+    (dict(serve_tcp=1), "serve_tcp must be True or False"),
+    (dict(host_id=5), "host_id must be a str"),  # was: the master's "register: bad arguments"
+    (dict(segment_size=True), "segment_size must be a byte count"),
+    (dict(ssd_dir=3), "ssd_dir must be a path"),
+])
+def test_config_types_checked_before_anything_starts(kw, says):
+    from mooncake_store import StoreConfig
+
+    with pytest.raises(ValueError, match=says):
+        StoreConfig(**kw).validate()
+    with pytest.raises(ValueError, match=says):
+        MooncakeStore(**kw)
+
+
+def test_segment_that_cannot_be_mapped_leaks_nothing():
+    def memfds():
+        out = 0
+        for f in os.listdir("/proc/self/fd"):
+            try:
+                out += "mooncake-store-" in os.readlink(f"/proc/self/fd/{f}")
+            except OSError:
+                pass
+        return out
+
+    before = memfds()
+    for _ in range(3):
+        with pytest.raises(OSError, match="segment_size"):
+            S.LocalSegment("toobig", 1 << 48)
+    assert memfds() == before

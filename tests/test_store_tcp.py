@@ -79,7 +79,7 @@ def test_transfer_engine_large_batches_and_a_peer_killed_mid_batch():
         killer = __import__("threading").Timer(0.5, lambda: os.killpg(srv.pid, signal.SIGKILL))
         killer.start()
         t0 = time.monotonic()
-        with pytest.raises(RuntimeError, match="TransferEngine::batch_write: peer .* closed the connection"):
+        with pytest.raises(RuntimeError, match="TransferEngine::batch_write: peer .* (stopped taking ops|closed the connection)"):
             cli.batch_write("127.0.0.1", port, region, [0, 16 * MiB, 32 * MiB], [os.urandom(16 * MiB)] * 3)
         assert time.monotonic() - t0 < 20
         killer.join()
@@ -142,6 +142,42 @@ def test_store_over_tcp_between_hosts(procs):
         assert all(bytes(b[:len(v)]) == v for b, v in zip(bufs, rvals))
         time.sleep(1.5)
         assert s.get(f"s{16 * MiB}") == sa.pattern(16 * MiB, 16 * MiB)
+
+
+def test_dead_or_stopped_owner_costs_one_wait_per_batch(procs):
+    """A batch get from an owner that died after the connection to it was cached, and a
+    batch put into one that stopped (SIGSTOP): one wait for the whole batch (was one per
+    object: 5 s each for a dead owner, 30 s each for a stopped one; a put waited two
+    engine timeouts), the error is the write's TransferError (was NoSpaceError from the
+    retry elsewhere), and nothing becomes visible."""
+    import signal
+
+    m = sa.start_master(client_ttl=1.0)
+    node = sa.start_agent({"master": m.address, "segment_size": 256 * MiB, "name": "owner",
+                           "heartbeat_interval_s": 0.2}, serve_tcp=True, env={"MOONCAKE_HOST_ID": "owner-host"})
+    with MooncakeStore(master=m.address, segment_size=0, host_id="client-host") as s:
+        keys = [f"k{i}" for i in range(6)]
+        vals = [sa.pattern(i, MiB + i) for i in range(6)]
+        s.put_batch(keys, vals)
+        assert s.get_batch(keys) == vals  # the engine connection to the owner is cached now
+        node.kill()
+        t0 = time.monotonic()
+        got = s.get_batch(keys, return_exceptions=True)
+        assert all(isinstance(g, TransferError) for g in got), got
+        assert time.monotonic() - t0 < 8
+    node = sa.start_agent({"master": m.address, "segment_size": 256 * MiB, "name": "owner2",
+                           "heartbeat_interval_s": 0.2}, serve_tcp=True, env={"MOONCAKE_HOST_ID": "owner-host"})
+    with MooncakeStore(master=m.address, segment_size=0, host_id="client-host") as s:
+        assert s.get_batch(["warm"], return_exceptions=True)  # nothing there; just a round trip
+        keys = [f"p{i}" for i in range(20)]
+        vals = [os.urandom(8 * MiB) for _ in keys]
+        os.killpg(node.p.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(TransferError, match="write to segment 'owner2'"):
+            s.put_batch(keys, vals)
+        assert time.monotonic() - t0 < 50
+        assert not any(s.exists_batch(keys))
+    node.kill()
 
 
 def test_ssd_replica_read_from_another_host(procs, tmp_path):

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <climits>
 #include <cstring>
 #include <stdexcept>
@@ -25,6 +26,7 @@ namespace {
 
 constexpr char kMagic[8] = {'M', 'C', 'T', 'E', '0', '0', '0', '1'};
 constexpr uint32_t kOpWrite = 1, kOpRead = 2;
+constexpr int kIoTimeoutS = 30;  // a send or receive that makes no progress this long fails
 constexpr size_t kWindow = 256;  // ops in flight per round (bounds unread replies)
 
 struct ReqHdr {
@@ -77,17 +79,29 @@ bool recv_full(int fd, void* buf, size_t n) {
 // Sends every byte of iov (in sendmsg calls of at most IOV_MAX pieces); false on a closed
 // or broken peer. One system call for many small pieces: a batch of 4 KiB ops costs one
 // wake-up of the peer instead of one per header and one per payload.
+// A call that the socket's send timeout (SO_SNDTIMEO) ended after a part was sent
+// returns that part; the peer has then stopped reading for that long, which counts as a
+// failure too (else every further call would wait the timeout again).
 bool send_iov(int fd, std::vector<iovec>& iov) {
+  timeval tv{};
+  socklen_t tl = sizeof(tv);
+  double timeout_s = getsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, &tl) == 0 ? tv.tv_sec + tv.tv_usec * 1e-6 : 0;
   size_t i = 0;
   while (i < iov.size()) {
     msghdr m{};
     m.msg_iov = &iov[i];
     m.msg_iovlen = std::min<size_t>(iov.size() - i, IOV_MAX);
+    size_t want = 0;
+    for (size_t j = 0; j < m.msg_iovlen; ++j) want += iov[i + j].iov_len;
+    auto t0 = std::chrono::steady_clock::now();
     ssize_t k = ::sendmsg(fd, &m, MSG_NOSIGNAL);
     if (k < 0) {
       if (errno == EINTR) continue;
       return false;
     }
+    if (timeout_s > 0 && static_cast<size_t>(k) < want &&
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() >= timeout_s)
+      return false;
     size_t left = static_cast<size_t>(k);
     while (i < iov.size() && left >= iov[i].iov_len) left -= iov[i++].iov_len;
     if (left) {
@@ -181,7 +195,7 @@ void TransferEngine::accept_loop() {
 }
 
 void TransferEngine::serve(int fd) {
-  set_timeout(fd, 30);
+  set_timeout(fd, kIoTimeoutS);
   char magic[8];
   uint32_t slen = 0;
   bool ok = recv_full(fd, magic, 8) && std::memcmp(magic, kMagic, 8) == 0 && recv_full(fd, &slen, 4) && slen <= 256;
@@ -297,7 +311,7 @@ void TransferEngine::batch(const char* what, const std::string& host, int port, 
       drop(host, port, c);
       throw err(what, std::string("cannot connect to ") + peer + ": " + e.what());
     }
-    set_timeout(fd, 30);
+    set_timeout(fd, kIoTimeoutS);
     uint32_t slen = static_cast<uint32_t>(secret_.size()), status = 1;
     bool ok = send_full(fd, kMagic, 8) && send_full(fd, &slen, 4) && send_full(fd, secret_.data(), slen) &&
               recv_full(fd, &status, 4);
@@ -323,8 +337,9 @@ void TransferEngine::batch(const char* what, const std::string& host, int port, 
     }
     if (!send_iov(fd, iov)) {
       drop(host, port, c);
-      throw err(what, "peer " + peer + " closed the connection (refused an op of ops " + std::to_string(start) + "-" +
-                          std::to_string(end - 1) + ": unknown region or out of bounds, or the peer died)");
+      throw err(what, "peer " + peer + " stopped taking ops " + std::to_string(start) + "-" + std::to_string(end - 1) +
+                          " (it refused one: unknown region or out of bounds; or it died, or read nothing for " +
+                          std::to_string(kIoTimeoutS) + " s)");
     }
     for (size_t i = start; i < end; ++i) {
       RepHdr r;
