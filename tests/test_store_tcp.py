@@ -83,6 +83,7 @@ def test_transfer_engine_large_batches_and_a_peer_killed_mid_batch():
             cli.batch_write("127.0.0.1", port, region, [0, 16 * MiB, 32 * MiB], [os.urandom(16 * MiB)] * 3)
         assert time.monotonic() - t0 < 20
         killer.join()
+        srv.wait(10)  # gone, listening socket included
         with pytest.raises(RuntimeError, match="cannot connect"):
             cli.batch_read("127.0.0.1", port, region, [0], [bytearray(8)])
     finally:
