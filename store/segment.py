@@ -151,14 +151,11 @@ def _map(fd: int, size: int, prefault: bool, writable: bool, huge_pages: bool = 
                 break  # not supported here (before Linux 6.1, shmem_enabled "deny"): the first try tells
             # else no free 2 MiB page just now (EAGAIN, ENOMEM): this one stays in 4 KiB pages
     if prefault and not _madvise(addr, size, _MADV_POPULATE_WRITE if writable else _MADV_POPULATE_READ):
-        page = os.sysconf("SC_PAGESIZE")  # before Linux 5.14: touch every page
+        # before Linux 5.14: read one byte per page (never write: the owner may be writing there)
+        page = os.sysconf("SC_PAGESIZE")
         buf = (ctypes.c_char * size).from_address(addr)
-        if writable:
-            for off in range(0, size, page):
-                buf[off] = buf[off]
-        else:
-            for off in range(0, size, page):
-                buf[off]
+        for off in range(0, size, page):
+            buf[off]
     return m.view(readonly=not writable), huge
 
 
