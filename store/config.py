@@ -204,7 +204,7 @@ class StoreConfig:
             ``transfer="tcp"``) reach this client's segment; imports torch and the C++
             extension. ``False``: same-host clients only, no torch import.
         prefault: map segments with every page allocated and mapped up front
-            (``MADV_POPULATE_WRITE``; ``MAP_POPULATE`` for read-only mappings): the first
+            (``MADV_POPULATE_WRITE``; ``MADV_POPULATE_READ`` for read-only mappings): the first
             copies into a segment then take no page faults, at the cost of committing
             ``segment_size`` bytes at start and a one-time cost per mapped peer segment.
         huge_pages: with ``prefault``, back this client's segment with 2 MiB pages
