@@ -26,7 +26,7 @@ from .alloc import aligned
 from .core import SEG_HEADER
 from .errors import (LeaseExpiredError, NoSpaceError, NotLeaderError, ObjectNotFoundError, ProtocolError,
                      PutLostError, StoreError, TransferError, UnknownClientError, from_code)
-from .segment import LocalSegment, SegmentCache
+from .segment import LocalSegment, SegmentCache, tune_malloc
 
 log = logging.getLogger("mooncake_store")
 
@@ -291,6 +291,8 @@ class MooncakeStore:
         self._warm_evt = threading.Event()
         self._warm_thread: Optional[threading.Thread] = None
         self._session = 0  # counts connections to a master: a reservation is valid only in its own
+        if cfg.tune_malloc:
+            tune_malloc()
         if cfg.master is None and cfg.etcd is None:
             from .master import Master
 

@@ -14,6 +14,7 @@ Every ``MOONCAKE_*`` environment variable the store reads is read here, in
 | ``MOONCAKE_STORE_SSD_MAX_BYTES`` | bytes of object data a client's SSD directory may hold | unlimited |
 | ``MOONCAKE_STORE_PUT_RESERVATION_BYTES`` | bytes a client asks to reserve for one-round-trip puts (0: off) | 64 MiB |
 | ``MOONCAKE_STORE_RPC_BUSY_POLL_US`` | microseconds a client checks for a metadata reply without sleeping (0: always sleeps) | 200 |
+| ``MOONCAKE_STORE_TUNE_MALLOC`` | ``0``: a client leaves glibc malloc's thresholds alone (``StoreConfig.tune_malloc``) | ``1`` |
 | ``MOONCAKE_STORE_TRANSFER`` | ``auto`` (map same-host segments, TCP otherwise) or ``tcp`` (always TCP) | ``auto`` |
 | ``MOONCAKE_HOST_ID`` | processes with equal ids count as one host and map each other's segments | hostname + boot id |
 | ``MOONCAKE_SOCKET_IFNAME`` | interface the transfer engine listens on | interface routed to the master |
@@ -74,6 +75,11 @@ def env_defaults() -> dict:
             if not (env[var].isascii() and env[var].isdigit()):
                 raise ValueError(f"{var} must be {what}, got {env[var]!r}")
             out[field] = int(env[var])
+    if env.get("MOONCAKE_STORE_TUNE_MALLOC"):
+        v = env["MOONCAKE_STORE_TUNE_MALLOC"]
+        if v not in ("0", "1"):
+            raise ValueError(f"MOONCAKE_STORE_TUNE_MALLOC must be 0 or 1, got {v!r}")
+        out["tune_malloc"] = v == "1"
     if env.get("MOONCAKE_STORE_NO_UVLOOP"):
         out["no_uvloop"] = env["MOONCAKE_STORE_NO_UVLOOP"] not in ("0", "")
     if env.get("MOONCAKE_STORE_TEST_PAUSE"):
@@ -212,6 +218,12 @@ class StoreConfig:
             a 4 KiB page nobody touched for about a second costs 0.5 to several us at its
             next access, which the store's copies into idle space would otherwise pay
             (``store/segment.py`` ``_map`` has the measurements).
+        tune_malloc: set glibc malloc's mmap threshold to 32 MiB and its trim threshold
+            to 64 MiB in this process (once, unless the user set them through the
+            environment), so that the ``bytes`` of gets reuse freed heap instead of taking
+            fresh pages from the kernel: batch gets of 1 MiB values went from 3.86 to
+            7.12 GiB/s on the CI VM (``store/segment.py`` ``tune_malloc``). The process keeps
+            up to 64 MiB of freed heap. Default True (``MOONCAKE_STORE_TUNE_MALLOC``).
         put_reservation_bytes: bytes of segment space this client asks the master to
             reserve for its next puts (default 64 MiB; the master grants at most 1/16 of a
             segment, and none once the store is above its low watermark). A put of
@@ -244,6 +256,7 @@ class StoreConfig:
     serve_tcp: bool = True
     prefault: bool = True
     huge_pages: bool = True
+    tune_malloc: Optional[bool] = None
     put_reservation_bytes: Optional[int] = None
     master_config: Optional[MasterConfig] = None
     test_pause: Optional[tuple] = None
@@ -267,6 +280,8 @@ class StoreConfig:
             out.put_reservation_bytes = 64 * MiB
         if out.rpc_busy_poll_us is None:
             out.rpc_busy_poll_us = 200
+        if out.tune_malloc is None:
+            out.tune_malloc = True
         if out.transfer is None:
             out.transfer = "auto"
         if out.host_id is None:
@@ -290,8 +305,8 @@ class StoreConfig:
         if self.segment_size is not None and (not isinstance(self.segment_size, int) or isinstance(self.segment_size, bool)
                                               or self.segment_size < 0):
             raise ValueError(f"StoreConfig: segment_size must be a byte count >= 0, got {self.segment_size!r}")
-        for n in ("serve_tcp", "prefault", "huge_pages"):
-            if not isinstance(getattr(self, n), bool):
+        for n in ("serve_tcp", "prefault", "huge_pages", "tune_malloc"):
+            if not isinstance(getattr(self, n), bool) and not (n == "tune_malloc" and self.tune_malloc is None):
                 raise ValueError(f"StoreConfig: {n} must be True or False, got {getattr(self, n)!r}")
         for n in ("host_id", "listen_host", "ifname", "secret", "etcd_prefix"):
             v = getattr(self, n)

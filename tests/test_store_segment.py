@@ -3,6 +3,7 @@
 that other mappings of it use those pages whole too; mappings that live as long as any
 view of them; read-only mappings of other clients' segments. The kernel's own account
 (``/proc/self/smaps``) is the reference for what is mapped how."""
+import json
 import os
 import subprocess
 import sys
@@ -156,7 +157,6 @@ def test_peer_process_maps_whole_pages():
             "pmd = sum(int(l.split()[1]) for l in open('/proc/self/smaps') if l.startswith('ShmemPmdMapped:'))\n"
             "print(hashlib.sha256(m.view[3 << 20:4 << 20]).hexdigest(), pmd)\n")
         import hashlib
-        import json
 
         desc = seg.desc("h", None) | {"name": "peer"}
         out = subprocess.run([sys.executable, "-c", code, json.dumps(desc)], capture_output=True, text=True,
@@ -228,3 +228,66 @@ def test_segment_that_cannot_be_mapped_leaks_nothing():
         with pytest.raises(OSError, match="segment_size"):
             S.LocalSegment("toobig", 1 << 48)
     assert memfds() == before
+
+
+_FAULTS_SCRIPT = r"""
+import json, resource, sys
+import torch  # the C++ copies, as a client that uses tensors has them
+from mooncake_store import MooncakeStore
+from mooncake_store import segment as S
+MiB = 1 << 20
+s = MooncakeStore(serve_tcp=False, segment_size=64 * MiB, put_reservation_bytes=0)
+keys = [f"k{i}" for i in range(16)]
+vals = [bytes([i]) * MiB for i in range(16)]
+s.put_batch(keys, vals)
+faults = []
+for _ in range(4):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    got = s.get_batch(keys)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    assert got == vals
+    del got  # 16 MiB of values freed together
+s.close()
+print(json.dumps({"tuned": S._malloc_tuned, "faults": faults}))
+"""
+
+
+@pytest.mark.skipif(not os.confstr("CS_GNU_LIBC_VERSION"), reason="mallopt thresholds are glibc's")
+@pytest.mark.parametrize("env, tuned", [({}, True), ({"MOONCAKE_STORE_TUNE_MALLOC": "0"}, False),
+                                        ({"MALLOC_TRIM_THRESHOLD_": "131072"}, False)])
+def test_tune_malloc_gets_reuse_freed_heap(env, tuned):
+    """With ``tune_malloc`` (default), a batch get of 16 x 1 MiB takes its values from the
+    heap the previous batch freed: the kernel's count of this process's page faults stays
+    far below one per 4 KiB of output (4096); nearly that many when the freed
+    values went back to the kernel (``tune_malloc=False``, or the user's own malloc
+    settings, which win)."""
+    penv = {k: v for k, v in os.environ.items() if "MALLOC" not in k and k != "GLIBC_TUNABLES"}
+    penv.update(env)
+    out = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT], capture_output=True, text=True, timeout=120,
+                         env=penv)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["tuned"] is tuned
+    later = res["faults"][1:]  # the first batch grows the heap either way
+    if tuned:
+        assert max(later) < 1024, res
+    else:
+        assert min(later) >= 3072, res  # most of the 4096 pages are fresh
+
+
+def test_tune_malloc_config_and_env(monkeypatch):
+    from mooncake_store import StoreConfig
+
+    def resolved(**kw):
+        return StoreConfig(master="127.0.0.1:1", **kw).resolved().tune_malloc
+
+    monkeypatch.delenv("MOONCAKE_STORE_TUNE_MALLOC", raising=False)
+    assert resolved() is True
+    with pytest.raises(ValueError, match="tune_malloc must be True or False"):
+        resolved(tune_malloc="no")
+    monkeypatch.setenv("MOONCAKE_STORE_TUNE_MALLOC", "0")
+    assert resolved() is False
+    assert resolved(tune_malloc=True) is True  # an explicit argument wins
+    monkeypatch.setenv("MOONCAKE_STORE_TUNE_MALLOC", "yes")
+    with pytest.raises(ValueError, match="MOONCAKE_STORE_TUNE_MALLOC must be 0 or 1"):
+        resolved()
