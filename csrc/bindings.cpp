@@ -33,6 +33,15 @@ size_t contiguous_bytes(const py::buffer_info& i, const char* what) {
   }
   return static_cast<size_t>(i.size) * static_cast<size_t>(i.itemsize);
 }
+
+// A TransferEngine exception as a Python error: a failed connection to the peer
+// (PeerConnectionError) as torch.distributed.DistNetworkError, anything else as
+// RuntimeError; both keep the engine's "TransferEngine::method:" message.
+[[noreturn]] void raise_engine_error(const std::exception& e) {
+  if (dynamic_cast<const mooncake::PeerConnectionError*>(&e) != nullptr)
+    TORCH_CHECK_WITH(DistNetworkError, false, e.what());
+  TORCH_CHECK(false, e.what());
+}
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -216,7 +225,7 @@ PYBIND11_MODULE(_C, m) {
              try {
                return std::make_unique<mooncake::TransferEngine>(listen_host, secret);
              } catch (const std::exception& e) {
-               TORCH_CHECK(false, e.what());
+               raise_engine_error(e);
              }
            }),
            py::arg("listen_host"), py::arg("secret") = "")
@@ -235,7 +244,7 @@ PYBIND11_MODULE(_C, m) {
                py::gil_scoped_release nogil;
                te.unregister_memory(region);
              } catch (const std::exception& e) {
-               TORCH_CHECK(false, e.what());
+               raise_engine_error(e);
              }
            },
            py::arg("region"))
@@ -257,7 +266,7 @@ PYBIND11_MODULE(_C, m) {
                py::gil_scoped_release nogil;
                te.batch_write(host, port, region, offsets, ptrs, lens);
              } catch (const std::exception& e) {
-               TORCH_CHECK(false, e.what());
+               raise_engine_error(e);
              }
            },
            py::arg("host"), py::arg("port"), py::arg("region"), py::arg("offsets"), py::arg("buffers"))
@@ -280,7 +289,7 @@ PYBIND11_MODULE(_C, m) {
                py::gil_scoped_release nogil;
                te.batch_read(host, port, region, offsets, ptrs, lens);
              } catch (const std::exception& e) {
-               TORCH_CHECK(false, e.what());
+               raise_engine_error(e);
              }
            },
            py::arg("host"), py::arg("port"), py::arg("region"), py::arg("offsets"), py::arg("buffers"))
@@ -304,7 +313,7 @@ PYBIND11_MODULE(_C, m) {
                mooncake::prefault_fresh_outputs(ptrs, lens);  // see copy.hpp
                te.batch_read(host, port, region, offsets, ptrs, lens);
              } catch (const std::exception& e) {
-               TORCH_CHECK(false, e.what());
+               raise_engine_error(e);
              }
              py::list result;
              for (auto& o : outs) result.append(o);

@@ -12,7 +12,11 @@ The store uses it to read and write segments of clients on other hosts::
 Wire format and bounds checks: ``csrc/transport/transfer_engine.hpp``. A request outside
 a registered region is refused by the server before any byte is touched. An optional
 shared secret is checked when a connection opens (sent as is: use it on trusted networks).
-Errors raise ``RuntimeError`` with a ``TransferEngine::method:`` prefix.
+Errors raise ``RuntimeError`` with a ``TransferEngine::method:`` prefix. When the
+connection to the peer fails (it cannot be reached within 5 s, rejects the secret, closes
+the connection, or reads nothing for 30 s) the error is the subclass
+``torch.distributed.DistNetworkError``; a plain ``RuntimeError`` from a batch means a live
+peer refused an op (unknown region, out of bounds) and closed that connection.
 """
 from __future__ import annotations
 

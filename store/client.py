@@ -237,6 +237,14 @@ class _Obj:
         self.key, self.size, self.version, self.meta, self.replicas = key, size, version, meta, replicas
 
 
+def _connection_failed(e: BaseException) -> bool:
+    """Whether a transfer-engine error is a failed connection to the peer: the binding
+    raises the engine's ``PeerConnectionError`` as ``torch.distributed.DistNetworkError``
+    (torch is loaded wherever an engine is)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and isinstance(e, dist.DistNetworkError)
+
+
 class _Unreachable(str):
     """A segment name ``_put_reserved`` could not write to."""
 
@@ -617,10 +625,12 @@ class MooncakeStore:
                                                     [objs[i].size for i in idx])
                 except (TransferError, RuntimeError) as e:
                     got = None
-                    # Unless the owner answered and refused one op (a live peer), the
-                    # connection failed: a dead owner (each new connect would retry for 5 s)
-                    # or a stopped one (each would wait 30 s for the handshake).
-                    if "refused op" not in str(e):
+                    # Unless the owner answered and refused one op (a live peer: a plain
+                    # RuntimeError), its segment cannot be reached: no engine for it
+                    # (TransferError) or a failed connection (DistNetworkError): a dead
+                    # owner (each new connect would retry for 5 s) or a stopped one (each
+                    # would wait 30 s for the handshake).
+                    if not isinstance(e, RuntimeError) or _connection_failed(e):
                         skip = frozenset((name,))
             for j, i in enumerate(idx):
                 try:

@@ -11,6 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import store_agents as sa  # noqa: E402
 
 torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
 from mooncake_store import MooncakeStore, ReplicateConfig, TransferError  # noqa: E402
 
 MiB = 1 << 20
@@ -35,14 +36,15 @@ def test_transfer_engine_bounds_and_secret():
         out = bytearray(3)
         cli.batch_read("127.0.0.1", srv.port, region, [0], [out])
         assert out == b"abc" and buf[4000:4096] == b"x" * 96
-        with pytest.raises(RuntimeError, match="TransferEngine::batch_write: .*out of bounds"):
+        with pytest.raises(RuntimeError, match="TransferEngine::batch_write: .*out of bounds") as refused:
             cli.batch_write("127.0.0.1", srv.port, region, [4000], [b"y" * 97])
+        assert not isinstance(refused.value, dist.DistNetworkError)  # a live peer refused it
         assert buf[4000:4096] == b"x" * 96  # nothing written
         with pytest.raises(RuntimeError, match="TransferEngine::batch_read: .*unknown region"):
             cli.batch_read("127.0.0.1", srv.port, region + 7, [0], [out])
-        with pytest.raises(RuntimeError, match="rejected the shared secret"):
+        with pytest.raises(dist.DistNetworkError, match="rejected the shared secret"):
             TransferEngine(secret="bad").batch_read("127.0.0.1", srv.port, region, [0], [out])
-        with pytest.raises(RuntimeError, match="cannot connect"):
+        with pytest.raises(dist.DistNetworkError, match="cannot connect"):  # a RuntimeError too
             cli.batch_read("127.0.0.1", 1, region, [0], [out])
         cli.batch_read("127.0.0.1", srv.port, region, [1], [out])  # the engine still serves
         assert out == bytes(buf[1:4])
@@ -79,12 +81,13 @@ def test_transfer_engine_large_batches_and_a_peer_killed_mid_batch():
         killer = __import__("threading").Timer(0.5, lambda: os.killpg(srv.pid, signal.SIGKILL))
         killer.start()
         t0 = time.monotonic()
-        with pytest.raises(RuntimeError, match="TransferEngine::batch_write: peer .* (stopped taking ops|closed the connection)"):
+        with pytest.raises(dist.DistNetworkError,
+                           match="TransferEngine::batch_write: peer .* (stopped taking ops|closed the connection)"):
             cli.batch_write("127.0.0.1", port, region, [0, 16 * MiB, 32 * MiB], [os.urandom(16 * MiB)] * 3)
         assert time.monotonic() - t0 < 20
         killer.join()
         srv.wait(10)  # gone, listening socket included
-        with pytest.raises(RuntimeError, match="cannot connect"):
+        with pytest.raises(dist.DistNetworkError, match="cannot connect"):
             cli.batch_read("127.0.0.1", port, region, [0], [bytearray(8)])
     finally:
         cli.close()

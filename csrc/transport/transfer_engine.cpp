@@ -46,6 +46,10 @@ std::runtime_error err(const char* method, const std::string& msg) {
   return std::runtime_error(std::string("TransferEngine::") + method + ": " + msg);
 }
 
+PeerConnectionError conn_err(const char* method, const std::string& msg) {
+  return PeerConnectionError(std::string("TransferEngine::") + method + ": " + msg);
+}
+
 // Blocking full send/recv; false on a closed or broken peer.
 bool send_full(int fd, const void* buf, size_t n) {
   const uint8_t* p = static_cast<const uint8_t*>(buf);
@@ -309,7 +313,7 @@ void TransferEngine::batch(const char* what, const std::string& host, int port, 
       fd = tcp_connect(host, port, 5000);
     } catch (const std::exception& e) {
       drop(host, port, c);
-      throw err(what, std::string("cannot connect to ") + peer + ": " + e.what());
+      throw conn_err(what, std::string("cannot connect to ") + peer + ": " + e.what());
     }
     set_timeout(fd, kIoTimeoutS);
     uint32_t slen = static_cast<uint32_t>(secret_.size()), status = 1;
@@ -318,7 +322,7 @@ void TransferEngine::batch(const char* what, const std::string& host, int port, 
     if (!ok || status != 0) {
       ::close(fd);
       drop(host, port, c);
-      throw err(what, ok ? "peer " + peer + " rejected the shared secret" : "handshake with " + peer + " failed");
+      throw conn_err(what, ok ? "peer " + peer + " rejected the shared secret" : "handshake with " + peer + " failed");
     }
     c->fd = fd;
   }
@@ -337,7 +341,7 @@ void TransferEngine::batch(const char* what, const std::string& host, int port, 
     }
     if (!send_iov(fd, iov)) {
       drop(host, port, c);
-      throw err(what, "peer " + peer + " stopped taking ops " + std::to_string(start) + "-" + std::to_string(end - 1) +
+      throw conn_err(what, "peer " + peer + " stopped taking ops " + std::to_string(start) + "-" + std::to_string(end - 1) +
                           " (it refused one: unknown region or out of bounds; or it died, or read nothing for " +
                           std::to_string(kIoTimeoutS) + " s)");
     }
@@ -345,7 +349,7 @@ void TransferEngine::batch(const char* what, const std::string& host, int port, 
       RepHdr r;
       if (!recv_full(fd, &r, sizeof(r))) {
         drop(host, port, c);
-        throw err(what, "peer " + peer + " closed the connection during op " + std::to_string(i));
+        throw conn_err(what, "peer " + peer + " closed the connection during op " + std::to_string(i));
       }
       if (r.status != 0) {
         drop(host, port, c);
@@ -355,7 +359,7 @@ void TransferEngine::batch(const char* what, const std::string& host, int port, 
       }
       if (!kWrite && !recv_full(fd, bufs[i], lens[i])) {
         drop(host, port, c);
-        throw err(what, "peer " + peer + " closed the connection during op " + std::to_string(i));
+        throw conn_err(what, "peer " + peer + " closed the connection during op " + std::to_string(i));
       }
     }
   }

@@ -1,5 +1,8 @@
 // TransferEngine: moves bytes between registered memory of two processes over TCP.
-// No torch headers here. Errors are std::runtime_error("TransferEngine::method: ...").
+// No torch headers here. Errors are std::runtime_error("TransferEngine::method: ..."); a
+// failure of the connection to a peer (it cannot be reached, the handshake failed, it
+// closed the connection or stopped reading) is the subclass PeerConnectionError, so that
+// callers can tell it from a live peer that refused an op.
 //
 // Wire format (little-endian, both ends are this code):
 //   hello   client -> server: "MCTE0001", u32 secret length, secret bytes (<= 256)
@@ -18,11 +21,18 @@
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
 namespace mooncake {
+
+// The connection to a peer failed (see the top of this file); the binding raises it as
+// torch.distributed.DistNetworkError.
+struct PeerConnectionError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 
 class TransferEngine {
  public:
