@@ -362,14 +362,7 @@ PYBIND11_MODULE(_C, m) {
           }
           {
             py::gil_scoped_release nogil;
-            std::vector<void*> dsts;
-            std::vector<uint64_t> lens;
-            for (const auto& op : ops) {
-              dsts.push_back(op.dst);
-              lens.push_back(op.n);
-            }
-            mooncake::prefault_fresh_outputs(dsts, lens);  // fresh bytes objects: see copy.hpp
-            mooncake::copy_parallel(ops, threads);
+            mooncake::copy_parallel(ops, threads, /*prefault_dst=*/true);  // fresh bytes objects: see copy.hpp
           }
           py::list result;
           for (auto& o : outs) result.append(o);

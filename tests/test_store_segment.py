@@ -196,6 +196,47 @@ def test_copies_exact_at_odd_sizes_and_alignments():
         seg.close()
 
 
+@pytest.mark.parametrize("threads", [2, 3, 4])
+def test_parallel_copies_cover_every_byte(threads):
+    """Copies split over threads cover every byte, also where the total divided by the
+    threads is a multiple of 4096 with a remainder (those lost their last bytes: a 4 MiB + 1
+    value read back with its last byte wrong), over several pieces too, and into fresh
+    outputs (each thread prefaults its part)."""
+    transfer = pytest.importorskip("mooncake_pg.transfer")
+    for total in (threads * 4096 * 256 + 1, threads * 4096 * 300 + threads - 1, 4 * MiB + 8193, 8 * MiB + 1):
+        src = os.urandom(total)
+        dst = bytearray(total)
+        transfer.copy_buffers([dst], [src], threads)
+        assert dst == src, (threads, total)
+        assert transfer.copy_to_bytes([src], threads) == [src], (threads, total)
+        # a batch: a large piece and a one-byte value after it (the byte was left unwritten)
+        pieces = [src[:-1], src[-1:]]
+        outs = [bytearray(len(p)) for p in pieces]
+        transfer.copy_buffers(outs, pieces, threads)
+        assert outs == pieces, (threads, total)
+        assert transfer.copy_to_bytes(pieces, threads) == pieces, (threads, total)
+
+
+def test_store_values_one_past_a_page_multiple_read_back_exactly():
+    """The store's same-host path (C++ copies) at the sizes that lost their last byte."""
+    pytest.importorskip("mooncake_pg.transfer")
+    s = MooncakeStore(serve_tcp=False, segment_size=64 * MiB)
+    try:
+        vals = {f"v{n}": os.urandom(n) for n in (4 * MiB + 1, 5 * MiB + 1, 8 * MiB + 1)}
+        for k, v in vals.items():
+            s.put(k, v)
+        s.put_batch(["big", "flag"], [os.urandom(4 * MiB), b"\x07"])
+        assert s.get("flag") == b"\x07"
+        assert s.get_batch(list(vals) + ["flag"]) == list(vals.values()) + [b"\x07"]
+        for k, v in vals.items():
+            assert s.get(k) == v, k
+            out = bytearray(len(v))
+            s.get_into(k, out)
+            assert out == v, k
+    finally:
+        s.close()
+
+
 @pytest.mark.parametrize("kw, says", [
     (dict(huge_pages="False"), "huge_pages must be True or False"),  # was: a truthy string, huge pages on
     (dict(prefault="no"), "prefault must be True or False"),
