@@ -16,7 +16,9 @@ Errors raise ``RuntimeError`` with a ``TransferEngine::method:`` prefix. When th
 connection to the peer fails (it cannot be reached within 5 s, rejects the secret, closes
 the connection, or reads nothing for 30 s) the error is the subclass
 ``torch.distributed.DistNetworkError``; a plain ``RuntimeError`` from a batch means a live
-peer refused an op (unknown region, out of bounds) and closed that connection.
+peer refused an op (unknown region, out of bounds) and closed that connection. Bad
+arguments (a port outside 1..65535, a negative offset or length, a region id that is not
+a 32-bit number) raise ``ValueError`` before anything is sent.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ class TransferEngine:
             raise ValueError("TransferEngine: listen_host and secret must be str")
         self._te = _C.TransferEngine(listen_host, secret)
         self._keep: dict = {}
+        self._closed = False
 
     @staticmethod
     def local_address_for(peer_host: str, ifname: str = "") -> str:
@@ -56,6 +59,8 @@ class TransferEngine:
 
     def register_memory(self, buffer) -> int:
         """Registers a writable buffer (kept referenced until unregistered); returns its region id."""
+        if self._closed:
+            raise RuntimeError("TransferEngine::register_memory: engine is closed")
         mv = memoryview(buffer)
         if mv.readonly or not mv.contiguous:
             raise ValueError("TransferEngine.register_memory: buffer must be writable and contiguous")
@@ -72,23 +77,48 @@ class TransferEngine:
 
     def batch_write(self, host: str, port: int, region: int, offsets: Sequence[int], buffers: Sequence) -> None:
         """Writes ``buffers[i]`` at ``offsets[i]`` of the peer's region (bytes)."""
-        self._te.batch_write(host, int(port), int(region), list(offsets), list(buffers))
+        offsets = _check_peer_op("batch_write", host, port, region, offsets)
+        self._te.batch_write(host, port, region, offsets, list(buffers))
 
     def batch_read(self, host: str, port: int, region: int, offsets: Sequence[int], buffers: Sequence) -> None:
         """Fills each writable ``buffers[i]`` from ``offsets[i]`` of the peer's region."""
-        self._te.batch_read(host, int(port), int(region), list(offsets), list(buffers))
+        offsets = _check_peer_op("batch_read", host, port, region, offsets)
+        self._te.batch_read(host, port, region, offsets, list(buffers))
 
     def batch_read_bytes(self, host: str, port: int, region: int, offsets: Sequence[int],
                          lens: Sequence[int]) -> list:
         """Reads ``lens[i]`` bytes at ``offsets[i]`` of the peer's region into new ``bytes``."""
-        return self._te.batch_read_bytes(host, int(port), int(region), list(offsets), list(lens))
+        offsets = _check_peer_op("batch_read_bytes", host, port, region, offsets)
+        lens = _check_counts("batch_read_bytes", "lens", lens)
+        return self._te.batch_read_bytes(host, port, region, offsets, lens)
 
     def close(self) -> None:
         """Stops the server and closes connections (idempotent)."""
+        self._closed = True
         self._te.close()
         for mv in self._keep.values():
             mv.release()
         self._keep.clear()
+
+
+def _check_counts(op: str, what: str, values: Sequence) -> list:
+    values = list(values)
+    for v in values:
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 1 << 64:
+            raise ValueError(f"TransferEngine.{op}: {what} must be whole numbers of bytes in 0..2**64-1, got {v!r}")
+    return values
+
+
+def _check_peer_op(op: str, host, port, region, offsets) -> list:
+    """The checks of a batch's arguments, before anything is sent; returns the offsets
+    as a list. Raises ``ValueError``."""
+    if not isinstance(host, str) or not host:
+        raise ValueError(f"TransferEngine.{op}: host must be a non-empty str, got {host!r}")
+    if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+        raise ValueError(f"TransferEngine.{op}: port must be 1..65535, got {port!r}")
+    if not isinstance(region, int) or isinstance(region, bool) or not 0 <= region < 1 << 32:
+        raise ValueError(f"TransferEngine.{op}: region must be a region id in 0..2**32-1, got {region!r}")
+    return _check_counts(op, "offsets", offsets)
 
 
 def copy_buffers(dsts: Sequence, srcs: Sequence, threads: int = 0) -> None:

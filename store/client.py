@@ -37,6 +37,10 @@ _RESV_REFUSED_S = 1.0  # after the master refused (or took back) a reservation, 
 _WARM_IDLE_S = 0.5  # a reservation unused this long is warmed up again before its next put (_warm)
 _WARM_MAX_PUT = 4 << 20  # puts from this size on copy with two threads and warm nothing (_warm)
 _FAST_COPY_BYTES = 64 << 10  # copies from this size on go through the parallel C++ copy
+# Seconds for which reads skip a segment whose owner could not be reached (a failed
+# connection): one wait for the first read that meets a dead or stopped owner, none for
+# the reads after it, which go to other replicas or fail at once with TransferError.
+UNREACHABLE_SKIP_S = 10.0
 
 
 def _as_bytes_view(value, what="value") -> memoryview:
@@ -64,6 +68,8 @@ def _tensor_bytes(t, what="tensor") -> memoryview:
 
     if t.device.type != "cpu":
         raise ValueError(f"{what} must be on the CPU, got {t.device}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{what} must be a dense (strided) tensor, got layout {t.layout}")
     t = t.detach().contiguous()
     if t.numel() == 0:
         return memoryview(b"")
@@ -75,8 +81,8 @@ def _writable_view(buffer, op="get_into") -> memoryview:
     if _is_tensor(buffer):
         import torch
 
-        if buffer.device.type != "cpu" or not buffer.is_contiguous():
-            raise ValueError(f"{op}: buffer tensor must be a contiguous CPU tensor")
+        if buffer.device.type != "cpu" or buffer.layout != torch.strided or not buffer.is_contiguous():
+            raise ValueError(f"{op}: buffer tensor must be a dense contiguous CPU tensor")
         if buffer.numel() == 0:
             return memoryview(bytearray(0))
         return memoryview(buffer.detach().reshape(-1).view(torch.uint8).numpy())
@@ -299,6 +305,8 @@ class MooncakeStore:
         self._warm_evt = threading.Event()
         self._warm_thread: Optional[threading.Thread] = None
         self._session = 0  # counts connections to a master: a reservation is valid only in its own
+        self._unreachable: dict = {}  # segment name -> time.monotonic() until which reads skip it
+        self._unreachable_marks = 0  # how many times a segment was found unreachable
         if cfg.tune_malloc:
             tune_malloc()
         if cfg.master is None and cfg.etcd is None:
@@ -598,6 +606,7 @@ class MooncakeStore:
         res: list = [None] * len(objs)
         local_i, local_src = [], []
         remote: dict = {}  # segment name -> indexes of objects whose first replica is there
+        skipped = self._skipped()
         for i, obj in enumerate(objs):
             if obj is None:
                 continue
@@ -605,11 +614,12 @@ class MooncakeStore:
             if src is not None:
                 local_i.append(i)
                 local_src.append(src)
-            elif obj.size and obj.replicas and obj.replicas[0][0] == "m" and not self._is_local(segs[obj.replicas[0][1]]):
+            elif (obj.size and obj.replicas and obj.replicas[0][0] == "m" and obj.replicas[0][1] not in skipped
+                  and not self._is_local(segs[obj.replicas[0][1]])):
                 remote.setdefault(obj.replicas[0][1], []).append(i)
             else:
                 try:
-                    res[i] = self._read_one(obj, segs, None if outs is None else outs[i])
+                    res[i] = self._read_one(obj, segs, None if outs is None else outs[i], skipped)
                 except TransferError as e:
                     res[i] = e
         for name, idx in remote.items():
@@ -617,7 +627,7 @@ class MooncakeStore:
             # again on its own, through its other replicas (not through this segment again
             # when its owner could not be reached at all: each try would wait for the
             # engine's connect timeout)
-            got, skip = None, frozenset()
+            got, skip = None, skipped
             if len(idx) > 1:
                 try:
                     host, port, region = self._te_for(segs[name])
@@ -631,7 +641,8 @@ class MooncakeStore:
                     # owner (each new connect would retry for 5 s) or a stopped one (each
                     # would wait 30 s for the handshake).
                     if not isinstance(e, RuntimeError) or _connection_failed(e):
-                        skip = frozenset((name,))
+                        self._mark_unreachable(name)
+                        skip = skipped | {name}
             for j, i in enumerate(idx):
                 try:
                     if got is None:
@@ -658,6 +669,33 @@ class MooncakeStore:
                         d[:] = v
         return res
 
+    def _skipped(self) -> frozenset:
+        """Segments that reads skip now: their owner could not be reached within the
+        last ``UNREACHABLE_SKIP_S`` seconds."""
+        if not self._unreachable:
+            return frozenset()
+        now = time.monotonic()
+        for name, until in list(self._unreachable.items()):
+            if until < now:
+                self._unreachable.pop(name, None)
+        return frozenset(self._unreachable)
+
+    def _mark_unreachable(self, name: str):
+        self._unreachable[name] = time.monotonic() + UNREACHABLE_SKIP_S
+        self._unreachable_marks += 1
+
+    def _leased(self, read):
+        """``read() -> (result, deadline)``, run once more when it outlasted its read lease
+        while a segment owner was found unreachable: the first try waited for that owner
+        (up to the transfer engine's timeouts, longer than a lease), and its results must
+        not be used (``LeaseExpiredError``); the second try gets a new lease and skips that
+        segment (other replicas, or ``TransferError`` at once)."""
+        marks = self._unreachable_marks
+        res = read()
+        if time.monotonic() > res[-1] and self._unreachable_marks != marks:
+            res = read()
+        return res
+
     def _read_one(self, obj: _Obj, segs: dict, out: Optional[memoryview] = None, skip: frozenset = frozenset()):
         """Copies ``obj`` into ``out`` from the first replica that works (none in a segment
         named in ``skip``: found unreachable just before); with ``out=None`` returns a new
@@ -666,7 +704,8 @@ class MooncakeStore:
         for rep in obj.replicas:
             try:
                 if rep[0] == "m" and rep[1] in skip:
-                    raise TransferError(f"segment {rep[1]!r}: its owner could not be reached")
+                    raise TransferError(f"segment {rep[1]!r}: its owner could not be reached (within the last "
+                                        f"{UNREACHABLE_SKIP_S:g} s)")
                 if rep[0] == "m":
                     desc = segs[rep[1]]
                     if obj.size == 0:
@@ -686,6 +725,8 @@ class MooncakeStore:
                         out[:] = data  # the caller's buffer is written only once the whole read worked
                         return None
                     except RuntimeError as e:
+                        if _connection_failed(e):
+                            self._mark_unreachable(rep[1])
                         raise TransferError(f"read from {host}:{port} failed: {e}") from None
                 else:
                     if rep[1] != self.cfg.host_id:
@@ -707,6 +748,8 @@ class MooncakeStore:
                   return_exceptions: bool, _retry=True, _avoid: tuple = ()) -> list:
         if not isinstance(cfg, ReplicateConfig):
             raise ValueError("config must be a ReplicateConfig")
+        if not keys:
+            return []
         parts = list(_chunks(keys))
         if len(parts) > 1:
             out: list = []
@@ -1026,10 +1069,14 @@ class MooncakeStore:
         version is complete yet, ``LeaseExpiredError`` if the copy outlasted the lease,
         ``TransferError`` if no replica can be read."""
         key = _check_key(key, "get")
-        (obj,), segs, deadline = self._get_meta([key])
-        if obj is None:
-            raise ObjectNotFoundError(f"key {key!r} not found")
-        (out,) = self._read_many([obj], segs)
+
+        def read():
+            (obj,), segs, deadline = self._get_meta([key])
+            if obj is None:
+                raise ObjectNotFoundError(f"key {key!r} not found")
+            return self._read_many([obj], segs)[0], deadline
+
+        out, deadline = self._leased(read)
         if isinstance(out, BaseException):
             raise out
         self._check_lease(deadline, key)
@@ -1048,9 +1095,14 @@ class MooncakeStore:
             if not return_exceptions:
                 _raise_first(out)
             return out
-        objs, segs, deadline = self._get_meta(keys)
-        got = self._read_many(objs, segs)
-        out = [ObjectNotFoundError(f"key {k!r} not found") if obj is None else g for k, obj, g in zip(keys, objs, got)]
+
+        def read():
+            objs, segs, deadline = self._get_meta(keys)
+            got = self._read_many(objs, segs)
+            return [ObjectNotFoundError(f"key {k!r} not found") if obj is None else g
+                    for k, obj, g in zip(keys, objs, got)], deadline
+
+        out, deadline = self._leased(read)
         return _batch_result(keys, out, deadline, return_exceptions)
 
     def _local_views(self, keys: list) -> tuple:
@@ -1089,16 +1141,21 @@ class MooncakeStore:
         used)."""
         key = _check_key(key, "get_into")
         mv = _writable_view(buffer, "get_into")
-        (obj,), segs, deadline = self._get_meta([key])
-        if obj is None:
-            raise ObjectNotFoundError(f"key {key!r} not found")
-        if obj.size > len(mv):
-            raise ValueError(f"buffer of {len(mv)} bytes is too small for {key!r} ({obj.size} bytes)")
-        (err,) = self._read_many([obj], segs, [mv[:obj.size]])
+
+        def read():
+            (obj,), segs, deadline = self._get_meta([key])
+            if obj is None:
+                raise ObjectNotFoundError(f"key {key!r} not found")
+            if obj.size > len(mv):
+                raise ValueError(f"buffer of {len(mv)} bytes is too small for {key!r} ({obj.size} bytes)")
+            (err,) = self._read_many([obj], segs, [mv[:obj.size]])
+            return obj.size, err, deadline
+
+        size, err, deadline = self._leased(read)
         if isinstance(err, BaseException):
             raise err
         self._check_lease(deadline, key)
-        return obj.size
+        return size
 
     def get_into_batch(self, keys: Sequence[str], buffers: Sequence, *, return_exceptions: bool = False) -> list:
         """Batch form of :meth:`get_into`: returns the sizes (or exceptions in place with
@@ -1122,20 +1179,25 @@ class MooncakeStore:
             if not return_exceptions:
                 _raise_first(out)
             return out
-        objs, segs, deadline = self._get_meta(keys)
-        out: list = [None] * len(keys)
-        todo = [None] * len(keys)
-        for i, (k, obj, mv) in enumerate(zip(keys, objs, mvs)):
-            if obj is None:
-                out[i] = ObjectNotFoundError(f"key {k!r} not found")
-            elif obj.size > len(mv):
-                out[i] = ValueError(f"buffer of {len(mv)} bytes is too small for {k!r} ({obj.size} bytes)")
-            else:
-                todo[i] = obj
-        got = self._read_many(todo, segs, [mv[:o.size] if o is not None else None for mv, o in zip(mvs, todo)])
-        for i, obj in enumerate(todo):
-            if obj is not None:
-                out[i] = got[i] if isinstance(got[i], BaseException) else obj.size
+
+        def read():
+            objs, segs, deadline = self._get_meta(keys)
+            out: list = [None] * len(keys)
+            todo = [None] * len(keys)
+            for i, (k, obj, mv) in enumerate(zip(keys, objs, mvs)):
+                if obj is None:
+                    out[i] = ObjectNotFoundError(f"key {k!r} not found")
+                elif obj.size > len(mv):
+                    out[i] = ValueError(f"buffer of {len(mv)} bytes is too small for {k!r} ({obj.size} bytes)")
+                else:
+                    todo[i] = obj
+            got = self._read_many(todo, segs, [mv[:o.size] if o is not None else None for mv, o in zip(mvs, todo)])
+            for i, obj in enumerate(todo):
+                if obj is not None:
+                    out[i] = got[i] if isinstance(got[i], BaseException) else obj.size
+            return out, deadline
+
+        out, deadline = self._leased(read)
         return _batch_result(keys, out, deadline, return_exceptions)
 
     def get_tensor(self, key: str):
@@ -1164,6 +1226,13 @@ class MooncakeStore:
             if not return_exceptions:
                 _raise_first(out)
             return out
+        out, deadline = self._leased(lambda: self._read_tensors(keys))
+        return _batch_result(keys, out, deadline, return_exceptions)
+
+    def _read_tensors(self, keys: list) -> tuple:
+        """One try of :meth:`get_tensor_batch`: ``(results, lease deadline)``."""
+        import torch
+
         objs, segs, deadline = self._get_meta(keys)
         out: list = []
         todo, views = [], []
@@ -1191,8 +1260,7 @@ class MooncakeStore:
                 todo[-1] = obj
                 views[-1] = memoryview(t.reshape(-1).view(torch.uint8).numpy())
         got = self._read_many(todo, segs, views)
-        out = [g if isinstance(g, BaseException) else o for o, g in zip(out, got)]
-        return _batch_result(keys, out, deadline, return_exceptions)
+        return [g if isinstance(g, BaseException) else o for o, g in zip(out, got)], deadline
 
     # ------------------------------------------------------------------ other
     def exists(self, key: str) -> bool:

@@ -94,8 +94,9 @@ _malloc_tuned = False
 def tune_malloc() -> bool:
     """Sets glibc malloc's mmap threshold to 32 MiB and its trim threshold to 64 MiB for
     this process (``mallopt(3)``), once; returns whether they are set (``False``: not
-    glibc, or the user set ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or a
-    ``glibc.malloc`` tunable, which win).
+    glibc, or the user set either threshold: ``MALLOC_MMAP_THRESHOLD_``,
+    ``MALLOC_TRIM_THRESHOLD_``, or ``glibc.malloc.mmap_threshold`` /
+    ``glibc.malloc.trim_threshold`` in ``GLIBC_TUNABLES``, which win).
 
     Why: every ``get`` returns new ``bytes``. With glibc's defaults, a batch of 16 x 1 MiB
     values freed together is more free heap than the trim threshold (twice the adaptive
@@ -110,8 +111,9 @@ def tune_malloc() -> bool:
     if _malloc_tuned:
         return True
     env = os.environ
-    if ("MALLOC_MMAP_THRESHOLD_" in env or "MALLOC_TRIM_THRESHOLD_" in env
-            or "glibc.malloc" in env.get("GLIBC_TUNABLES", "")):
+    tunables = env.get("GLIBC_TUNABLES", "")
+    if (env.get("MALLOC_MMAP_THRESHOLD_") or env.get("MALLOC_TRIM_THRESHOLD_")
+            or "glibc.malloc.mmap_threshold" in tunables or "glibc.malloc.trim_threshold" in tunables):
         return False
     try:
         if not os.confstr("CS_GNU_LIBC_VERSION"):

@@ -59,11 +59,26 @@ def test_bad_input_is_rejected_before_sending(store):
                 lambda: store.put("k", object()), lambda: store.put_batch(["a", "a"], [b"", b""]),
                 lambda: store.put_batch(["a", "b"], [b""]), lambda: store.put("k", b"x", config=3),
                 lambda: store.get_batch("ab"), lambda: store.put("k" * 5000, b"x"),
-                lambda: store.put_tensor("k", b"not a tensor")):
+                lambda: store.put_tensor("k", b"not a tensor"),
+                lambda: store.put_tensor("k", torch.eye(3).to_sparse()),  # was: RuntimeError from torch
+                lambda: store.get_into("k", torch.zeros(9).to_sparse())):
         with pytest.raises(ValueError):
             bad()
     after = store.stats()
     assert after.puts == before.puts and after.pending == 0 and not store.exists("k")
+
+
+def test_empty_batches_return_empty_lists():
+    """Every batch form takes an empty batch, also with one-round-trip puts on (the
+    default): put_batch([], []) raised ProtocolError from the master."""
+    with MooncakeStore(serve_tcp=False, segment_size=16 << 20) as s:
+        assert s.put_batch([], []) == []
+        assert s.put_tensor_batch([], []) == []
+        assert s.put_batch([], [], upsert=True) == []
+        assert s.get_batch([]) == [] and s.get_into_batch([], []) == [] and s.get_tensor_batch([]) == []
+        assert s.exists_batch([]) == [] and s.remove_batch([]) == []
+        s.put("after", b"ok")  # the client still works
+        assert s.get("after") == b"ok"
 
 
 def test_option_validation():

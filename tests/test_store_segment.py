@@ -295,7 +295,9 @@ print(json.dumps({"tuned": S._malloc_tuned, "faults": faults}))
 
 @pytest.mark.skipif(not os.confstr("CS_GNU_LIBC_VERSION"), reason="mallopt thresholds are glibc's")
 @pytest.mark.parametrize("env, tuned", [({}, True), ({"MOONCAKE_STORE_TUNE_MALLOC": "0"}, False),
-                                        ({"MALLOC_TRIM_THRESHOLD_": "131072"}, False)])
+                                        ({"MALLOC_TRIM_THRESHOLD_": "131072"}, False),
+                                        ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"}, False),
+                                        ({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}, True)])
 def test_tune_malloc_gets_reuse_freed_heap(env, tuned):
     """With ``tune_malloc`` (default), a batch get of 16 x 1 MiB takes its values from the
     heap the previous batch freed: the kernel's count of this process's page faults stays

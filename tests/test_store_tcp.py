@@ -48,9 +48,21 @@ def test_transfer_engine_bounds_and_secret():
             cli.batch_read("127.0.0.1", 1, region, [0], [out])
         cli.batch_read("127.0.0.1", srv.port, region, [1], [out])  # the engine still serves
         assert out == bytes(buf[1:4])
+        # bad arguments: ValueError before anything is sent (a port past 65535 wrapped
+        # around to a real one)
+        for kw, says in ((dict(port=srv.port + 65536), "port must be 1..65535"), (dict(port=-1), "port"),
+                         (dict(port=0), "port"), (dict(region=-1), "region"), (dict(offsets=[-1]), "offsets"),
+                         (dict(offsets=[1.5]), "offsets"), (dict(host=""), "host")):
+            args = dict(host="127.0.0.1", port=srv.port, region=region, offsets=[0]) | kw
+            with pytest.raises(ValueError, match=f"TransferEngine.batch_read_bytes: {says}"):
+                cli.batch_read_bytes(args["host"], args["port"], args["region"], args["offsets"], [3])
+        with pytest.raises(ValueError, match="lens"):
+            cli.batch_read_bytes("127.0.0.1", srv.port, region, [0], [-3])
     finally:
         cli.close()
         srv.close()
+    with pytest.raises(RuntimeError, match="engine is closed"):
+        srv.register_memory(bytearray(8))
 
 
 def test_transfer_engine_large_batches_and_a_peer_killed_mid_batch():
@@ -181,6 +193,52 @@ def test_dead_or_stopped_owner_costs_one_wait_per_batch(procs):
         assert time.monotonic() - t0 < 50
         assert not any(s.exists_batch(keys))
     node.kill()
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_unreachable_owner_does_not_expire_a_batch_lease(procs, how):
+    """An owner killed or stopped (SIGSTOP) while the master still lists it (its client TTL
+    is 60 s here), read by a client with no connection to it yet, with the default 5 s
+    read lease: the wait for that owner (2 s for a refused connection, 5 s for an
+    unanswered handshake) used to outlast the lease and turn the whole batch into
+    LeaseExpiredError, objects on a healthy segment and replicated ones included. Now the
+    batch is read again with a new lease, skipping that segment: healthy and replicated
+    objects come back right, the ones only there fail with TransferError, and the next
+    batch waits for nothing."""
+    import signal
+
+    m = sa.start_master(client_ttl=60.0)
+    nodes = [sa.start_agent({"master": m.address, "segment_size": 64 * MiB, "name": f"seg{i}"}, serve_tcp=True,
+                            env={"MOONCAKE_HOST_ID": f"host{i}"}) for i in range(2)]
+    with MooncakeStore(master=m.address, segment_size=0, host_id="writer-host") as w:
+        healthy = [f"g{i}" for i in range(8)]
+        both = [f"r{i}" for i in range(8)]
+        lone = [f"l{i}" for i in range(4)]
+        w.put_batch(healthy, [sa.pattern(i, 5000 + i) for i in range(8)], ReplicateConfig(preferred_segment="seg1"))
+        w.put_batch(both, [sa.pattern(50 + i, 7000 + i) for i in range(8)],
+                    ReplicateConfig(replica_num=2, preferred_segment="seg0"))
+        w.put_batch(lone, [b"L" * 3000] * 4, ReplicateConfig(preferred_segment="seg0"))
+        assert all(w.where(k).memory[0] == "seg0" for k in both + lone)
+    nodes[0].kill(signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+    try:
+        with MooncakeStore(master=m.address, segment_size=0, host_id="reader-host") as r:
+            t0 = time.monotonic()
+            got = r.get_batch(healthy + both + lone, return_exceptions=True)
+            took = time.monotonic() - t0
+            assert got[:8] == [sa.pattern(i, 5000 + i) for i in range(8)], got[:8]
+            assert got[8:16] == [sa.pattern(50 + i, 7000 + i) for i in range(8)], got[8:16]
+            assert all(isinstance(g, TransferError) for g in got[16:]), got[16:]
+            assert took < 20, took
+            t0 = time.monotonic()
+            assert r.get_batch(both) == [sa.pattern(50 + i, 7000 + i) for i in range(8)]
+            assert r.get(both[0]) == sa.pattern(50, 7000)
+            out = bytearray(8000)
+            assert r.get_into(both[1], out) == 7001 and bytes(out[:7001]) == sa.pattern(51, 7001)
+            with pytest.raises(TransferError, match="could not be reached"):
+                r.get(lone[0])
+            assert time.monotonic() - t0 < 2  # the segment is skipped for a while: no wait
+    finally:
+        nodes[0].kill(signal.SIGKILL)
 
 
 def test_ssd_replica_read_from_another_host(procs, tmp_path):

@@ -10,6 +10,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <stdexcept>
@@ -81,13 +82,32 @@ int tcp_connect(const std::string& host, int port, int64_t timeout_ms) {
   socklen_t len = 0;
   if (!resolve(host, port, &addr, &len)) throw std::runtime_error("tcp: cannot resolve " + host);
   while (true) {
-    int fd = socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    // Non-blocking, so that one attempt ends at the deadline too (a blocking connect to a
+    // host that drops SYNs waits for the kernel's retries, about two minutes).
+    int fd = socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0) throw sys_error("socket");
-    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), len) == 0) {
+    int rc = connect(fd, reinterpret_cast<sockaddr*>(&addr), len);
+    if (rc != 0 && errno == EINPROGRESS) {
+      pollfd pf{fd, POLLOUT, 0};
+      int left = static_cast<int>(std::max<int64_t>(1, (deadline - now_ns()) / 1000000LL));
+      int err = ETIMEDOUT;
+      socklen_t elen = sizeof(err);
+      if (poll(&pf, 1, left) == 1 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &elen) != 0) err = errno;
+      rc = err == 0 ? 0 : -1;
+      errno = err;
+    }
+    if (rc == 0) {
+      int fl = fcntl(fd, F_GETFL);
+      if (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) < 0) {
+        close(fd);
+        throw sys_error("fcntl");
+      }
       set_socket_options(fd);
       return fd;
     }
+    const int saved = errno;
     close(fd);
+    errno = saved;
     if (now_ns() > deadline)
       throw std::runtime_error("tcp: cannot connect to " + host + ":" + std::to_string(port) +
                                ": " + std::strerror(errno));

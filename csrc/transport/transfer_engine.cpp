@@ -27,6 +27,8 @@ namespace {
 constexpr char kMagic[8] = {'M', 'C', 'T', 'E', '0', '0', '0', '1'};
 constexpr uint32_t kOpWrite = 1, kOpRead = 2;
 constexpr int kIoTimeoutS = 30;  // a send or receive that makes no progress this long fails
+constexpr int kConnectTimeoutMs = 2000;  // a peer's engine listens before it is advertised: refused = gone
+constexpr int kHandshakeTimeoutS = 5;    // a live peer answers the hello at once (a stopped one never)
 constexpr size_t kWindow = 256;  // ops in flight per round (bounds unread replies)
 
 struct ReqHdr {
@@ -114,6 +116,15 @@ bool send_iov(int fd, std::vector<iovec>& iov) {
     }
   }
   return true;
+}
+
+// Why recv_full failed during op i (errno 0 before the call): the socket timeout
+// (SO_RCVTIMEO: EAGAIN) or a closed or broken connection.
+std::string recv_failure(const std::string& peer, size_t i) {
+  if (errno == EAGAIN || errno == EWOULDBLOCK)
+    return "peer " + peer + " sent nothing for " + std::to_string(kIoTimeoutS) + " s during op " + std::to_string(i) +
+           " (stopped or hung)";
+  return "peer " + peer + " closed the connection during op " + std::to_string(i);
 }
 
 void set_timeout(int fd, int seconds) {
@@ -310,20 +321,26 @@ void TransferEngine::batch(const char* what, const std::string& host, int port, 
   if (c->fd < 0) {
     int fd;
     try {
-      fd = tcp_connect(host, port, 5000);
+      fd = tcp_connect(host, port, kConnectTimeoutMs);
     } catch (const std::exception& e) {
       drop(host, port, c);
       throw conn_err(what, std::string("cannot connect to ") + peer + ": " + e.what());
     }
-    set_timeout(fd, kIoTimeoutS);
+    set_timeout(fd, kHandshakeTimeoutS);
     uint32_t slen = static_cast<uint32_t>(secret_.size()), status = 1;
+    errno = 0;
     bool ok = send_full(fd, kMagic, 8) && send_full(fd, &slen, 4) && send_full(fd, secret_.data(), slen) &&
               recv_full(fd, &status, 4);
     if (!ok || status != 0) {
+      const bool timed_out = !ok && (errno == EAGAIN || errno == EWOULDBLOCK);
       ::close(fd);
       drop(host, port, c);
-      throw conn_err(what, ok ? "peer " + peer + " rejected the shared secret" : "handshake with " + peer + " failed");
+      throw conn_err(what, ok          ? "peer " + peer + " rejected the shared secret"
+                           : timed_out ? "peer " + peer + " did not answer the handshake within " +
+                                             std::to_string(kHandshakeTimeoutS) + " s (stopped or hung)"
+                                       : "handshake with " + peer + " failed");
     }
+    set_timeout(fd, kIoTimeoutS);
     c->fd = fd;
   }
   int fd = c->fd;
@@ -347,9 +364,10 @@ void TransferEngine::batch(const char* what, const std::string& host, int port, 
     }
     for (size_t i = start; i < end; ++i) {
       RepHdr r;
+      errno = 0;
       if (!recv_full(fd, &r, sizeof(r))) {
         drop(host, port, c);
-        throw conn_err(what, "peer " + peer + " closed the connection during op " + std::to_string(i));
+        throw conn_err(what, recv_failure(peer, i));
       }
       if (r.status != 0) {
         drop(host, port, c);
@@ -359,7 +377,7 @@ void TransferEngine::batch(const char* what, const std::string& host, int port, 
       }
       if (!kWrite && !recv_full(fd, bufs[i], lens[i])) {
         drop(host, port, c);
-        throw conn_err(what, "peer " + peer + " closed the connection during op " + std::to_string(i));
+        throw conn_err(what, recv_failure(peer, i));
       }
     }
   }
