@@ -14,7 +14,7 @@ a registered region is refused by the server before any byte is touched. An opti
 shared secret is checked when a connection opens (sent as is: use it on trusted networks).
 Errors raise ``RuntimeError`` with a ``TransferEngine::method:`` prefix. When the
 connection to the peer fails (it cannot be reached within 5 s, rejects the secret, closes
-the connection, or reads nothing for 30 s) the error is the subclass
+the connection, or moves no byte for 10 s) the error is the subclass
 ``torch.distributed.DistNetworkError``; a plain ``RuntimeError`` from a batch means a live
 peer refused an op (unknown region, out of bounds) and closed that connection. Bad
 arguments (a port outside 1..65535, a negative offset or length, a region id that is not
@@ -89,7 +89,7 @@ class TransferEngine:
                          lens: Sequence[int]) -> list:
         """Reads ``lens[i]`` bytes at ``offsets[i]`` of the peer's region into new ``bytes``."""
         offsets = _check_peer_op("batch_read_bytes", host, port, region, offsets)
-        lens = _check_counts("batch_read_bytes", "lens", lens)
+        lens = _check_counts("batch_read_bytes", "lens", lens, bits=63)  # a bytes object's largest size
         return self._te.batch_read_bytes(host, port, region, offsets, lens)
 
     def close(self) -> None:
@@ -101,11 +101,11 @@ class TransferEngine:
         self._keep.clear()
 
 
-def _check_counts(op: str, what: str, values: Sequence) -> list:
+def _check_counts(op: str, what: str, values: Sequence, bits: int = 64) -> list:
     values = list(values)
     for v in values:
-        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 1 << 64:
-            raise ValueError(f"TransferEngine.{op}: {what} must be whole numbers of bytes in 0..2**64-1, got {v!r}")
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 1 << bits:
+            raise ValueError(f"TransferEngine.{op}: {what} must be whole numbers of bytes in 0..2**{bits}-1, got {v!r}")
     return values
 
 

@@ -638,8 +638,8 @@ class MooncakeStore:
                     # Unless the owner answered and refused one op (a live peer: a plain
                     # RuntimeError), its segment cannot be reached: no engine for it
                     # (TransferError) or a failed connection (DistNetworkError): a dead
-                    # owner (each new connect would retry for 5 s) or a stopped one (each
-                    # would wait 30 s for the handshake).
+                    # owner (each new connect would retry for 2 s) or a stopped one (each
+                    # would wait 5 s for the handshake).
                     if not isinstance(e, RuntimeError) or _connection_failed(e):
                         self._mark_unreachable(name)
                         skip = skipped | {name}

@@ -379,7 +379,10 @@ class WeightSyncConfig:
             from hashlib when xxhash is not installed); readers verify every piece before
             installing anything.
         keep_versions: committed versions kept besides the newest (older ones are dropped
-            once no reader holds them).
+            once no reader holds them). A publish needs room for ``keep_versions + 2``
+            versions at once (those kept, the newest, and the one being written, all
+            pinned), below the master's high watermark, or it fails with ``NoSpaceError``
+            (and removes what it wrote).
         commit_timeout_s: how long the committing shard waits for the other shards'
             manifests.
         hold_ttl_s: a reader's hold on a version counts for this long after it was taken

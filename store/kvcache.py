@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import sys
 from typing import NamedTuple, Optional
 
 from .config import KVCacheConfig, ReplicateConfig
@@ -96,20 +97,31 @@ def _token_bytes(tokens, op="chunk_hashes") -> bytes:
     except ImportError:  # pragma: no cover
         pass
     import array
+    import operator
 
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu" or (
+                tokens.dtype.kind == "u" and tokens.size and int(tokens.max()) >= 2**63):
+            raise ValueError(f"{op}: tokens must be a 1-D array of int64 values, got {tokens.dtype} {list(tokens.shape)}")
+        return tokens.astype("<i8").tobytes()
     try:
         vals = list(tokens)
     except TypeError:
         raise ValueError(f"{op}: tokens must be a sequence of ints or a 1-D integer tensor, "
                          f"got {type(tokens).__name__}") from None
-    for t in vals:
-        if isinstance(t, bool) or not isinstance(t, int) or not -2**63 <= t < 2**63:
+    for i, t in enumerate(vals):
+        try:
+            if isinstance(t, bool) or type(t).__name__ == "bool_":
+                raise TypeError
+            vals[i] = t = operator.index(t)  # ints, and NumPy's integer scalars
+        except TypeError:
+            raise ValueError(f"{op}: tokens must be ints (int64), got {t!r}") from None
+        if not -2**63 <= t < 2**63:
             raise ValueError(f"{op}: tokens must be ints (int64), got {t!r}")
     a = array.array("q", vals)
     if a.itemsize != 8:  # pragma: no cover
         raise RuntimeError("array 'q' is not 8 bytes")
-    import sys
-
     if sys.byteorder != "little":  # pragma: no cover
         a.byteswap()
     return a.tobytes()

@@ -30,8 +30,9 @@ Old versions: after each commit, shard 0 drops committed versions older than the
 commit record first, then the pieces (``remove(force=True)``: a copy in progress is safe,
 the store reuses leased space only after the lease ends). A reader whose version vanished
 under it fails its pull and keeps its old version; the next ``pull()`` takes the newest.
-Not collected: pieces of a publish that never committed (a trainer that died mid-publish;
-republishing the same version overwrites them).
+A publish that fails with an exception (``NoSpaceError``, ``TransferError``, ...) before its
+manifest is written removes the pieces its shard wrote. Not collected: pieces of a
+trainer that died mid-publish (republishing the same version overwrites them).
 
 Sharded trainers (DTensor / FSDP2 state dicts): every rank calls ``publish`` with its own
 state dict, ``shard=rank`` and ``num_shards=world``; each rank writes only its local
@@ -187,6 +188,9 @@ def _local_pieces(state_dict: dict, shard: int, num_shards: int) -> list:
             raise ValueError(f"state dict keys must be non-empty str, got {name!r}")
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"state dict entry {name!r} is a {type(t).__name__}, not a tensor")
+        if not (DTensor is not None and isinstance(t, DTensor)) and (t.layout != torch.strided or t.is_nested):
+            raise ValueError(f"{name!r}: tensors must be dense (strided), got layout {t.layout}"
+                             + (" (nested)" if t.is_nested else ""))
         if DTensor is not None and isinstance(t, DTensor):
             coord = t.device_mesh.get_coordinate()
             if coord is None:
@@ -203,6 +207,8 @@ def _local_pieces(state_dict: dict, shard: int, num_shards: int) -> list:
                 continue
             local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
             local = t.to_local()
+            if local.layout != torch.strided:
+                raise ValueError(f"{name!r}: tensors must be dense (strided), got layout {local.layout}")
             if local.device.type != "cpu":
                 raise ValueError(f"{name!r}: tensors must be on the CPU, got {local.device}")
             if tuple(local.shape) != tuple(local_shape):
@@ -245,6 +251,9 @@ class WeightSync:
         self._into = None  # (id, weakref or None) of the last `into`, or "none" (into=None)
         self._refresher: Optional[threading.Thread] = None
         self._stop = threading.Event()
+        # viewed versions found dropped while this reader still had views of them (its hold
+        # lapsed: the process was stopped or starved past hold_ttl_s); see _refresh_main
+        self.lapsed_versions: list = []
         hooks = getattr(store, "_close_hooks", None)
         if hooks is not None:  # closing the store (or the process exiting) releases this reader first
             hooks.append(weakref.WeakMethod(self.release))
@@ -275,7 +284,8 @@ class WeightSync:
 
         Raises ``StaleVersionError`` if ``version`` is at or below the latest committed
         one, ``ValueError`` for bad input (before anything is written), ``StoreError``s of
-        the store. With ``num_shards > 1`` every shard calls this; shard 0 waits up to
+        the store (a failure while writing removes what this shard wrote of ``version``,
+        so a retry needs no more room than the first try). With ``num_shards > 1`` every shard calls this; shard 0 waits up to
         ``commit_timeout_s`` for the others' manifests and commits."""
         torch = _torch()
         if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2**63:
@@ -311,6 +321,22 @@ class WeightSync:
             cur_bytes += n
         if cur or not plan:
             plan.append(cur)
+        try:
+            _, total = self._write_pieces(torch, vp, shard, num_shards, version, plan)
+        except BaseException:
+            # nothing of this version is committed: give back what this shard wrote (it is
+            # pinned, so it would stay, and the next try would need room for all of it again)
+            try:
+                self.store.remove_batch([f"{vp}b{shard}.{i}" for i in range(len(plan))] + [f"{vp}m{shard}"],
+                                        force=True, return_exceptions=True)
+            except Exception:  # noqa: BLE001 - the store is unreachable too: the first error is the one to see
+                pass
+            raise
+        return self._commit(vp, version, shard, num_shards, plan, total)
+
+    def _write_pieces(self, torch, vp: str, shard: int, num_shards: int, version: int, plan: list) -> tuple:
+        """Writes this shard's buckets (bucket i put while bucket i+1 is packed), then its
+        manifest; returns ``(manifest, bytes written)``."""
         manifest = {"version": version, "shard": shard, "num_shards": num_shards, "buckets": [], "pieces": []}
         total = 0
         algo = _default_algo() if self.cfg.checksums else None
@@ -344,6 +370,9 @@ class WeightSync:
             if pending is not None:
                 pending.result()
         self.store.upsert(f"{vp}m{shard}", msgpack.packb(manifest), self._rc)
+        return manifest, total
+
+    def _commit(self, vp: str, version: int, shard: int, num_shards: int, plan: list, total: int) -> PublishResult:
         if shard != 0:
             return PublishResult(version, shard, False, len(plan), total, [])
         mkeys = [f"{vp}m{s}" for s in range(num_shards)]
@@ -462,8 +491,26 @@ class WeightSync:
                 try:
                     self._hold(held, verify=True)
                     written = bool(held)
+                    if held:
+                        self._check_not_dropped(held)
                 except StoreError:
                     pass  # retried at the next tick; the hold counts for hold_ttl_s
+
+    def _check_not_dropped(self, held: list):
+        """A reader stopped or starved past ``hold_ttl_s`` (a debugger, a paused VM) lost
+        its hold: a publisher may have dropped a version it still views and reused that
+        memory. Nothing can stop the model from reading it then; this makes it loud
+        (``lapsed_versions``, an error in the log and a ``RuntimeWarning``) until the next
+        pull installs a newer version."""
+        alive = self.store.exists_batch([f"{self._p}v{v}/commit" for v in held])
+        gone = [v for v, ok in zip(held, alive) if not ok]
+        if gone and gone != self.lapsed_versions:
+            self.lapsed_versions = gone
+            msg = (f"{self.model}: version(s) {gone} were dropped while this reader still had views of them (its "
+                   f"hold lapsed: stopped or starved past hold_ttl_s={self.cfg.hold_ttl_s} s); those parameters may "
+                   "now read another version's bytes: pull() again")
+            log.error(msg)
+            warnings.warn(msg, RuntimeWarning, stacklevel=1)
 
     def release(self):
         """Gives up this reader's slot (call when the reader goes away for good). With
@@ -496,7 +543,9 @@ class WeightSync:
         checksums, shapes, every element covered) before the first tensor of ``into``
         changes; on any error the previous version stays and the error is raised
         (``WeightSyncAbortedError`` for a missing/corrupt piece, or the error raised).
-        ``dtype`` casts floating-point tensors. Never goes back: an int ``version`` below
+        ``dtype`` casts floating-point tensors; a tensor of ``into`` keeps its dtype, and one
+        whose dtype differs from the published one raises ``ValueError`` unless both are
+        floating-point (then the values are cast). Never goes back: an int ``version`` below
         the one held raises ``StaleVersionError``; ``"latest"`` at or below it does
         nothing (``installed=False``). ``strict``: ``into`` must have exactly the
         published names. ``stage_hook(i)`` runs before bucket ``i`` is staged (for
@@ -599,6 +648,7 @@ class WeightSync:
             self._refresher = threading.Thread(target=self._refresh_main, name="ws-hold", daemon=True)
             self._refresher.start()
         self.version = max(v, prev)
+        self.lapsed_versions = [x for x in self.lapsed_versions if x in self._held_versions()]
         return PullResult(v, prev, True, nbytes, staged)
 
     def _stage(self, v: int, targets: dict, dtype, strict: bool, stage_hook, view_mode: bool = False) -> tuple:
@@ -639,6 +689,10 @@ class WeightSync:
             if name in targets and tuple(targets[name].shape) != tuple(gshape):
                 raise ValueError(f"{self.model} v{v}: {name!r} has shape {tuple(gshape)}, into has "
                                  f"{tuple(targets[name].shape)}; kept version {self.version}")
+            pub, tdt = _dtype_of(dt), (targets[name].dtype if name in targets else None)
+            if tdt is not None and tdt != pub and not (tdt.is_floating_point and pub.is_floating_point):
+                raise ValueError(f"{self.model} v{v}: {name!r} is published as {pub}, into has {tdt} (only "
+                                 f"floating-point tensors are cast); kept version {self.version}")
         buckets = [(b[0], b[1], [p for p in m["pieces"] if p["bucket"] == i])
                    for m in mans for i, b in enumerate(m["buckets"])]
         views: dict = {}  # name -> read-only tensor over the store's memory (install="view")

@@ -305,3 +305,22 @@ def test_stats_lookups_and_lost_chunks(procs):
         # match_prefix found nothing for unknown tokens: get of them loses nothing
         assert reader.match_prefix(unknown) == 0 and reader.get(unknown, 32).tokens == 0
         assert reader.stats.lost_chunks == 1 and reader.stats.miss_chunks == 3 + 2
+
+
+def test_tokens_as_lists_tensors_and_numpy_arrays_hash_alike():
+    """Token ids may come as ints, a 1-D integer tensor or a 1-D NumPy integer array (of
+    any width: an int32 array was refused), with the same chunk hashes; anything else
+    that is not a 64-bit integer is a ValueError naming the value."""
+    import numpy as np
+    import torch
+    from mooncake_store import chunk_hashes
+
+    ids = list(range(1000, 1100))
+    ref = chunk_hashes(ids, 16)
+    for same in (torch.tensor(ids, dtype=torch.int32), np.array(ids, dtype=np.int32), np.array(ids, dtype=np.uint16),
+                 [np.int64(t) for t in ids]):
+        assert chunk_hashes(same, 16) == ref
+    for bad in ([True] * 16, [1.5] * 16, np.ones(16), np.ones((4, 4), dtype=np.int64),
+                np.full(16, 2**64 - 1, dtype=np.uint64), [np.bool_(True)] * 16):
+        with pytest.raises(ValueError, match="tokens must be"):
+            chunk_hashes(bad, 16)

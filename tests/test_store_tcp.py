@@ -56,8 +56,9 @@ def test_transfer_engine_bounds_and_secret():
             args = dict(host="127.0.0.1", port=srv.port, region=region, offsets=[0]) | kw
             with pytest.raises(ValueError, match=f"TransferEngine.batch_read_bytes: {says}"):
                 cli.batch_read_bytes(args["host"], args["port"], args["region"], args["offsets"], [3])
-        with pytest.raises(ValueError, match="lens"):
-            cli.batch_read_bytes("127.0.0.1", srv.port, region, [0], [-3])
+        for bad_len in (-3, 1 << 63, 1 << 64):  # 2**63 and up: SystemError from Python's bytes
+            with pytest.raises(ValueError, match="lens"):
+                cli.batch_read_bytes("127.0.0.1", srv.port, region, [0], [bad_len])
     finally:
         cli.close()
         srv.close()

@@ -543,6 +543,46 @@ def test_view_install_rejects_what_it_cannot_protect():
         assert r.version == -1
 
 
+def test_failed_publish_leaves_nothing_pinned_and_bad_tensors_or_dtypes_are_refused():
+    """A publish that fails with NoSpaceError removes the pieces it wrote (they are pinned:
+    they used to stay, and every later publish failed the same way, a smaller one too);
+    sparse and nested tensors are ValueError before anything is written (was RuntimeError
+    from torch); a pull into a tensor of another dtype is ValueError unless both are
+    floating-point (an int64 target used to truncate 1.7 to 1 silently)."""
+    import torch
+    from mooncake_store import MooncakeStore, NoSpaceError, WeightSync, WeightSyncConfig
+
+    with MooncakeStore(serve_tcp=False, segment_size=64 * MiB) as s:
+        ws = WeightSync(s, "m", config=WeightSyncConfig(keep_versions=0, bucket_bytes=4 * MiB))
+        big = {f"w{i}": torch.full((MiB,), float(i)) for i in range(10)}  # 40 MiB
+        ws.publish(big, 1)
+        def held():  # objects and the bytes they take (not space reserved for the next puts)
+            st = s.stats()
+            return st.objects, st.used_bytes - st.reserved_bytes
+
+        before = held()
+        for _ in range(3):
+            with pytest.raises(NoSpaceError):
+                ws.publish(big, 2)  # v1 and v2 do not fit together
+            assert held() == before  # nothing of v2 left behind
+        small = {f"w{i}": torch.full((16,), float(i) + 0.7) for i in range(10)}
+        ws.publish(small, 2)  # fits: nothing of the failed tries holds space
+        for bad in (torch.eye(3).to_sparse(), torch.eye(3).to_sparse_csr(),
+                    torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])):
+            with pytest.raises(ValueError, match="dense"):
+                ws.publish({"w0": bad}, 3)
+        assert ws.latest_version() == 2
+        r = WeightSync(s, "m")
+        ints = {k: torch.zeros(16, dtype=torch.int64) for k in small}
+        with pytest.raises(ValueError, match="published as torch.float32, into has torch.int64"):
+            r.pull(ints)
+        assert r.version == -1 and all(int(t.sum()) == 0 for t in ints.values())
+        halves = {k: torch.zeros(16, dtype=torch.float16) for k in small}
+        r.pull(halves)  # floating-point targets keep their dtype: a cast
+        assert r.version == 2
+        assert all(torch.equal(halves[k], small[k].to(torch.float16)) for k in small)
+
+
 _VIEW_READER = r"""
 import sys, time, torch
 from mooncake_store import MooncakeStore, WeightSync, WeightSyncConfig
@@ -641,6 +681,67 @@ def test_a_dead_view_readers_slot_is_reclaimed(store_procs):
         finally:
             os.killpg(p2.pid, signal.SIGKILL)
             p2.wait(10)
+
+
+_LAPSING_READER = r"""
+import sys, time, warnings, torch
+from mooncake_store import MooncakeStore, WeightSync, WeightSyncConfig
+warnings.simplefilter("always")
+m = torch.nn.Module()
+m.register_parameter("w", torch.nn.Parameter(torch.zeros(4096), requires_grad=False))
+s = MooncakeStore(serve_tcp=False, master=sys.argv[1], segment_size=0)
+r = WeightSync(s, "lapse", config=WeightSyncConfig(install="view", hold_ttl_s=1.0))
+r.pull(m)
+print("pulled", r.version, float(m.w[0]), flush=True)
+for _ in range(200):
+    time.sleep(0.05)
+    if r.lapsed_versions:
+        print("lapsed", r.lapsed_versions, flush=True)
+        break
+r.pull(m)
+print("pulled", r.version, r.lapsed_versions, float(m.w[0]), flush=True)
+"""
+
+
+def test_a_view_reader_stopped_past_its_hold_is_told(store_procs):
+    """A view reader stopped (SIGSTOP) longer than hold_ttl_s loses its hold and the
+    publisher drops the version it views (its memory is then reused): after SIGCONT the
+    reader reports it (``lapsed_versions``, a logged error, a RuntimeWarning) instead of
+    silently computing with another version's bytes (found by a new-user trial), and its
+    next pull installs the newest version and clears it."""
+    import signal
+    import subprocess
+    import time
+
+    import torch
+    from mooncake_store import MooncakeStore, WeightSync, WeightSyncConfig
+
+    addr = _start_store(16)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([sa.REPO, os.environ.get("PYTHONPATH", "")]))
+    with MooncakeStore(serve_tcp=False, master=addr, segment_size=0) as s:
+        tr = WeightSync(s, "lapse", config=WeightSyncConfig(hold_ttl_s=1.0, keep_versions=0))
+        tr.publish({"w": torch.ones(4096)}, 1)
+        p = subprocess.Popen([sys.executable, "-c", _LAPSING_READER, addr], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        try:
+            assert p.stdout.readline().split() == ["pulled", "1", "1.0"]
+            os.killpg(p.pid, signal.SIGSTOP)
+            time.sleep(1.5)  # > hold_ttl_s
+            for v in (2, 3):
+                assert tr.publish({"w": torch.full((4096,), float(v))}, v).committed
+            assert 1 not in tr.committed_versions()
+            os.killpg(p.pid, signal.SIGCONT)
+            out, err = p.communicate(timeout=60)
+        finally:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(10)
+        lines = out.splitlines()
+        assert lines[0] == "lapsed [1]", (out, err[-2000:])
+        assert lines[1] == "pulled 3 [] 3.0", (out, err[-2000:])
+        assert "were dropped while this reader still had views of them" in err
 
 
 def test_view_reader_pulls_mixed_with_into_none_and_store_close(store_procs):

@@ -26,7 +26,8 @@ namespace {
 
 constexpr char kMagic[8] = {'M', 'C', 'T', 'E', '0', '0', '0', '1'};
 constexpr uint32_t kOpWrite = 1, kOpRead = 2;
-constexpr int kIoTimeoutS = 30;  // a send or receive that makes no progress this long fails
+constexpr int kIoTimeoutS = 10;  // a send or receive that makes no progress this long fails (a live
+                                 // peer always moves some bytes within it; a stopped one blocks its clients this long)
 constexpr int kConnectTimeoutMs = 2000;  // a peer's engine listens before it is advertised: refused = gone
 constexpr int kHandshakeTimeoutS = 5;    // a live peer answers the hello at once (a stopped one never)
 constexpr size_t kWindow = 256;  // ops in flight per round (bounds unread replies)
