@@ -2,6 +2,7 @@
 publish. Real processes: a master and a storage client (the segment owner) started by
 store_agents; trainers and rollout workers are ranks of a rank pool (torch.distributed
 processes); the test process only orchestrates and compares digests."""
+import contextlib
 import os
 import sys
 
@@ -733,10 +734,8 @@ def test_a_view_reader_stopped_past_its_hold_is_told(store_procs):
             os.killpg(p.pid, signal.SIGCONT)
             out, err = p.communicate(timeout=60)
         finally:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             p.wait(10)
         lines = out.splitlines()
         assert lines[0] == "lapsed [1]", (out, err[-2000:])
