@@ -14,14 +14,15 @@ group) in ``weight_sync.py``; :class:`KVCacheStore` (prefix K/V chunks) in ``kvc
 from .client import MooncakeStore, Placement, StoreStats
 from .config import KVCacheConfig, MasterConfig, ReplicateConfig, StoreConfig, WeightSyncConfig, env_defaults
 from .errors import (AuthError, LeaseExpiredError, NoSpaceError, NotLeaderError, ObjectExistsError,
-                     ObjectHasLeaseError, ObjectNotFoundError, ProtocolError, ReplicaShortfallError, StaleVersionError, StoreError,
-                     TransferError, WeightSyncAbortedError)
+                     ObjectHasLeaseError, ObjectNotFoundError, ProtocolError, PutLostError, ReplicaShortfallError,
+                     StaleVersionError, StoreError, TransferError, WeightSyncAbortedError)
 from .kvcache import KVCacheStats, KVCacheStore, KVGetResult, KVPutResult, chunk_hashes
 from .weight_sync import GroupSyncResult, GroupWeightSync, PublishResult, PullResult, WeightSync, tensor_digest
 
 __all__ = ["MooncakeStore", "Placement", "StoreStats", "Master", "MasterConfig", "ReplicateConfig", "StoreConfig", "env_defaults",
            "StoreError", "ObjectExistsError", "ObjectNotFoundError", "LeaseExpiredError", "ObjectHasLeaseError",
            "ReplicaShortfallError", "NoSpaceError", "TransferError", "ProtocolError", "AuthError", "NotLeaderError",
+           "PutLostError",
            "StaleVersionError", "WeightSyncAbortedError", "WeightSyncConfig", "WeightSync", "GroupWeightSync",
            "PublishResult", "PullResult", "GroupSyncResult", "tensor_digest",
            "KVCacheStore", "KVCacheConfig", "KVCacheStats", "KVPutResult", "KVGetResult", "chunk_hashes"]

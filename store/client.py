@@ -243,6 +243,11 @@ class _Obj:
         self.key, self.size, self.version, self.meta, self.replicas = key, size, version, meta, replicas
 
 
+def _check_force(force, op: str):
+    if not isinstance(force, bool):  # "no" is truthy: it removed leased objects
+        raise ValueError(f"{op}: force must be True or False, got {force!r}")
+
+
 def _connection_failed(e: BaseException) -> bool:
     """Whether a transfer-engine error is a failed connection to the peer: the binding
     raises the engine's ``PeerConnectionError`` as ``torch.distributed.DistNetworkError``
@@ -282,6 +287,7 @@ class MooncakeStore:
         self._closed = False
         self._conn: Optional[protocol.Connection] = None
         self._etcd = None
+        self._etcd_error: Optional[str] = None  # why etcd could not be asked who leads, when it could not
         self._embedded = None
         self._segment: Optional[LocalSegment] = None
         self._te = None
@@ -319,6 +325,10 @@ class MooncakeStore:
             if cfg.segment_size:
                 if cfg.segment_size <= SEG_HEADER:
                     raise ValueError(f"segment_size must be 0 or more than {SEG_HEADER} bytes")
+                phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+                if cfg.prefault and cfg.segment_size > phys:  # it would be committed at once, until memory ran out
+                    raise ValueError(f"segment_size of {cfg.segment_size} bytes is more than this machine's memory "
+                                     f"({phys} bytes), and prefault commits it at start")
                 self._segment = LocalSegment(self.name, cfg.segment_size, prefault=cfg.prefault,
                                              huge_pages=cfg.huge_pages)
             if serve_tcp or cfg.transfer == "tcp":
@@ -392,14 +402,16 @@ class MooncakeStore:
             self._etcd = Etcd(self.cfg.etcd, self.cfg.etcd_prefix)
         try:
             rec = self._etcd.leader()
-        except Exception:
+        except Exception as e:  # etcd unreachable: said in the error the caller sees
+            self._etcd_error = f"etcd {self.cfg.etcd} unreachable: {type(e).__name__}: {e}"
             return None
+        self._etcd_error = None
         return rec["addr"] if rec else None
 
     def _connect(self) -> protocol.Connection:
         addr = self._resolve()
         if addr is None:
-            raise ConnectionError("no store master leads (etcd has no leader record)")
+            raise ConnectionError(f"no store master leads ({self._etcd_error or 'etcd has no leader record'})")
         host, port = _parse_hostport(addr, "master")
         return protocol.Connection(host, port, secret=self.cfg.secret, timeout=self.cfg.rpc_timeout_s,
                                    busy_poll_us=self.cfg.rpc_busy_poll_us)
@@ -990,8 +1002,9 @@ class MooncakeStore:
         Returns how many replicas were placed (``config.replica_num`` or fewer when fewer
         segments can hold it). Raises ``ObjectExistsError`` if the key exists or is being
         written (use :meth:`upsert`), ``ReplicaShortfallError`` (``require_all``; nothing
-        stored), ``NoSpaceError``, ``TransferError``; ``ValueError`` for bad arguments
-        (before anything is sent)."""
+        stored), ``NoSpaceError``, ``TransferError``, ``PutLostError`` (the master no longer
+        knows the put: it outlasted ``put_ttl_s``, or a leader change lost it; nothing
+        stored); ``ValueError`` for bad arguments (before anything is sent)."""
         return self._put_many([_check_key(key, "put")], [_as_bytes_view(value, "put: value")], [b""], config, False,
                               False)[0]
 
@@ -1296,7 +1309,8 @@ class MooncakeStore:
         """Removes ``key``. Raises ``ObjectNotFoundError``, or ``ObjectHasLeaseError`` while a
         reader holds a lease (``force=True`` removes anyway; the space is reused only once
         the lease has expired, so the reader's copy stays intact)."""
-        (item,) = self._call("remove", {"client": self.client_id, "keys": [_check_key(key, "remove")], "force": bool(force)})["items"]
+        _check_force(force, "remove")
+        (item,) = self._call("remove", {"client": self.client_id, "keys": [_check_key(key, "remove")], "force": force})["items"]
         if item[0] != 0:
             raise from_code(item[1], item[2])
 
@@ -1304,9 +1318,10 @@ class MooncakeStore:
         """:meth:`remove` for several keys (each once); returns ``None`` per key, or the
         exception in its place with ``return_exceptions``."""
         keys = _check_keys(keys, "remove_batch")
+        _check_force(force, "remove_batch")
         res: list = []
         for a, b in _chunks(keys):
-            res += self._call("remove", {"client": self.client_id, "keys": keys[a:b], "force": bool(force)})["items"]
+            res += self._call("remove", {"client": self.client_id, "keys": keys[a:b], "force": force})["items"]
         out = [None if it[0] == 0 else from_code(it[1], it[2]) for it in res]
         if not return_exceptions:
             for o in out:

@@ -147,13 +147,16 @@ class MasterConfig:
 
     def __post_init__(self):
         for name in ("client_ttl_s", "put_ttl_s", "lease_ttl_s"):
-            if not (float(getattr(self, name)) > 0):
-                raise ValueError(f"MasterConfig: {name} must be > 0 seconds, got {getattr(self, name)!r}")
+            v = float(getattr(self, name))
+            if not (0 < v < 1e6):  # inf overflowed when the master converted it to milliseconds
+                raise ValueError(f"MasterConfig: {name} must be > 0 and < 1e6 seconds, got {getattr(self, name)!r}")
         if not (0 < self.low_watermark <= self.high_watermark <= 1):
             raise ValueError("MasterConfig: need 0 < low_watermark <= high_watermark <= 1, got "
                              f"{self.low_watermark} and {self.high_watermark}")
         if not (0 <= int(self.port) < 65536):
             raise ValueError(f"MasterConfig: port must be 0..65535, got {self.port}")
+        if self.metrics_port is not None and not (0 <= int(self.metrics_port) < 65536):  # 70000 wrapped to 4464
+            raise ValueError(f"MasterConfig: metrics_port must be 0..65535, got {self.metrics_port}")
         if self.max_frame_bytes < 4096:
             raise ValueError(f"MasterConfig: max_frame_bytes must be >= 4096, got {self.max_frame_bytes}")
         if self.etcd is not None:
@@ -302,6 +305,8 @@ class StoreConfig:
             _parse_hostport(self.master, "StoreConfig.master")
         if self.etcd is not None:
             _parse_hostport(self.etcd, "StoreConfig.etcd")
+            if self.master is not None:  # master= was ignored
+                raise ValueError("StoreConfig: give master (one master) or etcd (follow the leader), not both")
         if self.segment_size is not None and (not isinstance(self.segment_size, int) or isinstance(self.segment_size, bool)
                                               or self.segment_size < 0):
             raise ValueError(f"StoreConfig: segment_size must be a byte count >= 0, got {self.segment_size!r}")

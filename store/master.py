@@ -117,7 +117,10 @@ class Master:
             self._ready.set()
 
     def run(self):
+        """Serves until SIGINT/SIGTERM. Raises ``OSError`` if a port cannot be bound."""
         _run(self._main(install_signals=True))
+        if self._startup_error:
+            raise self._startup_error
 
     def stop(self):
         self._closing = True
@@ -220,7 +223,7 @@ class Master:
                     except Exception:
                         pass
             except Exception as e:  # etcd unreachable: retry
-                log.warning("etcd: %s", e)
+                log.warning("etcd %s: %s: %s", self.cfg.etcd, type(e).__name__, e)
                 time.sleep(0.5)
 
     async def _become_leader(self, core: Core):
@@ -339,6 +342,11 @@ class Master:
             writer.close()
 
 
+AUTH_TIMEOUT_S = 10.0  # with a secret: a connection that has not authenticated by then is closed
+FRAME_TIMEOUT_S = 30.0  # a frame whose first bytes arrived must be whole by then, or the connection is closed
+PREAUTH_FRAME_BYTES = 4096  # the largest frame before authentication (a hello is ~60 bytes)
+
+
 class _Connection(asyncio.Protocol):
     """One client connection: frames are cut out of the byte stream as they arrive and
     answered in order. A frame longer than the limit gets an error reply and the
@@ -356,6 +364,8 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         # puts this connection started (put_start) and did not end: key -> [client, version]
         self.started: dict = {}
+        self._auth_timer = None
+        self._frame_timer = None
 
     def connection_made(self, transport):
         self.transport = transport
@@ -371,10 +381,21 @@ class _Connection(asyncio.Protocol):
             self._close()
             return
         self._send([0, 0, {"v": protocol.VERSION, "nonce": self.nonce, "auth": not self.authed}])
+        if not self.authed:  # idle unauthenticated connections must not fill the connection cap
+            self._auth_timer = self.m.loop.call_later(AUTH_TIMEOUT_S, self._timeout,
+                                                      f"not authenticated within {AUTH_TIMEOUT_S:g} s")
+
+    def _timeout(self, why: str):
+        if not self.closed:
+            self._send([-1, 1, [ProtocolError.code, f"{why}; closing"]])
+            self._close()
 
     def connection_lost(self, exc):
         self.closed = True
         self.m._conns -= 1
+        for t in (self._auth_timer, self._frame_timer):
+            if t is not None:
+                t.cancel()
         # A put started on this connection and not ended here is aborted: its writer gave up
         # on the connection (a timeout, e.g. while this master was stopped, whose put_start
         # is then only handled now), and would otherwise find its own key "being written"
@@ -409,17 +430,24 @@ class _Connection(asyncio.Protocol):
         self._process()
 
     def _process(self):
-        limit = self.m.cfg.max_frame_bytes
         while not self.busy and not self.closed and not self.write_paused:
-            if len(self.buf) < 4:
-                return
-            (n,) = _LEN.unpack_from(self.buf, 0)
+            # before authentication only a small frame (the hello) is buffered
+            limit = self.m.cfg.max_frame_bytes if self.authed else PREAUTH_FRAME_BYTES
+            n = _LEN.unpack_from(self.buf, 0)[0] if len(self.buf) >= 4 else 0
             if n > limit:
-                self._send([-1, 1, [ProtocolError.code, f"frame of {n} bytes exceeds the limit of {limit}; closing"]])
+                self._send([-1, 1, [ProtocolError.code, f"frame of {n} bytes exceeds the limit of {limit}"
+                                    + ("" if self.authed else " before authentication") + "; closing"]])
                 self._close()
                 return
-            if len(self.buf) < 4 + n:
+            if len(self.buf) < 4 or len(self.buf) < 4 + n:
+                # a frame begun: it must be whole within FRAME_TIMEOUT_S (its bytes stay buffered)
+                if self.buf and self._frame_timer is None:
+                    self._frame_timer = self.m.loop.call_later(FRAME_TIMEOUT_S, self._timeout,
+                                                               f"frame not complete within {FRAME_TIMEOUT_S:g} s")
                 return
+            if self._frame_timer is not None:
+                self._frame_timer.cancel()
+                self._frame_timer = None
             body = bytes(self.buf[4:4 + n])
             del self.buf[:4 + n]
             self._request(body)
@@ -445,6 +473,9 @@ class _Connection(asyncio.Protocol):
                     self._close()
                     return
                 self.authed = True
+                if self._auth_timer is not None:
+                    self._auth_timer.cancel()
+                    self._auth_timer = None
                 reply = [mid, 0, {}]
             elif method == "poll" and self.m.leader and self.m._poll_wait(args) > 0:
                 self.busy = True
@@ -526,13 +557,20 @@ def main(argv=None):
     if a.port_file:
         def write_port():
             m._ready.wait()
+            if m._startup_error:
+                return
             tmp = a.port_file + ".tmp"
             with open(tmp, "w") as f:
                 f.write(f"{m.port} {m.metrics_port}\n")
             os.replace(tmp, a.port_file)
 
         threading.Thread(target=write_port, daemon=True).start()
-    m.run()
+    try:
+        m.run()
+    except OSError as e:
+        print(f"mooncake-store-master: cannot listen on {cfg.host} (port {cfg.port}, metrics port "
+              f"{cfg.metrics_port}): {e}", file=sys.stderr)
+        return 1
     return 0
 
 

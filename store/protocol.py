@@ -80,6 +80,10 @@ class Connection:
         except BaseException:
             self.close()
             raise
+        if (isinstance(greet, list) and len(greet) == 3 and greet[1] == 1 and isinstance(greet[2], list)
+                and len(greet[2]) == 2):
+            self.close()  # the master refused the connection (e.g. too many connections)
+            raise from_code(greet[2][0], f"master {host}:{port} refused the connection: {greet[2][1]}")
         if not (isinstance(greet, list) and len(greet) == 3 and isinstance(greet[2], dict)):
             self.close()
             raise ProtocolError(f"{host}:{port} is not a mooncake store master")

@@ -389,3 +389,71 @@ def test_python_m_master_without_runpy_warning(procs):
     assert Master is M2 and mooncake_store.Master is M2 and "Master" in mooncake_store.__all__
     with pytest.raises(AttributeError):
         mooncake_store.NoSuchThing  # noqa: B018
+
+
+def test_unauthenticated_connections_cannot_hold_memory_or_slots(procs):
+    """With a secret, a connection may buffer at most a small frame before it has
+    authenticated, and one that does not authenticate within AUTH_TIMEOUT_S (10 s) is
+    closed (found by a new-user trial: 100 half-sent 4 MiB frames held 428 MiB of the
+    master's memory, and 4200 idle connections locked every client out)."""
+    m = sa.start_master(env={"MOONCAKE_STORE_SECRET": "s3cret"})
+    big = Raw(m.address)
+    big.send_frame(b"x" * 100, length=1 << 20)  # a 1 MiB frame begun before authenticating
+    rep = big.read()
+    assert rep[1] == 1 and "before authentication" in rep[2][1], rep
+    assert big.closed()
+    idle = Raw(m.address)
+    t0 = time.monotonic()
+    rep = idle.read()  # nothing sent: the master gives up on it
+    assert rep[1] == 1 and "not authenticated within" in rep[2][1], rep
+    assert 8 < time.monotonic() - t0 < 30 and idle.closed()
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=1 << 20, secret="s3cret") as s:
+        s.put("a", b"b")
+        time.sleep(0.1)
+        assert s.get("a") == b"b"  # authenticated clients are not timed out
+
+
+def test_master_cli_refuses_what_it_cannot_serve(tmp_path):
+    """A port in use exits 1 with the reason and writes no port file (it exited 0 silently);
+    a metrics port past 65535 (it wrapped around to another port) and infinite TTLs (every
+    client then failed with OverflowError) are refused as usage errors."""
+    import subprocess
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        pf = tmp_path / "port"
+        r = subprocess.run([sys.executable, "-m", "mooncake_store.master", "--port", str(busy.getsockname()[1]),
+                            "--port-file", str(pf)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and "cannot listen on 127.0.0.1" in r.stderr, (r.returncode, r.stderr[-2000:])
+        time.sleep(0.2)
+        assert not pf.exists()
+    for bad, says in ((["--metrics-port", "70000"], "metrics_port must be 0..65535"),
+                      (["--lease-ttl", "inf"], "lease_ttl_s must be > 0"), (["--client-ttl", "inf"], "client_ttl_s")):
+        r = subprocess.run([sys.executable, "-m", "mooncake_store.master", "--port", "0", *bad], capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 2 and says in r.stderr, (bad, r.returncode, r.stderr[-2000:])
+
+
+def test_client_argument_checks_from_the_trial():
+    """remove(force=) takes a bool ("no" removed a leased object); master= and etcd= together
+    are refused (master= was ignored); PutLostError is exported like the other errors; a
+    prefaulted segment larger than the machine's memory is refused before it is committed."""
+    import mooncake_store
+    from mooncake_store import ObjectHasLeaseError, PutLostError, StoreConfig, StoreError
+
+    assert issubclass(PutLostError, StoreError) and "PutLostError" in mooncake_store.__all__
+    with pytest.raises(ValueError, match="master .* or etcd"):
+        StoreConfig(master="127.0.0.1:1", etcd="127.0.0.1:2").resolved()
+    with MooncakeStore(serve_tcp=False, segment_size=1 << 20) as s:
+        s.put("k", b"v")
+        assert s.get("k") == b"v"  # leased now
+        for op in (lambda: s.remove("k", force="no"), lambda: s.remove_batch(["k"], force=1)):
+            with pytest.raises(ValueError, match="force must be True or False"):
+                op()
+        with pytest.raises(ObjectHasLeaseError):
+            s.remove("k")
+        assert s.exists("k")
+    phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    with pytest.raises(ValueError, match="more than this machine's memory"):  # it ate the machine's memory
+        MooncakeStore(serve_tcp=False, segment_size=phys + (1 << 30))
