@@ -992,7 +992,8 @@ class MooncakeStore:
                     self._call("reserve", {"client": self.client_id, "bytes": 0, "ret": self._returns(old)})
                     self._resv_orphans.clear()
                 except StoreError as e:
-                    log.warning("store: giving a put reservation back failed: %s", e)
+                    if not self._closed:  # closed meanwhile (close() on another thread): nothing to say
+                        log.warning("store: giving a put reservation back failed: %s", e)
         finally:
             self._resv_lock.release()
 
