@@ -390,6 +390,13 @@ class _Connection(asyncio.Protocol):
             self._send([-1, 1, [ProtocolError.code, f"{why}; closing"]])
             self._close()
 
+    def _frame_timeout(self):
+        self._frame_timer = None
+        if self.busy or self.write_paused:  # reading is paused by us, not by a slow peer: wait on
+            self._frame_timer = self.m.loop.call_later(FRAME_TIMEOUT_S, self._frame_timeout)
+            return
+        self._timeout(f"frame not complete within {FRAME_TIMEOUT_S:g} s")
+
     def connection_lost(self, exc):
         self.closed = True
         self.m._conns -= 1
@@ -442,8 +449,7 @@ class _Connection(asyncio.Protocol):
             if len(self.buf) < 4 or len(self.buf) < 4 + n:
                 # a frame begun: it must be whole within FRAME_TIMEOUT_S (its bytes stay buffered)
                 if self.buf and self._frame_timer is None:
-                    self._frame_timer = self.m.loop.call_later(FRAME_TIMEOUT_S, self._timeout,
-                                                               f"frame not complete within {FRAME_TIMEOUT_S:g} s")
+                    self._frame_timer = self.m.loop.call_later(FRAME_TIMEOUT_S, self._frame_timeout)
                 return
             if self._frame_timer is not None:
                 self._frame_timer.cancel()
