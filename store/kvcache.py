@@ -112,9 +112,9 @@ def _token_bytes(tokens, op="chunk_hashes") -> bytes:
                          f"got {type(tokens).__name__}") from None
     for i, t in enumerate(vals):
         try:
-            if isinstance(t, bool) or type(t).__name__ == "bool_":
+            if isinstance(t, bool):
                 raise TypeError
-            vals[i] = t = operator.index(t)  # ints, and NumPy's integer scalars
+            vals[i] = t = operator.index(t)  # ints, and NumPy's integer scalars (not NumPy's bools)
         except TypeError:
             raise ValueError(f"{op}: tokens must be ints (int64), got {t!r}") from None
         if not -2**63 <= t < 2**63:

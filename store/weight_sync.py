@@ -285,8 +285,9 @@ class WeightSync:
         Raises ``StaleVersionError`` if ``version`` is at or below the latest committed
         one, ``ValueError`` for bad input (before anything is written), ``StoreError``s of
         the store (a failure while writing removes what this shard wrote of ``version``,
-        so a retry needs no more room than the first try). With ``num_shards > 1`` every shard calls this; shard 0 waits up to
-        ``commit_timeout_s`` for the others' manifests and commits."""
+        so a retry needs no more room than the first try). With ``num_shards > 1`` every
+        shard calls this; shard 0 waits up to ``commit_timeout_s`` for the others'
+        manifests and commits."""
         torch = _torch()
         if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2**63:
             raise ValueError(f"{self.model}: publish: version must be an int in [0, 2**63), got {version!r}")
