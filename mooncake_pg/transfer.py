@@ -13,8 +13,9 @@ Wire format and bounds checks: ``csrc/transport/transfer_engine.hpp``. A request
 a registered region is refused by the server before any byte is touched. An optional
 shared secret is checked when a connection opens (sent as is: use it on trusted networks).
 Errors raise ``RuntimeError`` with a ``TransferEngine::method:`` prefix. When the
-connection to the peer fails (it cannot be reached within 5 s, rejects the secret, closes
-the connection, or moves no byte for 10 s) the error is the subclass
+connection to the peer fails (it cannot be reached within 2 s, does not answer the
+handshake within 5 s, rejects the secret, closes the connection, or moves no byte for
+10 s) the error is the subclass
 ``torch.distributed.DistNetworkError``; a plain ``RuntimeError`` from a batch means a live
 peer refused an op (unknown region, out of bounds) and closed that connection. Bad
 arguments (a port outside 1..65535, a negative offset or length, a region id that is not

@@ -149,7 +149,7 @@ def test_store_over_tcp_between_hosts(procs):
         assert s.get(f"s{16 * MiB}") == sa.pattern(16 * MiB, 16 * MiB)
         assert s.get_batch(rkeys) == rvals
         # objects only there fail in place, after one connect timeout for the batch (about
-        # 5 s), not one per object (was about 5 s each)
+        # 2 s), not one per object (was about 5 s each)
         t0 = time.monotonic()
         got = s.get_batch(lone, return_exceptions=True)
         assert all(isinstance(g, TransferError) for g in got), got
