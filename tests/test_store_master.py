@@ -403,6 +403,7 @@ def test_unauthenticated_connections_cannot_hold_memory_or_slots(procs):
     assert rep[1] == 1 and "before authentication" in rep[2][1], rep
     assert big.closed()
     idle = Raw(m.address)
+    idle.s.settimeout(60)  # the socket's 10 s default raced the master's 10 s timer
     t0 = time.monotonic()
     rep = idle.read()  # nothing sent: the master gives up on it
     assert rep[1] == 1 and "not authenticated within" in rep[2][1], rep
