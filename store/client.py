@@ -172,7 +172,8 @@ class StoreStats:
     (objects sent to SSD), removes, put_aborts, clients_lost (declared dead), ssd_drops
     (objects dropped from a full SSD directory, ``StoreConfig.ssd_max_bytes``),
     reserved_bytes (part of used_bytes: space reserved for clients' next puts,
-    ``StoreConfig.put_reservation_bytes``)."""
+    ``StoreConfig.put_reservation_bytes``), ssd_corrupt (SSD replicas dropped because their
+    file was missing or failed its checksum)."""
 
     objects: int
     pending: int
@@ -193,6 +194,7 @@ class StoreStats:
     clients_lost: int
     ssd_drops: int
     reserved_bytes: int = 0
+    ssd_corrupt: int = 0
 
 
 class _Reservation:
@@ -518,16 +520,19 @@ class MooncakeStore:
                 ssd.delete(path)
         elif op == "load" and self._segment is not None:
             _, key, version, path, off, size = task
-            ok = False
+            ok, corrupt = False, False
             try:
                 ssd.read_into(path, key, version, self._segment.view[off:off + size])
                 ok = True
             except TransferError as e:
+                corrupt = isinstance(e, ssd.CorruptError)
                 log.warning("store: loading %r from SSD failed: %s", key, e)
             try:
                 self._call("load_done", {"client": self.client_id, "key": key, "version": version, "ok": ok})
             except StoreError as e:
                 log.warning("store: load_done: %s", e)
+            if corrupt:
+                self._report_corrupt(key, version, path)
         elif op == "offload" and self._segment is not None and self.cfg.ssd_dir:
             _, key, version, off, size, meta = task
             ok, path = False, ""
@@ -541,6 +546,14 @@ class MooncakeStore:
                                             "path": path, "ok": ok})
             except StoreError as e:
                 log.warning("store: offload_done: %s", e)
+
+    def _report_corrupt(self, key: str, version: int, path: str):
+        """Tells the master an SSD file of ``key`` is missing or corrupt: it drops that
+        replica (and the object when none is left), so later gets miss instead of failing."""
+        try:
+            self._call("ssd_bad", {"client": self.client_id, "key": key, "version": version, "path": path})
+        except StoreError as e:
+            log.warning("store: reporting the corrupt SSD file %s: %s", path, e)
 
     # ------------------------------------------------------------------ data movement
     def _is_local(self, desc: dict) -> bool:
@@ -743,12 +756,16 @@ class MooncakeStore:
                 else:
                     if rep[1] != self.cfg.host_id:
                         raise TransferError("SSD replica on another host could not be loaded into memory")
-                    if out is None:
-                        buf = bytearray(obj.size)
-                        ssd.read_into(rep[2], obj.key, obj.version, buf)
-                        return bytes(buf)
-                    ssd.read_into(rep[2], obj.key, obj.version, out)
-                    return None
+                    try:
+                        if out is None:
+                            buf = bytearray(obj.size)
+                            ssd.read_into(rep[2], obj.key, obj.version, buf)
+                            return bytes(buf)
+                        ssd.read_into(rep[2], obj.key, obj.version, out)
+                        return None
+                    except ssd.CorruptError:
+                        self._report_corrupt(obj.key, obj.version, rep[2])
+                        raise
             except TransferError as e:
                 errors.append(str(e))
         if not obj.replicas:

@@ -109,7 +109,8 @@ class MasterConfig:
             unfinished puts are aborted and their space and keys freed.
         put_ttl_s: seconds a put may stay unfinished by a live writer before it is aborted.
         lease_ttl_s: seconds a read lease lasts (every get takes one); a leased object is
-            neither evicted nor removed without ``force``.
+            neither evicted nor removed without ``force``. The three TTLs must be at least
+            0.1 s and below 1e6 s (``ValueError``).
         high_watermark / low_watermark: fractions of total segment capacity; above the
             high one, objects are evicted (approximate LRU; leased, pinned and unfinished
             ones skipped; to the owner's SSD directory where it has one) down to the low one.
@@ -124,7 +125,8 @@ class MasterConfig:
         etcd_prefix: key prefix of this store cluster in etcd.
         leader_ttl_s: TTL of the leader's etcd lease, whole seconds >= 2 (a standby takes
             over at most about this long after the leader dies).
-        advertise: ``HOST:PORT`` clients are told to use for this master (default: host:port).
+        advertise: ``HOST:PORT`` clients are told to use for this master (default: host:port;
+            required with ``etcd`` when ``host`` is a wildcard such as ``0.0.0.0``).
     """
 
     host: str = "127.0.0.1"
@@ -148,8 +150,10 @@ class MasterConfig:
     def __post_init__(self):
         for name in ("client_ttl_s", "put_ttl_s", "lease_ttl_s"):
             v = float(getattr(self, name))
-            if not (0 < v < 1e6):  # inf overflowed when the master converted it to milliseconds
-                raise ValueError(f"MasterConfig: {name} must be > 0 and < 1e6 seconds, got {getattr(self, name)!r}")
+            # inf overflowed when the master converted it to milliseconds; 1e-9 expired
+            # every lease before its reader could use it
+            if not (0.1 <= v < 1e6):
+                raise ValueError(f"MasterConfig: {name} must be >= 0.1 and < 1e6 seconds, got {getattr(self, name)!r}")
         if not (0 < self.low_watermark <= self.high_watermark <= 1):
             raise ValueError("MasterConfig: need 0 < low_watermark <= high_watermark <= 1, got "
                              f"{self.low_watermark} and {self.high_watermark}")
@@ -165,6 +169,10 @@ class MasterConfig:
                 raise ValueError(f"MasterConfig: leader_ttl_s must be >= 2 s (etcd's minimum), got {self.leader_ttl_s}")
         if self.advertise is not None:
             _parse_hostport(self.advertise, "MasterConfig.advertise")
+        elif self.etcd is not None and self.host in ("0.0.0.0", "::", ""):
+            # the leader publishes its address in etcd: 0.0.0.0 there sent clients to themselves
+            raise ValueError(f"MasterConfig: host {self.host!r} listens on every interface; with etcd, give "
+                             "advertise (HOST:PORT clients reach this master at)")
 
 
 _TRANSFERS = ("auto", "tcp")

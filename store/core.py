@@ -23,6 +23,10 @@ SEG_HEADER = 4096  # bytes at the start of every segment kept for its header (ma
 
 # seconds a client's SSD directory gets no offloads after a write to it failed (a full disk)
 SSD_RETRY_S = 10.0
+# a load from SSD whose object went away meanwhile (removed, overwritten, dropped) may
+# still be writing into its slot: the slot is reused only this long after, or after its
+# load_done, whichever comes first
+LOAD_ORPHAN_S = 120.0
 # seconds between two ticks (Master's ticker); a gap longer than STALL_S is a stall of the
 # master itself, and all of it but one tick period is credited to clients and puts
 TICK_S = 0.1
@@ -102,6 +106,7 @@ class Counters:
     def __init__(self):
         self.puts = self.gets = self.hits = self.misses = self.evictions = 0
         self.offloads = self.removes = self.put_aborts = self.clients_lost = self.ssd_drops = 0
+        self.ssd_corrupt = 0
 
 
 class Core:
@@ -117,6 +122,7 @@ class Core:
         self.clients: dict[str, Client] = {}
         self.segments: dict[str, Segment] = {}
         self.deferred: list = []  # [until, segment name, offset, bytes]
+        self.orphan_loads: dict = {}  # (key, version) -> (segment name, offset) of a deferred load slot
         self.counters = Counters()
         self.capacity = 0
         self.used = 0  # allocated bytes, reservations included
@@ -185,10 +191,11 @@ class Core:
             if c is not None:
                 c.ssd_bytes -= obj.size
             obj.offloading = False
-        if obj.loading is not None:
+        if obj.loading is not None:  # its owner may still be writing into the slot
             seg_name, off, n = obj.loading
             obj.loading = None
-            self._free_replica(seg_name, off, n, obj.key, 0.0)
+            self.orphan_loads[(obj.key, obj.version)] = (seg_name, off)
+            self._free_replica(seg_name, off, n, obj.key, self.clock() + LOAD_ORPHAN_S)
         for seg_name, off, n in obj.repl:
             self._free_replica(seg_name, off, n, obj.key, obj.lease_until)
         obj.repl = []
@@ -887,6 +894,7 @@ class Core:
             raise ProtocolError("load_done: bad arguments")
         obj = self.objects.get(key)
         if obj is None or obj.version != version or obj.loading is None:
+            self._end_orphan_load(key, version)
             return {}
         seg_name, off, n = obj.loading
         obj.loading = None
@@ -895,6 +903,44 @@ class Core:
             self._dirty(key)
         else:
             self._free_replica(seg_name, off, n, key, 0.0)
+        return {}
+
+    def _end_orphan_load(self, key: str, version: int):
+        """The load of an object released meanwhile is over: its slot is free now."""
+        slot = self.orphan_loads.pop((key, version), None)
+        if slot is None:
+            return
+        for i, d in enumerate(self.deferred):
+            if d[1] == slot[0] and d[2] == slot[1]:
+                del self.deferred[i]
+                self._free_replica(d[1], d[2], d[3], key, 0.0)
+                break
+
+    def ssd_bad(self, a: dict) -> dict:
+        """A client found an SSD file of ``key`` (at ``version``) missing or corrupt
+        (``ssd.CorruptError``): that replica is dropped and its file deleted; an object
+        with no replica left is gone (its gets miss, not fail forever)."""
+        self._client(a.get("client"))
+        key, version, path = a.get("key"), a.get("version"), a.get("path")
+        if not (isinstance(key, str) and isinstance(version, int) and isinstance(path, str)):
+            raise ProtocolError("ssd_bad: bad arguments")
+        obj = self.objects.get(key)
+        if obj is None or obj.version != version:
+            return {}
+        for i, (cid, p) in enumerate(obj.ssd):
+            if p != path:
+                continue
+            del obj.ssd[i]
+            self.counters.ssd_corrupt += 1
+            c = self.clients.get(cid)
+            if c is not None:
+                self._ssd_forget(c, obj)
+                self._queue(c, ["delete", path])
+            if not obj.repl and not obj.ssd:
+                self._drop_committed(key)  # an object with no replica left is gone
+            else:
+                self._dirty(key)
+            break
         return {}
 
     def offload_done(self, a: dict) -> dict:
@@ -962,6 +1008,9 @@ class Core:
                 else:
                     keep.append(d)
             self.deferred = keep
+        if self.orphan_loads:
+            live = {(d[1], d[2]) for d in self.deferred}
+            self.orphan_loads = {k: v for k, v in self.orphan_loads.items() if v in live}
         if self.capacity and self.used > self.cfg.high_watermark * self.capacity and self.reserved_bytes:
             self._reclaim(list(self.segments))  # reserved space counts as free below
         if self.capacity and self.used - self.reserved_bytes > self.cfg.high_watermark * self.capacity:
@@ -1010,6 +1059,8 @@ class Core:
         m("offloads_total", "counter", "Objects sent to an SSD directory.", s["offloads"])
         m("ssd_drops_total", "counter", "Objects dropped from an SSD directory to make room (ssd_max_bytes).",
           s["ssd_drops"])
+        m("ssd_corrupt_total", "counter", "SSD replicas dropped because their file was missing or corrupt.",
+          s["ssd_corrupt"])
         m("removes_total", "counter", "Removed objects.", s["removes"])
         m("put_aborts_total", "counter", "Puts aborted (writer died, timed out or revoked).", s["put_aborts"])
         m("clients_lost_total", "counter", "Clients declared dead after missing heartbeats.", s["clients_lost"])

@@ -330,11 +330,19 @@ class Master:
         return result
 
     async def _metrics_http(self, reader, writer):
+        """``GET /metrics`` (or ``/``): the Prometheus text; other paths 404, other methods 405."""
         try:
-            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-            body = self.core.metrics_text(self.leader).encode()
-            writer.write(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: "
-                         + str(len(body)).encode() + b"\r\n\r\n" + body)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            parts = head.split(b"\r\n", 1)[0].split()
+            path = parts[1].split(b"?", 1)[0] if len(parts) == 3 else b""
+            if len(parts) != 3 or parts[0] not in (b"GET", b"HEAD"):
+                status, body = b"405 Method Not Allowed", b"only GET /metrics\n"
+            elif path not in (b"/metrics", b"/"):
+                status, body = b"404 Not Found", b"metrics are at /metrics\n"
+            else:
+                status, body = b"200 OK", self.core.metrics_text(self.leader).encode()
+            writer.write(b"HTTP/1.0 " + status + b"\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: "
+                         + str(len(body)).encode() + b"\r\n\r\n" + (body if parts[:1] != [b"HEAD"] else b""))
             await writer.drain()
         except Exception:
             pass
@@ -526,6 +534,7 @@ _METHODS = {
     "reserve": Core.reserve,
     "put_end": Core.put_end, "put_revoke": Core.put_revoke, "get": Core.get, "exists": Core.exists, "where": Core.where,
     "remove": Core.remove, "offload_done": Core.offload_done, "load_done": Core.load_done, "adopt_ssd": Core.adopt_ssd,
+    "ssd_bad": Core.ssd_bad,
     "stats": lambda core, a: core.stats(),
 }
 

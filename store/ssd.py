@@ -57,9 +57,15 @@ def _read_header(f):
     return h
 
 
+class CorruptError(TransferError):
+    """The SSD file is gone or does not hold what it should (another key or version,
+    wrong size, truncated, checksum mismatch): the replica is useless and is dropped."""
+
+
 def read_into(path: str, key: str, version: int, out) -> int:
     """Reads the object's data into the writable buffer ``out`` (exactly its size) and
-    checks key, version and checksum. Raises ``TransferError``."""
+    checks key, version and checksum. Raises ``CorruptError`` when the file is missing
+    or its contents are wrong, ``TransferError`` for other I/O errors."""
     try:
         with open(path, "rb") as f:
             h = _read_header(f)
@@ -74,7 +80,9 @@ def read_into(path: str, key: str, version: int, out) -> int:
             if zlib.crc32(mv) != h["c"]:
                 raise ValueError("checksum mismatch")
             return got
-    except (OSError, ValueError) as e:
+    except (FileNotFoundError, ValueError, msgpack.exceptions.ExtraData, msgpack.exceptions.UnpackException) as e:
+        raise CorruptError(f"SSD replica of {key!r} at {path} is corrupt: {e}") from None
+    except OSError as e:
         raise TransferError(f"SSD replica of {key!r} at {path} unreadable: {e}") from None
 
 

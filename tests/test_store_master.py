@@ -174,6 +174,13 @@ def test_metrics_http(procs):
         assert vals["mooncake_store_hits_total"] == 1 and vals["mooncake_store_misses_total"] == 1
         assert vals["mooncake_store_used_bytes"] > 0 and "mooncake_store_evictions_total" in vals
         assert s.metrics() == s.metrics()  # the same text over RPC
+        # only /metrics: any other path was answered with the metrics too
+        for path, method, code in (("/admin", "GET", 404), ("/metrics", "POST", 405)):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{m.metrics_port}{path}",
+                                                              method=method, data=b"" if method == "POST" else None),
+                                       timeout=10)
+            assert e.value.code == code
 
 
 def test_clients_survive_a_master_restart(procs):
@@ -416,8 +423,9 @@ def test_unauthenticated_connections_cannot_hold_memory_or_slots(procs):
 
 def test_master_cli_refuses_what_it_cannot_serve(tmp_path):
     """A port in use exits 1 with the reason and writes no port file (it exited 0 silently);
-    a metrics port past 65535 (it wrapped around to another port) and infinite TTLs (every
-    client then failed with OverflowError) are refused as usage errors."""
+    a metrics port past 65535 (it wrapped around to another port), infinite TTLs (every
+    client then failed with OverflowError) or tiny ones, and a wildcard host with etcd but
+    no --advertise are refused as usage errors."""
     import subprocess
 
     with socket.socket() as busy:
@@ -430,7 +438,9 @@ def test_master_cli_refuses_what_it_cannot_serve(tmp_path):
         time.sleep(0.2)
         assert not pf.exists()
     for bad, says in ((["--metrics-port", "70000"], "metrics_port must be 0..65535"),
-                      (["--lease-ttl", "inf"], "lease_ttl_s must be > 0"), (["--client-ttl", "inf"], "client_ttl_s")):
+                      (["--lease-ttl", "inf"], "lease_ttl_s must be >= 0.1"), (["--client-ttl", "inf"], "client_ttl_s"),
+                      (["--lease-ttl", "1e-9"], "lease_ttl_s must be >= 0.1"),  # every get's lease expired at once
+                      (["--host", "0.0.0.0", "--etcd", "127.0.0.1:1"], "give advertise")):  # it published 0.0.0.0
         r = subprocess.run([sys.executable, "-m", "mooncake_store.master", "--port", "0", *bad], capture_output=True,
                            text=True, timeout=60)
         assert r.returncode == 2 and says in r.stderr, (bad, r.returncode, r.stderr[-2000:])

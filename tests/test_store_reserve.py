@@ -235,3 +235,50 @@ def test_commit_lost_in_a_stall_gives_the_reservation_back(procs):
             s.put(f"c{i}", b"z" * 4096)
         assert s._resv is not None and s.stats().reserved_bytes > 0  # a new one, in the same segment
         assert s.get("a") == b"x" * 1000 and s.get("c19") == b"z" * 4096
+
+
+def test_core_ssd_load_slot_and_corrupt_replica():
+    """The master's side of SSD loads: an object removed while its owner loads it back from
+    SSD keeps its slot until the owner's load_done (found in review: the slot was reused at
+    once, so the late load could overwrite a new object), or LOAD_ORPHAN_S at most; an SSD
+    replica reported missing or corrupt is dropped, its file deleted, and the object with
+    no replica left is gone."""
+    from mooncake_store.core import LOAD_ORPHAN_S
+
+    now = [1000.0]
+    core = Core(MasterConfig(), clock=lambda: now[0])
+    seg = {"size": 8 * MiB + 4096, "path": "/x", "token": "00", "host": "h", "te": None, "base": 4096}
+    core.register({"client": "o", "name": "seg", "host": "h", "pid": 1, "segs": [seg], "ssd_dir": "/d",
+                   "ssd": [["k", 5, MiB, b"", "/d/k.obj"], ["j", 6, MiB, b"", "/d/j.obj"]]})
+    core.register({"client": "r", "name": "r", "host": "h2", "pid": 2, "segs": []})
+    used0 = core.used
+    assert core.get({"client": "r", "keys": ["k"]})["objs"][0][4] is True  # a load is asked for
+    assert core.clients["o"].tasks[-1][:4] == ["load", "k", 5, "/d/k.obj"]
+    assert core.used == used0 + MiB
+    core.remove({"client": "r", "keys": ["k"], "force": True})
+    now[0] += 1.0
+    core.tick()
+    assert core.used == used0 + MiB  # the owner may still be writing into it
+    core.load_done({"client": "o", "key": "k", "version": 5, "ok": True})
+    assert core.used == used0 and not core.orphan_loads
+    # without a load_done, the slot comes back after LOAD_ORPHAN_S
+    core.register({"client": "o", "name": "seg", "host": "h", "pid": 1, "segs": [seg], "ssd_dir": "/d",
+                   "ssd": [["k", 7, MiB, b"", "/d/k7.obj"], ["j", 6, MiB, b"", "/d/j.obj"]]})
+    core.register({"client": "r", "name": "r", "host": "h2", "pid": 2, "segs": []})
+    used0 = core.used
+    core.get({"client": "r", "keys": ["k"]})
+    core.remove({"client": "r", "keys": ["k"], "force": True})
+    now[0] += LOAD_ORPHAN_S - 1
+    core.tick()
+    assert core.used == used0 + MiB
+    now[0] += 2
+    core.tick()
+    assert core.used == used0 and not core.orphan_loads
+    # a corrupt SSD replica: dropped, its file deleted, the object gone
+    core.clients["o"].tasks = []
+    core.ssd_bad({"client": "r", "key": "j", "version": 99, "path": "/d/j.obj"})  # another version: ignored
+    assert "j" in core.objects and core.counters.ssd_corrupt == 0
+    core.ssd_bad({"client": "r", "key": "j", "version": 6, "path": "/d/j.obj"})
+    assert "j" not in core.objects and core.counters.ssd_corrupt == 1
+    assert ["delete", "/d/j.obj"] in core.clients["o"].tasks
+    assert core.clients["o"].ssd_bytes == 0 and core.stats()["ssd_corrupt"] == 1

@@ -185,3 +185,63 @@ def test_a_failing_ssd_write_evicts_without_ssd(procs, tmp_path):
                 assert s.get(f"o{i}") == sa.pattern(i, MiB)
             except KeyError:
                 pass
+
+
+def test_corrupt_ssd_files_are_dropped_once_read(procs, tmp_path):
+    """Found by a new-user trial: an SSD file corrupted while its client was down was
+    registered again at restart, so exists() stayed True while every get raised
+    TransferError for good. The read that finds a file corrupt (CRC mismatch, truncated,
+    deleted) still fails with TransferError; the master then drops that replica and
+    deletes the file, so later gets miss. Same host (read from the file) and another host
+    (the owner loads it back into memory first)."""
+    from mooncake_store import TransferError
+    from mooncake_store.ssd import scan
+
+    ssd_dir = tmp_path / "ssd"
+    m = sa.start_master(high_watermark=0.8, low_watermark=0.5)
+    node = sa.start_agent({"master": m.address, "segment_size": 4 * MiB + 4096, "name": "node",
+                          "ssd_dir": str(ssd_dir), "heartbeat_interval_s": 0.2})
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0) as s:
+        for i in range(10):
+            s.put(f"o{i}", sa.pattern(i, MiB))
+        deadline = time.monotonic() + 20
+        while s.stats().ssd_objects < 4:
+            assert time.monotonic() < deadline, s.stats()
+            time.sleep(0.05)
+    node.kill()
+    m.kill()
+    files = {e[0]: e[4] for e in scan(str(ssd_dir))}
+    flip, cut, gone, good = sorted(files)[:4]
+    with open(files[flip], "r+b") as f:  # one data byte flipped: header and length still valid
+        f.seek(-100, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-100, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0xFF]))
+    m2 = sa.start_master()
+    sa.start_agent({"master": m2.address, "segment_size": 4 * MiB + 4096, "name": "node2", "ssd_dir": str(ssd_dir),
+                    "heartbeat_interval_s": 0.2}, serve_tcp=True,
+                   env={"MOONCAKE_HOST_ID": "disk-host"})
+    os.truncate(files[cut], os.path.getsize(files[cut]) - 10)  # after the restart's scan
+    os.unlink(files[gone])
+    with MooncakeStore(serve_tcp=False, master=m2.address, segment_size=0, host_id="disk-host") as same, \
+            MooncakeStore(master=m2.address, segment_size=0, host_id="reader-host") as remote:
+        assert all(same.exists(k) for k in (flip, cut, gone, good))
+        for key in (flip, gone):
+            with pytest.raises(TransferError, match="is corrupt"):
+                same.get(key)
+        with pytest.raises(KeyError):  # the owner's load failed and dropped it: a miss by the time it asks again
+            remote.get(cut)
+        deadline = time.monotonic() + 20
+        while any(same.exists(k) for k in (flip, cut, gone)):
+            assert time.monotonic() < deadline, [same.exists(k) for k in (flip, cut, gone)]
+            time.sleep(0.05)
+        for key in (flip, cut, gone):
+            with pytest.raises(KeyError):
+                remote.get(key)
+        assert same.stats().ssd_corrupt == 3 and "mooncake_store_ssd_corrupt_total 3" in same.metrics()
+        i = int(good[1:])
+        assert same.get(good) == sa.pattern(i, MiB) and remote.get(good) == sa.pattern(i, MiB)
+        deadline = time.monotonic() + 10
+        while os.path.exists(files[flip]) or os.path.exists(files[cut]):
+            assert time.monotonic() < deadline, "corrupt files not deleted"
+            time.sleep(0.05)
