@@ -11,6 +11,7 @@ import atexit
 import dataclasses
 import logging
 import os
+import queue
 import sys
 import threading
 import time
@@ -300,6 +301,7 @@ class MooncakeStore:
         self._ro_maps = SegmentCache(prefault=cfg.prefault, readonly=True)  # for _local_views
         self._fast = None  # mooncake_pg.transfer (parallel C++ copies) when loaded
         self._lease_ttl = 5.0
+        self._client_ttl = 5.0  # the master's client_ttl_s (from register): heartbeats must reach it within
         self._epoch = -1
         # one-round-trip puts (Core.reserve / Core.put): the reservation this client fills
         self._resv: Optional[_Reservation] = None
@@ -348,6 +350,9 @@ class MooncakeStore:
         except BaseException:
             self._teardown()
             raise
+        self._tasks: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._task_thread = threading.Thread(target=self._task_main, name="mooncake-store-tasks", daemon=True)
+        self._task_thread.start()
         self._poll_thread = threading.Thread(target=self._poll_main, name="mooncake-store-heartbeat", daemon=True)
         self._poll_thread.start()
         # a process that exits without close() unregisters anyway, so that nobody places
@@ -385,6 +390,7 @@ class MooncakeStore:
                                       "ssd_max": self.cfg.ssd_max_bytes, "ssd": []},
                          register=False)
         self._lease_ttl = res["ttl_ms"] / 1000.0
+        self._client_ttl = res.get("client_ttl_ms", 5000) / 1000.0
         if self.cfg.ssd_dir:  # files found on disk, in chunks well below the frame limit
             chunk, size = [], 0
             for e in ssd.scan(self.cfg.ssd_dir) + [None]:
@@ -418,9 +424,12 @@ class MooncakeStore:
         return protocol.Connection(host, port, secret=self.cfg.secret, timeout=self.cfg.rpc_timeout_s,
                                    busy_poll_us=self.cfg.rpc_busy_poll_us)
 
-    def _call(self, method: str, args: dict, register=True):
-        """One metadata request; follows leader changes for ``failover_timeout_s``."""
-        deadline = time.monotonic() + self.cfg.failover_timeout_s
+    def _call(self, method: str, args: dict, register=True, sent_at: Optional[list] = None):
+        """One metadata request; follows leader changes for ``failover_timeout_s`` from the
+        first failure (a request that waited out ``rpc_timeout_s`` on a stopped leader then
+        still goes to its successor). ``sent_at``: a list that gets the ``time.monotonic()``
+        at which the request that answered was sent (a lease runs from then)."""
+        deadline = None
         reregistered = False
         if self._exiting:  # interpreter exit: one short try, never a wait for a failover
             if not self._lock.acquire(timeout=1.0):
@@ -441,7 +450,11 @@ class MooncakeStore:
                     if self._conn is None:
                         self._conn = self._connect()
                         self._session += 1
-                    return self._conn.call(method, args)
+                    t = time.monotonic()
+                    res = self._conn.call(method, args)
+                    if sent_at is not None:
+                        sent_at.append(t)
+                    return res
             except UnknownClientError:
                 if not register or reregistered:
                     raise
@@ -453,7 +466,9 @@ class MooncakeStore:
                     if self._conn is not None:
                         self._conn.close()
                         self._conn = None
-                if time.monotonic() > deadline:
+                if deadline is None:
+                    deadline = time.monotonic() + self.cfg.failover_timeout_s
+                elif time.monotonic() > deadline:
                     raise StoreError(f"no store master answered {method} within {self.cfg.failover_timeout_s} s: {e}") from None
                 time.sleep(0.1)
 
@@ -469,16 +484,14 @@ class MooncakeStore:
                         self._session += 1  # perhaps another master now: put reservations are asked for again
                     connected = True
                 res = conn.call("poll", {"client": self.client_id, "wait_ms": int(self.cfg.heartbeat_interval_s * 1000),
-                                         "epoch": self._epoch}, timeout=self.cfg.rpc_timeout_s + 3)
+                                         "epoch": self._epoch},
+                                timeout=self.cfg.heartbeat_interval_s + self._poll_slack())
                 if "segs" in res:
                     self._epoch = res["epoch"]
                     self._maps.retain(set(res["segs"]))
                     self._ro_maps.retain(set(res["segs"]))
                 for task in res["tasks"]:
-                    self._run_task(task)
-                r = self._resv
-                if (r is not None and time.monotonic() - r.used_at > _RESV_IDLE_S) or self._resv_orphans:
-                    self._give_back_reservation(wait=False)
+                    self._tasks.put(task)  # run by the task thread: heartbeats never wait for a disk or an RPC
             except UnknownClientError:
                 if self._closed:
                     break
@@ -496,6 +509,36 @@ class MooncakeStore:
         if conn is not None:
             conn.close()
 
+    def _task_main(self):
+        """Runs the master's tasks (SSD offloads and loads, deletes, reservation returns)
+        in order, and gives an idle put reservation back. Apart from the heartbeat thread:
+        a long SSD write or an RPC stuck on a stopped master must not delay heartbeats past
+        the master's client TTL."""
+        while not self._closed:
+            try:
+                task = self._tasks.get(timeout=0.25)
+            except queue.Empty:
+                task = None
+            if task is None and self._closed:
+                break
+            try:
+                if task is not None:
+                    self._run_task(task)
+                r = self._resv
+                if (r is not None and time.monotonic() - r.used_at > _RESV_IDLE_S) or self._resv_orphans:
+                    self._give_back_reservation(wait=False)
+            except Exception as e:
+                if not self._closed:
+                    log.warning("store: task %r failed: %s", task[0] if task else "reservation give-back", e)
+
+    def _poll_slack(self) -> float:
+        """Seconds a heartbeat may go unanswered (and a connect take) before the poll
+        thread gives up on that master and finds the leader again: a third of the master's
+        client TTL, so a stopped (SIGSTOP) or hung leader still lets heartbeats reach its
+        successor within the TTL it grants every client (found by a new-user trial: stuck
+        for rpc_timeout_s + 3 s, the client was declared dead and all its objects dropped)."""
+        return min(self.cfg.rpc_timeout_s, max(1.0, self._client_ttl / 3))
+
     def _connect_poll(self):
         if self.cfg.etcd is None:
             host, port = _parse_hostport(self.cfg.master, "master")
@@ -508,7 +551,7 @@ class MooncakeStore:
             if rec is None:
                 raise ConnectionError("no leader")
             host, port = _parse_hostport(rec["addr"], "master")
-        return protocol.Connection(host, port, secret=self.cfg.secret, timeout=self.cfg.rpc_timeout_s)
+        return protocol.Connection(host, port, secret=self.cfg.secret, timeout=self._poll_slack())
 
     def _run_task(self, task):
         op = task[0]
@@ -1076,8 +1119,9 @@ class MooncakeStore:
             return objs, segs, deadline
         give_up = time.monotonic() + self.cfg.rpc_timeout_s
         while True:
-            t0 = time.monotonic()
-            res = self._call("get", {"client": self.client_id, "keys": keys})
+            sent = []
+            res = self._call("get", {"client": self.client_id, "keys": keys}, sent_at=sent)
+            t0 = sent[0]
             # an object only on another host's SSD is being loaded into memory: ask again
             if not any(o is not None and o[4] for o in res["objs"]) or time.monotonic() > give_up:
                 break
@@ -1416,6 +1460,10 @@ class MooncakeStore:
         t = getattr(self, "_poll_thread", None)
         if t is not None and t is not threading.current_thread():
             t.join(self.cfg.heartbeat_interval_s + 3)
+        t = getattr(self, "_task_thread", None)
+        if t is not None and t is not threading.current_thread():
+            self._tasks.put(None)
+            t.join(30)  # an SSD load may be writing into the segment, which is closed next
         t = getattr(self, "_warm_thread", None)
         if t is not None and t is not threading.current_thread():
             self._warm_evt.set()

@@ -214,7 +214,9 @@ class StoreConfig:
             CI VM: a loopback ping-pong 70-80 us when the caller sleeps, 21-22 us when it
             spins; see ``protocol.Connection``); the spin is bounded, so at most this much
             CPU per request (``MOONCAKE_STORE_RPC_BUSY_POLL_US``).
-        failover_timeout_s: seconds a request keeps retrying while no leader answers.
+        failover_timeout_s: seconds a request keeps retrying, from its first failure, while no
+            leader answers (the first failure may itself take ``rpc_timeout_s``: a stopped
+            leader that accepts connections but never answers).
         heartbeat_interval_s: seconds between heartbeats (must be well below the master's
             ``client_ttl_s``).
         serve_tcp: start the transfer engine so that clients on other hosts (or with

@@ -103,3 +103,62 @@ def test_leader_kill_standby_takes_over(procs, etcd):
         st = s.stats()
         assert st.clients == 3 and st.segments == 2, st
         assert s.get("k5") == expect["k5"]
+
+
+def test_leader_stopped_clients_keep_their_objects(procs, etcd):
+    """Found by a new-user trial: with the leader SIGSTOPped (not dead: its TCP port still
+    accepts), a client's heartbeat waited rpc_timeout_s + 3 s on it, so the new leader
+    declared every client dead after client_ttl_s and dropped all their objects. Now a
+    heartbeat gives up on a silent master after a third of the client TTL and finds the
+    leader again; SSD and other tasks run on their own thread. Default TTLs and intervals;
+    one client keeps reading throughout."""
+    import signal
+    import threading
+
+    prefix = f"/mooncake_test/{uuid.uuid4().hex}"
+    flags = dict(etcd=etcd, etcd_prefix=prefix)
+    m1 = sa.start_master(**flags)
+    deadline = time.monotonic() + 15
+    while not is_leader(m1.address):
+        assert time.monotonic() < deadline, m1.log()
+        time.sleep(0.05)
+    m2 = sa.start_master(**flags)
+    cfg = {"etcd": etcd, "etcd_prefix": prefix}
+    node = sa.start_agent({**cfg, "segment_size": 32 * MiB, "name": "node"})
+    with MooncakeStore(serve_tcp=False, segment_size=0, **cfg) as busy, \
+            MooncakeStore(serve_tcp=False, segment_size=8 * MiB, name="idle", **cfg) as idle:
+        expect = {f"k{i}": sa.pattern(i, 50_000 + i) for i in range(30)}
+        busy.put_batch(list(expect), list(expect.values()))
+        idle.put("on-idle", b"idle's own segment", ReplicateConfig(preferred_segment="idle"))
+        assert idle.where("on-idle").memory == ["idle"]
+        errors, stop = [], threading.Event()
+
+        def reader():
+            while not stop.is_set():
+                try:
+                    assert busy.get("k3") == expect["k3"]
+                except Exception as e:  # a call may wait out rpc_timeout_s on the stopped master
+                    errors.append(repr(e))
+
+        t = threading.Thread(target=reader)
+        t.start()
+        time.sleep(0.5)
+        os.killpg(m1.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            while not is_leader(m2.address):
+                assert time.monotonic() - t0 < 10, m2.log()
+                time.sleep(0.05)
+            time.sleep(5.0 + 3.0)  # past the client TTL the new leader grants every client
+            stop.set()
+            t.join(30)
+            st = busy.stats()
+            assert st.clients == 3 and st.segments == 2 and st.clients_lost == 0, st
+            for k, v in expect.items():
+                assert busy.get(k) == v, k
+            assert idle.get("on-idle") == b"idle's own segment"
+            assert node.cmd("get", key="k7")["sha"] == sa.digest(expect["k7"])
+            assert not [e for e in errors if "k3" in e and "not found" in e], errors
+        finally:
+            stop.set()
+            os.killpg(m1.pid, signal.SIGKILL)
