@@ -272,8 +272,20 @@ class Core:
         key, version, size, meta, path = e
         cur = self.objects.get(key)
         if cur is not None and cur.version >= version:
-            if not any(p == path for _, p in cur.ssd):
+            mine = [e for e in cur.ssd if e[1] == path]
+            if not mine:
                 self._queue(c, ["delete", path])
+            elif cur.version == version and mine[0][0] != c.id:
+                # the same file, registered by a new client on that directory (the owner
+                # restarted before its old incarnation's TTL ran out): the new one owns it
+                # now, or the old one's death would drop the object (found by a trial)
+                old = self.clients.get(mine[0][0])
+                if old is not None:
+                    self._ssd_forget(old, cur)
+                mine[0][0] = c.id
+                c.ssd_keys.add(key)
+                c.ssd_bytes += size
+                self._dirty(key)
             return
         if cur is not None:
             self._drop_committed(key)

@@ -245,3 +245,35 @@ def test_corrupt_ssd_files_are_dropped_once_read(procs, tmp_path):
         while os.path.exists(files[flip]) or os.path.exists(files[cut]):
             assert time.monotonic() < deadline, "corrupt files not deleted"
             time.sleep(0.05)
+
+
+def test_owner_restarted_within_its_ttl_keeps_its_ssd_objects(procs, tmp_path):
+    """Found by a new-user trial: an SSD owner SIGKILLed and restarted on the same
+    directory before the master declared the old process dead (a supervisor restarting it)
+    found its files registered to the old process, so the old one's death dropped them all.
+    The new process now takes the files over."""
+    ssd_dir = str(tmp_path / "ssd")
+    m = sa.start_master(high_watermark=0.8, low_watermark=0.5, client_ttl=4.0)
+    cfg = {"master": m.address, "segment_size": 4 * MiB + 4096, "ssd_dir": ssd_dir, "heartbeat_interval_s": 0.2}
+    node = sa.start_agent({**cfg, "name": "node"})
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0) as s:
+        for i in range(10):
+            s.put(f"o{i}", sa.pattern(i, MiB))
+        deadline = time.monotonic() + 20
+        while s.stats().ssd_objects < 5:
+            assert time.monotonic() < deadline, s.stats()
+            time.sleep(0.05)
+        time.sleep(0.5)
+        on_ssd = [i for i in range(10) if s.where(f"o{i}").ssd]
+        node.kill()
+        t0 = time.monotonic()
+        sa.start_agent({**cfg, "name": "node-again"})
+        assert time.monotonic() - t0 < 4.0, "the restart took longer than the client TTL: the test proves nothing"
+        deadline = time.monotonic() + 20
+        while s.stats().clients_lost == 0:  # the old process is declared dead
+            assert time.monotonic() < deadline, s.stats()
+            time.sleep(0.1)
+        for i in on_ssd:
+            assert s.where(f"o{i}").ssd == ["node-again"], i
+            assert s.get(f"o{i}") == sa.pattern(i, MiB), i
+        assert s.stats().ssd_objects == len(on_ssd)
