@@ -59,7 +59,7 @@ class Segment:
 class Client:
     __slots__ = ("id", "name", "host", "pid", "last_seen", "segments", "ssd_dir", "tasks", "event",
                  "writing", "ssd_keys", "ssd_max", "ssd_bytes", "ssd_failed_at", "reserved", "reclaim_at",
-                 "last_put")
+                 "last_put", "ssd_inflight")
 
     def __init__(self, cid: str, name: str, host: str, pid: int, ssd_dir: Optional[str], now: float,
                  ssd_max: Optional[int] = None):
@@ -76,6 +76,7 @@ class Client:
         self.ssd_keys: set = set()  # keys with an SSD replica in this client's directory
         self.ssd_max = ssd_max  # object bytes the directory may hold (None: no limit)
         self.ssd_bytes = 0  # object bytes on it, offloads in flight included
+        self.ssd_inflight = 0  # of which offloads in flight (written, not yet reported)
         self.ssd_failed_at = -1e18  # when a write to it last failed (full disk: no offloads for a while)
         # put reservations: segment name -> [offset of the next byte, bytes left] (see Core.reserve)
         self.reserved: dict = {}
@@ -122,6 +123,7 @@ class Core:
         self.clients: dict[str, Client] = {}
         self.segments: dict[str, Segment] = {}
         self.deferred: list = []  # [until, segment name, offset, bytes]
+        self.ssd_waiting: set = set()  # clients whose SSD directory is busy, during one eviction pass
         self.orphan_loads: dict = {}  # (key, version) -> (segment name, offset) of a deferred load slot
         self.counters = Counters()
         self.capacity = 0
@@ -190,6 +192,7 @@ class Core:
             c = self.clients.get(obj.offloading)
             if c is not None:
                 c.ssd_bytes -= obj.size
+                c.ssd_inflight -= obj.size
             obj.offloading = False
         if obj.loading is not None:  # its owner may still be writing into the slot
             seg_name, off, n = obj.loading
@@ -342,6 +345,8 @@ class Core:
                     obj.repl = [r for r in obj.repl if r[0] not in dead]
                     if obj.loading is not None and obj.loading[0] in dead:
                         obj.loading = None
+                    if obj.offloading == c.id:  # its writer is gone (it stayed unevictable for good)
+                        obj.offloading = False
                     self._dirty(key)
                     if not obj.repl and not obj.ssd:
                         self.objects.pop(key, None)
@@ -499,6 +504,7 @@ class Core:
             possible += self._could_fit(self.segments[name], n, keep, now)
         if possible < need:
             return
+        self.ssd_waiting.clear()
         for key in list(self.lru):
             if key == keep:
                 continue
@@ -532,9 +538,11 @@ class Core:
                 return True
         return False
 
-    def _ssd_room(self, c: Client, size: int, now: float) -> bool:
+    def _ssd_room(self, c: Client, size: int, now: float) -> Optional[bool]:
         """Whether ``c``'s SSD directory can take ``size`` more bytes, after dropping the
-        least recently used objects that live only there (not leased, not being loaded)."""
+        least recently used objects that live only there (not leased, not being loaded).
+        None: not now, but once the offloads in flight to it are done (they then become
+        such objects): the caller keeps the object in memory for now."""
         if now - c.ssd_failed_at < SSD_RETRY_S:
             return False
         if c.ssd_max is None:
@@ -552,7 +560,9 @@ class Core:
                 continue
             self._drop_committed(key)
             self.counters.ssd_drops += 1
-        return c.ssd_bytes + size <= c.ssd_max
+        if c.ssd_bytes + size <= c.ssd_max:
+            return True
+        return None if c.ssd_inflight else False
 
     def _ssd_forget(self, c: Client, obj: Obj):
         if obj.key in c.ssd_keys:
@@ -566,11 +576,23 @@ class Core:
         if not obj.ssd and to_ssd:
             for seg_name, off, n in obj.repl:
                 seg = self.segments.get(seg_name)
-                if seg is not None and seg.client.ssd_dir and self._ssd_room(seg.client, obj.size, now):
-                    seg.client.ssd_bytes += obj.size  # reserved until the owner reports
-                    obj.offloading = seg.client.id
-                    self._queue(seg.client, ["offload", obj.key, obj.version, off, obj.size, obj.meta])
-                    self.counters.offloads += 1
+                if seg is None or not seg.client.ssd_dir:
+                    continue
+                c = seg.client
+                if c.id in self.ssd_waiting:  # this eviction pass found its directory busy already
+                    return False
+                room = self._ssd_room(c, obj.size, now)
+                if room is None:
+                    # a burst of evictions faster than the disk: the object waits in memory
+                    # (puts meanwhile get NoSpaceRetry) rather than skipping the SSD, which
+                    # kept older objects there and lost newer ones (found by a trial)
+                    self.ssd_waiting.add(c.id)
+                    return False
+                if room:
+                    c.ssd_bytes += obj.size  # reserved until the owner reports
+                    c.ssd_inflight += obj.size
+                    obj.offloading = c.id
+                    self._queue(c, ["offload", obj.key, obj.version, off, obj.size, obj.meta])
                     return False
         self.counters.evictions += 1
         for seg_name, off, n in obj.repl:
@@ -794,8 +816,6 @@ class Core:
                 self.counters.misses += 1
                 out.append(None)
                 continue
-            self.counters.hits += 1
-            self.counters.gets += 1
             if obj.lease_until < until:
                 obj.lease_until = until
             self.lru.move_to_end(key)
@@ -812,6 +832,9 @@ class Core:
             retry = False
             if not obj.repl and obj.ssd and reader.host not in {self.clients[c].host for c, _ in obj.ssd if c in self.clients}:
                 retry = self._promote(obj)  # only on disks of other hosts: load it into memory first
+            if not retry:  # a reader asks again while a load runs: that is one get, not many
+                self.counters.hits += 1
+                self.counters.gets += 1
             out.append([obj.size, obj.version, obj.meta, reps, retry])
         return {"objs": out, "segs": segs, "ttl_ms": int(self.cfg.lease_ttl_s * 1000)}
 
@@ -961,13 +984,15 @@ class Core:
         if not (isinstance(key, str) and isinstance(version, int) and isinstance(path, str)):
             raise ProtocolError("offload_done: bad arguments")
         obj = self.objects.get(key)
-        if obj is None or obj.version != version or not obj.offloading:
-            # the object changed meanwhile; its reservation went with it (see _ssd_forget)
+        if obj is None or obj.version != version or obj.offloading != c.id:
+            # the object changed meanwhile; its reservation went with it (see _release)
             if ok:
                 self._queue(c, ["delete", path])
             return {}
         obj.offloading = False
+        c.ssd_inflight -= obj.size
         if ok:
+            self.counters.offloads += 1
             obj.ssd.append([c.id, path])
             c.ssd_keys.add(key)
             for seg_name, off, n in obj.repl:
@@ -1028,6 +1053,7 @@ class Core:
         if self.capacity and self.used - self.reserved_bytes > self.cfg.high_watermark * self.capacity:
             goal = self.cfg.low_watermark * self.capacity
             projected = self.used - self.reserved_bytes
+            self.ssd_waiting.clear()
             for key in list(self.lru):
                 if projected <= goal:
                     break
@@ -1068,7 +1094,7 @@ class Core:
         m("hits_total", "counter", "Gets of existing keys.", s["hits"])
         m("misses_total", "counter", "Gets of missing keys.", s["misses"])
         m("evictions_total", "counter", "Objects whose memory replicas were evicted.", s["evictions"])
-        m("offloads_total", "counter", "Objects sent to an SSD directory.", s["offloads"])
+        m("offloads_total", "counter", "Objects written to an SSD directory.", s["offloads"])
         m("ssd_drops_total", "counter", "Objects dropped from an SSD directory to make room (ssd_max_bytes).",
           s["ssd_drops"])
         m("ssd_corrupt_total", "counter", "SSD replicas dropped because their file was missing or corrupt.",

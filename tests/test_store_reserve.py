@@ -33,9 +33,9 @@ class Calls:
         self.names = []
         inner = store._call
 
-        def call(method, args, register=True):
+        def call(method, args, register=True, **kw):
             self.names.append(method)
-            return inner(method, args, register)
+            return inner(method, args, register, **kw)
 
         store._call = call
 

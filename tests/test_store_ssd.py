@@ -277,3 +277,35 @@ def test_owner_restarted_within_its_ttl_keeps_its_ssd_objects(procs, tmp_path):
             assert s.where(f"o{i}").ssd == ["node-again"], i
             assert s.get(f"o{i}") == sa.pattern(i, MiB), i
         assert s.stats().ssd_objects == len(on_ssd)
+
+
+def test_ssd_max_bytes_keeps_the_newest_under_a_burst(procs, tmp_path):
+    """Found by a new-user trial: 40 puts of 1 MiB back to back into a 16 MiB segment with
+    ssd_max_bytes=10 MiB kept objects 4..9, 14, 19, ... on SSD and lost 25 (ssd_drops 4):
+    writes still in flight held the directory's room, so later evictions skipped the SSD.
+    Now such an eviction waits for the writes in flight; what is kept is the newest objects,
+    and every object gone is counted in ssd_drops."""
+    ssd_dir = tmp_path / "ssd"
+    m = sa.start_master()
+    n = 40
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=16 * MiB, ssd_dir=str(ssd_dir),
+                       ssd_max_bytes=10 * MiB, name="h") as s:
+        for i in range(n):
+            s.put(f"m{i}", sa.pattern(i, MiB))
+        deadline = time.monotonic() + 20
+        last = None
+        while True:  # until the offloads settle
+            st = s.stats()
+            if (st.offloads, st.ssd_drops, st.evictions) == last:
+                break
+            assert time.monotonic() < deadline, st
+            last = (st.offloads, st.ssd_drops, st.evictions)
+            time.sleep(0.5)
+        where = {i: s.where(f"m{i}") for i in range(n) if s.exists(f"m{i}")}
+        kept = sorted(where)
+        assert kept == list(range(n - len(kept), n)), kept  # the newest, none lost in between
+        on_ssd = [i for i in kept if where[i].ssd]
+        assert len(on_ssd) == 10 and len(list(ssd_dir.rglob("*.obj"))) == 10, (on_ssd, st)
+        assert st.ssd_drops == n - len(kept), st
+        for i in kept:
+            assert s.get(f"m{i}") == sa.pattern(i, MiB), i
