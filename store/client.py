@@ -345,7 +345,7 @@ class MooncakeStore:
                 except ImportError:  # the extension is not built: plain memoryview copies
                     pass
             if cfg.ssd_dir:
-                os.makedirs(cfg.ssd_dir, exist_ok=True)
+                self._ssd_lock = ssd.lock_dir(cfg.ssd_dir)
             self._register()
         except BaseException:
             self._teardown()
@@ -1476,6 +1476,9 @@ class MooncakeStore:
         if self._segment is not None:
             self._segment.close()
             self._segment = None
+        if getattr(self, "_ssd_lock", None) is not None:
+            os.close(self._ssd_lock)  # releases the directory's lock
+            self._ssd_lock = None
         if self._embedded is not None:
             self._embedded.stop()
             self._embedded = None

@@ -195,7 +195,9 @@ class StoreConfig:
         segment_size: bytes of shared memory this client contributes (0: none; it then
             only reads and writes other clients' segments). Default 256 MiB.
         ssd_dir: directory this client contributes as SSD tier (created if missing);
-            entries found there at start are registered again (persistence).
+            entries found there at start are registered again (persistence). Needs
+            ``segment_size > 0``; one client per directory (a lock file ``.lock`` in it;
+            ``StoreError`` while another live process holds it).
         ssd_max_bytes: object bytes ``ssd_dir`` may hold (``None``: no limit). When an
             eviction would go past it, the master first drops the least recently used
             objects that live only on that SSD; an object that still does not fit (or whose
@@ -332,6 +334,12 @@ class StoreConfig:
         if self.ssd_max_bytes is not None and (not isinstance(self.ssd_max_bytes, int)
                                                or isinstance(self.ssd_max_bytes, bool) or self.ssd_max_bytes < 0):
             raise ValueError(f"StoreConfig: ssd_max_bytes must be a byte count >= 0 or None, got {self.ssd_max_bytes!r}")
+        if self.ssd_max_bytes is not None and self.ssd_dir is None:  # it was ignored
+            raise ValueError("StoreConfig: ssd_max_bytes needs ssd_dir")
+        if self.ssd_dir is not None and self.segment_size == 0:
+            # objects reach the SSD tier only by eviction from this client's own segment
+            raise ValueError("StoreConfig: ssd_dir needs segment_size > 0 (objects are offloaded from this "
+                             "client's segment)")
         if self.put_reservation_bytes is not None and (not isinstance(self.put_reservation_bytes, int)
                                                        or isinstance(self.put_reservation_bytes, bool)
                                                        or not 0 <= self.put_reservation_bytes < 1 << 50):

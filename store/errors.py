@@ -71,7 +71,7 @@ class ProtocolError(StoreError):
 
 
 class AuthError(ProtocolError):
-    """The shared secret did not match."""
+    """The shared secret did not match, or the master requires one and none was given."""
 
     code = "Auth"
 

@@ -25,7 +25,7 @@ import time
 
 import msgpack
 
-from .errors import ProtocolError, from_code
+from .errors import AuthError, ProtocolError, from_code
 
 VERSION = 1
 _LEN = struct.Struct(">I")
@@ -92,7 +92,7 @@ class Connection:
         if info.get("auth"):
             if not secret:
                 self.close()
-                raise ProtocolError(f"master {host}:{port} requires a shared secret (StoreConfig.secret / MOONCAKE_STORE_SECRET)")
+                raise AuthError(f"master {host}:{port} requires a shared secret (StoreConfig.secret / MOONCAKE_STORE_SECRET)")
             self.call("hello", {"mac": mac(secret, info["nonce"])})
 
     def _wait(self, events: int, deadline: float, spin: bool):

@@ -8,8 +8,10 @@ again, which is how SSD entries survive a full restart of master and clients.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
+import stat
 import struct
 import zlib
 
@@ -25,6 +27,48 @@ MAX_HEADER = 1 << 16
 def path_for(root: str, key: str, version: int) -> str:
     h = hashlib.sha256(key.encode()).hexdigest()
     return os.path.join(root, h[:2], f"{h}-{version}.obj")
+
+
+def lock_dir(root: str) -> int:
+    """Creates ``root`` if needed and takes its lock (``root/.lock``, ``flock``): one
+    client per directory, since each registers every file it finds there as its own.
+    Returns the lock's descriptor (closing it releases the lock). Raises ``StoreError``
+    when another live process holds it, ``ValueError`` when ``root`` is not a directory."""
+    from .errors import StoreError
+
+    try:
+        os.makedirs(root, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(f"StoreConfig: ssd_dir {root!r} is not a directory") from None
+    if not os.path.isdir(root):
+        raise ValueError(f"StoreConfig: ssd_dir {root!r} is not a directory")
+    fd = os.open(os.path.join(root, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        finally:
+            os.close(fd)
+        raise StoreError(f"ssd_dir {root!r} is in use by another store client (pid {holder or '?'}); "
+                         "give each client its own directory") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _open_regular(path: str):
+    """Opens ``path`` for reading if it is a regular file (a FIFO there blocked forever);
+    ``ValueError`` otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def write(root: str, key: str, version: int, meta: bytes, data) -> str:
@@ -67,10 +111,12 @@ def read_into(path: str, key: str, version: int, out) -> int:
     checks key, version and checksum. Raises ``CorruptError`` when the file is missing
     or its contents are wrong, ``TransferError`` for other I/O errors."""
     try:
-        with open(path, "rb") as f:
+        with _open_regular(path) as f:
             h = _read_header(f)
             if h["k"] != key or h["v"] != version:
                 raise ValueError(f"file holds {h['k']!r} version {h['v']}")
+            if os.fstat(f.fileno()).st_size != f.tell() + h["s"]:  # as scan() checks at start
+                raise ValueError("file length does not match its header")
             mv = memoryview(out).cast("B")
             if len(mv) != h["s"]:
                 raise ValueError("size mismatch")
@@ -107,7 +153,7 @@ def scan(root: str) -> list:
             if not name.endswith(".obj"):
                 continue
             try:
-                with open(p, "rb") as f:
+                with _open_regular(p) as f:
                     h = _read_header(f)
                     if os.fstat(f.fileno()).st_size != f.tell() + h["s"]:
                         continue

@@ -146,7 +146,7 @@ def test_fuzz_malformed_and_oversized_frames(procs):
 def test_shared_secret(procs):
     """With a secret the master refuses clients that cannot prove it (HMAC of a nonce)."""
     m = sa.start_master(env={"MOONCAKE_STORE_SECRET": "s3cret"})
-    with pytest.raises(ProtocolError, match="secret"):
+    with pytest.raises(AuthError, match="requires a shared secret"):  # was a plain ProtocolError
         MooncakeStore(serve_tcp=False, master=m.address, segment_size=0)
     with pytest.raises(AuthError):
         MooncakeStore(serve_tcp=False, master=m.address, segment_size=0, secret="wrong")

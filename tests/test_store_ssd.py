@@ -309,3 +309,48 @@ def test_ssd_max_bytes_keeps_the_newest_under_a_burst(procs, tmp_path):
         assert st.ssd_drops == n - len(kept), st
         for i in kept:
             assert s.get(f"m{i}") == sa.pattern(i, MiB), i
+
+
+def test_ssd_dir_checks(procs, tmp_path):
+    """Found by a new-user trial: one directory shared by two clients (each registers every
+    file as its own) is refused while the first holds it, and free again once it exits; a
+    FIFO named like an object file no longer blocks start for good; a file with bytes
+    appended reads as corrupt, as it is treated at restart; ssd_dir on a file, ssd_max_bytes
+    without ssd_dir and ssd_dir without a segment are refused with ValueError."""
+    from mooncake_store import StoreError, TransferError
+
+    m = sa.start_master(high_watermark=0.8, low_watermark=0.5)
+    ssd_dir = tmp_path / "ssd"
+    (ssd_dir / "ab").mkdir(parents=True)
+    os.mkfifo(ssd_dir / "ab" / "fifo.obj")
+    cfg = {"master": m.address, "segment_size": 4 * MiB + 4096, "ssd_dir": str(ssd_dir), "heartbeat_interval_s": 0.2}
+    node = sa.start_agent({**cfg, "name": "node"}, timeout=30)  # the FIFO blocked start forever
+    with pytest.raises(StoreError, match=f"in use by another store client \\(pid {node.pid}\\)"):
+        MooncakeStore(serve_tcp=False, **cfg)
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0) as s:
+        for i in range(8):
+            s.put(f"o{i}", sa.pattern(i, MiB))
+        deadline = time.monotonic() + 20
+        while s.stats().ssd_objects < 3:
+            assert time.monotonic() < deadline, s.stats()
+            time.sleep(0.05)
+        time.sleep(0.3)
+        i = next(i for i in range(8) if s.where(f"o{i}").ssd and not s.where(f"o{i}").memory)
+        from mooncake_store.ssd import scan
+
+        path = next(e[4] for e in scan(str(ssd_dir)) if e[0] == f"o{i}")
+        with open(path, "ab") as f:
+            f.write(b"0123456789")
+        with pytest.raises(TransferError, match="length does not match"):
+            s.get(f"o{i}")
+    node.kill()
+    with MooncakeStore(serve_tcp=False, **cfg) as again:  # the lock went with the process
+        assert again.stats().clients >= 1
+    bad = [(dict(ssd_dir=str(tmp_path / "file")), "not a directory"),
+           (dict(ssd_max_bytes=MiB), "ssd_max_bytes needs ssd_dir"),
+           (dict(ssd_dir=str(tmp_path / "x"), segment_size=0), "needs segment_size > 0")]
+    (tmp_path / "file").write_bytes(b"x")
+    for kw, says in bad:
+        kw.setdefault("segment_size", MiB)
+        with pytest.raises(ValueError, match=says):
+            MooncakeStore(serve_tcp=False, master=m.address, **kw)
