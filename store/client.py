@@ -33,6 +33,7 @@ log = logging.getLogger("mooncake_store")
 
 _DEFAULT_REPLICATE = ReplicateConfig()
 _NOSPACE_RETRY_S = 5.0
+_LOAD_STALL_S = 1.0  # a batch read waiting for SSD loads on another host gives up this long after the last one
 _RESV_IDLE_S = 3.0  # a put reservation unused this long goes back to the master
 _RESV_REFUSED_S = 1.0  # after the master refused (or took back) a reservation, no new request this long
 _WARM_IDLE_S = 0.5  # a reservation unused this long is warmed up again before its next put (_warm)
@@ -835,6 +836,28 @@ class MooncakeStore:
             if not return_exceptions:
                 _raise_first(out)
             return out
+        results = self._put_part(keys, views, metas, cfg, upsert, True, _retry, _avoid)
+        wave = range(len(keys))
+        while True:
+            # a batch larger than the space free or evictable now goes in waves: what was
+            # placed is written and committed (and so becomes evictable); the rest is
+            # placed again while each wave stores something (a KV put of more chunks than
+            # the owner's memory failed with NoSpaceError after a few, found by a trial)
+            rest = [i for i in wave if isinstance(results[i], NoSpaceError)]
+            if not rest or len(rest) == len(wave):
+                break
+            again = self._put_part([keys[i] for i in rest], [views[i] for i in rest], [metas[i] for i in rest], cfg,
+                                   upsert, True, _retry, _avoid)
+            for i, r in zip(rest, again):
+                results[i] = r
+            wave = rest
+        if not return_exceptions:
+            _raise_first(results)
+        return results
+
+    def _put_part(self, keys: list, views: list, metas: list, cfg: ReplicateConfig, upsert: bool,
+                  return_exceptions: bool, _retry: bool, _avoid: tuple) -> list:
+        """One wave of ``_put_many`` for keys that fit in one metadata request."""
         if not _avoid and _retry:
             fast = self._put_reserved(keys, views, metas, cfg, upsert)
             if isinstance(fast, _Unreachable):  # the two-request way, elsewhere
@@ -1118,12 +1141,23 @@ class MooncakeStore:
                 deadline = min(deadline, d)
             return objs, segs, deadline
         give_up = time.monotonic() + self.cfg.rpc_timeout_s
+        ready, progress_at = -1, time.monotonic()
         while True:
             sent = []
             res = self._call("get", {"client": self.client_id, "keys": keys}, sent_at=sent)
             t0 = sent[0]
             # an object only on another host's SSD is being loaded into memory: ask again
-            if not any(o is not None and o[4] for o in res["objs"]) or time.monotonic() > give_up:
+            waiting = sum(1 for o in res["objs"] if o is not None and o[4])
+            now = time.monotonic()
+            if not waiting or now > give_up:
+                break
+            if len(keys) - waiting != ready:
+                ready, progress_at = len(keys) - waiting, now
+            elif ready > 0 and now - progress_at > _LOAD_STALL_S:
+                # loads stopped while part is ready: the owner's memory is full of this very
+                # batch (leased by these requests), so waiting longer cannot help; the rest
+                # fails with TransferError (a KV get of a long prefix on another host's SSD
+                # waited rpc_timeout_s for nothing, found by a trial)
                 break
             time.sleep(0.01)
         deadline = t0 + res["ttl_ms"] / 1000.0

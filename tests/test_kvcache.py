@@ -324,3 +324,33 @@ def test_tokens_as_lists_tensors_and_numpy_arrays_hash_alike():
                 np.full(16, 2**64 - 1, dtype=np.uint64), [np.bool_(True)] * 16):
         with pytest.raises(ValueError, match="tokens must be"):
             chunk_hashes(bad, 16)
+
+
+def test_prefix_larger_than_the_owners_memory(procs, tmp_path):
+    """Found by a new-user trial: a one-shot put of 40 chunks of 1 MiB into an 8 MiB
+    segment with an SSD tier raised NoSpaceError after 7 chunks (the whole batch was placed
+    at once); it now goes in waves and stores every chunk. A get of that prefix from
+    another host (the owner loads SSD chunks back into its memory, which holds 7, some of
+    them the newest chunks, leased by the get itself) waited rpc_timeout_s (10 s) and now
+    returns the readable prefix about a second after the loads stop, equal to the
+    reference; once the leases end, a shorter prefix loads whole."""
+    m = sa.start_master()
+    sa.start_agent({"master": m.address, "segment_size": 8 * MiB, "name": "owner", "ssd_dir": str(tmp_path / "ssd"),
+                    "heartbeat_interval_s": 0.2}, serve_tcp=True, env={"MOONCAKE_HOST_ID": "host-a"})
+    toks = list(range(40 * 256))
+    ref = _kv_for(toks, d=128)  # [L=2, 2, H=2, T, 128] float32: 1 MiB per chunk of 256 tokens
+    with MooncakeStore(master=m.address, segment_size=0, host_id="host-b", serve_tcp=False) as s:
+        kv = KVCacheStore(s, config=KVCacheConfig(chunk_tokens=256))
+        assert kv.put(toks, ref).stored_chunks == 40
+        deadline = time.monotonic() + 20
+        while s.stats().ssd_objects < 30:
+            assert time.monotonic() < deadline, s.stats()
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        g = kv.get(toks)
+        took = time.monotonic() - t0
+        assert 256 <= g.tokens < 40 * 256 and torch.equal(g.kv, ref[:, :, :, :g.tokens]), g.tokens
+        assert took < 6.0, f"get took {took:.1f} s"
+        time.sleep(5.5)  # the first get's read leases (5 s) hold the owner's memory until then
+        g4 = kv.get(toks, 4 * 256)
+        assert g4.tokens == 4 * 256 and torch.equal(g4.kv, ref[:, :, :, :4 * 256])
