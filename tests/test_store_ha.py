@@ -48,15 +48,20 @@ def is_leader(address) -> bool:
         return False
 
 
-def test_leader_kill_standby_takes_over(procs, etcd):
+def start_pair(etcd, **flags):
+    """A leader and a standby on a fresh etcd prefix: (leader, standby, prefix)."""
     prefix = f"/mooncake_test/{uuid.uuid4().hex}"
-    flags = dict(etcd=etcd, etcd_prefix=prefix, client_ttl=3.0)
+    flags.update(etcd=etcd, etcd_prefix=prefix)
     m1 = sa.start_master(**flags)
     deadline = time.monotonic() + 15
     while not is_leader(m1.address):
         assert time.monotonic() < deadline, m1.log()
         time.sleep(0.05)
-    m2 = sa.start_master(**flags)
+    return m1, sa.start_master(**flags), prefix
+
+
+def test_leader_kill_standby_takes_over(procs, etcd):
+    m1, m2, prefix = start_pair(etcd, client_ttl=3.0)
     time.sleep(0.3)
     assert is_leader(m1.address) and not is_leader(m2.address)
     cfg = {"etcd": etcd, "etcd_prefix": prefix, "heartbeat_interval_s": 0.2}
@@ -115,14 +120,7 @@ def test_leader_stopped_clients_keep_their_objects(procs, etcd):
     import signal
     import threading
 
-    prefix = f"/mooncake_test/{uuid.uuid4().hex}"
-    flags = dict(etcd=etcd, etcd_prefix=prefix)
-    m1 = sa.start_master(**flags)
-    deadline = time.monotonic() + 15
-    while not is_leader(m1.address):
-        assert time.monotonic() < deadline, m1.log()
-        time.sleep(0.05)
-    m2 = sa.start_master(**flags)
+    m1, m2, prefix = start_pair(etcd)
     cfg = {"etcd": etcd, "etcd_prefix": prefix}
     node = sa.start_agent({**cfg, "segment_size": 32 * MiB, "name": "node"})
     with MooncakeStore(serve_tcp=False, segment_size=0, **cfg) as busy, \

@@ -21,6 +21,18 @@ def procs():
     sa.cleanup()
 
 
+def put_until_on_ssd(s, n: int, want: int, settle: float = 0.3):
+    """Puts ``o0`` .. ``o{n-1}`` (1 MiB of ``sa.pattern(i)`` each) and waits until ``want``
+    objects have an SSD copy (offloads run after the puts returned), then ``settle`` s more."""
+    for i in range(n):
+        s.put(f"o{i}", sa.pattern(i, MiB))
+    deadline = time.monotonic() + 20
+    while s.stats().ssd_objects < want:
+        assert time.monotonic() < deadline, s.stats()
+        time.sleep(0.05)
+    time.sleep(settle)
+
+
 def test_ssd_tier_evict_read_back_and_restart(procs, tmp_path):
     ssd_dir = str(tmp_path / "ssd")
     m = sa.start_master(high_watermark=0.8, low_watermark=0.5)
@@ -202,12 +214,7 @@ def test_corrupt_ssd_files_are_dropped_once_read(procs, tmp_path):
     node = sa.start_agent({"master": m.address, "segment_size": 4 * MiB + 4096, "name": "node",
                           "ssd_dir": str(ssd_dir), "heartbeat_interval_s": 0.2})
     with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0) as s:
-        for i in range(10):
-            s.put(f"o{i}", sa.pattern(i, MiB))
-        deadline = time.monotonic() + 20
-        while s.stats().ssd_objects < 4:
-            assert time.monotonic() < deadline, s.stats()
-            time.sleep(0.05)
+        put_until_on_ssd(s, 10, 4, settle=0)
     node.kill()
     m.kill()
     files = {e[0]: e[4] for e in scan(str(ssd_dir))}
@@ -257,13 +264,7 @@ def test_owner_restarted_within_its_ttl_keeps_its_ssd_objects(procs, tmp_path):
     cfg = {"master": m.address, "segment_size": 4 * MiB + 4096, "ssd_dir": ssd_dir, "heartbeat_interval_s": 0.2}
     node = sa.start_agent({**cfg, "name": "node"})
     with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0) as s:
-        for i in range(10):
-            s.put(f"o{i}", sa.pattern(i, MiB))
-        deadline = time.monotonic() + 20
-        while s.stats().ssd_objects < 5:
-            assert time.monotonic() < deadline, s.stats()
-            time.sleep(0.05)
-        time.sleep(0.5)
+        put_until_on_ssd(s, 10, 5)
         on_ssd = [i for i in range(10) if s.where(f"o{i}").ssd]
         node.kill()
         t0 = time.monotonic()
@@ -328,13 +329,7 @@ def test_ssd_dir_checks(procs, tmp_path):
     with pytest.raises(StoreError, match=f"in use by another store client \\(pid {node.pid}\\)"):
         MooncakeStore(serve_tcp=False, **cfg)
     with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0) as s:
-        for i in range(8):
-            s.put(f"o{i}", sa.pattern(i, MiB))
-        deadline = time.monotonic() + 20
-        while s.stats().ssd_objects < 3:
-            assert time.monotonic() < deadline, s.stats()
-            time.sleep(0.05)
-        time.sleep(0.3)
+        put_until_on_ssd(s, 8, 3)
         i = next(i for i in range(8) if s.where(f"o{i}").ssd and not s.where(f"o{i}").memory)
         from mooncake_store.ssd import scan
 
