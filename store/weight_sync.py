@@ -18,12 +18,24 @@ unpickled)::
 
     ws/M/latest            {"version": v}: newest committed version (upserted after commit)
     ws/M/versions          [v, ...]: committed versions not dropped yet
-    ws/M/v<v>/b<s>.<i>     bucket i of shard s (tensor bytes, packed)
-    ws/M/v<v>/m<s>         manifest of shard s: its buckets and tensor pieces
-    ws/M/v<v>/commit       {"num_shards": n}: written (put, never replaced) by shard 0 after
-                           every shard's manifest exists; a version is visible only then
+    ws/M/v<v>/a<k>         {"pid", "shard", "n", "t"}: publish attempt k of version v (a plain
+                           put of the first free k, before any piece): what each publisher
+                           writes under v, so that a later commit or drop can remove it
+    ws/M/v<v>/<pid>/b<s>.<i>  bucket i of shard s of publish <pid> (tensor bytes, packed)
+    ws/M/v<v>/<pid>/m<s>   manifest of shard s of publish <pid>: its buckets and tensor pieces
+    ws/M/v<v>/commit       {"num_shards": n, "pid": pid}: written (put, never replaced) by shard
+                           0 after every shard's manifest exists; a version is visible only
+                           then, and readers read only the pieces of the publish it names
     ws/M/slot/<i>          reader slot i (taken with a plain put: first come, first served)
     ws/M/hold/<i>          {"version": v, "t": unix time}: reader i is pulling version v
+
+Two publishers of one version (an old trainer not yet dead while its replacement
+republishes ``latest_version() + 1``) write disjoint keys (each publish has its own id
+``pid``: a fresh one per call, or ``publish_id`` shared by the shards of one sharded
+publish); the commit record is a plain put, so exactly one commits. The loser's shard 0
+removes what it wrote and raises ``StaleVersionError``; the winner's commit removes the
+pieces of every other attempt at that version (losers, dead publishers), and dropping a
+version removes every attempt's.
 
 Old versions: after each commit, shard 0 drops committed versions older than the newest
 ``keep_versions + 1`` unless a reader holds them (a hold younger than ``hold_ttl_s``):
@@ -31,11 +43,14 @@ commit record first, then the pieces (``remove(force=True)``: a copy in progress
 the store reuses leased space only after the lease ends). A reader whose version vanished
 under it fails its pull and keeps its old version; the next ``pull()`` takes the newest.
 A publish that fails with an exception (``NoSpaceError``, ``TransferError``, ...) before its
-manifest is written removes the pieces its shard wrote. Not collected: pieces of a
-trainer that died mid-publish (republishing the same version overwrites them).
+commit removes the pieces its shard wrote; a ``NoSpaceError`` while the store still has
+space to give back (dropped versions a reader read less than ``lease_ttl_s`` ago) is
+retried for up to ``lease_ttl_s``. Pieces of a trainer that died mid-publish stay (pinned)
+until a publish of the same version commits (or the version is dropped).
 
 Sharded trainers (DTensor / FSDP2 state dicts): every rank calls ``publish`` with its own
-state dict, ``shard=rank`` and ``num_shards=world``; each rank writes only its local
+state dict, ``shard=rank``, ``num_shards=world`` and the same ``publish_id`` (unique per
+publish, e.g. a uuid broadcast from rank 0); each rank writes only its local
 shards (replicated DTensor placements: only the rank at coordinate 0 of those mesh
 dimensions; plain tensors: only shard 0) with their global offsets; shard 0 commits once
 all manifests exist. Readers assemble full tensors from the pieces and check that the
@@ -44,8 +59,10 @@ pieces cover every element.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import hashlib
 import logging
+import re
 import sys
 import threading
 import time
@@ -57,8 +74,8 @@ from typing import Callable, NamedTuple, Optional
 import msgpack
 
 from .config import ReplicateConfig, WeightSyncConfig
-from .errors import (LeaseExpiredError, ObjectExistsError, ObjectNotFoundError, StaleVersionError, StoreError,
-                     WeightSyncAbortedError)
+from .errors import (LeaseExpiredError, NoSpaceError, ObjectExistsError, ObjectNotFoundError, StaleVersionError,
+                     StoreError, WeightSyncAbortedError)
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +166,20 @@ def _unref(refs: dict, v: int):
         refs.pop(v, None)
 
 
+@functools.lru_cache(maxsize=None)
+def _copyable(dt) -> bool:
+    """Whether torch can copy tensors of ``dt`` (readers copy every piece into place; some
+    sub-byte dtypes, e.g. ``torch.int4``, ``torch.uint4`` or ``torch.uint1``, have no copy
+    kernel)."""
+    torch = _torch()
+    try:
+        t = torch.empty(2, dtype=dt)
+        t[0:1].copy_(t[1:2])
+        return True
+    except (NotImplementedError, RuntimeError, TypeError):
+        return False
+
+
 def _dtype_name(dt) -> str:
     return str(dt).removeprefix("torch.")
 
@@ -191,6 +222,9 @@ def _local_pieces(state_dict: dict, shard: int, num_shards: int) -> list:
         if not (DTensor is not None and isinstance(t, DTensor)) and (t.layout != torch.strided or t.is_nested):
             raise ValueError(f"{name!r}: tensors must be dense (strided), got layout {t.layout}"
                              + (" (nested)" if t.is_nested else ""))
+        if not _copyable(t.dtype):
+            raise ValueError(f"{name!r}: dtype {t.dtype} cannot be published: torch has no copy kernel for it, so "
+                             "no reader could install it (publish its bytes, e.g. t.view(torch.uint8), instead)")
         if DTensor is not None and isinstance(t, DTensor):
             coord = t.device_mesh.get_coordinate()
             if coord is None:
@@ -278,21 +312,40 @@ class WeightSync:
         return [int(v) for v in (self._get_msg(self._p + "versions", None) or [])]
 
     # ------------------------------------------------------------------ publish
-    def publish(self, state_dict, version: int, *, shard: int = 0, num_shards: int = 1) -> PublishResult:
+    def publish(self, state_dict, version: int, *, shard: int = 0, num_shards: int = 1,
+                publish_id: Optional[str] = None) -> PublishResult:
         """Writes ``state_dict`` (CPU tensors or DTensors; an ``nn.Module`` is taken by its
         state dict) as ``version``.
 
         Raises ``StaleVersionError`` if ``version`` is at or below the latest committed
-        one, ``ValueError`` for bad input (before anything is written), ``StoreError``s of
-        the store (a failure while writing removes what this shard wrote of ``version``,
-        so a retry needs no more room than the first try). With ``num_shards > 1`` every
-        shard calls this; shard 0 waits up to ``commit_timeout_s`` for the others'
-        manifests and commits."""
+        one, or if another publisher committed ``version`` first (two trainers publishing
+        one version: exactly one commits; the loser's shard 0 removes what it wrote and
+        raises, naming the version). ``ValueError`` for bad input (before anything is
+        written: sparse or nested tensors, dtypes torch cannot copy such as
+        ``torch.int4``). ``StoreError``s of the store: a failure before the commit removes
+        what this shard wrote of ``version``, so a retry needs no more room than the first
+        try; a ``NoSpaceError`` while the store has space of dropped versions to give back
+        (read leases) is retried until that space is back (up to ``lease_ttl_s``).
+
+        With ``num_shards > 1`` every shard calls this with the same ``publish_id`` (a
+        str of 1-64 letters, digits, ``_.-``, unique per publish: e.g. a uuid4 hex
+        broadcast from rank 0), which names the pieces of this publish; shard 0 waits up
+        to ``commit_timeout_s`` for the others' manifests and commits. A single-shard
+        publish takes a fresh id when none is given."""
         torch = _torch()
         if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2**63:
             raise ValueError(f"{self.model}: publish: version must be an int in [0, 2**63), got {version!r}")
         if not isinstance(num_shards, int) or num_shards < 1 or not isinstance(shard, int) or not 0 <= shard < num_shards:
             raise ValueError(f"need 0 <= shard < num_shards, got shard={shard!r} num_shards={num_shards!r}")
+        if publish_id is None:
+            if num_shards > 1:
+                raise ValueError(f"{self.model}: publish: with num_shards > 1 every shard must pass the same "
+                                 "publish_id (unique per publish, e.g. a uuid.uuid4().hex broadcast from rank 0): it "
+                                 "keeps the pieces of two groups publishing one version apart")
+            publish_id = uuid.uuid4().hex
+        elif not isinstance(publish_id, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", publish_id):
+            raise ValueError(f"{self.model}: publish: publish_id must be a str of 1-64 letters, digits, '_', '.' or "
+                             f"'-', got {publish_id!r}")
         if isinstance(state_dict, torch.nn.Module):
             state_dict = state_dict.state_dict()
         if not isinstance(state_dict, dict):
@@ -322,29 +375,108 @@ class WeightSync:
             cur_bytes += n
         if cur or not plan:
             plan.append(cur)
-        try:
-            _, total = self._write_pieces(torch, vp, shard, num_shards, version, plan)
-        except BaseException:
-            # nothing of this version is committed: give back what this shard wrote (it is
+        pp = f"{vp}{publish_id}/"  # this publish's pieces: no other publisher writes these keys
+        attempt = self._claim_attempt(vp, publish_id, shard, len(plan))
+        own = [f"{pp}b{shard}.{i}" for i in range(len(plan))] + [f"{pp}m{shard}"]
+
+        def give_back(with_attempt: bool):
+            # nothing of this publish is committed: give back what this shard wrote (it is
             # pinned, so it would stay, and the next try would need room for all of it again)
             try:
-                self.store.remove_batch([f"{vp}b{shard}.{i}" for i in range(len(plan))] + [f"{vp}m{shard}"],
-                                        force=True, return_exceptions=True)
+                self.store.remove_batch(own + ([attempt] if with_attempt else []), force=True, return_exceptions=True)
             except Exception:  # noqa: BLE001 - the store is unreachable too: the first error is the one to see
                 pass
-            raise
-        return self._commit(vp, version, shard, num_shards, plan, total)
 
-    def _write_pieces(self, torch, vp: str, shard: int, num_shards: int, version: int, plan: list) -> tuple:
-        """Writes this shard's buckets (bucket i put while bucket i+1 is packed), then its
-        manifest; returns ``(manifest, bytes written)``."""
+        deadline = None
+        while True:
+            try:
+                _, total = self._write_pieces(torch, pp, shard, num_shards, version, plan)
+                break
+            except NoSpaceError:
+                give_back(False)
+                # space of dropped versions that a reader read comes back when its read
+                # lease ends (lease_ttl_s): wait for it rather than fail a publish that fits
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + float(getattr(self.store, "_lease_ttl", 5.0)) + 0.5
+                if now < deadline and self._space_coming_back():
+                    time.sleep(0.05)
+                    continue
+                give_back(True)
+                raise
+            except BaseException:
+                give_back(True)
+                raise
+        if shard != 0:
+            return PublishResult(version, shard, False, len(plan), total, [])
+        return self._commit(vp, version, publish_id, num_shards, plan, total, give_back)
+
+    def _space_coming_back(self) -> bool:
+        """Whether the master holds allocations that come back when a read lease ends."""
+        try:
+            return self.store.stats().deferred > 0
+        except Exception:  # noqa: BLE001 - no stats: do not wait
+            return False
+
+    def _claim_attempt(self, vp: str, pid: str, shard: int, nbuckets: int) -> str:
+        """Records (a plain put of the first free ``a<k>``) that publish ``pid`` writes
+        ``nbuckets`` buckets of ``shard`` under ``vp``, so that a commit or drop of the
+        version finds and removes them even if this publisher dies."""
+        rec = msgpack.packb({"pid": pid, "shard": shard, "n": nbuckets, "t": time.time()})
+        k = 0
+        while True:
+            try:
+                self.store.put(f"{vp}a{k}", rec, self._rc)
+                return f"{vp}a{k}"
+            except ObjectExistsError:
+                k += 1
+
+    def _attempts(self, vp: str) -> list:
+        """[(key, record)] of the publish attempts at ``vp`` (read 16 at a time, up to the
+        first 16 free numbers in a row: a failed publish frees its number, the next takes
+        the lowest free one)."""
+        out, k = [], 0
+        while True:
+            keys = [f"{vp}a{i}" for i in range(k, k + 16)]
+            found = False
+            for key, raw in zip(keys, self.store.get_batch(keys, return_exceptions=True)):
+                if isinstance(raw, BaseException):
+                    continue
+                found = True
+                try:
+                    rec = msgpack.unpackb(raw, raw=False)
+                    out.append((key, rec))
+                except Exception:  # noqa: BLE001
+                    out.append((key, None))
+            if not found:
+                return out
+            k += 16
+
+    def _sweep(self, vp: str, keep_pid: Optional[str]) -> None:
+        """Removes the pieces of every publish attempt at ``vp`` except ``keep_pid``'s
+        (``None``: all of them, and the attempt records too)."""
+        keys = []
+        for key, rec in self._attempts(vp):
+            if rec is not None and rec.get("pid") == keep_pid:
+                continue
+            if rec is not None:
+                pp, s = f"{vp}{rec['pid']}/", int(rec["shard"])
+                keys += [f"{pp}b{s}.{i}" for i in range(int(rec["n"]))] + [f"{pp}m{s}"]
+            if keep_pid is None:
+                keys.append(key)
+        if keys:
+            self.store.remove_batch(keys, force=True, return_exceptions=True)
+
+    def _write_pieces(self, torch, pp: str, shard: int, num_shards: int, version: int, plan: list) -> tuple:
+        """Writes this shard's buckets (bucket i put while bucket i+1 is packed) under the
+        publish prefix ``pp``, then its manifest; returns ``(manifest, bytes written)``."""
         manifest = {"version": version, "shard": shard, "num_shards": num_shards, "buckets": [], "pieces": []}
         total = 0
         algo = _default_algo() if self.cfg.checksums else None
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ws-put") as ex:
             pending = None
             for i, group in enumerate(plan):
-                key = f"{vp}b{shard}.{i}"
+                key = f"{pp}b{shard}.{i}"
                 views = [_byte_view(p[4]) for p in group]
                 offs, nbytes = [], 0
                 for v in views:  # pieces start 64-byte aligned, so readers can view them as any dtype
@@ -370,30 +502,50 @@ class WeightSync:
                 pending = ex.submit(self.store.upsert, key, buf, self._rc)
             if pending is not None:
                 pending.result()
-        self.store.upsert(f"{vp}m{shard}", msgpack.packb(manifest), self._rc)
+        self.store.upsert(f"{pp}m{shard}", msgpack.packb(manifest), self._rc)
         return manifest, total
 
-    def _commit(self, vp: str, version: int, shard: int, num_shards: int, plan: list, total: int) -> PublishResult:
-        if shard != 0:
-            return PublishResult(version, shard, False, len(plan), total, [])
-        mkeys = [f"{vp}m{s}" for s in range(num_shards)]
-        deadline = time.monotonic() + self.cfg.commit_timeout_s
-        while not all(self.store.exists_batch(mkeys)):
-            if time.monotonic() > deadline:
-                raise WeightSyncAbortedError(f"{self.model} v{version}: not every shard wrote its manifest within "
-                                             f"{self.cfg.commit_timeout_s}s; nothing committed")
-            time.sleep(0.01)
+    def _commit(self, vp: str, version: int, pid: str, num_shards: int, plan: list, total: int,
+                give_back: Callable[[bool], None]) -> PublishResult:
+        mkeys = [f"{vp}{pid}/m{s}" for s in range(num_shards)]
+
+        def lost():
+            return StaleVersionError(
+                f"{self.model}: version {version} was committed by another publisher meanwhile (a second trainer "
+                f"publishing it?); this publish ({pid!r}) removed what it wrote; publish "
+                f"{max(version, self.latest_version()) + 1} or higher")
+
         try:
-            self.store.put(vp + "commit", msgpack.packb({"version": version, "num_shards": num_shards,
-                                                         "time": time.time()}), self._rc)
-        except ObjectExistsError:
-            raise StaleVersionError(f"{self.model}: version {version} was committed meanwhile") from None
+            deadline = time.monotonic() + self.cfg.commit_timeout_s
+            while True:
+                *mans, done = self.store.exists_batch(mkeys + [vp + "commit"])
+                if done:  # another publisher won (and its commit removed this publish's pieces)
+                    raise lost()
+                if all(mans):
+                    break
+                if time.monotonic() > deadline:
+                    raise WeightSyncAbortedError(f"{self.model} v{version}: not every shard wrote its manifest of "
+                                                 f"publish {pid!r} within {self.cfg.commit_timeout_s}s; nothing "
+                                                 "committed")
+                time.sleep(0.01)
+            try:
+                # a plain put: of two publishers of this version exactly one commits
+                self.store.put(vp + "commit", msgpack.packb({"version": version, "num_shards": num_shards, "pid": pid,
+                                                             "time": time.time()}), self._rc)
+            except ObjectExistsError:
+                raise lost() from None
+        except BaseException:
+            give_back(True)
+            raise
+        # committed: the pieces of every other attempt at this version (a loser still
+        # writing, a publisher that died) are never read; give their space back
+        self._sweep(vp, pid)
         versions = sorted(set(self.committed_versions()) | {version})
         if version > self.latest_version():
             self.store.upsert(self._p + "latest", msgpack.packb({"version": version}), self._rc)
         dropped = self._drop_old(versions)
         self.store.upsert(self._p + "versions", msgpack.packb([v for v in versions if v not in dropped]), self._rc)
-        return PublishResult(version, shard, True, len(plan), total, dropped)
+        return PublishResult(version, 0, True, len(plan), total, dropped)
 
     def _holds(self) -> set:
         """Versions some reader holds. Slots of readers silent for ``hold_ttl_s`` (dead, or
@@ -438,15 +590,7 @@ class WeightSync:
             self.store.remove_batch([vp + "commit"], force=True, return_exceptions=True)
             if v in self._holds():
                 continue
-            try:
-                m0 = self._get_msg(vp + "m0")
-                mans = [m0] + [msgpack.unpackb(m, raw=False) for m in
-                               self.store.get_batch([f"{vp}m{s}" for s in range(1, int(m0["num_shards"]))])]
-            except ObjectNotFoundError:
-                dropped.append(v)
-                continue
-            keys = [b[0] for m in mans for b in m["buckets"]] + [f"{vp}m{s}" for s in range(len(mans))]
-            self.store.remove_batch(keys, force=True, return_exceptions=True)
+            self._sweep(vp, None)  # every attempt's pieces (the committed one's too) and their records
             dropped.append(v)
         return dropped
 
@@ -660,8 +804,9 @@ class WeightSync:
         except ObjectNotFoundError:
             raise ObjectNotFoundError(f"{self.model}: version {v} is not committed (or was dropped)") from None
         n = int(commit["num_shards"])
+        pp = vp + (f"{commit['pid']}/" if commit.get("pid") else "")  # the committed publish's pieces only
         try:
-            mans = [msgpack.unpackb(m, raw=False) for m in self.store.get_batch([f"{vp}m{s}" for s in range(n)])]
+            mans = [msgpack.unpackb(m, raw=False) for m in self.store.get_batch([f"{pp}m{s}" for s in range(n)])]
         except ObjectNotFoundError as e:
             raise WeightSyncAbortedError(f"{self.model} v{v}: a manifest is missing ({e}); kept version "
                                          f"{self.version}") from None
@@ -797,7 +942,17 @@ class GroupWeightSync:
     agrees (``all_reduce`` of a failure count) whether to go on, so no rank starts bucket
     ``i+1`` after a failure in bucket ``i``; the staged tensors are copied in only after
     the last bucket. On failure every rank raises ``WeightSyncAbortedError`` (the rank that
-    failed chains its own error) and keeps its previous version; a retry may follow."""
+    failed chains its own error; the others' message names the first failing rank and its
+    error) and keeps its previous version; a retry may follow. A rank that dies mid-sync
+    (the backend raises, e.g. ``RankFailureError`` of the ``mooncake`` backend) is reported
+    the same way on every survivor: ``WeightSyncAbortedError`` chained to the backend's error.
+
+    Must agree across ranks: ``group`` and ``src`` (same on every rank, or the collectives
+    do not match up), the names and shapes of the tensors (those of ``src`` are sent; a
+    rank whose model lacks a name or has another shape refuses the version, before any
+    bucket), and ``version`` (``None`` on the other ranks takes the source's; another value
+    refuses the version). Dtypes may differ (values are cast into each rank's tensors);
+    ``bucket_bytes`` matters on ``src`` only."""
 
     def __init__(self, *, group=None, src: int = 0, bucket_bytes: int = 64 << 20):
         if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
@@ -808,16 +963,54 @@ class GroupWeightSync:
         self.version = -1
         self._spare: dict = {}  # staging tensors of the last sync, reused by the next one
 
+    def _coll(self, what: str, fn, *args, **kw):
+        """Runs one collective; a failure of the backend (a rank died: ``RankFailureError``,
+        a timeout, ...) becomes ``WeightSyncAbortedError`` chained to it."""
+        try:
+            return fn(*args, group=self.group, **kw)
+        except Exception as e:  # noqa: BLE001 - any backend error aborts this sync
+            raise WeightSyncAbortedError(
+                f"rank {self._rank}: version {self._new_version} aborted: {what} failed ({type(e).__name__}: "
+                f"{str(e)[:300]}): a rank died or left; kept version {self._prev}") from e
+
     def _agree(self, failed: bool) -> int:
         torch = _torch()
         import torch.distributed as dist
 
         flag = torch.tensor([1 if failed else 0], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=self.group)
+        self._coll("all_reduce", dist.all_reduce, flag, op=dist.ReduceOp.SUM)
         return int(flag.item())
+
+    def _first_error(self, err: Optional[BaseException], nbytes: int = 1024) -> str:
+        """On a failure: the message of the lowest failing rank, sent to every rank (two
+        more collectives, on the failure path only)."""
+        torch = _torch()
+        import torch.distributed as dist
+
+        big = 1 << 62
+        who = torch.tensor([self._rank if err is not None else big], dtype=torch.int64)
+        self._coll("all_reduce", dist.all_reduce, who, op=dist.ReduceOp.MIN)
+        first = int(who.item())
+        buf = torch.zeros(nbytes, dtype=torch.uint8)
+        if first == self._rank:
+            msg = f"{type(err).__name__}: {err}".encode("utf-8", "replace")[:nbytes]
+            buf[:len(msg)].copy_(torch.frombuffer(bytearray(msg), dtype=torch.uint8))
+        self._coll("broadcast", dist.broadcast, buf, src=first)
+        return bytes(buf.numpy()).rstrip(b"\0").decode("utf-8", "replace")
 
     def sync(self, model_or_state_dict, version: Optional[int] = None, *,
              stage_hook: Optional[Callable[[int], None]] = None) -> GroupSyncResult:
+        """Installs ``src``'s tensors as ``version`` on every rank of the group.
+
+        ``model_or_state_dict``: an ``nn.Module`` or a dict of CPU tensors (the same names
+        and shapes on every rank; see the class docstring). ``version``: an int >= 0 on
+        ``src`` (above the version the ranks hold); ``None`` or the same int elsewhere.
+        ``stage_hook(i)`` runs on each rank after bucket ``i`` arrived (tests, validation;
+        its exception aborts the sync). Returns :class:`GroupSyncResult`. Raises
+        ``ValueError`` on ``src`` for a bad ``version`` (before any collective);
+        ``WeightSyncAbortedError`` on every rank when any rank refuses the version (name,
+        shape, version mismatch, a stale version; the message names the rank, the tensor
+        and both shapes), fails staging a bucket, or dies (the backend's error chained)."""
         torch = _torch()
         import torch.distributed as dist
 
@@ -825,6 +1018,7 @@ class GroupWeightSync:
         targets = _target_dict(model_or_state_dict)
         is_src = rank == self.src
         prev = self.version
+        self._rank, self._prev, self._new_version = rank, prev, version
         header = torch.zeros(2, dtype=torch.int64)
         local_err: Optional[BaseException] = None
         if is_src:
@@ -844,15 +1038,18 @@ class GroupWeightSync:
             man = msgpack.packb({"version": version, "buckets": [
                 [[n, _dtype_name(targets[n].dtype), list(targets[n].shape)] for n in b] for b in plan]})
             header[0], header[1] = len(man), version
-        dist.broadcast(header, src=self.src, group=self.group)
+        self._coll("broadcast of the manifest", dist.broadcast, header, src=self.src)
         mbuf = torch.empty(int(header[0]), dtype=torch.uint8)
         if is_src:
             mbuf.copy_(torch.frombuffer(bytearray(man), dtype=torch.uint8))
-        dist.broadcast(mbuf, src=self.src, group=self.group)
-        new_version = int(header[1])
+        self._coll("broadcast of the manifest", dist.broadcast, mbuf, src=self.src)
+        new_version = self._new_version = int(header[1])
         man = msgpack.unpackb(mbuf.numpy().tobytes(), raw=False)
         buckets = man["buckets"]
         try:
+            if not is_src and version is not None and (isinstance(version, bool) or version != new_version):
+                raise ValueError(f"rank {rank} passed version {version!r}, src {self.src} sends {new_version}: every "
+                                 "rank must pass the source's version (or None)")
             if new_version <= prev:
                 raise StaleVersionError(f"rank {rank} holds version {prev}; will not install {new_version}")
             for b in buckets:
@@ -860,12 +1057,14 @@ class GroupWeightSync:
                     if n not in targets:
                         raise ValueError(f"rank {rank}: {n!r} is not in the model")
                     if list(targets[n].shape) != shape:
-                        raise ValueError(f"rank {rank}: {n!r} has shape {tuple(targets[n].shape)}, src sends {shape}")
+                        raise ValueError(f"rank {rank}: {n!r} has shape {tuple(targets[n].shape)}, src sends "
+                                         f"{tuple(shape)}")
         except Exception as e:  # noqa: BLE001 - reported to the group, then raised
             local_err = e
         if self._agree(local_err is not None):
-            raise WeightSyncAbortedError(f"rank {rank}: the group refused version {new_version} before any bucket; "
-                                         f"kept version {prev}") from local_err
+            first = self._first_error(local_err)
+            raise WeightSyncAbortedError(f"rank {rank}: the group refused version {new_version} before any bucket "
+                                         f"({first}); kept version {prev}") from local_err
         staged: dict = {}
         total = 0
         def staging(n, d, s):
@@ -890,7 +1089,7 @@ class GroupWeightSync:
                     if sz:
                         buf[off:off + sz].copy_(_byte_view(targets[n]))
                     off += sz
-            dist.broadcast(buf, src=self.src, group=self.group)
+            self._coll(f"broadcast of bucket {i}", dist.broadcast, buf, src=self.src)
             total += buf.numel()
             try:
                 if stage_hook is not None:
@@ -906,8 +1105,9 @@ class GroupWeightSync:
             except Exception as e:  # noqa: BLE001
                 local_err = e
             if self._agree(local_err is not None):
+                first = self._first_error(local_err)
                 raise WeightSyncAbortedError(f"rank {rank}: version {new_version} aborted at bucket {i} (a rank "
-                                             f"failed staging it); kept version {prev}") from local_err
+                                             f"failed staging it: {first}); kept version {prev}") from local_err
         with torch.no_grad():
             for n, t in staged.items():
                 targets[n].copy_(t)

@@ -332,7 +332,14 @@ def _fsdp_rank(rank, world, addr):
     from torch.distributed.tensor import DTensor
 
     assert all(isinstance(v, DTensor) for v in sd.values())
-    res = WeightSync(_client(addr), "fsdp").publish(sd, 1, shard=rank, num_shards=world)
+    try:
+        WeightSync(_client(addr), "fsdp").publish(sd, 1, shard=rank, num_shards=world)
+        raise AssertionError("a sharded publish without publish_id was accepted")
+    except ValueError as e:
+        assert "publish_id" in str(e)
+    pid = [__import__("uuid").uuid4().hex]
+    dist.broadcast_object_list(pid, src=0)  # the shards of one publish share its id
+    res = WeightSync(_client(addr), "fsdp").publish(sd, 1, shard=rank, num_shards=world, publish_id=pid[0])
     dist.barrier()
     return {"local_rows": {k: v.to_local().shape[0] for k, v in sd.items()}, "committed": res.committed, "bytes": res.bytes, "full": _digests(full)}
 
@@ -374,7 +381,9 @@ def test_corrupt_or_missing_piece_keeps_the_old_version(store_procs):
         model = {k: torch.zeros_like(v) for k, v in _small_sd(0).items()}
         r.pull(model)
         ws.publish(_small_sd(2), 2)
-        key = "ws/c/v2/b0.0"
+        import msgpack
+
+        key = f"ws/c/v2/{msgpack.unpackb(s.get('ws/c/v2/commit'))['pid']}/b0.0"  # the committed publish's bucket 0
         good = s.get(key)
         s.upsert(key, bytes([good[0] ^ 1]) + good[1:])
         with pytest.raises(WeightSyncAbortedError, match="checksum"):
@@ -775,3 +784,198 @@ def test_view_reader_pulls_mixed_with_into_none_and_store_close(store_procs):
             time.sleep(0.01)
             tr.publish({"w": torch.full((4096,), float(v))}, v)
         assert torch.equal(model.w, torch.full((4096,), 199.0))
+
+
+# ---------------------------------------------------------------- found by a fourth new-user trial
+def _race_sd(version, who):
+    """Publisher ``who``'s weights of ``version``: 2 MiB in 32 buckets of 64 KiB (so two
+    publishers' writes interleave), every element tells who and which version."""
+    import torch
+
+    return {f"t{i}": torch.full((16 * 1024,), float(1000 * who + version)) for i in range(32)}
+
+
+def _race_rank(rank, world, addr, rounds):
+    """ranks 0 and 1: two trainers publishing the same versions at the same moment (an old
+    trainer not yet dead and its replacement); rank 2: a rollout worker pulling each."""
+    import re
+
+    import torch
+    import torch.distributed as dist
+    from mooncake_store import StaleVersionError, WeightSync, WeightSyncConfig
+
+    cfg = WeightSyncConfig(bucket_bytes=64 * 1024, keep_versions=0)
+    s = _client(addr)
+    out = []
+    for v in range(1, rounds + 1):
+        dist.barrier()
+        rec = {}
+        if rank < 2:
+            try:
+                rec["committed"] = WeightSync(s, "race", config=cfg).publish(_race_sd(v, rank), v).committed
+            except StaleVersionError as e:
+                rec["stale"] = str(e)
+                pid = re.search(r"this publish \('([0-9a-f]+)'\)", str(e))
+                if pid:  # the loser's own pieces are gone
+                    pp = f"ws/race/v{v}/{pid.group(1)}/"
+                    rec["left"] = sum(s.exists_batch([f"{pp}b0.{i}" for i in range(32)] + [pp + "m0"]))
+                else:
+                    rec["left"] = "the error names no publish id"
+        dist.barrier()
+        if rank == 2:
+            try:
+                got = _STATE.setdefault("race_reader", WeightSync(s, "race", config=cfg)).pull(None, v).state_dict
+                rec["values"] = sorted({float(x) for t in got.values() for x in t.unique()})
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                rec["pull_error"] = f"{type(e).__name__}: {e}"
+        out.append(rec)
+    _STATE.pop("race_reader", None)
+    return {"rounds": out, "objects": s.stats().objects}
+
+
+def test_two_publishers_of_one_version_commit_exactly_one(store_procs):
+    """Two processes publish the same version at once: exactly one commits, the other gets
+    StaleVersionError naming the version and its pieces are removed; the committed version
+    is complete and holds only the winner's weights (was: a committed version that was
+    unreadable, failed its checksums, or mixed both publishers' buckets)."""
+    addr = _start_store(64)
+    pool = get_pool(3)
+    rounds = 8
+    r = pool.run(_race_rank, addr, rounds, timeout=120)
+    for v in range(1, rounds + 1):
+        pubs, pulled = [r[0]["rounds"][v - 1], r[1]["rounds"][v - 1]], r[2]["rounds"][v - 1]
+        winners = [w for w in (0, 1) if pubs[w].get("committed")]
+        assert len(winners) == 1, (v, pubs)
+        loser = pubs[1 - winners[0]]
+        assert f"version {v} " in loser["stale"], loser
+        assert loser["left"] == 0, loser
+        assert "pull_error" not in pulled, (v, pulled)
+        assert pulled["values"] == [float(1000 * winners[0] + v)], (v, winners, pulled)
+    # the last version alone stays (keep_versions=0), nothing of the losers: its 32 buckets,
+    # manifest, commit record and attempt record, latest, versions, the reader's slot and hold
+    assert r[2]["objects"] == 32 + 1 + 1 + 1 + 2 + 2, r[2]["objects"]
+
+
+def test_dtypes_without_copy_kernels_are_refused_at_publish():
+    """torch.int4 (and uint4, uint1, ...) have no copy kernel: a publish used to accept
+    them and every reader failed with a bare NotImplementedError; now the publish raises
+    ValueError naming the tensor and dtype before writing anything, and their bytes
+    (t.view(torch.uint8)) round-trip."""
+    import torch
+    from mooncake_store import MooncakeStore, WeightSync
+
+    with MooncakeStore(serve_tcp=False, segment_size=8 * MiB) as s:
+        ws = WeightSync(s, "q")
+        before = s.stats().objects
+        q = torch.arange(16, dtype=torch.uint8).view(torch.int4)
+        for dt in ("int4", "uint4", "uint1"):
+            if hasattr(torch, dt):
+                with pytest.raises(ValueError, match=f"'q': dtype torch.{dt} cannot be published"):
+                    ws.publish({"w": torch.ones(8), "q": torch.zeros(8, dtype=torch.uint8).view(getattr(torch, dt))}, 1)
+        assert ws.latest_version() == -1 and s.stats().objects == before
+        ws.publish({"w": torch.ones(8), "q": q.view(torch.uint8)}, 1)
+        got = WeightSync(s, "q").pull(None).state_dict
+        assert torch.equal(got["q"], torch.arange(16, dtype=torch.uint8)) and torch.equal(got["w"], torch.ones(8))
+
+
+def test_publish_waits_for_space_of_dropped_versions_still_leased(store_procs):
+    """A copy-mode reader pulls every version; a dropped version's space comes back only
+    when its read lease ends (lease_ttl_s): publishing faster than that used to fail with
+    NoSpaceError in a segment of 3.3x the model (README's advice); now the publish waits
+    for that space and every version arrives intact."""
+    import time
+
+    import torch
+    from mooncake_store import MooncakeStore, WeightSync, WeightSyncConfig
+
+    m = sa.start_master(lease_ttl=1.0)
+    model_bytes = 8 * MiB
+    sa.start_agent({"master": m.address, "segment_size": int(3.3 * model_bytes), "name": "storage"})
+    cfg = WeightSyncConfig(bucket_bytes=MiB)  # keep_versions=1: 3 versions at once while publishing
+    sd = lambda v: {f"t{i}": torch.full((MiB // 4,), float(v)) for i in range(8)}  # noqa: E731  8 MiB
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0) as s:
+        tr, rd = WeightSync(s, "lease", config=cfg), WeightSync(s, "lease", config=cfg)
+        model = {k: torch.zeros_like(t) for k, t in sd(0).items()}
+        t0 = time.monotonic()
+        for v in range(1, 9):  # much faster than lease_ttl_s
+            tr.publish(sd(v), v)
+            assert rd.pull(model).version == v
+            assert all(torch.equal(t, sd(v)[k]) for k, t in model.items()), v
+        assert time.monotonic() - t0 < 30
+
+
+_GWS_DEATH = r"""
+import os, sys, torch, torch.distributed as dist
+import mooncake_pg
+from mooncake_store import GroupWeightSync, WeightSyncAbortedError
+rank, initf = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("mooncake", rank=rank, world_size=2, init_method="file://" + initf,
+                        pg_options=mooncake_pg.MooncakeOptions(timeout=20.0))
+sd = {f"t{i}": torch.full((16384,), float(rank)) for i in range(20)}
+def hook(i):
+    if rank == 1 and i == 3:
+        os.kill(os.getpid(), 9)
+gs = GroupWeightSync(src=0, bucket_bytes=65536)
+try:
+    gs.sync(sd, 1, stage_hook=hook)
+    print("synced", flush=True)
+except WeightSyncAbortedError as e:
+    print("aborted", type(e.__cause__).__name__, gs.version, float(sd["t0"][0]), flush=True)
+except Exception as e:
+    print("raised", type(e).__name__, flush=True)
+os._exit(0)
+"""
+
+
+def test_group_sync_survivor_of_a_dead_rank_raises_weight_sync_aborted(tmp_path):
+    """A rank killed mid-sync: the survivor raises WeightSyncAbortedError (as documented),
+    chained to the backend's RankFailureError, and keeps its version (was: a bare
+    RankFailureError)."""
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([sa.REPO, os.environ.get("PYTHONPATH", "")]))
+    initf = str(tmp_path / "init")
+    ps = [subprocess.Popen([sys.executable, "-c", _GWS_DEATH, str(r), initf], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=env, start_new_session=True) for r in range(2)]
+    try:
+        out0, err0 = ps[0].communicate(timeout=120)
+        ps[1].wait(30)
+    finally:
+        for p in ps:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, 9)
+            p.wait(10)
+    assert ps[1].returncode == -9
+    assert out0.split() == ["aborted", "RankFailureError", "-1", "0.0"], (out0, err0[-3000:])
+
+
+def _gws_refuse_rank(rank, world, case):
+    import torch
+    from mooncake_store import GroupWeightSync, WeightSyncAbortedError
+
+    sd = {"a": torch.zeros(8, 4), "b": torch.zeros(3)}
+    version = 3
+    if case == "shape" and rank == 2:
+        sd["a"] = torch.zeros(4, 8)
+    if case == "version" and rank == 1:
+        version = 5
+    if case == "version" and rank == 3:
+        version = None  # takes the source's
+    try:
+        GroupWeightSync(src=0).sync(sd, version)
+        return "synced"
+    except WeightSyncAbortedError as e:
+        return str(e)
+
+
+def test_group_sync_refusals_name_the_rank_tensor_and_version():
+    """Every rank's error names the refusing rank and what differs: the tensor with both
+    shapes (was: only "the group refused version 1 before any bucket"), or the version a
+    rank passed that differs from the source's (was: silently the source's version)."""
+    pool = get_pool(4)
+    r = pool.run(_gws_refuse_rank, "shape", timeout=60)
+    for w in range(4):
+        assert "refused version 3" in r[w] and "rank 2: 'a' has shape (4, 8), src sends (8, 4)" in r[w], r[w]
+    r = pool.run(_gws_refuse_rank, "version", timeout=60)
+    for w in range(4):
+        assert "rank 1 passed version 5, src 0 sends 3" in r[w], r[w]
