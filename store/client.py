@@ -202,11 +202,15 @@ class StoreStats:
 class _Reservation:
     """Segment space the master reserved for this client's next puts (``Core.reserve``)."""
 
-    __slots__ = ("seg", "off", "left", "desc", "pref", "session", "used_at")
+    __slots__ = ("seg", "off", "left", "desc", "pref", "session", "used_at", "valid_until")
 
-    def __init__(self, seg, off, left, desc, pref, session, used_at):
+    def __init__(self, seg, off, left, desc, pref, session, used_at, valid_until=float("inf")):
         self.seg, self.off, self.left, self.desc = seg, off, left, desc
         self.pref, self.session, self.used_at = pref, session, used_at
+        # time.monotonic() until which the master that granted it certainly leads (its
+        # leader lease, "lv" in its replies): past it, a successor may have placed other
+        # objects in this range, so it is not written before the master answers again
+        self.valid_until = valid_until
 
 
 def _chunks(keys: list, max_keys: int = 2048, max_bytes: int = 1 << 20):
@@ -965,7 +969,8 @@ class MooncakeStore:
             return None
         try:
             r = self._resv
-            if r is None or r.session != self._session or r.pref != cfg.preferred_segment or r.left < total:
+            if (r is None or r.session != self._session or r.pref != cfg.preferred_segment or r.left < total
+                    or time.monotonic() >= r.valid_until):
                 until, least = self._resv_refused
                 if time.monotonic() < until and 4 * total >= least:
                     return None
@@ -990,10 +995,11 @@ class MooncakeStore:
                 r.session = -1
                 return _Unreachable(r.seg)
             self._resv_rid += 1
+            sent = []
             try:
                 res = self._call("put", {"client": self.client_id, "rid": self._resv_rid, "seg": r.seg, "off": r.off,
                                          "items": [[k, len(v), m] for k, v, m in zip(keys, views, metas)],
-                                         "pin": cfg.pin, "upsert": upsert})
+                                         "pin": cfg.pin, "upsert": upsert}, sent_at=sent)
             except BaseException:
                 self._resv = None
                 self._resv_orphans.add(r.seg)  # the master may have moved its front or not: give back all
@@ -1006,6 +1012,7 @@ class MooncakeStore:
             else:
                 r.off, r.left = res["resv"]
                 r.used_at = time.monotonic()
+                r.valid_until = sent[0] + res.get("lv", float("inf"))
             return [it[1] if it[0] == 0 else from_code(it[1], it[2]) for it in res["items"]]
         finally:
             self._resv_lock.release()
@@ -1014,14 +1021,16 @@ class MooncakeStore:
         """Gives the current reservation back and asks for a new one of at least ``least``
         bytes (``_resv_lock`` held)."""
         old, self._resv = self._resv, None
+        sent = []
         res = self._call("reserve", {"client": self.client_id, "bytes": self.cfg.put_reservation_bytes, "pref": pref,
-                                     "min": least, "ret": self._returns(old)})
+                                     "min": least, "ret": self._returns(old)}, sent_at=sent)
         self._resv_orphans.clear()
         if res["resv"] is None:
             self._resv_refused = (time.monotonic() + _RESV_REFUSED_S, least)
             return None
         seg, off, n = res["resv"]
-        self._resv = _Reservation(seg, off, n, res["segs"][seg], pref, self._session, time.monotonic())
+        self._resv = _Reservation(seg, off, n, res["segs"][seg], pref, self._session, time.monotonic(),
+                                  sent[0] + res.get("lv", float("inf")))
         return self._resv
 
     def _warm(self, off: int, n: int):

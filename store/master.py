@@ -77,6 +77,9 @@ class Master:
         self.core = Core(self.cfg)
         self.id = uuid.uuid4().hex
         self.leader = self.cfg.etcd is None
+        # with etcd: until when (time.monotonic()) this master's leader lease is certainly
+        # alive (the send time of its last successful keep-alive + the lease's TTL)
+        self._lease_until = float("inf") if self.cfg.etcd is None else -1.0
         self.leader_addr: Optional[str] = None
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self._server = None
@@ -190,6 +193,7 @@ class Master:
         ttl = int(self.cfg.leader_ttl_s)
         while not self._closing:
             try:
+                t = time.monotonic()
                 lease = etcd.campaign(self._ident, ttl)
                 if lease is None:
                     rec = etcd.leader()
@@ -200,6 +204,7 @@ class Master:
                 clients, objs = etcd.load()
                 core = Core(self.cfg)
                 load_into(core, clients, objs)
+                self._lease_until = t + ttl
                 fut = asyncio.run_coroutine_threadsafe(self._become_leader(core), self.loop)
                 fut.result(30)
                 log.warning("store master %s leads (%d objects, %d clients loaded from etcd)",
@@ -208,8 +213,10 @@ class Master:
                 while not self._closing and self.leader:
                     time.sleep(ttl / 4)
                     try:
+                        t = time.monotonic()
                         if etcd.refresh(lease):
                             last_ok = time.monotonic()
+                            self._lease_until = t + ttl
                         else:
                             break
                     except Exception:
@@ -230,6 +237,17 @@ class Master:
         self._install_core(core)
         self.leader = True
         self.leader_addr = self.address
+
+    def _check_lease(self):
+        """Raises ``NotLeaderError`` unless this master's leader lease is certainly alive.
+        A leader that was stopped (SIGSTOP, a stalled VM) or cut off from etcd past its
+        lease may have a successor; until a keep-alive succeeds again it answers nothing
+        (found by a new-user trial: resumed after a stop, it answered requests queued
+        meanwhile from its old metadata: a get returned another object's bytes, and a put
+        reservation it handed out overwrote an object the new leader had placed there)."""
+        if time.monotonic() >= self._lease_until - _LEASE_MARGIN_S:
+            raise NotLeaderError("this master's leader lease may have run out (it was stopped or cut off from etcd); "
+                                 "ask the leader again")
 
     async def _step_down(self):
         self.leader = False
@@ -274,7 +292,7 @@ class Master:
     async def _ticker(self):
         while True:
             await asyncio.sleep(TICK_S)
-            if self.leader:
+            if self.leader and time.monotonic() < self._lease_until - _LEASE_MARGIN_S:
                 try:
                     self.core.tick()
                     self._flush()
@@ -307,6 +325,7 @@ class Master:
                 pass
         if not self.leader or self.core is not core:
             raise NotLeaderError("leadership changed")
+        self._check_lease()
         return core.poll(args)
 
     def _dispatch(self, method: str, args: dict):
@@ -319,6 +338,7 @@ class Master:
             return {"text": self.core.metrics_text(self.leader)}
         if not self.leader:
             raise NotLeaderError(f"this master is a standby; the leader is {self.leader_addr}")
+        self._check_lease()
         if method == "poll":
             result = self.core.poll(args)
         else:
@@ -327,6 +347,10 @@ class Master:
                 raise ProtocolError(f"unknown method {method!r}")
             result = fn(self.core, args)
         self._flush()
+        if method in ("reserve", "put") and self.cfg.etcd is not None and isinstance(result, dict):
+            # how long the client may still write into its put reservation unasked (see
+            # client._Reservation.valid_until): as long as this master certainly leads
+            result = dict(result, lv=max(0.0, self._lease_until - _LEASE_MARGIN_S - time.monotonic()))
         return result
 
     async def _metrics_http(self, reader, writer):
@@ -350,6 +374,7 @@ class Master:
             writer.close()
 
 
+_LEASE_MARGIN_S = 0.25  # a leader stops answering this long before its lease could have run out
 AUTH_TIMEOUT_S = 10.0  # with a secret: a connection that has not authenticated by then is closed
 FRAME_TIMEOUT_S = 30.0  # a frame whose first bytes arrived must be whole by then, or the connection is closed
 PREAUTH_FRAME_BYTES = 4096  # the largest frame before authentication (a hello is ~60 bytes)

@@ -160,3 +160,63 @@ def test_leader_stopped_clients_keep_their_objects(procs, etcd):
         finally:
             stop.set()
             os.killpg(m1.pid, signal.SIGKILL)
+
+
+def test_resumed_stale_leader_answers_nothing(procs, etcd):
+    """Found by a new-user trial: a leader SIGSTOPped past its lease and then resumed
+    answered the requests queued meanwhile from its old metadata before it noticed its
+    successor: a get returned another object's bytes, and a put reservation it handed out
+    overwrote an object the new leader had placed in that range. A leader now answers
+    only while its etcd lease is certainly alive, and a client writes into a reservation
+    only while the master that granted it certainly leads."""
+    import signal
+    import threading
+
+    m1, m2, prefix = start_pair(etcd)
+    cfg = {"etcd": etcd, "etcd_prefix": prefix}
+    rc = ReplicateConfig(preferred_segment="owner")
+    K = 64 << 10
+    with MooncakeStore(serve_tcp=False, segment_size=8 * MiB, name="owner", put_reservation_bytes=0, **cfg) as owner, \
+            MooncakeStore(serve_tcp=False, segment_size=MiB, name="a", **cfg) as a:
+        owner.put("k", b"A" * MiB, rc)
+        a.put("a0", b"a" * K, rc)  # a now holds a put reservation in owner's segment
+        assert a.stats().reserved_bytes > 0
+        got = {}
+
+        def read_k():  # sent while the leader is stopped: answered when it resumes
+            try:
+                got["k"] = a.get("k")
+            except Exception as e:
+                got["k"] = e
+
+        def put_a1():
+            try:
+                got["a1"] = a.put("a1", b"Q" * K, rc)
+            except Exception as e:
+                got["a1"] = e
+
+        os.killpg(m1.pid, signal.SIGSTOP)
+        try:
+            t = threading.Thread(target=read_k)
+            t.start()
+            t0 = time.monotonic()
+            while not is_leader(m2.address):
+                assert time.monotonic() - t0 < 10, m2.log()
+                time.sleep(0.05)
+            with MooncakeStore(serve_tcp=False, segment_size=MiB, name="c", put_reservation_bytes=0, **cfg) as c:
+                c.upsert("k", b"B" * MiB, rc)
+                for i in range(16):  # whatever the new leader places in owner's segment
+                    c.put(f"c{i}", b"C" * K, rc)
+                t2 = threading.Thread(target=put_a1)
+                t2.start()
+                time.sleep(1.0)
+                os.killpg(m1.pid, signal.SIGCONT)
+                t.join(40)
+                t2.join(40)
+                assert got["k"] in (b"A" * MiB, b"B" * MiB), got["k"] if isinstance(got["k"], Exception) else set(got["k"])
+                assert got["a1"] == 1, got["a1"]
+                for i in range(16):
+                    assert c.get(f"c{i}") == b"C" * K, i
+                assert c.get("a1") == b"Q" * K and c.get("k") == b"B" * MiB
+        finally:
+            os.killpg(m1.pid, signal.SIGKILL)
