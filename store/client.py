@@ -32,7 +32,7 @@ from .segment import LocalSegment, SegmentCache, tune_malloc
 log = logging.getLogger("mooncake_store")
 
 _DEFAULT_REPLICATE = ReplicateConfig()
-_NOSPACE_RETRY_S = 5.0
+_NOSPACE_RETRY_S = 6.0  # a new leader evicts nothing for lease_ttl_s (5 s by default)
 _LOAD_STALL_S = 1.0  # a batch read waiting for SSD loads on another host gives up this long after the last one
 _RESV_IDLE_S = 3.0  # a put reservation unused this long goes back to the master
 _RESV_REFUSED_S = 1.0  # after the master refused (or took back) a reservation, no new request this long

@@ -476,6 +476,14 @@ class Core:
                     self.used -= nn
                 raise ReplicaShortfallError(f"only {len(got)} of {r} replicas of {size} bytes fit; nothing stored")
             if not got:
+                if self.clock() < self.no_evict_until:
+                    # read leases of the previous leader are not known here: nothing is
+                    # evicted until they have surely ended (the message said "leased,
+                    # pinned or being written", and the put failed at once)
+                    e = NoSpaceError(f"no space for {size} bytes yet: a new leader evicts nothing for "
+                                     f"{self.no_evict_until - self.clock():.1f} s more (the old leader's read leases)")
+                    e.code = "NoSpaceRetry"
+                    raise e
                 offl = any(o.offloading for o in self.objects.values())
                 msg = f"no space for {size} bytes: every segment is full and nothing can be evicted (leased, pinned or being written)"
                 if offl:

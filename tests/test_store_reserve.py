@@ -282,3 +282,23 @@ def test_core_ssd_load_slot_and_corrupt_replica():
     assert "j" not in core.objects and core.counters.ssd_corrupt == 1
     assert ["delete", "/d/j.obj"] in core.clients["o"].tasks
     assert core.clients["o"].ssd_bytes == 0 and core.stats()["ssd_corrupt"] == 1
+
+
+def test_core_new_leader_grace_asks_puts_to_retry():
+    """Found by a new-user trial: for one lease TTL after taking over, a new leader evicts
+    nothing (the old leader's read leases are unknown), and a put needing eviction failed
+    at once with "nothing can be evicted (leased, pinned or being written)". It is now
+    NoSpaceRetry (the client retries it) with the reason."""
+    now = [100.0]
+    core = Core(MasterConfig(), clock=lambda: now[0])
+    seg = {"size": 2 * MiB + 4096, "path": "/x", "token": "00", "host": "h", "te": None, "base": 4096}
+    core.register({"client": "o", "name": "seg", "host": "h", "pid": 1, "segs": [seg]})
+    for k in ("a", "b"):
+        (it,) = core.put_start({"client": "o", "items": [[k, MiB, b""]], "r": 1})["items"]
+        core.put_end({"client": "o", "items": [[k, it[1]]]})
+    core.no_evict_until = now[0] + 5.0
+    (it,) = core.put_start({"client": "o", "items": [["c", MiB, b""]], "r": 1})["items"]
+    assert it[0] == 1 and it[1] == "NoSpaceRetry" and "new leader evicts nothing" in it[2], it
+    now[0] += 5.1
+    (it,) = core.put_start({"client": "o", "items": [["c", MiB, b""]], "r": 1})["items"]
+    assert it[0] == 0, it  # evicts "a" now
