@@ -691,8 +691,8 @@ class WeightSync:
         ``dtype`` casts floating-point tensors; a tensor of ``into`` keeps its dtype, and one
         whose dtype differs from the published one raises ``ValueError`` unless both are
         floating-point (then the values are cast). Never goes back: an int ``version`` below
-        the one held raises ``StaleVersionError``; ``"latest"`` at or below it does
-        nothing (``installed=False``). ``strict``: ``into`` must have exactly the
+        the one held raises ``StaleVersionError``; ``"latest"`` at or below it, or before
+        any publish, does nothing (``installed=False``). ``strict``: ``into`` must have exactly the
         published names. ``stage_hook(i)`` runs before bucket ``i`` is staged (for
         validation and tests; its exception aborts the pull).
 
@@ -721,7 +721,7 @@ class WeightSync:
                          and (self._into[1] is None or self._into[1]() is into))
         if version == "latest":
             v = self.latest_version()
-            if v < prev or (v == prev and same_into):
+            if v < 0 or v < prev or (v == prev and same_into):  # v < 0: nothing published yet
                 return PullResult(prev, prev, False, 0, None)
         elif isinstance(version, int) and not isinstance(version, bool) and version >= 0:
             v = version
@@ -969,8 +969,9 @@ class GroupWeightSync:
         try:
             return fn(*args, group=self.group, **kw)
         except Exception as e:  # noqa: BLE001 - any backend error aborts this sync
+            v = "(the source's)" if self._new_version is None else self._new_version
             raise WeightSyncAbortedError(
-                f"rank {self._rank}: version {self._new_version} aborted: {what} failed ({type(e).__name__}: "
+                f"rank {self._rank}: version {v} aborted: {what} failed ({type(e).__name__}: "
                 f"{str(e)[:300]}): a rank died or left; kept version {self._prev}") from e
 
     def _agree(self, failed: bool) -> int:

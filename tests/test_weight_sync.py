@@ -979,3 +979,22 @@ def test_group_sync_refusals_name_the_rank_tensor_and_version():
     r = pool.run(_gws_refuse_rank, "version", timeout=60)
     for w in range(4):
         assert "rank 1 passed version 5, src 0 sends 3" in r[w], r[w]
+
+
+def test_pull_before_any_publish_does_nothing(store_procs):
+    """Found by a new-user trial: a rollout worker's pull() before the trainer's first
+    publish raised ObjectNotFoundError ("version -1 is not committed"); it now returns
+    installed=False like any pull with nothing newer."""
+    import torch
+
+    from mooncake_store import MooncakeStore, WeightSync
+
+    m = sa.start_master()
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=8 << 20) as s:
+        ws = WeightSync(s, "nothing-yet")
+        target = {"w": torch.zeros(3)}
+        r = ws.pull(into=target)
+        assert not r.installed and r.version == -1 and ws.version == -1
+        assert torch.equal(target["w"], torch.zeros(3))
+        ws.publish({"w": torch.ones(3)}, 0)
+        assert ws.pull(into=target).installed and torch.equal(target["w"], torch.ones(3))
