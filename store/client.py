@@ -773,6 +773,8 @@ class MooncakeStore:
         """Copies ``obj`` into ``out`` from the first replica that works (none in a segment
         named in ``skip``: found unreachable just before); with ``out=None`` returns a new
         ``bytes`` (one copy)."""
+        if obj.size == 0:  # empty objects have no replica (they live in the master alone)
+            return b"" if out is None else None
         errors = []
         for rep in obj.replicas:
             try:

@@ -86,7 +86,7 @@ class Client:
 
 class Obj:
     __slots__ = ("key", "size", "version", "meta", "repl", "ssd", "pin", "lease_until", "writer",
-                 "deadline", "offloading", "loading")
+                 "deadline", "offloading", "loading", "want")
 
     def __init__(self, key, size, version, meta, pin):
         self.key = key
@@ -94,6 +94,7 @@ class Obj:
         self.version = version
         self.meta = meta
         self.repl: list = []  # [segment name, offset, allocated bytes]
+        self.want = 1  # replicas a put asked for and could have (what a put of an empty object reports)
         self.ssd: list = []  # [client id, path]
         self.pin = pin
         self.lease_until = 0.0
@@ -411,6 +412,7 @@ class Core:
                 repl = self._place(key, size, r, pref, require_all, set(avoid))
                 obj = Obj(key, size, self._next_version(), meta, pin)
                 obj.repl = repl
+                obj.want = len(repl) if size else max(1, min(r, len(self.segments)))
                 obj.writer = c.id
                 obj.deadline = now + self.cfg.put_ttl_s
                 self.pending[key] = obj
@@ -442,7 +444,10 @@ class Core:
             raise ReplicaShortfallError(f"{r} replicas requested but only {len(live)} segment(s) can hold {size} bytes; nothing stored")
         got: list = []
         if n == 0:
-            return [[s.name, 0, 0] for s in live[:target]]
+            # nothing to store: an empty object lives in the master alone (its metadata is
+            # its value), so it outlives every segment; WeightSync keeps its version records
+            # so, which a restarted trainer must see even when its segment held them
+            return []
         used_names: set = set()
 
         def try_alloc():
@@ -626,7 +631,7 @@ class Core:
             if p is None or p.version != version or p.writer != c.id:
                 cur = self.objects.get(key) if isinstance(key, str) else None
                 if cur is not None and cur.version == version:
-                    out.append([0, len(cur.repl)])  # already committed (a retried request)
+                    out.append([0, len(cur.repl) if cur.size else cur.want])  # already committed (a retried request)
                 else:
                     out.append([1, PutLostError.code, f"put of {key!r} is unknown to the master (aborted after its lease, or lost in a leader change)"])
                 continue
@@ -639,7 +644,7 @@ class Core:
             p.repl = live
             p.writer = None
             self._install(p)
-            out.append([0, len(live)])
+            out.append([0, len(live) if p.size else p.want])
         return {"items": out}
 
     def _install(self, obj: Obj):
@@ -778,8 +783,9 @@ class Core:
             try:
                 self._check_new(key, upsert)
                 obj = Obj(key, size, self._next_version(), meta, pin)
-                obj.repl = [[seg_name, off, n]] if n else [[seg_name, 0, 0]]
-                seg.add_key(key)
+                if n:  # an empty object lives in the master alone (see _place)
+                    obj.repl = [[seg_name, off, n]]
+                    seg.add_key(key)
                 self._install(obj)
                 out.append([0, 1])
             except StoreError as e:
@@ -1143,7 +1149,7 @@ def load_into(core: Core, clients: list, objs: list):
         obj = Obj(key, size, version, meta, pin)
         obj.repl = [[s, int(off), int(n)] for s, off, n in repl if s in core.segments]
         obj.ssd = [[cid, p] for cid, p in ssd if cid in core.clients]
-        if not obj.repl and not obj.ssd:
+        if not obj.repl and not obj.ssd and size:  # empty objects need no replica
             continue
         for s, off, n in obj.repl:
             core.segments[s].add_key(key)

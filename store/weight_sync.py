@@ -17,7 +17,8 @@ Store layout of model ``M`` (all values are msgpack or raw tensor bytes; nothing
 unpickled)::
 
     ws/M/latest            {"version": v}: newest committed version (upserted after commit)
-    ws/M/versions          [v, ...]: committed versions not dropped yet
+    ws/M/versions          [v, ...]: committed versions not dropped yet (both records are
+                           the metadata of empty objects: they live in the master alone)
     ws/M/v<v>/a<k>         {"pid", "shard", "n", "t"}: publish attempt k of version v (a plain
                            put of the first free k, before any piece): what each publisher
                            writes under v, so that a later commit or drop can remove it
@@ -301,15 +302,31 @@ class WeightSync:
                 raise
             return default
 
+    def _put_record(self, key: str, rec) -> None:
+        """Upserts ``rec`` (msgpack) as the metadata of an empty object: it lives in the
+        master alone, so it outlives the segment of whoever wrote it (a trainer holding the
+        store's memory that restarts still finds its version history)."""
+        self.store._put_many([key], [memoryview(b"")], [msgpack.packb(rec)], self._rc, True, False)
+
+    def _get_record(self, key: str, default=None):
+        """The record :meth:`_put_record` wrote (``default`` if none)."""
+        meta = self.store._exists_meta([key])[0]
+        if meta is None:
+            return default
+        if meta is True or not meta:  # an older master without metadata, or a record written as a value
+            return self._get_msg(key, default)
+        return msgpack.unpackb(meta, raw=False)
+
     def latest_version(self) -> int:
-        """The newest committed version in the store (-1: none). Read from the master, so a
-        restarted trainer or a new reader sees it."""
-        rec = self._get_msg(self._p + "latest", None)
+        """The newest committed version in the store (-1: none). Read from the master's
+        metadata alone, so a restarted trainer or a new reader sees it, also when the
+        segment that held the versions' bytes is gone."""
+        rec = self._get_record(self._p + "latest")
         return int(rec["version"]) if isinstance(rec, dict) else -1
 
     def committed_versions(self) -> list:
         """Committed versions not dropped yet, oldest first."""
-        return [int(v) for v in (self._get_msg(self._p + "versions", None) or [])]
+        return [int(v) for v in (self._get_record(self._p + "versions") or [])]
 
     # ------------------------------------------------------------------ publish
     def publish(self, state_dict, version: int, *, shard: int = 0, num_shards: int = 1,
@@ -542,9 +559,9 @@ class WeightSync:
         self._sweep(vp, pid)
         versions = sorted(set(self.committed_versions()) | {version})
         if version > self.latest_version():
-            self.store.upsert(self._p + "latest", msgpack.packb({"version": version}), self._rc)
+            self._put_record(self._p + "latest", {"version": version})
         dropped = self._drop_old(versions)
-        self.store.upsert(self._p + "versions", msgpack.packb([v for v in versions if v not in dropped]), self._rc)
+        self._put_record(self._p + "versions", [v for v in versions if v not in dropped])
         return PublishResult(version, 0, True, len(plan), total, dropped)
 
     def _holds(self) -> set:

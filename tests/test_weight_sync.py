@@ -998,3 +998,31 @@ def test_pull_before_any_publish_does_nothing(store_procs):
         assert torch.equal(target["w"], torch.zeros(3))
         ws.publish({"w": torch.ones(3)}, 0)
         assert ws.pull(into=target).installed and torch.equal(target["w"], torch.ones(3))
+
+
+def test_restarted_trainer_holding_the_memory_sees_its_versions(store_procs):
+    """Found by a new-user trial: with the README's setup (the trainer's store contributes
+    the memory) the version records lived in the trainer's segment, so a restarted trainer
+    saw latest_version() == -1 (or TransferError while the old segment was still listed),
+    published version 0 again, and a reader holding version 2 never moved. The records
+    now live in the master (metadata of empty objects)."""
+    import torch
+
+    from mooncake_store import MooncakeStore, WeightSync
+
+    m = sa.start_master()
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0) as rs:
+        reader = WeightSync(rs, "policy")
+        target = {"w": torch.zeros(4)}
+        with MooncakeStore(serve_tcp=False, master=m.address, segment_size=16 << 20) as trainer:
+            ws = WeightSync(trainer, "policy")
+            for v in range(3):
+                ws.publish({"w": torch.full((4,), float(v))}, v)
+            assert reader.pull(into=target).version == 2
+        # the trainer's process is gone, and its segment with every version's bytes
+        with MooncakeStore(serve_tcp=False, master=m.address, segment_size=16 << 20) as trainer2:
+            ws2 = WeightSync(trainer2, "policy")
+            assert ws2.latest_version() == 2 and ws2.committed_versions()[-1] == 2
+            ws2.publish({"w": torch.full((4,), 3.0)}, 3)
+            r = reader.pull(into=target)
+            assert r.installed and r.version == 3 and torch.equal(target["w"], torch.full((4,), 3.0))
