@@ -429,6 +429,12 @@ class Core:
         """Allocates up to ``r`` replicas in distinct segments (not those in ``avoid``:
         segments a writer could not reach), evicting as needed."""
         n = aligned(size) if size else 0
+        if n == 0:
+            # nothing to store: an empty object lives in the master alone (its metadata is
+            # its value), so it outlives every segment (and needs none); WeightSync keeps
+            # its version records so, which a restarted trainer must see even when its
+            # segment held them
+            return []
         live = [s for s in self.segments.values() if s.alloc.size >= n and s.name not in avoid]
         if not live:
             if not self.segments:
@@ -443,11 +449,6 @@ class Core:
         if require_all and target < r:
             raise ReplicaShortfallError(f"{r} replicas requested but only {len(live)} segment(s) can hold {size} bytes; nothing stored")
         got: list = []
-        if n == 0:
-            # nothing to store: an empty object lives in the master alone (its metadata is
-            # its value), so it outlives every segment; WeightSync keeps its version records
-            # so, which a restarted trainer must see even when its segment held them
-            return []
         used_names: set = set()
 
         def try_alloc():

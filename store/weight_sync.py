@@ -29,6 +29,7 @@ unpickled)::
                            then, and readers read only the pieces of the publish it names
     ws/M/slot/<i>          reader slot i (taken with a plain put: first come, first served)
     ws/M/hold/<i>          {"version": v, "t": unix time}: reader i is pulling version v
+                           (slot and hold records are metadata of empty objects too)
 
 Two publishers of one version (an old trainer not yet dead while its replacement
 republishes ``latest_version() + 1``) write disjoint keys (each publish has its own id
@@ -302,20 +303,33 @@ class WeightSync:
                 raise
             return default
 
-    def _put_record(self, key: str, rec) -> None:
-        """Upserts ``rec`` (msgpack) as the metadata of an empty object: it lives in the
-        master alone, so it outlives the segment of whoever wrote it (a trainer holding the
-        store's memory that restarts still finds its version history)."""
-        self.store._put_many([key], [memoryview(b"")], [msgpack.packb(rec)], self._rc, True, False)
+    def _put_record(self, key: str, rec, upsert: bool = True) -> None:
+        """Writes ``rec`` (msgpack) as the metadata of an empty object: it lives in the
+        master alone, so it needs no segment and outlives whoever wrote it (a trainer
+        holding the store's memory that restarts still finds its version history; a reader
+        records its holds with no trainer alive). ``upsert=False``: a plain put
+        (``ObjectExistsError`` if the key exists)."""
+        self.store._put_many([key], [memoryview(b"")], [msgpack.packb(rec)], self._rc, upsert, False)
+
+    def _get_records(self, keys: list) -> list:
+        """The records :meth:`_put_record` wrote (None where a key does not exist or holds
+        no valid record)."""
+        out = []
+        for key, meta in zip(keys, self.store._exists_meta(keys)):
+            try:
+                if meta is None:
+                    out.append(None)
+                elif meta is True or not meta:  # an older master without metadata, or a record written as a value
+                    out.append(self._get_msg(key, None))
+                else:
+                    out.append(msgpack.unpackb(meta, raw=False))
+            except Exception:  # noqa: BLE001 - not a record of ours
+                out.append(None)
+        return out
 
     def _get_record(self, key: str, default=None):
-        """The record :meth:`_put_record` wrote (``default`` if none)."""
-        meta = self.store._exists_meta([key])[0]
-        if meta is None:
-            return default
-        if meta is True or not meta:  # an older master without metadata, or a record written as a value
-            return self._get_msg(key, default)
-        return msgpack.unpackb(meta, raw=False)
+        rec = self._get_records([key])[0]
+        return default if rec is None else rec
 
     def latest_version(self) -> int:
         """The newest committed version in the store (-1: none). Read from the master's
@@ -568,16 +582,13 @@ class WeightSync:
         """Versions some reader holds. Slots of readers silent for ``hold_ttl_s`` (dead, or
         between pulls without views) are reclaimed here, by the committing shard only."""
         n = self.cfg.max_readers
-        got = self.store.get_batch([f"{self._p}slot/{i}" for i in range(n)] + [f"{self._p}hold/{i}" for i in range(n)],
-                                   return_exceptions=True)
+        got = self._get_records([f"{self._p}slot/{i}" for i in range(n)] + [f"{self._p}hold/{i}" for i in range(n)])
         now, held, stale = time.time(), set(), []
         for i in range(n):
-            slot, hold = got[i], got[n + i]
-            if isinstance(slot, BaseException):
+            srec, hrec = got[i], got[n + i]
+            if srec is None:
                 continue
             try:
-                srec = msgpack.unpackb(slot, raw=False)
-                hrec = None if isinstance(hold, BaseException) else msgpack.unpackb(hold, raw=False)
                 if hrec is not None and hrec.get("rid") == srec["rid"]:
                     if now - float(hrec["t"]) < self.cfg.hold_ttl_s:
                         held.update(int(x) for x in hrec["versions"] if int(x) >= 0)
@@ -624,24 +635,21 @@ class WeightSync:
 
     def _hold_locked(self, versions: list, verify: bool) -> bool:
         if self._slot is not None and verify:
-            try:
-                if msgpack.unpackb(self.store.get(f"{self._p}slot/{self._slot}"), raw=False).get("rid") != self._rid:
-                    self._slot = None
-            except ObjectNotFoundError:
+            rec = self._get_record(f"{self._p}slot/{self._slot}")
+            if not isinstance(rec, dict) or rec.get("rid") != self._rid:
                 self._slot = None
         if self._slot is None:
-            rec = msgpack.packb({"rid": self._rid, "t": time.time()})
+            rec = {"rid": self._rid, "t": time.time()}
             for i in range(self.cfg.max_readers):
                 try:
-                    self.store.put(f"{self._p}slot/{i}", rec, self._rc)
+                    self._put_record(f"{self._p}slot/{i}", rec, upsert=False)
                     self._slot = i
                     break
                 except ObjectExistsError:
                     continue
             else:
                 return False  # no slot: copies still work, the version is just not protected from dropping
-        self.store.upsert(f"{self._p}hold/{self._slot}",
-                          msgpack.packb({"rid": self._rid, "versions": list(versions), "t": time.time()}), self._rc)
+        self._put_record(f"{self._p}hold/{self._slot}", {"rid": self._rid, "versions": list(versions), "t": time.time()})
         return True
 
     def _refresh_main(self):

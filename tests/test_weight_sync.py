@@ -1026,3 +1026,29 @@ def test_restarted_trainer_holding_the_memory_sees_its_versions(store_procs):
             ws2.publish({"w": torch.full((4,), 3.0)}, 3)
             r = reader.pull(into=target)
             assert r.installed and r.version == 3 and torch.equal(target["w"], torch.full((4,), 3.0))
+
+
+def test_reader_after_the_trainer_holding_the_memory_left(store_procs):
+    """Found by a new-user trial: with no client contributing memory any more (the
+    trainer held it and exited), a reader's pull failed with NoSpaceError from writing its
+    hold record. Reader records are empty objects now: the pull reports the version's
+    bytes as gone and the reader keeps its version; an empty value needs no segment."""
+    import torch
+
+    from mooncake_store import MooncakeStore, ObjectNotFoundError, WeightSync, WeightSyncAbortedError
+
+    m = sa.start_master()
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0) as rs:
+        reader = WeightSync(rs, "policy")
+        target = {"w": torch.zeros(4)}
+        with MooncakeStore(serve_tcp=False, master=m.address, segment_size=16 << 20) as trainer:
+            ws = WeightSync(trainer, "policy")
+            ws.publish({"w": torch.full((4,), 0.0)}, 0)
+            assert reader.pull(into=target).version == 0
+            ws.publish({"w": torch.full((4,), 1.0)}, 1)
+        with pytest.raises((ObjectNotFoundError, WeightSyncAbortedError)):
+            reader.pull(into=target)
+        assert reader.version == 0 and torch.equal(target["w"], torch.zeros(4))
+        assert rs.stats().segments == 0
+        rs.put("empty", b"")  # no segment anywhere: an empty object still has a home
+        assert rs.get("empty") == b""
