@@ -1001,38 +1001,13 @@ def test_pull_before_any_publish_does_nothing(store_procs):
 
 
 def test_restarted_trainer_holding_the_memory_sees_its_versions(store_procs):
-    """Found by a new-user trial: with the README's setup (the trainer's store contributes
+    """Found by new-user trials: with the README's setup (the trainer's store contributes
     the memory) the version records lived in the trainer's segment, so a restarted trainer
     saw latest_version() == -1 (or TransferError while the old segment was still listed),
-    published version 0 again, and a reader holding version 2 never moved. The records
-    now live in the master (metadata of empty objects)."""
-    import torch
-
-    from mooncake_store import MooncakeStore, WeightSync
-
-    m = sa.start_master()
-    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0) as rs:
-        reader = WeightSync(rs, "policy")
-        target = {"w": torch.zeros(4)}
-        with MooncakeStore(serve_tcp=False, master=m.address, segment_size=16 << 20) as trainer:
-            ws = WeightSync(trainer, "policy")
-            for v in range(3):
-                ws.publish({"w": torch.full((4,), float(v))}, v)
-            assert reader.pull(into=target).version == 2
-        # the trainer's process is gone, and its segment with every version's bytes
-        with MooncakeStore(serve_tcp=False, master=m.address, segment_size=16 << 20) as trainer2:
-            ws2 = WeightSync(trainer2, "policy")
-            assert ws2.latest_version() == 2 and ws2.committed_versions()[-1] == 2
-            ws2.publish({"w": torch.full((4,), 3.0)}, 3)
-            r = reader.pull(into=target)
-            assert r.installed and r.version == 3 and torch.equal(target["w"], torch.full((4,), 3.0))
-
-
-def test_reader_after_the_trainer_holding_the_memory_left(store_procs):
-    """Found by a new-user trial: with no client contributing memory any more (the
-    trainer held it and exited), a reader's pull failed with NoSpaceError from writing its
-    hold record. Reader records are empty objects now: the pull reports the version's
-    bytes as gone and the reader keeps its version; an empty value needs no segment."""
+    published version 0 again, and a reader holding version 2 never moved; and with no
+    memory left at all, a reader's pull failed with NoSpaceError from writing its hold
+    record. Those records now live in the master (metadata of empty objects, which need
+    no segment)."""
     import torch
 
     from mooncake_store import MooncakeStore, ObjectNotFoundError, WeightSync, WeightSyncAbortedError
@@ -1043,12 +1018,20 @@ def test_reader_after_the_trainer_holding_the_memory_left(store_procs):
         target = {"w": torch.zeros(4)}
         with MooncakeStore(serve_tcp=False, master=m.address, segment_size=16 << 20) as trainer:
             ws = WeightSync(trainer, "policy")
-            ws.publish({"w": torch.full((4,), 0.0)}, 0)
-            assert reader.pull(into=target).version == 0
-            ws.publish({"w": torch.full((4,), 1.0)}, 1)
+            for v in range(3):
+                ws.publish({"w": torch.full((4,), float(v))}, v)
+                if v == 1:
+                    assert reader.pull(into=target).version == 1
+        # the trainer's process is gone, and its segment with every version's bytes
         with pytest.raises((ObjectNotFoundError, WeightSyncAbortedError)):
-            reader.pull(into=target)
-        assert reader.version == 0 and torch.equal(target["w"], torch.zeros(4))
+            reader.pull(into=target)  # version 2's bytes are gone: the reader keeps version 1
+        assert reader.version == 1 and torch.equal(target["w"], torch.ones(4))
         assert rs.stats().segments == 0
         rs.put("empty", b"")  # no segment anywhere: an empty object still has a home
         assert rs.get("empty") == b""
+        with MooncakeStore(serve_tcp=False, master=m.address, segment_size=16 << 20) as trainer2:
+            ws2 = WeightSync(trainer2, "policy")
+            assert ws2.latest_version() == 2 and ws2.committed_versions()[-1] == 2
+            ws2.publish({"w": torch.full((4,), 3.0)}, 3)
+            r = reader.pull(into=target)
+            assert r.installed and r.version == 3 and torch.equal(target["w"], torch.full((4,), 3.0))
