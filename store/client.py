@@ -170,8 +170,9 @@ class StoreStats:
     Attributes: objects (committed), pending (puts in progress), used_bytes and
     capacity_bytes (of all segments; bytes), clients, segments, deferred (allocations
     waiting for a lease to end before reuse), ssd_objects (objects with an SSD copy), puts,
-    gets (lookups of keys that exist, the same count as hits), hits, misses, evictions (objects whose memory copies were evicted), offloads
-    (objects written to SSD; failed writes not counted), removes, put_aborts, clients_lost (declared dead), ssd_drops
+    gets (lookups of keys that exist, the same count as hits), hits, misses, evictions
+    (objects whose memory copies were evicted), offloads (objects written to SSD; failed
+    writes not counted), removes, put_aborts, clients_lost (declared dead), ssd_drops
     (objects dropped from a full SSD directory, ``StoreConfig.ssd_max_bytes``),
     reserved_bytes (part of used_bytes: space reserved for clients' next puts,
     ``StoreConfig.put_reservation_bytes``), ssd_corrupt (SSD replicas dropped because their
