@@ -238,6 +238,10 @@ class Master:
         self.leader = True
         self.leader_addr = self.address
 
+    def _lease_left(self) -> float:
+        """Seconds this master certainly still leads (inf without etcd; <= 0: maybe not)."""
+        return self._lease_until - _LEASE_MARGIN_S - time.monotonic()
+
     def _check_lease(self):
         """Raises ``NotLeaderError`` unless this master's leader lease is certainly alive.
         A leader that was stopped (SIGSTOP, a stalled VM) or cut off from etcd past its
@@ -245,7 +249,7 @@ class Master:
         (found by a new-user trial: resumed after a stop, it answered requests queued
         meanwhile from its old metadata: a get returned another object's bytes, and a put
         reservation it handed out overwrote an object the new leader had placed there)."""
-        if time.monotonic() >= self._lease_until - _LEASE_MARGIN_S:
+        if self._lease_left() <= 0:
             raise NotLeaderError("this master's leader lease may have run out (it was stopped or cut off from etcd); "
                                  "ask the leader again")
 
@@ -292,7 +296,7 @@ class Master:
     async def _ticker(self):
         while True:
             await asyncio.sleep(TICK_S)
-            if self.leader and time.monotonic() < self._lease_until - _LEASE_MARGIN_S:
+            if self.leader and self._lease_left() > 0:
                 try:
                     self.core.tick()
                     self._flush()
@@ -350,7 +354,7 @@ class Master:
         if method in ("reserve", "put") and self.cfg.etcd is not None and isinstance(result, dict):
             # how long the client may still write into its put reservation unasked (see
             # client._Reservation.valid_until): as long as this master certainly leads
-            result = dict(result, lv=max(0.0, self._lease_until - _LEASE_MARGIN_S - time.monotonic()))
+            result = dict(result, lv=max(0.0, self._lease_left()))
         return result
 
     async def _metrics_http(self, reader, writer):
