@@ -12,6 +12,7 @@ Optional parts (each adds a ``-DMOONCAKE_WITH_*`` define):
   ``MOONCAKE_WITH_CUDA=1`` (needs a CUDA build of torch and nvcc; ``CUDA_HOME`` and
   ``TORCH_CUDA_ARCH_LIST`` as torch reads them). The default build is CPU-only.
 """
+
 import glob
 import os
 
@@ -29,7 +30,9 @@ def _flag(name):
 
 
 def _verbs_header():
-    dirs = ["/usr/include", "/usr/local/include"] + [d for d in os.environ.get("CPATH", "").split(":") if d]
+    dirs = ["/usr/include", "/usr/local/include"] + [
+        d for d in os.environ.get("CPATH", "").split(":") if d
+    ]
     return any(os.path.exists(os.path.join(d, "infiniband", "verbs.h")) for d in dirs)
 
 
@@ -37,11 +40,15 @@ with_rdma = _flag("MOONCAKE_WITH_RDMA")
 if with_rdma is None:
     with_rdma = _verbs_header()
 elif with_rdma and not _verbs_header():
-    raise SystemExit("setup.py: MOONCAKE_WITH_RDMA=1 needs infiniband/verbs.h: install libibverbs-dev")
+    raise SystemExit(
+        "setup.py: MOONCAKE_WITH_RDMA=1 needs infiniband/verbs.h: install libibverbs-dev"
+    )
 with_cuda = bool(_flag("MOONCAKE_WITH_CUDA"))
 if with_cuda and not torch.version.cuda:
-    raise SystemExit(f"setup.py: MOONCAKE_WITH_CUDA=1 needs a CUDA build of torch, got torch {torch.__version__} "
-                     "(torch.version.cuda is None)")
+    raise SystemExit(
+        f"setup.py: MOONCAKE_WITH_CUDA=1 needs a CUDA build of torch, got torch {torch.__version__} "
+        "(torch.version.cuda is None)"
+    )
 
 # The torch version the extension is compiled against and the optional parts built in;
 # checked again at import time.
@@ -81,12 +88,18 @@ std = _cxx_std()
 cxx_flags = ["-O3", f"-std={std}", "-fvisibility=hidden", "-fwrapv"]
 kwargs = dict(name="mooncake_pg._C", include_dirs=[os.path.join(HERE, "csrc")], libraries=libraries)
 if with_cuda:
-    sources += sorted(glob.glob("csrc/transport/cuda/*.cpp") + glob.glob("csrc/transport/cuda/*.cu"))
+    sources += sorted(
+        glob.glob("csrc/transport/cuda/*.cpp") + glob.glob("csrc/transport/cuda/*.cu")
+    )
     defines.append("-DMOONCAKE_WITH_CUDA")
-    ext = CUDAExtension(sources=sources,
-                        extra_compile_args={"cxx": cxx_flags + defines,
-                                            "nvcc": ["-O3", f"-std={std}", "--expt-relaxed-constexpr"] + defines},
-                        **kwargs)
+    ext = CUDAExtension(
+        sources=sources,
+        extra_compile_args={
+            "cxx": cxx_flags + defines,
+            "nvcc": ["-O3", f"-std={std}", "--expt-relaxed-constexpr"] + defines,
+        },
+        **kwargs,
+    )
 else:
     ext = CppExtension(sources=sources, extra_compile_args=cxx_flags + defines, **kwargs)
 

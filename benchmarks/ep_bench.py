@@ -34,6 +34,7 @@ Output: a table on stdout, JSON (``--json``, default bench_out/ep_bench.json) an
 table in markdown beside it (.md). Exit status 0 when every checked result was right
 (with ``--gate-strict`` also 1 when the gate fails).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,6 +54,7 @@ GATE_X = 3.0
 
 
 # ---------------------------------------------------------------- rank side
+
 
 def _inputs(rank, T, H, E, K, seed):
     import torch
@@ -91,7 +93,9 @@ def plain_round_trip(x, idx, w, E, group, W):
 
 def mooncake_round_trip(buf, x, idx, w, E):
     r = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
-    y = r.recv_x * r.recv_topk_weights.sum(1, keepdim=True).to(x.dtype)   # the caller's weighting, in bf16
+    y = r.recv_x * r.recv_topk_weights.sum(1, keepdim=True).to(
+        x.dtype
+    )  # the caller's weighting, in bf16
     out = buf.combine(y, r.handle).combined_x
     moved = sum(r.handle.send_counts) * x.shape[1] * x.element_size() * 2
     return out, moved
@@ -105,7 +109,6 @@ def mooncake_ll_round_trip(buf, x, idx, w, E):
 
 
 def rank_bench(rank, ws, cfg):
-    import torch
     import torch.distributed as dist
 
     import mooncake_ep
@@ -121,12 +124,12 @@ def rank_bench(rank, ws, cfg):
     }
     impls = [i for i in cfg["impls"] if i in calls]
     # 1. one checked call each, against the float64 reference sum_k w_k x
-    ref = (x.double() * w.double().sum(1, keepdim=True))
+    ref = x.double() * w.double().sum(1, keepdim=True)
     res = {}
     for name in impls:
         out, moved = calls[name]()
         err = float((out.double() - ref).abs().max()) if out.numel() else 0.0
-        tol = float(ref.abs().max()) * 2 ** -7 + 1e-6 if out.numel() else 0.0  # one bf16 rounding
+        tol = float(ref.abs().max()) * 2**-7 + 1e-6 if out.numel() else 0.0  # one bf16 rounding
         res[name] = {"ok": err <= tol, "max_err": err, "moved_bytes": moved, "times": []}
     # 2. warm-up, 3. timed blocks alternating between the implementations
     for name in impls:
@@ -147,6 +150,7 @@ def rank_bench(rank, ws, cfg):
 
 # --------------------------------------------------------------- orchestrator
 
+
 def measure(ws, cfg, timeout):
     pool = rankpool.get_pool(ws, "mooncake", None, timeout=120)
     try:
@@ -155,15 +159,24 @@ def measure(ws, cfg, timeout):
         pool.close()
     out = {}
     for name in cfg["impls"]:
-        times = [max(per_rank[r][name]["times"][i] for r in range(ws))
-                 for i in range(len(per_rank[0][name]["times"]))]
+        times = [
+            max(per_rank[r][name]["times"][i] for r in range(ws))
+            for i in range(len(per_rank[0][name]["times"]))
+        ]
         t = statistics.median(times)
         payload = ws * cfg["T"] * cfg["K"] * cfg["H"] * 2 * 2
         out[name] = {
-            "world_size": ws, "impl": name, "time_ms": t * 1e3, "min_ms": min(times) * 1e3,
-            "max_ms": max(times) * 1e3, "calls": len(times),
-            "tokens_per_s": ws * cfg["T"] / t, "gbs": payload / t / 1e9,
-            "moved_bytes_per_rank": statistics.mean(per_rank[r][name]["moved_bytes"] for r in range(ws)),
+            "world_size": ws,
+            "impl": name,
+            "time_ms": t * 1e3,
+            "min_ms": min(times) * 1e3,
+            "max_ms": max(times) * 1e3,
+            "calls": len(times),
+            "tokens_per_s": ws * cfg["T"] / t,
+            "gbs": payload / t / 1e9,
+            "moved_bytes_per_rank": statistics.mean(
+                per_rank[r][name]["moved_bytes"] for r in range(ws)
+            ),
             "ok": all(per_rank[r][name]["ok"] for r in range(ws)),
             "max_err": max(per_rank[r][name]["max_err"] for r in range(ws)),
         }
@@ -171,16 +184,37 @@ def measure(ws, cfg, timeout):
 
 
 def render(results, cfg, md=False):
-    head = ["W", "implementation", "round trip (ms)", "tokens/s", "GB/s", "moved/rank (MiB)", "vs plain-gloo", "check"]
+    head = [
+        "W",
+        "implementation",
+        "round trip (ms)",
+        "tokens/s",
+        "GB/s",
+        "moved/rank (MiB)",
+        "vs plain-gloo",
+        "check",
+    ]
     rows = []
     for ws, per in results.items():
         base = per.get("plain-gloo")
         for name, r in per.items():
             ratio = f"{base['time_ms'] / r['time_ms']:.2f}x" if base else "-"
-            rows.append([ws, name, f"{r['time_ms']:.1f}", f"{r['tokens_per_s']:,.0f}", f"{r['gbs']:.2f}",
-                         f"{r['moved_bytes_per_rank'] / 2**20:.1f}", ratio, "ok" if r["ok"] else "WRONG"])
-    title = (f"T={cfg['T']} tokens/rank, H={cfg['H']}, top-{cfg['K']} of {cfg['E']} experts, bf16, CPU, "
-             f"one torch thread per rank; median of {cfg['rounds'] * cfg['block']} round trips (slowest rank)")
+            rows.append(
+                [
+                    ws,
+                    name,
+                    f"{r['time_ms']:.1f}",
+                    f"{r['tokens_per_s']:,.0f}",
+                    f"{r['gbs']:.2f}",
+                    f"{r['moved_bytes_per_rank'] / 2**20:.1f}",
+                    ratio,
+                    "ok" if r["ok"] else "WRONG",
+                ]
+            )
+    title = (
+        f"T={cfg['T']} tokens/rank, H={cfg['H']}, top-{cfg['K']} of {cfg['E']} experts, bf16, CPU, "
+        f"one torch thread per rank; median of {cfg['rounds'] * cfg['block']} round trips (slowest rank)"
+    )
     if md:
         lines = [f"**{title}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -197,36 +231,56 @@ def gate(results):
         return None, "SKIP  W=2 mooncake >= 3x plain-gloo: not measured"
     x = per["plain-gloo"]["time_ms"] / per["mooncake"]["time_ms"]
     ok = x >= GATE_X and per["mooncake"]["ok"]
-    return ok, (f"{'PASS' if ok else 'FAIL'}  W=2 round trip: mooncake {per['mooncake']['tokens_per_s']:,.0f} tokens/s "
-                f"vs plain-gloo {per['plain-gloo']['tokens_per_s']:,.0f} = {x:.2f}x (gate >= {GATE_X:.0f}x)")
+    return ok, (
+        f"{'PASS' if ok else 'FAIL'}  W=2 round trip: mooncake {per['mooncake']['tokens_per_s']:,.0f} tokens/s "
+        f"vs plain-gloo {per['plain-gloo']['tokens_per_s']:,.0f} = {x:.2f}x (gate >= {GATE_X:.0f}x)"
+    )
 
 
 def main(argv=None):
     summary, _, details = __doc__.partition("\n\n")
-    ap = argparse.ArgumentParser(description=summary, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=details)
+    ap = argparse.ArgumentParser(
+        description=summary, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=details
+    )
     ap.add_argument("--world-sizes", default=None, help="comma list (default 2,4; smoke 2)")
     ap.add_argument("--tokens", type=int, default=None, help="T per rank (default 4096; smoke 256)")
     ap.add_argument("--hidden", type=int, default=None, help="H (default 2048; smoke 256)")
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--impls", default=",".join(IMPLS))
-    ap.add_argument("--rounds", type=int, default=None, help="blocks per implementation (default 5; smoke 2)")
-    ap.add_argument("--block", type=int, default=None, help="round trips per block (default 3; smoke 2)")
+    ap.add_argument(
+        "--rounds", type=int, default=None, help="blocks per implementation (default 5; smoke 2)"
+    )
+    ap.add_argument(
+        "--block", type=int, default=None, help="round trips per block (default 3; smoke 2)"
+    )
     ap.add_argument("--warmup", type=int, default=None, help="default 2 (smoke 1)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--smoke", action="store_true", help="CI: small sizes, W=2")
-    ap.add_argument("--gate", action="store_true", help="print the gate line (mooncake >= 3x plain-gloo at W=2)")
+    ap.add_argument(
+        "--gate", action="store_true", help="print the gate line (mooncake >= 3x plain-gloo at W=2)"
+    )
     ap.add_argument("--gate-strict", action="store_true", help="like --gate; exit 1 when it fails")
     ap.add_argument("--json", default=os.path.join("bench_out", "ep_bench.json"))
-    ap.add_argument("--timeout", type=float, default=None, help="seconds per world size (default 900; smoke 120)")
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds per world size (default 900; smoke 120)",
+    )
     args = ap.parse_args(argv)
     s = args.smoke
-    cfg = {"T": args.tokens or (256 if s else 4096), "H": args.hidden or (256 if s else 2048),
-           "E": args.experts, "K": args.topk, "seed": args.seed,
-           "impls": [i for i in args.impls.split(",") if i],
-           "rounds": args.rounds or (2 if s else 5), "block": args.block or (2 if s else 3),
-           "warmup": args.warmup if args.warmup is not None else (1 if s else 2)}
+    cfg = {
+        "T": args.tokens or (256 if s else 4096),
+        "H": args.hidden or (256 if s else 2048),
+        "E": args.experts,
+        "K": args.topk,
+        "seed": args.seed,
+        "impls": [i for i in args.impls.split(",") if i],
+        "rounds": args.rounds or (2 if s else 5),
+        "block": args.block or (2 if s else 3),
+        "warmup": args.warmup if args.warmup is not None else (1 if s else 2),
+    }
     world_sizes = [int(w) for w in (args.world_sizes or ("2" if s else "2,4")).split(",")]
     timeout = args.timeout or (120 if s else 900)
     results = {}
@@ -248,7 +302,11 @@ def main(argv=None):
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"config": cfg, "results": {str(k): v for k, v in results.items()}, "gate": lines}, f, indent=1)
+            json.dump(
+                {"config": cfg, "results": {str(k): v for k, v in results.items()}, "gate": lines},
+                f,
+                indent=1,
+            )
         md = os.path.splitext(args.json)[0] + ".md"
         with open(md, "w") as f:
             f.write(render(results, cfg, md=True) + "\n" + "".join(f"\n{x}\n" for x in lines))

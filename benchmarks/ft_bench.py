@@ -15,6 +15,7 @@ three must be 0. JSON with every trial goes to ``--json``.
     .venv/bin/python benchmarks/ft_bench.py --trials 50
     .venv/bin/python benchmarks/ft_bench.py --smoke
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,12 +61,19 @@ def rank_trial(rank, ws, victim, kill_at, stamp_path, iters):
             break
     nxt = torch.tensor([float(rank + 1)])
     dist.all_reduce(nxt, group=g)
-    return {"detected": detected, "outcome": outcome, "epoch": mooncake_pg.get_epoch(g),
-            "active": mooncake_pg.get_active_ranks(g).tolist(), "next": nxt.item()}
+    return {
+        "detected": detected,
+        "outcome": outcome,
+        "epoch": mooncake_pg.get_epoch(g),
+        "active": mooncake_pg.get_active_ranks(g).tolist(),
+        "next": nxt.item(),
+    }
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--trials", type=int, default=50)
     ap.add_argument("--world-size", type=int, default=4)
     ap.add_argument("--transport", default="shm", choices=["shm", "tcp"])
@@ -86,11 +94,23 @@ def main(argv=None):
     for trial in range(args.trials):
         victim, kill_at = rng.randrange(ws), rng.randrange(5, 40)
         stamp = os.path.join(tmp, f"kill{trial}")
-        pool = rankpool.RankPool(ws, "mooncake", args.transport, op_timeout=args.op_timeout,
-                                 options={"on_failure": args.policy})
+        pool = rankpool.RankPool(
+            ws,
+            "mooncake",
+            args.transport,
+            op_timeout=args.op_timeout,
+            options={"on_failure": args.policy},
+        )
         try:
-            res = pool.run(rank_trial, victim, kill_at, stamp, 200, timeout=args.op_timeout * 3 + 10,
-                           return_exceptions=True)
+            res = pool.run(
+                rank_trial,
+                victim,
+                kill_at,
+                stamp,
+                200,
+                timeout=args.op_timeout * 3 + 10,
+                return_exceptions=True,
+            )
         except rankpool.RankTimeout as e:
             hangs += 1
             rows.append({"trial": trial, "victim": victim, "hang": str(e)[:300]})
@@ -117,23 +137,42 @@ def main(argv=None):
             wrong += 1
         if args.policy == "raise" and any(o["outcome"][:2] != ("raised", [victim]) for o in outs):
             disagreements += 1
-        rows.append({"trial": trial, "victim": victim, "kill_at": kill_at, "detect_s": d,
-                     "outcomes": [o["outcome"] for o in outs]})
-        print(f"trial {trial:3d}: killed rank {victim} at op {kill_at:2d}: detected+agreed in "
-              f"{1000 * max(d):7.1f} ms (max over survivors)", flush=True)
+        rows.append(
+            {
+                "trial": trial,
+                "victim": victim,
+                "kill_at": kill_at,
+                "detect_s": d,
+                "outcomes": [o["outcome"] for o in outs],
+            }
+        )
+        print(
+            f"trial {trial:3d}: killed rank {victim} at op {kill_at:2d}: detected+agreed in "
+            f"{1000 * max(d):7.1f} ms (max over survivors)",
+            flush=True,
+        )
     summary = {
-        "trials": args.trials, "world_size": ws, "transport": args.transport, "policy": args.policy,
+        "trials": args.trials,
+        "world_size": ws,
+        "transport": args.transport,
+        "policy": args.policy,
         "op_timeout_s": args.op_timeout,
         "detect_median_ms": 1000 * statistics.median(lat) if lat else None,
         "detect_max_ms": 1000 * max(lat) if lat else None,
-        "hangs": hangs, "disagreements": disagreements, "wrong_results": wrong,
+        "hangs": hangs,
+        "disagreements": disagreements,
+        "wrong_results": wrong,
         "wall_s": time.time() - t0,
     }
     print()
-    print(f"| trials | world size | transport | policy | detect+agree median (ms) | max (ms) | hangs | disagreements | wrong results |")
-    print(f"|---|---|---|---|---|---|---|---|---|")
-    print(f"| {args.trials} | {ws} | {args.transport} | {args.policy} | {summary['detect_median_ms']:.1f} | "
-          f"{summary['detect_max_ms']:.1f} | {hangs} | {disagreements} | {wrong} |")
+    print(
+        "| trials | world size | transport | policy | detect+agree median (ms) | max (ms) | hangs | disagreements | wrong results |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        f"| {args.trials} | {ws} | {args.transport} | {args.policy} | {summary['detect_median_ms']:.1f} | "
+        f"{summary['detect_max_ms']:.1f} | {hangs} | {disagreements} | {wrong} |"
+    )
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"summary": summary, "trials": rows}, f, indent=1)

@@ -40,6 +40,7 @@ used the CPUs during the run: numbers from a busy machine mean little.
 Exit status: 0 when every launch finished and every checked result was right (slower
 numbers never fail the run); 1 otherwise; with --gate-strict also 1 when a gate fails.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,6 +73,7 @@ MiB = 1 << 20
 
 
 # ----------------------------------------------------------------------------- helpers
+
 
 def parse_size(s: str) -> int:
     s = s.strip().upper().rstrip("B").rstrip("I")
@@ -158,7 +160,7 @@ def _ceiling_reader(shm, max_size):
                 if spin > 20000:
                     os.sched_yield()
             slot = (g % CEIL_SLOTS) * CEIL_CHUNK
-            np.copyto(dst[off:off + k], ring[slot:slot + k])
+            np.copyto(dst[off : off + k], ring[slot : slot + k])
             g += 1
             ctl[_CONS] = g
 
@@ -196,7 +198,7 @@ def measure_ceiling(sizes, args):
                         if spin > 20000:
                             os.sched_yield()
                     slot = (g % CEIL_SLOTS) * CEIL_CHUNK
-                    np.copyto(ring[slot:slot + k], src[off:off + k])
+                    np.copyto(ring[slot : slot + k], src[off : off + k])
                     g += 1
                     ctl[_PROD] = g
                 spin = 0
@@ -210,7 +212,9 @@ def measure_ceiling(sizes, args):
                 if len(times) == 3 and iters is None:  # the first ones fault pages in
                     iters = iters_for(times[-1], args) + 3
             t = statistics.median(times[3:] or times)
-            out.append({"size": n, "time_us": t * 1e6, "bw_gbs": n / t / 1e9, "iters": len(times) - 3})
+            out.append(
+                {"size": n, "time_us": t * 1e6, "bw_gbs": n / t / 1e9, "iters": len(times) - 3}
+            )
         ctl[_XFER] = -1
     finally:
         proc.join(timeout=5)
@@ -223,10 +227,13 @@ def measure_ceiling(sizes, args):
 
 # ----------------------------------------------------------------------------- worker
 
+
 def make_cell(dist, torch, op, size, rank, world, group):
     """Buffers of one (op, size) on one group: (call, result, expected, reset, count)."""
     all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    reduce_scatter_single = (
+        getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    )
     count = counts_for(op, size, world)
     chunk = count // world
     base = torch.arange(count, dtype=torch.float32) % 13
@@ -242,16 +249,34 @@ def make_cell(dist, torch, op, size, rank, world, group):
         return (lambda: all_gather_single(o, inp, group=group)), (lambda: o), want, nothing, count
     if op == "reduce_scatter_single":
         inp, o = base + rank, torch.empty(chunk)
-        want = (base * world + world * (world - 1) / 2)[rank * chunk:(rank + 1) * chunk]
-        return (lambda: reduce_scatter_single(o, inp, group=group)), (lambda: o), want, inp.zero_, count
+        want = (base * world + world * (world - 1) / 2)[rank * chunk : (rank + 1) * chunk]
+        return (
+            (lambda: reduce_scatter_single(o, inp, group=group)),
+            (lambda: o),
+            want,
+            inp.zero_,
+            count,
+        )
     if op == "all_to_all_single":
         inp = torch.cat([base[:chunk] + 100 * rank + 10 * j for j in range(world)])
         o = torch.empty(count)
         want = torch.cat([base[:chunk] + 100 * j + 10 * rank for j in range(world)])
-        return (lambda: dist.all_to_all_single(o, inp, group=group)), (lambda: o), want, nothing, count
+        return (
+            (lambda: dist.all_to_all_single(o, inp, group=group)),
+            (lambda: o),
+            want,
+            nothing,
+            count,
+        )
     if op == "broadcast":
         a = base + 7 if rank == 0 else torch.full((count,), -1.0)
-        return (lambda: dist.broadcast(a, src=0, group=group)), (lambda: a), base + 7, nothing, count
+        return (
+            (lambda: dist.broadcast(a, src=0, group=group)),
+            (lambda: a),
+            base + 7,
+            nothing,
+            count,
+        )
     raise ValueError(f"unknown op {op}")
 
 
@@ -273,16 +298,19 @@ def worker_main(args) -> int:
     if os.getppid() != args.parent_pid:
         return 1
 
+    from datetime import timedelta
+
     import torch
     import torch.distributed as dist
-    from datetime import timedelta
 
     torch.set_num_threads(1)
     rank, world = args.rank, args.world_size
-    store = dist.TCPStore("127.0.0.1", args.port, world, is_master=False,
-                          timeout=timedelta(seconds=args.timeout))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=args.timeout))
+    store = dist.TCPStore(
+        "127.0.0.1", args.port, world, is_master=False, timeout=timedelta(seconds=args.timeout)
+    )
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=args.timeout)
+    )
     ctrl = dist.group.WORLD
     specs = [parse_backend(b) for b in args.backends.split(",")]
     groups = {}
@@ -315,7 +343,9 @@ def worker_main(args) -> int:
         for size in sizes:
             cells = {}
             for label, _, _ in specs:
-                call, result, want, reset, count = make_cell(dist, torch, op, size, rank, world, groups[label])
+                call, result, want, reset, count = make_cell(
+                    dist, torch, op, size, rank, world, groups[label]
+                )
                 rec = {"backend": label, "op": op, "size": count * ELEM, "count": count}
                 # 1. one checked call; everyone learns whether any rank raised or was wrong
                 err = ""
@@ -324,11 +354,20 @@ def worker_main(args) -> int:
                     ok = torch.equal(result(), want)
                 except Exception as e:  # a raising op is reported, the benchmark goes on
                     ok, err = False, f"{type(e).__name__}: {e}"
-                    print(f"[rank {rank}] {label} {op} {size} B: {err}", file=sys.stderr, flush=True)
+                    print(
+                        f"[rank {rank}] {label} {op} {size} B: {err}", file=sys.stderr, flush=True
+                    )
                 raised, wrong = flagged(bool(err)), flagged(not ok)
                 if raised:
-                    emit(dict(rec, ok=False, wrong_ranks=wrong,
-                              error=f"raised on ranks {raised}" + (f" (rank 0: {err})" if err else "")))
+                    emit(
+                        dict(
+                            rec,
+                            ok=False,
+                            wrong_ranks=wrong,
+                            error=f"raised on ranks {raised}"
+                            + (f" (rank 0: {err})" if err else ""),
+                        )
+                    )
                     continue  # don't time an op that raises
                 if wrong:
                     rec.update(ok=False, wrong_ranks=wrong, error=f"wrong result on ranks {wrong}")
@@ -369,10 +408,17 @@ def worker_main(args) -> int:
                 tl = sorted(tt.tolist())
                 tmed = statistics.median(tl)
                 algbw = rec["size"] / tmed / 1e9
-                rec.update(iters=len(times), rounds=rounds, warmup=args.warmup + (8 if size <= SMALL else 0),
-                           time_us=tmed * 1e6, min_us=tl[0] * 1e6,
-                           p10_us=tl[len(tl) // 10] * 1e6, p90_us=tl[(len(tl) * 9) // 10] * 1e6,
-                           algbw_gbs=algbw, busbw_gbs=algbw * BUS_FACTOR[op](world))
+                rec.update(
+                    iters=len(times),
+                    rounds=rounds,
+                    warmup=args.warmup + (8 if size <= SMALL else 0),
+                    time_us=tmed * 1e6,
+                    min_us=tl[0] * 1e6,
+                    p10_us=tl[len(tl) // 10] * 1e6,
+                    p90_us=tl[(len(tl) * 9) // 10] * 1e6,
+                    algbw_gbs=algbw,
+                    busbw_gbs=algbw * BUS_FACTOR[op](world),
+                )
                 emit(rec)
             del cells
     dist.barrier(group=ctrl)
@@ -424,12 +470,18 @@ def _last_line(path):
 def launch(world, backend_spec, args, logdir):
     """Runs one set of ranks for one world size and the backends of backend_spec (a comma
     list): returns (records, error or None, seconds)."""
-    import torch.distributed as dist
-
     from datetime import timedelta
 
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=args.timeout))
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=args.timeout),
+    )
     tag = f"ws{world}_{backend_spec.replace(':', '-').replace(',', '+')}"
     res_path = os.path.join(logdir, f"{tag}.jsonl")
     open(res_path, "w").close()
@@ -439,17 +491,54 @@ def launch(world, backend_spec, args, logdir):
     for r in range(world):
         log_path = os.path.join(logdir, f"{tag}_rank{r}.log")
         logs.append(log_path)
-        cmd = [sys.executable, os.path.abspath(__file__), "--_worker",
-               "--rank", str(r), "--world-size", str(world), "--port", str(store.port),
-               "--backends", backend_spec, "--sizes", args.sizes, "--ops", args.ops,
-               "--out", res_path, "--parent-pid", str(os.getpid()),
-               "--timeout", str(args.timeout), "--op-timeout", str(args.op_timeout),
-               "--budget", str(args.budget), "--min-iters", str(args.min_iters),
-               "--max-iters", str(args.max_iters), "--warmup", str(args.warmup),
-               "--block", str(args.block), "--rounds", str(args.rounds)]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--_worker",
+            "--rank",
+            str(r),
+            "--world-size",
+            str(world),
+            "--port",
+            str(store.port),
+            "--backends",
+            backend_spec,
+            "--sizes",
+            args.sizes,
+            "--ops",
+            args.ops,
+            "--out",
+            res_path,
+            "--parent-pid",
+            str(os.getpid()),
+            "--timeout",
+            str(args.timeout),
+            "--op-timeout",
+            str(args.op_timeout),
+            "--budget",
+            str(args.budget),
+            "--min-iters",
+            str(args.min_iters),
+            "--max-iters",
+            str(args.max_iters),
+            "--warmup",
+            str(args.warmup),
+            "--block",
+            str(args.block),
+            "--rounds",
+            str(args.rounds),
+        ]
         with open(log_path, "w") as lf:
-            _children.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=lf, stderr=lf,
-                                              env=env, start_new_session=True))
+            _children.append(
+                subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=lf,
+                    stderr=lf,
+                    env=env,
+                    start_new_session=True,
+                )
+            )
     procs = list(_children)
     error, done = None, False
     deadline = t0 + args.timeout
@@ -464,14 +553,20 @@ def launch(world, backend_spec, args, logdir):
             # one rank died: give the others a moment to fail on their own, then kill
             time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
             codes = [p.poll() for p in procs]
-            error = "rank(s) failed: " + ", ".join(f"{r}: {c}" for r, c in enumerate(codes) if c not in (None, 0))
+            error = "rank(s) failed: " + ", ".join(
+                f"{r}: {c}" for r, c in enumerate(codes) if c not in (None, 0)
+            )
             break
         if not done and os.path.getsize(res_path) and _last_line(res_path).get("done"):
             done = True  # all measured: the ranks now only tear down their groups
             deadline = min(deadline, time.monotonic() + SHUTDOWN_LIMIT)
         if time.monotonic() > deadline:
-            error = (f"ranks did not exit within {SHUTDOWN_LIMIT} s after the last measurement "
-                     "(destroy_process_group hangs?)" if done else f"timed out after {args.timeout:.0f} s")
+            error = (
+                f"ranks did not exit within {SHUTDOWN_LIMIT} s after the last measurement "
+                "(destroy_process_group hangs?)"
+                if done
+                else f"timed out after {args.timeout:.0f} s"
+            )
             break
         time.sleep(0.05)
     _kill_children()
@@ -504,17 +599,24 @@ def _cpu_times():
         machine = (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         machine = float("nan")
-    ours = sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
-                                                   resource.getrusage(resource.RUSAGE_CHILDREN)))
+    ours = sum(
+        r.ru_utime + r.ru_stime
+        for r in (
+            resource.getrusage(resource.RUSAGE_SELF),
+            resource.getrusage(resource.RUSAGE_CHILDREN),
+        )
+    )
     return machine, ours
 
 
 def cpu_busy(seconds: float = 1.0) -> float:
     """Fraction of this machine's CPU time that was busy over the next `seconds`."""
+
     def sample():
         with open("/proc/stat") as f:
             v = [int(x) for x in f.readline().split()[1:]]
         return sum(v), v[3] + v[4]  # total, idle + iowait
+
     try:
         t0, i0 = sample()
         time.sleep(seconds)
@@ -525,8 +627,10 @@ def cpu_busy(seconds: float = 1.0) -> float:
 
 
 def fmt_row(cells, widths):
-    return " ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)
-                    for i, (c, w) in enumerate(zip(cells, widths)))
+    return " ".join(
+        str(c).ljust(w) if i == 0 else str(c).rjust(w)
+        for i, (c, w) in enumerate(zip(cells, widths))
+    )
 
 
 def ceiling_pct(ceiling, busbw, size):
@@ -554,8 +658,10 @@ def render_tables(results, ceiling, args, backends, world_sizes, md=False, sizes
         for b in others:
             head += [f"{b[:10]}/{ref} busbw", "time ratio"]
             widths += [max(13, len(b[:10]) + len(ref) + 7), 10]
-        title = (f"world size {world}: float32, one torch thread per rank, time = median over calls "
-                 f"of the slowest rank; GB/s; %ceil = busbw / shm copy ceiling")
+        title = (
+            f"world size {world}: float32, one torch thread per rank, time = median over calls "
+            f"of the slowest rank; GB/s; %ceil = busbw / shm copy ceiling"
+        )
         lines.append("")
         if md:
             lines += [f"**{title}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -583,14 +689,22 @@ def render_tables(results, ceiling, args, backends, world_sizes, md=False, sizes
                 for b in others:
                     r, g = row.get(b), row.get(ref)
                     if r and g and "time_us" in r and "time_us" in g:
-                        cells += [f"{r['busbw_gbs'] / g['busbw_gbs']:.2f}x",
-                                  f"{r['time_us'] / g['time_us']:.2f}x" if size < SMALL else ""]
+                        cells += [
+                            f"{r['busbw_gbs'] / g['busbw_gbs']:.2f}x",
+                            f"{r['time_us'] / g['time_us']:.2f}x" if size < SMALL else "",
+                        ]
                     else:
                         cells += ["-", ""]
-                lines.append("| " + " | ".join(str(c) for c in cells) + " |" if md else fmt_row(cells, widths))
+                lines.append(
+                    "| " + " | ".join(str(c) for c in cells) + " |"
+                    if md
+                    else fmt_row(cells, widths)
+                )
     lines.append("")
-    lines.append("shm copy ceiling (two processes, one thread each, pipelined through shared memory): " + ", ".join(
-        f"{human(c['size'])} {c['bw_gbs']:.2f} GB/s" for c in ceiling))
+    lines.append(
+        "shm copy ceiling (two processes, one thread each, pipelined through shared memory): "
+        + ", ".join(f"{human(c['size'])} {c['bw_gbs']:.2f} GB/s" for c in ceiling)
+    )
     return "\n".join(lines)
 
 
@@ -605,32 +719,58 @@ def check_gates(results, gate_backend, ref="gloo"):
         return None
 
     def sizes(world, op):
-        return sorted({r["size"] for b in (gate_backend, ref)
-                       for r in results.get((world, b), []) if r["op"] == op})
+        return sorted(
+            {
+                r["size"]
+                for b in (gate_backend, ref)
+                for r in results.get((world, b), [])
+                if r["op"] == op
+            }
+        )
 
     # world size 2: busbw of all_reduce and all_to_all_single at 1..64 MiB >= 3x gloo
     for op in ("all_reduce", "all_to_all_single"):
         got = [s for s in sizes(2, op) if MiB <= s <= 64 * MiB]
         if not got:
-            lines.append((None, f"SKIP  ws=2 {op} 1..64 MiB busbw >= 3x {ref}: no size in range measured"))
+            lines.append(
+                (None, f"SKIP  ws=2 {op} 1..64 MiB busbw >= 3x {ref}: no size in range measured")
+            )
         for s in got:
             m, g = get(2, gate_backend, op, s), get(2, ref, op, s)
             if not (m and g):
                 lines.append((False, f"FAIL  ws=2 {op} {human(s)}: not measured or wrong result"))
                 continue
             x = m["busbw_gbs"] / g["busbw_gbs"]
-            lines.append((x >= 3.0, f"{'PASS' if x >= 3 else 'FAIL'}  ws=2 {op} {human(s)}: busbw "
-                          f"{m['busbw_gbs']:.2f} vs {g['busbw_gbs']:.2f} GB/s = {x:.2f}x {ref} (gate >= 3x, target 5x: "
-                          f"{'met' if x >= 5 else 'not met'})"))
+            lines.append(
+                (
+                    x >= 3.0,
+                    f"{'PASS' if x >= 3 else 'FAIL'}  ws=2 {op} {human(s)}: busbw "
+                    f"{m['busbw_gbs']:.2f} vs {g['busbw_gbs']:.2f} GB/s = {x:.2f}x {ref} (gate >= 3x, target 5x: "
+                    f"{'met' if x >= 5 else 'not met'})",
+                )
+            )
     # world size 2: all_reduce of 8 B at most 25 us
     m, g = get(2, gate_backend, "all_reduce", 8), get(2, ref, "all_reduce", 8)
     if m is None:
-        lines.append((None if 8 not in sizes(2, "all_reduce") else False,
-                      f"{'SKIP' if 8 not in sizes(2, 'all_reduce') else 'FAIL'}  ws=2 all_reduce 8 B <= 25 us: not measured"))
+        lines.append(
+            (
+                None if 8 not in sizes(2, "all_reduce") else False,
+                f"{'SKIP' if 8 not in sizes(2, 'all_reduce') else 'FAIL'}  ws=2 all_reduce 8 B <= 25 us: not measured",
+            )
+        )
     else:
         t = m["time_us"]
-        tgt = f", target 1/40 of {ref}'s {g['time_us']:.1f} us: {'met' if g and t <= g['time_us'] / 40 else 'not met'}" if g else ""
-        lines.append((t <= 25.0, f"{'PASS' if t <= 25 else 'FAIL'}  ws=2 all_reduce 8 B: {t:.1f} us (gate <= 25 us{tgt})"))
+        tgt = (
+            f", target 1/40 of {ref}'s {g['time_us']:.1f} us: {'met' if g and t <= g['time_us'] / 40 else 'not met'}"
+            if g
+            else ""
+        )
+        lines.append(
+            (
+                t <= 25.0,
+                f"{'PASS' if t <= 25 else 'FAIL'}  ws=2 all_reduce 8 B: {t:.1f} us (gate <= 25 us{tgt})",
+            )
+        )
     # world size 4: no worse than gloo (>= 0.9x busbw) anywhere
     any4 = False
     for op in OPS:
@@ -642,7 +782,9 @@ def check_gates(results, gate_backend, ref="gloo"):
                 continue
             x = m["busbw_gbs"] / g["busbw_gbs"]
             if x < 0.9:
-                lines.append((False, f"FAIL  ws=4 {op} {human(s)}: busbw {x:.2f}x {ref} (gate >= 0.9x)"))
+                lines.append(
+                    (False, f"FAIL  ws=4 {op} {human(s)}: busbw {x:.2f}x {ref} (gate >= 0.9x)")
+                )
             else:
                 lines.append((True, f"PASS  ws=4 {op} {human(s)}: busbw {x:.2f}x {ref}"))
     if not any4:
@@ -663,15 +805,21 @@ def orchestrate(args) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     t_start = time.monotonic()
-    print(f"pg_bench: backends {backends}, world sizes {world_sizes}, sizes "
-          f"{human(min(sizes))}..{human(max(sizes))} ({len(sizes)}), ops {args.ops}"
-          f"{' [smoke]' if args.smoke else ''}; rank logs in {logdir} (kept on error)", flush=True)
+    print(
+        f"pg_bench: backends {backends}, world sizes {world_sizes}, sizes "
+        f"{human(min(sizes))}..{human(max(sizes))} ({len(sizes)}), ops {args.ops}"
+        f"{' [smoke]' if args.smoke else ''}; rank logs in {logdir} (kept on error)",
+        flush=True,
+    )
 
     busy = cpu_busy(1.0)
     cpu0, wall0 = _cpu_times(), time.monotonic()
     if busy > 0.15:
-        print(f"  WARNING: the machine was {100 * busy:.0f}% busy before the run started; "
-              "numbers measured now are unreliable", flush=True)
+        print(
+            f"  WARNING: the machine was {100 * busy:.0f}% busy before the run started; "
+            "numbers measured now are unreliable",
+            flush=True,
+        )
     t0 = time.monotonic()
     ceiling = measure_ceiling(sizes, args)  # before torch is imported here: it forks
     print(f"  copy ceiling measured ({time.monotonic() - t0:.1f} s)", flush=True)
@@ -680,18 +828,26 @@ def orchestrate(args) -> int:
     for world in world_sizes:
         # one set of ranks for all backends (rounds alternate between them), or, with
         # --isolate, a fresh set of ranks per backend
-        for spec in ([[b] for b in backends] if args.isolate else [backends]):
+        for spec in [[b] for b in backends] if args.isolate else [backends]:
             recs, err, dt = launch(world, ",".join(spec), args, logdir)
             for b in spec:
                 results[(world, b)] = [r for r in recs if r["backend"] == b]
             wrong = [r for r in recs if not r.get("ok")]
-            state = "ok" if not err and not wrong else ("FAILED" if err else f"{len(wrong)} wrong result(s)")
-            print(f"  world size {world}, {'+'.join(spec)}: {len(recs)} measurements in {dt:.1f} s: {state}",
-                  flush=True)
+            state = (
+                "ok"
+                if not err and not wrong
+                else ("FAILED" if err else f"{len(wrong)} wrong result(s)")
+            )
+            print(
+                f"  world size {world}, {'+'.join(spec)}: {len(recs)} measurements in {dt:.1f} s: {state}",
+                flush=True,
+            )
             if err:
                 errors.append(f"world size {world}, {'+'.join(spec)}: {err}")
             for r in wrong:
-                errors.append(f"world size {world}, {r['backend']}: {r['op']} {r['size']} B: {r.get('error')}")
+                errors.append(
+                    f"world size {world}, {r['backend']}: {r['op']} {r['size']} B: {r.get('error')}"
+                )
 
     for recs in results.values():
         for r in recs:
@@ -709,25 +865,41 @@ def orchestrate(args) -> int:
             for _, line in gates:
                 print("GATE  " + line)
             failed = sum(1 for p, _ in gates if p is False)
-            print(f"GATE  {'PASS' if failed == 0 else 'FAIL'}: {sum(1 for p, _ in gates if p)} passed, {failed} failed")
+            print(
+                f"GATE  {'PASS' if failed == 0 else 'FAIL'}: {sum(1 for p, _ in gates if p)} passed, {failed} failed"
+            )
     total = time.monotonic() - t_start
     cpu1 = _cpu_times()
     # CPU time other processes of this machine used while the benchmark ran
-    foreign = max(0.0, (cpu1[0] - cpu0[0]) - (cpu1[1] - cpu0[1])) / max(1e-9, (time.monotonic() - wall0) * (os.cpu_count() or 1))
+    foreign = max(0.0, (cpu1[0] - cpu0[0]) - (cpu1[1] - cpu0[1])) / max(
+        1e-9, (time.monotonic() - wall0) * (os.cpu_count() or 1)
+    )
     if foreign > 0.05:
-        print(f"\nWARNING: other processes used {100 * foreign:.0f}% of this machine's CPU time during the run;"
-              " the numbers are unreliable, rerun on a quiet machine", flush=True)
+        print(
+            f"\nWARNING: other processes used {100 * foreign:.0f}% of this machine's CPU time during the run;"
+            " the numbers are unreliable, rerun on a quiet machine",
+            flush=True,
+        )
 
     import torch
 
     doc = {
-        "meta": {"torch": torch.__version__, "python": platform.python_version(),
-                 "cpus": os.cpu_count(), "machine": platform.machine(), "node": platform.node(),
-                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "seconds": total,
-                 "cpu_busy_before": busy, "foreign_cpu_share": foreign, "loadavg_after": os.getloadavg(),
-                 "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-                 "dtype": "float32", "threads_per_rank": 1,
-                 "method": "median over calls of the max over ranks; busbw factors of nccl-tests"},
+        "meta": {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "machine": platform.machine(),
+            "node": platform.node(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "seconds": total,
+            "cpu_busy_before": busy,
+            "foreign_cpu_share": foreign,
+            "loadavg_after": os.getloadavg(),
+            "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+            "dtype": "float32",
+            "threads_per_rank": 1,
+            "method": "median over calls of the max over ranks; busbw factors of nccl-tests",
+        },
         "ceiling": ceiling,
         "results": [dict(r, world_size=w) for (w, b), recs in results.items() for r in recs],
         "gates": [{"pass": p, "line": line} for p, line in gates],
@@ -737,9 +909,15 @@ def orchestrate(args) -> int:
         json.dump(doc, f, indent=1)
     md_path = os.path.splitext(json_path)[0] + ".md"
     with open(md_path, "w") as f:
-        f.write(f"pg_bench on {os.cpu_count()} CPUs, torch {torch.__version__}, {doc['meta']['time']}\n\n")
+        f.write(
+            f"pg_bench on {os.cpu_count()} CPUs, torch {torch.__version__}, {doc['meta']['time']}\n\n"
+        )
         f.write("Summary (for the README):\n")
-        f.write(render_tables(results, ceiling, args, backends, world_sizes, md=True, sizes=README_SIZES))
+        f.write(
+            render_tables(
+                results, ceiling, args, backends, world_sizes, md=True, sizes=README_SIZES
+            )
+        )
         f.write("\n\nAll sizes:\n")
         f.write(render_tables(results, ceiling, args, backends, world_sizes, md=True))
         f.write("\n")
@@ -761,31 +939,71 @@ def orchestrate(args) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
-    ap.add_argument("--backends", default="mooncake,gloo",
-                    help="comma list; 'mooncake:tcp' / 'mooncake:shm' force a transport (default mooncake,gloo)")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+    )
+    ap.add_argument(
+        "--backends",
+        default="mooncake,gloo",
+        help="comma list; 'mooncake:tcp' / 'mooncake:shm' force a transport (default mooncake,gloo)",
+    )
     ap.add_argument("--world-sizes", default="2,4", help="comma list (default 2,4)")
-    ap.add_argument("--sizes", default=None, help=f"comma list of bytes, K/M suffixes (default {DEFAULT_SIZES})")
+    ap.add_argument(
+        "--sizes", default=None, help=f"comma list of bytes, K/M suffixes (default {DEFAULT_SIZES})"
+    )
     ap.add_argument("--ops", default=",".join(OPS), help="comma list (default: all five)")
-    ap.add_argument("--json", default=os.path.join("bench_out", "pg_bench.json"), help="JSON output path")
+    ap.add_argument(
+        "--json", default=os.path.join("bench_out", "pg_bench.json"), help="JSON output path"
+    )
     ap.add_argument("--smoke", action="store_true", help="CI: tiny sizes, few iterations")
-    ap.add_argument("--budget", type=float, default=None, help="seconds of timed calls per cell (default 0.25, smoke 0.01)")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds of timed calls per cell (default 0.25, smoke 0.01)",
+    )
     ap.add_argument("--min-iters", type=int, default=None, help="default 5 (smoke 2)")
     ap.add_argument("--max-iters", type=int, default=None, help="default 300 (smoke 10)")
-    ap.add_argument("--warmup", type=int, default=None, help="warm-up calls (+8 below 64 KiB); default 2 (smoke 1)")
-    ap.add_argument("--block", type=int, default=50,
-                    help="timed calls of one backend between two barriers, at most (default 50)")
-    ap.add_argument("--rounds", type=int, default=None,
-                    help="rounds per cell at least; each round runs one block per backend (default 4, smoke 1)")
-    ap.add_argument("--isolate", action="store_true",
-                    help="a fresh set of rank processes per backend instead of one set for all")
-    ap.add_argument("--timeout", type=float, default=None, help="seconds per launch (default 900, smoke 120)")
-    ap.add_argument("--op-timeout", type=float, default=60.0, help="MooncakeOptions(timeout=) (default 60)")
-    ap.add_argument("--gate", action="store_true", help="check issue 2's speed gates; prints PASS/FAIL lines")
-    ap.add_argument("--gate-strict", action="store_true", help="like --gate, and exit 1 when a gate fails")
-    ap.add_argument("--gate-backend", default="mooncake", help="backend the gates compare with gloo")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="warm-up calls (+8 below 64 KiB); default 2 (smoke 1)",
+    )
+    ap.add_argument(
+        "--block",
+        type=int,
+        default=50,
+        help="timed calls of one backend between two barriers, at most (default 50)",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="rounds per cell at least; each round runs one block per backend (default 4, smoke 1)",
+    )
+    ap.add_argument(
+        "--isolate",
+        action="store_true",
+        help="a fresh set of rank processes per backend instead of one set for all",
+    )
+    ap.add_argument(
+        "--timeout", type=float, default=None, help="seconds per launch (default 900, smoke 120)"
+    )
+    ap.add_argument(
+        "--op-timeout", type=float, default=60.0, help="MooncakeOptions(timeout=) (default 60)"
+    )
+    ap.add_argument(
+        "--gate", action="store_true", help="check issue 2's speed gates; prints PASS/FAIL lines"
+    )
+    ap.add_argument(
+        "--gate-strict", action="store_true", help="like --gate, and exit 1 when a gate fails"
+    )
+    ap.add_argument(
+        "--gate-backend", default="mooncake", help="backend the gates compare with gloo"
+    )
     # internal: one rank
     ap.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -795,8 +1013,14 @@ def main(argv=None) -> int:
     ap.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     s = args.smoke
-    for name, full, smoke in (("budget", 0.25, 0.01), ("min_iters", 5, 2), ("max_iters", 300, 10),
-                              ("warmup", 2, 1), ("timeout", 900.0, 120.0), ("rounds", 4, 1)):
+    for name, full, smoke in (
+        ("budget", 0.25, 0.01),
+        ("min_iters", 5, 2),
+        ("max_iters", 300, 10),
+        ("warmup", 2, 1),
+        ("timeout", 900.0, 120.0),
+        ("rounds", 4, 1),
+    ):
         if getattr(args, name) is None:
             setattr(args, name, smoke if s else full)
     if args.sizes is None:

@@ -39,6 +39,7 @@ least 0.9x Mooncake on one host and at least 1x over TCP; batch 4 KiB at least 0
 Mooncake's objects/s (one host and over TCP); at least 5x Redis at 1 MiB and above (one
 host).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -82,7 +83,7 @@ def batches(keys: list, size: int, mode: str) -> list:
     if mode == "plain":
         return [[k] for k in keys]
     per = max(1, min(BATCH_KEYS, BATCH_BYTES // size))
-    return [keys[i:i + per] for i in range(0, len(keys), per)]
+    return [keys[i : i + per] for i in range(0, len(keys), per)]
 
 
 # =============================================================================== workers
@@ -91,12 +92,22 @@ class OurClient:
         from mooncake_store import MooncakeStore, ReplicateConfig
 
         if spec["setup"] == "host":
-            self.s = MooncakeStore(master=spec["master"], segment_size=spec["segment"], serve_tcp=False,
-                                   name=spec["name"])
+            self.s = MooncakeStore(
+                master=spec["master"],
+                segment_size=spec["segment"],
+                serve_tcp=False,
+                name=spec["name"],
+            )
             self.rc = ReplicateConfig(preferred_segment=spec["name"])
         else:
-            self.s = MooncakeStore(master=spec["master"], segment_size=0, transfer="tcp", serve_tcp=False,
-                                   host_id=f"client-{spec['name']}", name=spec["name"])
+            self.s = MooncakeStore(
+                master=spec["master"],
+                segment_size=0,
+                transfer="tcp",
+                serve_tcp=False,
+                host_id=f"client-{spec['name']}",
+                name=spec["name"],
+            )
             self.rc = ReplicateConfig()
 
     def put(self, keys, vals):
@@ -221,8 +232,18 @@ def worker_main(spec: dict):
         if case.get("check"):
             ok = ok and bytes(client.get(groups[0])[0]) == v
         client.remove(keys)
-        out.write(json.dumps({"phase": "done", "put": [t0, t1, lat_put], "get": [t2, t3, lat_get], "ok": ok,
-                              "wall_put": time.time()}) + "\n")
+        out.write(
+            json.dumps(
+                {
+                    "phase": "done",
+                    "put": [t0, t1, lat_put],
+                    "get": [t2, t3, lat_get],
+                    "ok": ok,
+                    "wall_put": time.time(),
+                }
+            )
+            + "\n"
+        )
         out.flush()
     client.close()
 
@@ -254,7 +275,7 @@ def percentile(xs, q):
     xs = sorted(xs)
     if not xs:
         return float("nan")
-    k = min(len(xs) - 1, max(0, int(round(q * (len(xs) - 1)))))
+    k = min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))
     return xs[k]
 
 
@@ -266,9 +287,18 @@ class WorkerGroup:
         env = dict(_env(), OMP_NUM_THREADS="1")
         self.workers = []
         for c in range(clients):
-            spec = dict(base_spec, system=system, setup=setup, name=f"{system}-{setup}-c{c}-{os.getpid()}")
-            p = procs.spawn([sys.executable, __file__, "--role", "worker", "--spec", json.dumps(spec)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, text=True, bufsize=1)
+            spec = dict(
+                base_spec, system=system, setup=setup, name=f"{system}-{setup}-c{c}-{os.getpid()}"
+            )
+            p = procs.spawn(
+                [sys.executable, __file__, "--role", "worker", "--spec", json.dumps(spec)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                env=env,
+                text=True,
+                bufsize=1,
+            )
             self.workers.append(p)
         for p in self.workers:
             self.read(p)  # ready
@@ -295,11 +325,16 @@ class WorkerGroup:
         self.tell("go")
         res = [self.read(p) for p in self.workers]
         if not all(r["ok"] for r in res):
-            raise RuntimeError(f"{self.system} {self.setup} {size_name(size)} {mode}: wrong data read back")
+            raise RuntimeError(
+                f"{self.system} {self.setup} {size_name(size)} {mode}: wrong data read back"
+            )
         out = {}
         for op in ("put", "get"):
-            out[op] = (max(r[op][1] for r in res) - min(r[op][0] for r in res), n * self.clients,
-                       [x for r in res for x in r[op][2]])
+            out[op] = (
+                max(r[op][1] for r in res) - min(r[op][0] for r in res),
+                n * self.clients,
+                [x for r in res for x in r[op][2]],
+            )
         return out
 
     def close(self):
@@ -340,14 +375,27 @@ def run_interleaved(groups: list, args) -> list:
                     thr = [objs * size / secs / (1 << 30) for secs, objs, _ in rs]
                     ops = [objs / secs for secs, objs, _ in rs]
                     lats = [x for _, _, ls in rs for x in ls]
-                    rec = {"system": g.system, "setup": g.setup, "clients": g.clients, "size": size, "mode": mode,
-                           "op": op, "gib_s": statistics.median(thr), "objs_s": statistics.median(ops),
-                           "p50_ms": percentile(lats, 0.5) * 1e3, "p99_ms": percentile(lats, 0.99) * 1e3,
-                           "reps": len(rs)}
+                    rec = {
+                        "system": g.system,
+                        "setup": g.setup,
+                        "clients": g.clients,
+                        "size": size,
+                        "mode": mode,
+                        "op": op,
+                        "gib_s": statistics.median(thr),
+                        "objs_s": statistics.median(ops),
+                        "p50_ms": percentile(lats, 0.5) * 1e3,
+                        "p99_ms": percentile(lats, 0.99) * 1e3,
+                        "reps": len(rs),
+                    }
                     records.append(rec)
-                    print(f"  {g.system:8s} {g.setup:4s} c={g.clients} {size_name(size):>6s} {mode:5s} {op}: "
-                          f"{rec['gib_s']:7.2f} GiB/s {rec['objs_s']:10.0f} obj/s p50 {rec['p50_ms']:8.3f} ms "
-                          f"p99 {rec['p99_ms']:8.3f} ms", file=sys.stderr, flush=True)
+                    print(
+                        f"  {g.system:8s} {g.setup:4s} c={g.clients} {size_name(size):>6s} {mode:5s} {op}: "
+                        f"{rec['gib_s']:7.2f} GiB/s {rec['objs_s']:10.0f} obj/s p50 {rec['p50_ms']:8.3f} ms "
+                        f"p99 {rec['p99_ms']:8.3f} ms",
+                        file=sys.stderr,
+                        flush=True,
+                    )
     return records
 
 
@@ -362,18 +410,43 @@ def start_services(systems, args, procs: Procs, log, seg) -> dict:
     if "ours" in systems:
         d = tempfile.mkdtemp(prefix="store-bench-")
         pf = os.path.join(d, "port")
-        procs.spawn([sys.executable, "-m", "mooncake_store.master", "--port", "0", "--port-file", pf,
-                     "--lease-ttl", "1"], stdout=log, stderr=log, env=_env())
+        procs.spawn(
+            [
+                sys.executable,
+                "-m",
+                "mooncake_store.master",
+                "--port",
+                "0",
+                "--port-file",
+                pf,
+                "--lease-ttl",
+                "1",
+            ],
+            stdout=log,
+            stderr=log,
+            env=_env(),
+        )
         deadline = time.monotonic() + 30
         while not os.path.exists(pf):
             if time.monotonic() > deadline:
                 raise RuntimeError("our master did not start")
             time.sleep(0.05)
         master = f"127.0.0.1:{open(pf).read().split()[0]}"
-        storage = procs.spawn([sys.executable, "-c", (
-            "import signal; from mooncake_store import MooncakeStore;"
-            f"s=MooncakeStore(master={master!r}, segment_size={seg * 2}, host_id='storage-host', name='storage');"
-            "print('ready', flush=True); signal.pause()")], stdout=subprocess.PIPE, stderr=log, text=True, env=_env())
+        storage = procs.spawn(
+            [
+                sys.executable,
+                "-c",
+                (
+                    "import signal; from mooncake_store import MooncakeStore;"
+                    f"s=MooncakeStore(master={master!r}, segment_size={seg * 2}, host_id='storage-host', name='storage');"
+                    "print('ready', flush=True); signal.pause()"
+                ),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=_env(),
+        )
         if storage.stdout.readline().strip() != "ready":
             raise RuntimeError("our storage process did not start")
         bases[("ours", "host")] = bases[("ours", "tcp")] = {"master": master, "segment": seg}
@@ -381,8 +454,21 @@ def start_services(systems, args, procs: Procs, log, seg) -> dict:
         endpoint = None if args.in_netns else os.environ.get("MOONCAKE_TEST_REDIS")
         if not endpoint:
             port = free_port()
-            procs.spawn(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-                         "--appendonly", "no"], stdout=log, stderr=log)
+            procs.spawn(
+                [
+                    "redis-server",
+                    "--bind",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                ],
+                stdout=log,
+                stderr=log,
+            )
             endpoint = f"127.0.0.1:{port}"
             import redis
 
@@ -399,17 +485,37 @@ def start_services(systems, args, procs: Procs, log, seg) -> dict:
     if "mooncake" in systems:
         port = free_port()
         master_bin = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
-        procs.spawn([master_bin, "--rpc_address=127.0.0.1", f"--port={port}", "--default_kv_lease_ttl=1000"],
-                    stdout=log, stderr=log)
+        procs.spawn(
+            [
+                master_bin,
+                "--rpc_address=127.0.0.1",
+                f"--port={port}",
+                "--default_kv_lease_ttl=1000",
+            ],
+            stdout=log,
+            stderr=log,
+        )
         time.sleep(1.5)
-        storage = procs.spawn([sys.executable, "-c", (
-            "import signal; from mooncake.store import MooncakeDistributedStore as M; s=M();"
-            f"rc=s.setup('127.0.0.1','P2PHANDSHAKE',{seg * 2},{16 * MiB},'tcp','','127.0.0.1:{port}');"
-            "print('ready' if rc == 0 else 'failed', flush=True); signal.pause()")],
-            stdout=subprocess.PIPE, stderr=log, text=True)
+        storage = procs.spawn(
+            [
+                sys.executable,
+                "-c",
+                (
+                    "import signal; from mooncake.store import MooncakeDistributedStore as M; s=M();"
+                    f"rc=s.setup('127.0.0.1','P2PHANDSHAKE',{seg * 2},{16 * MiB},'tcp','','127.0.0.1:{port}');"
+                    "print('ready' if rc == 0 else 'failed', flush=True); signal.pause()"
+                ),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
         if storage.stdout.readline().strip() != "ready":
             raise RuntimeError("mooncake storage process did not start")
-        bases[("mooncake", "host")] = bases[("mooncake", "tcp")] = {"master": f"127.0.0.1:{port}", "segment": seg}
+        bases[("mooncake", "host")] = bases[("mooncake", "tcp")] = {
+            "master": f"127.0.0.1:{port}",
+            "segment": seg,
+        }
     return bases
 
 
@@ -428,7 +534,11 @@ def suite_main(args):
                 try:
                     for system in systems:
                         if (system, setup) in bases:
-                            groups.append(WorkerGroup(system, setup, clients, bases[(system, setup)], procs, log))
+                            groups.append(
+                                WorkerGroup(
+                                    system, setup, clients, bases[(system, setup)], procs, log
+                                )
+                            )
                     records += run_interleaved(groups, args)
                 finally:
                     for g in groups:
@@ -448,7 +558,10 @@ def available(system: str) -> tuple[bool, str]:
         except ImportError:
             return False, "redis-py is not installed"
         if not os.environ.get("MOONCAKE_TEST_REDIS") and shutil.which("redis-server") is None:
-            return False, "no redis-server (apt-get install redis-server) and MOONCAKE_TEST_REDIS unset"
+            return (
+                False,
+                "no redis-server (apt-get install redis-server) and MOONCAKE_TEST_REDIS unset",
+            )
         return True, ""
     if system == "mooncake":
         try:
@@ -457,7 +570,10 @@ def available(system: str) -> tuple[bool, str]:
             if importlib.util.find_spec("mooncake.store") is None:
                 raise ImportError
         except ImportError:
-            return False, "the published Mooncake store is not installed (pip install mooncake-transfer-engine-non-cuda)"
+            return (
+                False,
+                "the published Mooncake store is not installed (pip install mooncake-transfer-engine-non-cuda)",
+            )
         if shutil.which("unshare") is None or shutil.which("ip") is None:
             return False, "needs unshare and ip (util-linux, iproute2) for its network namespace"
         r = subprocess.run(["unshare", "-n", "true"], capture_output=True)
@@ -468,12 +584,31 @@ def available(system: str) -> tuple[bool, str]:
 
 
 def run_suite(systems: list, args) -> list:
-    cmd = [sys.executable, __file__, "--role", "suite", "--systems", ",".join(systems), "--logdir", args.logdir,
-           "--reps", str(args.reps), "--sizes", ",".join(map(str, args.sizes)),
-           "--clients", ",".join(map(str, args.clients))] + (["--smoke"] if args.smoke else [])
+    cmd = [
+        sys.executable,
+        __file__,
+        "--role",
+        "suite",
+        "--systems",
+        ",".join(systems),
+        "--logdir",
+        args.logdir,
+        "--reps",
+        str(args.reps),
+        "--sizes",
+        ",".join(map(str, args.sizes)),
+        "--clients",
+        ",".join(map(str, args.clients)),
+    ] + (["--smoke"] if args.smoke else [])
     if "mooncake" in systems:  # every system in one network namespace that has only loopback
-        cmd = ["unshare", "-n", "sh", "-c", "ip link set lo up && exec \"$@\"", "sh"] + cmd + ["--in-netns"]
-    r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=args.timeout, start_new_session=True)
+        cmd = (
+            ["unshare", "-n", "sh", "-c", "ip link set lo up && exec \"$@\"", "sh"]
+            + cmd
+            + ["--in-netns"]
+        )
+    r = subprocess.run(
+        cmd, stdout=subprocess.PIPE, text=True, timeout=args.timeout, start_new_session=True
+    )
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("[")]
     if r.returncode != 0 or not lines:
         raise RuntimeError(f"the benchmark failed (exit {r.returncode}); logs in {args.logdir}")
@@ -509,7 +644,10 @@ def copy_ceiling(sizes: list, reps: int = 7) -> dict:
             b = bytes(memoryview(src))
             fresh.append(time.perf_counter() - t)
             del b
-        out[size] = {"warm": size / statistics.median(warm) / 2**30, "fresh": size / statistics.median(fresh) / 2**30}
+        out[size] = {
+            "warm": size / statistics.median(warm) / 2**30,
+            "fresh": size / statistics.median(fresh) / 2**30,
+        }
     return out
 
 
@@ -527,7 +665,7 @@ def cold_copy_us(idle_s: float = 2.0, pieces: int = 32) -> float:
     took = []
     for i in range(pieces):
         t = time.perf_counter()
-        np.copyto(dst[i * MiB:(i + 1) * MiB], src)
+        np.copyto(dst[i * MiB : (i + 1) * MiB], src)
         took.append(time.perf_counter() - t)
     return statistics.median(took) * 1e6
 
@@ -548,7 +686,9 @@ while True:
 def loopback_rtt(n: int = 2000) -> float:
     """Median seconds of a 64-byte TCP ping-pong with another process on 127.0.0.1: the
     floor of one metadata round trip to a master on this machine."""
-    p = subprocess.Popen([sys.executable, "-c", _ECHO], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", _ECHO], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         port = int(p.stdout.readline())
         with socket.create_connection(("127.0.0.1", port)) as c:
@@ -574,37 +714,76 @@ def gates(records, args) -> list:
     for op in ("put", "get"):
         for setup, need in (("host", 0.9), ("tcp", 1.0)):
             for size in big:
-                o = find(records, system="ours", setup=setup, clients=1, size=size, mode="batch", op=op)
-                m = find(records, system="mooncake", setup=setup, clients=1, size=size, mode="batch", op=op)
+                o = find(
+                    records, system="ours", setup=setup, clients=1, size=size, mode="batch", op=op
+                )
+                m = find(
+                    records,
+                    system="mooncake",
+                    setup=setup,
+                    clients=1,
+                    size=size,
+                    mode="batch",
+                    op=op,
+                )
                 if o and m:
                     ratio = o["gib_s"] / m["gib_s"]
-                    out.append((f"batch {op} {size_name(size)} {setup} >= {need}x Mooncake", ratio >= need,
-                                f"{ratio:.2f}x ({o['gib_s']:.2f} vs {m['gib_s']:.2f} GiB/s)"))
+                    out.append(
+                        (
+                            f"batch {op} {size_name(size)} {setup} >= {need}x Mooncake",
+                            ratio >= need,
+                            f"{ratio:.2f}x ({o['gib_s']:.2f} vs {m['gib_s']:.2f} GiB/s)",
+                        )
+                    )
         for setup in ("host", "tcp") if 4 * KiB in args.sizes else ():
-            o = find(records, system="ours", setup=setup, clients=1, size=4 * KiB, mode="batch", op=op)
-            m = find(records, system="mooncake", setup=setup, clients=1, size=4 * KiB, mode="batch", op=op)
+            o = find(
+                records, system="ours", setup=setup, clients=1, size=4 * KiB, mode="batch", op=op
+            )
+            m = find(
+                records,
+                system="mooncake",
+                setup=setup,
+                clients=1,
+                size=4 * KiB,
+                mode="batch",
+                op=op,
+            )
             if o and m:
                 ratio = o["objs_s"] / m["objs_s"]
-                out.append((f"batch {op} 4 KiB {setup} >= 0.5x Mooncake objects/s", ratio >= 0.5,
-                            f"{ratio:.2f}x ({o['objs_s']:.0f} vs {m['objs_s']:.0f} obj/s)"))
+                out.append(
+                    (
+                        f"batch {op} 4 KiB {setup} >= 0.5x Mooncake objects/s",
+                        ratio >= 0.5,
+                        f"{ratio:.2f}x ({o['objs_s']:.0f} vs {m['objs_s']:.0f} obj/s)",
+                    )
+                )
         for size in big:
             for mode in ("plain", "batch"):
-                o = find(records, system="ours", setup="host", clients=1, size=size, mode=mode, op=op)
-                r = find(records, system="redis", setup="host", clients=1, size=size, mode=mode, op=op)
+                o = find(
+                    records, system="ours", setup="host", clients=1, size=size, mode=mode, op=op
+                )
+                r = find(
+                    records, system="redis", setup="host", clients=1, size=size, mode=mode, op=op
+                )
                 if o and r:
                     ratio = o["gib_s"] / r["gib_s"]
                     detail = f"{ratio:.2f}x ({o['gib_s']:.2f} vs {r['gib_s']:.2f} GiB/s)"
                     if ratio < 5.0:
                         detail += f"; 5x Redis = {5 * r['gib_s']:.2f} GiB/s"
-                    out.append((f"{mode} {op} {size_name(size)} host >= 5x Redis", ratio >= 5.0, detail))
+                    out.append(
+                        (f"{mode} {op} {size_name(size)} host >= 5x Redis", ratio >= 5.0, detail)
+                    )
     return out
 
 
 def markdown(records, args) -> str:
     systems = [s for s in ("ours", "mooncake", "redis") if any(r["system"] == s for r in records)]
-    lines = ["| set-up | clients | size | form | op | " + " | ".join(
-        f"{s} GiB/s (obj/s) p50/p99 ms" for s in systems) + " | ours / Mooncake | ours / Redis |",
-             "|" + "---|" * (7 + len(systems))]
+    lines = [
+        "| set-up | clients | size | form | op | "
+        + " | ".join(f"{s} GiB/s (obj/s) p50/p99 ms" for s in systems)
+        + " | ours / Mooncake | ours / Redis |",
+        "|" + "---|" * (7 + len(systems)),
+    ]
     for setup in ("host", "tcp"):
         for clients in args.clients:
             for size in args.sizes:
@@ -612,17 +791,39 @@ def markdown(records, args) -> str:
                     for op in ("put", "get"):
                         cells, row = [], {}
                         for s in systems:
-                            r = find(records, system=s, setup=setup, clients=clients, size=size, mode=mode, op=op)
+                            r = find(
+                                records,
+                                system=s,
+                                setup=setup,
+                                clients=clients,
+                                size=size,
+                                mode=mode,
+                                op=op,
+                            )
                             row[s] = r
-                            cells.append("-" if r is None else
-                                         f"{r['gib_s']:.2f} ({r['objs_s']:.0f}) {r['p50_ms']:.2f}/{r['p99_ms']:.2f}")
+                            cells.append(
+                                "-"
+                                if r is None
+                                else f"{r['gib_s']:.2f} ({r['objs_s']:.0f}) {r['p50_ms']:.2f}/{r['p99_ms']:.2f}"
+                            )
                         if row.get("ours") is None:
                             continue
                         key = "objs_s" if size < MiB else "gib_s"
-                        rm = f"{row['ours'][key] / row['mooncake'][key]:.2f}x" if row.get("mooncake") else "-"
-                        rr = f"{row['ours'][key] / row['redis'][key]:.2f}x" if row.get("redis") else "-"
-                        lines.append(f"| {setup} | {clients} | {size_name(size)} | {mode} | {op} | " + " | ".join(cells)
-                                     + f" | {rm} | {rr} |")
+                        rm = (
+                            f"{row['ours'][key] / row['mooncake'][key]:.2f}x"
+                            if row.get("mooncake")
+                            else "-"
+                        )
+                        rr = (
+                            f"{row['ours'][key] / row['redis'][key]:.2f}x"
+                            if row.get("redis")
+                            else "-"
+                        )
+                        lines.append(
+                            f"| {setup} | {clients} | {size_name(size)} | {mode} | {op} | "
+                            + " | ".join(cells)
+                            + f" | {rm} | {rr} |"
+                        )
     return "\n".join(lines) + "\n"
 
 
@@ -631,7 +832,12 @@ def main(argv=None):
     p.add_argument("--role", default="driver", choices=["driver", "suite", "worker"])
     p.add_argument("--spec", default=None)
     p.add_argument("--smoke", action="store_true", help="small and fast (CI)")
-    p.add_argument("--reps", type=int, default=None, help="repetitions per case (median reported); default 3, smoke 1")
+    p.add_argument(
+        "--reps",
+        type=int,
+        default=None,
+        help="repetitions per case (median reported); default 3, smoke 1",
+    )
     p.add_argument("--sizes", default=None, help="comma-separated object sizes in bytes")
     p.add_argument("--clients", default=None, help="client counts (default 1,2; smoke 1)")
     p.add_argument("--systems", default="ours,mooncake,redis")
@@ -646,8 +852,11 @@ def main(argv=None):
         worker_main(json.loads(args.spec))
         return 0
     args.reps = args.reps or (1 if args.smoke else 3)
-    args.sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else (
-        [4 * KiB, MiB] if args.smoke else SIZES)
+    args.sizes = (
+        [int(x) for x in args.sizes.split(",")]
+        if args.sizes
+        else ([4 * KiB, MiB] if args.smoke else SIZES)
+    )
     args.clients = [int(x) for x in (args.clients or ("1" if args.smoke else "1,2")).split(",")]
     if args.role == "suite":
         suite_main(args)
@@ -664,20 +873,29 @@ def main(argv=None):
     if "mooncake" in systems and "redis" in systems and shutil.which("redis-server") is None:
         systems.remove("redis")
         skipped["redis"] = "no redis-server binary to start inside the network namespace"
-    print(f"[store_bench] systems (interleaved case by case): {', '.join(systems)}; load average "
-          f"{os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+    print(
+        f"[store_bench] systems (interleaved case by case): {', '.join(systems)}; load average "
+        f"{os.getloadavg()[0]:.1f}",
+        file=sys.stderr,
+        flush=True,
+    )
     ceiling: dict = copy_ceiling([x for x in args.sizes if x >= MiB])
     ceiling["rtt_s"] = loopback_rtt()
     cold = [cold_copy_us(0.5 if args.smoke else 2.0)]
     records = run_suite(systems, args)
     cold.append(cold_copy_us(0.5 if args.smoke else 2.0))
     table = markdown(records, args)
-    table += (f"\nFloors measured in the same run: a 64-byte TCP ping-pong between two processes on "
-              f"127.0.0.1 takes {ceiling['rtt_s'] * 1e6:.0f} us (median); one single-threaded copy, GiB/s: " + "; ".join(
-                  f"{size_name(k)} {v['warm']:.2f} into touched memory, {v['fresh']:.2f} into new bytes"
-                  for k, v in ceiling.items() if k != "rtt_s")
-              + f"; a 1 MiB copy into memory idle for {0.5 if args.smoke else 2.0:g} s took {cold[0]:.0f} us at the "
-              f"start and {cold[1]:.0f} us at the end of the run (median)\n")
+    table += (
+        f"\nFloors measured in the same run: a 64-byte TCP ping-pong between two processes on "
+        f"127.0.0.1 takes {ceiling['rtt_s'] * 1e6:.0f} us (median); one single-threaded copy, GiB/s: "
+        + "; ".join(
+            f"{size_name(k)} {v['warm']:.2f} into touched memory, {v['fresh']:.2f} into new bytes"
+            for k, v in ceiling.items()
+            if k != "rtt_s"
+        )
+        + f"; a 1 MiB copy into memory idle for {0.5 if args.smoke else 2.0:g} s took {cold[0]:.0f} us at the "
+        f"start and {cold[1]:.0f} us at the end of the run (median)\n"
+    )
     print(table)
     results = gates(records, args)
     failed = [g for g in results if g[1] is False]
@@ -686,15 +904,27 @@ def main(argv=None):
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"records": records, "skipped": skipped, "gates": results, "smoke": args.smoke,
-                       "copy_ceiling_gib_s": {str(k): v for k, v in ceiling.items()},
-                       "cold_copy_1mib_us": {"start": cold[0], "end": cold[1]},
-                       "reps": args.reps}, f, indent=1)
+            json.dump(
+                {
+                    "records": records,
+                    "skipped": skipped,
+                    "gates": results,
+                    "smoke": args.smoke,
+                    "copy_ceiling_gib_s": {str(k): v for k, v in ceiling.items()},
+                    "cold_copy_1mib_us": {"start": cold[0], "end": cold[1]},
+                    "reps": args.reps,
+                },
+                f,
+                indent=1,
+            )
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(table)
-    print(f"[store_bench] {len(records)} records, {len(failed)} gate(s) failed, load average at the end "
-          f"{os.getloadavg()[0]:.1f}, logs in {args.logdir}", file=sys.stderr)
+    print(
+        f"[store_bench] {len(records)} records, {len(failed)} gate(s) failed, load average at the end "
+        f"{os.getloadavg()[0]:.1f}, logs in {args.logdir}",
+        file=sys.stderr,
+    )
     return 1 if (args.gate and failed) else 0
 
 

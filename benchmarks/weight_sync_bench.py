@@ -30,6 +30,7 @@ Gate (``--gate`` exits 1 when it fails): the store path (``store-view``, the fas
 store configuration for rollout workers on the trainer's host) at least 3x faster than
 the gloo broadcast.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -82,27 +83,51 @@ def _worker(a):
     import torch.distributed as dist
 
     import mooncake_pg
-    from mooncake_store import GroupWeightSync, MooncakeStore, WeightSync, WeightSyncConfig, tensor_digest
+    from mooncake_store import (
+        GroupWeightSync,
+        MooncakeStore,
+        WeightSync,
+        WeightSyncConfig,
+        tensor_digest,
+    )
 
     rank = a.rank
-    dist.init_process_group("mooncake", init_method="file://" + a.rdzv, rank=rank, world_size=WORLD,
-                            pg_options=mooncake_pg.MooncakeOptions(timeout=300.0), timeout=timedelta(seconds=300))
+    dist.init_process_group(
+        "mooncake",
+        init_method="file://" + a.rdzv,
+        rank=rank,
+        world_size=WORLD,
+        pg_options=mooncake_pg.MooncakeOptions(timeout=300.0),
+        timeout=timedelta(seconds=300),
+    )
     gloo = dist.new_group(backend="gloo", timeout=timedelta(seconds=300))
     bucket = a.bucket_mib * MiB
     # the view path keeps the held version and the next one; the copy path one or two
     seg = (4 * a.mib + 64) * MiB if rank == 0 else 0
     store = MooncakeStore(master=a.master, segment_size=seg, serve_tcp=False)
-    ws = {way: WeightSync(store, "bench-" + way, config=WeightSyncConfig(
-        bucket_bytes=bucket, keep_versions=0, checksums=a.checksums, install=way.split("-")[1]))
-        for way in ("store-view", "store-copy")}
+    ws = {
+        way: WeightSync(
+            store,
+            "bench-" + way,
+            config=WeightSyncConfig(
+                bucket_bytes=bucket,
+                keep_versions=0,
+                checksums=a.checksums,
+                install=way.split("-")[1],
+            ),
+        )
+        for way in ("store-view", "store-copy")
+    }
     gs = GroupWeightSync(src=0, bucket_bytes=bucket)
     model = _model(a.mib, a.tensor_mib, 0)  # the trainer's weights
     # the workers' models, starting at zero: one for the view path (its parameters become
     # read-only views), one shared by the other ways
-    models = {way: model for way in WAYS}
+    models = dict.fromkeys(WAYS, model)
     if rank > 0:
         plain = _model(a.mib, a.tensor_mib, 1)
-        models = {way: _model(a.mib, a.tensor_mib, 1) if way == "store-view" else plain for way in WAYS}
+        models = {
+            way: _model(a.mib, a.tensor_mib, 1) if way == "store-view" else plain for way in WAYS
+        }
         with torch.no_grad():
             for m in {id(m): m for m in models.values()}.values():
                 for t in m.parameters():
@@ -132,7 +157,9 @@ def _worker(a):
                     dist.broadcast(t.data, src=0, group=gloo)
             dist.barrier()
             times[way].append(time.perf_counter() - t0)
-    digests = {way: {k: tensor_digest(v) for k, v in m.state_dict().items()} for way, m in models.items()}
+    digests = {
+        way: {k: tensor_digest(v) for k, v in m.state_dict().items()} for way, m in models.items()
+    }
     out = {"rank": rank, "times": times, "digests": digests}
     with open(os.path.join(a.outdir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
@@ -141,14 +168,19 @@ def _worker(a):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--mib", type=int, default=1024, help="state dict size in MiB (bf16)")
     ap.add_argument("--tensor-mib", type=int, default=64)
     ap.add_argument("--bucket-mib", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="64 MiB, 1 rep")
-    ap.add_argument("--checksums", action="store_true", help="store paths with per-tensor XXH3 digests")
+    ap.add_argument(
+        "--checksums", action="store_true", help="store paths with per-tensor XXH3 digests"
+    )
     ap.add_argument("--markdown", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--gate", action="store_true")
@@ -169,9 +201,23 @@ def main(argv=None) -> int:
     port_file = os.path.join(tmp, "port")
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     log = open(os.path.join(tmp, "master.log"), "w")
-    _children.append(subprocess.Popen([sys.executable, "-m", "mooncake_store.master", "--port", "0", "--port-file",
-                                       port_file], stdout=log, stderr=log, env=env,
-                                      start_new_session=True))
+    _children.append(
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "mooncake_store.master",
+                "--port",
+                "0",
+                "--port-file",
+                port_file,
+            ],
+            stdout=log,
+            stderr=log,
+            env=env,
+            start_new_session=True,
+        )
+    )
     deadline = time.monotonic() + 30
     while not os.path.exists(port_file) or not open(port_file).read().strip():
         if time.monotonic() > deadline:
@@ -182,9 +228,27 @@ def main(argv=None) -> int:
     ranks = []
     for r in range(WORLD):
         lf = open(os.path.join(tmp, f"rank{r}.log"), "w")
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--rank", str(r), "--rdzv",
-               os.path.join(tmp, "rdzv"), "--master", master, "--outdir", tmp, "--mib", str(a.mib),
-               "--tensor-mib", str(a.tensor_mib), "--bucket-mib", str(a.bucket_mib), "--reps", str(a.reps)]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--worker",
+            "--rank",
+            str(r),
+            "--rdzv",
+            os.path.join(tmp, "rdzv"),
+            "--master",
+            master,
+            "--outdir",
+            tmp,
+            "--mib",
+            str(a.mib),
+            "--tensor-mib",
+            str(a.tensor_mib),
+            "--bucket-mib",
+            str(a.bucket_mib),
+            "--reps",
+            str(a.reps),
+        ]
         if a.checksums:
             cmd.append("--checksums")
         p = subprocess.Popen(cmd, stdout=lf, stderr=lf, env=env, start_new_session=True)
@@ -195,8 +259,11 @@ def main(argv=None) -> int:
         if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in ranks):
             _kill_children()
             for r in range(WORLD):
-                print(f"--- rank {r} log ---\n" + open(os.path.join(tmp, f"rank{r}.log")).read()[-3000:],
-                      file=sys.stderr)
+                print(
+                    f"--- rank {r} log ---\n"
+                    + open(os.path.join(tmp, f"rank{r}.log")).read()[-3000:],
+                    file=sys.stderr,
+                )
             print("a rank failed or timed out", file=sys.stderr)
             return 1
         time.sleep(0.1)
@@ -208,17 +275,26 @@ def main(argv=None) -> int:
         s = statistics.median(res[0]["times"][way])
         rows[way] = (s, nbytes / s / 1e9)
     speed = rows["gloo"][0] / rows["store-view"][0]
-    lines = [f"1 trainer -> 3 rollout processes, {nbytes / MiB:.0f} MiB bf16 in {a.tensor_mib} MiB tensors, "
-             f"buckets {a.bucket_mib} MiB, median of {a.reps}, store checksums {'on' if a.checksums else 'off'}",
-             "", "| path | seconds | GB/s | vs gloo broadcast |", "|---|---|---|---|"]
-    names = {"store-view": "store (`WeightSync` publish + pull, `install=\"view\"`)",
-             "store-copy": "store (`WeightSync` publish + pull, `install=\"copy\"`)",
-             "pg": "process group (`GroupWeightSync`, mooncake)",
-             "gloo": "`torch.distributed.broadcast` over gloo"}
+    lines = [
+        f"1 trainer -> 3 rollout processes, {nbytes / MiB:.0f} MiB bf16 in {a.tensor_mib} MiB tensors, "
+        f"buckets {a.bucket_mib} MiB, median of {a.reps}, store checksums {'on' if a.checksums else 'off'}",
+        "",
+        "| path | seconds | GB/s | vs gloo broadcast |",
+        "|---|---|---|---|",
+    ]
+    names = {
+        "store-view": "store (`WeightSync` publish + pull, `install=\"view\"`)",
+        "store-copy": "store (`WeightSync` publish + pull, `install=\"copy\"`)",
+        "pg": "process group (`GroupWeightSync`, mooncake)",
+        "gloo": "`torch.distributed.broadcast` over gloo",
+    }
     for way, (s, gbs) in rows.items():
         lines.append(f"| {names[way]} | {s:.3f} | {gbs:.2f} | {rows['gloo'][0] / s:.2f}x |")
-    lines += ["", f"workers hold the trainer's tensors (digests): {ok_bytes}",
-              f"gate: store path (view install) >= 3x gloo broadcast: {'PASS' if speed >= 3 else 'FAIL'} ({speed:.2f}x)"]
+    lines += [
+        "",
+        f"workers hold the trainer's tensors (digests): {ok_bytes}",
+        f"gate: store path (view install) >= 3x gloo broadcast: {'PASS' if speed >= 3 else 'FAIL'} ({speed:.2f}x)",
+    ]
     text = "\n".join(lines)
     print(text)
     if a.markdown:
@@ -226,7 +302,9 @@ def main(argv=None) -> int:
             f.write(text + "\n")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"rows": rows, "bytes": nbytes, "speedup_vs_gloo": speed, "bytes_ok": ok_bytes}, f)
+            json.dump(
+                {"rows": rows, "bytes": nbytes, "speedup_vs_gloo": speed, "bytes_ok": ok_bytes}, f
+            )
     _kill_children()
     shutil.rmtree(tmp, ignore_errors=True)
     if not ok_bytes:

@@ -50,7 +50,8 @@ PYBIND11_MODULE(_C, m) {
     std::string running = py::module::import("torch").attr("__version__").cast<std::string>();
     if (running != MOONCAKE_TORCH_VERSION) {
       throw py::import_error(std::string("mooncake_pg._C was built for torch ") + MOONCAKE_TORCH_VERSION +
-                             " but torch " + running + " is running; rebuild with "
+                             " but torch " + running +
+                             " is running; rebuild with "
                              "`pip install --no-build-isolation -e .`");
     }
   }
@@ -80,22 +81,33 @@ PYBIND11_MODULE(_C, m) {
   // CUDA parts (private helpers for GPU tests; without CUDA they raise)
 #ifdef MOONCAKE_WITH_CUDA
   m.attr("WITH_CUDA") = true;
-  m.def("_cuda_reduce", [](at::Tensor dst, const std::vector<at::Tensor>& srcs, int op) {
-    mooncake::cuda_reduce_(dst, srcs, op);
-  }, py::arg("dst"), py::arg("srcs"), py::arg("op"));
-  m.def("_cuda_ipc_export", [](const at::Tensor& t) {
-    int64_t off = 0;
-    std::string h = mooncake::cuda_ipc_export(t, &off);
-    return py::make_tuple(py::bytes(h), off);
-  }, py::arg("tensor"));
-  m.def("_cuda_ipc_reduce_from", [](at::Tensor dst, const py::bytes& handle, int64_t offset, int op) {
-    mooncake::cuda_ipc_reduce_from(dst, std::string(handle), offset, op);
-  }, py::arg("dst"), py::arg("handle"), py::arg("offset"), py::arg("op"), py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "_cuda_reduce",
+      [](at::Tensor dst, const std::vector<at::Tensor>& srcs, int op) {
+        mooncake::cuda_reduce_(dst, srcs, op);
+      },
+      py::arg("dst"), py::arg("srcs"), py::arg("op"));
+  m.def(
+      "_cuda_ipc_export",
+      [](const at::Tensor& t) {
+        int64_t off = 0;
+        std::string h = mooncake::cuda_ipc_export(t, &off);
+        return py::make_tuple(py::bytes(h), off);
+      },
+      py::arg("tensor"));
+  m.def(
+      "_cuda_ipc_reduce_from",
+      [](at::Tensor dst, const py::bytes& handle, int64_t offset, int op) {
+        mooncake::cuda_ipc_reduce_from(dst, std::string(handle), offset, op);
+      },
+      py::arg("dst"), py::arg("handle"), py::arg("offset"), py::arg("op"),
+      py::call_guard<py::gil_scoped_release>());
 #else
   m.attr("WITH_CUDA") = false;
   auto no_cuda = [](const char* fn) {
     return [fn](py::args, py::kwargs) {
-      throw std::runtime_error(std::string("mooncake_pg._C.") + fn + ": expected a build with CUDA "
+      throw std::runtime_error(std::string("mooncake_pg._C.") + fn +
+                               ": expected a build with CUDA "
                                "(MOONCAKE_WITH_CUDA=1), got a CPU-only build");
     };
   };
@@ -137,26 +149,30 @@ PYBIND11_MODULE(_C, m) {
     return out;
   });
   // private, for tests: the port choice over a given device list, and QP info codec
-  m.def("_rdma_choose", [](const py::list& devs, const std::string& spec) {
-    std::vector<mooncake::RdmaDeviceInfo> v;
-    for (const auto& d : devs) {
-      mooncake::RdmaDeviceInfo info;
-      info.name = d["name"].cast<std::string>();
-      for (const auto& p : d["ports"]) {
-        mooncake::RdmaPortInfo pi;
-        pi.port = p["port"].cast<int>();
-        pi.state = p["state"].cast<std::string>();
-        pi.active = pi.state == "PORT_ACTIVE";
-        info.ports.push_back(pi);
-      }
-      v.push_back(info);
-    }
-    std::string dev;
-    int port = 0;
-    mooncake::rdma_choose(v, spec, &dev, &port);
-    return py::make_tuple(dev, port);
-  }, py::arg("devices"), py::arg("spec"));
-  m.def("_rdma_qp_info_roundtrip", [](const std::string& s) { return mooncake::RdmaQpInfo::decode(s).encode(); });
+  m.def(
+      "_rdma_choose",
+      [](const py::list& devs, const std::string& spec) {
+        std::vector<mooncake::RdmaDeviceInfo> v;
+        for (const auto& d : devs) {
+          mooncake::RdmaDeviceInfo info;
+          info.name = d["name"].cast<std::string>();
+          for (const auto& p : d["ports"]) {
+            mooncake::RdmaPortInfo pi;
+            pi.port = p["port"].cast<int>();
+            pi.state = p["state"].cast<std::string>();
+            pi.active = pi.state == "PORT_ACTIVE";
+            info.ports.push_back(pi);
+          }
+          v.push_back(info);
+        }
+        std::string dev;
+        int port = 0;
+        mooncake::rdma_choose(v, spec, &dev, &port);
+        return py::make_tuple(dev, port);
+      },
+      py::arg("devices"), py::arg("spec"));
+  m.def("_rdma_qp_info_roundtrip",
+        [](const std::string& s) { return mooncake::RdmaQpInfo::decode(s).encode(); });
 #else
   m.attr("WITH_RDMA") = false;
   m.def("rdma_devices", []() { return py::list(); });
@@ -177,7 +193,8 @@ PYBIND11_MODULE(_C, m) {
     }
   });
 
-  py::class_<mooncake::MooncakeWork, c10d::Work, c10::intrusive_ptr<mooncake::MooncakeWork>>(m, "MooncakeWork")
+  py::class_<mooncake::MooncakeWork, c10d::Work, c10::intrusive_ptr<mooncake::MooncakeWork>>(m,
+                                                                                             "MooncakeWork")
       .def_property_readonly("failed_ranks", [](mooncake::MooncakeWork& w) {
         std::vector<int> out;
         auto e = w.exception();
@@ -208,14 +225,14 @@ PYBIND11_MODULE(_C, m) {
       .def("pending_failed", &mooncake::MooncakeBackend::pending_failed)
       .def("deactivate_ranks", &mooncake::MooncakeBackend::deactivate_ranks, py::arg("ranks"),
            py::call_guard<py::gil_scoped_release>())
-      .def("pending_ranks", &mooncake::MooncakeBackend::pending_ranks, py::call_guard<py::gil_scoped_release>())
+      .def("pending_ranks", &mooncake::MooncakeBackend::pending_ranks,
+           py::call_guard<py::gil_scoped_release>())
       .def("recover_ranks", &mooncake::MooncakeBackend::recover_ranks, py::arg("ranks"),
            py::call_guard<py::gil_scoped_release>())
       .def("join_group", &mooncake::MooncakeBackend::join_group, py::arg("timeout_s"),
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("joining", &mooncake::MooncakeBackend::joining)
       .def("last_joined", &mooncake::MooncakeBackend::last_joined);
-
 
   // Transfer engine (exposed as mooncake_pg.transfer.TransferEngine; the store uses it to
   // reach segments of other hosts). Buffers are anything with the buffer protocol; they
@@ -231,144 +248,151 @@ PYBIND11_MODULE(_C, m) {
            py::arg("listen_host"), py::arg("secret") = "")
       .def_property_readonly("port", &mooncake::TransferEngine::port)
       .def_property_readonly("host", &mooncake::TransferEngine::host)
-      .def("register_memory",
-           [](mooncake::TransferEngine& te, py::buffer b) {
-             py::buffer_info info = b.request(true);
-             size_t len = contiguous_bytes(info, "TransferEngine::register_memory");
-             return te.register_memory(info.ptr, len);
-           },
-           py::arg("buffer"))
-      .def("unregister_memory",
-           [](mooncake::TransferEngine& te, uint32_t region) {
-             try {
-               py::gil_scoped_release nogil;
-               te.unregister_memory(region);
-             } catch (const std::exception& e) {
-               raise_engine_error(e);
-             }
-           },
-           py::arg("region"))
-      .def("batch_write",
-           [](mooncake::TransferEngine& te, const std::string& host, int port, uint32_t region,
-              const std::vector<uint64_t>& offsets, const std::vector<py::buffer>& buffers) {
-             TORCH_CHECK(offsets.size() == buffers.size(), "TransferEngine::batch_write: ", offsets.size(),
-                         " offsets but ", buffers.size(), " buffers");
-             std::vector<py::buffer_info> infos;
-             std::vector<const void*> ptrs;
-             std::vector<uint64_t> lens;
-             for (auto& b : buffers) {
-               infos.push_back(b.request(false));
-               auto& i = infos.back();
-               ptrs.push_back(i.ptr);
-               lens.push_back(contiguous_bytes(i, "TransferEngine::batch_write"));
-             }
-             try {
-               py::gil_scoped_release nogil;
-               te.batch_write(host, port, region, offsets, ptrs, lens);
-             } catch (const std::exception& e) {
-               raise_engine_error(e);
-             }
-           },
-           py::arg("host"), py::arg("port"), py::arg("region"), py::arg("offsets"), py::arg("buffers"))
-      .def("batch_read",
-           [](mooncake::TransferEngine& te, const std::string& host, int port, uint32_t region,
-              const std::vector<uint64_t>& offsets, const std::vector<py::buffer>& buffers) {
-             TORCH_CHECK(offsets.size() == buffers.size(), "TransferEngine::batch_read: ", offsets.size(),
-                         " offsets but ", buffers.size(), " buffers");
-             std::vector<py::buffer_info> infos;
-             std::vector<void*> ptrs;
-             std::vector<uint64_t> lens;
-             for (auto& b : buffers) {
-               infos.push_back(b.request(true));
-               auto& i = infos.back();
-               TORCH_CHECK(!i.readonly, "TransferEngine::batch_read: buffer is read-only");
-               ptrs.push_back(i.ptr);
-               lens.push_back(contiguous_bytes(i, "TransferEngine::batch_read"));
-             }
-             try {
-               py::gil_scoped_release nogil;
-               te.batch_read(host, port, region, offsets, ptrs, lens);
-             } catch (const std::exception& e) {
-               raise_engine_error(e);
-             }
-           },
-           py::arg("host"), py::arg("port"), py::arg("region"), py::arg("offsets"), py::arg("buffers"))
-      .def("batch_read_bytes",
-           [](mooncake::TransferEngine& te, const std::string& host, int port, uint32_t region,
-              const std::vector<uint64_t>& offsets, const std::vector<uint64_t>& lens) {
-             TORCH_CHECK(offsets.size() == lens.size(), "TransferEngine::batch_read_bytes: ", offsets.size(),
-                         " offsets but ", lens.size(), " lengths");
-             // Fresh bytes objects, filled before anyone else can see them (one copy, no
-             // intermediate buffer).
-             std::vector<py::object> outs;
-             std::vector<void*> ptrs;
-             for (uint64_t n : lens) {
-               PyObject* b = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(n));
-               if (!b) throw py::error_already_set();
-               outs.push_back(py::reinterpret_steal<py::object>(b));
-               ptrs.push_back(PyBytes_AS_STRING(b));
-             }
-             try {
-               py::gil_scoped_release nogil;
-               mooncake::prefault_fresh_outputs(ptrs, lens);  // see copy.hpp
-               te.batch_read(host, port, region, offsets, ptrs, lens);
-             } catch (const std::exception& e) {
-               raise_engine_error(e);
-             }
-             py::list result;
-             for (auto& o : outs) result.append(o);
-             return result;
-           },
-           py::arg("host"), py::arg("port"), py::arg("region"), py::arg("offsets"), py::arg("lens"))
+      .def(
+          "register_memory",
+          [](mooncake::TransferEngine& te, py::buffer b) {
+            py::buffer_info info = b.request(true);
+            size_t len = contiguous_bytes(info, "TransferEngine::register_memory");
+            return te.register_memory(info.ptr, len);
+          },
+          py::arg("buffer"))
+      .def(
+          "unregister_memory",
+          [](mooncake::TransferEngine& te, uint32_t region) {
+            try {
+              py::gil_scoped_release nogil;
+              te.unregister_memory(region);
+            } catch (const std::exception& e) {
+              raise_engine_error(e);
+            }
+          },
+          py::arg("region"))
+      .def(
+          "batch_write",
+          [](mooncake::TransferEngine& te, const std::string& host, int port, uint32_t region,
+             const std::vector<uint64_t>& offsets, const std::vector<py::buffer>& buffers) {
+            TORCH_CHECK(offsets.size() == buffers.size(), "TransferEngine::batch_write: ", offsets.size(),
+                        " offsets but ", buffers.size(), " buffers");
+            std::vector<py::buffer_info> infos;
+            std::vector<const void*> ptrs;
+            std::vector<uint64_t> lens;
+            for (auto& b : buffers) {
+              infos.push_back(b.request(false));
+              auto& i = infos.back();
+              ptrs.push_back(i.ptr);
+              lens.push_back(contiguous_bytes(i, "TransferEngine::batch_write"));
+            }
+            try {
+              py::gil_scoped_release nogil;
+              te.batch_write(host, port, region, offsets, ptrs, lens);
+            } catch (const std::exception& e) {
+              raise_engine_error(e);
+            }
+          },
+          py::arg("host"), py::arg("port"), py::arg("region"), py::arg("offsets"), py::arg("buffers"))
+      .def(
+          "batch_read",
+          [](mooncake::TransferEngine& te, const std::string& host, int port, uint32_t region,
+             const std::vector<uint64_t>& offsets, const std::vector<py::buffer>& buffers) {
+            TORCH_CHECK(offsets.size() == buffers.size(), "TransferEngine::batch_read: ", offsets.size(),
+                        " offsets but ", buffers.size(), " buffers");
+            std::vector<py::buffer_info> infos;
+            std::vector<void*> ptrs;
+            std::vector<uint64_t> lens;
+            for (auto& b : buffers) {
+              infos.push_back(b.request(true));
+              auto& i = infos.back();
+              TORCH_CHECK(!i.readonly, "TransferEngine::batch_read: buffer is read-only");
+              ptrs.push_back(i.ptr);
+              lens.push_back(contiguous_bytes(i, "TransferEngine::batch_read"));
+            }
+            try {
+              py::gil_scoped_release nogil;
+              te.batch_read(host, port, region, offsets, ptrs, lens);
+            } catch (const std::exception& e) {
+              raise_engine_error(e);
+            }
+          },
+          py::arg("host"), py::arg("port"), py::arg("region"), py::arg("offsets"), py::arg("buffers"))
+      .def(
+          "batch_read_bytes",
+          [](mooncake::TransferEngine& te, const std::string& host, int port, uint32_t region,
+             const std::vector<uint64_t>& offsets, const std::vector<uint64_t>& lens) {
+            TORCH_CHECK(offsets.size() == lens.size(), "TransferEngine::batch_read_bytes: ", offsets.size(),
+                        " offsets but ", lens.size(), " lengths");
+            // Fresh bytes objects, filled before anyone else can see them (one copy, no
+            // intermediate buffer).
+            std::vector<py::object> outs;
+            std::vector<void*> ptrs;
+            for (uint64_t n : lens) {
+              PyObject* b = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(n));
+              if (!b) throw py::error_already_set();
+              outs.push_back(py::reinterpret_steal<py::object>(b));
+              ptrs.push_back(PyBytes_AS_STRING(b));
+            }
+            try {
+              py::gil_scoped_release nogil;
+              mooncake::prefault_fresh_outputs(ptrs, lens);  // see copy.hpp
+              te.batch_read(host, port, region, offsets, ptrs, lens);
+            } catch (const std::exception& e) {
+              raise_engine_error(e);
+            }
+            py::list result;
+            for (auto& o : outs) result.append(o);
+            return result;
+          },
+          py::arg("host"), py::arg("port"), py::arg("region"), py::arg("offsets"), py::arg("lens"))
       .def("close", &mooncake::TransferEngine::close, py::call_guard<py::gil_scoped_release>());
   // Parallel copies for the store (shared-memory segments <-> user buffers).
-  m.def("copy_buffers",
-        [](const std::vector<py::buffer>& dsts, const std::vector<py::buffer>& srcs, int threads) {
-          TORCH_CHECK(dsts.size() == srcs.size(), "copy_buffers: ", dsts.size(), " destinations but ", srcs.size(),
-                      " sources");
-          std::vector<py::buffer_info> infos;
-          infos.reserve(dsts.size() * 2);
-          std::vector<mooncake::CopyOp> ops;
-          for (size_t i = 0; i < dsts.size(); ++i) {
-            infos.push_back(dsts[i].request(true));
-            auto& d = infos.back();
-            TORCH_CHECK(!d.readonly, "copy_buffers: destination ", i, " is read-only");
-            size_t dn = contiguous_bytes(d, "copy_buffers: destination");
-            void* dp = d.ptr;
-            infos.push_back(srcs[i].request(false));
-            auto& s = infos.back();
-            size_t sn = contiguous_bytes(s, "copy_buffers: source");
-            TORCH_CHECK(dn == sn, "copy_buffers: destination ", i, " has ", dn, " bytes but its source ", sn);
-            ops.push_back({dp, s.ptr, sn});
-          }
+  m.def(
+      "copy_buffers",
+      [](const std::vector<py::buffer>& dsts, const std::vector<py::buffer>& srcs, int threads) {
+        TORCH_CHECK(dsts.size() == srcs.size(), "copy_buffers: ", dsts.size(), " destinations but ",
+                    srcs.size(), " sources");
+        std::vector<py::buffer_info> infos;
+        infos.reserve(dsts.size() * 2);
+        std::vector<mooncake::CopyOp> ops;
+        for (size_t i = 0; i < dsts.size(); ++i) {
+          infos.push_back(dsts[i].request(true));
+          auto& d = infos.back();
+          TORCH_CHECK(!d.readonly, "copy_buffers: destination ", i, " is read-only");
+          size_t dn = contiguous_bytes(d, "copy_buffers: destination");
+          void* dp = d.ptr;
+          infos.push_back(srcs[i].request(false));
+          auto& s = infos.back();
+          size_t sn = contiguous_bytes(s, "copy_buffers: source");
+          TORCH_CHECK(dn == sn, "copy_buffers: destination ", i, " has ", dn, " bytes but its source ", sn);
+          ops.push_back({dp, s.ptr, sn});
+        }
+        py::gil_scoped_release nogil;
+        mooncake::copy_parallel(ops, threads);
+      },
+      py::arg("dsts"), py::arg("srcs"), py::arg("threads"));
+  m.def(
+      "copy_to_bytes",
+      [](const std::vector<py::buffer>& srcs, int threads) {
+        std::vector<py::buffer_info> infos;
+        infos.reserve(srcs.size());
+        std::vector<py::object> outs;
+        std::vector<mooncake::CopyOp> ops;
+        for (auto& b : srcs) {
+          infos.push_back(b.request(false));
+          auto& s = infos.back();
+          size_t n = contiguous_bytes(s, "copy_to_bytes");
+          PyObject* o = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(n));
+          if (!o) throw py::error_already_set();
+          outs.push_back(py::reinterpret_steal<py::object>(o));
+          ops.push_back({PyBytes_AS_STRING(o), s.ptr, n});
+        }
+        {
           py::gil_scoped_release nogil;
-          mooncake::copy_parallel(ops, threads);
-        },
-        py::arg("dsts"), py::arg("srcs"), py::arg("threads"));
-  m.def("copy_to_bytes",
-        [](const std::vector<py::buffer>& srcs, int threads) {
-          std::vector<py::buffer_info> infos;
-          infos.reserve(srcs.size());
-          std::vector<py::object> outs;
-          std::vector<mooncake::CopyOp> ops;
-          for (auto& b : srcs) {
-            infos.push_back(b.request(false));
-            auto& s = infos.back();
-            size_t n = contiguous_bytes(s, "copy_to_bytes");
-            PyObject* o = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(n));
-            if (!o) throw py::error_already_set();
-            outs.push_back(py::reinterpret_steal<py::object>(o));
-            ops.push_back({PyBytes_AS_STRING(o), s.ptr, n});
-          }
-          {
-            py::gil_scoped_release nogil;
-            mooncake::copy_parallel(ops, threads, /*prefault_dst=*/true);  // fresh bytes objects: see copy.hpp
-          }
-          py::list result;
-          for (auto& o : outs) result.append(o);
-          return result;
-        },
-        py::arg("srcs"), py::arg("threads"));
+          mooncake::copy_parallel(ops, threads, /*prefault_dst=*/true);  // fresh bytes objects: see copy.hpp
+        }
+        py::list result;
+        for (auto& o : outs) result.append(o);
+        return result;
+      },
+      py::arg("srcs"), py::arg("threads"));
   m.def(
       "touch_pages",
       [](const py::buffer& b) {

@@ -22,6 +22,7 @@ What happens:
 5. At the end every rank checks that the group is full again and the parameters are
    bit-identical on all ranks (rank 0 prints a summary; exit code 1 otherwise).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,20 +65,30 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--kill-rank", type=int, default=1, help="rank that SIGKILLs itself (-1: none)")
     ap.add_argument("--kill-at", type=int, default=40, help="step at which it dies")
-    ap.add_argument("--step-time", type=float, default=0.05,
-                    help="simulated compute per step, seconds (a respawned rank needs a few "
-                         "seconds to start, so it rejoins mid-run)")
-    ap.add_argument("--rejoin-timeout", type=float, default=120.0,
-                    help="seconds the ranks wait at the end for respawned ranks")
+    ap.add_argument(
+        "--step-time",
+        type=float,
+        default=0.05,
+        help="simulated compute per step, seconds (a respawned rank needs a few "
+        "seconds to start, so it rejoins mid-run)",
+    )
+    ap.add_argument(
+        "--rejoin-timeout",
+        type=float,
+        default=120.0,
+        help="seconds the ranks wait at the end for respawned ranks",
+    )
     args = ap.parse_args()
 
-    dist.init_process_group("mooncake", pg_options=mooncake_pg.MooncakeOptions(on_failure="mask", timeout=30))
+    dist.init_process_group(
+        "mooncake", pg_options=mooncake_pg.MooncakeOptions(on_failure="mask", timeout=30)
+    )
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     step, recoveries, t0 = 0, 0, time.monotonic()
-    first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"   # set by mooncake-run
+    first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"  # set by mooncake-run
 
     if mooncake_pg.is_joining():
         log("respawned: waiting to be admitted")
@@ -94,7 +105,9 @@ def main() -> int:
             step = mooncake_pg.sync_state(model, opt, step=step)
             recoveries += 1
             if rank == lowest_active():
-                log(f"step {step}: admitted respawned ranks; active {mooncake_pg.get_active_ranks().tolist()}")
+                log(
+                    f"step {step}: admitted respawned ranks; active {mooncake_pg.get_active_ranks().tolist()}"
+                )
 
     losses = []
     while step < args.steps:
@@ -106,12 +119,14 @@ def main() -> int:
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
         params = list(model.parameters())
-        flat = torch.cat([p.grad.flatten() for p in params] + [loss.detach().view(1), torch.ones(1)])
+        flat = torch.cat(
+            [p.grad.flatten() for p in params] + [loss.detach().view(1), torch.ones(1)]
+        )
         dist.all_reduce(flat)
         n = flat[-1].item()
         off = 0
         for p in params:
-            p.grad.copy_(flat[off:off + p.numel()].view_as(p) / n)
+            p.grad.copy_(flat[off : off + p.numel()].view_as(p) / n)
             off += p.numel()
         opt.step()
         losses.append(flat[-2].item() / n)
@@ -138,9 +153,11 @@ def main() -> int:
     reporter = torch.tensor([rank if first_start else world], dtype=torch.int64)
     dist.all_reduce(reporter, op=dist.ReduceOp.MIN)
     if rank == reporter.item():
-        log(f"done: {step} steps in {time.monotonic() - t0:.1f} s, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+        log(
+            f"done: {step} steps in {time.monotonic() - t0:.1f} s, loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
             f"{recoveries} recoveries, epoch {mooncake_pg.get_epoch()}, active {active}, "
-            f"parameters identical on all ranks: {same}")
+            f"parameters identical on all ranks: {same}"
+        )
     dist.destroy_process_group()
     return 0 if ok else 1
 

@@ -34,12 +34,12 @@ Each training rank:
 Exit status 0 when the launcher succeeded and loss went down, the failure (if any) was
 recovered and the dense parameters are equal on every rank.
 """
+
 from __future__ import annotations
 
 import argparse
 import hashlib
 import json
-import math
 import os
 import signal
 import sys
@@ -58,6 +58,7 @@ def expert_class():
 
     global _Expert
     if "_Expert" not in globals():
+
         class Expert(nn.Module):
             def __init__(self, d, hidden):
                 super().__init__()
@@ -109,12 +110,17 @@ def build_model(args, group=None):
             super().__init__()
             _init_attention(self, d, heads)
             gate = nn.Linear(d, experts, bias=False)
-            self.moe = mooncake_ep.ExpertParallelMoE(gate, [Expert(d, 2 * d) for _ in range(experts)], group,
-                                                     top_k=2)
+            self.moe = mooncake_ep.ExpertParallelMoE(
+                gate, [Expert(d, 2 * d) for _ in range(experts)], group, top_k=2
+            )
 
         def forward(self, x):
             b, t, d = x.shape
-            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+            q, k, v = (
+                self.qkv(self.ln1(x))
+                .view(b, t, 3, self.heads, d // self.heads)
+                .permute(2, 0, 3, 1, 4)
+            )
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
             h = self.ln2(x)
@@ -131,7 +137,7 @@ def build_model(args, group=None):
                 x = blk(x)
             return self.head(self.ln_f(x))
 
-    torch.manual_seed(args.seed)   # the same initial weights on every rank
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
     return MoELM()
 
 
@@ -158,7 +164,7 @@ def build_rollout_model(args):
             for k in range(idx.shape[1]):
                 for e in idx[:, k].unique().tolist():
                     sel = idx[:, k] == e
-                    out[sel] += w[sel, k:k + 1].to(x.dtype) * self.experts[e](x[sel])
+                    out[sel] += w[sel, k : k + 1].to(x.dtype) * self.experts[e](x[sel])
             return out
 
     class Block(nn.Module):
@@ -190,7 +196,7 @@ def build_rollout_model(args):
             """tokens int64 [t] following ``past`` (per-layer (K, V) [heads, t_past, hd] or
             None) -> (logits [t, 256], per-layer (K, V) over past + tokens)."""
             n_past = 0 if past is None else past[0][0].shape[1]
-            x = self.emb(tokens) + self.pos[n_past: n_past + tokens.shape[0]]
+            x = self.emb(tokens) + self.pos[n_past : n_past + tokens.shape[0]]
             new = []
             for i, blk in enumerate(self.blocks):
                 x, kv = blk(x, None if past is None else past[i])
@@ -206,7 +212,7 @@ def full_state_dict(model, args):
     import torch
     import torch.distributed as dist
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    _rank, world = dist.get_rank(), dist.get_world_size()
     L = args.experts // world
     sd = {}
     local = []
@@ -219,11 +225,13 @@ def full_state_dict(model, args):
     out = torch.empty(world * flat.numel(), dtype=flat.dtype)
     dist.all_gather_single(out, flat)
     for r in range(world):
-        chunk, off = out[r * flat.numel():(r + 1) * flat.numel()], 0
+        chunk, off = out[r * flat.numel() : (r + 1) * flat.numel()], 0
         for name, p in local:
             head, tail = name.split(".moe.experts.")
             l, rest = tail.split(".", 1)
-            sd[f"{head}.moe.experts.{r * L + int(l)}.{rest}"] = chunk[off: off + p.numel()].view_as(p).clone()
+            sd[f"{head}.moe.experts.{r * L + int(l)}.{rest}"] = (
+                chunk[off : off + p.numel()].view_as(p).clone()
+            )
             off += p.numel()
     return sd
 
@@ -262,7 +270,9 @@ def read_corpus(path, limit):
     chunks, size = [], 0
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
-        dirnames[:] = [d for d in dirnames if d not in ("site-packages", "__pycache__", "test", "tests")]
+        dirnames[:] = [
+            d for d in dirnames if d not in ("site-packages", "__pycache__", "test", "tests")
+        ]
         for name in sorted(filenames):
             if not name.endswith((".py", ".txt", ".rst")):
                 continue
@@ -285,7 +295,7 @@ def get_batch(data, args, rank, step):
 
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 7919 + rank)
     starts = torch.randint(0, data.numel() - args.seq_len - 1, (args.batch,), generator=g)
-    idx = torch.stack([data[s: s + args.seq_len + 1] for s in starts.tolist()]).long()
+    idx = torch.stack([data[s : s + args.seq_len + 1] for s in starts.tolist()]).long()
     return idx[:, :-1], idx[:, 1:]
 
 
@@ -300,8 +310,10 @@ def train(args) -> int:
     import mooncake_pg
 
     torch.set_num_threads(1)
-    dist.init_process_group("mooncake", pg_options=mooncake_pg.MooncakeOptions(on_failure="mask",
-                                                                              timeout=args.op_timeout))
+    dist.init_process_group(
+        "mooncake",
+        pg_options=mooncake_pg.MooncakeOptions(on_failure="mask", timeout=args.op_timeout),
+    )
     rank, world = dist.get_rank(), dist.get_world_size()
     ctl = _control_store()
     first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
@@ -359,7 +371,7 @@ def train(args) -> int:
             return
         if not final and (step % args.publish_every or step >= args.steps):
             return
-        sd = full_state_dict(model, args)       # collective
+        sd = full_state_dict(model, args)  # collective
         if reporter():
             if sync is None:
                 from mooncake_store import MooncakeStore, WeightSync
@@ -370,7 +382,7 @@ def train(args) -> int:
         published = step
 
     if publish_after_join:
-        publish()      # the survivors publish right after admitting it, at the same step
+        publish()  # the survivors publish right after admitting it, at the same step
     t_last, losses = time.monotonic(), []
     while step < args.steps:
         if rank == args.kill_rank and step == args.kill_at and first_start:
@@ -383,14 +395,16 @@ def train(args) -> int:
         opt_dense.zero_grad(set_to_none=False)
         opt_experts.zero_grad(set_to_none=False)
         loss.backward()
-        flat = torch.cat([p.grad.flatten() for p in dense_params] + [loss.detach().view(1), torch.ones(1)])
+        flat = torch.cat(
+            [p.grad.flatten() for p in dense_params] + [loss.detach().view(1), torch.ones(1)]
+        )
         dist.all_reduce(flat)
         n = flat[-1].item()
         off = 0
         for p in dense_params:
-            p.grad.copy_(flat[off: off + p.numel()].view_as(p) / n)
+            p.grad.copy_(flat[off : off + p.numel()].view_as(p) / n)
             off += p.numel()
-        for p in expert_params:     # each rank's loss is a mean over its tokens: average over ranks
+        for p in expert_params:  # each rank's loss is a mean over its tokens: average over ranks
             p.grad.div_(n)
         opt_dense.step()
         opt_experts.step()
@@ -404,9 +418,19 @@ def train(args) -> int:
             now = time.monotonic()
             tps = int(n) * args.batch * args.seq_len / max(now - t_last, 1e-9)
             ctl.append("demo/log", f"{step} {mean_loss:.5f} {tps:.0f} {int(n)};")
-            ctl.set("demo/status", json.dumps({"step": step, "loss": mean_loss, "tokens_per_s": tps,
-                                               "ranks": int(n), "epoch": mooncake_pg.get_epoch(),
-                                               "recoveries": recoveries}))
+            ctl.set(
+                "demo/status",
+                json.dumps(
+                    {
+                        "step": step,
+                        "loss": mean_loss,
+                        "tokens_per_s": tps,
+                        "ranks": int(n),
+                        "epoch": mooncake_pg.get_epoch(),
+                        "recoveries": recoveries,
+                    }
+                ),
+            )
         t_last = time.monotonic()
         admit_joiners()
         publish()
@@ -417,7 +441,7 @@ def train(args) -> int:
         dist.barrier()
         time.sleep(0.1)
         admit_joiners()
-    publish(final=True)     # the final weights, once every rank is back
+    publish(final=True)  # the final weights, once every rank is back
     h = hashlib.sha256()
     for p in dense_params:
         h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
@@ -427,8 +451,18 @@ def train(args) -> int:
     act = active()
     equal = all(torch.equal(out[r], mine) for r, a in enumerate(act) if a)
     if reporter():
-        ctl.set("demo/final", json.dumps({"steps": step, "active": act, "epoch": mooncake_pg.get_epoch(),
-                                          "dense_equal": equal, "recoveries": recoveries}))
+        ctl.set(
+            "demo/final",
+            json.dumps(
+                {
+                    "steps": step,
+                    "active": act,
+                    "epoch": mooncake_pg.get_epoch(),
+                    "dense_equal": equal,
+                    "recoveries": recoveries,
+                }
+            ),
+        )
     dist.destroy_process_group()
     return 0 if equal and all(act) else 1
 
@@ -450,14 +484,26 @@ def rollout(args) -> int:
     reader = WeightSync(store, "demo-moe-lm")
     model = build_rollout_model(args)
     raw, _ = read_corpus(args.corpus, args.corpus_bytes)
-    shared = list(raw[:args.prompt_prefix])                     # e.g. a shared system prompt
-    prompts = [shared + list(raw[1000 * (i + 1): 1000 * (i + 1) + 16]) for i in range(args.prompts)]
+    shared = list(raw[: args.prompt_prefix])  # e.g. a shared system prompt
+    prompts = [
+        shared + list(raw[1000 * (i + 1) : 1000 * (i + 1) + 16]) for i in range(args.prompts)
+    ]
     served, hit, miss, max_diff, sample = [], 0, 0, 0.0, ""
     me = os.environ.get("SIDECAR_INDEX", "0")
 
     def report():
-        ctl.set(f"demo/rollout/{me}", json.dumps({"versions": served, "hit_chunks": hit, "miss_chunks": miss,
-                                                  "max_logits_diff": max_diff, "sample": sample}))
+        ctl.set(
+            f"demo/rollout/{me}",
+            json.dumps(
+                {
+                    "versions": served,
+                    "hit_chunks": hit,
+                    "miss_chunks": miss,
+                    "max_logits_diff": max_diff,
+                    "sample": sample,
+                }
+            ),
+        )
 
     while True:
         done = ctl.check(["demo/final"])
@@ -466,17 +512,22 @@ def rollout(args) -> int:
             res = reader.pull(into=model)
             if res.installed:
                 v = res.version
-                kv = KVCacheStore(store, tenant="rollout", config=KVCacheConfig(chunk_tokens=args.chunk_tokens,
-                                                                                 model=f"demo-moe-lm-v{v}"))
+                kv = KVCacheStore(
+                    store,
+                    tenant="rollout",
+                    config=KVCacheConfig(chunk_tokens=args.chunk_tokens, model=f"demo-moe-lm-v{v}"),
+                )
                 for i, prompt in enumerate(prompts):
                     toks = torch.tensor(prompt, dtype=torch.int64)
                     n = kv.match_prefix(toks)
                     past = None
                     if n:
-                        past = [(k.contiguous(), vv.contiguous()) for k, vv in kv.get(toks, n).layers()]
+                        past = [
+                            (k.contiguous(), vv.contiguous()) for k, vv in kv.get(toks, n).layers()
+                        ]
                     logits, full = model(toks[n:], past)
                     kv.put(toks, full)
-                    if i == 1 and n:   # reuse must not change the logits
+                    if i == 1 and n:  # reuse must not change the logits
                         ref, _ = model(toks, None)
                         max_diff = max(max_diff, (ref[-1] - logits[-1]).abs().max().item())
                     out, nxt = [], int(logits[-1].argmax())
@@ -503,8 +554,12 @@ def rollout(args) -> int:
 def _control_store():
     import torch.distributed as dist
 
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=timedelta(seconds=60))
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=60),
+    )
 
 
 # ============================================================================ driver
@@ -536,12 +591,25 @@ def plot(rows, events, path):
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
     steps = [r[0] for r in rows]
-    ax.plot(steps, [r[1] for r in rows], lw=1.2, color="tab:blue", label="training loss (mean over ranks)")
+    ax.plot(
+        steps,
+        [r[1] for r in rows],
+        lw=1.2,
+        color="tab:blue",
+        label="training loss (mean over ranks)",
+    )
     colors = {"killed": "tab:red", "recovered": "tab:green"}
     for kind, s in events:
         ax.axvline(s, color=colors.get(kind, "gray"), ls="--", lw=1)
-        ax.annotate(f"rank {kind} @ {s}", (s, ax.get_ylim()[1]), rotation=90, va="top", ha="right",
-                    fontsize=8, color=colors.get(kind, "gray"))
+        ax.annotate(
+            f"rank {kind} @ {s}",
+            (s, ax.get_ylim()[1]),
+            rotation=90,
+            va="top",
+            ha="right",
+            fontsize=8,
+            color=colors.get(kind, "gray"),
+        )
     degraded = [r[0] for r in rows if r[3] < max(x[3] for x in rows)]
     if degraded:
         ax.axvspan(min(degraded), max(degraded), color="tab:red", alpha=0.08, label="fewer ranks")
@@ -555,11 +623,11 @@ def plot(rows, events, path):
 
 
 def drive(args, rest) -> int:
+    import shlex
+
     from tqdm import tqdm
 
     from mooncake_pg import run as mrun
-
-    import shlex
 
     script = os.path.abspath(__file__)
     embedded = None
@@ -572,18 +640,39 @@ def drive(args, rest) -> int:
     if args.store:
         rest = [*rest, "--store", args.store]
     train_args = ["--role", "train", *rest]
-    largv = ["--nproc-per-node", str(args.nproc), "--max-restarts", "2", "--monitor-interval", "0.2"]
+    largv = [
+        "--nproc-per-node",
+        str(args.nproc),
+        "--max-restarts",
+        "2",
+        "--monitor-interval",
+        "0.2",
+    ]
     if args.log_dir:
         largv += ["--log-dir", args.log_dir]
     for _ in range(args.rollouts):
-        largv += ["--sidecar", shlex.join([sys.executable, "-u", script, "--role", "rollout", *rest])]
+        largv += [
+            "--sidecar",
+            shlex.join([sys.executable, "-u", script, "--role", "rollout", *rest]),
+        ]
     largv += [script, *train_args]
     os.makedirs(args.out, exist_ok=True)
     raw, root = read_corpus(args.corpus, args.corpus_bytes)
-    print(f"[demo] corpus: {len(raw):,} bytes from {root}; {args.nproc} training ranks; "
-          f"kill rank {args.kill_rank} at step {args.kill_at}" if args.kill_rank >= 0 else "no kill", flush=True)
-    bar = tqdm(total=args.steps, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout,
-               mininterval=0.5 if sys.stdout.isatty() else 5.0)
+    print(
+        f"[demo] corpus: {len(raw):,} bytes from {root}; {args.nproc} training ranks; "
+        f"kill rank {args.kill_rank} at step {args.kill_at}"
+        if args.kill_rank >= 0
+        else "no kill",
+        flush=True,
+    )
+    bar = tqdm(
+        total=args.steps,
+        desc="train",
+        unit="step",
+        dynamic_ncols=True,
+        file=sys.stdout,
+        mininterval=0.5 if sys.stdout.isatty() else 5.0,
+    )
     state = {"events": 0}
 
     def tick(launcher):
@@ -601,12 +690,18 @@ def drive(args, rest) -> int:
                 extra["serving"] = ro["versions"][-1] if ro["versions"] else "-"
                 looked = ro["hit_chunks"] + ro["miss_chunks"]
                 extra["hit"] = f"{ro['hit_chunks'] / looked:.2f}" if looked else "-"
-            bar.set_postfix(loss=f"{s['loss']:.3f}", tok_s=f"{s['tokens_per_s']:.0f}", ranks=s["ranks"],
-                            recoveries=s["recoveries"], **extra, refresh=False)
+            bar.set_postfix(
+                loss=f"{s['loss']:.3f}",
+                tok_s=f"{s['tokens_per_s']:.0f}",
+                ranks=s["ranks"],
+                recoveries=s["recoveries"],
+                **extra,
+                refresh=False,
+            )
             bar.update(min(s["step"], args.steps) - bar.n)
         if st.check(["demo/events"]):
             ev = _parse_events(st.get("demo/events").decode())
-            for kind, s_ in ev[state["events"]:]:
+            for kind, s_ in ev[state["events"] :]:
                 bar.write(f"[demo] step {s_}: a rank {kind}")
             state["events"] = len(ev)
 
@@ -619,7 +714,12 @@ def drive(args, rest) -> int:
         # keep what the ranks reported before the launcher (and its store) go away
         st = launcher.store
         if st is not None:
-            for k in ("demo/log", "demo/events", "demo/final", *[f"demo/rollout/{i}" for i in range(args.rollouts)]):
+            for k in (
+                "demo/log",
+                "demo/events",
+                "demo/final",
+                *[f"demo/rollout/{i}" for i in range(args.rollouts)],
+            ):
                 if st.check([k]):
                     holder[k] = st.get(k).decode()
 
@@ -657,7 +757,9 @@ def drive(args, rest) -> int:
     }
     if args.rollouts:
         checks["rollouts served >= 2 increasing versions"] = all(
-            len(r["versions"]) >= 2 and r["versions"] == sorted(set(r["versions"])) for r in rollouts) and bool(rollouts)
+            len(r["versions"]) >= 2 and r["versions"] == sorted(set(r["versions"]))
+            for r in rollouts
+        ) and bool(rollouts)
         checks["rollout cache hit rate > 0"] = hits > 0
         checks["logits equal with K/V reuse"] = all(r["max_logits_diff"] < 1e-4 for r in rollouts)
     summary = [
@@ -669,7 +771,10 @@ def drive(args, rest) -> int:
         ("recovered at step", ", ".join(map(str, recovered)) or "-"),
         ("membership epoch at the end", f"{final.get('epoch', '?')}"),
         ("versions served by rollout 0", ", ".join(map(str, versions)) or "-"),
-        ("rollout K/V chunk hit rate", f"{hits / looked:.2f} ({hits} of {looked} chunks)" if looked else "-"),
+        (
+            "rollout K/V chunk hit rate",
+            f"{hits / looked:.2f} ({hits} of {looked} chunks)" if looked else "-",
+        ),
         ("rollout sample (latest version)", repr(rollouts[0]["sample"][:40]) if rollouts else "-"),
         ("loss plot", png),
     ] + [(name, "ok" if ok else "FAILED") for name, ok in checks.items()]
@@ -682,31 +787,47 @@ def drive(args, rest) -> int:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Train a small MoE LM with EP over mooncake; survive a killed rank.")
+    p = argparse.ArgumentParser(
+        description="Train a small MoE LM with EP over mooncake; survive a killed rank."
+    )
     p.add_argument("--role", choices=["driver", "train", "rollout"], default="driver")
     p.add_argument("--nproc", type=int, default=4, help="training ranks (default 4)")
     p.add_argument("--steps", type=int, default=160)
     p.add_argument("--kill-rank", type=int, default=1, help="rank that SIGKILLs itself (-1: none)")
     p.add_argument("--kill-at", type=int, default=None, help="its step (default: the middle)")
-    p.add_argument("--corpus", default=None, help="text file or directory (default: Python's stdlib source)")
+    p.add_argument(
+        "--corpus", default=None, help="text file or directory (default: Python's stdlib source)"
+    )
     p.add_argument("--corpus-bytes", type=int, default=4 << 20)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=8, help="sequences per rank per step")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--experts", type=int, default=8, help="experts per MoE layer (a multiple of --nproc)")
+    p.add_argument(
+        "--experts", type=int, default=8, help="experts per MoE layer (a multiple of --nproc)"
+    )
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--snapshot-every", type=int, default=10, help="steps between expert snapshots")
     p.add_argument("--op-timeout", type=float, default=30.0)
     p.add_argument("--rejoin-timeout", type=float, default=120.0)
-    p.add_argument("--store", default=None, help="store master HOST:PORT (default: one in the launcher process)")
-    p.add_argument("--store-segment-mib", type=int, default=256, help="the launcher's store segment, MiB")
-    p.add_argument("--publish-every", type=int, default=20, help="steps between published weight versions")
+    p.add_argument(
+        "--store",
+        default=None,
+        help="store master HOST:PORT (default: one in the launcher process)",
+    )
+    p.add_argument(
+        "--store-segment-mib", type=int, default=256, help="the launcher's store segment, MiB"
+    )
+    p.add_argument(
+        "--publish-every", type=int, default=20, help="steps between published weight versions"
+    )
     p.add_argument("--rollouts", type=int, default=1, help="rollout worker processes (0: none)")
     p.add_argument("--prompts", type=int, default=4, help="prompts per version (sharing a prefix)")
-    p.add_argument("--prompt-prefix", type=int, default=64, help="tokens of the shared prompt prefix")
+    p.add_argument(
+        "--prompt-prefix", type=int, default=64, help="tokens of the shared prompt prefix"
+    )
     p.add_argument("--chunk-tokens", type=int, default=16, help="K/V chunk size of the cache")
     p.add_argument("--gen-tokens", type=int, default=24, help="tokens generated per prompt")
     p.add_argument("--out", default="demo_out", help="directory for the loss plot")

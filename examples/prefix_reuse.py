@@ -10,6 +10,7 @@ the logits of a full prefill (max abs difference, float32 rounding only).
 
 The store is embedded (master in this process); ``--master HOST:PORT`` uses a running one.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,12 @@ class TinyDecoder(nn.Module):
         self.pos = nn.Embedding(max_len, d_model)
         self.qkv = nn.ModuleList(nn.Linear(d_model, 3 * d_model) for _ in range(layers))
         self.proj = nn.ModuleList(nn.Linear(d_model, d_model) for _ in range(layers))
-        self.mlp = nn.ModuleList(nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(),
-                                               nn.Linear(4 * d_model, d_model)) for _ in range(layers))
+        self.mlp = nn.ModuleList(
+            nn.Sequential(
+                nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
+            )
+            for _ in range(layers)
+        )
         self.ln1 = nn.ModuleList(nn.LayerNorm(d_model) for _ in range(layers))
         self.ln2 = nn.ModuleList(nn.LayerNorm(d_model) for _ in range(layers))
         self.out = nn.Linear(d_model, vocab)
@@ -91,7 +96,7 @@ def main(argv=None):
     kvs = KVCacheStore(store, tenant="demo", config=KVCacheConfig(chunk_tokens=a.chunk))
     histories = [system.clone() for _ in range(a.agents)]
     ttft_reuse, ttft_full, computed, total, maxdiff = [], [], 0, 0, 0.0
-    for turn in range(a.turns):
+    for _turn in range(a.turns):
         for ag in range(a.agents):
             msg = torch.randint(0, 512, (a.turn_tokens,), generator=g)
             histories[ag] = torch.cat([histories[ag], msg])
@@ -110,13 +115,17 @@ def main(argv=None):
 
     def pct(xs, p):
         xs = sorted(xs)
-        return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] * 1000
+        return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))] * 1000
 
-    print(f"requests: {len(ttft_reuse)} ({a.agents} agents x {a.turns} turns), system prompt {a.system_tokens} tokens, "
-          f"chunk {a.chunk}")
+    print(
+        f"requests: {len(ttft_reuse)} ({a.agents} agents x {a.turns} turns), system prompt {a.system_tokens} tokens, "
+        f"chunk {a.chunk}"
+    )
     print(f"TTFT with reuse:    p50 {pct(ttft_reuse, 50):.2f} ms  p99 {pct(ttft_reuse, 99):.2f} ms")
     print(f"TTFT full prefill:  p50 {pct(ttft_full, 50):.2f} ms  p99 {pct(ttft_full, 99):.2f} ms")
-    print(f"prefill tokens: {computed} of {total} computed ({100 * (1 - computed / total):.1f}% saved)")
+    print(
+        f"prefill tokens: {computed} of {total} computed ({100 * (1 - computed / total):.1f}% saved)"
+    )
     print(f"hit rate (chunks): {100 * kvs.stats.hit_rate:.1f}%  {kvs.stats}")
     print(f"logits max |reuse - full|: {maxdiff:.2e}")
     store.close()

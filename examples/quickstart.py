@@ -8,10 +8,10 @@ Every rank runs a few collectives, prints and checks their results, then trains 
 model with DistributedDataParallel and checks that the replicas stay identical.
 Exits non-zero if any check fails.
 """
+
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
@@ -69,8 +69,7 @@ def collectives() -> None:
     if world > 1:
         right, left = (rank + 1) % world, (rank - 1) % world
         got = torch.empty(2)
-        reqs = [dist.isend(torch.tensor([float(rank), 42.0]), dst=right),
-                dist.irecv(got, src=left)]
+        reqs = [dist.isend(torch.tensor([float(rank), 42.0]), dst=right), dist.irecv(got, src=left)]
         for r in reqs:
             r.wait()
         check("send/recv (ring)", got, torch.tensor([float(left), 42.0]))
@@ -81,7 +80,9 @@ def train_ddp(steps: int = 20) -> None:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # same initial weights everywhere (DDP broadcasts them anyway)
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)))
+    model = DDP(
+        torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(1234 + rank)  # each rank its own data shard
     w_true = torch.arange(8, dtype=torch.float32) / 8
@@ -118,8 +119,12 @@ def train_ddp(steps: int = 20) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", default="mooncake", help="mooncake (default) or gloo")
-    ap.add_argument("--transport", default=None, choices=["auto", "shm", "tcp"],
-                    help="mooncake transport (default: MOONCAKE_TRANSPORT or auto)")
+    ap.add_argument(
+        "--transport",
+        default=None,
+        choices=["auto", "shm", "tcp"],
+        help="mooncake transport (default: MOONCAKE_TRANSPORT or auto)",
+    )
     args = ap.parse_args()
 
     kwargs = {}
@@ -145,9 +150,11 @@ def main() -> int:
         sys.stderr.write(f"[rank {rank}] FAILED {f}\n")
     if rank == 0:
         verdict = "all checks passed" if bad.item() == 0 else f"{bad.item()} check(s) FAILED"
-        sys.stdout.write(f"quickstart: {verdict} on {world} ranks ({args.backend}), "
-                         "DDP replicas identical\n" if bad.item() == 0 else
-                         f"quickstart: {verdict} on {world} ranks ({args.backend})\n")
+        sys.stdout.write(
+            f"quickstart: {verdict} on {world} ranks ({args.backend}), DDP replicas identical\n"
+            if bad.item() == 0
+            else f"quickstart: {verdict} on {world} ranks ({args.backend})\n"
+        )
         sys.stdout.flush()
     return 0 if bad.item() == 0 else 1
 

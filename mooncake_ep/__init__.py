@@ -23,14 +23,36 @@ field name.
 The data path on CPU tensors is vectorized torch plus the group's ``all_to_all_single``;
 Triton kernels (:mod:`mooncake_ep.triton_kernels`) serve CUDA tensors.
 """
+
 from __future__ import annotations
 
-from .buffer import (Buffer, CombineResult, DispatchHandle, DispatchLayout, DispatchResult,
-                     LowLatencyCombineResult, LowLatencyDispatchResult, LowLatencyHandle)
+from .buffer import (
+    Buffer,
+    CombineResult,
+    DispatchHandle,
+    DispatchLayout,
+    DispatchResult,
+    LowLatencyCombineResult,
+    LowLatencyDispatchResult,
+    LowLatencyHandle,
+)
 from .config import EPConfig, env_defaults
 from .kernels import fp8_dequantize, fp8_quantize
 from .moe import ExpertParallelMoE, route_topk
 
-__all__ = ["Buffer", "EPConfig", "env_defaults", "DispatchLayout", "DispatchResult", "CombineResult",
-           "DispatchHandle", "LowLatencyDispatchResult", "LowLatencyCombineResult", "LowLatencyHandle",
-           "ExpertParallelMoE", "route_topk", "fp8_quantize", "fp8_dequantize"]
+__all__ = [
+    "Buffer",
+    "CombineResult",
+    "DispatchHandle",
+    "DispatchLayout",
+    "DispatchResult",
+    "EPConfig",
+    "ExpertParallelMoE",
+    "LowLatencyCombineResult",
+    "LowLatencyDispatchResult",
+    "LowLatencyHandle",
+    "env_defaults",
+    "fp8_dequantize",
+    "fp8_quantize",
+    "route_topk",
+]

@@ -35,10 +35,11 @@ Design (one :class:`SymmetricExchange` per ``Buffer``):
 * The path needs every seat of the group active (a dead PE would hang NVSHMEM's barrier);
   it does not follow membership changes.
 """
+
 from __future__ import annotations
 
 import ctypes
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,10 +58,14 @@ def import_core():
     if _IMPORT is None:
         try:
             import nvshmem.core as nc
+
             _IMPORT = (nc, None)
         except Exception as e:  # ImportError, a missing libnvshmem (OSError), ...
-            _IMPORT = (None, f"nvshmem.core does not import ({type(e).__name__}: {e}); "
-                             "pip install nvshmem4py-cu13")
+            _IMPORT = (
+                None,
+                f"nvshmem.core does not import ({type(e).__name__}: {e}); "
+                "pip install nvshmem4py-cu13",
+            )
     return _IMPORT
 
 
@@ -75,14 +80,18 @@ def _reset_for_tests():
 def _initialised(nc) -> bool:
     try:
         st = nc.init_status()
-    except Exception:   # the library is loaded by init; before that the query may fail
+    except Exception:  # the library is loaded by init; before that the query may fail
         return False
-    names = {getattr(nc.InitStatus, n, None) for n in ("STATUS_IS_INITIALIZED", "STATUS_LIMITED_MPG",
-                                                        "STATUS_FULL_MPG")}
+    names = {
+        getattr(nc.InitStatus, n, None)
+        for n in ("STATUS_IS_INITIALIZED", "STATUS_LIMITED_MPG", "STATUS_FULL_MPG")
+    }
     return st in names
 
 
-def local_unusable(device: torch.device, rank: int, world: int, global_ranks: Sequence[int]) -> Optional[str]:
+def local_unusable(
+    device: torch.device, rank: int, world: int, global_ranks: Sequence[int]
+) -> str | None:
     """Why this rank cannot run a low-latency op on ``device`` over NVSHMEM (``None``: it can,
     as far as this rank alone can tell). Collective agreement is the caller's job."""
     if device.type != "cuda" and not (_TEST_ALLOW_CPU and device.type == "cpu"):
@@ -95,17 +104,21 @@ def local_unusable(device: torch.device, rank: int, world: int, global_ranks: Se
     ranks = tuple(int(r) for r in global_ranks)
     if _PROC["ranks"] is not None:
         if _PROC["ranks"] != ranks:
-            return (f"NVSHMEM is initialised in this process over global ranks {list(_PROC['ranks'])}, "
-                    f"expected this group's {list(ranks)} (one NVSHMEM world per process)")
+            return (
+                f"NVSHMEM is initialised in this process over global ranks {list(_PROC['ranks'])}, "
+                f"expected this group's {list(ranks)} (one NVSHMEM world per process)"
+            )
         return None
-    if _initialised(nc):   # initialised by someone else: usable when its PEs are our ranks
+    if _initialised(nc):  # initialised by someone else: usable when its PEs are our ranks
         try:
             pe, npes = int(nc.my_pe()), int(nc.n_pes())
         except Exception as e:
             return f"NVSHMEM is initialised but my_pe()/n_pes() failed ({type(e).__name__}: {e})"
         if (pe, npes) != (rank, world):
-            return (f"NVSHMEM was initialised outside mooncake_ep with PE {pe} of {npes}, expected "
-                    f"PE {rank} of {world} (this group's rank and size)")
+            return (
+                f"NVSHMEM was initialised outside mooncake_ep with PE {pe} of {npes}, expected "
+                f"PE {rank} of {world} (this group's rank and size)"
+            )
     return None
 
 
@@ -121,9 +134,10 @@ def _gather_flags(group, world: int, value: int):
 def _uid_nbytes(nc) -> int:
     try:
         import nvshmem.bindings as b
+
         return int(b.uniqueid_dtype.itemsize)
     except Exception:
-        return 128   # sizeof(nvshmemx_uniqueid_t)
+        return 128  # sizeof(nvshmemx_uniqueid_t)
 
 
 def _init_world(nc, group, rank: int, world: int, device: torch.device):
@@ -134,7 +148,7 @@ def _init_world(nc, group, rank: int, world: int, device: torch.device):
     if rank == 0:
         buf.copy_(torch.frombuffer(bytearray(ctypes.string_at(int(uid.ptr), n)), dtype=torch.uint8))
     dist.broadcast(buf, src=dist.get_global_rank(group, 0), group=group)
-    if rank != 0:   # raw bytes into the id's struct
+    if rank != 0:  # raw bytes into the id's struct
         ctypes.memmove(int(uid.ptr), buf.numpy().ctypes.data, n)
     dev = None
     if device.type == "cuda":
@@ -162,7 +176,7 @@ class SymmetricExchange:
 
     # ------------------------------------------------------------ setup
 
-    def setup(self, nbytes: int) -> Optional[str]:
+    def setup(self, nbytes: int) -> str | None:
         """Initialises NVSHMEM (once per process) and allocates ``nbytes`` per buffer.
         Returns ``None``, or why it failed (the same text on every rank)."""
         nc, why = import_core()
@@ -170,8 +184,10 @@ class SymmetricExchange:
         need = int(_PROC["ranks"] is None and not _initialised(nc)) if nc is not None else 0
         flags = _gather_flags(self.group, self.world, need)
         if len(set(flags)) > 1:
-            return (f"ranks disagree on whether NVSHMEM is initialised (needs init per rank: {flags}); "
-                    "initialise it on all ranks or on none")
+            return (
+                f"ranks disagree on whether NVSHMEM is initialised (needs init per rank: {flags}); "
+                "initialise it on all ranks or on none"
+            )
         err = ""
         if flags[0]:
             try:
@@ -187,19 +203,21 @@ class SymmetricExchange:
             return why
         return self._grow(nbytes)
 
-    def _agree(self, err: str) -> Optional[str]:
+    def _agree(self, err: str) -> str | None:
         """Every rank learns whether any failed; returns the reason (same on all ranks)."""
         flags = _gather_flags(self.group, self.world, 1 if err else 0)
         bad = [r for r, f in enumerate(flags) if f]
         if not bad:
             return None
-        return f"NVSHMEM setup failed on rank(s) {bad}" + (f": {err}" if err else " (see their error)")
+        return f"NVSHMEM setup failed on rank(s) {bad}" + (
+            f": {err}" if err else " (see their error)"
+        )
 
     def _alloc(self, nc, shape, dtype):
         t = nc.tensor(shape, dtype=dtype, except_on_del=False)
         return t, nc.tensor_get_buffer(t)[0]
 
-    def _grow(self, nbytes: int) -> Optional[str]:
+    def _grow(self, nbytes: int) -> str | None:
         """(Re)allocates the symmetric buffers to at least ``nbytes`` each (collective)."""
         if nbytes <= self.nbytes:
             return None
@@ -220,11 +238,13 @@ class SymmetricExchange:
                 self.sig_t, self.sig_b = self._alloc(nc, (1,), torch.int64)
                 self.sig_t.zero_()
                 self.expected = 0
-                nc.barrier_all(stream=self._stream(nc))   # zeroed everywhere before anyone signals
+                nc.barrier_all(stream=self._stream(nc))  # zeroed everywhere before anyone signals
             self.nbytes = nbytes
         except Exception as e:
-            err = (f"allocating {nbytes} bytes of NVSHMEM symmetric memory failed on rank {self.rank} "
-                   f"({type(e).__name__}: {e}); NVSHMEM_SYMMETRIC_SIZE sets the heap size")
+            err = (
+                f"allocating {nbytes} bytes of NVSHMEM symmetric memory failed on rank {self.rank} "
+                f"({type(e).__name__}: {e}); NVSHMEM_SYMMETRIC_SIZE sets the heap size"
+            )
         why = self._agree(err)
         if why:
             self.nbytes = 0
@@ -235,23 +255,31 @@ class SymmetricExchange:
     def _stream(self, nc):
         if self.device.type == "cuda":
             return nc.NvshmemStream(torch.cuda.current_stream(self.device))
-        return None   # tests: the stand-in runs synchronously
+        return None  # tests: the stand-in runs synchronously
 
     def _slice(self, buf, offset: int, nbytes: int):
         """A non-owning view of ``nbytes`` of a symmetric buffer at ``offset`` (still a
         symmetric address: the put translates it to the remote PE's copy)."""
         return type(buf).from_handle(int(buf.handle) + offset, nbytes)
 
-    def alltoallv(self, send: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
-                  cap: int, out: torch.Tensor) -> torch.Tensor:
+    def alltoallv(
+        self,
+        send: torch.Tensor,
+        send_counts: Sequence[int],
+        recv_counts: Sequence[int],
+        cap: int,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
         """Rows of ``send`` ([sum(send_counts), ...], grouped by destination rank) to every
         rank; fills ``out`` ([sum(recv_counts), ...], same dtype, grouped by source) and
         returns it. ``cap``: the most rows one rank may send another."""
         nc, _ = import_core()
         W = self.world
         if max(list(send_counts) + list(recv_counts) + [0]) > cap:
-            raise RuntimeError(f"mooncake_ep NVSHMEM exchange (rank {self.rank}): {max(send_counts)} or "
-                               f"{max(recv_counts)} rows for one rank, expected at most {cap}")
+            raise RuntimeError(
+                f"mooncake_ep NVSHMEM exchange (rank {self.rank}): {max(send_counts)} or "
+                f"{max(recv_counts)} rows for one rank, expected at most {cap}"
+            )
         per_row = 1
         for d in send.shape[1:]:
             per_row *= int(d)
@@ -263,15 +291,22 @@ class SymmetricExchange:
             raise RuntimeError(f"mooncake_ep NVSHMEM exchange (rank {self.rank}): {why}")
         stream = self._stream(nc)
         sbytes = send.contiguous().view(-1).view(torch.uint8)
-        self.send_t[:sbytes.numel()].copy_(sbytes)
-        nc.barrier_all(stream=stream)       # all packed; all copied their previous receive out
+        self.send_t[: sbytes.numel()].copy_(sbytes)
+        nc.barrier_all(stream=stream)  # all packed; all copied their previous receive out
         slot = cap * row_bytes
         off = 0
         for d in range(W):
             nb = int(send_counts[d]) * row_bytes
             if nb:
-                nc.put_signal_nbi(self._slice(self.recv_b, self.rank * slot, nb), self._slice(self.send_b, off, nb),
-                                  self.sig_b, 1, nc.SignalOp.SIGNAL_ADD, d, stream=stream)
+                nc.put_signal_nbi(
+                    self._slice(self.recv_b, self.rank * slot, nb),
+                    self._slice(self.send_b, off, nb),
+                    self.sig_b,
+                    1,
+                    nc.SignalOp.SIGNAL_ADD,
+                    d,
+                    stream=stream,
+                )
             else:
                 nc.signal_op(self.sig_b, 1, nc.SignalOp.SIGNAL_ADD, d, stream=stream)
             off += nb
@@ -283,6 +318,6 @@ class SymmetricExchange:
         for s in range(W):
             nb = int(recv_counts[s]) * row_bytes
             if nb:
-                obytes[o:o + nb].copy_(self.recv_t[s * slot:s * slot + nb])
+                obytes[o : o + nb].copy_(self.recv_t[s * slot : s * slot + nb])
             o += nb
         return out

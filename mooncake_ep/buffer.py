@@ -46,10 +46,11 @@ under it, so every survivor returns the same layout); with ``"raise"`` the op ra
 ``RankFailureError`` on every survivor and a retry (same arguments, same handle) runs
 over the survivors; with ``"manual"`` it raises until ``deactivate_ranks``.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import List, NamedTuple, Optional, Tuple, Union
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -93,10 +94,10 @@ class DispatchResult(NamedTuple):
     """
 
     recv_x: torch.Tensor
-    recv_topk_idx: Optional[torch.Tensor]
-    recv_topk_weights: Optional[torch.Tensor]
-    num_recv_tokens_per_expert_list: Optional[List[int]]
-    handle: "DispatchHandle"
+    recv_topk_idx: torch.Tensor | None
+    recv_topk_weights: torch.Tensor | None
+    num_recv_tokens_per_expert_list: list[int] | None
+    handle: DispatchHandle
 
 
 class CombineResult(NamedTuple):
@@ -110,7 +111,7 @@ class CombineResult(NamedTuple):
     """
 
     combined_x: torch.Tensor
-    combined_topk_weights: Optional[torch.Tensor]
+    combined_topk_weights: torch.Tensor | None
 
 
 class LowLatencyDispatchResult(NamedTuple):
@@ -126,9 +127,9 @@ class LowLatencyDispatchResult(NamedTuple):
         handle: :class:`LowLatencyHandle` for :meth:`Buffer.low_latency_combine`.
     """
 
-    recv_x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+    recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
     recv_count: torch.Tensor
-    handle: "LowLatencyHandle"
+    handle: LowLatencyHandle
 
 
 class LowLatencyCombineResult(NamedTuple):
@@ -142,8 +143,8 @@ class LowLatencyCombineResult(NamedTuple):
     """
 
     combined_x: torch.Tensor
-    event: Optional[object] = None
-    hook: Optional[object] = None
+    event: object | None = None
+    hook: object | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -159,8 +160,8 @@ class DispatchHandle:
     num_experts: int
     num_topk: int
     send_token_idx: torch.Tensor
-    send_counts: Tuple[int, ...]
-    recv_counts: Tuple[int, ...]
+    send_counts: tuple[int, ...]
+    recv_counts: tuple[int, ...]
     is_token_in_rank: torch.Tensor
     epoch: int
     max_ranks_per_token: int = 0
@@ -175,7 +176,7 @@ class DispatchHandle:
         to rank ``r``, -1 where it did not go there."""
         T, W = self.is_token_in_rank.shape
         pos = torch.full((T, W), -1, dtype=torch.int64, device=self.device)
-        nz = self.is_token_in_rank.t().nonzero()                 # (rank, token) in send order
+        nz = self.is_token_in_rank.t().nonzero()  # (rank, token) in send order
         pos[nz[:, 1], nz[:, 0]] = torch.arange(nz.shape[0], device=self.device)
         return pos
 
@@ -199,8 +200,8 @@ class LowLatencyHandle:
     topk_idx: torch.Tensor
     pair_token: torch.Tensor
     slot_pair: torch.Tensor
-    send_counts: Tuple[int, ...]
-    recv_counts: Tuple[int, ...]
+    send_counts: tuple[int, ...]
+    recv_counts: tuple[int, ...]
     recv_dst: torch.Tensor
     recv_count: torch.Tensor
     use_fp8: bool
@@ -214,6 +215,7 @@ class LowLatencyHandle:
 
 
 # ------------------------------------------------------------------------ helpers
+
 
 def _all_gather_single(output, input, group=None):
     """``dist.all_gather_single`` (torch 2.13's name), or ``all_gather_into_tensor`` on a
@@ -253,15 +255,19 @@ def _check_topk_idx(topk_idx, num_experts):
         pos = bad.nonzero()[0].tolist()
         val = int(topk_idx[pos[0], pos[1]])
         n = int(bad.sum())
-        raise _BadArgs(f"topk_idx[{pos[0]}, {pos[1]}] = {val} ({n} bad id{'s' if n > 1 else ''}); "
-                       f"expected -1 (no expert) or an expert id in [0, {num_experts})")
+        raise _BadArgs(
+            f"topk_idx[{pos[0]}, {pos[1]}] = {val} ({n} bad id{'s' if n > 1 else ''}); "
+            f"expected -1 (no expert) or an expert id in [0, {num_experts})"
+        )
 
 
 def _same_device(name, t, device, whose="x's device"):
     """``t`` must be on ``device`` (all inputs of an op share one device)."""
     if isinstance(t, torch.Tensor) and t.device != device:
-        raise _BadArgs(f"{name} is on {t.device}, expected {device} ({whose}): all inputs of one op "
-                       "must be on one device")
+        raise _BadArgs(
+            f"{name} is on {t.device}, expected {device} ({whose}): all inputs of one op "
+            "must be on one device"
+        )
 
 
 def _input_device(x) -> torch.device:
@@ -327,14 +333,16 @@ class _Recycler:
         lst = self._cache.setdefault((dtype, device), [])
         for i, (flat, base) in enumerate(lst):
             if flat.numel() >= n and _storage_uses(flat) == base:
-                lst.append(lst.pop(i))                    # most recently used last
+                lst.append(lst.pop(i))  # most recently used last
                 return flat[:n].view(shape)
         flat = torch.empty(n, dtype=dtype, device=device)
         out = flat[:n].view(shape)
-        lst.append((flat, _storage_uses(flat) - 1))      # "free" = no user but the cache (out is one now)
+        lst.append(
+            (flat, _storage_uses(flat) - 1)
+        )  # "free" = no user but the cache (out is one now)
         free = [i for i, (f, b) in enumerate(lst) if _storage_uses(f) == b]
-        for i in reversed(free[:max(0, len(lst) - self.per_dtype)]):
-            lst.pop(i)                                    # keep at most per_dtype buffers, oldest free ones go
+        for i in reversed(free[: max(0, len(lst) - self.per_dtype)]):
+            lst.pop(i)  # keep at most per_dtype buffers, oldest free ones go
         return out
 
 
@@ -362,9 +370,16 @@ class Buffer:
     runs the backward of the same differentiable ops (backward passes move data too).
     """
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None, num_nvl_bytes: int = 0,
-                 num_rdma_bytes: int = 0, low_latency_mode: bool = False, num_qps_per_rank: int = 1,
-                 *, config: Optional[EPConfig] = None):
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        num_nvl_bytes: int = 0,
+        num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
+        num_qps_per_rank: int = 1,
+        *,
+        config: EPConfig | None = None,
+    ):
         if not dist.is_initialized():
             raise RuntimeError("mooncake_ep.Buffer: torch.distributed is not initialised")
         self.group = group if group is not None else dist.distributed_c10d._get_default_group()
@@ -376,10 +391,10 @@ class Buffer:
         self._recycler = _Recycler()
         self._device_types = {}
         self.low_latency_mode = bool(low_latency_mode)
-        self._ll_backend = None      # "nvshmem" / "group" of the last low_latency_dispatch
-        self._ll_why = None          # why it was not NVSHMEM
-        self._nvs = None             # _nvshmem.SymmetricExchange, made at the first NVSHMEM use
-        self._nvs_disabled = None    # why NVSHMEM failed for this Buffer (agreed by every rank)
+        self._ll_backend = None  # "nvshmem" / "group" of the last low_latency_dispatch
+        self._ll_why = None  # why it was not NVSHMEM
+        self._nvs = None  # _nvshmem.SymmetricExchange, made at the first NVSHMEM use
+        self._nvs_disabled = None  # why NVSHMEM failed for this Buffer (agreed by every rank)
         self._mooncake = None
         try:
             import mooncake_pg
@@ -418,11 +433,19 @@ class Buffer:
             return
         served = [t for t in ("cpu", "cuda") if self._takes_device(torch.device(t))]
         hint = ""
-        if dev.type == "cuda" and self._mooncake is not None and not getattr(self._mooncake, "WITH_CUDA", False):
-            hint = "; this mooncake_pg build has no CUDA (mooncake_pg.WITH_CUDA is False: rebuild with " \
-                   "MOONCAKE_WITH_CUDA=1, or pass CPU tensors)"
-        raise _BadArgs(f"{what} is on {dev}, expected a device the group's backend "
-                       f"({dist.get_backend(self.group)}) serves: {' or '.join(served) or 'none'}{hint}")
+        if (
+            dev.type == "cuda"
+            and self._mooncake is not None
+            and not getattr(self._mooncake, "WITH_CUDA", False)
+        ):
+            hint = (
+                "; this mooncake_pg build has no CUDA (mooncake_pg.WITH_CUDA is False: rebuild with "
+                "MOONCAKE_WITH_CUDA=1, or pass CPU tensors)"
+            )
+        raise _BadArgs(
+            f"{what} is on {dev}, expected a device the group's backend "
+            f"({dist.get_backend(self.group)}) serves: {' or '.join(served) or 'none'}{hint}"
+        )
 
     def _membership(self):
         if self._mooncake is None:
@@ -433,8 +456,10 @@ class Buffer:
     def num_local_experts(self, num_experts: int) -> int:
         """``num_experts / W``; raises ``ValueError`` if it does not divide."""
         if num_experts <= 0 or num_experts % self.group_size:
-            raise ValueError(f"mooncake_ep: num_experts ({num_experts}) must be a positive multiple of "
-                             f"the group size ({self.group_size})")
+            raise ValueError(
+                f"mooncake_ep: num_experts ({num_experts}) must be a positive multiple of "
+                f"the group size ({self.group_size})"
+            )
         return num_experts // self.group_size
 
     # ------------------------------------------------------------- transport
@@ -457,7 +482,9 @@ class Buffer:
                 hdr[_HDR - 1] = int(extra)
             if n_counts:
                 hdr[_HDR:] = counts.to(torch.int64).cpu()
-        out = torch.zeros(self.group_size * hdr.numel(), dtype=torch.int64)   # flat: gloo wants [W * n]
+        out = torch.zeros(
+            self.group_size * hdr.numel(), dtype=torch.int64
+        )  # flat: gloo wants [W * n]
         _all_gather_single(out, hdr, group=self.group)
         out = out.view(self.group_size, hdr.numel())
         active, epoch = self._membership()
@@ -466,34 +493,44 @@ class Buffer:
         live = [r for r in range(self.group_size) if active[r]]
         bad = [r for r in live if int(out[r, 0]) == _BAD]
         if bad:
-            raise self._err(op, f"rank(s) {bad} passed invalid arguments (their error says which); "
-                                "nothing was sent")
+            raise self._err(
+                op,
+                f"rank(s) {bad} passed invalid arguments (their error says which); "
+                "nothing was sent",
+            )
         ref = live[0]
         nf = 2 + len(fields)
         diff = [r for r in live if not torch.equal(out[r, 1:nf], out[ref, 1:nf])]
         if diff:
+
             def show(r):
                 vals = (int(out[r, 2 + i]) for i in range(len(names)))
-                return ", ".join(f"{nm}={_DTYPE_NAMES.get(v, v) if nm == 'dtype' else v}"
-                                 for nm, v in zip(names, vals))
+                return ", ".join(
+                    f"{nm}={_DTYPE_NAMES.get(v, v) if nm == 'dtype' else v}"
+                    for nm, v in zip(names, vals)
+                )
 
             what = show(ref)
             got = "; ".join(f"rank {r}: {show(r)}" for r in diff)
-            raise self._err(op, f"rank(s) {diff} disagree with rank {ref} ({what}): {got}; nothing was sent")
+            raise self._err(
+                op, f"rank(s) {diff} disagree with rank {ref} ({what}): {got}; nothing was sent"
+            )
         return out, active, epoch
 
     def _a2a(self, send, send_counts, recv_counts):
         """Rows of ``send`` (grouped by destination) to every rank; returns the received rows
         grouped by source. Rows an inactive rank did not send are zero."""
         send = send.contiguous()
-        out = self._recycler.empty((sum(recv_counts),) + tuple(send.shape[1:]), send.dtype, send.device)
+        out = self._recycler.empty(
+            (sum(recv_counts),) + tuple(send.shape[1:]), send.dtype, send.device
+        )
         dist.all_to_all_single(out, send, list(recv_counts), list(send_counts), group=self.group)
         if self._mooncake is not None and out.numel():
             active, _ = self._membership()
             start = 0
             for s, c in enumerate(recv_counts):
                 if c and not active[s]:
-                    out[start:start + c].zero_()
+                    out[start : start + c].zero_()
                 start += c
         return out
 
@@ -510,36 +547,39 @@ class Buffer:
     # ------------------------------------------------- low-latency backend
 
     @property
-    def low_latency_backend(self) -> Optional[str]:
+    def low_latency_backend(self) -> str | None:
         """How the last ``low_latency_dispatch`` moved its rows: ``"nvshmem"`` or
         ``"group"`` (``None`` before the first one). Its combine and backward passes use
         the same (the handle remembers)."""
         return self._ll_backend
 
     @property
-    def low_latency_fallback_reason(self) -> Optional[str]:
+    def low_latency_fallback_reason(self) -> str | None:
         """Why the last ``low_latency_dispatch`` did not use NVSHMEM (``None`` when it did,
         or when the configuration is ``"group"``)."""
         return self._ll_why
 
-    def _nvshmem_unusable(self, dev: torch.device) -> Optional[str]:
+    def _nvshmem_unusable(self, dev: torch.device) -> str | None:
         """Why this rank cannot move low-latency rows over NVSHMEM (``None``: it can)."""
         from . import _nvshmem
 
         if self._nvs_disabled:
             return self._nvs_disabled
         if self._nvs is not None and self._nvs.device != dev:
-            return (f"this Buffer's NVSHMEM buffers live on {self._nvs.device}, expected x there, got x on "
-                    f"{dev} (one device per Buffer)")
-        return _nvshmem.local_unusable(dev, self.rank, self.group_size,
-                                       dist.get_process_group_ranks(self.group))
+            return (
+                f"this Buffer's NVSHMEM buffers live on {self._nvs.device}, expected x there, got x on "
+                f"{dev} (one device per Buffer)"
+            )
+        return _nvshmem.local_unusable(
+            dev, self.rank, self.group_size, dist.get_process_group_ranks(self.group)
+        )
 
-    def _nvshmem_setup(self, dev: torch.device, nbytes: int) -> Optional[str]:
+    def _nvshmem_setup(self, dev: torch.device, nbytes: int) -> str | None:
         """Collective: NVSHMEM world and this Buffer's symmetric buffers. Returns ``None``,
         or why not (the same on every rank; the Buffer then stays on the group)."""
         from . import _nvshmem
 
-        if self._nvs is not None:      # same device (checked before the header)
+        if self._nvs is not None:  # same device (checked before the header)
             why = self._nvs._grow(nbytes)
         else:
             nvs = _nvshmem.SymmetricExchange(self.group, self.rank, self.group_size, dev)
@@ -560,17 +600,24 @@ class Buffer:
         if len(set(codes.values())) > 1:
             names = {c: n for n, c in _LL_CODES.items()}
             got = ", ".join(f"rank {r}: {names.get(c, c)!r}" for r, c in codes.items())
-            raise self._err(op, f"ranks disagree on low_latency_backend (EPConfig or "
-                                f"MOONCAKE_EP_LOW_LATENCY_BACKEND): {got}; nothing was sent")
+            raise self._err(
+                op,
+                f"ranks disagree on low_latency_backend (EPConfig or "
+                f"MOONCAKE_EP_LOW_LATENCY_BACKEND): {got}; nothing was sent",
+            )
         if want == "group":
             return "group", None
         inactive = [r for r in range(W) if not active[r]]
         no = [r for r in live if not int(hdr[r, _HDR - 1]) & 1]
         if inactive:
-            why = f"rank(s) {inactive} are inactive (the NVSHMEM path needs every rank of the group)"
+            why = (
+                f"rank(s) {inactive} are inactive (the NVSHMEM path needs every rank of the group)"
+            )
         elif no:
-            why = (f"NVSHMEM is not usable on rank(s) {no} (CUDA tensors, nvshmem4py-cu13 installed and "
-                   "initialised over this group are needed on every rank)")
+            why = (
+                f"NVSHMEM is not usable on rank(s) {no} (CUDA tensors, nvshmem4py-cu13 installed and "
+                "initialised over this group are needed on every rank)"
+            )
             if local_why:
                 why += f"; on rank {self.rank}: {local_why}"
         else:
@@ -584,19 +631,29 @@ class Buffer:
     def _nvshmem_a2a(self, handle, send, send_counts, recv_counts):
         active, _ = self._membership()
         if not all(active):
-            raise RuntimeError(f"mooncake_ep low-latency (rank {self.rank}): rank(s) "
-                               f"{[r for r, a in enumerate(active) if not a]} left the group since the "
-                               "dispatch; the NVSHMEM path needs every rank (dispatch again: it falls "
-                               "back to the group with low_latency_backend='auto')")
+            raise RuntimeError(
+                f"mooncake_ep low-latency (rank {self.rank}): rank(s) "
+                f"{[r for r, a in enumerate(active) if not a]} left the group since the "
+                "dispatch; the NVSHMEM path needs every rank (dispatch again: it falls "
+                "back to the group with low_latency_backend='auto')"
+            )
         send = send.contiguous()
-        out = self._recycler.empty((sum(recv_counts),) + tuple(send.shape[1:]), send.dtype, send.device)
+        out = self._recycler.empty(
+            (sum(recv_counts),) + tuple(send.shape[1:]), send.dtype, send.device
+        )
         cap = handle.num_max_dispatch_tokens_per_rank * (handle.num_experts // self.group_size)
         return self._nvs.alltoallv(send, send_counts, recv_counts, cap, out)
 
     # ---------------------------------------------------------------- layout
 
-    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event=None,
-                            async_finish: bool = False, allocate_on_comm_stream: bool = False) -> DispatchLayout:
+    def get_dispatch_layout(
+        self,
+        topk_idx: torch.Tensor,
+        num_experts: int,
+        previous_event=None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> DispatchLayout:
         """Which ranks and experts each token goes to (local; moves nothing).
 
         Args:
@@ -624,14 +681,25 @@ class Buffer:
 
     # -------------------------------------------------------------- dispatch
 
-    def dispatch(self, x: torch.Tensor, handle: Optional[DispatchHandle] = None,
-                 num_tokens_per_rank: Optional[torch.Tensor] = None, num_tokens_per_rdma_rank=None,
-                 is_token_in_rank: Optional[torch.Tensor] = None,
-                 num_tokens_per_expert: Optional[torch.Tensor] = None,
-                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
-                 expert_alignment: int = 1, num_worst_tokens: int = 0, config=None,
-                 previous_event=None, async_finish: bool = False, allocate_on_comm_stream: bool = False,
-                 *, num_experts: Optional[int] = None) -> DispatchResult:
+    def dispatch(
+        self,
+        x: torch.Tensor,
+        handle: DispatchHandle | None = None,
+        num_tokens_per_rank: torch.Tensor | None = None,
+        num_tokens_per_rdma_rank=None,
+        is_token_in_rank: torch.Tensor | None = None,
+        num_tokens_per_expert: torch.Tensor | None = None,
+        topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
+        config=None,
+        previous_event=None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+        *,
+        num_experts: int | None = None,
+    ) -> DispatchResult:
         """Sends each token of ``x`` once to every rank that holds one of its experts.
 
         Args:
@@ -665,13 +733,17 @@ class Buffer:
                 if not isinstance(handle, DispatchHandle):
                     raise _BadArgs(f"handle must be a DispatchHandle, got {type(handle).__name__}")
                 if topk_idx is not None or topk_weights is not None:
-                    raise _BadArgs("a cached dispatch (handle given) takes no topk_idx/topk_weights")
+                    raise _BadArgs(
+                        "a cached dispatch (handle given) takes no topk_idx/topk_weights"
+                    )
                 _check_x(x)
                 self._check_device(x)
                 _same_device("x", x, handle.device, "the handle's dispatch ran there")
                 if tuple(x.shape) != (handle.num_tokens, handle.hidden):
-                    raise _BadArgs(f"x must have shape {(handle.num_tokens, handle.hidden)} (the handle's), "
-                                   f"got {tuple(x.shape)}")
+                    raise _BadArgs(
+                        f"x must have shape {(handle.num_tokens, handle.hidden)} (the handle's), "
+                        f"got {tuple(x.shape)}"
+                    )
             except _BadArgs as e:
                 err = str(e)
             fields = [getattr(handle, "hidden", 0), _DTYPES.get(getattr(x, "dtype", None), 0), 1]
@@ -681,15 +753,24 @@ class Buffer:
 
         W = self.group_size
         err = None
-        E = num_experts if num_experts is not None else (
-            int(num_tokens_per_expert.numel()) if isinstance(num_tokens_per_expert, torch.Tensor) else None)
+        E = (
+            num_experts
+            if num_experts is not None
+            else (
+                int(num_tokens_per_expert.numel())
+                if isinstance(num_tokens_per_expert, torch.Tensor)
+                else None
+            )
+        )
         T = H = Kk = 0
         dev = _input_device(x)
         try:
             if E is None:
                 raise _BadArgs("num_experts is unknown: pass num_experts= or num_tokens_per_expert")
             if E <= 0 or E % W:
-                raise _BadArgs(f"num_experts ({E}) must be a positive multiple of the group size ({W})")
+                raise _BadArgs(
+                    f"num_experts ({E}) must be a positive multiple of the group size ({W})"
+                )
             _check_x(x)
             self._check_device(x)
             T, H = x.shape
@@ -706,9 +787,11 @@ class Buffer:
                 raise _BadArgs("num_worst_tokens must be 0 (not supported on CPU)")
             if int(expert_alignment) < 1:
                 raise _BadArgs(f"expert_alignment must be >= 1, got {expert_alignment}")
-            for nm, t, shp in (("num_tokens_per_rank", num_tokens_per_rank, (W,)),
-                               ("is_token_in_rank", is_token_in_rank, (T, W)),
-                               ("num_tokens_per_expert", num_tokens_per_expert, (E,))):
+            for nm, t, shp in (
+                ("num_tokens_per_rank", num_tokens_per_rank, (W,)),
+                ("is_token_in_rank", is_token_in_rank, (T, W)),
+                ("num_tokens_per_expert", num_tokens_per_expert, (E,)),
+            ):
                 if t is not None and tuple(t.shape) != shp:
                     raise _BadArgs(f"{nm} must have shape {shp}, got {tuple(t.shape)}")
         except _BadArgs as e:
@@ -719,7 +802,13 @@ class Buffer:
             L = E // W
             cnt = _token_expert_counts(topk_idx, E) > 0
             in_rank = cnt.view(T, W, L).any(2)
-        fields = [E or 0, H, _DTYPES.get(getattr(x, "dtype", None), 0), Kk, int(topk_weights is not None)]
+        fields = [
+            E or 0,
+            H,
+            _DTYPES.get(getattr(x, "dtype", None), 0),
+            Kk,
+            int(topk_weights is not None),
+        ]
         names = ("num_experts", "hidden", "dtype", "num_topk", "has_weights")
         tries = self._cfg["max_membership_retries"]
         for attempt in range(tries + 1):
@@ -728,9 +817,12 @@ class Buffer:
             if err is None:
                 mask = torch.tensor(active0, dtype=torch.bool, device=dev)
                 counts = (in_rank & mask).sum(0)
-            hdr, active, epoch = self._header(op, fields, counts if counts is not None else torch.zeros(W),
-                                              error=err, names=names)
-            act = torch.tensor([int(a and b) for a, b in zip(active, active0)], dtype=torch.bool, device=dev)
+            hdr, active, epoch = self._header(
+                op, fields, counts if counts is not None else torch.zeros(W), error=err, names=names
+            )
+            act = torch.tensor(
+                [int(a and b) for a, b in zip(active, active0)], dtype=torch.bool, device=dev
+            )
             sent = in_rank & act
             send_counts = tuple(int(c) for c in sent.sum(0))
             recv_counts = tuple(int(hdr[s, _HDR + self.rank]) if active[s] else 0 for s in range(W))
@@ -742,12 +834,18 @@ class Buffer:
             dest = nz[:, 0]
             rows_idx = topk_idx.long().index_select(0, send_tok)
             local = rows_idx - (dest * L).unsqueeze(1)
-            local = torch.where((rows_idx >= 0) & (local >= 0) & (local < L), local, torch.full_like(local, -1))
-            recv_x, recv_w, recv_idx = _DispatchFn.apply(self, h, local.to(torch.int32), x, topk_weights)
+            local = torch.where(
+                (rows_idx >= 0) & (local >= 0) & (local < L), local, torch.full_like(local, -1)
+            )
+            recv_x, recv_w, recv_idx = _DispatchFn.apply(
+                self, h, local.to(torch.int32), x, topk_weights
+            )
             if self._membership()[1] == epoch or attempt == tries:
                 break
         if self._membership()[1] != epoch:
-            raise self._err(op, f"the group's membership changed {tries + 1} times during one dispatch")
+            raise self._err(
+                op, f"the group's membership changed {tries + 1} times during one dispatch"
+            )
         recv_idx = recv_idx.long()
         per_expert = (_token_expert_counts(recv_idx, L) > 0).sum(0)
         a = int(expert_alignment)
@@ -756,9 +854,17 @@ class Buffer:
 
     # --------------------------------------------------------------- combine
 
-    def combine(self, x: torch.Tensor, handle: DispatchHandle, topk_weights: Optional[torch.Tensor] = None,
-                bias=None, config=None, previous_event=None, async_finish: bool = False,
-                allocate_on_comm_stream: bool = False) -> CombineResult:
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: torch.Tensor | None = None,
+        bias=None,
+        config=None,
+        previous_event=None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> CombineResult:
         """Sends each received row back to its token's rank and sums the rows per token.
 
         Args:
@@ -788,8 +894,10 @@ class Buffer:
             _same_device("x", x, handle.device, "the dispatch's device")
             n = sum(handle.recv_counts)
             if tuple(x.shape) != (n, handle.hidden):
-                raise _BadArgs(f"x must have shape {(n, handle.hidden)} (rows received by the dispatch), "
-                               f"got {tuple(x.shape)}")
+                raise _BadArgs(
+                    f"x must have shape {(n, handle.hidden)} (rows received by the dispatch), "
+                    f"got {tuple(x.shape)}"
+                )
             H = handle.hidden
             if topk_weights is not None:
                 Kk = handle.num_topk
@@ -806,11 +914,19 @@ class Buffer:
 
     # ---------------------------------------------------------- low latency
 
-    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
-                             num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
-                             use_fp8: bool = False, round_scale: bool = False, use_ue8m0: bool = False,
-                             async_finish: bool = False, return_recv_hook: bool = False
-                             ) -> LowLatencyDispatchResult:
+    def low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+        use_fp8: bool = False,
+        round_scale: bool = False,
+        use_ue8m0: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+    ) -> LowLatencyDispatchResult:
         """Sends each (token, expert) pair to the expert's rank, packed per local expert.
 
         Args:
@@ -853,7 +969,9 @@ class Buffer:
         dev = _input_device(x)
         try:
             if E <= 0 or E % W:
-                raise _BadArgs(f"num_experts ({E}) must be a positive multiple of the group size ({W})")
+                raise _BadArgs(
+                    f"num_experts ({E}) must be a positive multiple of the group size ({W})"
+                )
             _check_x(x)
             self._check_device(x)
             T, H = x.shape
@@ -864,10 +982,16 @@ class Buffer:
             Kk = topk_idx.shape[1]
             _check_topk_idx(topk_idx, E)
             if round_scale or use_ue8m0 or return_recv_hook:
-                raise _BadArgs("round_scale, use_ue8m0 and return_recv_hook are not supported on CPU")
+                raise _BadArgs(
+                    "round_scale, use_ue8m0 and return_recv_hook are not supported on CPU"
+                )
             if cumulative_local_expert_recv_stats is not None:
                 st = cumulative_local_expert_recv_stats
-                if not isinstance(st, torch.Tensor) or st.dtype != torch.int32 or tuple(st.shape) != (E // W,):
+                if (
+                    not isinstance(st, torch.Tensor)
+                    or st.dtype != torch.int32
+                    or tuple(st.shape) != (E // W,)
+                ):
                     raise _BadArgs(f"cumulative_local_expert_recv_stats must be int32 [{E // W}]")
                 _same_device("cumulative_local_expert_recv_stats", st, dev)
         except _BadArgs as e:
@@ -882,7 +1006,7 @@ class Buffer:
         L = E // W if E > 0 and E % W == 0 else 1
         cnt = None
         if err is None:
-            cnt = _token_expert_counts(topk_idx, E) > 0        # [T, E]
+            cnt = _token_expert_counts(topk_idx, E) > 0  # [T, E]
         fields = [E, H, _DTYPES.get(getattr(x, "dtype", None), 0), Tm, int(bool(use_fp8))]
         names = ("num_experts", "hidden", "dtype", "num_max_dispatch_tokens_per_rank", "use_fp8")
         tries = self._cfg["max_membership_retries"]
@@ -892,25 +1016,35 @@ class Buffer:
             if err is None:
                 emask = torch.tensor(active0, dtype=torch.bool, device=dev).repeat_interleave(L)
                 per_expert = (cnt & emask).sum(0)
-            hdr, active, epoch = self._header(op, fields, per_expert if per_expert is not None else torch.zeros(E),
-                                              error=err, names=names, extra=nvs_ok | (_LL_CODES[want] << 1))
-            backend, why = self._choose_ll_backend(op, want, hdr, active, dev, Tm * L * H * max(4, x.element_size()),
-                                                   local_why)
+            hdr, active, epoch = self._header(
+                op,
+                fields,
+                per_expert if per_expert is not None else torch.zeros(E),
+                error=err,
+                names=names,
+                extra=nvs_ok | (_LL_CODES[want] << 1),
+            )
+            backend, why = self._choose_ll_backend(
+                op, want, hdr, active, dev, Tm * L * H * max(4, x.element_size()), local_why
+            )
             self._ll_backend, self._ll_why = backend, why
             act = [int(a and b) for a, b in zip(active, active0)]
             emask = torch.tensor(act, dtype=torch.bool, device=dev).repeat_interleave(L)
-            pairs = (cnt & emask).t().nonzero()                  # [P, 2] (expert, token)
+            pairs = (cnt & emask).t().nonzero()  # [P, 2] (expert, token)
             pair_e, pair_t = pairs[:, 0].contiguous(), pairs[:, 1].contiguous()
-            send_counts = tuple(int(c) for c in torch.bincount(pair_e // L, minlength=W)) if pairs.numel() \
+            send_counts = (
+                tuple(int(c) for c in torch.bincount(pair_e // L, minlength=W))
+                if pairs.numel()
                 else (0,) * W
+            )
             # rows per (source, local expert) for this rank's experts
-            c = hdr[:, _HDR + self.rank * L:_HDR + (self.rank + 1) * L].clone()
+            c = hdr[:, _HDR + self.rank * L : _HDR + (self.rank + 1) * L].clone()
             for s in range(W):
                 if not active[s]:
                     c[s] = 0
             recv_counts = tuple(int(v) for v in c.sum(1))
             WT = W * Tm
-            off = torch.cumsum(c, 0) - c                         # [W, L] start of (s, l) within expert l
+            off = torch.cumsum(c, 0) - c  # [W, L] start of (s, l) within expert l
             sizes = c.reshape(-1)
             gid = torch.repeat_interleave(torch.arange(W * L), sizes)
             starts = torch.cumsum(sizes, 0) - sizes
@@ -923,15 +1057,32 @@ class Buffer:
             keys = pair_e * max(T, 1) + pair_t
             sidx = topk_idx.long()
             skeys = sidx * max(T, 1) + torch.arange(T, device=dev).unsqueeze(1)
-            pos = torch.searchsorted(keys, skeys.reshape(-1)).reshape(T, Kk) if keys.numel() \
+            pos = (
+                torch.searchsorted(keys, skeys.reshape(-1)).reshape(T, Kk)
+                if keys.numel()
                 else torch.zeros((T, Kk), dtype=torch.int64, device=dev)
+            )
             posc = pos.clamp(max=max(keys.numel() - 1, 0))
             found = (sidx >= 0) & (pos < keys.numel())
             if keys.numel():
                 found &= keys[posc] == skeys
             slot_pair = torch.where(found, posc, torch.full_like(posc, -1))
-            h = LowLatencyHandle(T, H, E, Tm, topk_idx, pair_t, slot_pair, send_counts, recv_counts,
-                                 recv_dst, recv_count, bool(use_fp8), epoch, backend)
+            h = LowLatencyHandle(
+                T,
+                H,
+                E,
+                Tm,
+                topk_idx,
+                pair_t,
+                slot_pair,
+                send_counts,
+                recv_counts,
+                recv_dst,
+                recv_count,
+                bool(use_fp8),
+                epoch,
+                backend,
+            )
             if use_fp8:
                 with torch.no_grad():
                     send = K_.gather_rows(x, pair_t, self._cfg["kernels"])
@@ -948,15 +1099,25 @@ class Buffer:
             if self._membership()[1] == epoch or attempt == tries:
                 break
         if self._membership()[1] != epoch:
-            raise self._err(op, f"the group's membership changed {tries + 1} times during one dispatch")
+            raise self._err(
+                op, f"the group's membership changed {tries + 1} times during one dispatch"
+            )
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats += recv_count
         return LowLatencyDispatchResult(recv_x, recv_count.clone(), h)
 
-    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                            handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
-                            async_finish: bool = False, return_recv_hook: bool = False,
-                            out: Optional[torch.Tensor] = None) -> LowLatencyCombineResult:
+    def low_latency_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle: LowLatencyHandle,
+        use_logfmt: bool = False,
+        zero_copy: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        out: torch.Tensor | None = None,
+    ) -> LowLatencyCombineResult:
         """Returns each pair's expert output to its token and sums them with the weights.
 
         ``combined_x[t] = sum_k topk_weights[t, k] * x[l_k, j_k]`` over the slots of token
@@ -989,7 +1150,9 @@ class Buffer:
         try:
             if not isinstance(handle, LowLatencyHandle):
                 raise _BadArgs(f"handle must be a LowLatencyHandle, got {type(handle).__name__}")
-            _check_x(x.reshape(-1, x.shape[-1]) if isinstance(x, torch.Tensor) and x.dim() == 3 else x)
+            _check_x(
+                x.reshape(-1, x.shape[-1]) if isinstance(x, torch.Tensor) and x.dim() == 3 else x
+            )
             self._check_device(x)
             _same_device("x", x, handle.device, "the dispatch's device")
             L = handle.num_experts // self.group_size
@@ -1004,8 +1167,12 @@ class Buffer:
             _check_weights(topk_weights, tuple(topk_idx.shape))
             _same_device("topk_weights", topk_weights, x.device)
             if use_logfmt or zero_copy or return_recv_hook:
-                raise _BadArgs("use_logfmt, zero_copy and return_recv_hook are not supported on CPU")
-            if out is not None and (tuple(out.shape) != (handle.num_tokens, H) or out.dtype != x.dtype):
+                raise _BadArgs(
+                    "use_logfmt, zero_copy and return_recv_hook are not supported on CPU"
+                )
+            if out is not None and (
+                tuple(out.shape) != (handle.num_tokens, H) or out.dtype != x.dtype
+            ):
                 raise _BadArgs(f"out must be {x.dtype} [{handle.num_tokens}, {H}]")
             _same_device("out", out, x.device)
         except _BadArgs as e:
@@ -1051,7 +1218,7 @@ class _DispatchFn(torch.autograd.Function):
                 start = 0
                 for s, c in enumerate(handle.recv_counts):
                     if c and not active[s]:
-                        recv_idx[start:start + c] = -1
+                        recv_idx[start : start + c] = -1
                     start += c
             ctx.mark_non_differentiable(recv_idx)
         ctx.recv_idx = recv_idx
@@ -1063,10 +1230,18 @@ class _DispatchFn(torch.autograd.Function):
         gx = gw = None
         if ctx.needs_input_grad[3]:
             if g_x is None:
-                g_x = torch.zeros((sum(h.recv_counts), h.hidden), dtype=ctx.x_dtype, device=h.device)
+                g_x = torch.zeros(
+                    (sum(h.recv_counts), h.hidden), dtype=ctx.x_dtype, device=h.device
+                )
             rows = buf._bwd(h, g_x.contiguous())
-            gx = K_.scatter_add_rows(rows, h.send_token_idx, h.num_tokens, max_per_row=h.max_ranks_per_token,
-                                     fp32_accumulate=buf._cfg["fp32_accumulate"], out_dtype=rows.dtype)
+            gx = K_.scatter_add_rows(
+                rows,
+                h.send_token_idx,
+                h.num_tokens,
+                max_per_row=h.max_ranks_per_token,
+                fp32_accumulate=buf._cfg["fp32_accumulate"],
+                out_dtype=rows.dtype,
+            )
         if ctx.needs_input_grad[4]:
             n = sum(h.recv_counts)
             if g_w is None:
@@ -1088,17 +1263,29 @@ class _CombineFn(torch.autograd.Function):
         out = None
         if K_._use_triton(rows, buf._cfg["kernels"]):
             # Triton: each token sums its rows in rank order, as index_add_ does on CPU
-            out = K_.sum_rows_by_table(rows.contiguous(), handle.row_table(), kernels=buf._cfg["kernels"],
-                                       fp32_accumulate=buf._cfg["fp32_accumulate"],
-                                       max_per_row=handle.max_ranks_per_token)
+            out = K_.sum_rows_by_table(
+                rows.contiguous(),
+                handle.row_table(),
+                kernels=buf._cfg["kernels"],
+                fp32_accumulate=buf._cfg["fp32_accumulate"],
+                max_per_row=handle.max_ranks_per_token,
+            )
         if out is None:
-            out = K_.scatter_add_rows(rows, handle.send_token_idx, handle.num_tokens,
-                                      max_per_row=handle.max_ranks_per_token, alloc=buf._recycler.empty,
-                                      fp32_accumulate=buf._cfg["fp32_accumulate"], out_dtype=x.dtype)
+            out = K_.scatter_add_rows(
+                rows,
+                handle.send_token_idx,
+                handle.num_tokens,
+                max_per_row=handle.max_ranks_per_token,
+                alloc=buf._recycler.empty,
+                fp32_accumulate=buf._cfg["fp32_accumulate"],
+                out_dtype=x.dtype,
+            )
         out_w = None
         if w is not None:
             wr = buf._bwd(handle, w.detach())
-            out_w = K_.scatter_add_rows(wr, handle.send_token_idx, handle.num_tokens, out_dtype=torch.float32)
+            out_w = K_.scatter_add_rows(
+                wr, handle.send_token_idx, handle.num_tokens, out_dtype=torch.float32
+            )
         return out, out_w
 
     @staticmethod
@@ -1135,8 +1322,13 @@ class _LLDispatchFn(torch.autograd.Function):
         buf, h = ctx.buf, ctx.handle
         flat = g.reshape(-1, h.hidden)
         rows = buf._bwd(h, K_.gather_rows(flat.contiguous(), h.recv_dst, buf._cfg["kernels"]))
-        gx = K_.scatter_add_rows(rows, h.pair_token, h.num_tokens,
-                                 fp32_accumulate=buf._cfg["fp32_accumulate"], out_dtype=g.dtype)
+        gx = K_.scatter_add_rows(
+            rows,
+            h.pair_token,
+            h.num_tokens,
+            fp32_accumulate=buf._cfg["fp32_accumulate"],
+            out_dtype=g.dtype,
+        )
         return None, None, gx
 
 
@@ -1159,8 +1351,14 @@ class _LLCombineFn(torch.autograd.Function):
         flat = x.detach().reshape(-1, handle.hidden)
         rows = buf._bwd(handle, K_.gather_rows(flat, handle.recv_dst, buf._cfg["kernels"]))
         wp = _pair_weights(handle, w.detach())
-        out = K_.scatter_add_rows(rows, handle.pair_token, handle.num_tokens, weights=wp, out_dtype=x.dtype,
-                                  alloc=buf._recycler.empty)
+        out = K_.scatter_add_rows(
+            rows,
+            handle.pair_token,
+            handle.num_tokens,
+            weights=wp,
+            out_dtype=x.dtype,
+            alloc=buf._recycler.empty,
+        )
         ctx.save_for_backward(rows, wp)
         ctx.x_dtype = x.dtype
         return out
@@ -1170,9 +1368,9 @@ class _LLCombineFn(torch.autograd.Function):
         buf, h = ctx.buf, ctx.handle
         rows, wp = ctx.saved_tensors
         gx = gw = None
-        g_rows = K_.gather_rows(g.contiguous(), h.pair_token, buf._cfg["kernels"])   # [P, H]
+        g_rows = K_.gather_rows(g.contiguous(), h.pair_token, buf._cfg["kernels"])  # [P, H]
         if ctx.needs_input_grad[3]:
-            gp = (g_rows.float() * rows.float()).sum(1)                                # [P]
+            gp = (g_rows.float() * rows.float()).sum(1)  # [P]
             sel = h.slot_pair >= 0
             gw = torch.zeros(h.slot_pair.shape, dtype=torch.float32, device=h.device)
             if bool(sel.any()):

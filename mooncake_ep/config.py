@@ -9,11 +9,11 @@ Every ``MOONCAKE_EP_*`` environment variable the package reads is read here, in
 | ``MOONCAKE_EP_FP32_ACCUMULATE`` | ``1``: 16-bit combines accumulate in float32 and round once; ``0``: accumulate in the data's dtype (faster on CPU) | ``1`` |
 | ``MOONCAKE_EP_LOW_LATENCY_BACKEND`` | how the low-latency ops move rows: ``auto`` (NVSHMEM when usable on every rank, else the process group) / ``nvshmem`` (NVSHMEM or ``ValueError``) / ``group`` (the process group's ``all_to_all_single``) | ``auto`` |
 """
+
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional
 
 _KERNELS = ("auto", "torch", "triton")
 _LL_BACKENDS = ("auto", "nvshmem", "group")
@@ -45,22 +45,26 @@ class EPConfig:
             the group otherwise (silently; ``Buffer.low_latency_backend`` says which ran).
     """
 
-    kernels: Optional[str] = None
-    fp32_accumulate: Optional[bool] = None
-    max_membership_retries: Optional[int] = None
-    low_latency_backend: Optional[str] = None
+    kernels: str | None = None
+    fp32_accumulate: bool | None = None
+    max_membership_retries: int | None = None
+    low_latency_backend: str | None = None
 
     def __post_init__(self):
         if self.kernels is not None and self.kernels not in _KERNELS:
             raise ValueError(f"EPConfig: kernels must be one of {_KERNELS}, got {self.kernels!r}")
         if self.low_latency_backend is not None and self.low_latency_backend not in _LL_BACKENDS:
-            raise ValueError(f"EPConfig: low_latency_backend must be one of {_LL_BACKENDS}, "
-                             f"got {self.low_latency_backend!r}")
+            raise ValueError(
+                f"EPConfig: low_latency_backend must be one of {_LL_BACKENDS}, "
+                f"got {self.low_latency_backend!r}"
+            )
         if self.max_membership_retries is not None and self.max_membership_retries < 0:
-            raise ValueError(f"EPConfig: max_membership_retries must be >= 0, got {self.max_membership_retries}")
+            raise ValueError(
+                f"EPConfig: max_membership_retries must be >= 0, got {self.max_membership_retries}"
+            )
 
 
-def _flag(raw: Optional[str], default: bool) -> bool:
+def _flag(raw: str | None, default: bool) -> bool:
     if raw in (None, ""):
         return default
     return raw not in ("0", "false", "False", "no")
@@ -74,8 +78,10 @@ def env_defaults() -> dict:
         raise ValueError(f"MOONCAKE_EP_KERNELS must be one of {_KERNELS}, got {kernels!r}")
     ll = env.get("MOONCAKE_EP_LOW_LATENCY_BACKEND") or "auto"  # exact, as MOONCAKE_EP_KERNELS
     if ll not in _LL_BACKENDS:
-        raise ValueError(f"MOONCAKE_EP_LOW_LATENCY_BACKEND must be one of {_LL_BACKENDS}, "
-                         f"got {env.get('MOONCAKE_EP_LOW_LATENCY_BACKEND')!r}")
+        raise ValueError(
+            f"MOONCAKE_EP_LOW_LATENCY_BACKEND must be one of {_LL_BACKENDS}, "
+            f"got {env.get('MOONCAKE_EP_LOW_LATENCY_BACKEND')!r}"
+        )
     return {
         "kernels": kernels,
         "fp32_accumulate": _flag(env.get("MOONCAKE_EP_FP32_ACCUMULATE"), True),
@@ -83,13 +89,17 @@ def env_defaults() -> dict:
     }
 
 
-def resolve(cfg: Optional[EPConfig], world_size: int) -> dict:
+def resolve(cfg: EPConfig | None, world_size: int) -> dict:
     """Explicit options over the environment; plain values."""
     cfg = cfg or EPConfig()
     env = env_defaults()
     return {
         "kernels": cfg.kernels or env["kernels"],
-        "fp32_accumulate": env["fp32_accumulate"] if cfg.fp32_accumulate is None else bool(cfg.fp32_accumulate),
-        "max_membership_retries": world_size if cfg.max_membership_retries is None else int(cfg.max_membership_retries),
+        "fp32_accumulate": env["fp32_accumulate"]
+        if cfg.fp32_accumulate is None
+        else bool(cfg.fp32_accumulate),
+        "max_membership_retries": world_size
+        if cfg.max_membership_retries is None
+        else int(cfg.max_membership_retries),
         "low_latency_backend": cfg.low_latency_backend or env["low_latency_backend"],
     }

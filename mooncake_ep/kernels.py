@@ -8,6 +8,7 @@ Names of dimensions: ``T`` tokens of this rank, ``N`` rows moved (one per token 
 destination rank in normal mode, one per distinct (token, expert) pair in low-latency
 mode), ``H`` hidden size.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,9 +16,9 @@ import os
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0          # largest finite float8_e4m3fn
-FP8_BLOCK = 128          # channels per scale
-FP8_MIN_AMAX = 1e-4      # a block of zeros gets scale FP8_MIN_AMAX / FP8_MAX
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_BLOCK = 128  # channels per scale
+FP8_MIN_AMAX = 1e-4  # a block of zeros gets scale FP8_MIN_AMAX / FP8_MAX
 
 
 def _interpreting() -> bool:
@@ -50,10 +51,17 @@ def gather_rows(x: torch.Tensor, idx: torch.Tensor, kernels: str = "auto") -> to
     return torch.index_select(x, 0, idx)
 
 
-def scatter_add_rows(rows: torch.Tensor, idx: torch.Tensor, num_out: int, *,
-                     weights: torch.Tensor | None = None, fp32_accumulate: bool = True,
-                     out_dtype: torch.dtype | None = None, max_per_row: int | None = None,
-                     alloc=None) -> torch.Tensor:
+def scatter_add_rows(
+    rows: torch.Tensor,
+    idx: torch.Tensor,
+    num_out: int,
+    *,
+    weights: torch.Tensor | None = None,
+    fp32_accumulate: bool = True,
+    out_dtype: torch.dtype | None = None,
+    max_per_row: int | None = None,
+    alloc=None,
+) -> torch.Tensor:
     """``out[t] = sum over n with idx[n] == t of weights[n] * rows[n]`` (weights 1 when
     ``None``): ``rows`` [N, H], ``idx`` int64 [N] in ``[0, num_out)``, ``weights`` float [N]
     -> [num_out, H] of ``out_dtype`` (default rows' dtype), on rows' device. On CPU rows
@@ -86,8 +94,14 @@ def scatter_add_rows(rows: torch.Tensor, idx: torch.Tensor, num_out: int, *,
     return alloc((num_out, H), out_dtype, rows.device).copy_(out)
 
 
-def sum_rows_by_table(rows: torch.Tensor, pos: torch.Tensor, *, fp32_accumulate: bool = True,
-                      max_per_row: int | None = None, kernels: str = "auto") -> torch.Tensor | None:
+def sum_rows_by_table(
+    rows: torch.Tensor,
+    pos: torch.Tensor,
+    *,
+    fp32_accumulate: bool = True,
+    max_per_row: int | None = None,
+    kernels: str = "auto",
+) -> torch.Tensor | None:
     """``out[t] = sum_j rows[pos[t, j]]`` over ``pos[t, j] >= 0``, in ``j`` order, with the
     Triton ``unpermute`` kernel: ``rows`` [N, H] float32/bfloat16, ``pos`` int64 [T, M] on
     rows' device -> [T, H] of rows' dtype (float32 accumulation, one rounding). Equal bit
@@ -97,11 +111,15 @@ def sum_rows_by_table(rows: torch.Tensor, pos: torch.Tensor, *, fp32_accumulate:
     than two rows without ``fp32_accumulate``); the caller then uses ``scatter_add_rows``."""
     if rows.dtype not in (torch.float32, torch.bfloat16) or rows.dim() != 2 or rows.stride(1) != 1:
         return None
-    if rows.dtype != torch.float32 and not fp32_accumulate and (max_per_row is None or max_per_row > 2):
+    if (
+        rows.dtype != torch.float32
+        and not fp32_accumulate
+        and (max_per_row is None or max_per_row > 2)
+    ):
         return None
     if not _use_triton(rows, kernels):
         return None
-    if rows.shape[0] == 0:          # no rows came back: no kernel (an empty CUDA tensor has no address)
+    if rows.shape[0] == 0:  # no rows came back: no kernel (an empty CUDA tensor has no address)
         return torch.zeros((pos.shape[0], rows.shape[1]), dtype=rows.dtype, device=rows.device)
     from .triton_kernels import unpermute
 
@@ -111,7 +129,7 @@ def sum_rows_by_table(rows: torch.Tensor, pos: torch.Tensor, *, fp32_accumulate:
 def scatter_rows(rows: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out[idx[n]] = rows[n]`` in place (indices distinct); returns ``out``."""
     if rows.shape[0]:
-        if rows.element_size() == 1 and rows.dtype != torch.uint8:   # float8: no CPU index_copy_
+        if rows.element_size() == 1 and rows.dtype != torch.uint8:  # float8: no CPU index_copy_
             out.view(torch.uint8).index_copy_(0, idx, rows.view(torch.uint8))
         else:
             out.index_copy_(0, idx, rows)
@@ -125,9 +143,15 @@ def fp8_quantize(x: torch.Tensor, kernels: str = "auto"):
     ``x ~= q.float() * scales[:, b]`` there. ``scale = max(amax, 1e-4) / 448``.
     Raises ``ValueError`` unless ``x`` is a 2-D floating-point tensor."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
-        what = f"shape {tuple(x.shape)}, dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"fp8_quantize: x must be a 2-D floating-point tensor [N, H] (one row per token; "
-                         f"reshape to (-1, H) first), got {what}")
+        what = (
+            f"shape {tuple(x.shape)}, dtype {x.dtype}"
+            if isinstance(x, torch.Tensor)
+            else type(x).__name__
+        )
+        raise ValueError(
+            f"fp8_quantize: x must be a 2-D floating-point tensor [N, H] (one row per token; "
+            f"reshape to (-1, H) first), got {what}"
+        )
     if _use_triton(x, kernels):
         from .triton_kernels import fp8_cast
 
@@ -145,7 +169,9 @@ def fp8_quantize(x: torch.Tensor, kernels: str = "auto"):
     return q.to(FP8_DTYPE).contiguous(), scales.contiguous()
 
 
-def fp8_dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def fp8_dequantize(
+    q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     """Inverse of :func:`fp8_quantize` on the last dimension: ``q`` [..., H] float8,
     ``scales`` [..., ceil(H / 128)] float32 -> [..., H] of ``dtype``."""
     H = q.shape[-1]

@@ -1,8 +1,9 @@
 """``ExpertParallelMoE``: an existing MoE layer (router + experts) with its experts sharded
 over the ranks of a group, tokens moved by :class:`mooncake_ep.Buffer`."""
+
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -63,9 +64,16 @@ class ExpertParallelMoE(nn.Module):
     built this module before or after ``join_group``).
     """
 
-    def __init__(self, gate: nn.Module, experts: Sequence[nn.Module], group: Optional[dist.ProcessGroup] = None,
-                 *, num_experts: Optional[int] = None, top_k: Optional[int] = None,
-                 buffer: Optional[Buffer] = None):
+    def __init__(
+        self,
+        gate: nn.Module,
+        experts: Sequence[nn.Module],
+        group: dist.ProcessGroup | None = None,
+        *,
+        num_experts: int | None = None,
+        top_k: int | None = None,
+        buffer: Buffer | None = None,
+    ):
         super().__init__()
         self.buffer = buffer if buffer is not None else Buffer(group)
         W, rank = self.buffer.group_size, self.buffer.rank
@@ -73,15 +81,19 @@ class ExpertParallelMoE(nn.Module):
         E = int(num_experts) if num_experts is not None else len(experts)
         L = self.buffer.num_local_experts(E)
         if len(experts) == E:
-            local = experts[rank * L:(rank + 1) * L]
+            local = experts[rank * L : (rank + 1) * L]
         elif len(experts) == L:
             local = experts
         else:
-            raise ValueError(f"ExpertParallelMoE: got {len(experts)} experts; expected all {E} or this "
-                             f"rank's {L} (num_experts={E}, group size {W})")
+            raise ValueError(
+                f"ExpertParallelMoE: got {len(experts)} experts; expected all {E} or this "
+                f"rank's {L} (num_experts={E}, group size {W})"
+            )
         if top_k is not None:
             if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
-                raise ValueError(f"ExpertParallelMoE: top_k must be an int in [1, num_experts={E}], got {top_k!r}")
+                raise ValueError(
+                    f"ExpertParallelMoE: top_k must be an int in [1, num_experts={E}], got {top_k!r}"
+                )
         self._num_given = len(experts)
         width = getattr(gate, "out_features", None)
         if isinstance(width, int):
@@ -94,8 +106,8 @@ class ExpertParallelMoE(nn.Module):
         self.first_expert = rank * L
         # membership bookkeeping for restore_experts (see there)
         self._members = self.buffer.get_active_ranks().tolist()
-        self._backup = {}              # owner rank -> uint8 snapshot of its experts' state
-        self._unrestored = set()       # ranks whose experts must be restored before routing
+        self._backup = {}  # owner rank -> uint8 snapshot of its experts' state
+        self._unrestored = set()  # ranks whose experts must be restored before routing
         # This process replaced a dead rank (it was built before or after join_group): its
         # experts hold fresh weights until restore_experts() ran.
         self._fresh = self._joining() or rank in self._last_joined()
@@ -104,12 +116,16 @@ class ExpertParallelMoE(nn.Module):
     def _check_width(self, gate, width, E, W):
         if width == E:
             return
-        msg = (f"ExpertParallelMoE: the gate ({_gate_name(gate)}) gives {width} logits per token, "
-               f"but num_experts is {E}")
+        msg = (
+            f"ExpertParallelMoE: the gate ({_gate_name(gate)}) gives {width} logits per token, "
+            f"but num_experts is {E}"
+        )
         if width == self._num_given and self._num_given != E:
-            msg += (f"; the {self._num_given} experts given were read as this rank's local experts (group size "
-                    f"{W}), but the gate routes over {width}: this is ambiguous. Pass all experts without "
-                    f"num_experts=, or this rank's experts with a gate of width num_experts")
+            msg += (
+                f"; the {self._num_given} experts given were read as this rank's local experts (group size "
+                f"{W}), but the gate routes over {width}: this is ambiguous. Pass all experts without "
+                f"num_experts=, or this rank's experts with a gate of width num_experts"
+            )
         raise ValueError(msg)
 
     def route(self, x: torch.Tensor):
@@ -118,12 +134,16 @@ class ExpertParallelMoE(nn.Module):
         if isinstance(g, (tuple, list)):
             name = _gate_name(self.gate)
             if len(g) != 2:
-                raise ValueError(f"ExpertParallelMoE: the gate ({name}) returned a {type(g).__name__} of "
-                                 f"{len(g)} items; expected logits or (topk_idx, topk_weights)")
+                raise ValueError(
+                    f"ExpertParallelMoE: the gate ({name}) returned a {type(g).__name__} of "
+                    f"{len(g)} items; expected logits or (topk_idx, topk_weights)"
+                )
             idx, w = g
             if self.top_k is not None and idx.dim() == 2 and idx.shape[1] != self.top_k:
-                raise ValueError(f"ExpertParallelMoE: the gate ({name}) returned top-{idx.shape[1]} routing "
-                                 f"(topk_idx {tuple(idx.shape)}), but top_k={self.top_k}")
+                raise ValueError(
+                    f"ExpertParallelMoE: the gate ({name}) returned top-{idx.shape[1]} routing "
+                    f"(topk_idx {tuple(idx.shape)}), but top_k={self.top_k}"
+                )
             return idx.long(), w.float()
         self._check_width(self.gate, int(g.shape[-1]), self.num_experts, self.buffer.group_size)
         if self.top_k is None:
@@ -135,11 +155,13 @@ class ExpertParallelMoE(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         topk_idx, topk_weights = self.route(x2)
-        res = self.buffer.dispatch(x2, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=self.num_experts)
+        res = self.buffer.dispatch(
+            x2, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=self.num_experts
+        )
         recv_x, recv_idx, recv_w = res.recv_x, res.recv_topk_idx, res.recv_topk_weights
         y = self._experts(recv_x, recv_idx, recv_w)
         out = self.buffer.combine(y, res.handle).combined_x
-        self._members = self.buffer.get_active_ranks().tolist()   # failures seen during this call
+        self._members = self.buffer.get_active_ranks().tolist()  # failures seen during this call
         return out.reshape(shape)
 
     def _experts(self, recv_x, recv_idx, recv_w):
@@ -147,11 +169,11 @@ class ExpertParallelMoE(nn.Module):
         H = recv_x.shape[1]
         y = torch.zeros((recv_x.shape[0], H), dtype=torch.float32, device=recv_x.device)
         for l, expert in enumerate(self.experts):
-            hit = recv_idx == l                                   # [N, K]
+            hit = recv_idx == l  # [N, K]
             rows = hit.any(1).nonzero().squeeze(1)
             if rows.numel() == 0:
                 continue
-            w = (recv_w * hit).sum(1).index_select(0, rows)       # duplicates add up
+            w = (recv_w * hit).sum(1).index_select(0, rows)  # duplicates add up
             out = expert(recv_x.index_select(0, rows))
             y = y.index_add(0, rows, out.float() * w.unsqueeze(1))
         if torch.is_grad_enabled():
@@ -161,7 +183,6 @@ class ExpertParallelMoE(nn.Module):
             y = y + (recv_x.sum() * 0 + recv_w.sum() * 0)
             y = y + _anchor(recv_x.device)
         return y.to(recv_x.dtype)
-
 
     # ------------------------------------------------------ recovery of expert weights
 
@@ -194,7 +215,8 @@ class ExpertParallelMoE(nn.Module):
         if self._joining():
             raise RuntimeError(
                 f"ExpertParallelMoE (rank {self.buffer.rank}): this process replaces a dead rank and has not "
-                "joined the group yet; call mooncake_pg.join_group(), then restore_experts() on every rank")
+                "joined the group yet; call mooncake_pg.join_group(), then restore_experts() on every rank"
+            )
         self._note_fresh()
         active = self.buffer.get_active_ranks().tolist()
         back = {r for r in range(len(active)) if active[r] and not self._members[r]}
@@ -204,7 +226,8 @@ class ExpertParallelMoE(nn.Module):
         if live:
             raise RuntimeError(
                 f"ExpertParallelMoE (rank {self.buffer.rank}): rank(s) {sorted(live)} rejoined and their "
-                "experts' weights are not restored yet; every rank calls restore_experts() first")
+                "experts' weights are not restored yet; every rank calls restore_experts() first"
+            )
 
     def _flat_state(self):
         ts = [t for ex in self.experts for t in list(ex.parameters()) + list(ex.buffers())]
@@ -220,10 +243,13 @@ class ExpertParallelMoE(nn.Module):
         buddy = {r: live[(live.index(r) + 1) % len(live)] for r in live}
         src = [r for r in live if buddy[r] == rank]
         ts, n = self._flat_state()
-        sdev = ts[0].device if ts else torch.device("cpu")     # the experts' device
+        sdev = ts[0].device if ts else torch.device("cpu")  # the experts' device
         with torch.no_grad():
-            mine = torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in ts]) if ts \
+            mine = (
+                torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in ts])
+                if ts
                 else torch.zeros(0, dtype=torch.uint8, device=sdev)
+            )
             send = [n if r == buddy.get(rank) else 0 for r in range(W)]
             recv = [n if r in src else 0 for r in range(W)]
             out = torch.empty(sum(recv), dtype=torch.uint8, device=sdev)
@@ -236,10 +262,10 @@ class ExpertParallelMoE(nn.Module):
         for r in range(W):
             if recv[r]:
                 if after[r]:
-                    self._backup[r] = out[start:start + recv[r]].clone()
+                    self._backup[r] = out[start : start + recv[r]].clone()
                 start += recv[r]
 
-    def restore_experts(self, ranks: Optional[Sequence[int]] = None) -> None:
+    def restore_experts(self, ranks: Sequence[int] | None = None) -> None:
         """Collective over the active ranks, right after ``recover_ranks`` / ``join_group``
         (and before any forward): ranks that rejoined get their experts' parameters and
         buffers from the peer holding the latest :meth:`snapshot_experts` copy; then a new
@@ -253,7 +279,11 @@ class ExpertParallelMoE(nn.Module):
         self._note_fresh()
         active = self.buffer.get_active_ranks().tolist()
         W, rank = len(active), self.buffer.rank
-        want = set(self._unrestored) | set(self._last_joined()) if ranks is None else set(int(r) for r in ranks)
+        want = (
+            set(self._unrestored) | set(self._last_joined())
+            if ranks is None
+            else {int(r) for r in ranks}
+        )
         want = {r for r in want if 0 <= r < W and active[r]}
         # who holds which copy, and which ranks want theirs (one small all_gather)
         table = torch.zeros(2 * W, dtype=torch.int64)
@@ -270,8 +300,10 @@ class ExpertParallelMoE(nn.Module):
         for j in want_all:
             hs = [r for r in live if r != j and int(tables[r, j])]
             if not hs:
-                raise RuntimeError(f"ExpertParallelMoE (rank {rank}): no copy of rank {j}'s experts exists "
-                                   "(snapshot_experts was not called while it was alive)")
+                raise RuntimeError(
+                    f"ExpertParallelMoE (rank {rank}): no copy of rank {j}'s experts exists "
+                    "(snapshot_experts was not called while it was alive)"
+                )
             holder[j] = hs[0]
         ts, n = self._flat_state()
         send = [0] * W
@@ -283,7 +315,7 @@ class ExpertParallelMoE(nn.Module):
                 chunks.append(self._backup[j])
             if j == rank:
                 recv[holder[j]] = n
-        sdev = ts[0].device if ts else torch.device("cpu")     # the experts' device
+        sdev = ts[0].device if ts else torch.device("cpu")  # the experts' device
         inp = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8, device=sdev)
         out = torch.empty(sum(recv), dtype=torch.uint8, device=sdev)
         dist.all_to_all_single(out, inp, recv, send, group=self.buffer.group)
@@ -292,7 +324,7 @@ class ExpertParallelMoE(nn.Module):
                 off = 0
                 for t in ts:
                     nb = t.numel() * t.element_size()
-                    t.copy_(out[off:off + nb].view(t.dtype).view(t.shape))
+                    t.copy_(out[off : off + nb].view(t.dtype).view(t.shape))
                     off += nb
         self._unrestored -= set(want_all)
         if rank in want_all:

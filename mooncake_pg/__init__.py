@@ -9,22 +9,23 @@ Importing this package registers the backend::
 Options go in ``pg_options=MooncakeOptions(...)``; groups made without options
 (``new_group``, DeviceMesh) inherit the default group's options.
 """
+
 from __future__ import annotations
 
 import torch  # noqa: F401  (must be imported before the extension)
 import torch.distributed as dist
 
 from ._loader import load_extension
-from .config import MooncakeOptions, env_defaults, resolve
+from .config import MooncakeOptions, env_defaults
 from .errors import RankFailureError, RankFencedError
 
 _C = load_extension()
 
-__all__ = ["MooncakeOptions", "env_defaults", "BACKEND_NAME", "RankFailureError", "RankFencedError"]
+__all__ = ["BACKEND_NAME", "MooncakeOptions", "RankFailureError", "RankFencedError", "env_defaults"]
 
 BACKEND_NAME = "mooncake"
 
-from ._backend import _create_backend, _register  # noqa: E402
+from ._backend import _register  # noqa: E402
 
 _register()
 
@@ -40,7 +41,9 @@ def backend_of(group=None):
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     be = pg._get_backend(_torch.device("cpu"))
     if not isinstance(be, _C.MooncakeBackend):
-        raise ValueError(f"backend_of: the group's CPU backend is {type(be).__name__}, not mooncake")
+        raise ValueError(
+            f"backend_of: the group's CPU backend is {type(be).__name__}, not mooncake"
+        )
     return be
 
 
@@ -75,7 +78,7 @@ def deactivate_ranks(group, ranks) -> None:
     backend_of(group).deactivate_ranks([int(r) for r in ranks])
 
 
-__all__ += ["get_active_ranks", "get_epoch", "get_failed_ranks", "deactivate_ranks"]
+__all__ += ["deactivate_ranks", "get_active_ranks", "get_epoch", "get_failed_ranks"]
 
 
 def get_pending_ranks(group=None) -> list:
@@ -127,7 +130,7 @@ def sync_state(module=None, optimizer=None, src=None, group=None, step=None):
     return _impl(module, optimizer, src, group, step)
 
 
-__all__ += ["get_pending_ranks", "recover_ranks", "is_joining", "join_group", "sync_state"]
+__all__ += ["get_pending_ranks", "is_joining", "join_group", "recover_ranks", "sync_state"]
 
 from .hardware import WITH_CUDA, WITH_RDMA, RdmaDevice, RdmaPort, rdma_devices  # noqa: E402
 

@@ -1,8 +1,6 @@
 """The creator torch.distributed calls for each ``mooncake`` group."""
-from __future__ import annotations
 
-import os
-from typing import Optional
+from __future__ import annotations
 
 import torch.distributed as dist
 
@@ -10,7 +8,7 @@ from . import _C
 from .config import MooncakeOptions, resolve
 from .transport_addr import listen_address
 
-_default_options: Optional[MooncakeOptions] = None
+_default_options: MooncakeOptions | None = None
 _pending_second = None  # (group prefix store, backend) awaiting the creator's call for "cuda"
 
 
@@ -32,7 +30,8 @@ def _create_backend(dist_opts, pg_options):
             return pending[1]
     if pg_options is not None and not isinstance(pg_options, MooncakeOptions):
         raise TypeError(
-            f"mooncake: pg_options must be mooncake_pg.MooncakeOptions, got {type(pg_options).__name__}")
+            f"mooncake: pg_options must be mooncake_pg.MooncakeOptions, got {type(pg_options).__name__}"
+        )
     is_default = not dist.is_initialized()  # the default group is created before it is registered
     explicit = pg_options is not None
     if pg_options is None:
@@ -47,13 +46,16 @@ def _create_backend(dist_opts, pg_options):
             raise ValueError(
                 f"mooncake: max_group_size ({settings['max_group_size']}) must equal the world size given "
                 f"to init_process_group ({dist_opts.group_size}); extension seats are seats of the world "
-                "that are not in active_ranks")
+                "that are not in active_ranks"
+            )
         is_recovery = settings["is_recovery"]
         if settings["active_ranks"] is not None:
             initial_active = list(settings["active_ranks"])
             if initial_active[-1] >= dist_opts.group_size:
-                raise ValueError(f"mooncake: active_ranks {initial_active} must lie in [0, world_size="
-                                 f"{dist_opts.group_size})")
+                raise ValueError(
+                    f"mooncake: active_ranks {initial_active} must lie in [0, world_size="
+                    f"{dist_opts.group_size})"
+                )
     else:
         default_be = _default_backend()
         if explicit and pg_options.is_recovery is not None:
@@ -68,13 +70,18 @@ def _create_backend(dist_opts, pg_options):
             if len(initial_active) == dist_opts.group_size:
                 initial_active = []
 
-    dead = sorted(set(_C.known_failed_global_ranks()) & set(global_ranks or range(dist_opts.group_size)))
+    dead = sorted(
+        set(_C.known_failed_global_ranks()) & set(global_ranks or range(dist_opts.group_size))
+    )
     if dead:
         from .errors import RankFailureError
 
         raise RankFailureError(
             f"mooncake: cannot create a group containing rank(s) {dead}: they were agreed failed "
-            "(recover them before creating groups that include them)", dead, 0)
+            "(recover them before creating groups that include them)",
+            dead,
+            0,
+        )
     cfg = _C.BackendConfig()
     if global_ranks:
         cfg.global_ranks = global_ranks

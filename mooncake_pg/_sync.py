@@ -2,6 +2,7 @@
 
 Only JSON metadata and tensors cross the wire: nothing is unpickled.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,7 +55,10 @@ def sync_state(module=None, optimizer=None, src=None, group=None, step=None):
                 entry = {}
                 for k, v in st.items():
                     if torch.is_tensor(v):
-                        entry[k] = {"tensor": list(v.shape), "dtype": str(v.dtype).replace("torch.", "")}
+                        entry[k] = {
+                            "tensor": list(v.shape),
+                            "dtype": str(v.dtype).replace("torch.", ""),
+                        }
                     else:
                         entry[k] = {"value": v}
                 meta["state"][str(idx)] = entry
@@ -64,8 +68,11 @@ def sync_state(module=None, optimizer=None, src=None, group=None, step=None):
             st = {}
             for k, d in entry.items():
                 if "tensor" in d:
-                    t = sd["state"][int(idx)][k].contiguous() if is_src else torch.empty(
-                        d["tensor"], dtype=getattr(torch, d["dtype"]))
+                    t = (
+                        sd["state"][int(idx)][k].contiguous()
+                        if is_src
+                        else torch.empty(d["tensor"], dtype=getattr(torch, d["dtype"]))
+                    )
                     dist.broadcast(t, src, group=group)
                     st[k] = t
                 else:

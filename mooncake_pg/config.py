@@ -17,13 +17,14 @@ Every ``MOONCAKE_*`` environment variable the process group reads is read here, 
 | ``MOONCAKE_CUDA_IPC`` | CUDA builds: ``0`` stages CUDA tensors through pinned host memory even when every rank is on one host (default: ``all_reduce``, ``broadcast``, ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` of CUDA tensors go through CUDA IPC there) | ``1`` |
 | ``MOONCAKE_FAULT_INJECT`` | tests only: ``OP:ROUND`` makes the process SIGKILL itself on collective number ``OP`` (0-based, per group) just before round ``ROUND`` | off |
 """
+
 from __future__ import annotations
 
 import dataclasses
 import os
 import socket
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Optional, Sequence
 
 _TRANSPORTS = ("auto", "shm", "tcp", "rdma")
 _POLICIES = ("raise", "mask", "manual")
@@ -69,15 +70,15 @@ class MooncakeOptions:
     """
 
     timeout: float | timedelta = 30.0
-    transport: Optional[str] = None
-    max_group_size: Optional[int] = None
-    active_ranks: Optional[Sequence[int]] = None
+    transport: str | None = None
+    max_group_size: int | None = None
+    active_ranks: Sequence[int] | None = None
     on_failure: str = "raise"
-    is_recovery: Optional[bool] = None
-    host_ip: Optional[str] = None
-    shm_slot_bytes: Optional[int] = None
-    debug: Optional[bool] = None
-    cuda_ipc: Optional[bool] = None
+    is_recovery: bool | None = None
+    host_ip: str | None = None
+    shm_slot_bytes: int | None = None
+    debug: bool | None = None
+    cuda_ipc: bool | None = None
 
     def __post_init__(self):
         if isinstance(self.timeout, timedelta):
@@ -85,22 +86,34 @@ class MooncakeOptions:
         if not (float(self.timeout) > 0):
             raise ValueError(f"MooncakeOptions: timeout must be > 0 seconds, got {self.timeout}")
         if self.transport is not None and self.transport not in _TRANSPORTS:
-            raise ValueError(f"MooncakeOptions: transport must be one of {_TRANSPORTS}, got {self.transport!r}")
+            raise ValueError(
+                f"MooncakeOptions: transport must be one of {_TRANSPORTS}, got {self.transport!r}"
+            )
         if self.on_failure not in _POLICIES:
-            raise ValueError(f"MooncakeOptions: on_failure must be one of {_POLICIES}, got {self.on_failure!r}")
+            raise ValueError(
+                f"MooncakeOptions: on_failure must be one of {_POLICIES}, got {self.on_failure!r}"
+            )
         if self.max_group_size is not None and self.max_group_size < 1:
-            raise ValueError(f"MooncakeOptions: max_group_size must be >= 1, got {self.max_group_size}")
+            raise ValueError(
+                f"MooncakeOptions: max_group_size must be >= 1, got {self.max_group_size}"
+            )
         if self.active_ranks is not None:
             ranks = [int(r) for r in self.active_ranks]
             if not ranks or any(r < 0 for r in ranks) or len(set(ranks)) != len(ranks):
-                raise ValueError("MooncakeOptions: active_ranks must be distinct non-negative seat "
-                                 f"numbers (at least one), got {list(self.active_ranks)}")
+                raise ValueError(
+                    "MooncakeOptions: active_ranks must be distinct non-negative seat "
+                    f"numbers (at least one), got {list(self.active_ranks)}"
+                )
             if self.max_group_size is not None and max(ranks) >= self.max_group_size:
-                raise ValueError(f"MooncakeOptions: active_ranks {ranks} must lie in [0, max_group_size="
-                                 f"{self.max_group_size})")
+                raise ValueError(
+                    f"MooncakeOptions: active_ranks {ranks} must lie in [0, max_group_size="
+                    f"{self.max_group_size})"
+                )
             self.active_ranks = sorted(ranks)
         if self.shm_slot_bytes is not None and self.shm_slot_bytes < 4096:
-            raise ValueError(f"MooncakeOptions: shm_slot_bytes must be >= 4096, got {self.shm_slot_bytes}")
+            raise ValueError(
+                f"MooncakeOptions: shm_slot_bytes must be >= 4096, got {self.shm_slot_bytes}"
+            )
 
 
 def _boot_id() -> str:
@@ -121,7 +134,7 @@ def _int_env(env, name: str, default: int, what: str = "bytes") -> int:
         raise ValueError(f"{name} must be an integer ({what}), got {raw!r}") from None
 
 
-def _opt_bool(value, name: str) -> Optional[bool]:
+def _opt_bool(value, name: str) -> bool | None:
     """An explicit boolean option: None (unset), a bool, or 0/1; strings such as "0"
     (which bool() would turn into True) raise."""
     if value is None or isinstance(value, bool):
@@ -144,7 +157,7 @@ def _ranks_env(env, name: str):
     return ranks
 
 
-def _flag(raw: Optional[str]) -> bool:
+def _flag(raw: str | None) -> bool:
     return (raw or "") not in ("", "0", "false", "False")
 
 
@@ -177,7 +190,7 @@ def env_defaults() -> dict:
     }
 
 
-def resolve(opts: Optional[MooncakeOptions]) -> dict:
+def resolve(opts: MooncakeOptions | None) -> dict:
     """Merge explicit options over the environment; returns plain values."""
     opts = opts or MooncakeOptions()
     env = env_defaults()
@@ -194,10 +207,16 @@ def resolve(opts: Optional[MooncakeOptions]) -> dict:
         "shm_slot_bytes": opts.shm_slot_bytes or env["shm_slot_bytes"],
         "on_failure": opts.on_failure,
         "max_group_size": opts.max_group_size,
-        "active_ranks": env["active_ranks"] if opts.active_ranks is None else list(opts.active_ranks),
-        "is_recovery": env["is_recovery"] if opts.is_recovery is None else _opt_bool(opts.is_recovery, "is_recovery"),
+        "active_ranks": env["active_ranks"]
+        if opts.active_ranks is None
+        else list(opts.active_ranks),
+        "is_recovery": env["is_recovery"]
+        if opts.is_recovery is None
+        else _opt_bool(opts.is_recovery, "is_recovery"),
         "fault_inject": env["fault_inject"],
         "rdma_device": env["rdma_device"],
         "rdma_gid_index": env["rdma_gid_index"],
-        "cuda_ipc": env["cuda_ipc"] if opts.cuda_ipc is None else _opt_bool(opts.cuda_ipc, "cuda_ipc"),
+        "cuda_ipc": env["cuda_ipc"]
+        if opts.cuda_ipc is None
+        else _opt_bool(opts.cuda_ipc, "cuda_ipc"),
     }

@@ -1,4 +1,5 @@
 """Errors of the ``mooncake`` process group."""
+
 from __future__ import annotations
 
 import torch.distributed as dist

@@ -4,10 +4,10 @@
 transport (``infiniband/verbs.h`` present at build time) and the CUDA parts
 (``MOONCAKE_WITH_CUDA=1``). :func:`rdma_devices` lists the NICs the verbs library sees.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Tuple
 
 from ._loader import load_extension
 
@@ -54,10 +54,10 @@ class RdmaDevice:
 
     name: str
     node_guid: str
-    ports: Tuple[RdmaPort, ...]
+    ports: tuple[RdmaPort, ...]
 
 
-def rdma_devices() -> List[RdmaDevice]:
+def rdma_devices() -> list[RdmaDevice]:
     """RDMA devices visible through libibverbs (``ibv_get_device_list``, ``ibv_query_port``,
     ``ibv_query_gid``). Returns ``[]`` on a machine without RDMA devices and on a build
     without the RDMA transport (see ``WITH_RDMA``); never raises for a missing device."""

@@ -33,6 +33,7 @@ SIGTERM stop every rank (SIGTERM to its process group, SIGKILL after
 128 + the signal number. The control store listens on ``--master-addr``
 (127.0.0.1 by default, so a one-node job is reachable from this host only).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,7 +46,6 @@ import socket
 import sys
 import time
 from datetime import timedelta
-from typing import Optional
 
 _PR_SET_PDEATHSIG = 1
 
@@ -59,44 +59,102 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="mooncake-run",
         description="Start the ranks of a fault-tolerant mooncake job on this node; a dead rank "
-                    "is respawned alone (MOONCAKE_IS_RECOVERY=1) and rejoins the running group.")
-    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1,
-                   help="ranks started on this node (default 1)")
+        "is respawned alone (MOONCAKE_IS_RECOVERY=1) and rejoins the running group.",
+    )
+    p.add_argument(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        type=int,
+        default=1,
+        help="ranks started on this node (default 1)",
+    )
     p.add_argument("--nnodes", type=int, default=1, help="number of nodes (static; default 1)")
-    p.add_argument("--node-rank", "--node_rank", type=int, default=0,
-                   help="this node's index in [0, nnodes); node 0 hosts the control store")
-    p.add_argument("--master-addr", "--master_addr", default="127.0.0.1",
-                   help="address of the control store, hosted by node 0's launcher (default 127.0.0.1)")
-    p.add_argument("--master-port", "--master_port", type=int, default=0,
-                   help="its port (default: a free port; required with --nnodes > 1)")
-    p.add_argument("--max-restarts", "--max_restarts", type=int, default=3,
-                   help="respawns allowed per rank (default 3)")
-    p.add_argument("--max-group-size", type=int, default=None,
-                   help="seats of the group (world size); seats beyond nnodes*nproc-per-node are "
-                        "extension seats, filled later by processes started with is_recovery=True")
-    p.add_argument("--monitor-interval", "--monitor_interval", type=float, default=0.1,
-                   help="seconds between checks of the ranks (default 0.1)")
-    p.add_argument("--shutdown-grace", type=float, default=5.0,
-                   help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)")
-    p.add_argument("--log-dir", "--log_dir", default=None,
-                   help="write each rank's stdout/stderr to DIR/rank<r>.<attempt>.{out,err} "
-                        "(default: inherit this terminal)")
-    p.add_argument("--sidecar", action="append", default=[], metavar="CMD",
-                   help="a further process started with the ranks but outside the group (e.g. a "
-                        "rollout worker; shell-style words, run as is); it gets MASTER_ADDR/"
-                        "MASTER_PORT and SIDECAR_INDEX, is not respawned, and a non-zero exit "
-                        "fails the run; repeatable")
-    p.add_argument("--store-timeout", type=float, default=300.0,
-                   help="seconds a rank's control-store call may wait (default 300)")
-    p.add_argument("-m", "--module", action="store_true",
-                   help="run the script as a Python module (python -m)")
-    p.add_argument("--no-python", "--no_python", action="store_true",
-                   help="run the script as an executable, not through Python")
+    p.add_argument(
+        "--node-rank",
+        "--node_rank",
+        type=int,
+        default=0,
+        help="this node's index in [0, nnodes); node 0 hosts the control store",
+    )
+    p.add_argument(
+        "--master-addr",
+        "--master_addr",
+        default="127.0.0.1",
+        help="address of the control store, hosted by node 0's launcher (default 127.0.0.1)",
+    )
+    p.add_argument(
+        "--master-port",
+        "--master_port",
+        type=int,
+        default=0,
+        help="its port (default: a free port; required with --nnodes > 1)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        type=int,
+        default=3,
+        help="respawns allowed per rank (default 3)",
+    )
+    p.add_argument(
+        "--max-group-size",
+        type=int,
+        default=None,
+        help="seats of the group (world size); seats beyond nnodes*nproc-per-node are "
+        "extension seats, filled later by processes started with is_recovery=True",
+    )
+    p.add_argument(
+        "--monitor-interval",
+        "--monitor_interval",
+        type=float,
+        default=0.1,
+        help="seconds between checks of the ranks (default 0.1)",
+    )
+    p.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=5.0,
+        help="seconds between SIGTERM and SIGKILL when stopping ranks (default 5)",
+    )
+    p.add_argument(
+        "--log-dir",
+        "--log_dir",
+        default=None,
+        help="write each rank's stdout/stderr to DIR/rank<r>.<attempt>.{out,err} "
+        "(default: inherit this terminal)",
+    )
+    p.add_argument(
+        "--sidecar",
+        action="append",
+        default=[],
+        metavar="CMD",
+        help="a further process started with the ranks but outside the group (e.g. a "
+        "rollout worker; shell-style words, run as is); it gets MASTER_ADDR/"
+        "MASTER_PORT and SIDECAR_INDEX, is not respawned, and a non-zero exit "
+        "fails the run; repeatable",
+    )
+    p.add_argument(
+        "--store-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a rank's control-store call may wait (default 300)",
+    )
+    p.add_argument(
+        "-m", "--module", action="store_true", help="run the script as a Python module (python -m)"
+    )
+    p.add_argument(
+        "--no-python",
+        "--no_python",
+        action="store_true",
+        help="run the script as an executable, not through Python",
+    )
     p.add_argument("script", help="the training script (or module / executable)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     a = p.parse_args(argv)
     if a.nproc_per_node < 1 or a.nnodes < 1:
-        p.error(f"--nproc-per-node and --nnodes must be >= 1, got {a.nproc_per_node} and {a.nnodes}")
+        p.error(
+            f"--nproc-per-node and --nnodes must be >= 1, got {a.nproc_per_node} and {a.nnodes}"
+        )
     if not 0 <= a.node_rank < a.nnodes:
         p.error(f"--node-rank must lie in [0, nnodes={a.nnodes}), got {a.node_rank}")
     if a.nnodes > 1 and a.master_port == 0:
@@ -109,7 +167,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--max-restarts must be >= 0, got {a.max_restarts}")
     founders = a.nnodes * a.nproc_per_node
     if a.max_group_size is not None and a.max_group_size < founders:
-        p.error(f"--max-group-size ({a.max_group_size}) must be >= nnodes * nproc-per-node ({founders})")
+        p.error(
+            f"--max-group-size ({a.max_group_size}) must be >= nnodes * nproc-per-node ({founders})"
+        )
     if a.module and a.no_python:
         p.error("--module and --no-python exclude each other")
     return a
@@ -140,8 +200,16 @@ def _host_control_store(addr: str, port: int, timeout: float):
     sock.bind(sockaddr)
     sock.listen(128)
     port = sock.getsockname()[1]
-    store = dist.TCPStore(addr, port, None, True, timedelta(seconds=timeout), wait_for_workers=False,
-                          master_listen_fd=sock.detach(), use_libuv=False)
+    store = dist.TCPStore(
+        addr,
+        port,
+        None,
+        True,
+        timedelta(seconds=timeout),
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+        use_libuv=False,
+    )
     return store, port
 
 
@@ -152,22 +220,27 @@ class Launcher:
         self.world_size = args.max_group_size or self.founders
         self.procs: dict[int, RankProcess] = {}
         self.restarts: dict[int, int] = {}
-        self.failed: dict[int, int] = {}    # rank -> exit code, out of restarts
-        self.exited: dict[int, int] = {}    # rank -> 0
+        self.failed: dict[int, int] = {}  # rank -> exit code, out of restarts
+        self.exited: dict[int, int] = {}  # rank -> 0
         self.store = None
         self.port = args.master_port
         self._stopping = False
-        self.sidecars: dict[int, object] = {}   # index -> SubprocessHandler
+        self.sidecars: dict[int, object] = {}  # index -> SubprocessHandler
         self.sidecar_failed: dict[int, int] = {}
 
     # -- environment of one rank
     def _env(self, rank: int, local_rank: int, attempt: int) -> dict:
         a = self.args
         env = {
-            "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(self.world_size),
-            "LOCAL_WORLD_SIZE": str(a.nproc_per_node), "GROUP_RANK": str(a.node_rank),
-            "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(self.world_size),
-            "MASTER_ADDR": a.master_addr, "MASTER_PORT": str(self.port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(a.nproc_per_node),
+            "GROUP_RANK": str(a.node_rank),
+            "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(self.world_size),
+            "MASTER_ADDR": a.master_addr,
+            "MASTER_PORT": str(self.port),
             "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCHELASTIC_RESTART_COUNT": str(attempt),
             "TORCHELASTIC_MAX_RESTARTS": str(a.max_restarts),
@@ -189,8 +262,12 @@ class Launcher:
             entry, argv = sys.executable, ["-u", "-m", a.script, *a.script_args]
         else:
             entry, argv = sys.executable, ["-u", a.script, *a.script_args]
-        h = self._handler(entry, argv, self._env(rank, local_rank, attempt), f"rank{rank}.{attempt}", local_rank)
-        return RankProcess(rank=rank, local_rank=local_rank, attempt=attempt, handler=h, started=time.monotonic())
+        h = self._handler(
+            entry, argv, self._env(rank, local_rank, attempt), f"rank{rank}.{attempt}", local_rank
+        )
+        return RankProcess(
+            rank=rank, local_rank=local_rank, attempt=attempt, handler=h, started=time.monotonic()
+        )
 
     def _handler(self, entry: str, argv: list, env: dict, log_name: str, local_rank: int):
         from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
@@ -202,9 +279,13 @@ class Launcher:
 
                 libc = ctypes.CDLL(None, use_errno=True)
                 return subprocess.Popen(
-                    args=args, env=env, stdout=self._stdout, stderr=self._stderr,
+                    args=args,
+                    env=env,
+                    stdout=self._stdout,
+                    stderr=self._stderr,
                     start_new_session=True,
-                    preexec_fn=lambda: libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0))
+                    preexec_fn=lambda: libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0),
+                )
 
         a = self.args
         out = err = None
@@ -218,9 +299,13 @@ class Launcher:
     def start(self) -> None:
         a = self.args
         if a.node_rank == 0:
-            self.store, self.port = _host_control_store(a.master_addr, a.master_port, a.store_timeout)
-            _log(f"control store on {a.master_addr}:{self.port}; world size {self.world_size} "
-                 f"({self.founders} founding seats), max {a.max_restarts} restarts per rank")
+            self.store, self.port = _host_control_store(
+                a.master_addr, a.master_port, a.store_timeout
+            )
+            _log(
+                f"control store on {a.master_addr}:{self.port}; world size {self.world_size} "
+                f"({self.founders} founding seats), max {a.max_restarts} restarts per rank"
+            )
         for local in range(a.nproc_per_node):
             rank = a.node_rank * a.nproc_per_node + local
             self.restarts[rank] = 0
@@ -229,8 +314,13 @@ class Launcher:
             words = shlex.split(cmd)
             if not words:
                 raise ValueError(f"mooncake-run: --sidecar {cmd!r} is empty")
-            env = {"MASTER_ADDR": a.master_addr, "MASTER_PORT": str(self.port), "SIDECAR_INDEX": str(i),
-                   "TORCHELASTIC_USE_AGENT_STORE": "True", "PYTHONUNBUFFERED": "1"}
+            env = {
+                "MASTER_ADDR": a.master_addr,
+                "MASTER_PORT": str(self.port),
+                "SIDECAR_INDEX": str(i),
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "PYTHONUNBUFFERED": "1",
+            }
             self.sidecars[i] = self._handler(words[0], words[1:], env, f"sidecar{i}", 0)
 
     def poll_once(self) -> None:
@@ -248,7 +338,7 @@ class Launcher:
                 continue
             del self.procs[rank]
             try:
-                p.handler.close(signal.SIGKILL)   # the rank's leftover children, if any
+                p.handler.close(signal.SIGKILL)  # the rank's leftover children, if any
             except ProcessLookupError:
                 pass
             if rc == 0:
@@ -260,12 +350,16 @@ class Launcher:
                 continue
             if self.restarts[rank] >= self.args.max_restarts:
                 self.failed[rank] = rc
-                _log(f"rank {rank} died ({how}) after {self.restarts[rank]} restarts; not respawned "
-                     f"(--max-restarts {self.args.max_restarts})")
+                _log(
+                    f"rank {rank} died ({how}) after {self.restarts[rank]} restarts; not respawned "
+                    f"(--max-restarts {self.args.max_restarts})"
+                )
                 continue
             self.restarts[rank] += 1
-            _log(f"rank {rank} died ({how}); respawning it alone (restart {self.restarts[rank]}/"
-                 f"{self.args.max_restarts}, MOONCAKE_IS_RECOVERY=1)")
+            _log(
+                f"rank {rank} died ({how}); respawning it alone (restart {self.restarts[rank]}/"
+                f"{self.args.max_restarts}, MOONCAKE_IS_RECOVERY=1)"
+            )
             self.procs[rank] = self._spawn(rank, p.local_rank, self.restarts[rank])
 
     def run(self, tick=None) -> int:
@@ -283,8 +377,10 @@ class Launcher:
             what += [f"sidecars {sorted(self.sidecar_failed)}"] if self.sidecar_failed else []
             _log(f"finished: {' and '.join(what)} failed for good; exit 1")
             return 1
-        _log(f"finished: all {len(self.exited)} ranks exited 0 "
-             f"({sum(self.restarts.values())} restarts)")
+        _log(
+            f"finished: all {len(self.exited)} ranks exited 0 "
+            f"({sum(self.restarts.values())} restarts)"
+        )
         return 0
 
     def stop(self, why: str) -> None:
@@ -310,7 +406,7 @@ class Launcher:
         self.sidecars.clear()
 
 
-def main(argv: Optional[list] = None, tick=None) -> int:
+def main(argv: list | None = None, tick=None) -> int:
     """``mooncake-run``'s entry point; ``tick`` as in :meth:`Launcher.run`."""
     args = parse_args(argv)
     launcher = Launcher(args)
@@ -327,7 +423,10 @@ def main(argv: Optional[list] = None, tick=None) -> int:
         return launcher.run(tick)
     except KeyboardInterrupt:
         signum = got.get("sig", signal.SIGINT)
-        for sig in (signal.SIGTERM, signal.SIGINT):   # a second signal does not cut the shutdown short
+        for sig in (
+            signal.SIGTERM,
+            signal.SIGINT,
+        ):  # a second signal does not cut the shutdown short
             signal.signal(sig, signal.SIG_IGN)
         launcher.stop(f"interrupted ({signal.Signals(signum).name})")
         return 128 + int(signum)
@@ -336,15 +435,19 @@ def main(argv: Optional[list] = None, tick=None) -> int:
         raise
 
 
-def demo_main(argv: Optional[list] = None) -> int:
+def demo_main(argv: list | None = None) -> int:
     """``mooncake-demo``: runs ``examples/moe_rl_demo.py`` of this checkout (the main job;
     see its docstring) with ``argv``."""
     import runpy
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "moe_rl_demo.py")
+    path = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "moe_rl_demo.py"
+    )
     if not os.path.exists(path):
-        _log(f"mooncake-demo: {path} not found (the demo runs from a source checkout, installed with "
-             "pip install --no-build-isolation -e .)")
+        _log(
+            f"mooncake-demo: {path} not found (the demo runs from a source checkout, installed with "
+            "pip install --no-build-isolation -e .)"
+        )
         return 2
     sys.argv = [path, *(sys.argv[1:] if argv is None else argv)]
     try:

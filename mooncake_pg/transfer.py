@@ -21,9 +21,10 @@ peer refused an op (unknown region, out of bounds) and closed that connection. B
 arguments (a port outside 1..65535, a negative offset or length, a region id that is not
 a 32-bit number) raise ``ValueError`` before anything is sent.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from . import _C
 
@@ -64,7 +65,9 @@ class TransferEngine:
             raise RuntimeError("TransferEngine::register_memory: engine is closed")
         mv = memoryview(buffer)
         if mv.readonly or not mv.contiguous:
-            raise ValueError("TransferEngine.register_memory: buffer must be writable and contiguous")
+            raise ValueError(
+                "TransferEngine.register_memory: buffer must be writable and contiguous"
+            )
         region = self._te.register_memory(mv.cast("B"))
         self._keep[region] = mv
         return region
@@ -76,21 +79,28 @@ class TransferEngine:
         if mv is not None:
             mv.release()
 
-    def batch_write(self, host: str, port: int, region: int, offsets: Sequence[int], buffers: Sequence) -> None:
+    def batch_write(
+        self, host: str, port: int, region: int, offsets: Sequence[int], buffers: Sequence
+    ) -> None:
         """Writes ``buffers[i]`` at ``offsets[i]`` of the peer's region (bytes)."""
         offsets = _check_peer_op("batch_write", host, port, region, offsets)
         self._te.batch_write(host, port, region, offsets, list(buffers))
 
-    def batch_read(self, host: str, port: int, region: int, offsets: Sequence[int], buffers: Sequence) -> None:
+    def batch_read(
+        self, host: str, port: int, region: int, offsets: Sequence[int], buffers: Sequence
+    ) -> None:
         """Fills each writable ``buffers[i]`` from ``offsets[i]`` of the peer's region."""
         offsets = _check_peer_op("batch_read", host, port, region, offsets)
         self._te.batch_read(host, port, region, offsets, list(buffers))
 
-    def batch_read_bytes(self, host: str, port: int, region: int, offsets: Sequence[int],
-                         lens: Sequence[int]) -> list:
+    def batch_read_bytes(
+        self, host: str, port: int, region: int, offsets: Sequence[int], lens: Sequence[int]
+    ) -> list:
         """Reads ``lens[i]`` bytes at ``offsets[i]`` of the peer's region into new ``bytes``."""
         offsets = _check_peer_op("batch_read_bytes", host, port, region, offsets)
-        lens = _check_counts("batch_read_bytes", "lens", lens, bits=63)  # a bytes object's largest size
+        lens = _check_counts(
+            "batch_read_bytes", "lens", lens, bits=63
+        )  # a bytes object's largest size
         return self._te.batch_read_bytes(host, port, region, offsets, lens)
 
     def close(self) -> None:
@@ -106,7 +116,9 @@ def _check_counts(op: str, what: str, values: Sequence, bits: int = 64) -> list:
     values = list(values)
     for v in values:
         if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 1 << bits:
-            raise ValueError(f"TransferEngine.{op}: {what} must be whole numbers of bytes in 0..2**{bits}-1, got {v!r}")
+            raise ValueError(
+                f"TransferEngine.{op}: {what} must be whole numbers of bytes in 0..2**{bits}-1, got {v!r}"
+            )
     return values
 
 
@@ -118,7 +130,9 @@ def _check_peer_op(op: str, host, port, region, offsets) -> list:
     if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
         raise ValueError(f"TransferEngine.{op}: port must be 1..65535, got {port!r}")
     if not isinstance(region, int) or isinstance(region, bool) or not 0 <= region < 1 << 32:
-        raise ValueError(f"TransferEngine.{op}: region must be a region id in 0..2**32-1, got {region!r}")
+        raise ValueError(
+            f"TransferEngine.{op}: region must be a region id in 0..2**32-1, got {region!r}"
+        )
     return _check_counts(op, "offsets", offsets)
 
 

@@ -9,6 +9,7 @@ listed kernel (a device helper); otherwise this fails naming it.
 Usage: ``python scripts/triton_aot.py [--json OUT] [--arch 90]``; exit status 0 when every
 kernel compiled to a cubin for the target. Prints one line per kernel with its time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,35 +26,50 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability (default 90)")
-    ap.add_argument("--module", default="mooncake_ep.triton_kernels",
-                    help="module holding the kernels and AOT_SIGNATURES (default mooncake_ep.triton_kernels)")
+    ap.add_argument(
+        "--module",
+        default="mooncake_ep.triton_kernels",
+        help="module holding the kernels and AOT_SIGNATURES (default mooncake_ep.triton_kernels)",
+    )
     args = ap.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "0")  # as the tests compile them
     # a fresh cache: every kernel is really compiled, not read back from ~/.triton
     import tempfile
+
     cache = tempfile.TemporaryDirectory(prefix="mooncake-triton-aot-")
     os.environ["TRITON_CACHE_DIR"] = cache.name
+
+    import importlib
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
-    import importlib
-
     tk = importlib.import_module(args.module)
 
     jitted = {name: obj for name, obj in vars(tk).items() if isinstance(obj, JITFunction)}
     listed = {id(fn) for fn, _, _ in tk.AOT_SIGNATURES.values()}
     listed_src = "\n".join(inspect.getsource(fn.fn) for fn, _, _ in tk.AOT_SIGNATURES.values())
-    missing = [name for name, fn in jitted.items() if id(fn) not in listed and f"{name}(" not in listed_src]
-    res = {"triton": triton.__version__, "target": f"cuda:{args.arch}", "kernels": {}, "helpers": [],
-           "missing": missing}
-    res["helpers"] = sorted(n for n, fn in jitted.items() if id(fn) not in listed and n not in missing)
+    missing = [
+        name for name, fn in jitted.items() if id(fn) not in listed and f"{name}(" not in listed_src
+    ]
+    res = {
+        "triton": triton.__version__,
+        "target": f"cuda:{args.arch}",
+        "kernels": {},
+        "helpers": [],
+        "missing": missing,
+    }
+    res["helpers"] = sorted(
+        n for n, fn in jitted.items() if id(fn) not in listed and n not in missing
+    )
     ok = not missing
     for name in missing:
-        print(f"[triton-aot] MISSING: @triton.jit {name} is neither in AOT_SIGNATURES nor called by a listed kernel")
+        print(
+            f"[triton-aot] MISSING: @triton.jit {name} is neither in AOT_SIGNATURES nor called by a listed kernel"
+        )
     target = GPUTarget("cuda", args.arch, 32)
     for name, (fn, sig, cx) in tk.AOT_SIGNATURES.items():
         t0 = time.perf_counter()
@@ -61,16 +77,28 @@ def main(argv=None) -> int:
             k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx), target=target)
             cubin = len(k.asm.get("cubin", b""))
             good = cubin > 0 and f".target sm_{args.arch}" in k.asm.get("ptx", "")
-            entry = {"cubin_bytes": cubin, "ok": good, "seconds": round(time.perf_counter() - t0, 2)}
+            entry = {
+                "cubin_bytes": cubin,
+                "ok": good,
+                "seconds": round(time.perf_counter() - t0, 2),
+            }
         except Exception as e:  # report every kernel, then fail
-            entry = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000], "seconds": round(time.perf_counter() - t0, 2)}
+            entry = {
+                "ok": False,
+                "error": f"{type(e).__name__}: {e}"[:2000],
+                "seconds": round(time.perf_counter() - t0, 2),
+            }
         ok = ok and entry["ok"]
         res["kernels"][name] = entry
-        print(f"[triton-aot] {name:18s} {'ok' if entry['ok'] else 'FAILED'} {entry['seconds']:6.2f} s "
-              f"{entry.get('cubin_bytes', '')} {entry.get('error', '')}")
+        print(
+            f"[triton-aot] {name:18s} {'ok' if entry['ok'] else 'FAILED'} {entry['seconds']:6.2f} s "
+            f"{entry.get('cubin_bytes', '')} {entry.get('error', '')}"
+        )
     res["ok"] = ok
-    print(f"[triton-aot] triton {triton.__version__}, {len(res['kernels'])} kernels, helpers {res['helpers']}: "
-          f"{'ok' if ok else 'FAILED'}")
+    print(
+        f"[triton-aot] triton {triton.__version__}, {len(res['kernels'])} kernels, helpers {res['helpers']}: "
+        f"{'ok' if ok else 'FAILED'}"
+    )
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

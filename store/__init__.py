@@ -11,21 +11,79 @@ On top of it: :class:`WeightSync` (versioned weights, trainer -> rollout, atomic
 reader) and :class:`GroupWeightSync` (the same over a process group, atomic for the
 group) in ``weight_sync.py``; :class:`KVCacheStore` (prefix K/V chunks) in ``kvcache.py``.
 """
-from .client import MooncakeStore, Placement, StoreStats
-from .config import KVCacheConfig, MasterConfig, ReplicateConfig, StoreConfig, WeightSyncConfig, env_defaults
-from .errors import (AuthError, LeaseExpiredError, NoSpaceError, NotLeaderError, ObjectExistsError,
-                     ObjectHasLeaseError, ObjectNotFoundError, ProtocolError, PutLostError, ReplicaShortfallError,
-                     StaleVersionError, StoreError, TransferError, WeightSyncAbortedError)
-from .kvcache import KVCacheStats, KVCacheStore, KVGetResult, KVPutResult, chunk_hashes
-from .weight_sync import GroupSyncResult, GroupWeightSync, PublishResult, PullResult, WeightSync, tensor_digest
 
-__all__ = ["MooncakeStore", "Placement", "StoreStats", "Master", "MasterConfig", "ReplicateConfig", "StoreConfig", "env_defaults",
-           "StoreError", "ObjectExistsError", "ObjectNotFoundError", "LeaseExpiredError", "ObjectHasLeaseError",
-           "ReplicaShortfallError", "NoSpaceError", "TransferError", "ProtocolError", "AuthError", "NotLeaderError",
-           "PutLostError",
-           "StaleVersionError", "WeightSyncAbortedError", "WeightSyncConfig", "WeightSync", "GroupWeightSync",
-           "PublishResult", "PullResult", "GroupSyncResult", "tensor_digest",
-           "KVCacheStore", "KVCacheConfig", "KVCacheStats", "KVPutResult", "KVGetResult", "chunk_hashes"]
+from .client import MooncakeStore, Placement, StoreStats
+from .config import (
+    KVCacheConfig,
+    MasterConfig,
+    ReplicateConfig,
+    StoreConfig,
+    WeightSyncConfig,
+    env_defaults,
+)
+from .errors import (
+    AuthError,
+    LeaseExpiredError,
+    NoSpaceError,
+    NotLeaderError,
+    ObjectExistsError,
+    ObjectHasLeaseError,
+    ObjectNotFoundError,
+    ProtocolError,
+    PutLostError,
+    ReplicaShortfallError,
+    StaleVersionError,
+    StoreError,
+    TransferError,
+    WeightSyncAbortedError,
+)
+from .kvcache import KVCacheStats, KVCacheStore, KVGetResult, KVPutResult, chunk_hashes
+from .weight_sync import (
+    GroupSyncResult,
+    GroupWeightSync,
+    PublishResult,
+    PullResult,
+    WeightSync,
+    tensor_digest,
+)
+
+__all__ = [
+    "AuthError",
+    "GroupSyncResult",
+    "GroupWeightSync",
+    "KVCacheConfig",
+    "KVCacheStats",
+    "KVCacheStore",
+    "KVGetResult",
+    "KVPutResult",
+    "LeaseExpiredError",
+    "Master",
+    "MasterConfig",
+    "MooncakeStore",
+    "NoSpaceError",
+    "NotLeaderError",
+    "ObjectExistsError",
+    "ObjectHasLeaseError",
+    "ObjectNotFoundError",
+    "Placement",
+    "ProtocolError",
+    "PublishResult",
+    "PullResult",
+    "PutLostError",
+    "ReplicaShortfallError",
+    "ReplicateConfig",
+    "StaleVersionError",
+    "StoreConfig",
+    "StoreError",
+    "StoreStats",
+    "TransferError",
+    "WeightSync",
+    "WeightSyncAbortedError",
+    "WeightSyncConfig",
+    "chunk_hashes",
+    "env_defaults",
+    "tensor_digest",
+]
 
 
 def __getattr__(name):

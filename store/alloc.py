@@ -3,6 +3,7 @@
 Free blocks are kept twice: sorted by (size, offset) for best-fit lookup by bisection,
 and by start and end offset for coalescing on free. Sizes are rounded up to ``ALIGN``.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -74,7 +75,9 @@ class Allocator:
         pos = self.base
         for off, n in sorted((o, aligned(s)) for o, s in used if s > 0):
             if off < pos or off + n > self.base + self.size:
-                raise ValueError(f"allocation [{off}, {off + n}) overlaps another or leaves the segment")
+                raise ValueError(
+                    f"allocation [{off}, {off + n}) overlaps another or leaves the segment"
+                )
             if off > pos:
                 self._insert(pos, off - pos)
             pos = off + n

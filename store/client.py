@@ -5,6 +5,7 @@ master places objects in segments; data moves from client to client: segments of
 same host are mapped and copied directly, others go through the TCP transfer engine
 (``mooncake_pg.transfer.TransferEngine``).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -17,25 +18,40 @@ import threading
 import time
 import uuid
 import weakref
-from typing import NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import msgpack
 
 from . import protocol, ssd
-from .config import MasterConfig, ReplicateConfig, StoreConfig, _parse_hostport
 from .alloc import aligned
+from .config import MasterConfig, ReplicateConfig, StoreConfig, _parse_hostport
 from .core import SEG_HEADER
-from .errors import (LeaseExpiredError, NoSpaceError, NotLeaderError, ObjectNotFoundError, ProtocolError,
-                     PutLostError, StoreError, TransferError, UnknownClientError, from_code)
+from .errors import (
+    LeaseExpiredError,
+    NoSpaceError,
+    NotLeaderError,
+    ObjectNotFoundError,
+    ProtocolError,
+    PutLostError,
+    StoreError,
+    TransferError,
+    UnknownClientError,
+    from_code,
+)
 from .segment import LocalSegment, SegmentCache, tune_malloc
 
 log = logging.getLogger("mooncake_store")
 
 _DEFAULT_REPLICATE = ReplicateConfig()
 _NOSPACE_RETRY_S = 6.0  # a new leader evicts nothing for lease_ttl_s (5 s by default)
-_LOAD_STALL_S = 1.0  # a batch read waiting for SSD loads on another host gives up this long after the last one
+_LOAD_STALL_S = (
+    1.0  # a batch read waiting for SSD loads on another host gives up this long after the last one
+)
 _RESV_IDLE_S = 3.0  # a put reservation unused this long goes back to the master
-_RESV_REFUSED_S = 1.0  # after the master refused (or took back) a reservation, no new request this long
+_RESV_REFUSED_S = (
+    1.0  # after the master refused (or took back) a reservation, no new request this long
+)
 _WARM_IDLE_S = 0.5  # a reservation unused this long is warmed up again before its next put (_warm)
 _WARM_MAX_PUT = 4 << 20  # puts from this size on copy with two threads and warm nothing (_warm)
 _FAST_COPY_BYTES = 64 << 10  # copies from this size on go through the parallel C++ copy
@@ -54,7 +70,9 @@ def _as_bytes_view(value, what="value") -> memoryview:
     try:
         mv = memoryview(value)
     except TypeError:
-        raise ValueError(f"{what} must be bytes-like or a tensor, got {type(value).__name__}") from None
+        raise ValueError(
+            f"{what} must be bytes-like or a tensor, got {type(value).__name__}"
+        ) from None
     if not mv.contiguous:
         raise ValueError(f"{what} must be contiguous")
     return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
@@ -83,7 +101,11 @@ def _writable_view(buffer, op="get_into") -> memoryview:
     if _is_tensor(buffer):
         import torch
 
-        if buffer.device.type != "cpu" or buffer.layout != torch.strided or not buffer.is_contiguous():
+        if (
+            buffer.device.type != "cpu"
+            or buffer.layout != torch.strided
+            or not buffer.is_contiguous()
+        ):
             raise ValueError(f"{op}: buffer tensor must be a dense contiguous CPU tensor")
         if buffer.numel() == 0:
             return memoryview(bytearray(0))
@@ -91,7 +113,9 @@ def _writable_view(buffer, op="get_into") -> memoryview:
     try:
         mv = memoryview(buffer)
     except TypeError:
-        raise ValueError(f"{op}: buffer must be a writable bytes-like object or tensor, got {type(buffer).__name__}") from None
+        raise ValueError(
+            f"{op}: buffer must be a writable bytes-like object or tensor, got {type(buffer).__name__}"
+        ) from None
     if mv.readonly:
         raise ValueError(f"{op}: buffer is read-only")
     if not mv.contiguous:
@@ -114,10 +138,14 @@ def _check_key(key, op: str) -> str:
         try:
             n = len(key.encode())
         except UnicodeEncodeError as e:  # a lone surrogate (e.g. from os.fsdecode of bad bytes)
-            raise ValueError(f"{op}: key must be valid Unicode text (encodable as UTF-8); it has a lone surrogate "
-                             f"{key[e.start]!r} at index {e.start}: {_short(key)}") from None
+            raise ValueError(
+                f"{op}: key must be valid Unicode text (encodable as UTF-8); it has a lone surrogate "
+                f"{key[e.start]!r} at index {e.start}: {_short(key)}"
+            ) from None
     if n > 4096:
-        raise ValueError(f"{op}: key must be at most 4096 bytes of UTF-8, got {n} bytes: {_short(key)}")
+        raise ValueError(
+            f"{op}: key must be at most 4096 bytes of UTF-8, got {n} bytes: {_short(key)}"
+        )
     return key
 
 
@@ -129,13 +157,17 @@ def _check_keys(keys, op: str, *, repeats: bool = False) -> list:
     try:
         keys = list(keys)
     except TypeError:
-        raise ValueError(f"{op}: keys must be a sequence of str, got {type(keys).__name__}") from None
+        raise ValueError(
+            f"{op}: keys must be a sequence of str, got {type(keys).__name__}"
+        ) from None
     keys = [_check_key(k, op) for k in keys]
     if not repeats and len(set(keys)) != len(keys):
         seen: set = set()
         dup = next(k for k in keys if k in seen or seen.add(k))
-        raise ValueError(f"{op}: key {_short(dup)} repeats within one batch (each key may be written or removed "
-                         "once per call)")
+        raise ValueError(
+            f"{op}: key {_short(dup)} repeats within one batch (each key may be written or removed "
+            "once per call)"
+        )
     return keys
 
 
@@ -203,7 +235,7 @@ class StoreStats:
 class _Reservation:
     """Segment space the master reserved for this client's next puts (``Core.reserve``)."""
 
-    __slots__ = ("seg", "off", "left", "desc", "pref", "session", "used_at", "valid_until")
+    __slots__ = ("desc", "left", "off", "pref", "seg", "session", "used_at", "valid_until")
 
     def __init__(self, seg, off, left, desc, pref, session, used_at, valid_until=float("inf")):
         self.seg, self.off, self.left, self.desc = seg, off, left, desc
@@ -238,18 +270,28 @@ def _batch_result(keys: list, out: list, deadline: float, return_exceptions: boo
     """A batch read's results: every read that ended after the lease becomes a
     ``LeaseExpiredError``; the first error is raised unless ``return_exceptions``."""
     if time.monotonic() > deadline:
-        out = [o if isinstance(o, BaseException) else LeaseExpiredError(f"the read of {k!r} outlasted its lease")
-               for k, o in zip(keys, out)]
+        out = [
+            o
+            if isinstance(o, BaseException)
+            else LeaseExpiredError(f"the read of {k!r} outlasted its lease")
+            for k, o in zip(keys, out)
+        ]
     if not return_exceptions:
         _raise_first(out)
     return out
 
 
 class _Obj:
-    __slots__ = ("key", "size", "version", "meta", "replicas")
+    __slots__ = ("key", "meta", "replicas", "size", "version")
 
     def __init__(self, key, size, version, meta, replicas):
-        self.key, self.size, self.version, self.meta, self.replicas = key, size, version, meta, replicas
+        self.key, self.size, self.version, self.meta, self.replicas = (
+            key,
+            size,
+            version,
+            meta,
+            replicas,
+        )
 
 
 def _check_force(force, op: str):
@@ -284,7 +326,7 @@ class MooncakeStore:
     Raises ``ValueError`` for bad options; ``StoreError`` if no master answers.
     """
 
-    def __init__(self, config: Optional[StoreConfig] = None, **kw):
+    def __init__(self, config: StoreConfig | None = None, **kw):
         if config is not None and kw:
             raise ValueError("pass either a StoreConfig or keyword options, not both")
         cfg = (config or StoreConfig(**kw)).resolved()
@@ -294,11 +336,13 @@ class MooncakeStore:
         self.client_id = uuid.uuid4().hex
         self._lock = threading.RLock()
         self._closed = False
-        self._conn: Optional[protocol.Connection] = None
+        self._conn: protocol.Connection | None = None
         self._etcd = None
-        self._etcd_error: Optional[str] = None  # why etcd could not be asked who leads, when it could not
+        self._etcd_error: str | None = (
+            None  # why etcd could not be asked who leads, when it could not
+        )
         self._embedded = None
-        self._segment: Optional[LocalSegment] = None
+        self._segment: LocalSegment | None = None
         self._te = None
         self._te_region = None
         self._maps = SegmentCache(prefault=cfg.prefault)
@@ -307,19 +351,26 @@ class MooncakeStore:
         self._ro_maps = SegmentCache(prefault=cfg.prefault, readonly=True)  # for _local_views
         self._fast = None  # mooncake_pg.transfer (parallel C++ copies) when loaded
         self._lease_ttl = 5.0
-        self._client_ttl = 5.0  # the master's client_ttl_s (from register): heartbeats must reach it within
+        self._client_ttl = (
+            5.0  # the master's client_ttl_s (from register): heartbeats must reach it within
+        )
         self._epoch = -1
         # one-round-trip puts (Core.reserve / Core.put): the reservation this client fills
-        self._resv: Optional[_Reservation] = None
-        self._resv_lock = threading.Lock()  # held from placing a put in the reservation to its commit
-        self._resv_refused = (0.0, 0)  # (until when, for requests of at least how many bytes) not to ask again
+        self._resv: _Reservation | None = None
+        self._resv_lock = (
+            threading.Lock()
+        )  # held from placing a put in the reservation to its commit
+        self._resv_refused = (
+            0.0,
+            0,
+        )  # (until when, for requests of at least how many bytes) not to ask again
         # segments where this client may still hold a reservation it no longer knows the
         # extent of (its commit request failed): given back as a whole with the next request
         self._resv_orphans: set = set()
         self._resv_rid = 0
-        self._warm_job: Optional[tuple] = None  # (offset, bytes) of this client's segment to warm up
+        self._warm_job: tuple | None = None  # (offset, bytes) of this client's segment to warm up
         self._warm_evt = threading.Event()
-        self._warm_thread: Optional[threading.Thread] = None
+        self._warm_thread: threading.Thread | None = None
         self._session = 0  # counts connections to a master: a reservation is valid only in its own
         self._unreachable: dict = {}  # segment name -> time.monotonic() until which reads skip it
         self._unreachable_marks = 0  # how many times a segment was found unreachable
@@ -336,11 +387,16 @@ class MooncakeStore:
                 if cfg.segment_size <= SEG_HEADER:
                     raise ValueError(f"segment_size must be 0 or more than {SEG_HEADER} bytes")
                 phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-                if cfg.prefault and cfg.segment_size > phys:  # it would be committed at once, until memory ran out
-                    raise ValueError(f"segment_size of {cfg.segment_size} bytes is more than this machine's memory "
-                                     f"({phys} bytes), and prefault commits it at start")
-                self._segment = LocalSegment(self.name, cfg.segment_size, prefault=cfg.prefault,
-                                             huge_pages=cfg.huge_pages)
+                if (
+                    cfg.prefault and cfg.segment_size > phys
+                ):  # it would be committed at once, until memory ran out
+                    raise ValueError(
+                        f"segment_size of {cfg.segment_size} bytes is more than this machine's memory "
+                        f"({phys} bytes), and prefault commits it at start"
+                    )
+                self._segment = LocalSegment(
+                    self.name, cfg.segment_size, prefault=cfg.prefault, huge_pages=cfg.huge_pages
+                )
             if serve_tcp or cfg.transfer == "tcp":
                 self._start_te(serve=serve_tcp and self._segment is not None)
             if self._te is not None or "torch" in sys.modules:
@@ -356,10 +412,14 @@ class MooncakeStore:
         except BaseException:
             self._teardown()
             raise
-        self._tasks: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._task_thread = threading.Thread(target=self._task_main, name="mooncake-store-tasks", daemon=True)
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._task_thread = threading.Thread(
+            target=self._task_main, name="mooncake-store-tasks", daemon=True
+        )
         self._task_thread.start()
-        self._poll_thread = threading.Thread(target=self._poll_main, name="mooncake-store-heartbeat", daemon=True)
+        self._poll_thread = threading.Thread(
+            target=self._poll_main, name="mooncake-store-heartbeat", daemon=True
+        )
         self._poll_thread.start()
         # a process that exits without close() unregisters anyway, so that nobody places
         # objects in its vanished segment until its heartbeat times out
@@ -378,7 +438,11 @@ class MooncakeStore:
         if serve:
             host = self.cfg.listen_host
             if host is None:
-                mhost = _parse_hostport(self.cfg.master, "master")[0] if self.cfg.master else "127.0.0.1"
+                mhost = (
+                    _parse_hostport(self.cfg.master, "master")[0]
+                    if self.cfg.master
+                    else "127.0.0.1"
+                )
                 host = TransferEngine.local_address_for(mhost, self.cfg.ifname or "")
         self._te = TransferEngine(listen_host=host, secret=self.cfg.secret or "")
         if serve:
@@ -391,10 +455,20 @@ class MooncakeStore:
 
     def _register(self):
         segs = [self._segment.desc(self.cfg.host_id, self._te_desc())] if self._segment else []
-        res = self._call("register", {"client": self.client_id, "name": self.name, "host": self.cfg.host_id,
-                                      "pid": os.getpid(), "segs": segs, "ssd_dir": self.cfg.ssd_dir,
-                                      "ssd_max": self.cfg.ssd_max_bytes, "ssd": []},
-                         register=False)
+        res = self._call(
+            "register",
+            {
+                "client": self.client_id,
+                "name": self.name,
+                "host": self.cfg.host_id,
+                "pid": os.getpid(),
+                "segs": segs,
+                "ssd_dir": self.cfg.ssd_dir,
+                "ssd_max": self.cfg.ssd_max_bytes,
+                "ssd": [],
+            },
+            register=False,
+        )
         self._lease_ttl = res["ttl_ms"] / 1000.0
         self._client_ttl = res.get("client_ttl_ms", 5000) / 1000.0
         if self.cfg.ssd_dir:  # files found on disk, in chunks well below the frame limit
@@ -404,10 +478,12 @@ class MooncakeStore:
                     chunk.append(e)
                     size += len(e[0]) + len(e[3]) + len(e[4]) + 32
                 if chunk and (e is None or size > (512 << 10)):
-                    self._call("adopt_ssd", {"client": self.client_id, "entries": chunk}, register=False)
+                    self._call(
+                        "adopt_ssd", {"client": self.client_id, "entries": chunk}, register=False
+                    )
                     chunk, size = [], 0
 
-    def _resolve(self) -> Optional[str]:
+    def _resolve(self) -> str | None:
         if self.cfg.etcd is None:
             return self.cfg.master
         from .ha import Etcd
@@ -425,12 +501,19 @@ class MooncakeStore:
     def _connect(self) -> protocol.Connection:
         addr = self._resolve()
         if addr is None:
-            raise ConnectionError(f"no store master leads ({self._etcd_error or 'etcd has no leader record'})")
+            raise ConnectionError(
+                f"no store master leads ({self._etcd_error or 'etcd has no leader record'})"
+            )
         host, port = _parse_hostport(addr, "master")
-        return protocol.Connection(host, port, secret=self.cfg.secret, timeout=self.cfg.rpc_timeout_s,
-                                   busy_poll_us=self.cfg.rpc_busy_poll_us)
+        return protocol.Connection(
+            host,
+            port,
+            secret=self.cfg.secret,
+            timeout=self.cfg.rpc_timeout_s,
+            busy_poll_us=self.cfg.rpc_busy_poll_us,
+        )
 
-    def _call(self, method: str, args: dict, register=True, sent_at: Optional[list] = None):
+    def _call(self, method: str, args: dict, register=True, sent_at: list | None = None):
         """One metadata request; follows leader changes for ``failover_timeout_s`` from the
         first failure (a request that waited out ``rpc_timeout_s`` on a stopped leader then
         still goes to its successor). ``sent_at``: a list that gets the ``time.monotonic()``
@@ -475,7 +558,9 @@ class MooncakeStore:
                 if deadline is None:
                     deadline = time.monotonic() + self.cfg.failover_timeout_s
                 elif time.monotonic() > deadline:
-                    raise StoreError(f"no store master answered {method} within {self.cfg.failover_timeout_s} s: {e}") from None
+                    raise StoreError(
+                        f"no store master answered {method} within {self.cfg.failover_timeout_s} s: {e}"
+                    ) from None
                 time.sleep(0.1)
 
     # ------------------------------------------------------------------ heartbeat
@@ -487,17 +572,27 @@ class MooncakeStore:
                 if conn is None:
                     conn = self._connect_poll()
                     if connected:
-                        self._session += 1  # perhaps another master now: put reservations are asked for again
+                        self._session += (
+                            1  # perhaps another master now: put reservations are asked for again
+                        )
                     connected = True
-                res = conn.call("poll", {"client": self.client_id, "wait_ms": int(self.cfg.heartbeat_interval_s * 1000),
-                                         "epoch": self._epoch},
-                                timeout=self.cfg.heartbeat_interval_s + self._poll_slack())
+                res = conn.call(
+                    "poll",
+                    {
+                        "client": self.client_id,
+                        "wait_ms": int(self.cfg.heartbeat_interval_s * 1000),
+                        "epoch": self._epoch,
+                    },
+                    timeout=self.cfg.heartbeat_interval_s + self._poll_slack(),
+                )
                 if "segs" in res:
                     self._epoch = res["epoch"]
                     self._maps.retain(set(res["segs"]))
                     self._ro_maps.retain(set(res["segs"]))
                 for task in res["tasks"]:
-                    self._tasks.put(task)  # run by the task thread: heartbeats never wait for a disk or an RPC
+                    self._tasks.put(
+                        task
+                    )  # run by the task thread: heartbeats never wait for a disk or an RPC
             except UnknownClientError:
                 if self._closed:
                     break
@@ -506,7 +601,7 @@ class MooncakeStore:
                 except Exception as e:
                     log.warning("store: re-registering failed: %s", e)
                     time.sleep(0.2)
-            except Exception as e:
+            except Exception:
                 if conn is not None:
                     conn.close()
                     conn = None
@@ -531,11 +626,15 @@ class MooncakeStore:
                 if task is not None:
                     self._run_task(task)
                 r = self._resv
-                if (r is not None and time.monotonic() - r.used_at > _RESV_IDLE_S) or self._resv_orphans:
+                if (
+                    r is not None and time.monotonic() - r.used_at > _RESV_IDLE_S
+                ) or self._resv_orphans:
                     self._give_back_reservation(wait=False)
             except Exception as e:
                 if not self._closed:
-                    log.warning("store: task %r failed: %s", task[0] if task else "reservation give-back", e)
+                    log.warning(
+                        "store: task %r failed: %s", task[0] if task else "reservation give-back", e
+                    )
 
     def _poll_slack(self) -> float:
         """Seconds a heartbeat may go unanswered (and a connect take) before the poll
@@ -571,13 +670,16 @@ class MooncakeStore:
             _, key, version, path, off, size = task
             ok, corrupt = False, False
             try:
-                ssd.read_into(path, key, version, self._segment.view[off:off + size])
+                ssd.read_into(path, key, version, self._segment.view[off : off + size])
                 ok = True
             except TransferError as e:
                 corrupt = isinstance(e, ssd.CorruptError)
                 log.warning("store: loading %r from SSD failed: %s", key, e)
             try:
-                self._call("load_done", {"client": self.client_id, "key": key, "version": version, "ok": ok})
+                self._call(
+                    "load_done",
+                    {"client": self.client_id, "key": key, "version": version, "ok": ok},
+                )
             except StoreError as e:
                 log.warning("store: load_done: %s", e)
             if corrupt:
@@ -586,13 +688,23 @@ class MooncakeStore:
             _, key, version, off, size, meta = task
             ok, path = False, ""
             try:
-                path = ssd.write(self.cfg.ssd_dir, key, version, meta, self._segment.view[off:off + size])
+                path = ssd.write(
+                    self.cfg.ssd_dir, key, version, meta, self._segment.view[off : off + size]
+                )
                 ok = True
             except OSError as e:
                 log.warning("store: offload of %r failed: %s", key, e)
             try:
-                self._call("offload_done", {"client": self.client_id, "key": key, "version": version,
-                                            "path": path, "ok": ok})
+                self._call(
+                    "offload_done",
+                    {
+                        "client": self.client_id,
+                        "key": key,
+                        "version": version,
+                        "path": path,
+                        "ok": ok,
+                    },
+                )
             except StoreError as e:
                 log.warning("store: offload_done: %s", e)
 
@@ -600,7 +712,9 @@ class MooncakeStore:
         """Tells the master an SSD file of ``key`` is missing or corrupt: it drops that
         replica (and the object when none is left), so later gets miss instead of failing."""
         try:
-            self._call("ssd_bad", {"client": self.client_id, "key": key, "version": version, "path": path})
+            self._call(
+                "ssd_bad", {"client": self.client_id, "key": key, "version": version, "path": path}
+            )
         except StoreError as e:
             log.warning("store: reporting the corrupt SSD file %s: %s", path, e)
 
@@ -616,7 +730,9 @@ class MooncakeStore:
     def _te_for(self, desc):
         te = desc.get("te")
         if not te:
-            raise TransferError(f"segment {desc['name']!r} is on another host and serves no transfer engine")
+            raise TransferError(
+                f"segment {desc['name']!r} is on another host and serves no transfer engine"
+            )
         if self._te is None:
             with self._lock:
                 if self._te is None:
@@ -639,7 +755,7 @@ class MooncakeStore:
                     raise
                 if off + len(mv) > len(view):
                     raise TransferError(f"write to segment {name!r} at {off} leaves the segment")
-                dsts.append(view[off:off + len(mv)])
+                dsts.append(view[off : off + len(mv)])
                 srcs.append(mv)
                 total += len(mv)
             else:
@@ -653,7 +769,9 @@ class MooncakeStore:
         for name, items in remote.items():
             host, port, region = self._te_for(segs[name])
             try:
-                self._te.batch_write(host, port, region, [o for o, _ in items], [m for _, m in items])
+                self._te.batch_write(
+                    host, port, region, [o for o, _ in items], [m for _, m in items]
+                )
             except RuntimeError as e:
                 err = TransferError(f"write to segment {name!r} at {host}:{port} failed: {e}")
                 err.segment = name
@@ -671,9 +789,9 @@ class MooncakeStore:
         except TransferError:
             return None
         off = obj.replicas[0][2]
-        return view[off:off + obj.size]
+        return view[off : off + obj.size]
 
-    def _read_many(self, objs: list, segs: dict, outs: Optional[list] = None) -> list:
+    def _read_many(self, objs: list, segs: dict, outs: list | None = None) -> list:
         """Reads every object (None entries skipped) with one parallel copy for those in
         mapped segments; returns bytes (``outs`` None) or None per object, or the
         ``TransferError`` in its place."""
@@ -688,8 +806,13 @@ class MooncakeStore:
             if src is not None:
                 local_i.append(i)
                 local_src.append(src)
-            elif (obj.size and obj.replicas and obj.replicas[0][0] == "m" and obj.replicas[0][1] not in skipped
-                  and not self._is_local(segs[obj.replicas[0][1]])):
+            elif (
+                obj.size
+                and obj.replicas
+                and obj.replicas[0][0] == "m"
+                and obj.replicas[0][1] not in skipped
+                and not self._is_local(segs[obj.replicas[0][1]])
+            ):
                 remote.setdefault(obj.replicas[0][1], []).append(i)
             else:
                 try:
@@ -705,8 +828,13 @@ class MooncakeStore:
             if len(idx) > 1:
                 try:
                     host, port, region = self._te_for(segs[name])
-                    got = self._te.batch_read_bytes(host, port, region, [objs[i].replicas[0][2] for i in idx],
-                                                    [objs[i].size for i in idx])
+                    got = self._te.batch_read_bytes(
+                        host,
+                        port,
+                        region,
+                        [objs[i].replicas[0][2] for i in idx],
+                        [objs[i].size for i in idx],
+                    )
                 except (TransferError, RuntimeError) as e:
                     got = None
                     # Unless the owner answered and refused one op (a live peer: a plain
@@ -720,7 +848,9 @@ class MooncakeStore:
             for j, i in enumerate(idx):
                 try:
                     if got is None:
-                        res[i] = self._read_one(objs[i], segs, None if outs is None else outs[i], skip)
+                        res[i] = self._read_one(
+                            objs[i], segs, None if outs is None else outs[i], skip
+                        )
                     elif outs is None:
                         res[i] = got[j]
                     else:
@@ -770,7 +900,9 @@ class MooncakeStore:
             res = read()
         return res
 
-    def _read_one(self, obj: _Obj, segs: dict, out: Optional[memoryview] = None, skip: frozenset = frozenset()):
+    def _read_one(
+        self, obj: _Obj, segs: dict, out: memoryview | None = None, skip: frozenset = frozenset()
+    ):
         """Copies ``obj`` into ``out`` from the first replica that works (none in a segment
         named in ``skip``: found unreachable just before); with ``out=None`` returns a new
         ``bytes`` (one copy)."""
@@ -780,15 +912,17 @@ class MooncakeStore:
         for rep in obj.replicas:
             try:
                 if rep[0] == "m" and rep[1] in skip:
-                    raise TransferError(f"segment {rep[1]!r}: its owner could not be reached (within the last "
-                                        f"{UNREACHABLE_SKIP_S:g} s)")
+                    raise TransferError(
+                        f"segment {rep[1]!r}: its owner could not be reached (within the last "
+                        f"{UNREACHABLE_SKIP_S:g} s)"
+                    )
                 if rep[0] == "m":
                     desc = segs[rep[1]]
                     if obj.size == 0:
                         return b"" if out is None else None
                     off = rep[2]
                     if self._is_local(desc):
-                        src = self._seg_view(desc)[off:off + obj.size]
+                        src = self._seg_view(desc)[off : off + obj.size]
                         if out is None:
                             return bytes(src)
                         out[:] = src
@@ -798,7 +932,9 @@ class MooncakeStore:
                         data = self._te.batch_read_bytes(host, port, region, [off], [obj.size])[0]
                         if out is None:
                             return data
-                        out[:] = data  # the caller's buffer is written only once the whole read worked
+                        out[:] = (
+                            data  # the caller's buffer is written only once the whole read worked
+                        )
                         return None
                     except RuntimeError as e:
                         if _connection_failed(e):
@@ -806,7 +942,9 @@ class MooncakeStore:
                         raise TransferError(f"read from {host}:{port} failed: {e}") from None
                 else:
                     if rep[1] != self.cfg.host_id:
-                        raise TransferError("SSD replica on another host could not be loaded into memory")
+                        raise TransferError(
+                            "SSD replica on another host could not be loaded into memory"
+                        )
                     try:
                         if out is None:
                             buf = bytearray(obj.size)
@@ -824,8 +962,17 @@ class MooncakeStore:
         raise TransferError(f"no replica of {obj.key!r} could be read: " + "; ".join(errors))
 
     # ------------------------------------------------------------------ puts
-    def _put_many(self, keys: list, views: list, metas: list, cfg: ReplicateConfig, upsert: bool,
-                  return_exceptions: bool, _retry=True, _avoid: tuple = ()) -> list:
+    def _put_many(
+        self,
+        keys: list,
+        views: list,
+        metas: list,
+        cfg: ReplicateConfig,
+        upsert: bool,
+        return_exceptions: bool,
+        _retry=True,
+        _avoid: tuple = (),
+    ) -> list:
         if not isinstance(cfg, ReplicateConfig):
             raise ValueError("config must be a ReplicateConfig")
         if not keys:
@@ -834,11 +981,15 @@ class MooncakeStore:
         if len(parts) > 1:
             out: list = []
             for a, b in parts:
-                got = self._put_many(keys[a:b], views[a:b], metas[a:b], cfg, upsert, True, _retry, _avoid)
+                got = self._put_many(
+                    keys[a:b], views[a:b], metas[a:b], cfg, upsert, True, _retry, _avoid
+                )
                 out += got
                 # a segment that could not be reached is not tried again by the next parts
                 # (each try would wait for the engine's timeout)
-                bad = {getattr(r, "segment", None) for r in got if isinstance(r, TransferError)} - {None}
+                bad = {getattr(r, "segment", None) for r in got if isinstance(r, TransferError)} - {
+                    None
+                }
                 _avoid = _avoid + tuple(sorted(bad - set(_avoid)))
             if not return_exceptions:
                 _raise_first(out)
@@ -853,8 +1004,16 @@ class MooncakeStore:
             rest = [i for i in wave if isinstance(results[i], NoSpaceError)]
             if not rest or len(rest) == len(wave):
                 break
-            again = self._put_part([keys[i] for i in rest], [views[i] for i in rest], [metas[i] for i in rest], cfg,
-                                   upsert, True, _retry, _avoid)
+            again = self._put_part(
+                [keys[i] for i in rest],
+                [views[i] for i in rest],
+                [metas[i] for i in rest],
+                cfg,
+                upsert,
+                True,
+                _retry,
+                _avoid,
+            )
             for i, r in zip(rest, again):
                 results[i] = r
             wave = rest
@@ -862,26 +1021,50 @@ class MooncakeStore:
             _raise_first(results)
         return results
 
-    def _put_part(self, keys: list, views: list, metas: list, cfg: ReplicateConfig, upsert: bool,
-                  return_exceptions: bool, _retry: bool, _avoid: tuple) -> list:
+    def _put_part(
+        self,
+        keys: list,
+        views: list,
+        metas: list,
+        cfg: ReplicateConfig,
+        upsert: bool,
+        return_exceptions: bool,
+        _retry: bool,
+        _avoid: tuple,
+    ) -> list:
         """One wave of ``_put_many`` for keys that fit in one metadata request."""
         if not _avoid and _retry:
             fast = self._put_reserved(keys, views, metas, cfg, upsert)
             if isinstance(fast, _Unreachable):  # the two-request way, elsewhere
-                return self._put_many(keys, views, metas, cfg, upsert, return_exceptions, _retry, (str(fast),))
+                return self._put_many(
+                    keys, views, metas, cfg, upsert, return_exceptions, _retry, (str(fast),)
+                )
             lost = [i for i, r in enumerate(fast or ()) if isinstance(r, PutLostError)]
             if lost:  # lost in a leader change: the two-request way, once
-                again = self._put_many([keys[i] for i in lost], [views[i] for i in lost], [metas[i] for i in lost],
-                                       cfg, upsert, True, _retry=False)
+                again = self._put_many(
+                    [keys[i] for i in lost],
+                    [views[i] for i in lost],
+                    [metas[i] for i in lost],
+                    cfg,
+                    upsert,
+                    True,
+                    _retry=False,
+                )
                 for i, r in zip(lost, again):
                     fast[i] = r
             if fast is not None:
                 if not return_exceptions:
                     _raise_first(fast)
                 return fast
-        args = {"client": self.client_id, "items": [[k, len(v), m] for k, v, m in zip(keys, views, metas)],
-                "r": cfg.replica_num, "pref": cfg.preferred_segment, "pin": cfg.pin, "all": cfg.require_all,
-                "upsert": upsert}
+        args = {
+            "client": self.client_id,
+            "items": [[k, len(v), m] for k, v, m in zip(keys, views, metas)],
+            "r": cfg.replica_num,
+            "pref": cfg.preferred_segment,
+            "pin": cfg.pin,
+            "all": cfg.require_all,
+            "upsert": upsert,
+        }
         if _avoid:
             args["x"] = list(_avoid)
         deadline = time.monotonic() + _NOSPACE_RETRY_S
@@ -912,7 +1095,10 @@ class MooncakeStore:
             self._write_all(jobs, segs)
         except BaseException as e:
             try:
-                self._call("put_revoke", {"client": self.client_id, "items": [[keys[i], v] for i, v, _ in started]})
+                self._call(
+                    "put_revoke",
+                    {"client": self.client_id, "items": [[keys[i], v] for i, v, _ in started]},
+                )
             except StoreError:
                 pass
             bad = getattr(e, "segment", None)
@@ -920,10 +1106,20 @@ class MooncakeStore:
                 # a segment that cannot be reached (its owner died and the master does not know
                 # yet): the same puts again, placed elsewhere
                 idx = [i for i, _, _ in started]
-                again = self._put_many([keys[i] for i in idx], [views[i] for i in idx], [metas[i] for i in idx], cfg,
-                                       upsert, True, _retry, _avoid + (bad,))
+                again = self._put_many(
+                    [keys[i] for i in idx],
+                    [views[i] for i in idx],
+                    [metas[i] for i in idx],
+                    cfg,
+                    upsert,
+                    True,
+                    _retry,
+                    _avoid + (bad,),
+                )
                 for i, r in zip(idx, again):
-                    if isinstance(r, NoSpaceError):  # nowhere else to go: the write failure is the news
+                    if isinstance(
+                        r, NoSpaceError
+                    ):  # nowhere else to go: the write failure is the news
                         r = TransferError(f"{e} (and no other segment could take the object: {r})")
                         r.segment = bad
                     results[i] = r
@@ -936,9 +1132,12 @@ class MooncakeStore:
                     raise
             started = []
         if started:
-            res = self._call("put_end", {"client": self.client_id, "items": [[keys[i], v] for i, v, _ in started]})
+            res = self._call(
+                "put_end",
+                {"client": self.client_id, "items": [[keys[i], v] for i, v, _ in started]},
+            )
             lost = []
-            for (i, _, reps), item in zip(started, res["items"]):
+            for (i, _, _reps), item in zip(started, res["items"]):
                 if item[0] == 0:
                     results[i] = item[1]
                 elif item[1] == PutLostError.code and _retry:
@@ -946,15 +1145,24 @@ class MooncakeStore:
                 else:
                     results[i] = from_code(item[1], item[2])
             if lost:  # the master lost the put (leader change, writer declared dead): redo once
-                again = self._put_many([keys[i] for i in lost], [views[i] for i in lost], [metas[i] for i in lost],
-                                       cfg, True, True, _retry=False)
+                again = self._put_many(
+                    [keys[i] for i in lost],
+                    [views[i] for i in lost],
+                    [metas[i] for i in lost],
+                    cfg,
+                    True,
+                    True,
+                    _retry=False,
+                )
                 for i, r in zip(lost, again):
                     results[i] = r
         if not return_exceptions:
             _raise_first(results)
         return results
 
-    def _put_reserved(self, keys: list, views: list, metas: list, cfg: ReplicateConfig, upsert: bool):
+    def _put_reserved(
+        self, keys: list, views: list, metas: list, cfg: ReplicateConfig, upsert: bool
+    ):
         """One-round-trip put: writes the objects back to back into this client's
         reservation and commits them with one request (``Core.put``). Returns the results
         as ``_put_many`` does, or None when this path is not taken (more than one replica,
@@ -963,8 +1171,12 @@ class MooncakeStore:
         the caller then puts them the two-request way, from the start. ``_Unreachable(segment)``
         when the reservation's segment could not be written: the same, avoiding that segment."""
         want = self.cfg.put_reservation_bytes
-        if (not want or cfg.replica_num != 1 or cfg.require_all
-                or (self.cfg.test_pause and self.cfg.test_pause[0] == "put")):
+        if (
+            not want
+            or cfg.replica_num != 1
+            or cfg.require_all
+            or (self.cfg.test_pause and self.cfg.test_pause[0] == "put")
+        ):
             return None
         sizes = [aligned(len(v)) for v in views]
         total = sum(sizes)
@@ -972,8 +1184,13 @@ class MooncakeStore:
             return None
         try:
             r = self._resv
-            if (r is None or r.session != self._session or r.pref != cfg.preferred_segment or r.left < total
-                    or time.monotonic() >= r.valid_until):
+            if (
+                r is None
+                or r.session != self._session
+                or r.pref != cfg.preferred_segment
+                or r.left < total
+                or time.monotonic() >= r.valid_until
+            ):
                 until, least = self._resv_refused
                 if time.monotonic() < until and 4 * total >= least:
                     return None
@@ -982,9 +1199,17 @@ class MooncakeStore:
                     return None
                 warm = True
             else:
-                warm = time.monotonic() - r.used_at > _WARM_IDLE_S  # idle a while: its pages have gone cold
-            if (warm and total < _WARM_MAX_PUT and r.seg == self.name and self._segment is not None
-                    and not self._segment.all_huge and self._fast):
+                warm = (
+                    time.monotonic() - r.used_at > _WARM_IDLE_S
+                )  # idle a while: its pages have gone cold
+            if (
+                warm
+                and total < _WARM_MAX_PUT
+                and r.seg == self.name
+                and self._segment is not None
+                and not self._segment.all_huge
+                and self._fast
+            ):
                 self._warm(r.off + total, r.left - total)  # the part the next puts will write
             jobs, off = [], r.off
             for v, n in zip(views, sizes):
@@ -1000,12 +1225,24 @@ class MooncakeStore:
             self._resv_rid += 1
             sent = []
             try:
-                res = self._call("put", {"client": self.client_id, "rid": self._resv_rid, "seg": r.seg, "off": r.off,
-                                         "items": [[k, len(v), m] for k, v, m in zip(keys, views, metas)],
-                                         "pin": cfg.pin, "upsert": upsert}, sent_at=sent)
+                res = self._call(
+                    "put",
+                    {
+                        "client": self.client_id,
+                        "rid": self._resv_rid,
+                        "seg": r.seg,
+                        "off": r.off,
+                        "items": [[k, len(v), m] for k, v, m in zip(keys, views, metas)],
+                        "pin": cfg.pin,
+                        "upsert": upsert,
+                    },
+                    sent_at=sent,
+                )
             except BaseException:
                 self._resv = None
-                self._resv_orphans.add(r.seg)  # the master may have moved its front or not: give back all
+                self._resv_orphans.add(
+                    r.seg
+                )  # the master may have moved its front or not: give back all
                 raise
             if res.get("lost"):  # another master, or this client was declared dead meanwhile
                 self._resv = None
@@ -1020,20 +1257,37 @@ class MooncakeStore:
         finally:
             self._resv_lock.release()
 
-    def _reserve(self, pref: Optional[str], least: int) -> Optional["_Reservation"]:
+    def _reserve(self, pref: str | None, least: int) -> _Reservation | None:
         """Gives the current reservation back and asks for a new one of at least ``least``
         bytes (``_resv_lock`` held)."""
         old, self._resv = self._resv, None
         sent = []
-        res = self._call("reserve", {"client": self.client_id, "bytes": self.cfg.put_reservation_bytes, "pref": pref,
-                                     "min": least, "ret": self._returns(old)}, sent_at=sent)
+        res = self._call(
+            "reserve",
+            {
+                "client": self.client_id,
+                "bytes": self.cfg.put_reservation_bytes,
+                "pref": pref,
+                "min": least,
+                "ret": self._returns(old),
+            },
+            sent_at=sent,
+        )
         self._resv_orphans.clear()
         if res["resv"] is None:
             self._resv_refused = (time.monotonic() + _RESV_REFUSED_S, least)
             return None
         seg, off, n = res["resv"]
-        self._resv = _Reservation(seg, off, n, res["segs"][seg], pref, self._session, time.monotonic(),
-                                  sent[0] + res.get("lv", float("inf")))
+        self._resv = _Reservation(
+            seg,
+            off,
+            n,
+            res["segs"][seg],
+            pref,
+            self._session,
+            time.monotonic(),
+            sent[0] + res.get("lv", float("inf")),
+        )
         return self._resv
 
     def _warm(self, off: int, n: int):
@@ -1045,7 +1299,9 @@ class MooncakeStore:
         Not needed (not done) where the segment is in 2 MiB pages, which do not go cold."""
         self._warm_job = (off, n)
         if self._warm_thread is None:
-            self._warm_thread = threading.Thread(target=self._warm_main, name="mooncake-store-warm", daemon=True)
+            self._warm_thread = threading.Thread(
+                target=self._warm_main, name="mooncake-store-warm", daemon=True
+            )
             self._warm_thread.start()
         self._warm_evt.set()
 
@@ -1059,19 +1315,21 @@ class MooncakeStore:
                 return
             if job is None:
                 continue
-            view = seg.view[job[0]:job[0] + job[1]]
+            view = seg.view[job[0] : job[0] + job[1]]
             try:
                 self._fast.touch_pages(view)
-            except Exception as e:  # noqa: BLE001 - only a warm-up
+            except Exception as e:
                 log.debug("store: warming a put reservation failed: %s", e)
             finally:
                 view.release()
 
-    def _returns(self, old: Optional["_Reservation"]) -> list:
+    def _returns(self, old: _Reservation | None) -> list:
         """The ``ret`` list of a reserve request: ``old`` as this client knows it, and every
         orphaned reservation as a whole (offset -1)."""
         out = [[old.seg, old.off, old.left]] if old is not None else []
-        return out + [[seg, -1, -1] for seg in sorted(self._resv_orphans) if old is None or seg != old.seg]
+        return out + [
+            [seg, -1, -1] for seg in sorted(self._resv_orphans) if old is None or seg != old.seg
+        ]
 
     def _give_back_reservation(self, wait: bool):
         """Returns the reservation to the master (asked to, or idle); ``wait``: after a put
@@ -1084,10 +1342,14 @@ class MooncakeStore:
                 if wait:  # the master asked for it back: space is short, do not ask again at once
                     self._resv_refused = (time.monotonic() + _RESV_REFUSED_S, 0)
                 try:
-                    self._call("reserve", {"client": self.client_id, "bytes": 0, "ret": self._returns(old)})
+                    self._call(
+                        "reserve", {"client": self.client_id, "bytes": 0, "ret": self._returns(old)}
+                    )
                     self._resv_orphans.clear()
                 except StoreError as e:
-                    if not self._closed:  # closed meanwhile (close() on another thread): nothing to say
+                    if (
+                        not self._closed
+                    ):  # closed meanwhile (close() on another thread): nothing to say
                         log.warning("store: giving a put reservation back failed: %s", e)
         finally:
             self._resv_lock.release()
@@ -1101,17 +1363,36 @@ class MooncakeStore:
         stored), ``NoSpaceError``, ``TransferError``, ``PutLostError`` (the master no longer
         knows the put: it outlasted ``put_ttl_s``, or a leader change lost it; nothing
         stored); ``ValueError`` for bad arguments (before anything is sent)."""
-        return self._put_many([_check_key(key, "put")], [_as_bytes_view(value, "put: value")], [b""], config, False,
-                              False)[0]
+        return self._put_many(
+            [_check_key(key, "put")],
+            [_as_bytes_view(value, "put: value")],
+            [b""],
+            config,
+            False,
+            False,
+        )[0]
 
     def upsert(self, key: str, value, config: ReplicateConfig = _DEFAULT_REPLICATE) -> int:
         """Like :meth:`put`, but replaces an existing value (any size). Readers see the
         old value until the new one is complete. Returns the replicas placed."""
-        return self._put_many([_check_key(key, "upsert")], [_as_bytes_view(value, "upsert: value")], [b""], config,
-                              True, False)[0]
+        return self._put_many(
+            [_check_key(key, "upsert")],
+            [_as_bytes_view(value, "upsert: value")],
+            [b""],
+            config,
+            True,
+            False,
+        )[0]
 
-    def put_batch(self, keys: Sequence[str], values: Sequence, config: ReplicateConfig = _DEFAULT_REPLICATE, *,
-                  upsert: bool = False, return_exceptions: bool = False) -> list:
+    def put_batch(
+        self,
+        keys: Sequence[str],
+        values: Sequence,
+        config: ReplicateConfig = _DEFAULT_REPLICATE,
+        *,
+        upsert: bool = False,
+        return_exceptions: bool = False,
+    ) -> list:
         """Stores several objects with two metadata round trips. Returns the replica count
         per key; a key that fails does not stop the others: its error is raised after the
         whole batch (the first one), or returned in its place with ``return_exceptions``."""
@@ -1121,14 +1402,30 @@ class MooncakeStore:
             raise ValueError(f"put_batch: {len(keys)} keys but {len(views)} values")
         return self._put_many(keys, views, [b""] * len(keys), config, upsert, return_exceptions)
 
-    def put_tensor(self, key: str, tensor, config: ReplicateConfig = _DEFAULT_REPLICATE, *, upsert: bool = False) -> int:
+    def put_tensor(
+        self,
+        key: str,
+        tensor,
+        config: ReplicateConfig = _DEFAULT_REPLICATE,
+        *,
+        upsert: bool = False,
+    ) -> int:
         """Stores a CPU tensor (any dtype and shape, non-contiguous ones are copied
         first; zero elements allowed); :meth:`get_tensor` returns it with dtype and shape."""
-        return self.put_tensor_batch([_check_key(key, "put_tensor")], [tensor], config, upsert=upsert,
-                                     _op="put_tensor")[0]
+        return self.put_tensor_batch(
+            [_check_key(key, "put_tensor")], [tensor], config, upsert=upsert, _op="put_tensor"
+        )[0]
 
-    def put_tensor_batch(self, keys: Sequence[str], tensors: Sequence, config: ReplicateConfig = _DEFAULT_REPLICATE, *,
-                         upsert: bool = False, return_exceptions: bool = False, _op: str = "put_tensor_batch") -> list:
+    def put_tensor_batch(
+        self,
+        keys: Sequence[str],
+        tensors: Sequence,
+        config: ReplicateConfig = _DEFAULT_REPLICATE,
+        *,
+        upsert: bool = False,
+        return_exceptions: bool = False,
+        _op: str = "put_tensor_batch",
+    ) -> list:
         """Batch form of :meth:`put_tensor` (a key may appear once per call)."""
         keys = _check_keys(keys, _op)
         if len(tensors) != len(keys):
@@ -1137,7 +1434,11 @@ class MooncakeStore:
         for t in tensors:
             if not _is_tensor(t):
                 raise ValueError(f"{_op}: expected a torch.Tensor, got {type(t).__name__}")
-            metas.append(msgpack.packb({"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}))
+            metas.append(
+                msgpack.packb(
+                    {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+                )
+            )
             views.append(_tensor_bytes(t, f"{_op}: tensor"))
         return self._put_many(keys, views, metas, config, upsert, return_exceptions)
 
@@ -1173,7 +1474,10 @@ class MooncakeStore:
                 break
             time.sleep(0.01)
         deadline = t0 + res["ttl_ms"] / 1000.0
-        objs = [None if o is None else _Obj(k, o[0], o[1], o[2], o[3]) for k, o in zip(keys, res["objs"])]
+        objs = [
+            None if o is None else _Obj(k, o[0], o[1], o[2], o[3])
+            for k, o in zip(keys, res["objs"])
+        ]
         if self.cfg.test_pause and self.cfg.test_pause[0] == "get":
             time.sleep(self.cfg.test_pause[1])
         return objs, res["segs"], deadline
@@ -1181,7 +1485,9 @@ class MooncakeStore:
     @staticmethod
     def _check_lease(deadline: float, key: str):
         if time.monotonic() > deadline:
-            raise LeaseExpiredError(f"the read of {key!r} outlasted its lease; the bytes may have been evicted meanwhile")
+            raise LeaseExpiredError(
+                f"the read of {key!r} outlasted its lease; the bytes may have been evicted meanwhile"
+            )
 
     def get(self, key: str) -> bytes:
         """A copy of the value of ``key`` as ``bytes`` (owned by the caller).
@@ -1220,8 +1526,10 @@ class MooncakeStore:
         def read():
             objs, segs, deadline = self._get_meta(keys)
             got = self._read_many(objs, segs)
-            return [ObjectNotFoundError(f"key {k!r} not found") if obj is None else g
-                    for k, obj, g in zip(keys, objs, got)], deadline
+            return [
+                ObjectNotFoundError(f"key {k!r} not found") if obj is None else g
+                for k, obj, g in zip(keys, objs, got)
+            ], deadline
 
         out, deadline = self._leased(read)
         return _batch_result(keys, out, deadline, return_exceptions)
@@ -1245,7 +1553,7 @@ class MooncakeStore:
                         own = self._segment is not None and desc["name"] == self.name
                         base = self._segment.view if own else self._ro_maps.get(desc).view
                         off = obj.replicas[0][2]
-                        view = base[off:off + obj.size]
+                        view = base[off : off + obj.size]
                     except TransferError:
                         view = None
             out.append(view)
@@ -1268,8 +1576,10 @@ class MooncakeStore:
             if obj is None:
                 raise ObjectNotFoundError(f"key {key!r} not found")
             if obj.size > len(mv):
-                raise ValueError(f"buffer of {len(mv)} bytes is too small for {key!r} ({obj.size} bytes)")
-            (err,) = self._read_many([obj], segs, [mv[:obj.size]])
+                raise ValueError(
+                    f"buffer of {len(mv)} bytes is too small for {key!r} ({obj.size} bytes)"
+                )
+            (err,) = self._read_many([obj], segs, [mv[: obj.size]])
             return obj.size, err, deadline
 
         size, err, deadline = self._leased(read)
@@ -1278,7 +1588,9 @@ class MooncakeStore:
         self._check_lease(deadline, key)
         return size
 
-    def get_into_batch(self, keys: Sequence[str], buffers: Sequence, *, return_exceptions: bool = False) -> list:
+    def get_into_batch(
+        self, keys: Sequence[str], buffers: Sequence, *, return_exceptions: bool = False
+    ) -> list:
         """Batch form of :meth:`get_into`: returns the sizes (or exceptions in place with
         ``return_exceptions``). A key may repeat: each of its buffers receives the value
         (one request per repetition)."""
@@ -1286,7 +1598,9 @@ class MooncakeStore:
         mvs = [_writable_view(b, "get_into_batch") for b in buffers]
         if len(mvs) != len(keys):
             raise ValueError(f"get_into_batch: {len(keys)} keys but {len(mvs)} buffers")
-        if len(set(keys)) != len(keys):  # rounds of distinct keys: the n-th occurrences of each key together
+        if len(set(keys)) != len(
+            keys
+        ):  # rounds of distinct keys: the n-th occurrences of each key together
             seen: dict = {}
             rounds: dict = {}
             for i, k in enumerate(keys):
@@ -1294,7 +1608,9 @@ class MooncakeStore:
                 rounds.setdefault(n, []).append(i)
             out: list = [None] * len(keys)
             for idx in rounds.values():
-                res = self.get_into_batch([keys[i] for i in idx], [mvs[i] for i in idx], return_exceptions=True)
+                res = self.get_into_batch(
+                    [keys[i] for i in idx], [mvs[i] for i in idx], return_exceptions=True
+                )
                 for i, r in zip(idx, res):
                     out[i] = r
             if not return_exceptions:
@@ -1309,10 +1625,14 @@ class MooncakeStore:
                 if obj is None:
                     out[i] = ObjectNotFoundError(f"key {k!r} not found")
                 elif obj.size > len(mv):
-                    out[i] = ValueError(f"buffer of {len(mv)} bytes is too small for {k!r} ({obj.size} bytes)")
+                    out[i] = ValueError(
+                        f"buffer of {len(mv)} bytes is too small for {k!r} ({obj.size} bytes)"
+                    )
                 else:
                     todo[i] = obj
-            got = self._read_many(todo, segs, [mv[:o.size] if o is not None else None for mv, o in zip(mvs, todo)])
+            got = self._read_many(
+                todo, segs, [mv[: o.size] if o is not None else None for mv, o in zip(mvs, todo)]
+            )
             for i, obj in enumerate(todo):
                 if obj is not None:
                     out[i] = got[i] if isinstance(got[i], BaseException) else obj.size
@@ -1374,7 +1694,9 @@ class MooncakeStore:
                 continue
             t = torch.empty(shape, dtype=dtype)
             if t.numel() * t.element_size() != obj.size:
-                out.append(ValueError(f"{k!r}: stored size {obj.size} does not match {dtype} {shape}"))
+                out.append(
+                    ValueError(f"{k!r}: stored size {obj.size} does not match {dtype} {shape}")
+                )
                 continue
             out.append(t)
             if obj.size:
@@ -1418,18 +1740,25 @@ class MooncakeStore:
         reader holds a lease (``force=True`` removes anyway; the space is reused only once
         the lease has expired, so the reader's copy stays intact)."""
         _check_force(force, "remove")
-        (item,) = self._call("remove", {"client": self.client_id, "keys": [_check_key(key, "remove")], "force": force})["items"]
+        (item,) = self._call(
+            "remove",
+            {"client": self.client_id, "keys": [_check_key(key, "remove")], "force": force},
+        )["items"]
         if item[0] != 0:
             raise from_code(item[1], item[2])
 
-    def remove_batch(self, keys: Sequence[str], force: bool = False, *, return_exceptions: bool = False) -> list:
+    def remove_batch(
+        self, keys: Sequence[str], force: bool = False, *, return_exceptions: bool = False
+    ) -> list:
         """:meth:`remove` for several keys (each once); returns ``None`` per key, or the
         exception in its place with ``return_exceptions``."""
         keys = _check_keys(keys, "remove_batch")
         _check_force(force, "remove_batch")
         res: list = []
         for a, b in _chunks(keys):
-            res += self._call("remove", {"client": self.client_id, "keys": keys[a:b], "force": force})["items"]
+            res += self._call(
+                "remove", {"client": self.client_id, "keys": keys[a:b], "force": force}
+            )["items"]
         out = [None if it[0] == 0 else from_code(it[1], it[2]) for it in res]
         if not return_exceptions:
             for o in out:
@@ -1437,7 +1766,7 @@ class MooncakeStore:
                     raise o
         return out
 
-    def where(self, key: str) -> "Placement":
+    def where(self, key: str) -> Placement:
         """Where ``key`` lives (introspection for tests and operators): a
         :class:`Placement` of segment names (memory) and client names (SSD).
         Raises ``ObjectNotFoundError``."""
@@ -1446,7 +1775,7 @@ class MooncakeStore:
             raise ObjectNotFoundError(f"key {key!r} not found")
         return Placement(memory=list(w["memory"]), ssd=list(w["ssd"]))
 
-    def stats(self) -> "StoreStats":
+    def stats(self) -> StoreStats:
         """The master's figures as a :class:`StoreStats`."""
         d = self._call("stats", {})
         return StoreStats(**{f.name: int(d.get(f.name, 0)) for f in dataclasses.fields(StoreStats)})
@@ -1477,7 +1806,7 @@ class MooncakeStore:
             if fn is not None:
                 try:
                     fn()
-                except Exception as e:  # noqa: BLE001 - closing goes on
+                except Exception as e:
                     log.warning("store: close hook failed: %s", e)
         self._close_hooks.clear()
 

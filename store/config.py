@@ -21,12 +21,12 @@ Every ``MOONCAKE_*`` environment variable the store reads is read here, in
 | ``MOONCAKE_STORE_NO_UVLOOP`` | ``1``: the master uses asyncio's own event loop even when uvloop is installed | off |
 | ``MOONCAKE_STORE_TEST_PAUSE`` | tests only: ``put:SECONDS`` / ``get:SECONDS`` pauses after the master answered put-start / get, before any byte moves | off |
 """
+
 from __future__ import annotations
 
 import dataclasses
 import os
 import socket
-from typing import Optional
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -51,14 +51,22 @@ def default_host_id() -> str:
 
 
 # variable -> StoreConfig field, taken as a string / as a whole number (and what it counts)
-_ENV_STR = {"MOONCAKE_STORE_MASTER": "master", "MOONCAKE_STORE_ETCD": "etcd",
-            "MOONCAKE_STORE_ETCD_PREFIX": "etcd_prefix", "MOONCAKE_STORE_SECRET": "secret",
-            "MOONCAKE_STORE_SSD_DIR": "ssd_dir", "MOONCAKE_STORE_TRANSFER": "transfer",
-            "MOONCAKE_HOST_ID": "host_id", "MOONCAKE_SOCKET_IFNAME": "ifname"}
-_ENV_INT = {"MOONCAKE_STORE_SEGMENT_SIZE": ("segment_size", "a byte count"),
-            "MOONCAKE_STORE_SSD_MAX_BYTES": ("ssd_max_bytes", "a byte count"),
-            "MOONCAKE_STORE_PUT_RESERVATION_BYTES": ("put_reservation_bytes", "a byte count"),
-            "MOONCAKE_STORE_RPC_BUSY_POLL_US": ("rpc_busy_poll_us", "a whole number of microseconds")}
+_ENV_STR = {
+    "MOONCAKE_STORE_MASTER": "master",
+    "MOONCAKE_STORE_ETCD": "etcd",
+    "MOONCAKE_STORE_ETCD_PREFIX": "etcd_prefix",
+    "MOONCAKE_STORE_SECRET": "secret",
+    "MOONCAKE_STORE_SSD_DIR": "ssd_dir",
+    "MOONCAKE_STORE_TRANSFER": "transfer",
+    "MOONCAKE_HOST_ID": "host_id",
+    "MOONCAKE_SOCKET_IFNAME": "ifname",
+}
+_ENV_INT = {
+    "MOONCAKE_STORE_SEGMENT_SIZE": ("segment_size", "a byte count"),
+    "MOONCAKE_STORE_SSD_MAX_BYTES": ("ssd_max_bytes", "a byte count"),
+    "MOONCAKE_STORE_PUT_RESERVATION_BYTES": ("put_reservation_bytes", "a byte count"),
+    "MOONCAKE_STORE_RPC_BUSY_POLL_US": ("rpc_busy_poll_us", "a whole number of microseconds"),
+}
 
 
 def env_defaults() -> dict:
@@ -88,9 +96,13 @@ def env_defaults() -> dict:
         try:
             out["test_pause"] = (what, float(secs))
         except ValueError:
-            raise ValueError(f"MOONCAKE_STORE_TEST_PAUSE must be put:SECONDS or get:SECONDS, got {v!r}") from None
+            raise ValueError(
+                f"MOONCAKE_STORE_TEST_PAUSE must be put:SECONDS or get:SECONDS, got {v!r}"
+            ) from None
         if what not in ("put", "get"):
-            raise ValueError(f"MOONCAKE_STORE_TEST_PAUSE must be put:SECONDS or get:SECONDS, got {v!r}")
+            raise ValueError(
+                f"MOONCAKE_STORE_TEST_PAUSE must be put:SECONDS or get:SECONDS, got {v!r}"
+            )
     return out
 
 
@@ -131,7 +143,7 @@ class MasterConfig:
 
     host: str = "127.0.0.1"
     port: int = 0
-    secret: Optional[str] = None
+    secret: str | None = None
     client_ttl_s: float = 5.0
     put_ttl_s: float = 60.0
     lease_ttl_s: float = 5.0
@@ -141,11 +153,11 @@ class MasterConfig:
     max_keys_per_call: int = 4096
     max_key_bytes: int = 4096
     max_meta_bytes: int = 4096
-    metrics_port: Optional[int] = None
-    etcd: Optional[str] = None
+    metrics_port: int | None = None
+    etcd: str | None = None
     etcd_prefix: str = "/mooncake_store/default"
     leader_ttl_s: int = 2
-    advertise: Optional[str] = None
+    advertise: str | None = None
 
     def __post_init__(self):
         for name in ("client_ttl_s", "put_ttl_s", "lease_ttl_s"):
@@ -153,26 +165,40 @@ class MasterConfig:
             # inf overflowed when the master converted it to milliseconds; 1e-9 expired
             # every lease before its reader could use it
             if not (0.1 <= v < 1e6):
-                raise ValueError(f"MasterConfig: {name} must be >= 0.1 and < 1e6 seconds, got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"MasterConfig: {name} must be >= 0.1 and < 1e6 seconds, got {getattr(self, name)!r}"
+                )
         if not (0 < self.low_watermark <= self.high_watermark <= 1):
-            raise ValueError("MasterConfig: need 0 < low_watermark <= high_watermark <= 1, got "
-                             f"{self.low_watermark} and {self.high_watermark}")
+            raise ValueError(
+                "MasterConfig: need 0 < low_watermark <= high_watermark <= 1, got "
+                f"{self.low_watermark} and {self.high_watermark}"
+            )
         if not (0 <= int(self.port) < 65536):
             raise ValueError(f"MasterConfig: port must be 0..65535, got {self.port}")
-        if self.metrics_port is not None and not (0 <= int(self.metrics_port) < 65536):  # 70000 wrapped to 4464
-            raise ValueError(f"MasterConfig: metrics_port must be 0..65535, got {self.metrics_port}")
+        if self.metrics_port is not None and not (
+            0 <= int(self.metrics_port) < 65536
+        ):  # 70000 wrapped to 4464
+            raise ValueError(
+                f"MasterConfig: metrics_port must be 0..65535, got {self.metrics_port}"
+            )
         if self.max_frame_bytes < 4096:
-            raise ValueError(f"MasterConfig: max_frame_bytes must be >= 4096, got {self.max_frame_bytes}")
+            raise ValueError(
+                f"MasterConfig: max_frame_bytes must be >= 4096, got {self.max_frame_bytes}"
+            )
         if self.etcd is not None:
             _parse_hostport(self.etcd, "MasterConfig.etcd")
             if int(self.leader_ttl_s) < 2:
-                raise ValueError(f"MasterConfig: leader_ttl_s must be >= 2 s (etcd's minimum), got {self.leader_ttl_s}")
+                raise ValueError(
+                    f"MasterConfig: leader_ttl_s must be >= 2 s (etcd's minimum), got {self.leader_ttl_s}"
+                )
         if self.advertise is not None:
             _parse_hostport(self.advertise, "MasterConfig.advertise")
         elif self.etcd is not None and self.host in ("0.0.0.0", "::", ""):
             # the leader publishes its address in etcd: 0.0.0.0 there sent clients to themselves
-            raise ValueError(f"MasterConfig: host {self.host!r} listens on every interface; with etcd, give "
-                             "advertise (HOST:PORT clients reach this master at)")
+            raise ValueError(
+                f"MasterConfig: host {self.host!r} listens on every interface; with etcd, give "
+                "advertise (HOST:PORT clients reach this master at)"
+            )
 
 
 _TRANSFERS = ("auto", "tcp")
@@ -252,31 +278,31 @@ class StoreConfig:
             master answered put-start / get, before any byte moves (``MOONCAKE_STORE_TEST_PAUSE``).
     """
 
-    master: Optional[str] = None
-    etcd: Optional[str] = None
-    etcd_prefix: Optional[str] = None
-    secret: Optional[str] = None
-    name: Optional[str] = None
-    segment_size: Optional[int] = None
-    ssd_dir: Optional[str] = None
-    ssd_max_bytes: Optional[int] = None
-    transfer: Optional[str] = None
-    host_id: Optional[str] = None
-    listen_host: Optional[str] = None
-    ifname: Optional[str] = None
+    master: str | None = None
+    etcd: str | None = None
+    etcd_prefix: str | None = None
+    secret: str | None = None
+    name: str | None = None
+    segment_size: int | None = None
+    ssd_dir: str | None = None
+    ssd_max_bytes: int | None = None
+    transfer: str | None = None
+    host_id: str | None = None
+    listen_host: str | None = None
+    ifname: str | None = None
     rpc_timeout_s: float = 10.0
-    rpc_busy_poll_us: Optional[int] = None
+    rpc_busy_poll_us: int | None = None
     failover_timeout_s: float = 10.0
     heartbeat_interval_s: float = 0.5
     serve_tcp: bool = True
     prefault: bool = True
     huge_pages: bool = True
-    tune_malloc: Optional[bool] = None
-    put_reservation_bytes: Optional[int] = None
-    master_config: Optional[MasterConfig] = None
-    test_pause: Optional[tuple] = None
+    tune_malloc: bool | None = None
+    put_reservation_bytes: int | None = None
+    master_config: MasterConfig | None = None
+    test_pause: tuple | None = None
 
-    def resolved(self) -> "StoreConfig":
+    def resolved(self) -> StoreConfig:
         """A copy with environment values and defaults filled in; raises ``ValueError``."""
         env = env_defaults()
         vals = dataclasses.asdict(self)
@@ -286,7 +312,9 @@ class StoreConfig:
                 vals[k] = v
         out = StoreConfig(**vals)
         from_env = {f: var for var, f in _ENV_STR.items() if f in env and getattr(self, f) is None}
-        from_env.update({f: var for var, (f, _) in _ENV_INT.items() if f in env and getattr(self, f) is None})
+        from_env.update(
+            {f: var for var, (f, _) in _ENV_INT.items() if f in env and getattr(self, f) is None}
+        )
         if out.etcd_prefix is None:
             out.etcd_prefix = "/mooncake_store/default"
         if out.segment_size is None:
@@ -318,42 +346,72 @@ class StoreConfig:
         if self.etcd is not None:
             _parse_hostport(self.etcd, "StoreConfig.etcd")
             if self.master is not None:  # master= was ignored
-                raise ValueError("StoreConfig: give master (one master) or etcd (follow the leader), not both")
-        if self.segment_size is not None and (not isinstance(self.segment_size, int) or isinstance(self.segment_size, bool)
-                                              or self.segment_size < 0):
-            raise ValueError(f"StoreConfig: segment_size must be a byte count >= 0, got {self.segment_size!r}")
+                raise ValueError(
+                    "StoreConfig: give master (one master) or etcd (follow the leader), not both"
+                )
+        if self.segment_size is not None and (
+            not isinstance(self.segment_size, int)
+            or isinstance(self.segment_size, bool)
+            or self.segment_size < 0
+        ):
+            raise ValueError(
+                f"StoreConfig: segment_size must be a byte count >= 0, got {self.segment_size!r}"
+            )
         for n in ("serve_tcp", "prefault", "huge_pages", "tune_malloc"):
-            if not isinstance(getattr(self, n), bool) and not (n == "tune_malloc" and self.tune_malloc is None):
-                raise ValueError(f"StoreConfig: {n} must be True or False, got {getattr(self, n)!r}")
+            if not isinstance(getattr(self, n), bool) and not (
+                n == "tune_malloc" and self.tune_malloc is None
+            ):
+                raise ValueError(
+                    f"StoreConfig: {n} must be True or False, got {getattr(self, n)!r}"
+                )
         for n in ("host_id", "listen_host", "ifname", "secret", "etcd_prefix"):
             v = getattr(self, n)
             if v is not None and not isinstance(v, str):
                 raise ValueError(f"StoreConfig: {n} must be a str, got {v!r}")
         if self.ssd_dir is not None and not isinstance(self.ssd_dir, (str, os.PathLike)):
             raise ValueError(f"StoreConfig: ssd_dir must be a path, got {self.ssd_dir!r}")
-        if self.ssd_max_bytes is not None and (not isinstance(self.ssd_max_bytes, int)
-                                               or isinstance(self.ssd_max_bytes, bool) or self.ssd_max_bytes < 0):
-            raise ValueError(f"StoreConfig: ssd_max_bytes must be a byte count >= 0 or None, got {self.ssd_max_bytes!r}")
+        if self.ssd_max_bytes is not None and (
+            not isinstance(self.ssd_max_bytes, int)
+            or isinstance(self.ssd_max_bytes, bool)
+            or self.ssd_max_bytes < 0
+        ):
+            raise ValueError(
+                f"StoreConfig: ssd_max_bytes must be a byte count >= 0 or None, got {self.ssd_max_bytes!r}"
+            )
         if self.ssd_max_bytes is not None and self.ssd_dir is None:  # it was ignored
             raise ValueError("StoreConfig: ssd_max_bytes needs ssd_dir")
         if self.ssd_dir is not None and self.segment_size == 0:
             # objects reach the SSD tier only by eviction from this client's own segment
-            raise ValueError("StoreConfig: ssd_dir needs segment_size > 0 (objects are offloaded from this "
-                             "client's segment)")
-        if self.put_reservation_bytes is not None and (not isinstance(self.put_reservation_bytes, int)
-                                                       or isinstance(self.put_reservation_bytes, bool)
-                                                       or not 0 <= self.put_reservation_bytes < 1 << 50):
-            raise ValueError("StoreConfig: put_reservation_bytes must be a byte count >= 0 and < 2**50, got "
-                             f"{self.put_reservation_bytes!r}")
-        if self.rpc_busy_poll_us is not None and (not isinstance(self.rpc_busy_poll_us, int)
-                                                  or isinstance(self.rpc_busy_poll_us, bool)
-                                                  or not 0 <= self.rpc_busy_poll_us <= 1_000_000):
-            raise ValueError("StoreConfig: rpc_busy_poll_us must be microseconds in 0..1000000, got "
-                             f"{self.rpc_busy_poll_us!r}")
+            raise ValueError(
+                "StoreConfig: ssd_dir needs segment_size > 0 (objects are offloaded from this "
+                "client's segment)"
+            )
+        if self.put_reservation_bytes is not None and (
+            not isinstance(self.put_reservation_bytes, int)
+            or isinstance(self.put_reservation_bytes, bool)
+            or not 0 <= self.put_reservation_bytes < 1 << 50
+        ):
+            raise ValueError(
+                "StoreConfig: put_reservation_bytes must be a byte count >= 0 and < 2**50, got "
+                f"{self.put_reservation_bytes!r}"
+            )
+        if self.rpc_busy_poll_us is not None and (
+            not isinstance(self.rpc_busy_poll_us, int)
+            or isinstance(self.rpc_busy_poll_us, bool)
+            or not 0 <= self.rpc_busy_poll_us <= 1_000_000
+        ):
+            raise ValueError(
+                "StoreConfig: rpc_busy_poll_us must be microseconds in 0..1000000, got "
+                f"{self.rpc_busy_poll_us!r}"
+            )
         if self.transfer is not None and self.transfer not in _TRANSFERS:
-            raise ValueError(f"StoreConfig: transfer must be one of {_TRANSFERS}, got {self.transfer!r}")
+            raise ValueError(
+                f"StoreConfig: transfer must be one of {_TRANSFERS}, got {self.transfer!r}"
+            )
         if self.name is not None and (not self.name or len(self.name) > 200 or "/" in self.name):
-            raise ValueError(f"StoreConfig: name must be 1..200 characters without '/', got {self.name!r}")
+            raise ValueError(
+                f"StoreConfig: name must be 1..200 characters without '/', got {self.name!r}"
+            )
         for n in ("rpc_timeout_s", "failover_timeout_s", "heartbeat_interval_s"):
             if not (float(getattr(self, n)) > 0):
                 raise ValueError(f"StoreConfig: {n} must be > 0 seconds")
@@ -378,17 +436,25 @@ class ReplicateConfig:
     """
 
     replica_num: int = 1
-    preferred_segment: Optional[str] = None
+    preferred_segment: str | None = None
     pin: bool = False
     require_all: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.replica_num, int) or isinstance(self.replica_num, bool) or self.replica_num < 1:
-            raise ValueError(f"ReplicateConfig: replica_num must be an int >= 1, got {self.replica_num!r}")
+        if (
+            not isinstance(self.replica_num, int)
+            or isinstance(self.replica_num, bool)
+            or self.replica_num < 1
+        ):
+            raise ValueError(
+                f"ReplicateConfig: replica_num must be an int >= 1, got {self.replica_num!r}"
+            )
         if self.replica_num > 64:
             raise ValueError(f"ReplicateConfig: replica_num must be <= 64, got {self.replica_num}")
         if self.preferred_segment is not None and not isinstance(self.preferred_segment, str):
-            raise ValueError("ReplicateConfig: preferred_segment must be a segment name (str) or None")
+            raise ValueError(
+                "ReplicateConfig: preferred_segment must be a segment name (str) or None"
+            )
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -432,15 +498,25 @@ class WeightSyncConfig:
 
     def __post_init__(self):
         if self.install not in ("copy", "view"):
-            raise ValueError(f"WeightSyncConfig: install must be 'copy' or 'view', got {self.install!r}")
+            raise ValueError(
+                f"WeightSyncConfig: install must be 'copy' or 'view', got {self.install!r}"
+            )
         if self.install == "view" and not self.pin:
-            raise ValueError("WeightSyncConfig: install='view' needs pin=True (an evicted object's memory is reused)")
+            raise ValueError(
+                "WeightSyncConfig: install='view' needs pin=True (an evicted object's memory is reused)"
+            )
         if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1:
-            raise ValueError(f"WeightSyncConfig: bucket_bytes must be an int >= 1, got {self.bucket_bytes!r}")
+            raise ValueError(
+                f"WeightSyncConfig: bucket_bytes must be an int >= 1, got {self.bucket_bytes!r}"
+            )
         if not isinstance(self.keep_versions, int) or self.keep_versions < 0:
-            raise ValueError(f"WeightSyncConfig: keep_versions must be an int >= 0, got {self.keep_versions!r}")
+            raise ValueError(
+                f"WeightSyncConfig: keep_versions must be an int >= 0, got {self.keep_versions!r}"
+            )
         if not isinstance(self.max_readers, int) or self.max_readers < 1:
-            raise ValueError(f"WeightSyncConfig: max_readers must be an int >= 1, got {self.max_readers!r}")
+            raise ValueError(
+                f"WeightSyncConfig: max_readers must be an int >= 1, got {self.max_readers!r}"
+            )
         for f in ("commit_timeout_s", "hold_ttl_s"):
             if not isinstance(getattr(self, f), (int, float)) or getattr(self, f) <= 0:
                 raise ValueError(f"WeightSyncConfig: {f} must be a positive number")
@@ -463,7 +539,15 @@ class KVCacheConfig:
     pin: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.chunk_tokens, int) or isinstance(self.chunk_tokens, bool) or self.chunk_tokens < 1:
-            raise ValueError(f"KVCacheConfig: chunk_tokens must be an int >= 1, got {self.chunk_tokens!r}")
+        if (
+            not isinstance(self.chunk_tokens, int)
+            or isinstance(self.chunk_tokens, bool)
+            or self.chunk_tokens < 1
+        ):
+            raise ValueError(
+                f"KVCacheConfig: chunk_tokens must be an int >= 1, got {self.chunk_tokens!r}"
+            )
         if not isinstance(self.model, str) or not self.model or "/" in self.model:
-            raise ValueError(f"KVCacheConfig: model must be a non-empty str without '/', got {self.model!r}")
+            raise ValueError(
+                f"KVCacheConfig: model must be a non-empty str without '/', got {self.model!r}"
+            )

@@ -6,17 +6,26 @@ the new one commits). Replicas live in client segments (``[segment, offset, byte
 in a client's SSD directory (``[client, path]``). Space is allocated by the master and
 written by the client; the master never touches data.
 """
+
 from __future__ import annotations
 
 import collections
-import os
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from .alloc import ALIGN, Allocator, aligned
 from .config import MasterConfig
-from .errors import (NoSpaceError, ObjectExistsError, ObjectHasLeaseError, ObjectNotFoundError,
-                     ProtocolError, PutLostError, ReplicaShortfallError, StoreError, UnknownClientError)
+from .errors import (
+    NoSpaceError,
+    ObjectExistsError,
+    ObjectHasLeaseError,
+    ObjectNotFoundError,
+    ProtocolError,
+    PutLostError,
+    ReplicaShortfallError,
+    StoreError,
+    UnknownClientError,
+)
 
 SEG_HEADER = 4096  # bytes at the start of every segment kept for its header (magic + token)
 
@@ -32,14 +41,19 @@ LOAD_ORPHAN_S = 120.0
 TICK_S = 0.1
 STALL_S = 1.0
 
-class Segment:
-    __slots__ = ("name", "client", "size", "alloc", "desc", "keys")
 
-    def __init__(self, name: str, client: "Client", size: int, desc: dict):
+class Segment:
+    __slots__ = ("alloc", "client", "desc", "keys", "name", "size")
+
+    def __init__(self, name: str, client: Client, size: int, desc: dict):
         self.name = name
         self.client = client
         self.size = size
-        self.alloc = Allocator(size - SEG_HEADER, base=SEG_HEADER) if size > SEG_HEADER else Allocator(0, SEG_HEADER)
+        self.alloc = (
+            Allocator(size - SEG_HEADER, base=SEG_HEADER)
+            if size > SEG_HEADER
+            else Allocator(0, SEG_HEADER)
+        )
         self.desc = desc
         # key -> replicas here (committed or pending): an upsert's new replica may share the
         # segment with the old one, and freeing the old must not forget the new
@@ -57,12 +71,37 @@ class Segment:
 
 
 class Client:
-    __slots__ = ("id", "name", "host", "pid", "last_seen", "segments", "ssd_dir", "tasks", "event",
-                 "writing", "ssd_keys", "ssd_max", "ssd_bytes", "ssd_failed_at", "reserved", "reclaim_at",
-                 "last_put", "ssd_inflight")
+    __slots__ = (
+        "event",
+        "host",
+        "id",
+        "last_put",
+        "last_seen",
+        "name",
+        "pid",
+        "reclaim_at",
+        "reserved",
+        "segments",
+        "ssd_bytes",
+        "ssd_dir",
+        "ssd_failed_at",
+        "ssd_inflight",
+        "ssd_keys",
+        "ssd_max",
+        "tasks",
+        "writing",
+    )
 
-    def __init__(self, cid: str, name: str, host: str, pid: int, ssd_dir: Optional[str], now: float,
-                 ssd_max: Optional[int] = None):
+    def __init__(
+        self,
+        cid: str,
+        name: str,
+        host: str,
+        pid: int,
+        ssd_dir: str | None,
+        now: float,
+        ssd_max: int | None = None,
+    ):
         self.id = cid
         self.name = name
         self.host = host
@@ -77,7 +116,9 @@ class Client:
         self.ssd_max = ssd_max  # object bytes the directory may hold (None: no limit)
         self.ssd_bytes = 0  # object bytes on it, offloads in flight included
         self.ssd_inflight = 0  # of which offloads in flight (written, not yet reported)
-        self.ssd_failed_at = -1e18  # when a write to it last failed (full disk: no offloads for a while)
+        self.ssd_failed_at = (
+            -1e18
+        )  # when a write to it last failed (full disk: no offloads for a while)
         # put reservations: segment name -> [offset of the next byte, bytes left] (see Core.reserve)
         self.reserved: dict = {}
         self.reclaim_at = -1e18  # when it was last asked to give its reservations back
@@ -85,8 +126,21 @@ class Client:
 
 
 class Obj:
-    __slots__ = ("key", "size", "version", "meta", "repl", "ssd", "pin", "lease_until", "writer",
-                 "deadline", "offloading", "loading", "want")
+    __slots__ = (
+        "deadline",
+        "key",
+        "lease_until",
+        "loading",
+        "meta",
+        "offloading",
+        "pin",
+        "repl",
+        "size",
+        "ssd",
+        "version",
+        "want",
+        "writer",
+    )
 
     def __init__(self, key, size, version, meta, pin):
         self.key = key
@@ -94,7 +148,9 @@ class Obj:
         self.version = version
         self.meta = meta
         self.repl: list = []  # [segment name, offset, allocated bytes]
-        self.want = 1  # replicas a put asked for and could have (what a put of an empty object reports)
+        self.want = (
+            1  # replicas a put asked for and could have (what a put of an empty object reports)
+        )
         self.ssd: list = []  # [client id, path]
         self.pin = pin
         self.lease_until = 0.0
@@ -120,11 +176,13 @@ class Core:
         self.clock = clock
         self.objects: dict[str, Obj] = {}
         self.pending: dict[str, Obj] = {}
-        self.lru: "collections.OrderedDict[str, None]" = collections.OrderedDict()
+        self.lru: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.clients: dict[str, Client] = {}
         self.segments: dict[str, Segment] = {}
         self.deferred: list = []  # [until, segment name, offset, bytes]
-        self.ssd_waiting: set = set()  # clients whose SSD directory is busy, during one eviction pass
+        self.ssd_waiting: set = (
+            set()
+        )  # clients whose SSD directory is busy, during one eviction pass
         self.orphan_loads: dict = {}  # (key, version) -> (segment name, offset) of a deferred load slot
         self.counters = Counters()
         self.capacity = 0
@@ -148,7 +206,9 @@ class Core:
     def _client(self, cid) -> Client:
         c = self.clients.get(cid) if isinstance(cid, str) else None
         if c is None:
-            raise UnknownClientError(f"unknown client {cid!r} (the master restarted or declared it dead); register again")
+            raise UnknownClientError(
+                f"unknown client {cid!r} (the master restarted or declared it dead); register again"
+            )
         c.last_seen = self.clock()
         return c
 
@@ -164,7 +224,9 @@ class Core:
         if not isinstance(key, str) or not key:
             raise ProtocolError(f"a key must be a non-empty str, got {type(key).__name__}")
         if len(key) > self.cfg.max_key_bytes // 4 and len(key.encode()) > self.cfg.max_key_bytes:
-            raise ProtocolError(f"key of {len(key.encode())} bytes exceeds {self.cfg.max_key_bytes}")
+            raise ProtocolError(
+                f"key of {len(key.encode())} bytes exceeds {self.cfg.max_key_bytes}"
+            )
         return key
 
     def _keys(self, keys) -> list:
@@ -233,15 +295,27 @@ class Core:
         cid, name, host, pid = a.get("client"), a.get("name"), a.get("host"), a.get("pid")
         segs, ssd_dir, ssd = a.get("segs", []), a.get("ssd_dir"), a.get("ssd", [])
         ssd_max = a.get("ssd_max")
-        if not (isinstance(cid, str) and isinstance(name, str) and name and isinstance(host, str)
-                and isinstance(pid, int) and isinstance(segs, list) and isinstance(ssd, list)
-                and (ssd_dir is None or isinstance(ssd_dir, str))
-                and (ssd_max is None or (isinstance(ssd_max, int) and not isinstance(ssd_max, bool) and ssd_max >= 0))):
+        if not (
+            isinstance(cid, str)
+            and isinstance(name, str)
+            and name
+            and isinstance(host, str)
+            and isinstance(pid, int)
+            and isinstance(segs, list)
+            and isinstance(ssd, list)
+            and (ssd_dir is None or isinstance(ssd_dir, str))
+            and (
+                ssd_max is None
+                or (isinstance(ssd_max, int) and not isinstance(ssd_max, bool) and ssd_max >= 0)
+            )
+        ):
             raise ProtocolError("register: bad arguments")
         if len(segs) > 1:
             raise ProtocolError("register: a client contributes at most one segment")
         for d in segs:
-            if not (isinstance(d, dict) and isinstance(d.get("size"), int) and 0 <= d["size"] < 1 << 50):
+            if not (
+                isinstance(d, dict) and isinstance(d.get("size"), int) and 0 <= d["size"] < 1 << 50
+            ):
                 raise ProtocolError("register: bad segment descriptor")
         if len(ssd) > 10_000_000:
             raise ProtocolError("register: too many SSD entries")
@@ -266,12 +340,23 @@ class Core:
             self.dirty_clients.add(cid)
         for e in ssd:
             self._adopt_ssd(c, e)
-        return {"ttl_ms": int(self.cfg.lease_ttl_s * 1000), "client_ttl_ms": int(self.cfg.client_ttl_s * 1000)}
+        return {
+            "ttl_ms": int(self.cfg.lease_ttl_s * 1000),
+            "client_ttl_ms": int(self.cfg.client_ttl_s * 1000),
+        }
 
     def _adopt_ssd(self, c: Client, e):
-        if not (isinstance(e, list) and len(e) == 5 and isinstance(e[0], str) and isinstance(e[1], int)
-                and isinstance(e[2], int) and e[2] >= 0 and isinstance(e[3], bytes) and isinstance(e[4], str)
-                and e[0]):
+        if not (
+            isinstance(e, list)
+            and len(e) == 5
+            and isinstance(e[0], str)
+            and isinstance(e[1], int)
+            and isinstance(e[2], int)
+            and e[2] >= 0
+            and isinstance(e[3], bytes)
+            and isinstance(e[4], str)
+            and e[0]
+        ):
             return
         key, version, size, meta, path = e
         cur = self.objects.get(key)
@@ -307,7 +392,9 @@ class Core:
         c = self._client(a.get("client"))
         entries = a.get("entries")
         if not isinstance(entries, list) or len(entries) > 100_000:
-            raise ProtocolError("adopt_ssd: entries must be a list of at most 100000 [key, version, size, meta, path]")
+            raise ProtocolError(
+                "adopt_ssd: entries must be a list of at most 100000 [key, version, size, meta, path]"
+            )
         for e in entries:
             self._adopt_ssd(c, e)
         return {}
@@ -346,7 +433,9 @@ class Core:
                     obj.repl = [r for r in obj.repl if r[0] not in dead]
                     if obj.loading is not None and obj.loading[0] in dead:
                         obj.loading = None
-                    if obj.offloading == c.id:  # its writer is gone (it stayed unevictable for good)
+                    if (
+                        obj.offloading == c.id
+                    ):  # its writer is gone (it stayed unevictable for good)
                         obj.offloading = False
                     self._dirty(key)
                     if not obj.repl and not obj.ssd:
@@ -375,8 +464,14 @@ class Core:
         malformed item or a key repeated in one batch."""
         checked = []
         for it in items:
-            if not (isinstance(it, list) and len(it) == 3 and isinstance(it[1], int) and it[1] >= 0
-                    and isinstance(it[2], bytes) and len(it[2]) <= self.cfg.max_meta_bytes):
+            if not (
+                isinstance(it, list)
+                and len(it) == 3
+                and isinstance(it[1], int)
+                and it[1] >= 0
+                and isinstance(it[2], bytes)
+                and len(it[2]) <= self.cfg.max_meta_bytes
+            ):
                 raise ProtocolError(f"{op}: each item must be [key, size >= 0, meta bytes]")
             checked.append((self._check_key(it[0]), it[1], it[2]))
         if len({k for k, _, _ in checked}) != len(checked):
@@ -397,11 +492,15 @@ class Core:
         r, pref, pin = a.get("r", 1), a.get("pref"), bool(a.get("pin", False))
         require_all, upsert = bool(a.get("all", False)), bool(a.get("upsert", False))
         if not isinstance(items, list) or len(items) > self.cfg.max_keys_per_call:
-            raise ProtocolError("put_start: items must be a list of at most max_keys_per_call [key, size, meta]")
+            raise ProtocolError(
+                "put_start: items must be a list of at most max_keys_per_call [key, size, meta]"
+            )
         if not (isinstance(r, int) and 1 <= r <= 64) or not (pref is None or isinstance(pref, str)):
             raise ProtocolError("put_start: bad replica options")
         avoid = a.get("x", [])
-        if not (isinstance(avoid, list) and len(avoid) <= 64 and all(isinstance(x, str) for x in avoid)):
+        if not (
+            isinstance(avoid, list) and len(avoid) <= 64 and all(isinstance(x, str) for x in avoid)
+        ):
             raise ProtocolError("put_start: x must be a list of at most 64 segment names")
         checked = self._put_items(items, "put_start")
         out, segs = [], {}
@@ -440,14 +539,20 @@ class Core:
             if not self.segments:
                 raise NoSpaceError("no segment is registered (no client contributes memory)")
             if all(s.name in avoid for s in self.segments.values()):
-                raise NoSpaceError(f"no reachable segment for {size} bytes: the writer could not reach "
-                                   f"{sorted(avoid)} (owners gone?)")
-            raise NoSpaceError(f"object of {size} bytes ({n} with the {ALIGN}-byte rounding of allocations) is "
-                               f"larger than every segment's usable size")
+                raise NoSpaceError(
+                    f"no reachable segment for {size} bytes: the writer could not reach "
+                    f"{sorted(avoid)} (owners gone?)"
+                )
+            raise NoSpaceError(
+                f"object of {size} bytes ({n} with the {ALIGN}-byte rounding of allocations) is "
+                f"larger than every segment's usable size"
+            )
         live.sort(key=lambda s: (s.name != pref, -(s.alloc.size - s.alloc.used)))
         target = min(r, len(live))
         if require_all and target < r:
-            raise ReplicaShortfallError(f"{r} replicas requested but only {len(live)} segment(s) can hold {size} bytes; nothing stored")
+            raise ReplicaShortfallError(
+                f"{r} replicas requested but only {len(live)} segment(s) can hold {size} bytes; nothing stored"
+            )
         got: list = []
         used_names: set = set()
 
@@ -469,7 +574,9 @@ class Core:
             for s_, off, nn in got:
                 self.segments[s_].alloc.free(off, nn)
                 self.used -= nn
-            e = NoSpaceError(f"no space for {size} bytes yet: put reservations are being given back")
+            e = NoSpaceError(
+                f"no space for {size} bytes yet: put reservations are being given back"
+            )
             e.code = "NoSpaceRetry"
             raise e
         if len(got) < target:
@@ -480,14 +587,18 @@ class Core:
                 for s, off, nn in got:
                     self.segments[s].alloc.free(off, nn)
                     self.used -= nn
-                raise ReplicaShortfallError(f"only {len(got)} of {r} replicas of {size} bytes fit; nothing stored")
+                raise ReplicaShortfallError(
+                    f"only {len(got)} of {r} replicas of {size} bytes fit; nothing stored"
+                )
             if not got:
                 if self.clock() < self.no_evict_until:
                     # read leases of the previous leader are not known here: nothing is
                     # evicted until they have surely ended (the message said "leased,
                     # pinned or being written", and the put failed at once)
-                    e = NoSpaceError(f"no space for {size} bytes yet: a new leader evicts nothing for "
-                                     f"{self.no_evict_until - self.clock():.1f} s more (the old leader's read leases)")
+                    e = NoSpaceError(
+                        f"no space for {size} bytes yet: a new leader evicts nothing for "
+                        f"{self.no_evict_until - self.clock():.1f} s more (the old leader's read leases)"
+                    )
                     e.code = "NoSpaceRetry"
                     raise e
                 offl = any(o.offloading for o in self.objects.values())
@@ -500,10 +611,15 @@ class Core:
         return got
 
     def _evictable(self, obj: Obj, now: float) -> bool:
-        return (not obj.pin and not obj.offloading and obj.lease_until <= now and bool(obj.repl)
-                and now >= self.no_evict_until)
+        return (
+            not obj.pin
+            and not obj.offloading
+            and obj.lease_until <= now
+            and bool(obj.repl)
+            and now >= self.no_evict_until
+        )
 
-    def _evict_for(self, n: int, need: int, exclude: set, live: list, keep: Optional[str] = None):
+    def _evict_for(self, n: int, need: int, exclude: set, live: list, keep: str | None = None):
         """Evicts LRU objects with a replica in a segment not in ``exclude`` until ``need``
         of those segments have ``n`` contiguous free bytes (or nothing is left to evict).
         Evicts nothing when even evicting every candidate could not free ``n`` bytes in
@@ -526,11 +642,15 @@ class Core:
             if fits >= need:
                 return
             obj = self.objects.get(key)
-            if obj is None or not self._evictable(obj, now) or not any(r[0] in wanted for r in obj.repl):
+            if (
+                obj is None
+                or not self._evictable(obj, now)
+                or not any(r[0] in wanted for r in obj.repl)
+            ):
                 continue
             self._evict(obj, now)
 
-    def _could_fit(self, seg: Segment, n: int, keep: Optional[str], now: float) -> bool:
+    def _could_fit(self, seg: Segment, n: int, keep: str | None, now: float) -> bool:
         """Whether ``seg`` would have ``n`` contiguous free bytes if every object that may be
         evicted (not ``keep``) were: free blocks and those objects' ranges, merged where
         they touch (a leased, pinned or reserved range between them splits the run)."""
@@ -552,7 +672,7 @@ class Core:
                 return True
         return False
 
-    def _ssd_room(self, c: Client, size: int, now: float) -> Optional[bool]:
+    def _ssd_room(self, c: Client, size: int, now: float) -> bool | None:
         """Whether ``c``'s SSD directory can take ``size`` more bytes, after dropping the
         least recently used objects that live only there (not leased, not being loaded).
         None: not now, but once the offloads in flight to it are done (they then become
@@ -569,8 +689,14 @@ class Core:
             if c.ssd_bytes + size <= c.ssd_max:
                 break
             o = self.objects.get(key)
-            if (o is None or key not in c.ssd_keys or o.repl or o.loading is not None or o.lease_until > now
-                    or o.offloading):
+            if (
+                o is None
+                or key not in c.ssd_keys
+                or o.repl
+                or o.loading is not None
+                or o.lease_until > now
+                or o.offloading
+            ):
                 continue
             self._drop_committed(key)
             self.counters.ssd_drops += 1
@@ -588,7 +714,7 @@ class Core:
         with room (then asynchronously: the object stays until the owner reports). True
         if freed now."""
         if not obj.ssd and to_ssd:
-            for seg_name, off, n in obj.repl:
+            for seg_name, off, _n in obj.repl:
                 seg = self.segments.get(seg_name)
                 if seg is None or not seg.client.ssd_dir:
                     continue
@@ -632,9 +758,17 @@ class Core:
             if p is None or p.version != version or p.writer != c.id:
                 cur = self.objects.get(key) if isinstance(key, str) else None
                 if cur is not None and cur.version == version:
-                    out.append([0, len(cur.repl) if cur.size else cur.want])  # already committed (a retried request)
+                    out.append(
+                        [0, len(cur.repl) if cur.size else cur.want]
+                    )  # already committed (a retried request)
                 else:
-                    out.append([1, PutLostError.code, f"put of {key!r} is unknown to the master (aborted after its lease, or lost in a leader change)"])
+                    out.append(
+                        [
+                            1,
+                            PutLostError.code,
+                            f"put of {key!r} is unknown to the master (aborted after its lease, or lost in a leader change)",
+                        ]
+                    )
                 continue
             del self.pending[key]
             c.writing.discard(key)
@@ -720,27 +854,50 @@ class Core:
         c = self._client(a.get("client"))
         ret, want, pref, avoid = a.get("ret", []), a.get("bytes", 0), a.get("pref"), a.get("x", [])
         least = a.get("min", 0)
-        if not (isinstance(ret, list) and len(ret) <= 64 and isinstance(want, int) and not isinstance(want, bool)
-                and 0 <= want < 1 << 50 and (pref is None or isinstance(pref, str))
-                and isinstance(least, int) and not isinstance(least, bool)
-                and isinstance(avoid, list) and len(avoid) <= 64 and all(isinstance(x, str) for x in avoid)):
+        if not (
+            isinstance(ret, list)
+            and len(ret) <= 64
+            and isinstance(want, int)
+            and not isinstance(want, bool)
+            and 0 <= want < 1 << 50
+            and (pref is None or isinstance(pref, str))
+            and isinstance(least, int)
+            and not isinstance(least, bool)
+            and isinstance(avoid, list)
+            and len(avoid) <= 64
+            and all(isinstance(x, str) for x in avoid)
+        ):
             raise ProtocolError("reserve: bad arguments")
         for r in ret:
-            if not (isinstance(r, list) and len(r) == 3 and isinstance(r[0], str) and isinstance(r[1], int)
-                    and isinstance(r[2], int)):
-                raise ProtocolError("reserve: each returned reservation must be [segment, offset, bytes]")
+            if not (
+                isinstance(r, list)
+                and len(r) == 3
+                and isinstance(r[0], str)
+                and isinstance(r[1], int)
+                and isinstance(r[2], int)
+            ):
+                raise ProtocolError(
+                    "reserve: each returned reservation must be [segment, offset, bytes]"
+                )
         for seg_name, off, n in ret:
             # offset -1: whatever this client holds there (it lost track of the extent)
             if c.reserved.get(seg_name) == [off, n] or (off == -1 and seg_name in c.reserved):
                 self._unreserve(c, seg_name)
         if want <= 0:
             return {"resv": None, "segs": {}}
-        cands = [s for s in self.segments.values() if s.name not in avoid and s.name not in c.reserved
-                 and (pref is None or s.name == pref)]
+        cands = [
+            s
+            for s in self.segments.values()
+            if s.name not in avoid and s.name not in c.reserved and (pref is None or s.name == pref)
+        ]
         cands.sort(key=lambda s: -(s.alloc.size - s.alloc.used))
         for seg in cands[:1]:
             n = aligned(min(want, seg.alloc.size // 16))
-            if n < max(4096, least) or self.used + n > self.cfg.low_watermark * self.capacity or seg.alloc.largest_free() < 4 * n:
+            if (
+                n < max(4096, least)
+                or self.used + n > self.cfg.low_watermark * self.capacity
+                or seg.alloc.largest_free() < 4 * n
+            ):
                 break
             off = seg.alloc.alloc(n)
             if off is None:
@@ -765,8 +922,12 @@ class Core:
             return c.last_put[1]  # the same request again (the reply was lost): same answer
         items, seg_name, off0 = a.get("items"), a.get("seg"), a.get("off")
         pin, upsert = bool(a.get("pin", False)), bool(a.get("upsert", False))
-        if not (isinstance(items, list) and 0 < len(items) <= self.cfg.max_keys_per_call
-                and isinstance(seg_name, str) and isinstance(off0, int)):
+        if not (
+            isinstance(items, list)
+            and 0 < len(items) <= self.cfg.max_keys_per_call
+            and isinstance(seg_name, str)
+            and isinstance(off0, int)
+        ):
             raise ProtocolError("put: bad arguments (items, seg, off)")
         checked = self._put_items(items, "put")
         resv = c.reserved.get(seg_name)
@@ -800,7 +961,7 @@ class Core:
             c.last_put = [rid, reply]
         return reply
 
-    def _put_done_before(self, checked: list, seg_name: str, off0: int) -> Optional[list]:
+    def _put_done_before(self, checked: list, seg_name: str, off0: int) -> list | None:
         """A ``put`` whose reservation this master does not hold may be a request resent
         after a leader change whose first sending the old leader committed (and wrote to
         etcd): then its objects are here, each at exactly the range the client wrote. Per
@@ -845,8 +1006,15 @@ class Core:
                 if cl is not None:
                     reps.append(["s", cl.host, path])
             retry = False
-            if not obj.repl and obj.ssd and reader.host not in {self.clients[c].host for c, _ in obj.ssd if c in self.clients}:
-                retry = self._promote(obj)  # only on disks of other hosts: load it into memory first
+            if (
+                not obj.repl
+                and obj.ssd
+                and reader.host
+                not in {self.clients[c].host for c, _ in obj.ssd if c in self.clients}
+            ):
+                retry = self._promote(
+                    obj
+                )  # only on disks of other hosts: load it into memory first
             if not retry:  # a reader asks again while a load runs: that is one get, not many
                 self.counters.hits += 1
                 self.counters.gets += 1
@@ -862,8 +1030,12 @@ class Core:
             if o is None:
                 out.append(None)
                 continue
-            out.append({"memory": [r[0] for r in o.repl],
-                        "ssd": [self.clients[c].name for c, _ in o.ssd if c in self.clients]})
+            out.append(
+                {
+                    "memory": [r[0] for r in o.repl],
+                    "ssd": [self.clients[c].name for c, _ in o.ssd if c in self.clients],
+                }
+            )
         return {"where": out}
 
     def exists(self, a: dict) -> dict:
@@ -872,7 +1044,10 @@ class Core:
         keys = self._keys(a.get("keys"))
         if a.get("meta") is True:
             objs = [self.objects.get(k) for k in keys]
-            return {"exists": [o is not None for o in objs], "meta": [None if o is None else o.meta for o in objs]}
+            return {
+                "exists": [o is not None for o in objs],
+                "meta": [None if o is None else o.meta for o in objs],
+            }
         return {"exists": [k in self.objects for k in keys]}
 
     def remove(self, a: dict) -> dict:
@@ -887,8 +1062,13 @@ class Core:
                 out.append([1, ObjectNotFoundError.code, f"key {key!r} not found"])
                 continue
             if obj.lease_until > now and not force:
-                out.append([1, ObjectHasLeaseError.code,
-                            f"key {key!r} is leased by a reader for {obj.lease_until - now:.3f} s more (force=True removes it anyway)"])
+                out.append(
+                    [
+                        1,
+                        ObjectHasLeaseError.code,
+                        f"key {key!r} is leased by a reader for {obj.lease_until - now:.3f} s more (force=True removes it anyway)",
+                    ]
+                )
                 continue
             self._drop_committed(key)
             self.counters.removes += 1
@@ -932,8 +1112,11 @@ class Core:
             if k in self.pending:
                 return True
             o = self.objects.get(k)
-            if o is not None and (o.offloading or (o.lease_until > now and not o.pin)
-                                  or (o.loading is not None and o.loading[0] == seg.name)):
+            if o is not None and (
+                o.offloading
+                or (o.lease_until > now and not o.pin)
+                or (o.loading is not None and o.loading[0] == seg.name)
+            ):
                 return True  # a load in progress becomes evictable once its reader is done
         return False
 
@@ -1063,9 +1246,16 @@ class Core:
         if self.orphan_loads:
             live = {(d[1], d[2]) for d in self.deferred}
             self.orphan_loads = {k: v for k, v in self.orphan_loads.items() if v in live}
-        if self.capacity and self.used > self.cfg.high_watermark * self.capacity and self.reserved_bytes:
+        if (
+            self.capacity
+            and self.used > self.cfg.high_watermark * self.capacity
+            and self.reserved_bytes
+        ):
             self._reclaim(list(self.segments))  # reserved space counts as free below
-        if self.capacity and self.used - self.reserved_bytes > self.cfg.high_watermark * self.capacity:
+        if (
+            self.capacity
+            and self.used - self.reserved_bytes > self.cfg.high_watermark * self.capacity
+        ):
             goal = self.cfg.low_watermark * self.capacity
             projected = self.used - self.reserved_bytes
             self.ssd_waiting.clear()
@@ -1081,12 +1271,18 @@ class Core:
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
-        return {"objects": len(self.objects), "pending": len(self.pending), "used_bytes": self.used,
-                "reserved_bytes": self.reserved_bytes,
-                "capacity_bytes": self.capacity, "clients": len(self.clients),
-                "segments": len(self.segments), "deferred": len(self.deferred),
-                "ssd_objects": sum(1 for o in self.objects.values() if o.ssd),
-                **vars(self.counters)}
+        return {
+            "objects": len(self.objects),
+            "pending": len(self.pending),
+            "used_bytes": self.used,
+            "reserved_bytes": self.reserved_bytes,
+            "capacity_bytes": self.capacity,
+            "clients": len(self.clients),
+            "segments": len(self.segments),
+            "deferred": len(self.deferred),
+            "ssd_objects": sum(1 for o in self.objects.values() if o.ssd),
+            **vars(self.counters),
+        }
 
     def metrics_text(self, leader: bool = True) -> str:
         s = self.stats()
@@ -1100,23 +1296,56 @@ class Core:
         m("objects", "gauge", "Committed objects.", s["objects"])
         m("objects_on_ssd", "gauge", "Committed objects with an SSD replica.", s["ssd_objects"])
         m("pending_puts", "gauge", "Puts in progress.", s["pending"])
-        m("used_bytes", "gauge", "Bytes allocated in segments (put reservations included).", s["used_bytes"])
-        m("reserved_bytes", "gauge", "Bytes of segments reserved for clients' next puts.", s["reserved_bytes"])
+        m(
+            "used_bytes",
+            "gauge",
+            "Bytes allocated in segments (put reservations included).",
+            s["used_bytes"],
+        )
+        m(
+            "reserved_bytes",
+            "gauge",
+            "Bytes of segments reserved for clients' next puts.",
+            s["reserved_bytes"],
+        )
         m("capacity_bytes", "gauge", "Bytes of all registered segments.", s["capacity_bytes"])
         m("clients", "gauge", "Live clients.", s["clients"])
         m("segments", "gauge", "Registered segments.", s["segments"])
         m("puts_total", "counter", "Committed puts.", s["puts"])
         m("hits_total", "counter", "Gets of existing keys.", s["hits"])
         m("misses_total", "counter", "Gets of missing keys.", s["misses"])
-        m("evictions_total", "counter", "Objects whose memory replicas were evicted.", s["evictions"])
+        m(
+            "evictions_total",
+            "counter",
+            "Objects whose memory replicas were evicted.",
+            s["evictions"],
+        )
         m("offloads_total", "counter", "Objects written to an SSD directory.", s["offloads"])
-        m("ssd_drops_total", "counter", "Objects dropped from an SSD directory to make room (ssd_max_bytes).",
-          s["ssd_drops"])
-        m("ssd_corrupt_total", "counter", "SSD replicas dropped because their file was missing or corrupt.",
-          s["ssd_corrupt"])
+        m(
+            "ssd_drops_total",
+            "counter",
+            "Objects dropped from an SSD directory to make room (ssd_max_bytes).",
+            s["ssd_drops"],
+        )
+        m(
+            "ssd_corrupt_total",
+            "counter",
+            "SSD replicas dropped because their file was missing or corrupt.",
+            s["ssd_corrupt"],
+        )
         m("removes_total", "counter", "Removed objects.", s["removes"])
-        m("put_aborts_total", "counter", "Puts aborted (writer died, timed out or revoked).", s["put_aborts"])
-        m("clients_lost_total", "counter", "Clients declared dead after missing heartbeats.", s["clients_lost"])
+        m(
+            "put_aborts_total",
+            "counter",
+            "Puts aborted (writer died, timed out or revoked).",
+            s["put_aborts"],
+        )
+        m(
+            "clients_lost_total",
+            "counter",
+            "Clients declared dead after missing heartbeats.",
+            s["clients_lost"],
+        )
         m("leader", "gauge", "1 if this master serves requests.", 1 if leader else 0)
         return "\n".join(lines) + "\n"
 
@@ -1131,8 +1360,15 @@ def load_into(core: Core, clients: list, objs: list):
     for rec in clients:
         try:
             ssd_max = rec.get("ssd_max")
-            c = Client(rec["id"], rec["name"], rec["host"], int(rec["pid"]), rec.get("ssd_dir"), now,
-                       None if ssd_max is None else int(ssd_max))
+            c = Client(
+                rec["id"],
+                rec["name"],
+                rec["host"],
+                int(rec["pid"]),
+                rec.get("ssd_dir"),
+                now,
+                None if ssd_max is None else int(ssd_max),
+            )
             for d in rec["segs"]:
                 seg = Segment(d["name"], c, int(d["size"]), d)
                 core.segments[seg.name] = seg

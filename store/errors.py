@@ -4,6 +4,7 @@ Every error the store raises derives from :class:`StoreError`. Errors travel fro
 master to clients as ``(code, message)`` pairs (never pickled); :func:`from_code` turns
 a code back into the class below, so a client raises the same type the master meant.
 """
+
 from __future__ import annotations
 
 
@@ -111,9 +112,23 @@ class WeightSyncAbortedError(StoreError):
     code = "WeightSyncAborted"
 
 
-_ALL = [StoreError, ObjectExistsError, ObjectNotFoundError, LeaseExpiredError, ObjectHasLeaseError,
-        ReplicaShortfallError, NoSpaceError, TransferError, ProtocolError, AuthError, NotLeaderError,
-        UnknownClientError, PutLostError, StaleVersionError, WeightSyncAbortedError]
+_ALL = [
+    StoreError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    LeaseExpiredError,
+    ObjectHasLeaseError,
+    ReplicaShortfallError,
+    NoSpaceError,
+    TransferError,
+    ProtocolError,
+    AuthError,
+    NotLeaderError,
+    UnknownClientError,
+    PutLostError,
+    StaleVersionError,
+    WeightSyncAbortedError,
+]
 _BY_CODE = {c.code: c for c in _ALL}
 
 

@@ -14,11 +14,11 @@ Layout under ``prefix`` (``MasterConfig.etcd_prefix``):
 A new leader loads the record, so object metadata survives a leader change; leases and
 puts in progress do not (their writers redo the put).
 """
+
 from __future__ import annotations
 
 import base64
 import json
-from typing import Optional
 
 from .config import _parse_hostport
 
@@ -56,7 +56,7 @@ class Etcd:
     def refresh(self, lease) -> bool:
         return lease.refresh() > 0
 
-    def leader(self) -> Optional[dict]:
+    def leader(self) -> dict | None:
         """The leader's record ``{"addr": ..., "id": ...}``, or None."""
         vals = self.client.get(self.leader_key)
         if not vals:
@@ -77,12 +77,23 @@ class Etcd:
     def write(self, ident: str, puts: dict, deletes: list) -> bool:
         """Writes ``puts`` (etcd key -> str) and deletes ``deletes`` in transactions that
         each check that ``ident`` still leads. False if it does not (nothing more written)."""
-        ops = [{"request_put": {"key": _b64(k.encode()), "value": _b64(v.encode())}} for k, v in puts.items()]
+        ops = [
+            {"request_put": {"key": _b64(k.encode()), "value": _b64(v.encode())}}
+            for k, v in puts.items()
+        ]
         ops += [{"request_delete_range": {"key": _b64(k.encode())}} for k in deletes]
-        cmp = [{"key": _b64(self.leader_key.encode()), "result": "EQUAL", "target": "VALUE",
-                "value": _b64(ident.encode())}]
+        cmp = [
+            {
+                "key": _b64(self.leader_key.encode()),
+                "result": "EQUAL",
+                "target": "VALUE",
+                "value": _b64(ident.encode()),
+            }
+        ]
         for i in range(0, len(ops), TXN_OPS):
-            res = self.client.transaction({"compare": cmp, "success": ops[i:i + TXN_OPS], "failure": []})
+            res = self.client.transaction(
+                {"compare": cmp, "success": ops[i : i + TXN_OPS], "failure": []}
+            )
             if not res.get("succeeded"):
                 return False
         return True
@@ -90,12 +101,12 @@ class Etcd:
     def load(self) -> tuple[list, list]:
         """``(clients, objects)``: the JSON records under the prefix."""
         clients, objs = [], []
-        for value, meta in self.client.get_prefix(self.prefix + "/c/"):
+        for value, _meta in self.client.get_prefix(self.prefix + "/c/"):
             try:
                 clients.append(json.loads(value))
             except ValueError:
                 pass
-        for value, meta in self.client.get_prefix(self.prefix + "/o/"):
+        for value, _meta in self.client.get_prefix(self.prefix + "/o/"):
             try:
                 objs.append(json.loads(value))
             except ValueError:
@@ -107,14 +118,40 @@ def client_record(c) -> str:
     segs = []
     for s in c.segments:
         segs.append(s.desc)
-    return json.dumps({"id": c.id, "name": c.name, "host": c.host, "pid": c.pid, "ssd_dir": c.ssd_dir,
-                       "ssd_max": c.ssd_max, "segs": segs})
+    return json.dumps(
+        {
+            "id": c.id,
+            "name": c.name,
+            "host": c.host,
+            "pid": c.pid,
+            "ssd_dir": c.ssd_dir,
+            "ssd_max": c.ssd_max,
+            "segs": segs,
+        }
+    )
 
 
 def obj_record(o) -> str:
-    return json.dumps({"k": o.key, "s": o.size, "v": o.version, "m": _b64(o.meta), "r": o.repl,
-                       "d": o.ssd, "p": o.pin})
+    return json.dumps(
+        {
+            "k": o.key,
+            "s": o.size,
+            "v": o.version,
+            "m": _b64(o.meta),
+            "r": o.repl,
+            "d": o.ssd,
+            "p": o.pin,
+        }
+    )
 
 
 def decode_obj(rec: dict):
-    return (rec["k"], rec["s"], rec["v"], base64.b64decode(rec["m"]), rec["r"], rec["d"], bool(rec["p"]))
+    return (
+        rec["k"],
+        rec["s"],
+        rec["v"],
+        base64.b64decode(rec["m"]),
+        rec["r"],
+        rec["d"],
+        bool(rec["p"]),
+    )

@@ -22,18 +22,19 @@ the store evicts them in LRU order (to the SSD tier when the owner of the segmen
 one, where they survive a restart); a chunk that is gone is a miss, never wrong data: a
 ``get`` returns the longest prefix of whole chunks it could actually read.
 """
+
 from __future__ import annotations
 
 import collections
 import dataclasses
 import hashlib
 import sys
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 from .config import KVCacheConfig, ReplicateConfig
 from .errors import ObjectExistsError, ObjectNotFoundError, StoreError
 
-__all__ = ["KVCacheStore", "KVCacheStats", "KVPutResult", "KVGetResult", "chunk_hashes"]
+__all__ = ["KVCacheStats", "KVCacheStore", "KVGetResult", "KVPutResult", "chunk_hashes"]
 
 
 @dataclasses.dataclass
@@ -55,13 +56,13 @@ class KVCacheStats:
     ``get`` left out because their layout differs from the prefix's first chunk (see
     ``put``) or they are not K/V chunks."""
 
-    lookups: int = 0          #: match_prefix calls, and get calls that counted a chunk
-    hit_chunks: int = 0       #: chunks found by lookups
-    miss_chunks: int = 0      #: whole chunks looked up and not found
-    hit_tokens: int = 0       #: tokens covered by lookup hits
-    stored_chunks: int = 0    #: chunks written by put
+    lookups: int = 0  #: match_prefix calls, and get calls that counted a chunk
+    hit_chunks: int = 0  #: chunks found by lookups
+    miss_chunks: int = 0  #: whole chunks looked up and not found
+    hit_tokens: int = 0  #: tokens covered by lookup hits
+    stored_chunks: int = 0  #: chunks written by put
     existing_chunks: int = 0  #: chunks put found already stored (a hit, no error)
-    lost_chunks: int = 0      #: chunks matched (or seen by get) that get could not read
+    lost_chunks: int = 0  #: chunks matched (or seen by get) that get could not read
     inconsistent_chunks: int = 0  #: chunks get left out: another layout than the first chunk's
 
     @property
@@ -72,14 +73,14 @@ class KVCacheStats:
 
 
 class KVPutResult(NamedTuple):
-    stored_chunks: int    #: chunks written now
+    stored_chunks: int  #: chunks written now
     existing_chunks: int  #: chunks that were already there (hits)
-    tokens: int           #: tokens covered by whole chunks
+    tokens: int  #: tokens covered by whole chunks
 
 
 class KVGetResult(NamedTuple):
     tokens: int  #: tokens of the prefix returned (a multiple of chunk_tokens)
-    kv: object   #: tensor [layers, 2, heads, tokens, head_dim], or None when tokens == 0
+    kv: object  #: tensor [layers, 2, heads, tokens, head_dim], or None when tokens == 0
 
     def layers(self) -> list:
         """The K/V as per-layer ``(K, V)`` pairs, each ``[heads, tokens, head_dim]`` (views)."""
@@ -92,8 +93,12 @@ def _token_bytes(tokens, op="chunk_hashes") -> bytes:
 
         if isinstance(tokens, torch.Tensor):
             if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex():
-                raise ValueError(f"{op}: tokens must be a 1-D integer tensor, got {tokens.dtype} {list(tokens.shape)}")
-            return tokens.detach().to("cpu", torch.int64).contiguous().numpy().astype("<i8").tobytes()
+                raise ValueError(
+                    f"{op}: tokens must be a 1-D integer tensor, got {tokens.dtype} {list(tokens.shape)}"
+                )
+            return (
+                tokens.detach().to("cpu", torch.int64).contiguous().numpy().astype("<i8").tobytes()
+            )
     except ImportError:  # pragma: no cover
         pass
     import array
@@ -101,15 +106,22 @@ def _token_bytes(tokens, op="chunk_hashes") -> bytes:
 
     np = sys.modules.get("numpy")
     if np is not None and isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1 or tokens.dtype.kind not in "iu" or (
-                tokens.dtype.kind == "u" and tokens.size and int(tokens.max()) >= 2**63):
-            raise ValueError(f"{op}: tokens must be a 1-D array of int64 values, got {tokens.dtype} {list(tokens.shape)}")
+        if (
+            tokens.ndim != 1
+            or tokens.dtype.kind not in "iu"
+            or (tokens.dtype.kind == "u" and tokens.size and int(tokens.max()) >= 2**63)
+        ):
+            raise ValueError(
+                f"{op}: tokens must be a 1-D array of int64 values, got {tokens.dtype} {list(tokens.shape)}"
+            )
         return tokens.astype("<i8").tobytes()
     try:
         vals = list(tokens)
     except TypeError:
-        raise ValueError(f"{op}: tokens must be a sequence of ints or a 1-D integer tensor, "
-                         f"got {type(tokens).__name__}") from None
+        raise ValueError(
+            f"{op}: tokens must be a sequence of ints or a 1-D integer tensor, "
+            f"got {type(tokens).__name__}"
+        ) from None
     for i, t in enumerate(vals):
         try:
             if isinstance(t, bool):
@@ -117,7 +129,7 @@ def _token_bytes(tokens, op="chunk_hashes") -> bytes:
             vals[i] = t = operator.index(t)  # ints, and NumPy's integer scalars (not NumPy's bools)
         except TypeError:
             raise ValueError(f"{op}: tokens must be ints (int64), got {t!r}") from None
-        if not -2**63 <= t < 2**63:
+        if not -(2**63) <= t < 2**63:
             raise ValueError(f"{op}: tokens must be ints (int64), got {t!r}")
     a = array.array("q", vals)
     if a.itemsize != 8:  # pragma: no cover
@@ -133,7 +145,7 @@ def chunk_hashes(tokens, chunk_tokens: int, *, _op: str = "chunk_hashes") -> lis
     step = 8 * chunk_tokens
     out, prev = [], b"mooncake-kv"
     for i in range(len(b) // step):
-        prev = hashlib.blake2b(prev + b[i * step:(i + 1) * step], digest_size=16).digest()
+        prev = hashlib.blake2b(prev + b[i * step : (i + 1) * step], digest_size=16).digest()
         out.append(prev.hex())
     return out
 
@@ -151,7 +163,7 @@ class _Layout(NamedTuple):
         return f"layers={self.layers}, kv_heads={self.kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}"
 
 
-def _layout_of(shape, dtype: str, chunk_tokens: int) -> Optional[_Layout]:
+def _layout_of(shape, dtype: str, chunk_tokens: int) -> _Layout | None:
     """The layout of a chunk of ``shape`` and ``dtype``; None if it is not a K/V chunk of
     ``chunk_tokens`` tokens."""
     if len(shape) != 5 or shape[1] != 2 or shape[3] != chunk_tokens:
@@ -190,20 +202,24 @@ class KVCacheStore:
     layout (layers, kv heads, head_dim, dtype): see :meth:`put`. Statistics: ``stats``
     (:class:`KVCacheStats`)."""
 
-    def __init__(self, store, *, tenant: str = "default", config: Optional[KVCacheConfig] = None):
+    def __init__(self, store, *, tenant: str = "default", config: KVCacheConfig | None = None):
         if not isinstance(tenant, str) or not tenant or "/" in tenant or len(tenant) > 200:
-            raise ValueError(f"KVCacheStore: tenant must be a non-empty str without '/' (at most 200 chars), "
-                             f"got {tenant!r}")
+            raise ValueError(
+                f"KVCacheStore: tenant must be a non-empty str without '/' (at most 200 chars), "
+                f"got {tenant!r}"
+            )
         self.cfg = config or KVCacheConfig()
         if not isinstance(self.cfg, KVCacheConfig):
-            raise ValueError(f"KVCacheStore: config must be a KVCacheConfig, got {type(self.cfg).__name__}")
+            raise ValueError(
+                f"KVCacheStore: config must be a KVCacheConfig, got {type(self.cfg).__name__}"
+            )
         self.store = store
         self.tenant = tenant
         self._p = f"kv/{self.cfg.model}/{tenant}/"
         self._rc = ReplicateConfig(pin=self.cfg.pin)
         self.stats = KVCacheStats()
         # chunk key -> found, for chunks match_prefix counted and no get has counted since
-        self._matched: "collections.OrderedDict[str, bool]" = collections.OrderedDict()
+        self._matched: collections.OrderedDict[str, bool] = collections.OrderedDict()
 
     def keys(self, tokens, *, _op: str = "KVCacheStore.keys") -> list:
         """Store keys of the whole chunks of ``tokens``."""
@@ -227,15 +243,25 @@ class KVCacheStore:
         if isinstance(kv, (list, tuple)):  # per-layer (K, V) pairs, each [heads, tokens, head_dim]
             kv = self._stack_pairs(kv, op)
         if not isinstance(kv, torch.Tensor) or kv.dim() != 5 or kv.shape[1] != 2:
-            got = (f"a tensor of shape {list(kv.shape)}" if isinstance(kv, torch.Tensor) else type(kv).__name__)
-            raise ValueError(f"{op}: kv must be a tensor [layers, 2, heads, tokens, head_dim] or a list of per-layer "
-                             f"(K, V) pairs [heads, tokens, head_dim], got {got}")
+            got = (
+                f"a tensor of shape {list(kv.shape)}"
+                if isinstance(kv, torch.Tensor)
+                else type(kv).__name__
+            )
+            raise ValueError(
+                f"{op}: kv must be a tensor [layers, 2, heads, tokens, head_dim] or a list of per-layer "
+                f"(K, V) pairs [heads, tokens, head_dim], got {got}"
+            )
         if kv.device.type != "cpu":
             raise ValueError(f"{op}: kv must be on the CPU, got {kv.device}")
         if kv.shape[3] < len(keys) * c:
-            raise ValueError(f"{op}: kv covers {kv.shape[3]} tokens, the whole chunks of tokens need {len(keys) * c}")
+            raise ValueError(
+                f"{op}: kv covers {kv.shape[3]} tokens, the whole chunks of tokens need {len(keys) * c}"
+            )
         if kv.shape[0] == 0 or kv.shape[2] == 0 or kv.shape[4] == 0:
-            raise ValueError(f"{op}: kv must have at least one layer, head and head_dim element, got {list(kv.shape)}")
+            raise ValueError(
+                f"{op}: kv must have at least one layer, head and head_dim element, got {list(kv.shape)}"
+            )
         mine = _Layout(int(kv.shape[0]), int(kv.shape[2]), int(kv.shape[4]), _dtype_name(kv.dtype))
         metas = self.store._exists_meta(keys) if keys else []
         for i, m in enumerate(metas):
@@ -243,17 +269,24 @@ class KVCacheStore:
                 continue
             theirs = _layout_from_meta(m, c)
             if theirs is not True and theirs != mine:
-                want = "a K/V chunk there (it holds another object)" if theirs is None else str(theirs)
-                raise ValueError(f"{op}: kv layout differs from the chunks already stored for these tokens (one "
-                                 f"layout per prefix): expected {want} as stored in chunk {i} of {len(keys)}, got "
-                                 f"{mine}; nothing was written")
+                want = (
+                    "a K/V chunk there (it holds another object)" if theirs is None else str(theirs)
+                )
+                raise ValueError(
+                    f"{op}: kv layout differs from the chunks already stored for these tokens (one "
+                    f"layout per prefix): expected {want} as stored in chunk {i} of {len(keys)}, got "
+                    f"{mine}; nothing was written"
+                )
         todo = [i for i, m in enumerate(metas) if m is None]
         existing = len(keys) - len(todo)
         stored = 0
         if todo:
-            res = self.store.put_tensor_batch([keys[i] for i in todo],
-                                              [kv[:, :, :, i * c:(i + 1) * c].contiguous() for i in todo],
-                                              self._rc, return_exceptions=True)
+            res = self.store.put_tensor_batch(
+                [keys[i] for i in todo],
+                [kv[:, :, :, i * c : (i + 1) * c].contiguous() for i in todo],
+                self._rc,
+                return_exceptions=True,
+            )
             for r in res:
                 if isinstance(r, ObjectExistsError):  # another writer stored it meanwhile
                     existing += 1
@@ -272,19 +305,29 @@ class KVCacheStore:
         ref = None
         for li, pair in enumerate(pairs):
             if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-                raise ValueError(f"{op}: kv as a list must hold per-layer (K, V) pairs, got {type(pair).__name__} "
-                                 f"at layer {li}")
+                raise ValueError(
+                    f"{op}: kv as a list must hold per-layer (K, V) pairs, got {type(pair).__name__} "
+                    f"at layer {li}"
+                )
             for name, t in zip("KV", pair):
                 if not isinstance(t, torch.Tensor) or t.dim() != 3:
-                    got = f"shape {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                    raise ValueError(f"{op}: layer {li} {name} must be a tensor [heads, tokens, head_dim], got {got}")
+                    got = (
+                        f"shape {list(t.shape)}"
+                        if isinstance(t, torch.Tensor)
+                        else type(t).__name__
+                    )
+                    raise ValueError(
+                        f"{op}: layer {li} {name} must be a tensor [heads, tokens, head_dim], got {got}"
+                    )
                 this = (list(t.shape), t.dtype, t.device)
                 if ref is None:
                     ref = this
                 elif this != ref:
-                    raise ValueError(f"{op}: per-layer K and V must all have one shape, dtype and device: expected "
-                                     f"{ref[0]} {_dtype_name(ref[1])} on {ref[2]} (layer 0 K), got {this[0]} "
-                                     f"{_dtype_name(this[1])} on {this[2]} (layer {li} {name})")
+                    raise ValueError(
+                        f"{op}: per-layer K and V must all have one shape, dtype and device: expected "
+                        f"{ref[0]} {_dtype_name(ref[1])} on {ref[2]} (layer 0 K), got {this[0]} "
+                        f"{_dtype_name(this[1])} on {this[2]} (layer {li} {name})"
+                    )
         if ref is None:
             raise ValueError(f"{op}: kv as a list must hold at least one layer's (K, V)")
         return torch.stack([torch.stack([k, v]) for k, v in pairs])
@@ -309,7 +352,7 @@ class KVCacheStore:
             m.popitem(last=False)
         return n * self.cfg.chunk_tokens
 
-    def get(self, tokens, upto: Optional[int] = None) -> KVGetResult:
+    def get(self, tokens, upto: int | None = None) -> KVGetResult:
         """The K/V of the first ``upto`` tokens (a multiple of ``chunk_tokens``; default:
         every whole chunk), or of the longest prefix of whole chunks that could be read
         and share the first chunk's layout (chunks evicted meanwhile are misses; nothing
@@ -323,15 +366,25 @@ class KVCacheStore:
         c = self.cfg.chunk_tokens
         if upto is None:
             upto = len(keys) * c
-        if isinstance(upto, bool) or not isinstance(upto, int) or upto < 0 or upto % c or upto > len(keys) * c:
-            raise ValueError(f"{op}: upto must be a multiple of {c} within the whole chunks of tokens "
-                             f"({len(keys) * c}), got {upto!r}")
-        keys = keys[:upto // c]
+        if (
+            isinstance(upto, bool)
+            or not isinstance(upto, int)
+            or upto < 0
+            or upto % c
+            or upto > len(keys) * c
+        ):
+            raise ValueError(
+                f"{op}: upto must be a multiple of {c} within the whole chunks of tokens "
+                f"({len(keys) * c}), got {upto!r}"
+            )
+        keys = keys[: upto // c]
         got = self.store.get_tensor_batch(keys, return_exceptions=True) if keys else []
         parts, first = [], None
         for g in got:  # the longest prefix of readable chunks of the first chunk's layout
             if isinstance(g, BaseException):
-                if not isinstance(g, (StoreError, ValueError)):  # ValueError: not stored by put_tensor
+                if not isinstance(
+                    g, (StoreError, ValueError)
+                ):  # ValueError: not stored by put_tensor
                     raise g
                 break
             lay = _layout_of(list(g.shape), _dtype_name(g.dtype), c)

@@ -12,6 +12,7 @@ dependency that decodes plain data only; the frame limit is checked on the 4-byt
 before any body byte is buffered; one event loop owns all metadata, so no locks; a
 blocking socket on the client side costs one round trip per call.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,12 +28,11 @@ import sys
 import threading
 import time
 import uuid
-from typing import Optional
 
 from . import protocol
-from .config import MasterConfig, _parse_hostport
+from .config import MasterConfig
 from .core import TICK_S, Core, load_into
-from .errors import AuthError, NotLeaderError, ProtocolError, StoreError, UnknownClientError
+from .errors import AuthError, NotLeaderError, ProtocolError, StoreError
 
 log = logging.getLogger("mooncake_store.master")
 _LEN = struct.Struct(">I")
@@ -72,7 +72,7 @@ class Master:
 
     Raises ``OSError`` if the port cannot be bound, ``ValueError`` for bad options."""
 
-    def __init__(self, config: Optional[MasterConfig] = None, **kw):
+    def __init__(self, config: MasterConfig | None = None, **kw):
         self.cfg = config or MasterConfig(**kw)
         self.core = Core(self.cfg)
         self.id = uuid.uuid4().hex
@@ -80,15 +80,15 @@ class Master:
         # with etcd: until when (time.monotonic()) this master's leader lease is certainly
         # alive (the send time of its last successful keep-alive + the lease's TTL)
         self._lease_until = float("inf") if self.cfg.etcd is None else -1.0
-        self.leader_addr: Optional[str] = None
-        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self.leader_addr: str | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
         self._server = None
         self._metrics_server = None
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self._ready = threading.Event()
-        self._stop_evt: Optional[asyncio.Event] = None
-        self._startup_error: Optional[BaseException] = None
-        self._elect_thread: Optional[threading.Thread] = None
+        self._stop_evt: asyncio.Event | None = None
+        self._startup_error: BaseException | None = None
+        self._elect_thread: threading.Thread | None = None
         self._etcd = None  # the loop thread's etcd client (record writes)
         self._closing = False
         self.port = 0
@@ -103,8 +103,10 @@ class Master:
         """``HOST:PORT`` clients use."""
         return self.cfg.advertise or f"{self.cfg.host}:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> "Master":
-        self._thread = threading.Thread(target=self._thread_main, name="mooncake-store-master", daemon=True)
+    def start(self, timeout: float = 30.0) -> Master:
+        self._thread = threading.Thread(
+            target=self._thread_main, name="mooncake-store-master", daemon=True
+        )
         self._thread.start()
         if not self._ready.wait(timeout):
             raise TimeoutError("store master did not start")
@@ -139,12 +141,14 @@ class Master:
         self.loop = asyncio.get_running_loop()
         self._stop_evt = asyncio.Event()
         try:
-            self._server = await self.loop.create_server(lambda: _Connection(self), self.cfg.host, self.cfg.port,
-                                                         reuse_address=True)
+            self._server = await self.loop.create_server(
+                lambda: _Connection(self), self.cfg.host, self.cfg.port, reuse_address=True
+            )
             self.port = self._server.sockets[0].getsockname()[1]
             if self.cfg.metrics_port is not None:
-                self._metrics_server = await asyncio.start_server(self._metrics_http, self.cfg.host,
-                                                                  self.cfg.metrics_port)
+                self._metrics_server = await asyncio.start_server(
+                    self._metrics_http, self.cfg.host, self.cfg.metrics_port
+                )
                 self.metrics_port = self._metrics_server.sockets[0].getsockname()[1]
         except BaseException as e:
             self._startup_error = e
@@ -158,10 +162,16 @@ class Master:
 
             self._etcd = Etcd(self.cfg.etcd, self.cfg.etcd_prefix)
             self._ident = json.dumps({"addr": self.address, "id": self.id})
-            self._elect_thread = threading.Thread(target=self._elect_main, name="mooncake-store-elect", daemon=True)
+            self._elect_thread = threading.Thread(
+                target=self._elect_main, name="mooncake-store-elect", daemon=True
+            )
             self._elect_thread.start()
         ticker = asyncio.ensure_future(self._ticker())
-        log.info("store master listening on %s (%s)", self.address, "leader" if self.leader else "standby")
+        log.info(
+            "store master listening on %s (%s)",
+            self.address,
+            "leader" if self.leader else "standby",
+        )
         self._ready.set()
         await self._stop_evt.wait()
         self._closing = True
@@ -207,8 +217,12 @@ class Master:
                 self._lease_until = t + ttl
                 fut = asyncio.run_coroutine_threadsafe(self._become_leader(core), self.loop)
                 fut.result(30)
-                log.warning("store master %s leads (%d objects, %d clients loaded from etcd)",
-                            self.address, len(core.objects), len(core.clients))
+                log.warning(
+                    "store master %s leads (%d objects, %d clients loaded from etcd)",
+                    self.address,
+                    len(core.objects),
+                    len(core.clients),
+                )
                 last_ok = time.monotonic()
                 while not self._closing and self.leader:
                     time.sleep(ttl / 4)
@@ -250,8 +264,10 @@ class Master:
         meanwhile from its old metadata: a get returned another object's bytes, and a put
         reservation it handed out overwrote an object the new leader had placed there)."""
         if self._lease_left() <= 0:
-            raise NotLeaderError("this master's leader lease may have run out (it was stopped or cut off from etcd); "
-                                 "ask the leader again")
+            raise NotLeaderError(
+                "this master's leader lease may have run out (it was stopped or cut off from etcd); "
+                "ask the leader again"
+            )
 
     async def _step_down(self):
         self.leader = False
@@ -307,7 +323,11 @@ class Master:
 
     def _poll_wait(self, args: dict) -> float:
         """Seconds a poll request may wait for tasks (0: answer at once)."""
-        c = self.core.clients.get(args.get("client")) if isinstance(args.get("client"), str) else None
+        c = (
+            self.core.clients.get(args.get("client"))
+            if isinstance(args.get("client"), str)
+            else None
+        )
         if c is None or c.tasks:
             return 0.0
         wait = args.get("wait_ms", 0)
@@ -337,7 +357,10 @@ class Master:
         if method == "hello":
             return {}
         if method == "leader":
-            return {"leader": self.leader, "addr": self.address if self.leader else self.leader_addr}
+            return {
+                "leader": self.leader,
+                "addr": self.address if self.leader else self.leader_addr,
+            }
         if method == "metrics":
             return {"text": self.core.metrics_text(self.leader)}
         if not self.leader:
@@ -369,8 +392,14 @@ class Master:
                 status, body = b"404 Not Found", b"metrics are at /metrics\n"
             else:
                 status, body = b"200 OK", self.core.metrics_text(self.leader).encode()
-            writer.write(b"HTTP/1.0 " + status + b"\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: "
-                         + str(len(body)).encode() + b"\r\n\r\n" + (body if parts[:1] != [b"HEAD"] else b""))
+            writer.write(
+                b"HTTP/1.0 "
+                + status
+                + b"\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: "
+                + str(len(body)).encode()
+                + b"\r\n\r\n"
+                + (body if parts[:1] != [b"HEAD"] else b"")
+            )
             await writer.drain()
         except Exception:
             pass
@@ -380,7 +409,9 @@ class Master:
 
 _LEASE_MARGIN_S = 0.25  # a leader stops answering this long before its lease could have run out
 AUTH_TIMEOUT_S = 10.0  # with a secret: a connection that has not authenticated by then is closed
-FRAME_TIMEOUT_S = 30.0  # a frame whose first bytes arrived must be whole by then, or the connection is closed
+FRAME_TIMEOUT_S = (
+    30.0  # a frame whose first bytes arrived must be whole by then, or the connection is closed
+)
 PREAUTH_FRAME_BYTES = 4096  # the largest frame before authentication (a hello is ~60 bytes)
 
 
@@ -390,13 +421,14 @@ class _Connection(asyncio.Protocol):
     connection is closed before its body is buffered. While a long poll waits, or the
     peer does not read its replies, reading from the connection is paused."""
 
-    def __init__(self, master: "Master"):
+    def __init__(self, master: Master):
         self.m = master
         self.buf = bytearray()
         self.transport = None
         self.nonce = os.urandom(32)
         self.authed = not master.cfg.secret
         self.busy = False  # a poll is waiting: later frames wait their turn
+        self._poll_task: asyncio.Future | None = None  # held: the loop keeps only weak references
         self.write_paused = False
         self.closed = False
         # puts this connection started (put_start) and did not end: key -> [client, version]
@@ -419,8 +451,9 @@ class _Connection(asyncio.Protocol):
             return
         self._send([0, 0, {"v": protocol.VERSION, "nonce": self.nonce, "auth": not self.authed}])
         if not self.authed:  # idle unauthenticated connections must not fill the connection cap
-            self._auth_timer = self.m.loop.call_later(AUTH_TIMEOUT_S, self._timeout,
-                                                      f"not authenticated within {AUTH_TIMEOUT_S:g} s")
+            self._auth_timer = self.m.loop.call_later(
+                AUTH_TIMEOUT_S, self._timeout, f"not authenticated within {AUTH_TIMEOUT_S:g} s"
+            )
 
     def _timeout(self, why: str):
         if not self.closed:
@@ -479,8 +512,18 @@ class _Connection(asyncio.Protocol):
             limit = self.m.cfg.max_frame_bytes if self.authed else PREAUTH_FRAME_BYTES
             n = _LEN.unpack_from(self.buf, 0)[0] if len(self.buf) >= 4 else 0
             if n > limit:
-                self._send([-1, 1, [ProtocolError.code, f"frame of {n} bytes exceeds the limit of {limit}"
-                                    + ("" if self.authed else " before authentication") + "; closing"]])
+                self._send(
+                    [
+                        -1,
+                        1,
+                        [
+                            ProtocolError.code,
+                            f"frame of {n} bytes exceeds the limit of {limit}"
+                            + ("" if self.authed else " before authentication")
+                            + "; closing",
+                        ],
+                    ]
+                )
                 self._close()
                 return
             if len(self.buf) < 4 or len(self.buf) < 4 + n:
@@ -491,27 +534,50 @@ class _Connection(asyncio.Protocol):
             if self._frame_timer is not None:
                 self._frame_timer.cancel()
                 self._frame_timer = None
-            body = bytes(self.buf[4:4 + n])
-            del self.buf[:4 + n]
+            body = bytes(self.buf[4 : 4 + n])
+            del self.buf[: 4 + n]
             self._request(body)
 
     def _request(self, body: bytes):
         mid = -1
         try:
             req = protocol.unpack(body, self.m.cfg.max_frame_bytes)
-            if not (isinstance(req, list) and len(req) == 3 and isinstance(req[0], int)
-                    and not isinstance(req[0], bool) and isinstance(req[1], str) and isinstance(req[2], dict)):
-                if isinstance(req, list) and req and isinstance(req[0], int) and not isinstance(req[0], bool):
+            if not (
+                isinstance(req, list)
+                and len(req) == 3
+                and isinstance(req[0], int)
+                and not isinstance(req[0], bool)
+                and isinstance(req[1], str)
+                and isinstance(req[2], dict)
+            ):
+                if (
+                    isinstance(req, list)
+                    and req
+                    and isinstance(req[0], int)
+                    and not isinstance(req[0], bool)
+                ):
                     mid = req[0]
                 raise ProtocolError("a request must be [id, method, {args}]")
             mid, method, args = req
             if not self.authed:
                 if method != "hello":
-                    self._send([mid, 1, [AuthError.code, "authenticate first (hello with the shared secret's HMAC)"]])
+                    self._send(
+                        [
+                            mid,
+                            1,
+                            [
+                                AuthError.code,
+                                "authenticate first (hello with the shared secret's HMAC)",
+                            ],
+                        ]
+                    )
                     self._close()
                     return
                 m = args.get("mac")
-                if not (isinstance(m, bytes) and hmac.compare_digest(m, protocol.mac(self.m.cfg.secret, self.nonce))):
+                if not (
+                    isinstance(m, bytes)
+                    and hmac.compare_digest(m, protocol.mac(self.m.cfg.secret, self.nonce))
+                ):
                     self._send([mid, 1, [AuthError.code, "wrong shared secret"]])
                     self._close()
                     return
@@ -523,7 +589,9 @@ class _Connection(asyncio.Protocol):
             elif method == "poll" and self.m.leader and self.m._poll_wait(args) > 0:
                 self.busy = True
                 self.transport.pause_reading()
-                asyncio.ensure_future(self._finish_poll(mid, args, self.m._poll_wait(args)))
+                self._poll_task = asyncio.ensure_future(
+                    self._finish_poll(mid, args, self.m._poll_wait(args))
+                )
                 return
             else:
                 reply = [mid, 0, self.m._dispatch(method, args)]
@@ -559,46 +627,86 @@ class _Connection(asyncio.Protocol):
 
 
 _METHODS = {
-    "register": Core.register, "unregister": Core.unregister, "put_start": Core.put_start, "put": Core.put,
+    "register": Core.register,
+    "unregister": Core.unregister,
+    "put_start": Core.put_start,
+    "put": Core.put,
     "reserve": Core.reserve,
-    "put_end": Core.put_end, "put_revoke": Core.put_revoke, "get": Core.get, "exists": Core.exists, "where": Core.where,
-    "remove": Core.remove, "offload_done": Core.offload_done, "load_done": Core.load_done, "adopt_ssd": Core.adopt_ssd,
+    "put_end": Core.put_end,
+    "put_revoke": Core.put_revoke,
+    "get": Core.get,
+    "exists": Core.exists,
+    "where": Core.where,
+    "remove": Core.remove,
+    "offload_done": Core.offload_done,
+    "load_done": Core.load_done,
+    "adopt_ssd": Core.adopt_ssd,
     "ssd_bad": Core.ssd_bad,
     "stats": lambda core, a: core.stats(),
 }
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="mooncake-store-master", description="Metadata master of mooncake_store.")
+    p = argparse.ArgumentParser(
+        prog="mooncake-store-master", description="Metadata master of mooncake_store."
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=50051, help="RPC port (default 50051; 0: ephemeral)")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics over HTTP on this port")
-    p.add_argument("--etcd", default=None, help="HOST:PORT of etcd: elect a leader, keep metadata there")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics over HTTP on this port",
+    )
+    p.add_argument(
+        "--etcd", default=None, help="HOST:PORT of etcd: elect a leader, keep metadata there"
+    )
     p.add_argument("--etcd-prefix", default="/mooncake_store/default")
     p.add_argument("--advertise", default=None, help="HOST:PORT clients should use for this master")
-    p.add_argument("--client-ttl", type=float, default=5.0, help="seconds without heartbeat before a client is dead")
+    p.add_argument(
+        "--client-ttl",
+        type=float,
+        default=5.0,
+        help="seconds without heartbeat before a client is dead",
+    )
     p.add_argument("--lease-ttl", type=float, default=5.0, help="read lease, seconds")
     p.add_argument("--put-ttl", type=float, default=60.0, help="seconds a put may stay unfinished")
     p.add_argument("--high-watermark", type=float, default=0.95)
     p.add_argument("--low-watermark", type=float, default=0.85)
     p.add_argument("--leader-ttl", type=int, default=2, help="etcd lease of the leader, seconds")
     p.add_argument("--max-frame-bytes", type=int, default=4 << 20)
-    p.add_argument("--port-file", default=None, help="once listening, write 'PORT METRICS_PORT' here (METRICS_PORT 0 without --metrics-port)")
+    p.add_argument(
+        "--port-file",
+        default=None,
+        help="once listening, write 'PORT METRICS_PORT' here (METRICS_PORT 0 without --metrics-port)",
+    )
     a = p.parse_args(argv)
     from .config import env_defaults
 
     secret = env_defaults().get("secret")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        cfg = MasterConfig(host=a.host, port=a.port, secret=secret, client_ttl_s=a.client_ttl,
-                           lease_ttl_s=a.lease_ttl, put_ttl_s=a.put_ttl, high_watermark=a.high_watermark,
-                           low_watermark=a.low_watermark, metrics_port=a.metrics_port, etcd=a.etcd,
-                           etcd_prefix=a.etcd_prefix, leader_ttl_s=a.leader_ttl, advertise=a.advertise,
-                           max_frame_bytes=a.max_frame_bytes)
+        cfg = MasterConfig(
+            host=a.host,
+            port=a.port,
+            secret=secret,
+            client_ttl_s=a.client_ttl,
+            lease_ttl_s=a.lease_ttl,
+            put_ttl_s=a.put_ttl,
+            high_watermark=a.high_watermark,
+            low_watermark=a.low_watermark,
+            metrics_port=a.metrics_port,
+            etcd=a.etcd,
+            etcd_prefix=a.etcd_prefix,
+            leader_ttl_s=a.leader_ttl,
+            advertise=a.advertise,
+            max_frame_bytes=a.max_frame_bytes,
+        )
     except ValueError as e:
         p.error(str(e))
     m = Master(cfg)
     if a.port_file:
+
         def write_port():
             m._ready.wait()
             if m._startup_error:
@@ -612,8 +720,11 @@ def main(argv=None):
     try:
         m.run()
     except OSError as e:
-        print(f"mooncake-store-master: cannot listen on {cfg.host} (port {cfg.port}, metrics port "
-              f"{cfg.metrics_port}): {e}", file=sys.stderr)
+        print(
+            f"mooncake-store-master: cannot listen on {cfg.host} (port {cfg.port}, metrics port "
+            f"{cfg.metrics_port}): {e}",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -14,6 +14,7 @@ A frame longer than the limit gets an error reply and the connection is closed (
 bytes are never buffered); a frame that is not valid msgpack, or not a request, gets an
 error reply with id -1 (or its id when readable) and the connection goes on.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -61,15 +62,25 @@ class Connection:
     Raises ``OSError`` (connection problems; ``TimeoutError`` after ``timeout`` seconds),
     ``ProtocolError`` and the store errors the master replies with."""
 
-    def __init__(self, host: str, port: int, *, secret: str | None, timeout: float,
-                 max_frame: int = 256 << 20, busy_poll_us: int = 0):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        secret: str | None,
+        timeout: float,
+        max_frame: int = 256 << 20,
+        busy_poll_us: int = 0,
+    ):
         self.host, self.port = host, port
         self.timeout = timeout
         self.max_frame = max_frame
         self.busy_poll_s = busy_poll_us / 1e6
         self.sock = socket.create_connection((host, port), timeout=timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock.setblocking(False)  # waits are ours: a bounded spin, then poll() with the deadline
+        self.sock.setblocking(
+            False
+        )  # waits are ours: a bounded spin, then poll() with the deadline
         self._poller = select.poll()
         self._poller.register(self.sock, select.POLLIN)
         self._next = 1
@@ -80,10 +91,17 @@ class Connection:
         except BaseException:
             self.close()
             raise
-        if (isinstance(greet, list) and len(greet) == 3 and greet[1] == 1 and isinstance(greet[2], list)
-                and len(greet[2]) == 2):
+        if (
+            isinstance(greet, list)
+            and len(greet) == 3
+            and greet[1] == 1
+            and isinstance(greet[2], list)
+            and len(greet[2]) == 2
+        ):
             self.close()  # the master refused the connection (e.g. too many connections)
-            raise from_code(greet[2][0], f"master {host}:{port} refused the connection: {greet[2][1]}")
+            raise from_code(
+                greet[2][0], f"master {host}:{port} refused the connection: {greet[2][1]}"
+            )
         if not (isinstance(greet, list) and len(greet) == 3 and isinstance(greet[2], dict)):
             self.close()
             raise ProtocolError(f"{host}:{port} is not a mooncake store master")
@@ -92,7 +110,9 @@ class Connection:
         if info.get("auth"):
             if not secret:
                 self.close()
-                raise AuthError(f"master {host}:{port} requires a shared secret (StoreConfig.secret / MOONCAKE_STORE_SECRET)")
+                raise AuthError(
+                    f"master {host}:{port} requires a shared secret (StoreConfig.secret / MOONCAKE_STORE_SECRET)"
+                )
             self.call("hello", {"mac": mac(secret, info["nonce"])})
 
     def _wait(self, events: int, deadline: float, spin: bool):
@@ -111,7 +131,9 @@ class Connection:
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"no answer from master {self.host}:{self.port} within {self.timeout} s")
+                    raise TimeoutError(
+                        f"no answer from master {self.host}:{self.port} within {self.timeout} s"
+                    )
                 if self._poller.poll(max(1, int(left * 1000 + 0.999))):
                     return
         finally:
@@ -132,7 +154,7 @@ class Connection:
         """Reads until the buffer holds ``need`` unread bytes."""
         while len(self._buf) - self._pos < need:
             if self._pos:
-                del self._buf[:self._pos]
+                del self._buf[: self._pos]
                 self._pos = 0
             try:
                 chunk = self.sock.recv(max(65536, need - len(self._buf)))
@@ -150,7 +172,7 @@ class Connection:
             raise ProtocolError(f"reply frame of {n} bytes exceeds {self.max_frame}")
         self._fill(4 + n, deadline, spin)
         start = self._pos + 4
-        body = memoryview(self._buf)[start:start + n]
+        body = memoryview(self._buf)[start : start + n]
         try:
             return unpack(body, self.max_frame)
         finally:

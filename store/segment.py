@@ -6,6 +6,7 @@ processes of the host open through ``/proc/<owner pid>/fd/<fd>``. Its first
 ``SEG_HEADER`` bytes hold a magic and a random token, which a reader checks after
 mapping (a recycled pid cannot hand it someone else's memory).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -30,16 +31,28 @@ class LocalSegment:
         self.fd = os.memfd_create(f"mooncake-store-{name}"[:200], os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, size)
-            self.view, self.huge_bytes = _map(self.fd, size, prefault, writable=True, huge_pages=huge_pages)
+            self.view, self.huge_bytes = _map(
+                self.fd, size, prefault, writable=True, huge_pages=huge_pages
+            )
         except OSError as e:
             os.close(self.fd)
-            raise OSError(e.errno, f"cannot create a segment of {size} bytes (segment_size): {e.strerror}") from None
-        self.all_huge = size >= _HUGE and self.huge_bytes == size // _HUGE * _HUGE  # all but a tail < 2 MiB
-        self.view[0:len(MAGIC) + 16] = MAGIC + self.token
+            raise OSError(
+                e.errno, f"cannot create a segment of {size} bytes (segment_size): {e.strerror}"
+            ) from None
+        self.all_huge = (
+            size >= _HUGE and self.huge_bytes == size // _HUGE * _HUGE
+        )  # all but a tail < 2 MiB
+        self.view[0 : len(MAGIC) + 16] = MAGIC + self.token
 
     def desc(self, host_id: str, te) -> dict:
-        return {"size": self.size, "path": f"/proc/{os.getpid()}/fd/{self.fd}", "token": self.token.hex(),
-                "host": host_id, "te": te, "base": SEG_HEADER}
+        return {
+            "size": self.size,
+            "path": f"/proc/{os.getpid()}/fd/{self.fd}",
+            "token": self.token.hex(),
+            "host": host_id,
+            "te": te,
+            "base": SEG_HEADER,
+        }
 
     def close(self):
         # The memory is unmapped once no view of it is left (a transfer engine
@@ -72,8 +85,14 @@ def _lib():
     if _libc is None:
         lib = ctypes.CDLL(None, use_errno=True)
         lib.mmap.restype = ctypes.c_void_p
-        lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                             ctypes.c_long]
+        lib.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
         lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         lib.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
@@ -112,8 +131,12 @@ def tune_malloc() -> bool:
         return True
     env = os.environ
     tunables = env.get("GLIBC_TUNABLES", "")
-    if (env.get("MALLOC_MMAP_THRESHOLD_") or env.get("MALLOC_TRIM_THRESHOLD_")
-            or "glibc.malloc.mmap_threshold" in tunables or "glibc.malloc.trim_threshold" in tunables):
+    if (
+        env.get("MALLOC_MMAP_THRESHOLD_")
+        or env.get("MALLOC_TRIM_THRESHOLD_")
+        or "glibc.malloc.mmap_threshold" in tunables
+        or "glibc.malloc.trim_threshold" in tunables
+    ):
         return False
     try:
         if not os.confstr("CS_GNU_LIBC_VERSION"):
@@ -121,8 +144,10 @@ def tune_malloc() -> bool:
     except (ValueError, OSError):  # not glibc
         return False
     lib = _lib()
-    _malloc_tuned = (lib.mallopt(_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD) == 1
-                     and lib.mallopt(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD) == 1)
+    _malloc_tuned = (
+        lib.mallopt(_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD) == 1
+        and lib.mallopt(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD) == 1
+    )
     return _malloc_tuned
 
 
@@ -184,15 +209,21 @@ def _map(fd: int, size: int, prefault: bool, writable: bool, huge_pages: bool = 
     m = _Mapping(addr, size)
     huge = 0
     if huge_pages and prefault and writable:
-        _madvise(addr, size, _MADV_HUGEPAGE)  # faults then allocate 2 MiB pages where the kernel allows it
+        _madvise(
+            addr, size, _MADV_HUGEPAGE
+        )  # faults then allocate 2 MiB pages where the kernel allows it
         for off in range(0, size - _HUGE + 1, _HUGE):
-            ctypes.memset(addr + off, 0, 1)  # one page present per 2 MiB: the collapse fills in the rest
+            ctypes.memset(
+                addr + off, 0, 1
+            )  # one page present per 2 MiB: the collapse fills in the rest
             if _madvise(addr + off, _HUGE, _MADV_COLLAPSE):
                 huge += _HUGE
             elif ctypes.get_errno() == errno.EINVAL:
                 break  # not supported here (before Linux 6.1, shmem_enabled "deny"): the first try tells
             # else no free 2 MiB page just now (EAGAIN, ENOMEM): this one stays in 4 KiB pages
-    if prefault and not _madvise(addr, size, _MADV_POPULATE_WRITE if writable else _MADV_POPULATE_READ):
+    if prefault and not _madvise(
+        addr, size, _MADV_POPULATE_WRITE if writable else _MADV_POPULATE_READ
+    ):
         # before Linux 5.14: read one byte per page (never write: the owner may be writing there)
         page = os.sysconf("SC_PAGESIZE")
         buf = (ctypes.c_char * size).from_address(addr)
@@ -212,9 +243,11 @@ class MappedSegment:
                 self.view, _ = _map(f.fileno(), size, prefault, writable=not readonly)
         except (OSError, ValueError) as e:
             raise TransferError(f"cannot map segment {desc.get('name')!r} at {path}: {e}") from None
-        if self.view[0:len(MAGIC) + 16] != MAGIC + token:
+        if self.view[0 : len(MAGIC) + 16] != MAGIC + token:
             self.view.release()
-            raise TransferError(f"segment {desc.get('name')!r} at {path} is not the registered one (owner gone)")
+            raise TransferError(
+                f"segment {desc.get('name')!r} at {path} is not the registered one (owner gone)"
+            )
         self.size = size
 
     def close(self):

@@ -6,6 +6,7 @@ Files are written to a temporary name, flushed and renamed, so a crash leaves ei
 whole file or none. At start a client scans its directory and registers every valid file
 again, which is how SSD entries survive a full restart of master and clients.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -50,8 +51,10 @@ def lock_dir(root: str) -> int:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
         finally:
             os.close(fd)
-        raise StoreError(f"ssd_dir {root!r} is in use by another store client (pid {holder or '?'}); "
-                         "give each client its own directory") from None
+        raise StoreError(
+            f"ssd_dir {root!r} is in use by another store client (pid {holder or '?'}); "
+            "give each client its own directory"
+        ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
@@ -75,8 +78,10 @@ def write(root: str, key: str, version: int, meta: bytes, data) -> str:
     """Writes one object file; returns its path. Raises ``OSError``."""
     path = path_for(root, key, version)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    header = msgpack.packb({"k": key, "v": version, "s": len(data), "m": meta, "c": zlib.crc32(data)},
-                           use_bin_type=True)
+    header = msgpack.packb(
+        {"k": key, "v": version, "s": len(data), "m": meta, "c": zlib.crc32(data)},
+        use_bin_type=True,
+    )
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
         f.write(MAGIC + _HLEN.pack(len(header)) + header)
@@ -89,14 +94,20 @@ def write(root: str, key: str, version: int, meta: bytes, data) -> str:
 
 def _read_header(f):
     head = f.read(len(MAGIC) + 4)
-    if len(head) != len(MAGIC) + 4 or head[:len(MAGIC)] != MAGIC:
+    if len(head) != len(MAGIC) + 4 or head[: len(MAGIC)] != MAGIC:
         raise ValueError("not a store SSD file")
-    (n,) = _HLEN.unpack(head[len(MAGIC):])
+    (n,) = _HLEN.unpack(head[len(MAGIC) :])
     if n > MAX_HEADER:
         raise ValueError("header too large")
     h = msgpack.unpackb(f.read(n), raw=False)
-    if not (isinstance(h, dict) and isinstance(h.get("k"), str) and isinstance(h.get("v"), int)
-            and isinstance(h.get("s"), int) and isinstance(h.get("m"), bytes) and isinstance(h.get("c"), int)):
+    if not (
+        isinstance(h, dict)
+        and isinstance(h.get("k"), str)
+        and isinstance(h.get("v"), int)
+        and isinstance(h.get("s"), int)
+        and isinstance(h.get("m"), bytes)
+        and isinstance(h.get("c"), int)
+    ):
         raise ValueError("bad header")
     return h
 
@@ -126,7 +137,12 @@ def read_into(path: str, key: str, version: int, out) -> int:
             if zlib.crc32(mv) != h["c"]:
                 raise ValueError("checksum mismatch")
             return got
-    except (FileNotFoundError, ValueError, msgpack.exceptions.ExtraData, msgpack.exceptions.UnpackException) as e:
+    except (
+        FileNotFoundError,
+        ValueError,
+        msgpack.exceptions.ExtraData,
+        msgpack.exceptions.UnpackException,
+    ) as e:
         raise CorruptError(f"SSD replica of {key!r} at {path} is corrupt: {e}") from None
     except OSError as e:
         raise TransferError(f"SSD replica of {key!r} at {path} unreadable: {e}") from None
@@ -158,7 +174,12 @@ def scan(root: str) -> list:
                     if os.fstat(f.fileno()).st_size != f.tell() + h["s"]:
                         continue
                 out.append([h["k"], h["v"], h["s"], h["m"], p])
-            except (OSError, ValueError, msgpack.exceptions.ExtraData, msgpack.exceptions.UnpackException):
+            except (
+                OSError,
+                ValueError,
+                msgpack.exceptions.ExtraData,
+                msgpack.exceptions.UnpackException,
+            ):
                 continue
     return out
 

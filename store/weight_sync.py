@@ -58,6 +58,7 @@ dimensions; plain tensors: only shard 0) with their global offsets; shard 0 comm
 all manifests exist. Readers assemble full tensors from the pieces and check that the
 pieces cover every element.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -71,17 +72,32 @@ import time
 import uuid
 import warnings
 import weakref
-from typing import Callable, NamedTuple, Optional
+from collections.abc import Callable
+from typing import NamedTuple
 
 import msgpack
 
 from .config import ReplicateConfig, WeightSyncConfig
-from .errors import (LeaseExpiredError, NoSpaceError, ObjectExistsError, ObjectNotFoundError, StaleVersionError,
-                     StoreError, WeightSyncAbortedError)
+from .errors import (
+    LeaseExpiredError,
+    NoSpaceError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StaleVersionError,
+    StoreError,
+    WeightSyncAbortedError,
+)
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WeightSync", "GroupWeightSync", "PublishResult", "PullResult", "GroupSyncResult", "tensor_digest"]
+__all__ = [
+    "GroupSyncResult",
+    "GroupWeightSync",
+    "PublishResult",
+    "PullResult",
+    "WeightSync",
+    "tensor_digest",
+]
 
 
 class PublishResult(NamedTuple):
@@ -89,20 +105,20 @@ class PublishResult(NamedTuple):
 
     version: int
     shard: int
-    committed: bool       #: this call wrote the commit record (shard 0)
-    buckets: int          #: store objects written by this shard
-    bytes: int            #: tensor bytes written by this shard
-    dropped: list         #: old versions dropped after the commit
+    committed: bool  #: this call wrote the commit record (shard 0)
+    buckets: int  #: store objects written by this shard
+    bytes: int  #: tensor bytes written by this shard
+    dropped: list  #: old versions dropped after the commit
 
 
 class PullResult(NamedTuple):
     """What :meth:`WeightSync.pull` did."""
 
-    version: int          #: the version the reader holds now
-    previous: int         #: the version it held before (-1: none)
-    installed: bool       #: False when it already held the newest (or asked) version
-    bytes: int            #: tensor bytes read
-    state_dict: Optional[dict]  #: the installed tensors when ``into`` was None
+    version: int  #: the version the reader holds now
+    previous: int  #: the version it held before (-1: none)
+    installed: bool  #: False when it already held the newest (or asked) version
+    bytes: int  #: tensor bytes read
+    state_dict: dict | None  #: the installed tensors when ``into`` was None
 
 
 class GroupSyncResult(NamedTuple):
@@ -168,7 +184,7 @@ def _unref(refs: dict, v: int):
         refs.pop(v, None)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _copyable(dt) -> bool:
     """Whether torch can copy tensors of ``dt`` (readers copy every piece into place; some
     sub-byte dtypes, e.g. ``torch.int4``, ``torch.uint4`` or ``torch.uint1``, have no copy
@@ -201,7 +217,9 @@ def _target_dict(into) -> dict:
         return into.state_dict(keep_vars=True)
     if isinstance(into, dict):
         return into
-    raise ValueError(f"into must be an nn.Module, a dict of tensors or None, got {type(into).__name__}")
+    raise ValueError(
+        f"into must be an nn.Module, a dict of tensors or None, got {type(into).__name__}"
+    )
 
 
 def _local_pieces(state_dict: dict, shard: int, num_shards: int) -> list:
@@ -221,12 +239,18 @@ def _local_pieces(state_dict: dict, shard: int, num_shards: int) -> list:
             raise ValueError(f"state dict keys must be non-empty str, got {name!r}")
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"state dict entry {name!r} is a {type(t).__name__}, not a tensor")
-        if not (DTensor is not None and isinstance(t, DTensor)) and (t.layout != torch.strided or t.is_nested):
-            raise ValueError(f"{name!r}: tensors must be dense (strided), got layout {t.layout}"
-                             + (" (nested)" if t.is_nested else ""))
+        if not (DTensor is not None and isinstance(t, DTensor)) and (
+            t.layout != torch.strided or t.is_nested
+        ):
+            raise ValueError(
+                f"{name!r}: tensors must be dense (strided), got layout {t.layout}"
+                + (" (nested)" if t.is_nested else "")
+            )
         if not _copyable(t.dtype):
-            raise ValueError(f"{name!r}: dtype {t.dtype} cannot be published: torch has no copy kernel for it, so "
-                             "no reader could install it (publish its bytes, e.g. t.view(torch.uint8), instead)")
+            raise ValueError(
+                f"{name!r}: dtype {t.dtype} cannot be published: torch has no copy kernel for it, so "
+                "no reader could install it (publish its bytes, e.g. t.view(torch.uint8), instead)"
+            )
         if DTensor is not None and isinstance(t, DTensor):
             coord = t.device_mesh.get_coordinate()
             if coord is None:
@@ -238,17 +262,25 @@ def _local_pieces(state_dict: dict, shard: int, num_shards: int) -> list:
                 if isinstance(p, Replicate):
                     skip = skip or coord[d] != 0
                 else:
-                    raise ValueError(f"{name!r}: placement {p} is not supported (Shard or Replicate only)")
+                    raise ValueError(
+                        f"{name!r}: placement {p} is not supported (Shard or Replicate only)"
+                    )
             if skip:
                 continue
-            local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+            local_shape, offset = compute_local_shape_and_global_offset(
+                t.shape, t.device_mesh, t.placements
+            )
             local = t.to_local()
             if local.layout != torch.strided:
-                raise ValueError(f"{name!r}: tensors must be dense (strided), got layout {local.layout}")
+                raise ValueError(
+                    f"{name!r}: tensors must be dense (strided), got layout {local.layout}"
+                )
             if local.device.type != "cpu":
                 raise ValueError(f"{name!r}: tensors must be on the CPU, got {local.device}")
             if tuple(local.shape) != tuple(local_shape):
-                raise ValueError(f"{name!r}: local shard shape {tuple(local.shape)} != expected {tuple(local_shape)}")
+                raise ValueError(
+                    f"{name!r}: local shard shape {tuple(local.shape)} != expected {tuple(local_shape)}"
+                )
             out.append((name, t.dtype, list(t.shape), [int(o) for o in offset], local))
         else:
             if t.device.type != "cpu":
@@ -265,9 +297,11 @@ class WeightSync:
     ``pull(into=model)``. ``config`` is a :class:`WeightSyncConfig`. One object per
     process and model; a reader's ``version`` is the version it holds (-1: none)."""
 
-    def __init__(self, store, model: str, *, config: Optional[WeightSyncConfig] = None):
+    def __init__(self, store, model: str, *, config: WeightSyncConfig | None = None):
         if not isinstance(model, str) or not model or "/" in model or len(model) > 200:
-            raise ValueError(f"model must be a non-empty str without '/' (at most 200 chars), got {model!r}")
+            raise ValueError(
+                f"model must be a non-empty str without '/' (at most 200 chars), got {model!r}"
+            )
         self.store = store
         self.model = model
         self.cfg = config or WeightSyncConfig()
@@ -276,7 +310,7 @@ class WeightSync:
         self._p = f"ws/{model}/"
         self._rc = ReplicateConfig(pin=self.cfg.pin)
         self.version = -1
-        self._slot: Optional[int] = None
+        self._slot: int | None = None
         self._spare: dict = {}  # staging tensors of the last pull, reused by the next one
         self._rid = uuid.uuid4().hex  # this reader, in its slot and hold records
         self._hold_lock = threading.Lock()  # pulls and the refresh thread write one hold key
@@ -285,13 +319,15 @@ class WeightSync:
         self._refs: dict = {}
         self._view_targets: dict = {}  # id(target tensor) -> (weakref to it, data_ptr of its view)
         self._into = None  # (id, weakref or None) of the last `into`, or "none" (into=None)
-        self._refresher: Optional[threading.Thread] = None
+        self._refresher: threading.Thread | None = None
         self._stop = threading.Event()
         # viewed versions found dropped while this reader still had views of them (its hold
         # lapsed: the process was stopped or starved past hold_ttl_s); see _refresh_main
         self.lapsed_versions: list = []
         hooks = getattr(store, "_close_hooks", None)
-        if hooks is not None:  # closing the store (or the process exiting) releases this reader first
+        if (
+            hooks is not None
+        ):  # closing the store (or the process exiting) releases this reader first
             hooks.append(weakref.WeakMethod(self.release))
 
     # ------------------------------------------------------------------ helpers
@@ -309,7 +345,9 @@ class WeightSync:
         holding the store's memory that restarts still finds its version history; a reader
         records its holds with no trainer alive). ``upsert=False``: a plain put
         (``ObjectExistsError`` if the key exists)."""
-        self.store._put_many([key], [memoryview(b"")], [msgpack.packb(rec)], self._rc, upsert, False)
+        self.store._put_many(
+            [key], [memoryview(b"")], [msgpack.packb(rec)], self._rc, upsert, False
+        )
 
     def _get_records(self, keys: list) -> list:
         """The records :meth:`_put_record` wrote (None where a key does not exist or holds
@@ -319,11 +357,13 @@ class WeightSync:
             try:
                 if meta is None:
                     out.append(None)
-                elif meta is True or not meta:  # an older master without metadata, or a record written as a value
+                elif (
+                    meta is True or not meta
+                ):  # an older master without metadata, or a record written as a value
                     out.append(self._get_msg(key, None))
                 else:
                     out.append(msgpack.unpackb(meta, raw=False))
-            except Exception:  # noqa: BLE001 - not a record of ours
+            except Exception:
                 out.append(None)
         return out
 
@@ -343,8 +383,15 @@ class WeightSync:
         return [int(v) for v in (self._get_record(self._p + "versions") or [])]
 
     # ------------------------------------------------------------------ publish
-    def publish(self, state_dict, version: int, *, shard: int = 0, num_shards: int = 1,
-                publish_id: Optional[str] = None) -> PublishResult:
+    def publish(
+        self,
+        state_dict,
+        version: int,
+        *,
+        shard: int = 0,
+        num_shards: int = 1,
+        publish_id: str | None = None,
+    ) -> PublishResult:
         """Writes ``state_dict`` (CPU tensors or DTensors; an ``nn.Module`` is taken by its
         state dict) as ``version``.
 
@@ -365,29 +412,50 @@ class WeightSync:
         publish takes a fresh id when none is given."""
         torch = _torch()
         if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2**63:
-            raise ValueError(f"{self.model}: publish: version must be an int in [0, 2**63), got {version!r}")
-        if not isinstance(num_shards, int) or num_shards < 1 or not isinstance(shard, int) or not 0 <= shard < num_shards:
-            raise ValueError(f"need 0 <= shard < num_shards, got shard={shard!r} num_shards={num_shards!r}")
+            raise ValueError(
+                f"{self.model}: publish: version must be an int in [0, 2**63), got {version!r}"
+            )
+        if (
+            not isinstance(num_shards, int)
+            or num_shards < 1
+            or not isinstance(shard, int)
+            or not 0 <= shard < num_shards
+        ):
+            raise ValueError(
+                f"need 0 <= shard < num_shards, got shard={shard!r} num_shards={num_shards!r}"
+            )
         if publish_id is None:
             if num_shards > 1:
-                raise ValueError(f"{self.model}: publish: with num_shards > 1 every shard must pass the same "
-                                 "publish_id (unique per publish, e.g. a uuid.uuid4().hex broadcast from rank 0): it "
-                                 "keeps the pieces of two groups publishing one version apart")
+                raise ValueError(
+                    f"{self.model}: publish: with num_shards > 1 every shard must pass the same "
+                    "publish_id (unique per publish, e.g. a uuid.uuid4().hex broadcast from rank 0): it "
+                    "keeps the pieces of two groups publishing one version apart"
+                )
             publish_id = uuid.uuid4().hex
-        elif not isinstance(publish_id, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", publish_id):
-            raise ValueError(f"{self.model}: publish: publish_id must be a str of 1-64 letters, digits, '_', '.' or "
-                             f"'-', got {publish_id!r}")
+        elif not isinstance(publish_id, str) or not re.fullmatch(
+            r"[A-Za-z0-9_.-]{1,64}", publish_id
+        ):
+            raise ValueError(
+                f"{self.model}: publish: publish_id must be a str of 1-64 letters, digits, '_', '.' or "
+                f"'-', got {publish_id!r}"
+            )
         if isinstance(state_dict, torch.nn.Module):
             state_dict = state_dict.state_dict()
         if not isinstance(state_dict, dict):
-            raise ValueError(f"state_dict must be a dict of tensors, got {type(state_dict).__name__}")
+            raise ValueError(
+                f"state_dict must be a dict of tensors, got {type(state_dict).__name__}"
+            )
         if not state_dict:
-            raise ValueError(f"{self.model}: publish: the state dict is empty (nothing to publish as version {version})")
+            raise ValueError(
+                f"{self.model}: publish: the state dict is empty (nothing to publish as version {version})"
+            )
         pieces = _local_pieces(state_dict, shard, num_shards)
         latest = self.latest_version()
         if version <= latest:
-            raise StaleVersionError(f"{self.model}: version {version} is not above the latest committed version "
-                                    f"{latest}; publish {latest + 1} or higher")
+            raise StaleVersionError(
+                f"{self.model}: version {version} is not above the latest committed version "
+                f"{latest}; publish {latest + 1} or higher"
+            )
         vp = f"{self._p}v{version}/"
         if self.store.exists(vp + "commit"):
             raise StaleVersionError(f"{self.model}: version {version} is already committed")
@@ -414,8 +482,10 @@ class WeightSync:
             # nothing of this publish is committed: give back what this shard wrote (it is
             # pinned, so it would stay, and the next try would need room for all of it again)
             try:
-                self.store.remove_batch(own + ([attempt] if with_attempt else []), force=True, return_exceptions=True)
-            except Exception:  # noqa: BLE001 - the store is unreachable too: the first error is the one to see
+                self.store.remove_batch(
+                    own + ([attempt] if with_attempt else []), force=True, return_exceptions=True
+                )
+            except Exception:
                 pass
 
         deadline = None
@@ -446,7 +516,7 @@ class WeightSync:
         """Whether the master holds allocations that come back when a read lease ends."""
         try:
             return self.store.stats().deferred > 0
-        except Exception:  # noqa: BLE001 - no stats: do not wait
+        except Exception:
             return False
 
     def _claim_attempt(self, vp: str, pid: str, shard: int, nbuckets: int) -> str:
@@ -477,13 +547,13 @@ class WeightSync:
                 try:
                     rec = msgpack.unpackb(raw, raw=False)
                     out.append((key, rec))
-                except Exception:  # noqa: BLE001
+                except Exception:
                     out.append((key, None))
             if not found:
                 return out
             k += 16
 
-    def _sweep(self, vp: str, keep_pid: Optional[str]) -> None:
+    def _sweep(self, vp: str, keep_pid: str | None) -> None:
         """Removes the pieces of every publish attempt at ``vp`` except ``keep_pid``'s
         (``None``: all of them, and the attempt records too)."""
         keys = []
@@ -498,10 +568,18 @@ class WeightSync:
         if keys:
             self.store.remove_batch(keys, force=True, return_exceptions=True)
 
-    def _write_pieces(self, torch, pp: str, shard: int, num_shards: int, version: int, plan: list) -> tuple:
+    def _write_pieces(
+        self, torch, pp: str, shard: int, num_shards: int, version: int, plan: list
+    ) -> tuple:
         """Writes this shard's buckets (bucket i put while bucket i+1 is packed) under the
         publish prefix ``pp``, then its manifest; returns ``(manifest, bytes written)``."""
-        manifest = {"version": version, "shard": shard, "num_shards": num_shards, "buckets": [], "pieces": []}
+        manifest = {
+            "version": version,
+            "shard": shard,
+            "num_shards": num_shards,
+            "buckets": [],
+            "pieces": [],
+        }
         total = 0
         algo = _default_algo() if self.cfg.checksums else None
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ws-put") as ex:
@@ -510,7 +588,9 @@ class WeightSync:
                 key = f"{pp}b{shard}.{i}"
                 views = [_byte_view(p[4]) for p in group]
                 offs, nbytes = [], 0
-                for v in views:  # pieces start 64-byte aligned, so readers can view them as any dtype
+                for (
+                    v
+                ) in views:  # pieces start 64-byte aligned, so readers can view them as any dtype
                     offs.append(nbytes)
                     nbytes = (nbytes + v.numel() + 63) // 64 * 64
                 if len(views) == 1:
@@ -521,11 +601,20 @@ class WeightSync:
                 for p, v, off in zip(group, views, offs):
                     n = v.numel()
                     if buf is not v and n:
-                        buf[off:off + n].copy_(v)
-                    manifest["pieces"].append({
-                        "name": p[0], "dtype": _dtype_name(p[1]), "gshape": p[2], "offset": p[3],
-                        "shape": list(p[4].shape), "bucket": i, "boff": off, "nbytes": n,
-                        "digest": _piece_digest(v, algo) if algo else None})
+                        buf[off : off + n].copy_(v)
+                    manifest["pieces"].append(
+                        {
+                            "name": p[0],
+                            "dtype": _dtype_name(p[1]),
+                            "gshape": p[2],
+                            "offset": p[3],
+                            "shape": list(p[4].shape),
+                            "bucket": i,
+                            "boff": off,
+                            "nbytes": n,
+                            "digest": _piece_digest(v, algo) if algo else None,
+                        }
+                    )
                 manifest["buckets"].append([key, nbytes])
                 total += nbytes
                 if pending is not None:
@@ -536,15 +625,24 @@ class WeightSync:
         self.store.upsert(f"{pp}m{shard}", msgpack.packb(manifest), self._rc)
         return manifest, total
 
-    def _commit(self, vp: str, version: int, pid: str, num_shards: int, plan: list, total: int,
-                give_back: Callable[[bool], None]) -> PublishResult:
+    def _commit(
+        self,
+        vp: str,
+        version: int,
+        pid: str,
+        num_shards: int,
+        plan: list,
+        total: int,
+        give_back: Callable[[bool], None],
+    ) -> PublishResult:
         mkeys = [f"{vp}{pid}/m{s}" for s in range(num_shards)]
 
         def lost():
             return StaleVersionError(
                 f"{self.model}: version {version} was committed by another publisher meanwhile (a second trainer "
                 f"publishing it?); this publish ({pid!r}) removed what it wrote; publish "
-                f"{max(version, self.latest_version()) + 1} or higher")
+                f"{max(version, self.latest_version()) + 1} or higher"
+            )
 
         try:
             deadline = time.monotonic() + self.cfg.commit_timeout_s
@@ -555,14 +653,26 @@ class WeightSync:
                 if all(mans):
                     break
                 if time.monotonic() > deadline:
-                    raise WeightSyncAbortedError(f"{self.model} v{version}: not every shard wrote its manifest of "
-                                                 f"publish {pid!r} within {self.cfg.commit_timeout_s}s; nothing "
-                                                 "committed")
+                    raise WeightSyncAbortedError(
+                        f"{self.model} v{version}: not every shard wrote its manifest of "
+                        f"publish {pid!r} within {self.cfg.commit_timeout_s}s; nothing "
+                        "committed"
+                    )
                 time.sleep(0.01)
             try:
                 # a plain put: of two publishers of this version exactly one commits
-                self.store.put(vp + "commit", msgpack.packb({"version": version, "num_shards": num_shards, "pid": pid,
-                                                             "time": time.time()}), self._rc)
+                self.store.put(
+                    vp + "commit",
+                    msgpack.packb(
+                        {
+                            "version": version,
+                            "num_shards": num_shards,
+                            "pid": pid,
+                            "time": time.time(),
+                        }
+                    ),
+                    self._rc,
+                )
             except ObjectExistsError:
                 raise lost() from None
         except BaseException:
@@ -582,7 +692,9 @@ class WeightSync:
         """Versions some reader holds. Slots of readers silent for ``hold_ttl_s`` (dead, or
         between pulls without views) are reclaimed here, by the committing shard only."""
         n = self.cfg.max_readers
-        got = self._get_records([f"{self._p}slot/{i}" for i in range(n)] + [f"{self._p}hold/{i}" for i in range(n)])
+        got = self._get_records(
+            [f"{self._p}slot/{i}" for i in range(n)] + [f"{self._p}hold/{i}" for i in range(n)]
+        )
         now, held, stale = time.time(), set(), []
         for i in range(n):
             srec, hrec = got[i], got[n + i]
@@ -599,12 +711,15 @@ class WeightSync:
                 pass
             stale.append(i)
         if stale:
-            self.store.remove_batch([f"{self._p}{k}/{i}" for i in stale for k in ("hold", "slot")], force=True,
-                                    return_exceptions=True)
+            self.store.remove_batch(
+                [f"{self._p}{k}/{i}" for i in stale for k in ("hold", "slot")],
+                force=True,
+                return_exceptions=True,
+            )
         return held
 
     def _drop_old(self, versions: list) -> list:
-        keep = set(versions[-(self.cfg.keep_versions + 1):]) | self._holds()
+        keep = set(versions[-(self.cfg.keep_versions + 1) :]) | self._holds()
         dropped = []
         for v in versions:
             if v in keep:
@@ -618,7 +733,9 @@ class WeightSync:
             self.store.remove_batch([vp + "commit"], force=True, return_exceptions=True)
             if v in self._holds():
                 continue
-            self._sweep(vp, None)  # every attempt's pieces (the committed one's too) and their records
+            self._sweep(
+                vp, None
+            )  # every attempt's pieces (the committed one's too) and their records
             dropped.append(v)
         return dropped
 
@@ -649,7 +766,10 @@ class WeightSync:
                     continue
             else:
                 return False  # no slot: copies still work, the version is just not protected from dropping
-        self._put_record(f"{self._p}hold/{self._slot}", {"rid": self._rid, "versions": list(versions), "t": time.time()})
+        self._put_record(
+            f"{self._p}hold/{self._slot}",
+            {"rid": self._rid, "versions": list(versions), "t": time.time()},
+        )
         return True
 
     def _refresh_main(self):
@@ -676,9 +796,11 @@ class WeightSync:
         gone = [v for v, ok in zip(held, alive) if not ok]
         if gone and gone != self.lapsed_versions:
             self.lapsed_versions = gone
-            msg = (f"{self.model}: version(s) {gone} were dropped while this reader still had views of them (its "
-                   f"hold lapsed: stopped or starved past hold_ttl_s={self.cfg.hold_ttl_s} s); those parameters may "
-                   "now read another version's bytes: pull() again")
+            msg = (
+                f"{self.model}: version(s) {gone} were dropped while this reader still had views of them (its "
+                f"hold lapsed: stopped or starved past hold_ttl_s={self.cfg.hold_ttl_s} s); those parameters may "
+                "now read another version's bytes: pull() again"
+            )
             log.error(msg)
             warnings.warn(msg, RuntimeWarning, stacklevel=1)
 
@@ -697,15 +819,29 @@ class WeightSync:
         self._view_targets = {}
         left = self._held_versions()
         if left:
-            log.warning("%s: release() while tensors viewing version(s) %s are alive (kept or detached by the "
-                        "caller): their bytes may change once publishers reuse the memory", self.model, left)
+            log.warning(
+                "%s: release() while tensors viewing version(s) %s are alive (kept or detached by the "
+                "caller): their bytes may change once publishers reuse the memory",
+                self.model,
+                left,
+            )
         if self._slot is not None:
-            self.store.remove_batch([f"{self._p}hold/{self._slot}", f"{self._p}slot/{self._slot}"], force=True,
-                                    return_exceptions=True)
+            self.store.remove_batch(
+                [f"{self._p}hold/{self._slot}", f"{self._p}slot/{self._slot}"],
+                force=True,
+                return_exceptions=True,
+            )
             self._slot = None
 
-    def pull(self, into=None, version="latest", *, dtype=None, strict: bool = True,
-             stage_hook: Optional[Callable[[int], None]] = None) -> PullResult:
+    def pull(
+        self,
+        into=None,
+        version="latest",
+        *,
+        dtype=None,
+        strict: bool = True,
+        stage_hook: Callable[[int], None] | None = None,
+    ) -> PullResult:
         """Installs ``version`` (``"latest"`` or an int) into ``into`` (an ``nn.Module`` or a
         dict of tensors; ``None``: the tensors come back in ``PullResult.state_dict``).
 
@@ -731,19 +867,28 @@ class WeightSync:
         torch = _torch()
         view_mode = self.cfg.install == "view"
         if view_mode and into is not None and not isinstance(into, torch.nn.Module):
-            raise ValueError(f"{self.model}: install='view' needs into=nn.Module (its parameters take the views) "
-                             f"or None, got {type(into).__name__}")
+            raise ValueError(
+                f"{self.model}: install='view' needs into=nn.Module (its parameters take the views) "
+                f"or None, got {type(into).__name__}"
+            )
         targets = _target_dict(into)
-        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-            raise ValueError(f"{self.model}: pull: dtype must be a floating-point torch.dtype or None (only "
-                             f"floating-point tensors are cast), got {dtype!r}")
+        if dtype is not None and (
+            not isinstance(dtype, torch.dtype) or not dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"{self.model}: pull: dtype must be a floating-point torch.dtype or None (only "
+                f"floating-point tensors are cast), got {dtype!r}"
+            )
         prev = self.version
         # a different `into` than last time gets the held version too (it is not installed there yet)
         if into is None:
             same_into = self._into == "none"
         else:
-            same_into = (isinstance(self._into, tuple) and self._into[0] == id(into)
-                         and (self._into[1] is None or self._into[1]() is into))
+            same_into = (
+                isinstance(self._into, tuple)
+                and self._into[0] == id(into)
+                and (self._into[1] is None or self._into[1]() is into)
+            )
         if version == "latest":
             v = self.latest_version()
             if v < 0 or v < prev or (v == prev and same_into):  # v < 0: nothing published yet
@@ -751,19 +896,24 @@ class WeightSync:
         elif isinstance(version, int) and not isinstance(version, bool) and version >= 0:
             v = version
             if v < prev:
-                raise StaleVersionError(f"{self.model}: holds version {prev}; will not go back to {v}")
+                raise StaleVersionError(
+                    f"{self.model}: holds version {prev}; will not go back to {v}"
+                )
             if v == prev and same_into:
                 return PullResult(prev, prev, False, 0, None)
         else:
             raise ValueError(f"version must be 'latest' or an int >= 0, got {version!r}")
         kept = self._held_versions()  # viewed versions stay held while the new one is staged
         if not self._hold(kept + [v], verify=True) and view_mode:
-            view_mode = False  # every reader slot taken: unprotected memory must not be viewed; copy
-        ok = False
+            view_mode = (
+                False  # every reader slot taken: unprotected memory must not be viewed; copy
+            )
         try:
             for attempt in range(3 if version == "latest" else 1):
                 try:
-                    staged, raw, nbytes, viewed = self._stage(v, targets, dtype, strict, stage_hook, view_mode)
+                    staged, raw, nbytes, viewed = self._stage(
+                        v, targets, dtype, strict, stage_hook, view_mode
+                    )
                     break
                 except (ObjectNotFoundError, WeightSyncAbortedError):
                     # "latest" dropped under us by a faster publisher: take the newer one
@@ -780,15 +930,21 @@ class WeightSync:
                         continue
                     tgt = targets[name]
                     e = self._view_targets.get(id(tgt))
-                    is_view = e is not None and e[0]() is tgt and tgt.numel() and tgt.data_ptr() == e[1]
+                    is_view = (
+                        e is not None and e[0]() is tgt and tgt.numel() and tgt.data_ptr() == e[1]
+                    )
                     if name in viewed or is_view:
                         # a view goes in by reference; a copy replaces a view by reference too
                         # (the view's memory is read-only), in the target's dtype
-                        targets[name].data = t if t.dtype == targets[name].dtype else t.to(targets[name].dtype)
+                        targets[name].data = (
+                            t if t.dtype == targets[name].dtype else t.to(targets[name].dtype)
+                        )
                         handed.add(name)
                         if name in viewed:
-                            self._view_targets[id(targets[name])] = (weakref.ref(targets[name]),
-                                                                     t.data_ptr() if t.numel() else -1)
+                            self._view_targets[id(targets[name])] = (
+                                weakref.ref(targets[name]),
+                                t.data_ptr() if t.numel() else -1,
+                            )
                         else:
                             self._view_targets.pop(id(targets[name]), None)
                     else:
@@ -800,10 +956,11 @@ class WeightSync:
                 self._spare = {}
             staged = staged if into is None else None
             raw = None
-            ok = True
         finally:
             try:
-                self._hold(self._held_versions())  # the new version if viewed, and views still alive
+                self._hold(
+                    self._held_versions()
+                )  # the new version if viewed, and views still alive
             except StoreError:
                 pass
         if into is None:
@@ -815,91 +972,137 @@ class WeightSync:
                 self._into = (id(into), None)
         if self._refs and (self._refresher is None or not self._refresher.is_alive()):
             self._stop = threading.Event()
-            self._refresher = threading.Thread(target=self._refresh_main, name="ws-hold", daemon=True)
+            self._refresher = threading.Thread(
+                target=self._refresh_main, name="ws-hold", daemon=True
+            )
             self._refresher.start()
         self.version = max(v, prev)
         self.lapsed_versions = [x for x in self.lapsed_versions if x in self._held_versions()]
         return PullResult(v, prev, True, nbytes, staged)
 
-    def _stage(self, v: int, targets: dict, dtype, strict: bool, stage_hook, view_mode: bool = False) -> tuple:
+    def _stage(
+        self, v: int, targets: dict, dtype, strict: bool, stage_hook, view_mode: bool = False
+    ) -> tuple:
         torch = _torch()
         vp = f"{self._p}v{v}/"
         try:
             commit = self._get_msg(vp + "commit")
         except ObjectNotFoundError:
-            raise ObjectNotFoundError(f"{self.model}: version {v} is not committed (or was dropped)") from None
+            raise ObjectNotFoundError(
+                f"{self.model}: version {v} is not committed (or was dropped)"
+            ) from None
         n = int(commit["num_shards"])
-        pp = vp + (f"{commit['pid']}/" if commit.get("pid") else "")  # the committed publish's pieces only
+        pp = vp + (
+            f"{commit['pid']}/" if commit.get("pid") else ""
+        )  # the committed publish's pieces only
         try:
-            mans = [msgpack.unpackb(m, raw=False) for m in self.store.get_batch([f"{pp}m{s}" for s in range(n)])]
+            mans = [
+                msgpack.unpackb(m, raw=False)
+                for m in self.store.get_batch([f"{pp}m{s}" for s in range(n)])
+            ]
         except ObjectNotFoundError as e:
-            raise WeightSyncAbortedError(f"{self.model} v{v}: a manifest is missing ({e}); kept version "
-                                         f"{self.version}") from None
+            raise WeightSyncAbortedError(
+                f"{self.model} v{v}: a manifest is missing ({e}); kept version {self.version}"
+            ) from None
         # full tensors, in the published dtype
         specs: dict = {}
         for m in mans:
             for p in m["pieces"]:
                 spec = specs.setdefault(p["name"], [p["dtype"], p["gshape"], 0])
                 if spec[0] != p["dtype"] or spec[1] != p["gshape"]:
-                    raise WeightSyncAbortedError(f"{self.model} v{v}: shards disagree on {p['name']!r}")
+                    raise WeightSyncAbortedError(
+                        f"{self.model} v{v}: shards disagree on {p['name']!r}"
+                    )
                 c = 1
                 for d in p["shape"]:
                     c *= d
                 spec[2] += c
         if strict and targets and set(targets) != set(specs):
             missing, extra = sorted(set(specs) - set(targets)), sorted(set(targets) - set(specs))
-            raise ValueError(f"{self.model} v{v}: names differ (not in into: {missing[:5]}; not published: "
-                             f"{extra[:5]}); kept version {self.version}")
+            raise ValueError(
+                f"{self.model} v{v}: names differ (not in into: {missing[:5]}; not published: "
+                f"{extra[:5]}); kept version {self.version}"
+            )
         staged = {}
         for name, (dt, gshape, count) in specs.items():
             numel = 1
             for d in gshape:
                 numel *= d
             if count != numel:
-                raise WeightSyncAbortedError(f"{self.model} v{v}: pieces of {name!r} cover {count} of {numel} elements")
+                raise WeightSyncAbortedError(
+                    f"{self.model} v{v}: pieces of {name!r} cover {count} of {numel} elements"
+                )
             if name in targets and tuple(targets[name].shape) != tuple(gshape):
-                raise ValueError(f"{self.model} v{v}: {name!r} has shape {tuple(gshape)}, into has "
-                                 f"{tuple(targets[name].shape)}; kept version {self.version}")
+                raise ValueError(
+                    f"{self.model} v{v}: {name!r} has shape {tuple(gshape)}, into has "
+                    f"{tuple(targets[name].shape)}; kept version {self.version}"
+                )
             pub, tdt = _dtype_of(dt), (targets[name].dtype if name in targets else None)
-            if tdt is not None and tdt != pub and not (tdt.is_floating_point and pub.is_floating_point):
-                raise ValueError(f"{self.model} v{v}: {name!r} is published as {pub}, into has {tdt} (only "
-                                 f"floating-point tensors are cast); kept version {self.version}")
-        buckets = [(b[0], b[1], [p for p in m["pieces"] if p["bucket"] == i])
-                   for m in mans for i, b in enumerate(m["buckets"])]
+            if (
+                tdt is not None
+                and tdt != pub
+                and not (tdt.is_floating_point and pub.is_floating_point)
+            ):
+                raise ValueError(
+                    f"{self.model} v{v}: {name!r} is published as {pub}, into has {tdt} (only "
+                    f"floating-point tensors are cast); kept version {self.version}"
+                )
+        buckets = [
+            (b[0], b[1], [p for p in m["pieces"] if p["bucket"] == i])
+            for m in mans
+            for i, b in enumerate(m["buckets"])
+        ]
         views: dict = {}  # name -> read-only tensor over the store's memory (install="view")
         if view_mode and buckets:
             import numpy as np
 
             bviews, _ = self.store._local_views([b[0] for b in buckets])
             with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="The given (buffer|NumPy array) is not writable")
+                warnings.filterwarnings(
+                    "ignore", message="The given (buffer|NumPy array) is not writable"
+                )
                 for b, bv in zip(buckets, bviews):
                     if bv is None:
                         continue
                     for p in b[2]:
                         dt = _dtype_of(p["dtype"])
                         tgt = targets.get(p["name"])
-                        if (p["shape"] != p["gshape"] or not p["nbytes"] or p["boff"] + p["nbytes"] > len(bv)
-                                or (dtype is not None and dt.is_floating_point and dt != dtype)
-                                or (tgt is not None and tgt.dtype != dt)):
+                        if (
+                            p["shape"] != p["gshape"]
+                            or not p["nbytes"]
+                            or p["boff"] + p["nbytes"] > len(bv)
+                            or (dtype is not None and dt.is_floating_point and dt != dtype)
+                            or (tgt is not None and tgt.dtype != dt)
+                        ):
                             continue
                         if p["digest"] is not None:
-                            flat = torch.frombuffer(bv[p["boff"]:p["boff"] + p["nbytes"]], dtype=torch.uint8)
-                            if _piece_digest(flat, str(p["digest"]).partition(":")[0]) != p["digest"]:
-                                raise WeightSyncAbortedError(f"{self.model} v{v}: checksum of {p['name']!r} differs; "
-                                                             f"kept version {self.version}")
+                            flat = torch.frombuffer(
+                                bv[p["boff"] : p["boff"] + p["nbytes"]], dtype=torch.uint8
+                            )
+                            if (
+                                _piece_digest(flat, str(p["digest"]).partition(":")[0])
+                                != p["digest"]
+                            ):
+                                raise WeightSyncAbortedError(
+                                    f"{self.model} v{v}: checksum of {p['name']!r} differs; "
+                                    f"kept version {self.version}"
+                                )
                         # through a NumPy array: torch keeps it alive as long as any tensor
                         # shares the bytes, and its finalizer tells when none does
-                        arr = np.frombuffer(bv[p["boff"]:p["boff"] + p["nbytes"]], dtype=np.uint8)
+                        arr = np.frombuffer(bv[p["boff"] : p["boff"] + p["nbytes"]], dtype=np.uint8)
                         self._refs[v] = self._refs.get(v, 0) + 1
                         weakref.finalize(arr, _unref, self._refs, v)
                         views[p["name"]] = torch.from_numpy(arr).view(dt).reshape(p["gshape"])
-        for name, (dt, gshape, count) in specs.items():
+        for name, (dt, gshape, _count) in specs.items():
             if name in views:
                 staged[name] = views[name]
                 continue
             spare = self._spare.pop(name, None)
-            if spare is not None and spare.dtype == _dtype_of(dt) and list(spare.shape) == list(gshape):
+            if (
+                spare is not None
+                and spare.dtype == _dtype_of(dt)
+                and list(spare.shape) == list(gshape)
+            ):
                 staged[name] = spare  # the last pull's staging tensor: no fresh pages to fault in
             else:
                 staged[name] = torch.empty(gshape, dtype=_dtype_of(dt))
@@ -907,7 +1110,9 @@ class WeightSync:
         total = sum(b[1] for b in buckets if b not in fetched)  # bytes viewed in place
 
         def fetch(b):
-            for attempt in range(3):  # a copy that outlasted its read lease (a loaded host) is redone
+            for attempt in range(
+                3
+            ):  # a copy that outlasted its read lease (a loaded host) is redone
                 try:
                     return fetch_once(b)
                 except LeaseExpiredError:
@@ -932,29 +1137,37 @@ class WeightSync:
                 try:
                     buf = nxt.result()
                 except ObjectNotFoundError as e:
-                    raise WeightSyncAbortedError(f"{self.model} v{v}: {e} (dropped meanwhile?); kept version "
-                                                 f"{self.version}") from None
+                    raise WeightSyncAbortedError(
+                        f"{self.model} v{v}: {e} (dropped meanwhile?); kept version {self.version}"
+                    ) from None
                 if stage_hook is not None:
                     stage_hook(i)
                 nxt = ex.submit(fetch, fetched[i + 1]) if i + 1 < len(fetched) else None
                 for p in b[2]:
                     if p["name"] in views:
                         continue
-                    piece = buf[p["boff"]:p["boff"] + p["nbytes"]]
+                    piece = buf[p["boff"] : p["boff"] + p["nbytes"]]
                     if p["digest"] is not None:
                         if _piece_digest(piece, str(p["digest"]).partition(":")[0]) != p["digest"]:
-                            raise WeightSyncAbortedError(f"{self.model} v{v}: checksum of {p['name']!r} differs; "
-                                                         f"kept version {self.version}")
+                            raise WeightSyncAbortedError(
+                                f"{self.model} v{v}: checksum of {p['name']!r} differs; "
+                                f"kept version {self.version}"
+                            )
                     dst = staged[p["name"]]
                     if piece.data_ptr() == (_byte_view(dst).data_ptr() if dst.numel() else -1):
                         continue  # read in place
                     if p["nbytes"]:
                         src = piece.view(dst.dtype).reshape(p["shape"])
-                        dst[tuple(slice(o, o + s) for o, s in zip(p["offset"], p["shape"]))].copy_(src)
+                        dst[tuple(slice(o, o + s) for o, s in zip(p["offset"], p["shape"]))].copy_(
+                            src
+                        )
                 total += b[1]
         raw = staged
         if dtype is not None:
-            staged = {k: (t.to(dtype) if t.is_floating_point() and k not in views else t) for k, t in staged.items()}
+            staged = {
+                k: (t.to(dtype) if t.is_floating_point() and k not in views else t)
+                for k, t in staged.items()
+            }
         return staged, raw, total, set(views)
 
 
@@ -993,11 +1206,12 @@ class GroupWeightSync:
         a timeout, ...) becomes ``WeightSyncAbortedError`` chained to it."""
         try:
             return fn(*args, group=self.group, **kw)
-        except Exception as e:  # noqa: BLE001 - any backend error aborts this sync
+        except Exception as e:
             v = "(the source's)" if self._new_version is None else self._new_version
             raise WeightSyncAbortedError(
                 f"rank {self._rank}: version {v} aborted: {what} failed ({type(e).__name__}: "
-                f"{str(e)[:300]}): a rank died or left; kept version {self._prev}") from e
+                f"{str(e)[:300]}): a rank died or left; kept version {self._prev}"
+            ) from e
 
     def _agree(self, failed: bool) -> int:
         torch = _torch()
@@ -1007,7 +1221,7 @@ class GroupWeightSync:
         self._coll("all_reduce", dist.all_reduce, flag, op=dist.ReduceOp.SUM)
         return int(flag.item())
 
-    def _first_error(self, err: Optional[BaseException], nbytes: int = 1024) -> str:
+    def _first_error(self, err: BaseException | None, nbytes: int = 1024) -> str:
         """On a failure: the message of the lowest failing rank, sent to every rank (two
         more collectives, on the failure path only)."""
         torch = _torch()
@@ -1020,12 +1234,17 @@ class GroupWeightSync:
         buf = torch.zeros(nbytes, dtype=torch.uint8)
         if first == self._rank:
             msg = f"{type(err).__name__}: {err}".encode("utf-8", "replace")[:nbytes]
-            buf[:len(msg)].copy_(torch.frombuffer(bytearray(msg), dtype=torch.uint8))
+            buf[: len(msg)].copy_(torch.frombuffer(bytearray(msg), dtype=torch.uint8))
         self._coll("broadcast", dist.broadcast, buf, src=first)
         return bytes(buf.numpy()).rstrip(b"\0").decode("utf-8", "replace")
 
-    def sync(self, model_or_state_dict, version: Optional[int] = None, *,
-             stage_hook: Optional[Callable[[int], None]] = None) -> GroupSyncResult:
+    def sync(
+        self,
+        model_or_state_dict,
+        version: int | None = None,
+        *,
+        stage_hook: Callable[[int], None] | None = None,
+    ) -> GroupSyncResult:
         """Installs ``src``'s tensors as ``version`` on every rank of the group.
 
         ``model_or_state_dict``: an ``nn.Module`` or a dict of CPU tensors (the same names
@@ -1046,7 +1265,7 @@ class GroupWeightSync:
         prev = self.version
         self._rank, self._prev, self._new_version = rank, prev, version
         header = torch.zeros(2, dtype=torch.int64)
-        local_err: Optional[BaseException] = None
+        local_err: BaseException | None = None
         if is_src:
             if isinstance(version, bool) or not isinstance(version, int) or version < 0:
                 raise ValueError(f"src must pass version as an int >= 0, got {version!r}")
@@ -1061,8 +1280,15 @@ class GroupWeightSync:
                 cur_b += nb
             if cur:
                 plan.append(cur)
-            man = msgpack.packb({"version": version, "buckets": [
-                [[n, _dtype_name(targets[n].dtype), list(targets[n].shape)] for n in b] for b in plan]})
+            man = msgpack.packb(
+                {
+                    "version": version,
+                    "buckets": [
+                        [[n, _dtype_name(targets[n].dtype), list(targets[n].shape)] for n in b]
+                        for b in plan
+                    ],
+                }
+            )
             header[0], header[1] = len(man), version
         self._coll("broadcast of the manifest", dist.broadcast, header, src=self.src)
         mbuf = torch.empty(int(header[0]), dtype=torch.uint8)
@@ -1073,29 +1299,46 @@ class GroupWeightSync:
         man = msgpack.unpackb(mbuf.numpy().tobytes(), raw=False)
         buckets = man["buckets"]
         try:
-            if not is_src and version is not None and (isinstance(version, bool) or version != new_version):
-                raise ValueError(f"rank {rank} passed version {version!r}, src {self.src} sends {new_version}: every "
-                                 "rank must pass the source's version (or None)")
+            if (
+                not is_src
+                and version is not None
+                and (isinstance(version, bool) or version != new_version)
+            ):
+                raise ValueError(
+                    f"rank {rank} passed version {version!r}, src {self.src} sends {new_version}: every "
+                    "rank must pass the source's version (or None)"
+                )
             if new_version <= prev:
-                raise StaleVersionError(f"rank {rank} holds version {prev}; will not install {new_version}")
+                raise StaleVersionError(
+                    f"rank {rank} holds version {prev}; will not install {new_version}"
+                )
             for b in buckets:
-                for n, dt, shape in b:
+                for n, _dt, shape in b:
                     if n not in targets:
                         raise ValueError(f"rank {rank}: {n!r} is not in the model")
                     if list(targets[n].shape) != shape:
-                        raise ValueError(f"rank {rank}: {n!r} has shape {tuple(targets[n].shape)}, src sends "
-                                         f"{tuple(shape)}")
-        except Exception as e:  # noqa: BLE001 - reported to the group, then raised
+                        raise ValueError(
+                            f"rank {rank}: {n!r} has shape {tuple(targets[n].shape)}, src sends "
+                            f"{tuple(shape)}"
+                        )
+        except Exception as e:
             local_err = e
         if self._agree(local_err is not None):
             first = self._first_error(local_err)
-            raise WeightSyncAbortedError(f"rank {rank}: the group refused version {new_version} before any bucket "
-                                         f"({first}); kept version {prev}") from local_err
+            raise WeightSyncAbortedError(
+                f"rank {rank}: the group refused version {new_version} before any bucket "
+                f"({first}); kept version {prev}"
+            ) from local_err
         staged: dict = {}
         total = 0
+
         def staging(n, d, s):
             t = self._spare.pop(n, None)  # the last sync's staging tensor: no fresh pages
-            return t if t is not None and t.dtype == d and list(t.shape) == list(s) else torch.empty(s, dtype=d)
+            return (
+                t
+                if t is not None and t.dtype == d and list(t.shape) == list(s)
+                else torch.empty(s, dtype=d)
+            )
 
         for i, b in enumerate(buckets):
             specs = [(n, _dtype_of(dt), shape) for n, dt, shape in b]
@@ -1113,7 +1356,7 @@ class GroupWeightSync:
                 off = 0
                 for (n, _, _), sz in zip(specs, sizes):
                     if sz:
-                        buf[off:off + sz].copy_(_byte_view(targets[n]))
+                        buf[off : off + sz].copy_(_byte_view(targets[n]))
                     off += sz
             self._coll(f"broadcast of bucket {i}", dist.broadcast, buf, src=self.src)
             total += buf.numel()
@@ -1125,15 +1368,17 @@ class GroupWeightSync:
                     for (n, d, s), sz in zip(specs, sizes):
                         t = staging(n, d, s)
                         if sz:
-                            _byte_view(t).copy_(buf[off:off + sz])
+                            _byte_view(t).copy_(buf[off : off + sz])
                         staged[n] = t
                         off += sz
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 local_err = e
             if self._agree(local_err is not None):
                 first = self._first_error(local_err)
-                raise WeightSyncAbortedError(f"rank {rank}: version {new_version} aborted at bucket {i} (a rank "
-                                             f"failed staging it: {first}); kept version {prev}") from local_err
+                raise WeightSyncAbortedError(
+                    f"rank {rank}: version {new_version} aborted at bucket {i} (a rank "
+                    f"failed staging it: {first}); kept version {prev}"
+                ) from local_err
         with torch.no_grad():
             for n, t in staged.items():
                 targets[n].copy_(t)

@@ -8,6 +8,7 @@ Environment:
   MOONCAKE_TEST_MAX_POOLS  pools alive at once (default 6)
   MOONCAKE_TEST_KEEP_LOGS  1: keep the rank logs' temporary directory
 """
+
 import os
 import sys
 
@@ -15,7 +16,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import rankpool  # noqa: E402
+import rankpool
 
 
 @pytest.fixture(scope="session", autouse=True)

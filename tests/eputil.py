@@ -3,6 +3,7 @@
 
 Imported both by the test process and by the rank processes (keep it light).
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,8 +16,11 @@ def make_inputs(rank, T, H, E, K, dtype=torch.float32, seed=0, masked=0.0):
     products with small integers are exact."""
     g = torch.Generator().manual_seed(1000 * seed + 17 * rank + 1)
     x = (torch.randint(-16, 17, (T, H), generator=g).to(torch.float64) / 8).to(dtype)
-    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else \
-        torch.zeros((0, K), dtype=torch.int64)
+    idx = (
+        torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+        if T
+        else torch.zeros((0, K), dtype=torch.int64)
+    )
     if masked:
         drop = torch.rand((T, K), generator=g) < masked
         idx = torch.where(drop, torch.full_like(idx, -1), idx)
@@ -45,7 +49,9 @@ def scaled_experts_normal(recv_x, recv_idx, recv_w, rank, L, scale):
     xf = recv_x.float()
     for k in range(recv_idx.shape[1]):
         loc = recv_idx[:, k]
-        f = torch.tensor([scale(rank * L + int(l)) if int(l) >= 0 else 0.0 for l in loc], dtype=torch.float32)
+        f = torch.tensor(
+            [scale(rank * L + int(l)) if int(l) >= 0 else 0.0 for l in loc], dtype=torch.float32
+        )
         y += (recv_w[:, k] * f).unsqueeze(1) * xf
     return y.to(recv_x.dtype)
 
@@ -84,14 +90,14 @@ class Gate(nn.Module):
         self.K, self.mode, self.skew_to = K, mode, skew_to
 
     def forward(self, x):
-        if self.mode == "logits":              # a plain router: the wrapper does softmax + top-k
+        if self.mode == "logits":  # a plain router: the wrapper does softmax + top-k
             return self.proj(x)
         probs = torch.softmax(self.proj(x).float(), dim=-1)
         T = x.shape[0]
         if self.mode == "skew":
             idx = torch.full((T, self.K), -1, dtype=torch.int64)
             idx[:, 0] = self.skew_to
-            w = probs[:, self.skew_to:self.skew_to + 1].expand(T, self.K) * (idx >= 0)
+            w = probs[:, self.skew_to : self.skew_to + 1].expand(T, self.K) * (idx >= 0)
             return idx, w
         w, idx = torch.topk(probs, self.K, dim=-1)
         if self.mode == "masked":

@@ -1,6 +1,7 @@
 """An etcd server for the store's HA tests: ``MOONCAKE_TEST_ETCD`` (HOST:PORT, exported by
 .ci/run) when set, else one started here on free 127.0.0.1 ports if the ``etcd`` binary
 exists (own session, killed on teardown); otherwise the tests skip with a reason."""
+
 from __future__ import annotations
 
 import os
@@ -37,17 +38,35 @@ class EtcdServer:
             return
         binary = shutil.which("etcd")
         if binary is None:
-            raise FileNotFoundError("no etcd binary (apt-get install etcd-server) and MOONCAKE_TEST_ETCD unset")
+            raise FileNotFoundError(
+                "no etcd binary (apt-get install etcd-server) and MOONCAKE_TEST_ETCD unset"
+            )
         cport, pport = _free_port(), _free_port()
         self.dir = tempfile.mkdtemp(prefix="mooncake-etcd-")
         self.endpoint = f"127.0.0.1:{cport}"
         log = open(os.path.join(self.dir, "etcd.log"), "w")
         self.proc = subprocess.Popen(
-            [binary, "--name", "t", "--data-dir", os.path.join(self.dir, "data"),
-             "--listen-client-urls", f"http://127.0.0.1:{cport}", "--advertise-client-urls", f"http://127.0.0.1:{cport}",
-             "--listen-peer-urls", f"http://127.0.0.1:{pport}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{pport}",
-             "--initial-cluster", f"t=http://127.0.0.1:{pport}"],
-            stdout=log, stderr=log, start_new_session=True)
+            [
+                binary,
+                "--name",
+                "t",
+                "--data-dir",
+                os.path.join(self.dir, "data"),
+                "--listen-client-urls",
+                f"http://127.0.0.1:{cport}",
+                "--advertise-client-urls",
+                f"http://127.0.0.1:{cport}",
+                "--listen-peer-urls",
+                f"http://127.0.0.1:{pport}",
+                "--initial-advertise-peer-urls",
+                f"http://127.0.0.1:{pport}",
+                "--initial-cluster",
+                f"t=http://127.0.0.1:{pport}",
+            ],
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + 30
         while not healthy(self.endpoint):
             if self.proc.poll() is not None or time.monotonic() > deadline:

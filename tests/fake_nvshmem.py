@@ -14,6 +14,7 @@ rank's ``init`` raise.
 ``install()`` puts it in ``sys.modules`` as ``nvshmem``, ``nvshmem.core`` and
 ``nvshmem.bindings``; ``uninstall()`` takes it out.
 """
+
 from __future__ import annotations
 
 import collections
@@ -79,7 +80,7 @@ class _UniqueId:
 
 
 class _Bindings(types.ModuleType):
-    class uniqueid_dtype:   # noqa: N801 (numpy's dtype attribute the real module has)
+    class uniqueid_dtype:
         itemsize = _UID_BYTES
 
 
@@ -132,7 +133,9 @@ def _file(k, pe):
 def _map(k, pe):
     key = (k, pe)
     if key not in _S["maps"]:
-        _S["maps"][key] = torch.from_file(_file(k, pe), shared=True, size=_S["allocs"][k][1], dtype=torch.uint8)
+        _S["maps"][key] = torch.from_file(
+            _file(k, pe), shared=True, size=_S["allocs"][k][1], dtype=torch.uint8
+        )
     return _S["maps"][key]
 
 
@@ -148,7 +151,10 @@ def tensor(shape, dtype=torch.float32, release=False, morder="C", except_on_del=
     with open(_file(k, _S["rank"]), "wb") as f:
         f.truncate(nbytes)
     open(_file(k, _S["rank"]) + ".ready", "w").close()
-    _wait(lambda: all(os.path.exists(_file(k, pe) + ".ready") for pe in range(_S["n"])), f"allocation {k}")
+    _wait(
+        lambda: all(os.path.exists(_file(k, pe) + ".ready") for pe in range(_S["n"])),
+        f"allocation {k}",
+    )
     _S["allocs"][k] = (None, nbytes)
     t = _map(k, _S["rank"])
     _S["allocs"][k] = (t.data_ptr(), nbytes)
@@ -156,7 +162,7 @@ def tensor(shape, dtype=torch.float32, release=False, morder="C", except_on_del=
 
 
 def tensor_get_buffer(t):
-    for k, (base, n) in _S["allocs"].items():
+    for _k, (base, n) in _S["allocs"].items():
         if base == t.data_ptr():
             return Buffer(base, n), n, str(t.dtype)
     raise ValueError("fake nvshmem: tensor not allocated by nvshmem")
@@ -175,7 +181,7 @@ def _locate(ptr):
 
 def _signal(sig, val, op, pe):
     k, off = _locate(sig.handle)
-    word = _map(k, pe)[off:off + 8].view(torch.int64)
+    word = _map(k, pe)[off : off + 8].view(torch.int64)
     with open(os.path.join(_S["dir"], f"lock_pe{pe}"), "a") as lk:
         fcntl.flock(lk, fcntl.LOCK_EX)
         if op == SignalOp.SIGNAL_ADD:
@@ -193,9 +199,11 @@ def put_signal_nbi(dst, src, signal_var, signal_val, signal_op, remote_pe=-1, st
     ks, os_ = _locate(src.handle)
     kd, od = _locate(dst.handle)
     if not 0 <= remote_pe < _S["n"] or od + size > _S["allocs"][kd][1]:
-        raise ValueError(f"fake nvshmem: put out of range (PE {remote_pe}, offset {od}, {size} bytes)")
+        raise ValueError(
+            f"fake nvshmem: put out of range (PE {remote_pe}, offset {od}, {size} bytes)"
+        )
     CALLS["put_bytes"] += size
-    _map(kd, remote_pe)[od:od + size].copy_(_map(ks, _S["rank"])[os_:os_ + size])
+    _map(kd, remote_pe)[od : od + size].copy_(_map(ks, _S["rank"])[os_ : os_ + size])
     _signal(signal_var, signal_val, signal_op, remote_pe)
 
 
@@ -209,7 +217,7 @@ def signal_wait(signal_var, signal_val, signal_op, stream=None):
     if signal_op != ComparisonType.CMP_GE:
         raise NotImplementedError("fake nvshmem: CMP_GE only")
     k, off = _locate(signal_var.handle)
-    word = _map(k, _S["rank"])[off:off + 8].view(torch.int64)
+    word = _map(k, _S["rank"])[off : off + 8].view(torch.int64)
     _wait(lambda: int(word[0]) >= signal_val, f"signal >= {signal_val}")
 
 
@@ -218,8 +226,12 @@ def barrier_all(stream=None):
     g = _S["bar"]
     _S["bar"] += 1
     open(os.path.join(_S["dir"], f"bar{g}_pe{_S['rank']}"), "w").close()
-    _wait(lambda: all(os.path.exists(os.path.join(_S["dir"], f"bar{g}_pe{pe}")) for pe in range(_S["n"])),
-          f"barrier {g}")
+    _wait(
+        lambda: all(
+            os.path.exists(os.path.join(_S["dir"], f"bar{g}_pe{pe}")) for pe in range(_S["n"])
+        ),
+        f"barrier {g}",
+    )
 
 
 def quiet(stream=None):

@@ -17,6 +17,7 @@ runs never clash (addresses repeat, but every run has its own namespaces).
     # on exit (also on exceptions) every process left in the namespaces is SIGKILLed
     # and the namespaces (and with them the veths/bridge) are deleted.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -51,14 +52,16 @@ def available() -> tuple[bool, str]:
         return False, "network namespaces need root"
     name = f"nsprobe{os.getpid()}_{secrets.token_hex(3)}"
     try:
-        for args in (("netns", "add", name),
-                     ("-n", name, "link", "add", "x0", "type", "veth", "peer", "name", "x1"),
-                     ("-n", name, "link", "add", "b0", "type", "bridge")):
+        for args in (
+            ("netns", "add", name),
+            ("-n", name, "link", "add", "x0", "type", "veth", "peer", "name", "x1"),
+            ("-n", name, "link", "add", "b0", "type", "bridge"),
+        ):
             r = _ip(*args, check=False)
             if r.returncode != 0:
                 return False, f"'ip {' '.join(args)}' failed: {r.stderr.strip()}"
         return True, ""
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return False, f"ip netns unusable: {e}"
     finally:
         _ip("netns", "del", name, check=False)
@@ -94,8 +97,19 @@ def _pin_neighbors(t: Topo, ns: str) -> None:
     # flip from "silent timeout" to EHOSTUNREACH after ~3 s: time-dependent behaviour.
     for i, other in enumerate(t.names, 1):
         if other != ns:
-            _ip("-n", ns, "neigh", "replace", t.addr[other], "lladdr", _mac(i),
-                "dev", _dev(t, ns), "nud", "permanent")
+            _ip(
+                "-n",
+                ns,
+                "neigh",
+                "replace",
+                t.addr[other],
+                "lladdr",
+                _mac(i),
+                "dev",
+                _dev(t, ns),
+                "nud",
+                "permanent",
+            )
 
 
 def _kill_ns_pids(ns: str) -> None:
@@ -121,7 +135,7 @@ def cleanup_stale(prefix: str) -> None:
     """Delete namespaces <prefix><pid>_* left behind by runs whose process is gone."""
     with contextlib.suppress(FileNotFoundError):
         for ns in os.listdir("/run/netns"):
-            pid = ns[len(prefix):].split("_", 1)[0] if ns.startswith(prefix) else ""
+            pid = ns[len(prefix) :].split("_", 1)[0] if ns.startswith(prefix) else ""
             if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
                 _delete(ns)
 
@@ -135,8 +149,12 @@ def two_hosts(prefix: str = "mc", sysctls: dict | None = None):
     """
     cleanup_stale(prefix)
     tag = f"{prefix}{os.getpid()}_{secrets.token_hex(3)}"
-    t = Topo(f"{tag}_hub", f"{tag}_a", f"{tag}_b",
-             {f"{tag}_hub": f"{SUBNET}.1", f"{tag}_a": f"{SUBNET}.2", f"{tag}_b": f"{SUBNET}.3"})
+    t = Topo(
+        f"{tag}_hub",
+        f"{tag}_a",
+        f"{tag}_b",
+        {f"{tag}_hub": f"{SUBNET}.1", f"{tag}_a": f"{SUBNET}.2", f"{tag}_b": f"{SUBNET}.3"},
+    )
     made: list = []
     try:
         for ns in t.names:
@@ -144,18 +162,48 @@ def two_hosts(prefix: str = "mc", sysctls: dict | None = None):
             made.append(ns)
             _ip("-n", ns, "link", "set", "lo", "up")
             # IPv4 only: no DAD / router solicitations / MLD noise on the links.
-            settings = {"net.ipv6.conf.all.disable_ipv6": 1, "net.ipv6.conf.default.disable_ipv6": 1,
-                        **(sysctls or {})}
+            settings = {
+                "net.ipv6.conf.all.disable_ipv6": 1,
+                "net.ipv6.conf.default.disable_ipv6": 1,
+                **(sysctls or {}),
+            }
             _ip("netns", "exec", ns, "sysctl", "-qw", *(f"{k}={v}" for k, v in settings.items()))
         # STP off, forward_delay 0: ports forward immediately after (re)enabling.
-        _ip("-n", t.hub, "link", "add", "br0", "address", _mac(1), "type", "bridge",
-            "stp_state", "0", "forward_delay", "0")
+        _ip(
+            "-n",
+            t.hub,
+            "link",
+            "add",
+            "br0",
+            "address",
+            _mac(1),
+            "type",
+            "bridge",
+            "stp_state",
+            "0",
+            "forward_delay",
+            "0",
+        )
         _ip("-n", t.hub, "addr", "add", f"{t.addr[t.hub]}/24", "dev", "br0")
         _ip("-n", t.hub, "link", "set", "br0", "up")
         for i, host in ((2, t.a), (3, t.b)):
             port = _port(t, host)
-            _ip("-n", t.hub, "link", "add", port, "type", "veth",
-                "peer", "name", "eth0", "address", _mac(i), "netns", host)
+            _ip(
+                "-n",
+                t.hub,
+                "link",
+                "add",
+                port,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "address",
+                _mac(i),
+                "netns",
+                host,
+            )
             _ip("-n", t.hub, "link", "set", port, "master", "br0", "up")
             _ip("-n", host, "addr", "add", f"{t.addr[host]}/24", "dev", "eth0")
             _ip("-n", host, "link", "set", "eth0", "up")
@@ -167,8 +215,9 @@ def two_hosts(prefix: str = "mc", sysctls: dict | None = None):
             _delete(ns)
 
 
-def run_in(ns: str, argv: list, env: dict | None = None, hostname: str | None = None,
-           **popen_kw) -> subprocess.Popen:
+def run_in(
+    ns: str, argv: list, env: dict | None = None, hostname: str | None = None, **popen_kw
+) -> subprocess.Popen:
     """Popen argv inside `ns`, as leader of its own session / process group.
 
     `ip netns exec` (and unshare, sh) exec in place, so p.pid is the program itself.

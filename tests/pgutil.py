@@ -3,6 +3,7 @@ rank-dependent inputs, independent (pure torch/numpy) references, comparisons.
 
 Imported both by the test process and by the rank processes (keep it light).
 """
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,19 @@ COMPLEX_OPS = ["SUM", "AVG"]
 PREMUL_FACTOR = 0.5
 
 # What gloo (torch 2.13) serves; everything else gets an independent reference.
-GLOO_DTYPES = {"float64", "float32", "float16", "bfloat16", "int8", "int32", "int64", "uint8",
-               "bool", "complex64", "complex128"}
+GLOO_DTYPES = {
+    "float64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "int8",
+    "int32",
+    "int64",
+    "uint8",
+    "bool",
+    "complex64",
+    "complex128",
+}
 
 
 def dt(name: str) -> torch.dtype:
@@ -52,8 +64,14 @@ def category(name: str) -> str:
 
 def ops_for(name: str):
     """The reductions DESIGN.md's table promises for this dtype."""
-    return {"float": FLOAT_OPS, "float8": FLOAT_OPS, "signed": INT_OPS, "unsigned": INT_OPS,
-            "bool": BOOL_OPS, "complex": COMPLEX_OPS}[category(name)]
+    return {
+        "float": FLOAT_OPS,
+        "float8": FLOAT_OPS,
+        "signed": INT_OPS,
+        "unsigned": INT_OPS,
+        "bool": BOOL_OPS,
+        "complex": COMPLEX_OPS,
+    }[category(name)]
 
 
 def gloo_reduces(name: str, op: str) -> bool:
@@ -73,14 +91,24 @@ def redop(op: str, dtype_name: str | None = None):
     if op == "PREMUL_SUM":
         return dist._make_nccl_premul_sum(PREMUL_FACTOR)
     if op == "PREMUL_SUM_TENSOR":
-        return dist._make_nccl_premul_sum(torch.tensor([PREMUL_FACTOR], dtype=dt(dtype_name or "float32")))
+        return dist._make_nccl_premul_sum(
+            torch.tensor([PREMUL_FACTOR], dtype=dt(dtype_name or "float32"))
+        )
     return getattr(dist.ReduceOp, op)
 
 
 # ------------------------------------------------------------------------- inputs
 
-_WIDTH = {"int8": 8, "int16": 16, "int32": 32, "int64": 64,
-          "uint8": 8, "uint16": 16, "uint32": 32, "uint64": 64}
+_WIDTH = {
+    "int8": 8,
+    "int16": 16,
+    "int32": 32,
+    "int64": 64,
+    "uint8": 8,
+    "uint16": 16,
+    "uint32": 32,
+    "uint64": 64,
+}
 
 
 def kind_for(op: str | None) -> str:
@@ -114,7 +142,7 @@ def make(name: str, rank: int, shape, kind: str = "sum", salt: int = 0) -> torch
             table = torch.tensor([0.5, 1.0, 2.0, -1.0, -2.0], dtype=torch.float64)
             v = table[base % 5]
         elif cat == "float8":
-            v = ((base % 5) - 2).to(torch.float64)          # integers -2..2: sums exact
+            v = ((base % 5) - 2).to(torch.float64)  # integers -2..2: sums exact
         else:
             v = ((base % 17) - 8).to(torch.float64) * 0.25  # multiples of 1/4 in [-2, 2]
         if cat == "complex":
@@ -253,9 +281,14 @@ def reduce_ref(name: str, op: str, tensors, ws: int | None = None) -> torch.Tens
 # ---------------------------------------------------------------- comparisons
 
 _TOL = {  # rtol, atol
-    "float64": (1e-12, 1e-12), "float32": (1.3e-6, 1e-5), "float16": (1e-3, 1e-5),
-    "bfloat16": (1.6e-2, 1e-5), "float8_e4m3fn": (0.125, 1e-3), "float8_e5m2": (0.25, 1e-3),
-    "complex64": (1.3e-6, 1e-5), "complex128": (1e-12, 1e-12),
+    "float64": (1e-12, 1e-12),
+    "float32": (1.3e-6, 1e-5),
+    "float16": (1e-3, 1e-5),
+    "bfloat16": (1.6e-2, 1e-5),
+    "float8_e4m3fn": (0.125, 1e-3),
+    "float8_e5m2": (0.25, 1e-3),
+    "complex64": (1.3e-6, 1e-5),
+    "complex128": (1e-12, 1e-12),
 }
 
 
@@ -284,10 +317,13 @@ def mismatch(got, exp, where: str = "") -> str | None:
         if bool(bad.any()):
             idx = bad.reshape(-1).nonzero().reshape(-1)
             gf, ef = got.reshape(-1), exp.reshape(-1)
-            show = ", ".join(f"[{int(k)}] got {_item(gf[k])} expected {_item(ef[k])}"
-                             for k in idx[:6])
-            return (f"{where}: {int(idx.numel())} of {exp.numel()} elements differ "
-                    f"(dtype {exp.dtype}, shape {tuple(exp.shape)}): {show}")
+            show = ", ".join(
+                f"[{int(k)}] got {_item(gf[k])} expected {_item(ef[k])}" for k in idx[:6]
+            )
+            return (
+                f"{where}: {int(idx.numel())} of {exp.numel()} elements differ "
+                f"(dtype {exp.dtype}, shape {tuple(exp.shape)}): {show}"
+            )
         return None
     if isinstance(exp, (list, tuple)):
         if not isinstance(got, (list, tuple)) or len(got) != len(exp):
@@ -315,11 +351,16 @@ def bitwise_equal(a, b) -> bool:
     if isinstance(a, torch.Tensor):
         if not isinstance(b, torch.Tensor) or a.dtype != b.dtype or a.shape != b.shape:
             return False
-        return torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
-                           b.contiguous().reshape(-1).view(torch.uint8))
+        return torch.equal(
+            a.contiguous().reshape(-1).view(torch.uint8),
+            b.contiguous().reshape(-1).view(torch.uint8),
+        )
     if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and \
-            all(bitwise_equal(x, y) for x, y in zip(a, b))
+        return (
+            isinstance(b, (list, tuple))
+            and len(a) == len(b)
+            and all(bitwise_equal(x, y) for x, y in zip(a, b))
+        )
     return a == b
 
 

@@ -35,6 +35,7 @@ Backends: ``"mooncake"`` (``pg_options=MooncakeOptions(timeout=..., transport=..
 directory (``MOONCAKE_TEST_KEEP_LOGS=1`` keeps it after exit); the tail of a rank's log
 is attached to errors about that rank.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -69,9 +70,15 @@ ERROR_GRACE = float(os.environ.get("MOONCAKE_TEST_ERROR_GRACE", "10"))
 
 # Modules the zygote imports before forking ranks (each one optional).
 _PRELOAD = [
-    "numpy", "torch", "torch.distributed", "torch.distributed.distributed_c10d",
-    "torch.nn.parallel", "torch.distributed.device_mesh", "torch.distributed.tensor",
-    "torch.distributed.fsdp", "torch.distributed.checkpoint",
+    "numpy",
+    "torch",
+    "torch.distributed",
+    "torch.distributed.distributed_c10d",
+    "torch.nn.parallel",
+    "torch.distributed.device_mesh",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
     "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook",
     "torch.distributed.algorithms.ddp_comm_hooks.default_hooks",
     "torch.testing",
@@ -143,18 +150,23 @@ class RemoteError:
 
     def __init__(self, rank, type_name, qualname, message, tb="", log=""):
         self.rank = rank
-        self.type_name = type_name          # e.g. "ValueError"
-        self.qualname = qualname            # e.g. "builtins.ValueError"
-        self.message = message              # str(exc)
+        self.type_name = type_name  # e.g. "ValueError"
+        self.qualname = qualname  # e.g. "builtins.ValueError"
+        self.message = message  # str(exc)
         self.traceback = tb
-        self.mro = []                       # names of the exception's base classes
+        self.mro = []  # names of the exception's base classes
         self.log = log
 
     @classmethod
     def from_exc(cls, exc, rank):
         t = type(exc)
-        err = cls(rank, t.__name__, f"{t.__module__}.{t.__qualname__}", str(exc),
-                  "".join(traceback.format_exception(t, exc, exc.__traceback__)))
+        err = cls(
+            rank,
+            t.__name__,
+            f"{t.__module__}.{t.__qualname__}",
+            str(exc),
+            "".join(traceback.format_exception(t, exc, exc.__traceback__)),
+        )
         err.mro = [c.__name__ for c in t.__mro__]
         return err
 
@@ -209,7 +221,11 @@ def _resolve_function(module_name, file, qualname):
         if mod is None:
             if not file:
                 raise ImportError(f"cannot import {module_name} in the rank process")
-            name = module_name if module_name != "__main__" else "_rankpool_main_" + str(abs(hash(file)))
+            name = (
+                module_name
+                if module_name != "__main__"
+                else "_rankpool_main_" + str(abs(hash(file)))
+            )
             mod = sys.modules.get(name)
             if mod is None:
                 spec = importlib.util.spec_from_file_location(name, file)
@@ -228,8 +244,12 @@ def _init_process_group(spec):
     import torch.distributed as dist
 
     backend = spec["backend"]
-    kwargs = dict(backend=backend, init_method="file://" + spec["store_file"],
-                  rank=spec["rank"], world_size=spec["world_size"])
+    kwargs = dict(
+        backend=backend,
+        init_method="file://" + spec["store_file"],
+        rank=spec["rank"],
+        world_size=spec["world_size"],
+    )
     if backend == "mooncake":
         import mooncake_pg
 
@@ -274,7 +294,7 @@ def _worker_main(spec):
     try:
         _init_process_group(spec)
         conn.send_bytes(_dumps(("ready", 0, None)))
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
+    except BaseException as e:
         conn.send_bytes(_dumps(("err", 0, RemoteError.from_exc(e, rank))))
         sys.stderr.flush()
         os._exit(3)
@@ -291,14 +311,14 @@ def _worker_main(spec):
                 fn = _resolve_function(mod, file, qualname)
                 res = fn(rank, ws, *args, **kwargs)
                 payload = _dumps(("ok", call_id, res))
-            except BaseException as e:  # noqa: BLE001 - reported to the parent
+            except BaseException as e:
                 payload = _dumps(("err", call_id, RemoteError.from_exc(e, rank)))
             conn.send_bytes(payload)
         elif kind == "exit":
             try:
                 if dist.is_initialized():
                     dist.destroy_process_group()
-            except BaseException:  # noqa: BLE001
+            except BaseException:
                 traceback.print_exc()
             try:
                 conn.send_bytes(_dumps(("bye", 0, None)))
@@ -333,7 +353,7 @@ def _child_entry(spec, parent_pid):
     _redirect_output(spec["log"])
     try:
         _worker_main(spec)
-    except BaseException:  # noqa: BLE001
+    except BaseException:
         traceback.print_exc()
     finally:
         sys.stdout.flush()
@@ -344,7 +364,7 @@ def _child_entry(spec, parent_pid):
 def _zygote_main(sock_path, token):
     """Imports torch once, then forks one rank process per request from the parent."""
     _set_pdeathsig()
-    parent = os.getppid()
+    os.getppid()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
     if TESTS_DIR not in sys.path:
         sys.path.insert(0, TESTS_DIR)
@@ -357,7 +377,7 @@ def _zygote_main(sock_path, token):
     for name in preload:
         try:
             importlib.import_module(name)
-        except BaseException as e:  # noqa: BLE001 - the rank will import and report it
+        except BaseException as e:
             failed[name] = f"{type(e).__name__}: {e}"
     threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -459,10 +479,10 @@ class _Session:
         self.listener.listen(64)
         self.token = os.urandom(8).hex()
         self.mode = os.environ.get("MOONCAKE_TEST_POOL_MODE", "fork")
-        self.zygote = None          # subprocess.Popen
+        self.zygote = None  # subprocess.Popen
         self.zconn = None
         self.zygote_info = None
-        self.spawned = []           # Popen objects (spawn mode), reaped on close
+        self.spawned = []  # Popen objects (spawn mode), reaped on close
 
     # -- connections
     def accept(self, deadline):
@@ -474,7 +494,7 @@ class _Session:
             self.listener.settimeout(remaining)
             try:
                 s, _ = self.listener.accept()
-            except socket.timeout:
+            except TimeoutError:
                 return None
             s.settimeout(None)
             conn = Connection(s.detach())
@@ -483,14 +503,13 @@ class _Session:
                 continue
             try:
                 hello = _loads(conn.recv_bytes())
-            except Exception:  # noqa: BLE001
+            except Exception:
                 conn.close()
                 continue
             return conn, hello
 
     def _python_cmd(self, *args):
-        code = ("import sys; sys.path.insert(0, %r); import rankpool; rankpool._main(sys.argv[1:])"
-                % TESTS_DIR)
+        code = f"import sys; sys.path.insert(0, {TESTS_DIR!r}); import rankpool; rankpool._main(sys.argv[1:])"
         return [sys.executable, "-c", code, *args]
 
     def _child_env(self):
@@ -507,9 +526,14 @@ class _Session:
         self._close_zygote()
         log = open(os.path.join(self.tmpdir, "zygote.log"), "ab")
         self.zygote = subprocess.Popen(
-            self._python_cmd("--zygote", self.sock_path, self.token), cwd=REPO_ROOT,
-            env=self._child_env(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True)
+            self._python_cmd("--zygote", self.sock_path, self.token),
+            cwd=REPO_ROOT,
+            env=self._child_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         log.close()
         deadline = time.monotonic() + START_TIMEOUT
         while True:
@@ -525,8 +549,9 @@ class _Session:
         self.zygote_info = {"pid": hello[1], "threads": hello[3], "preload_failed": hello[4]}
         if hello[3] > 1:
             # Forking a multi-threaded process is not safe: fall back to fresh processes.
-            sys.stderr.write(f"rankpool: zygote has {hello[3]} threads after imports; "
-                             "using spawn mode\n")
+            sys.stderr.write(
+                f"rankpool: zygote has {hello[3]} threads after imports; using spawn mode\n"
+            )
             self._close_zygote()
             self.mode = "spawn"
             return False
@@ -562,9 +587,14 @@ class _Session:
             raise PoolStartError("rankpool: the zygote did not fork a rank process")
         with open(spec["log"], "ab") as log:
             p = subprocess.Popen(
-                self._python_cmd("--rank", json.dumps(spec), str(os.getpid())), cwd=REPO_ROOT,
-                env=self._child_env(), stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True)
+                self._python_cmd("--rank", json.dumps(spec), str(os.getpid())),
+                cwd=REPO_ROOT,
+                env=self._child_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.spawned.append(p)
         return p.pid
 
@@ -595,7 +625,7 @@ class _Session:
 
 
 _session: _Session | None = None
-_pools: "collections.OrderedDict[tuple, RankPool]" = collections.OrderedDict()
+_pools: collections.OrderedDict[tuple, RankPool] = collections.OrderedDict()
 _pool_ids = itertools.count(1)
 
 
@@ -621,8 +651,16 @@ def _health_check(rank, world_size):
 class RankPool:
     """``world_size`` rank processes with an initialised default process group."""
 
-    def __init__(self, world_size, backend, transport=None, op_timeout=None, options=None,
-                 env=None, rank_options=None):
+    def __init__(
+        self,
+        world_size,
+        backend,
+        transport=None,
+        op_timeout=None,
+        options=None,
+        env=None,
+        rank_options=None,
+    ):
         self.world_size = int(world_size)
         self.backend = backend
         self.transport = transport
@@ -640,15 +678,21 @@ class RankPool:
         self._start()
 
     def __repr__(self):
-        return (f"RankPool(id={self.id}, world_size={self.world_size}, backend={self.backend!r}, "
-                f"transport={self.transport!r}, op_timeout={self.op_timeout})")
+        return (
+            f"RankPool(id={self.id}, world_size={self.world_size}, backend={self.backend!r}, "
+            f"transport={self.transport!r}, op_timeout={self.op_timeout})"
+        )
 
     # -- life cycle
     def _start(self):
         s = _get_session()
         store_file = os.path.join(s.tmpdir, f"pool{self.id}.store")
-        env = {"GLOO_SOCKET_IFNAME": "lo", "MOONCAKE_SOCKET_IFNAME": "lo",
-               "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        env = {
+            "GLOO_SOCKET_IFNAME": "lo",
+            "MOONCAKE_SOCKET_IFNAME": "lo",
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+        }
         env.update(self.env)
         for k in ("GLOO_SOCKET_IFNAME", "MOONCAKE_SOCKET_IFNAME"):
             if k in os.environ and k not in self.env:
@@ -658,12 +702,20 @@ class RankPool:
             for rank in range(self.world_size):
                 log = os.path.join(s.tmpdir, f"pool{self.id}-rank{rank}.log")
                 self.logs.append(log)
-                spec = {"sock": s.sock_path, "token": s.token, "pool_id": self.id, "rank": rank,
-                        "world_size": self.world_size, "backend": self.backend,
-                        "transport": self.transport, "op_timeout": self.op_timeout,
-                        "options": {**self.options, **self.rank_options.get(rank, {})},
-                        "store_file": store_file, "log": log,
-                        "env": env}
+                spec = {
+                    "sock": s.sock_path,
+                    "token": s.token,
+                    "pool_id": self.id,
+                    "rank": rank,
+                    "world_size": self.world_size,
+                    "backend": self.backend,
+                    "transport": self.transport,
+                    "op_timeout": self.op_timeout,
+                    "options": {**self.options, **self.rank_options.get(rank, {})},
+                    "store_file": store_file,
+                    "log": log,
+                    "env": env,
+                }
                 self.pids.append(s.spawn(spec))
             self.alive = True
             deadline = t0 + START_TIMEOUT
@@ -674,8 +726,17 @@ class RankPool:
                     missing = sorted(set(range(self.world_size)) - set(conns))
                     raise PoolStartError(
                         f"{self!r}: ranks {missing} did not connect within {START_TIMEOUT:.0f} s",
-                        {r: RemoteError(r, "StartTimeout", "", "did not connect",
-                                        log=_log_tail(self.logs[r])) for r in missing})
+                        {
+                            r: RemoteError(
+                                r,
+                                "StartTimeout",
+                                "",
+                                "did not connect",
+                                log=_log_tail(self.logs[r]),
+                            )
+                            for r in missing
+                        },
+                    )
                 conn, hello = got
                 if hello[0] != "hello" or hello[1] != self.id or hello[4] != s.token:
                     conn.close()  # a straggler of an older pool
@@ -748,8 +809,9 @@ class RankPool:
                 try:
                     msg = _loads(c.recv_bytes())
                 except (EOFError, OSError):
-                    errors[r] = RemoteError(r, "RankDied", "", "the rank process exited",
-                                            log=_log_tail(self.logs[r]))
+                    errors[r] = RemoteError(
+                        r, "RankDied", "", "the rank process exited", log=_log_tail(self.logs[r])
+                    )
                     pending.discard(r)
                     self.dirty = True
                     continue
@@ -767,12 +829,16 @@ class RankPool:
         if pending:
             self._dump_stacks(sorted(pending))
             for r in sorted(pending):
-                errors[r] = RemoteError(r, "Timeout", "", f"no answer to {what}",
-                                        log=_log_tail(self.logs[r], 8000))
+                errors[r] = RemoteError(
+                    r, "Timeout", "", f"no answer to {what}", log=_log_tail(self.logs[r], 8000)
+                )
             self.close(graceful=False)
             cls = PoolStartError if start else RankTimeout
-            raise cls(f"{self!r}: ranks {sorted(pending)} did not finish {what} in time "
-                      f"(pool torn down)", errors, results)
+            raise cls(
+                f"{self!r}: ranks {sorted(pending)} did not finish {what} in time (pool torn down)",
+                errors,
+                results,
+            )
         if errors:
             if start:
                 raise PoolStartError(f"{self!r}: {what} failed", errors, results)
@@ -819,8 +885,9 @@ class RankPool:
         return True
 
 
-def get_pool(world_size, backend=None, transport=None, timeout=None, options=None,
-             env=None) -> RankPool:
+def get_pool(
+    world_size, backend=None, transport=None, timeout=None, options=None, env=None
+) -> RankPool:
     """The cached pool for this configuration (created on first use).
 
     ``timeout`` is the op timeout given to the process group (MooncakeOptions.timeout for
@@ -833,8 +900,14 @@ def get_pool(world_size, backend=None, transport=None, timeout=None, options=Non
     if backend != "mooncake":
         transport = None
     op_timeout = float(timeout if timeout is not None else DEFAULT_OP_TIMEOUT)
-    key = (int(world_size), backend, transport, op_timeout,
-           tuple(sorted((options or {}).items())), tuple(sorted((env or {}).items())))
+    key = (
+        int(world_size),
+        backend,
+        transport,
+        op_timeout,
+        tuple(sorted((options or {}).items())),
+        tuple(sorted((env or {}).items())),
+    )
     pool = _pools.get(key)
     if pool is not None:
         _pools.move_to_end(key)
@@ -855,7 +928,7 @@ def shutdown_all():
     for pool in list(_pools.values()):
         try:
             pool.close()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pool.close(graceful=False)
     _pools.clear()
     if _session is not None:

@@ -9,6 +9,7 @@ sizes and SHA-256 digests. Every process lives in its own session; ``Proc.kill()
 SIGKILLs its process group, and ``cleanup()`` kills everything still running (the
 tests call it on teardown). Every command has a timeout.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -93,7 +94,9 @@ class Agent(Proc):
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"agent {self.pid} did not answer in {timeout} s; log:\n{self.log()}")
+                raise TimeoutError(
+                    f"agent {self.pid} did not answer in {timeout} s; log:\n{self.log()}"
+                )
             r, _, _ = select.select([fd], [], [], left)
             if r:
                 line = fd.readline()
@@ -118,8 +121,15 @@ def _spawn(args, env_extra=None) -> tuple:
     env["PYTHONPATH"] = REPO + os.pathsep + HERE + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("MOONCAKE_STORE_MASTER", None)
     env.update(env_extra or {})
-    p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=fd, env=env,
-                         start_new_session=True, cwd=REPO)
+    p = subprocess.Popen(
+        args,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=fd,
+        env=env,
+        start_new_session=True,
+        cwd=REPO,
+    )
     os.close(fd)
     return p, log_path
 
@@ -128,7 +138,15 @@ def start_master(timeout=30, env=None, **flags) -> Proc:
     """A master process on 127.0.0.1 (flags: e.g. client_ttl=1.0 -> --client-ttl 1.0)."""
     d = tempfile.mkdtemp(prefix="mooncake-master-")
     port_file = os.path.join(d, "port")
-    args = [PY, "-m", "mooncake_store.master", "--port", str(flags.pop("port", 0)), "--port-file", port_file]
+    args = [
+        PY,
+        "-m",
+        "mooncake_store.master",
+        "--port",
+        str(flags.pop("port", 0)),
+        "--port-file",
+        port_file,
+    ]
     for k, v in flags.items():
         args += ["--" + k.replace("_", "-"), str(v)]
     p, log = _spawn(args, env)
@@ -167,8 +185,12 @@ def _agent_main():
     out = sys.stdout
 
     def rc(kw):
-        return ReplicateConfig(replica_num=kw.get("replicas", 1), preferred_segment=kw.get("preferred"),
-                               pin=kw.get("pin", False), require_all=kw.get("require_all", False))
+        return ReplicateConfig(
+            replica_num=kw.get("replicas", 1),
+            preferred_segment=kw.get("preferred"),
+            pin=kw.get("pin", False),
+            require_all=kw.get("require_all", False),
+        )
 
     for line in sys.stdin:
         req = json.loads(line)
@@ -189,8 +211,12 @@ def _agent_main():
                 res = {"size": len(b), "sha": digest(b)}
             elif op == "get_batch":
                 bs = store.get_batch(req["keys"], return_exceptions=True)
-                res = [{"err": type(b).__name__} if isinstance(b, BaseException) else {"size": len(b), "sha": digest(b)}
-                       for b in bs]
+                res = [
+                    {"err": type(b).__name__}
+                    if isinstance(b, BaseException)
+                    else {"size": len(b), "sha": digest(b)}
+                    for b in bs
+                ]
             elif op == "exists":
                 res = store.exists(req["key"])
             elif op == "remove":
@@ -198,6 +224,7 @@ def _agent_main():
                 res = None
             elif op == "stats":
                 import dataclasses
+
                 res = dataclasses.asdict(store.stats())
             elif op == "close":
                 store.close()

@@ -14,6 +14,7 @@ With ``MOONCAKE_TEST_BACKENDS=gloo`` (developing the tests) several (a) cases fa
 gloo enqueues or advances its collective counter before some of its checks, so the
 follow-up ops time out. That is gloo's behaviour, not the tests'.
 """
+
 from __future__ import annotations
 
 import time
@@ -21,13 +22,12 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-
 from rankpool import default_backend, get_pool
 
 pytestmark = pytest.mark.timeout(120)
 
 BACKEND, TRANSPORT = default_backend()
-OP_TIMEOUT = 10.0          # short op timeout for these pools
+OP_TIMEOUT = 10.0  # short op timeout for these pools
 LOCAL_ERROR_LIMIT_S = 1.0  # a local check answers at once
 SENTINEL = -7.0
 
@@ -58,9 +58,11 @@ def _follow_up(rank, ws):
 
 
 def _follow_up_expected(rank, ws):
-    out = {"all_reduce": ws * (ws + 1) / 2,
-           "all_gather_single": [v for r in range(ws) for v in (100.0 * r, 100.0 * r + 1)],
-           "all_to_all_single": [float(rank + 10 * s) for s in range(ws)]}
+    out = {
+        "all_reduce": ws * (ws + 1) / 2,
+        "all_gather_single": [v for r in range(ws) for v in (100.0 * r, 100.0 * r + 1)],
+        "all_to_all_single": [float(rank + 10 * s) for s in range(ws)],
+    }
     if ws > 1:
         out["ring"] = (torch.arange(3.0) + (rank - 1) % ws).tolist()
     return out
@@ -79,26 +81,40 @@ def _opts(cls, **kw):
 
 
 def bad_a2a_input_split_sum(rank, ws, bufs):
-    x, out = torch.arange(4.0 * ws).reshape(2 * ws, 2), bufs.setdefault("out", torch.full((2 * ws, 2), SENTINEL))
+    x, out = (
+        torch.arange(4.0 * ws).reshape(2 * ws, 2),
+        bufs.setdefault("out", torch.full((2 * ws, 2), SENTINEL)),
+    )
     ins = [2] * ws
     ins[-1] -= 1  # sums to 2*ws - 1, input has 2*ws rows
     dist.all_to_all_single(out, x, output_split_sizes=[2] * ws, input_split_sizes=ins)
 
 
 def bad_a2a_output_split_sum(rank, ws, bufs):
-    x, out = torch.arange(4.0 * ws).reshape(2 * ws, 2), bufs.setdefault("out", torch.full((2 * ws, 2), SENTINEL))
+    x, out = (
+        torch.arange(4.0 * ws).reshape(2 * ws, 2),
+        bufs.setdefault("out", torch.full((2 * ws, 2), SENTINEL)),
+    )
     outs = [2] * ws
     outs[0] += 1
     dist.all_to_all_single(out, x, output_split_sizes=outs, input_split_sizes=[2] * ws)
 
 
 def bad_a2a_split_count(rank, ws, bufs):
-    x, out = torch.arange(4.0 * ws).reshape(2 * ws, 2), bufs.setdefault("out", torch.full((2 * ws, 2), SENTINEL))
-    dist.all_to_all_single(out, x, output_split_sizes=[2] * ws + [0], input_split_sizes=[2] * ws + [0])
+    x, out = (
+        torch.arange(4.0 * ws).reshape(2 * ws, 2),
+        bufs.setdefault("out", torch.full((2 * ws, 2), SENTINEL)),
+    )
+    dist.all_to_all_single(
+        out, x, output_split_sizes=[2] * ws + [0], input_split_sizes=[2] * ws + [0]
+    )
 
 
 def bad_a2a_negative_split(rank, ws, bufs):
-    x, out = torch.arange(4.0 * ws).reshape(2 * ws, 2), bufs.setdefault("out", torch.full((2 * ws, 2), SENTINEL))
+    x, out = (
+        torch.arange(4.0 * ws).reshape(2 * ws, 2),
+        bufs.setdefault("out", torch.full((2 * ws, 2), SENTINEL)),
+    )
     ins = [2] * ws
     ins[0], ins[1] = -1, 5
     dist.all_to_all_single(out, x, output_split_sizes=[2] * ws, input_split_sizes=ins)
@@ -135,7 +151,9 @@ def bad_all_gather_list_len(rank, ws, bufs):
 
 
 def bad_all_gather_list_size(rank, ws, bufs):
-    outs = bufs.setdefault("out", [torch.full((4,), SENTINEL) for _ in range(ws - 1)] + [torch.full((5,), SENTINEL)])
+    outs = bufs.setdefault(
+        "out", [torch.full((4,), SENTINEL) for _ in range(ws - 1)] + [torch.full((5,), SENTINEL)]
+    )
     dist.all_gather(outs, torch.arange(4.0))
 
 
@@ -171,13 +189,16 @@ def bad_reduce_root_direct(rank, ws, bufs):
 
 def bad_gather_list_len_on_root(rank, ws, bufs):
     outs = bufs.setdefault("out", [torch.full((4,), SENTINEL) for _ in range(ws + 1)])
-    dist.group.WORLD.gather([outs], [torch.arange(4.0)], _opts("GatherOptions", rootRank=rank)).wait()
+    dist.group.WORLD.gather(
+        [outs], [torch.arange(4.0)], _opts("GatherOptions", rootRank=rank)
+    ).wait()
 
 
 def bad_scatter_list_len_on_root(rank, ws, bufs):
     out = bufs.setdefault("out", torch.full((4,), SENTINEL))
-    dist.group.WORLD.scatter([out], [[torch.arange(4.0) for _ in range(ws + 1)]],
-                             _opts("ScatterOptions", rootRank=rank)).wait()
+    dist.group.WORLD.scatter(
+        [out], [[torch.arange(4.0) for _ in range(ws + 1)]], _opts("ScatterOptions", rootRank=rank)
+    ).wait()
 
 
 def bad_scatter_piece_size_on_root(rank, ws, bufs):
@@ -222,9 +243,12 @@ def rank_local_error(rank, ws, case, caller):
         try:
             fn(rank, ws, bufs)
             res = {"raised": None}
-        except Exception as e:  # noqa: BLE001
-            res = {"raised": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__],
-                   "message": str(e)}
+        except Exception as e:
+            res = {
+                "raised": type(e).__name__,
+                "mro": [c.__name__ for c in type(e).__mro__],
+                "message": str(e),
+            }
         res["seconds"] = time.monotonic() - t0
         res["bufs"] = bufs.get("out")
     dist.barrier()
@@ -249,14 +273,22 @@ def test_own_bad_arguments_raise_before_enqueue(case):
     caller = 0 if case.endswith("_on_root") else 1
     res = pool(ws).run(rank_local_error, case, caller, timeout=90)
     mine = res[caller][0]
-    assert mine["raised"] is not None, f"{case}: the bad call did not raise (took {mine['seconds']:.2f} s)"
-    assert mine["raised"] in ("ValueError", "RuntimeError", "TypeError", "IndexError") or \
-        "ValueError" in mine["mro"] or "RuntimeError" in mine["mro"], mine
-    assert mine["seconds"] < LOCAL_ERROR_LIMIT_S, \
+    assert mine["raised"] is not None, (
+        f"{case}: the bad call did not raise (took {mine['seconds']:.2f} s)"
+    )
+    assert (
+        mine["raised"] in ("ValueError", "RuntimeError", "TypeError", "IndexError")
+        or "ValueError" in mine["mro"]
+        or "RuntimeError" in mine["mro"]
+    ), mine
+    assert mine["seconds"] < LOCAL_ERROR_LIMIT_S, (
         f"{case}: the error took {mine['seconds']:.2f} s (waited on peers: enqueued?): {mine['message']}"
+    )
     assert _untouched(mine["bufs"]), f"{case}: a buffer was modified: {mine['bufs']}"
     for r in range(ws):
-        assert res[r][1] == _follow_up_expected(r, ws), f"{case}: follow-up ops on rank {r}: {res[r][1]}"
+        assert res[r][1] == _follow_up_expected(r, ws), (
+            f"{case}: follow-up ops on rank {r}: {res[r][1]}"
+        )
 
 
 def rank_all_same_bad_args(rank, ws):
@@ -267,7 +299,7 @@ def rank_all_same_bad_args(rank, ws):
     try:
         dist.all_to_all_single(out, x, output_split_sizes=[2] * ws, input_split_sizes=[1] * ws)
         r = None
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         r = type(e).__name__
     return r, time.monotonic() - t0, bool((out == SENTINEL).all()), _follow_up(rank, ws)
 
@@ -278,7 +310,12 @@ def test_same_bad_arguments_on_every_rank():
     ws = 4
     res = pool(ws).run(rank_all_same_bad_args, timeout=60)
     for r, (err, secs, untouched, follow) in enumerate(res):
-        assert err is not None and secs < LOCAL_ERROR_LIMIT_S and untouched, (r, err, secs, untouched)
+        assert err is not None and secs < LOCAL_ERROR_LIMIT_S and untouched, (
+            r,
+            err,
+            secs,
+            untouched,
+        )
         assert follow == _follow_up_expected(r, ws), (r, follow)
 
 
@@ -317,14 +354,20 @@ def _mismatch_call(rank, ws, case, off):
         outs = [1] * ws
         if me:
             outs = [2] + [1] * (ws - 2) + [0]  # still sums to ws: locally valid
-        return (lambda: dist.all_to_all_single(out, x, output_split_sizes=outs, input_split_sizes=[1] * ws)), \
-            [(out, out.clone()), (x, x.clone())]
+        return (
+            lambda: dist.all_to_all_single(
+                out, x, output_split_sizes=outs, input_split_sizes=[1] * ws
+            )
+        ), [(out, out.clone()), (x, x.clone())]
     if case == "all_to_all_single_input_splits":
         k = 2 if me else 1
         x = torch.arange(float(k * ws)) + 100 * rank
         out = torch.full((ws,), SENTINEL)
-        return (lambda: dist.all_to_all_single(out, x, output_split_sizes=[1] * ws, input_split_sizes=[k] * ws)), \
-            [(out, out.clone()), (x, x.clone())]
+        return (
+            lambda: dist.all_to_all_single(
+                out, x, output_split_sizes=[1] * ws, input_split_sizes=[k] * ws
+            )
+        ), [(out, out.clone()), (x, x.clone())]
     if case == "reduce_scatter_single_size":
         n = N + (1 if me else 0)
         x = torch.arange(float(ws * n)) + 100 * rank
@@ -334,13 +377,24 @@ def _mismatch_call(rank, ws, case, off):
         x = torch.arange(float(ws * N)) + 100 * rank
         out = torch.full((N,), SENTINEL)
         op = dist.ReduceOp.AVG if me else dist.ReduceOp.SUM
-        return (lambda: dist.reduce_scatter_single(out, x, op=op)), [(out, out.clone()), (x, x.clone())]
+        return (lambda: dist.reduce_scatter_single(out, x, op=op)), [
+            (out, out.clone()),
+            (x, x.clone()),
+        ]
     raise ValueError(case)
 
 
-MISMATCH_CASES = ["all_reduce_size", "all_reduce_dtype", "all_reduce_op", "all_gather_single_size",
-                  "all_gather_single_dtype", "all_to_all_single_output_splits",
-                  "all_to_all_single_input_splits", "reduce_scatter_single_size", "reduce_scatter_single_op"]
+MISMATCH_CASES = [
+    "all_reduce_size",
+    "all_reduce_dtype",
+    "all_reduce_op",
+    "all_gather_single_size",
+    "all_gather_single_dtype",
+    "all_to_all_single_output_splits",
+    "all_to_all_single_input_splits",
+    "reduce_scatter_single_size",
+    "reduce_scatter_single_op",
+]
 
 
 def rank_mismatch(rank, ws, case, off):
@@ -350,8 +404,12 @@ def rank_mismatch(rank, ws, case, off):
     try:
         call()
         res = {"raised": None}
-    except Exception as e:  # noqa: BLE001
-        res = {"raised": type(e).__name__, "mro": [c.__name__ for c in type(e).__mro__], "message": str(e)}
+    except Exception as e:
+        res = {
+            "raised": type(e).__name__,
+            "mro": [c.__name__ for c in type(e).__mro__],
+            "message": str(e),
+        }
     res["seconds"] = time.monotonic() - t0
     res["unchanged"] = [bool(torch.equal(b, c)) for b, c in bufs]
     t = torch.tensor([rank + 1.0])
@@ -362,7 +420,9 @@ def rank_mismatch(rank, ws, case, off):
 
 
 needs_mooncake = pytest.mark.skipif(
-    BACKEND != "mooncake", reason="cross-rank mismatch detection is a mooncake feature (gloo hangs or aborts)")
+    BACKEND != "mooncake",
+    reason="cross-rank mismatch detection is a mooncake feature (gloo hangs or aborts)",
+)
 
 
 @needs_mooncake
@@ -389,7 +449,9 @@ def _check_mismatch(ws, off, case):
             problems.append(f"rank {r}: no error")
         else:
             if "ValueError" not in o["mro"]:
-                problems.append(f"rank {r}: raised {o['raised']} (not a ValueError): {o['message']}")
+                problems.append(
+                    f"rank {r}: raised {o['raised']} (not a ValueError): {o['message']}"
+                )
             if f"rank {off}" not in o["message"]:
                 problems.append(f"rank {r}: message does not name 'rank {off}': {o['message']!r}")
         if o["seconds"] >= OP_TIMEOUT * 0.5:

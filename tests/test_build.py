@@ -1,10 +1,10 @@
 """The extension's load-time checks and what the shared-memory transport leaves behind."""
+
 import os
 import subprocess
 import sys
 
 import pytest
-
 import rankpool
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,7 +25,9 @@ def test_refuses_other_torch_version():
         "else:\n"
         "    raise SystemExit('mooncake_pg loaded under a different torch version')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "refused:" in out.stdout
 
@@ -33,7 +35,9 @@ def test_refuses_other_torch_version():
 def _shm_names(rank, world_size):
     import mooncake_pg
 
-    return mooncake_pg.backend_of().transport, sorted(n for n in os.listdir("/dev/shm") if n.startswith("mooncake-"))
+    return mooncake_pg.backend_of().transport, sorted(
+        n for n in os.listdir("/dev/shm") if n.startswith("mooncake-")
+    )
 
 
 def test_shm_segments_unlinked_once_mapped():

@@ -3,6 +3,7 @@
 Each test names its case id; every rank holds rank-dependent data. Runs on the backend
 under test (first entry of ``MOONCAKE_TEST_BACKENDS``, default ``mooncake``).
 """
+
 from __future__ import annotations
 
 import time
@@ -11,7 +12,6 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-
 from rankpool import default_backend, get_pool
 
 pytestmark = pytest.mark.timeout(180)
@@ -58,8 +58,12 @@ def pg1_expected(ws, name, op, shape):
     d = getattr(torch, name)
     i = torch.arange(1000)
     if shape == "scalar":
-        vals = [torch.tensor([10 + r], dtype=torch.float64) if op != "PRODUCT"
-                else torch.tensor([(r % 3) + 1], dtype=torch.float64) for r in range(ws)]
+        vals = [
+            torch.tensor([10 + r], dtype=torch.float64)
+            if op != "PRODUCT"
+            else torch.tensor([(r % 3) + 1], dtype=torch.float64)
+            for r in range(ws)
+        ]
     elif op == "PRODUCT" and shape == "vector":
         vals = [torch.full((1000,), (r % 3) + 1, dtype=torch.float64) for r in range(ws)]
     elif op == "PRODUCT":
@@ -98,14 +102,17 @@ def test_pg1_reduce_ops_pick_the_right_rank(ws):
             exp = pg1_expected(ws, name, op, shape)
             if name == "bfloat16" and op == "SUM" and shape == "vector":
                 ok = got.dtype == exp.dtype and bool(
-                    ((got.double() - exp.double()).abs() <= 2 * _bf16_ulp(exp)).all())
+                    ((got.double() - exp.double()).abs() <= 2 * _bf16_ulp(exp)).all()
+                )
             else:
                 ok = got.dtype == exp.dtype and torch.equal(got, exp)
             if not ok:
                 bad = (got.double() != exp.double()).nonzero().reshape(-1)[:5].tolist()
-                failures.append(f"PG-1 W={ws} rank {r} {name} {op} {shape}: at {bad} got "
-                                f"{[got.reshape(-1)[k].item() for k in bad]} expected "
-                                f"{[exp.reshape(-1)[k].item() for k in bad]}")
+                failures.append(
+                    f"PG-1 W={ws} rank {r} {name} {op} {shape}: at {bad} got "
+                    f"{[got.reshape(-1)[k].item() for k in bad]} expected "
+                    f"{[exp.reshape(-1)[k].item() for k in bad]}"
+                )
     assert not failures, "\n".join(failures)
 
 
@@ -143,7 +150,7 @@ def rank_pg2(rank, ws):
         try:
             r = w.wait(timeout=timedelta(seconds=0.5))
             out["timed_wait"] = ("returned", bool(r))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             out["timed_wait"] = ("raised", f"{type(e).__name__}: {e}")
         out["timed_wait_end"] = time.monotonic()
         out["timed_wait_s"] = out["timed_wait_end"] - t1
@@ -151,7 +158,7 @@ def rank_pg2(rank, ws):
         # the op goes on: it completes once rank 2 arrives
         try:
             out["final_wait"] = ("returned", bool(w.wait()))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             out["final_wait"] = ("raised", f"{type(e).__name__}: {e}")
         out["final_exit"] = time.monotonic()
     # the group still works
@@ -172,17 +179,24 @@ def test_pg2_barrier_waits():
     r2 = res[2]
     for r in (0, 1):
         blocked = res[r]["exit"] - r2["start"]
-        assert blocked >= 1.8, f"PG-2: rank {r} left the barrier {blocked:.2f} s after rank 2 began to sleep"
-        assert res[r]["exit"] >= r2["enter"], f"PG-2: rank {r} left the barrier before rank 2 entered it"
+        assert blocked >= 1.8, (
+            f"PG-2: rank {r} left the barrier {blocked:.2f} s after rank 2 began to sleep"
+        )
+        assert res[r]["exit"] >= r2["enter"], (
+            f"PG-2: rank {r} left the barrier before rank 2 entered it"
+        )
         assert res[r]["exit"] - res[r]["start"] < OP_TIMEOUT, res[r]
     r0 = res[0]
     assert r0["timed_wait"] != ("returned", True), f"PG-2: timed wait reported success: {r0}"
-    assert r0["timed_wait_end"] < r2["enter2"], \
+    assert r0["timed_wait_end"] < r2["enter2"], (
         f"PG-2: wait(timeout=0.5 s) only ended after rank 2 arrived ({r0['timed_wait_s']:.2f} s)"
+    )
     assert r0["timed_wait_s"] < 1.8, f"PG-2: wait(timeout=0.5 s) took {r0['timed_wait_s']:.2f} s"
     assert r0["completed_after_timed_wait"] is False, r0
     assert r0["final_wait"] == ("returned", True), r0
-    assert r0["final_exit"] >= r2["enter2"], "PG-2: the async barrier completed before rank 2 arrived"
+    assert r0["final_exit"] >= r2["enter2"], (
+        "PG-2: the async barrier completed before rank 2 arrived"
+    )
     assert [x["after"] for x in res] == [6.0, 6.0, 6.0]
 
 
@@ -191,16 +205,18 @@ def test_pg2_barrier_waits():
 
 def _pg4_rows(src, nrows, width=4):
     # row j of rank src: arange(width) + 100*src + 10*j
-    return (torch.arange(width).repeat(nrows, 1) + 100 * src
-            + 10 * torch.arange(nrows).unsqueeze(1)).to(torch.float32)
+    return (
+        torch.arange(width).repeat(nrows, 1) + 100 * src + 10 * torch.arange(nrows).unsqueeze(1)
+    ).to(torch.float32)
 
 
 def rank_pg4_uneven(rank, ws, S):
     torch.set_num_threads(1)
     x = _pg4_rows(rank, sum(S[rank]))
     out = torch.full((sum(S[s][rank] for s in range(ws)), 4), -7.0)
-    dist.all_to_all_single(out, x, output_split_sizes=[S[s][rank] for s in range(ws)],
-                           input_split_sizes=list(S[rank]))
+    dist.all_to_all_single(
+        out, x, output_split_sizes=[S[s][rank] for s in range(ws)], input_split_sizes=list(S[rank])
+    )
     return out
 
 
@@ -208,14 +224,18 @@ def pg4_expected(ws, S, rank):
     parts = []
     for s in range(ws):
         off = sum(S[s][:rank])
-        parts.append(_pg4_rows(s, sum(S[s]))[off:off + S[s][rank]])
+        parts.append(_pg4_rows(s, sum(S[s]))[off : off + S[s][rank]])
     return torch.cat(parts)
 
 
-@pytest.mark.parametrize("ws,S", [
-    (3, [[3, 2, 1], [2, 2, 2], [1, 2, 3]]),
-    (2, [[1, 2], [0, 0]]),  # rank 1 has 0 input rows; receive splits of 0
-], ids=["W3", "W2-empty-rank"])
+@pytest.mark.parametrize(
+    "ws,S",
+    [
+        (3, [[3, 2, 1], [2, 2, 2], [1, 2, 3]]),
+        (2, [[1, 2], [0, 0]]),  # rank 1 has 0 input rows; receive splits of 0
+    ],
+    ids=["W3", "W2-empty-rank"],
+)
 def test_pg4_uneven_all_to_all_single(ws, S):
     """PG-4: W=3, rows of width 4, input splits [3,2,1], [2,2,2], [1,2,3] (output splits
     are the transpose); W=2 where rank 1 has 0 input rows and some receive splits are 0.
@@ -223,8 +243,9 @@ def test_pg4_uneven_all_to_all_single(ws, S):
     res = pool(ws).run(rank_pg4_uneven, S, timeout=60)
     for r in range(ws):
         exp = pg4_expected(ws, S, r)
-        assert res[r].shape == exp.shape and torch.equal(res[r], exp), \
+        assert res[r].shape == exp.shape and torch.equal(res[r], exp), (
             f"PG-4 W={ws} rank {r}: got {res[r].tolist()} expected {exp.tolist()}"
+        )
 
 
 def rank_pg4_bad_splits(rank, ws, which):
@@ -236,14 +257,14 @@ def rank_pg4_bad_splits(rank, ws, which):
         out = torch.full((6, 4), -7.0)
         ins, outs = [2, 2, 2], [S[s][rank] for s in range(ws)]
         if which == "input":
-            ins = [2, 2, 1]      # sums to 5, input has 6 rows
+            ins = [2, 2, 1]  # sums to 5, input has 6 rows
         else:
-            outs = [2, 2, 3]     # sums to 7, output has 6 rows
+            outs = [2, 2, 3]  # sums to 7, output has 6 rows
         t0 = time.monotonic()
         try:
             dist.all_to_all_single(out, x, output_split_sizes=outs, input_split_sizes=ins)
             res = ("no error", None, time.monotonic() - t0)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             res = (type(e).__name__, str(e), time.monotonic() - t0)
         res = res + (bool((out == -7.0).all()),)
     # then a correct uneven all_to_all_single on everyone (no counter drifted)
@@ -350,7 +371,9 @@ def test_pg5_zero_element_tensors():
             assert o[(name, "all_to_all_single")] == (0,) + tuple(shape[1:])
             assert o[(name, "send/recv")] == shape
         assert o["after_all_reduce"] == 10.0, (r, o["after_all_reduce"])
-        assert torch.equal(o["after_all_gather"], torch.stack([torch.arange(3.0) + 100 * k for k in range(ws)]))
+        assert torch.equal(
+            o["after_all_gather"], torch.stack([torch.arange(3.0) + 100 * k for k in range(ws)])
+        )
         assert torch.equal(o["after_broadcast"], torch.arange(4.0) + 10)
         assert torch.equal(o["after_send_recv"], torch.arange(5.0) + (r ^ 1))
 
@@ -371,12 +394,13 @@ def rank_pg7(rank, ws):
     f = torch.tensor([rank + 1.0] * 5)
     dist.all_reduce(f, op=dist.ReduceOp.AVG)
     out["f32_avg"] = f
-    iv = torch.tensor([rank + 1, -(rank + 1), 10 * rank - 7, -7 if rank == 0 else 0, 3],
-                      dtype=torch.int32)
+    iv = torch.tensor(
+        [rank + 1, -(rank + 1), 10 * rank - 7, -7 if rank == 0 else 0, 3], dtype=torch.int32
+    )
     try:
         dist.all_reduce(iv, op=dist.ReduceOp.AVG)
         out["i32_avg"] = ("ok", iv)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         out["i32_avg"] = ("raised", f"{type(e).__name__}: {e}")
     c = torch.tensor([complex(rank + 1, -rank), complex(0.5 * rank, 2)] * 4, dtype=torch.complex64)
     dist.all_reduce(c)
@@ -385,7 +409,7 @@ def rank_pg7(rank, ws):
     try:
         dist.all_reduce(cm, op=dist.ReduceOp.MAX)
         out["c64_max"] = ("ok", cm)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         out["c64_max"] = ("raised", type(e).__name__, str(e))
     # straight to the backend (torch's own check skipped): must raise too, not reduce
     cm2 = torch.tensor([complex(rank, 1)], dtype=torch.complex64)
@@ -394,7 +418,7 @@ def rank_pg7(rank, ws):
         opts.reduceOp = dist.ReduceOp.MAX
         dist.group.WORLD.allreduce([cm2], opts).wait()
         out["c64_max_direct"] = ("ok", cm2)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         out["c64_max_direct"] = ("raised", type(e).__name__, str(e))
     t = torch.tensor([rank + 1.0])
     dist.all_reduce(t)
@@ -413,7 +437,10 @@ def test_pg7_dtype_and_op_matrix():
     -2 for the negative ones)."""
     res = pool(4).run(rank_pg7, timeout=60)
     for r, o in enumerate(res):
-        assert torch.equal(o["bf16_sum"], torch.full((1024,), 8.0, dtype=torch.bfloat16)), (r, o["bf16_sum"][:4])
+        assert torch.equal(o["bf16_sum"], torch.full((1024,), 8.0, dtype=torch.bfloat16)), (
+            r,
+            o["bf16_sum"][:4],
+        )
         assert o[("bool", "SUM")].tolist() == [True] * 3, (r, o[("bool", "SUM")])
         assert o[("bool", "MAX")].tolist() == [True] * 3, (r, o[("bool", "MAX")])
         assert o[("bool", "MIN")].tolist() == [False] * 3, (r, o[("bool", "MIN")])
@@ -426,6 +453,7 @@ def test_pg7_dtype_and_op_matrix():
         assert torch.equal(o["c64_sum"], exp_c), (r, o["c64_sum"])
         assert o["c64_max"][0] == "raised" and o["c64_max"][1] == "ValueError", (r, o["c64_max"])
         assert "complex" in o["c64_max"][2].lower(), o["c64_max"]
-        assert o["c64_max_direct"][0] == "raised", \
+        assert o["c64_max_direct"][0] == "raised", (
             f"PG-7 rank {r}: the backend reduced complex MAX instead of raising: {o['c64_max_direct']}"
+        )
         assert o["after"] == 10.0

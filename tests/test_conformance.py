@@ -18,17 +18,17 @@ Backend under test: ``MOONCAKE_TEST_BACKENDS`` (default ``mooncake``; e.g.
 ``mooncake:shm,mooncake:tcp`` runs both transports, ``gloo`` develops the tests without
 the extension -- cases gloo cannot run are then left out).
 """
+
 from __future__ import annotations
 
 import os
 import re
 import warnings
 
+import pgutil as P
 import pytest
 import torch
 import torch.distributed as dist
-
-import pgutil as P
 from rankpool import backend_id, get_pool, parse_backends
 
 pytestmark = pytest.mark.timeout(240)
@@ -47,20 +47,32 @@ API_MAP = [
     ("barrier", "barrier", "barrier"),
     ("all_gather", "allgather", "all_gather"),
     ("all_gather_single / all_gather_into_tensor", "_allgather_base", "all_gather_single"),
-    ("_coalescing_manager + all_gather_single", "allgather_into_tensor_coalesced",
-     "all_gather_single_coalesced"),
+    (
+        "_coalescing_manager + all_gather_single",
+        "allgather_into_tensor_coalesced",
+        "all_gather_single_coalesced",
+    ),
     ("reduce_scatter", "reduce_scatter", "reduce_scatter"),
-    ("reduce_scatter_single / reduce_scatter_tensor", "_reduce_scatter_base",
-     "reduce_scatter_single"),
-    ("_coalescing_manager + reduce_scatter_single", "reduce_scatter_tensor_coalesced",
-     "reduce_scatter_single_coalesced"),
+    (
+        "reduce_scatter_single / reduce_scatter_tensor",
+        "_reduce_scatter_base",
+        "reduce_scatter_single",
+    ),
+    (
+        "_coalescing_manager + reduce_scatter_single",
+        "reduce_scatter_tensor_coalesced",
+        "reduce_scatter_single_coalesced",
+    ),
     ("all_to_all_single", "alltoall_base", "all_to_all_single"),
     ("all_to_all", "alltoall", "all_to_all"),
     ("send, recv", "send / recv", "send_recv"),
     ("recv without src", "recvAnysource", "recv_any_source"),
     ("isend / irecv", "send / recv", "isend_irecv"),
-    ("batch_isend_irecv", "send / recv (start/endCoalescing if supportsCoalescing())",
-     "batch_isend_irecv"),
+    (
+        "batch_isend_irecv",
+        "send / recv (start/endCoalescing if supportsCoalescing())",
+        "batch_isend_irecv",
+    ),
     ("dist.shrink_group", "supportsShrinking / shrink", "shrink_group"),
 ]
 
@@ -124,8 +136,11 @@ def op_all_reduce(rank, ws, c):
 
 
 def _coalesced_inputs(name, rank, kind):
-    return [P.make(name, rank, (5,), kind, 0), P.make(name, rank, (3, 4), kind, 1),
-            P.make(name, rank, (1,), kind, 2)]
+    return [
+        P.make(name, rank, (5,), kind, 0),
+        P.make(name, rank, (3, 4), kind, 1),
+        P.make(name, rank, (1,), kind, 2),
+    ]
 
 
 def op_all_reduce_coalesced(rank, ws, c):
@@ -171,7 +186,11 @@ def op_reduce(rank, ws, c):
 def op_gather(rank, ws, c):
     dst = c["dst"] % ws
     x = P.make(c["dtype"], rank, c["shape"], salt=5)
-    out = [torch.zeros(c["shape"], dtype=P.dt(c["dtype"])) for _ in range(ws)] if rank == dst else None
+    out = (
+        [torch.zeros(c["shape"], dtype=P.dt(c["dtype"])) for _ in range(ws)]
+        if rank == dst
+        else None
+    )
     dist.gather(x, out, dst=dst)
     return out if rank == dst else None
 
@@ -179,7 +198,11 @@ def op_gather(rank, ws, c):
 def op_scatter(rank, ws, c):
     src = c["src"] % ws
     out = torch.zeros(c["shape"], dtype=P.dt(c["dtype"]))
-    pieces = [P.make(c["dtype"], j, c["shape"], salt=6 + src) for j in range(ws)] if rank == src else None
+    pieces = (
+        [P.make(c["dtype"], j, c["shape"], salt=6 + src) for j in range(ws)]
+        if rank == src
+        else None
+    )
     dist.scatter(out, pieces, src=src)
     return out
 
@@ -267,7 +290,10 @@ def op_reduce_scatter_single(rank, ws, c):
 def op_reduce_scatter_single_coalesced(rank, ws, c):
     name = c["dtype"]
     kind = P.kind_for(c["op"])
-    ins = [P.make(name, rank, (ws * s[0],) + s[1:], kind, 12 + k) for k, s in enumerate(_COALESCED_SHAPES)]
+    ins = [
+        P.make(name, rank, (ws * s[0],) + s[1:], kind, 12 + k)
+        for k, s in enumerate(_COALESCED_SHAPES)
+    ]
     outs = [torch.zeros(s, dtype=P.dt(name)) for s in _COALESCED_SHAPES]
     with dist._coalescing_manager(async_ops=bool(c.get("async"))) as cm:
         for o, i in zip(outs, ins):
@@ -325,7 +351,7 @@ def op_send_recv(rank, ws, c):
     if peer is None:
         return None
     _, x = build(name, rank, shape, layout, salt=15)
-    rbase, y = empty_like_layout(name, shape, layout)
+    _rbase, y = empty_like_layout(name, shape, layout)
     if rank % 2 == 0:
         dist.send(x, dst=peer)
         dist.recv(y, src=peer)
@@ -373,10 +399,12 @@ def op_batch_isend_irecv(rank, ws, c):
     nxt, prv = (rank + 1) % ws, (rank - 1) % ws
     from_prev = torch.zeros(shape, dtype=P.dt(name))
     from_next = torch.zeros(shape, dtype=P.dt(name))
-    ops = [dist.P2POp(dist.isend, P.make(name, rank, shape, salt=18), nxt),
-           dist.P2POp(dist.isend, P.make(name, rank, shape, salt=19), prv),
-           dist.P2POp(dist.irecv, from_prev, prv),
-           dist.P2POp(dist.irecv, from_next, nxt)]
+    ops = [
+        dist.P2POp(dist.isend, P.make(name, rank, shape, salt=18), nxt),
+        dist.P2POp(dist.isend, P.make(name, rank, shape, salt=19), prv),
+        dist.P2POp(dist.irecv, from_prev, prv),
+        dist.P2POp(dist.irecv, from_next, nxt),
+    ]
     for w in dist.batch_isend_irecv(ops):
         w.wait()
     return [from_prev, from_next]
@@ -409,11 +437,11 @@ def op_shrink_group(rank, ws, c):
         dist.barrier()
         try:
             dist.destroy_process_group(g)
-        except Exception:  # noqa: BLE001 - may already be gone after a shrink
+        except Exception:
             pass
 
 
-OPS = {k[len("op_"):]: v for k, v in dict(globals()).items() if k.startswith("op_")}
+OPS = {k[len("op_") :]: v for k, v in dict(globals()).items() if k.startswith("op_")}
 
 
 def rank_run_cases(rank, ws, opname, cases):
@@ -436,7 +464,7 @@ def rank_run_cases(rank, ws, opname, cases):
                     res = fn(rank, ws, c)
                 torch.cuda.synchronize()
                 out.append(("ok", P.to_cpu(res)))
-        except Exception as e:  # noqa: BLE001 - reported per case
+        except Exception as e:
             out.append(("err", f"{type(e).__name__}: {e}"))
     return out
 
@@ -451,7 +479,7 @@ def _reduce_views(name, op, ws, shape, layout, salt):
 
 
 def _with_view(name, rank, shape, layout, kind, salt, value):
-    base, v = build(name, rank, shape, layout, kind, salt)
+    base, _v = build(name, rank, shape, layout, kind, salt)
     base = base.clone()
     view_of(base, layout).copy_(value)
     return base
@@ -473,13 +501,20 @@ def ref_all_reduce(ws, c):
 def ref_all_reduce_coalesced(ws, c):
     kind = P.kind_for(c["op"])
     per_rank = [_coalesced_inputs(c["dtype"], r, kind) for r in range(ws)]
-    red = [P.reduce_ref(c["dtype"], c["op"], [per_rank[r][k] for r in range(ws)], ws)
-           for k in range(len(per_rank[0]))]
+    red = [
+        P.reduce_ref(c["dtype"], c["op"], [per_rank[r][k] for r in range(ws)], ws)
+        for k in range(len(per_rank[0]))
+    ]
     return [red for _ in range(ws)]
 
 
 def ref_broadcast(ws, c):
-    name, layout, shape, src = c["dtype"], c.get("layout", "contig"), tuple(c["shape"]), c["src"] % ws
+    name, layout, shape, src = (
+        c["dtype"],
+        c.get("layout", "contig"),
+        tuple(c["shape"]),
+        c["src"] % ws,
+    )
     val = build(name, src, shape, layout, salt=3)[1].contiguous()
     out = []
     for r in range(ws):
@@ -490,8 +525,12 @@ def ref_broadcast(ws, c):
 
 def ref_reduce(ws, c):
     dst = c["dst"] % ws
-    red = P.reduce_ref(c["dtype"], c["op"], [P.make(c["dtype"], r, c["shape"], P.kind_for(c["op"]), 4)
-                                             for r in range(ws)], ws)
+    red = P.reduce_ref(
+        c["dtype"],
+        c["op"],
+        [P.make(c["dtype"], r, c["shape"], P.kind_for(c["op"]), 4) for r in range(ws)],
+        ws,
+    )
     return [red if r == dst else None for r in range(ws)]
 
 
@@ -518,21 +557,29 @@ def ref_all_gather(ws, c):
 
 def ref_all_gather_single(ws, c):
     layout = c.get("layout", "contig")
-    allv = [build(c["dtype"], r, tuple(c["shape"]), layout, salt=8)[1].contiguous() for r in range(ws)]
+    allv = [
+        build(c["dtype"], r, tuple(c["shape"]), layout, salt=8)[1].contiguous() for r in range(ws)
+    ]
     out = torch.stack(allv) if c.get("stacked") else torch.cat(allv)
     return [out for _ in range(ws)]
 
 
 def ref_all_gather_single_coalesced(ws, c):
-    outs = [torch.cat([P.make(c["dtype"], r, s, salt=9 + k) for r in range(ws)])
-            for k, s in enumerate(_COALESCED_SHAPES)]
+    outs = [
+        torch.cat([P.make(c["dtype"], r, s, salt=9 + k) for r in range(ws)])
+        for k, s in enumerate(_COALESCED_SHAPES)
+    ]
     return [outs for _ in range(ws)]
 
 
 def ref_reduce_scatter(ws, c):
     name, op, shape = c["dtype"], c["op"], tuple(c["shape"])
-    return [P.reduce_ref(name, op, [P.make(name, k, shape, P.kind_for(op), 10 + r) for k in range(ws)], ws)
-            for r in range(ws)]
+    return [
+        P.reduce_ref(
+            name, op, [P.make(name, k, shape, P.kind_for(op), 10 + r) for k in range(ws)], ws
+        )
+        for r in range(ws)
+    ]
 
 
 def ref_reduce_scatter_single(ws, c):
@@ -540,7 +587,7 @@ def ref_reduce_scatter_single(ws, c):
     in_shape = (ws * shape[0],) + shape[1:]
     ins = [build(name, k, in_shape, layout, P.kind_for(op), 11)[1].contiguous() for k in range(ws)]
     red = P.reduce_ref(name, op, ins, ws)
-    return [red[r * shape[0]:(r + 1) * shape[0]] for r in range(ws)]
+    return [red[r * shape[0] : (r + 1) * shape[0]] for r in range(ws)]
 
 
 def ref_reduce_scatter_single_coalesced(ws, c):
@@ -551,7 +598,7 @@ def ref_reduce_scatter_single_coalesced(ws, c):
         ins = [P.make(name, q, (ws * s[0],) + s[1:], kind, 12 + k) for q in range(ws)]
         red = P.reduce_ref(name, op, ins, ws)
         for r in range(ws):
-            out[r].append(red[r * s[0]:(r + 1) * s[0]])
+            out[r].append(red[r * s[0] : (r + 1) * s[0]])
     return out
 
 
@@ -564,14 +611,16 @@ def ref_all_to_all_single(ws, c):
         parts = []
         for s in range(ws):
             off = sum(S[s][:r])
-            parts.append(ins[s][off:off + S[s][r]])
+            parts.append(ins[s][off : off + S[s][r]])
         out.append(torch.cat(parts) if parts else torch.zeros((0, cols), dtype=P.dt(name)))
     return out
 
 
 def ref_all_to_all(ws, c):
     S = split_matrix(ws, c["splits"])
-    return [[P.make(c["dtype"], s, (S[s][r], 2), salt=14 + r) for s in range(ws)] for r in range(ws)]
+    return [
+        [P.make(c["dtype"], s, (S[s][r], 2), salt=14 + r) for s in range(ws)] for r in range(ws)
+    ]
 
 
 def ref_send_recv(ws, c):
@@ -579,7 +628,11 @@ def ref_send_recv(ws, c):
     out = []
     for r in range(ws):
         p = _partner(r, ws)
-        out.append(None if p is None else build(c["dtype"], p, tuple(c["shape"]), layout, salt=15)[1].contiguous())
+        out.append(
+            None
+            if p is None
+            else build(c["dtype"], p, tuple(c["shape"]), layout, salt=15)[1].contiguous()
+        )
     return out
 
 
@@ -594,15 +647,20 @@ def ref_isend_irecv(ws, c):
 
 def ref_batch_isend_irecv(ws, c):
     shape = tuple(c["shape"])
-    return [[P.make(c["dtype"], (r - 1) % ws, shape, salt=18), P.make(c["dtype"], (r + 1) % ws, shape, salt=19)]
-            for r in range(ws)]
+    return [
+        [
+            P.make(c["dtype"], (r - 1) % ws, shape, salt=18),
+            P.make(c["dtype"], (r + 1) % ws, shape, salt=19),
+        ]
+        for r in range(ws)
+    ]
 
 
 def ref_shrink_group(ws, c):
     return None  # checked by test_shrink_group itself
 
 
-REFS = {k[len("ref_"):]: v for k, v in dict(globals()).items() if k.startswith("ref_")}
+REFS = {k[len("ref_") :]: v for k, v in dict(globals()).items() if k.startswith("ref_")}
 
 
 # ------------------------------------------------------------------------- cases
@@ -620,39 +678,76 @@ def _c(**kw):
 
 def cases_all_reduce(ws):
     cs = [_c(dtype=d, op=op, shape=SMALL) for d in P.ALL_DTYPES for op in P.ops_for(d)]
-    cs += [_c(dtype=d, op=op, shape=NONCONTIG, layout="transposed")
-           for d, op in [("float32", "SUM"), ("int64", "MAX"), ("bfloat16", "AVG"),
-                         ("complex64", "SUM"), ("bool", "MAX"), ("uint32", "BXOR"),
-                         ("float16", "PREMUL_SUM")]]
-    cs += [_c(dtype=d, op=op, shape=(9,), layout="strided")
-           for d, op in [("float64", "SUM"), ("int32", "BXOR"), ("uint8", "MIN"), ("int16", "AVG")]]
-    cs += [_c(dtype=d, op=op, shape=s) for d, op in [("float32", "SUM"), ("bfloat16", "AVG"), ("int64", "MAX")]
-           for s in (ZERO, (0,))]
-    cs += [_c(dtype=d, op=op, shape=SMALL, **{"async": True})
-           for d, op in [("float32", "SUM"), ("int32", "MAX"), ("float64", "PREMUL_SUM")]]
-    cs += [_c(dtype=d, op="PREMUL_SUM_TENSOR", shape=SMALL) for d in ("float32", "bfloat16", "float64")]
+    cs += [
+        _c(dtype=d, op=op, shape=NONCONTIG, layout="transposed")
+        for d, op in [
+            ("float32", "SUM"),
+            ("int64", "MAX"),
+            ("bfloat16", "AVG"),
+            ("complex64", "SUM"),
+            ("bool", "MAX"),
+            ("uint32", "BXOR"),
+            ("float16", "PREMUL_SUM"),
+        ]
+    ]
+    cs += [
+        _c(dtype=d, op=op, shape=(9,), layout="strided")
+        for d, op in [("float64", "SUM"), ("int32", "BXOR"), ("uint8", "MIN"), ("int16", "AVG")]
+    ]
+    cs += [
+        _c(dtype=d, op=op, shape=s)
+        for d, op in [("float32", "SUM"), ("bfloat16", "AVG"), ("int64", "MAX")]
+        for s in (ZERO, (0,))
+    ]
+    cs += [
+        _c(dtype=d, op=op, shape=SMALL, **{"async": True})
+        for d, op in [("float32", "SUM"), ("int32", "MAX"), ("float64", "PREMUL_SUM")]
+    ]
+    cs += [
+        _c(dtype=d, op="PREMUL_SUM_TENSOR", shape=SMALL) for d in ("float32", "bfloat16", "float64")
+    ]
     # beyond one shared-memory slot (1 MiB per rank): pipelined path
-    cs += [_c(dtype="float32", op="SUM", shape=(300_007,)), _c(dtype="bfloat16", op="AVG", shape=(600_011,)),
-           _c(dtype="int64", op="BXOR", shape=(140_001,)), _c(dtype="uint8", op="MAX", shape=(1_500_001,)),
-           _c(dtype="float64", op="MIN", shape=(200_003,)), _c(dtype="float32", op="SUM", shape=(512, 613),
-                                                              layout="transposed")]
+    cs += [
+        _c(dtype="float32", op="SUM", shape=(300_007,)),
+        _c(dtype="bfloat16", op="AVG", shape=(600_011,)),
+        _c(dtype="int64", op="BXOR", shape=(140_001,)),
+        _c(dtype="uint8", op="MAX", shape=(1_500_001,)),
+        _c(dtype="float64", op="MIN", shape=(200_003,)),
+        _c(dtype="float32", op="SUM", shape=(512, 613), layout="transposed"),
+    ]
     return cs
 
 
 def cases_all_reduce_coalesced(ws):
-    pairs = [("float32", "SUM"), ("int64", "SUM"), ("bfloat16", "MAX"), ("float64", "AVG"),
-             ("float32", "PREMUL_SUM"), ("int32", "AVG"), ("uint16", "BOR"), ("bool", "MIN")]
-    return [_c(dtype=d, op=op, api=api) for api in ("all_reduce_coalesced", "cm", "cm_async")
-            for d, op in pairs]
+    pairs = [
+        ("float32", "SUM"),
+        ("int64", "SUM"),
+        ("bfloat16", "MAX"),
+        ("float64", "AVG"),
+        ("float32", "PREMUL_SUM"),
+        ("int32", "AVG"),
+        ("uint16", "BOR"),
+        ("bool", "MIN"),
+    ]
+    return [
+        _c(dtype=d, op=op, api=api)
+        for api in ("all_reduce_coalesced", "cm", "cm_async")
+        for d, op in pairs
+    ]
 
 
 def cases_broadcast(ws):
     cs = [_c(dtype=d, src=src, shape=SMALL) for d in P.ALL_DTYPES for src in (0, -1)]
-    cs += [_c(dtype=d, src=-1, shape=NONCONTIG, layout="transposed") for d in ("float32", "int16", "complex128")]
+    cs += [
+        _c(dtype=d, src=-1, shape=NONCONTIG, layout="transposed")
+        for d in ("float32", "int16", "complex128")
+    ]
     cs += [_c(dtype="float32", src=1, shape=(9,), layout="strided")]
     cs += [_c(dtype=d, src=0, shape=s) for d in ("float32", "bfloat16") for s in (ZERO, (0,))]
-    cs += [_c(dtype="int32", src=-1, shape=SMALL, **{"async": True}),
-           _c(dtype="float32", src=1, shape=(400_003,))]
+    cs += [
+        _c(dtype="int32", src=-1, shape=SMALL, **{"async": True}),
+        _c(dtype="float32", src=1, shape=(400_003,)),
+    ]
     return cs
 
 
@@ -663,22 +758,34 @@ def cases_reduce(ws):
         for op in ("SUM", "MAX", "AVG", "PREMUL_SUM", "BXOR"):
             if op in ops:
                 cs.append(_c(dtype=d, op=op, dst=-1, shape=SMALL))
-    cs += [_c(dtype="float32", op="SUM", dst=0, shape=SMALL), _c(dtype="int32", op="MIN", dst=1, shape=SMALL),
-           _c(dtype="float32", op="SUM", dst=0, shape=ZERO), _c(dtype="float32", op="SUM", dst=0, shape=(300_007,))]
+    cs += [
+        _c(dtype="float32", op="SUM", dst=0, shape=SMALL),
+        _c(dtype="int32", op="MIN", dst=1, shape=SMALL),
+        _c(dtype="float32", op="SUM", dst=0, shape=ZERO),
+        _c(dtype="float32", op="SUM", dst=0, shape=(300_007,)),
+    ]
     return cs
 
 
 def cases_gather(ws):
     cs = [_c(dtype=d, dst=-1, shape=SMALL) for d in P.ALL_DTYPES]
-    cs += [_c(dtype="float32", dst=0, shape=SMALL), _c(dtype="float32", dst=0, shape=ZERO),
-           _c(dtype="int64", dst=1, shape=(2, 3)), _c(dtype="float32", dst=0, shape=(300_007,))]
+    cs += [
+        _c(dtype="float32", dst=0, shape=SMALL),
+        _c(dtype="float32", dst=0, shape=ZERO),
+        _c(dtype="int64", dst=1, shape=(2, 3)),
+        _c(dtype="float32", dst=0, shape=(300_007,)),
+    ]
     return cs
 
 
 def cases_scatter(ws):
     cs = [_c(dtype=d, src=0, shape=SMALL) for d in P.ALL_DTYPES]
-    cs += [_c(dtype="float32", src=-1, shape=SMALL), _c(dtype="float32", src=0, shape=ZERO),
-           _c(dtype="uint8", src=1, shape=(2, 3)), _c(dtype="float32", src=-1, shape=(300_007,))]
+    cs += [
+        _c(dtype="float32", src=-1, shape=SMALL),
+        _c(dtype="float32", src=0, shape=ZERO),
+        _c(dtype="uint8", src=1, shape=(2, 3)),
+        _c(dtype="float32", src=-1, shape=(300_007,)),
+    ]
     return cs
 
 
@@ -688,74 +795,116 @@ def cases_barrier(ws):
 
 def cases_all_gather(ws):
     cs = [_c(dtype=d, shape=SMALL) for d in P.ALL_DTYPES]
-    cs += [_c(dtype=d, shape=NONCONTIG, layout="transposed") for d in ("float32", "int8", "complex64")]
+    cs += [
+        _c(dtype=d, shape=NONCONTIG, layout="transposed") for d in ("float32", "int8", "complex64")
+    ]
     cs += [_c(dtype=d, shape=s) for d in ("float32", "bfloat16") for s in (ZERO, (0,))]
-    cs += [_c(dtype="float64", shape=SMALL, **{"async": True}), _c(dtype="float32", shape=(300_007,))]
+    cs += [
+        _c(dtype="float64", shape=SMALL, **{"async": True}),
+        _c(dtype="float32", shape=(300_007,)),
+    ]
     return cs
 
 
 def cases_all_gather_single(ws):
     cs = [_c(dtype=d, shape=SMALL) for d in P.ALL_DTYPES]
     cs += [_c(dtype=d, shape=(3, 4), stacked=True) for d in ("float32", "uint64", "bool")]
-    cs += [_c(dtype=d, shape=NONCONTIG, layout="transposed") for d in ("float32", "int16", "complex128")]
+    cs += [
+        _c(dtype=d, shape=NONCONTIG, layout="transposed")
+        for d in ("float32", "int16", "complex128")
+    ]
     cs += [_c(dtype=d, shape=s) for d in ("float32", "bfloat16") for s in (ZERO, (0,))]
-    cs += [_c(dtype="float32", shape=SMALL, old_name=True), _c(dtype="int32", shape=SMALL, **{"async": True}),
-           _c(dtype="float32", shape=(300_007,)), _c(dtype="uint8", shape=(1_100_001,))]
+    cs += [
+        _c(dtype="float32", shape=SMALL, old_name=True),
+        _c(dtype="int32", shape=SMALL, **{"async": True}),
+        _c(dtype="float32", shape=(300_007,)),
+        _c(dtype="uint8", shape=(1_100_001,)),
+    ]
     return cs
 
 
 def cases_all_gather_single_coalesced(ws):
-    return [_c(dtype=d, **({"async": a} if a else {})) for d in ("float32", "int64", "bfloat16", "uint32", "bool")
-            for a in (False, True)]
+    return [
+        _c(dtype=d, **({"async": a} if a else {}))
+        for d in ("float32", "int64", "bfloat16", "uint32", "bool")
+        for a in (False, True)
+    ]
 
 
 def cases_reduce_scatter(ws):
     cs = [_c(dtype=d, op="SUM", shape=(6,)) for d in P.ALL_DTYPES]
     cs += [_c(dtype="float32", op=op, shape=(6,)) for op in P.FLOAT_OPS if op != "SUM"]
     cs += [_c(dtype="int32", op=op, shape=(6,)) for op in P.INT_OPS if op != "SUM"]
-    cs += [_c(dtype="float32", op="SUM", shape=(2, 0)), _c(dtype="float32", op="SUM", shape=(100_003,))]
+    cs += [
+        _c(dtype="float32", op="SUM", shape=(2, 0)),
+        _c(dtype="float32", op="SUM", shape=(100_003,)),
+    ]
     return cs
 
 
 def cases_reduce_scatter_single(ws):
     cs = [_c(dtype=d, op=op, shape=(6,)) for d in P.ALL_DTYPES for op in P.ops_for(d)]
-    cs += [_c(dtype=d, op=op, shape=(3, 5), layout="transposed")
-           for d, op in [("float32", "SUM"), ("bfloat16", "AVG"), ("int64", "MAX"), ("float32", "PREMUL_SUM")]]
+    cs += [
+        _c(dtype=d, op=op, shape=(3, 5), layout="transposed")
+        for d, op in [
+            ("float32", "SUM"),
+            ("bfloat16", "AVG"),
+            ("int64", "MAX"),
+            ("float32", "PREMUL_SUM"),
+        ]
+    ]
     cs += [_c(dtype=d, op="SUM", shape=s) for d in ("float32", "bfloat16") for s in (ZERO, (0,))]
     cs += [_c(dtype=d, op="PREMUL_SUM_TENSOR", shape=(6,)) for d in ("float32", "bfloat16")]
-    cs += [_c(dtype="float32", op="AVG", shape=(6,), old_name=True),
-           _c(dtype="float32", op="PREMUL_SUM", shape=(6,), **{"async": True}),
-           _c(dtype="float32", op="SUM", shape=(300_007,)), _c(dtype="bfloat16", op="AVG", shape=(200_003,))]
+    cs += [
+        _c(dtype="float32", op="AVG", shape=(6,), old_name=True),
+        _c(dtype="float32", op="PREMUL_SUM", shape=(6,), **{"async": True}),
+        _c(dtype="float32", op="SUM", shape=(300_007,)),
+        _c(dtype="bfloat16", op="AVG", shape=(200_003,)),
+    ]
     return cs
 
 
 def cases_reduce_scatter_single_coalesced(ws):
-    return [_c(dtype=d, op=op, **({"async": a} if a else {}))
-            for d, op in [("float32", "SUM"), ("float32", "AVG"), ("bfloat16", "PREMUL_SUM"), ("int64", "MAX")]
-            for a in (False, True)]
+    return [
+        _c(dtype=d, op=op, **({"async": a} if a else {}))
+        for d, op in [
+            ("float32", "SUM"),
+            ("float32", "AVG"),
+            ("bfloat16", "PREMUL_SUM"),
+            ("int64", "MAX"),
+        ]
+        for a in (False, True)
+    ]
 
 
 def cases_all_to_all_single(ws):
     cs = [_c(dtype=d, splits="even") for d in P.ALL_DTYPES]
     cs += [_c(dtype=d, splits="uneven", cols=4) for d in P.ALL_DTYPES]
-    cs += [_c(dtype="float32", splits="even", explicit=True), _c(dtype="float32", splits="zero", cols=4),
-           _c(dtype="int64", splits="uneven", cols=4, **{"async": True}),
-           _c(dtype="float32", splits="even", cols=5, layout="transposed"),
-           _c(dtype="int16", splits="uneven", cols=5, layout="transposed"),
-           _c(dtype="float32", splits="even", cols=100_003)]
+    cs += [
+        _c(dtype="float32", splits="even", explicit=True),
+        _c(dtype="float32", splits="zero", cols=4),
+        _c(dtype="int64", splits="uneven", cols=4, **{"async": True}),
+        _c(dtype="float32", splits="even", cols=5, layout="transposed"),
+        _c(dtype="int16", splits="uneven", cols=5, layout="transposed"),
+        _c(dtype="float32", splits="even", cols=100_003),
+    ]
     return cs
 
 
 def cases_all_to_all(ws):
-    return [_c(dtype=d, splits=s) for d in P.ALL_DTYPES for s in ("uneven",)] + \
-           [_c(dtype="float32", splits="even"), _c(dtype="float32", splits="zero")]
+    return [_c(dtype=d, splits=s) for d in P.ALL_DTYPES for s in ("uneven",)] + [
+        _c(dtype="float32", splits="even"),
+        _c(dtype="float32", splits="zero"),
+    ]
 
 
 def cases_send_recv(ws):
     if ws < 2:
         return []
     cs = [_c(dtype=d, shape=SMALL) for d in P.ALL_DTYPES]
-    cs += [_c(dtype=d, shape=NONCONTIG, layout="transposed") for d in ("float32", "bfloat16", "int64")]
+    cs += [
+        _c(dtype=d, shape=NONCONTIG, layout="transposed") for d in ("float32", "bfloat16", "int64")
+    ]
     cs += [_c(dtype="float32", shape=s) for s in (ZERO, (0,))]
     cs += [_c(dtype="float32", shape=(300_007,))]
     return cs
@@ -770,22 +919,25 @@ def cases_recv_any_source(ws):
 def cases_isend_irecv(ws):
     if ws < 2:
         return []
-    return [_c(dtype=d, shape=SMALL) for d in P.ALL_DTYPES] + [_c(dtype="float32", shape=(300_007,))]
+    return [_c(dtype=d, shape=SMALL) for d in P.ALL_DTYPES] + [
+        _c(dtype="float32", shape=(300_007,))
+    ]
 
 
 def cases_batch_isend_irecv(ws):
     if ws < 2:
         return []
-    return [_c(dtype=d, shape=SMALL) for d in ("float32", "int8", "uint64", "bool", "complex128",
-                                               "float8_e5m2", "bfloat16")] + \
-           [_c(dtype="float32", shape=(300_007,))]
+    return [
+        _c(dtype=d, shape=SMALL)
+        for d in ("float32", "int8", "uint64", "bool", "complex128", "float8_e5m2", "bfloat16")
+    ] + [_c(dtype="float32", shape=(300_007,))]
 
 
 def cases_shrink_group(ws):
     return [{}]
 
 
-CASES = {k[len("cases_"):]: v for k, v in dict(globals()).items() if k.startswith("cases_")}
+CASES = {k[len("cases_") :]: v for k, v in dict(globals()).items() if k.startswith("cases_")}
 
 P2P_OPS = {"send_recv", "recv_any_source", "isend_irecv", "batch_isend_irecv"}
 
@@ -816,8 +968,15 @@ def gloo_serves(opname, c) -> bool:
     return True
 
 
-SAME_ON_ALL_RANKS = {"all_reduce", "all_reduce_coalesced", "broadcast", "all_gather",
-                     "all_gather_single", "all_gather_single_coalesced", "barrier"}
+SAME_ON_ALL_RANKS = {
+    "all_reduce",
+    "all_reduce_coalesced",
+    "broadcast",
+    "all_gather",
+    "all_gather_single",
+    "all_gather_single_coalesced",
+    "barrier",
+}
 
 
 def describe(c) -> str:
@@ -875,8 +1034,11 @@ def check_op(ws, bt, opname):
             if m:
                 failures.append(m)
         # a reduction's result is the same bits on every rank (DDP replicas stay equal)
-        if opname in SAME_ON_ALL_RANKS and c.get("layout") != "strided" and \
-                all(s == "ok" for s, _ in per_rank):
+        if (
+            opname in SAME_ON_ALL_RANKS
+            and c.get("layout") != "strided"
+            and all(s == "ok" for s, _ in per_rank)
+        ):
             for r in range(1, len(per_rank)):
                 if not P.bitwise_equal(per_rank[r][1], per_rank[0][1]):
                     failures.append(f"{where}: rank {r}'s result differs from rank 0's (bitwise)")
@@ -1021,7 +1183,9 @@ def test_reference_matches_gloo(ws):
                 if s != "ok":
                     failures.append(f"{opname}({describe(c)}) ws={ws}: gloo rank {r} raised {v}")
                 elif exp[r] is not None:
-                    m = P.mismatch(v, exp[r], f"{opname}({describe(c)}) ws={ws} rank {r} gloo vs reference")
+                    m = P.mismatch(
+                        v, exp[r], f"{opname}({describe(c)}) ws={ws} rank {r} gloo vs reference"
+                    )
                     if m:
                         failures.append(m)
     assert not failures, "\n".join(failures[:60])
@@ -1030,12 +1194,14 @@ def test_reference_matches_gloo(ws):
 def test_api_map_covers_design():
     """Every Backend method of DESIGN.md's API map has a row here, and every row's rank op
     exists with a case list and a reference."""
-    for py, method, opname in API_MAP:
+    for py, _method, opname in API_MAP:
         assert opname in OPS and opname in CASES and opname in REFS, (py, opname)
     design = None
-    for cand in (os.environ.get("MOONCAKE_DESIGN_MD"),
-                 os.path.join(os.path.dirname(__file__), "..", "..", "shared", "DESIGN.md"),
-                 os.path.join(os.path.dirname(__file__), "..", "DESIGN.md")):
+    for cand in (
+        os.environ.get("MOONCAKE_DESIGN_MD"),
+        os.path.join(os.path.dirname(__file__), "..", "..", "shared", "DESIGN.md"),
+        os.path.join(os.path.dirname(__file__), "..", "DESIGN.md"),
+    ):
         if cand and os.path.exists(cand):
             design = open(cand, encoding="utf-8").read()
             break
@@ -1054,4 +1220,6 @@ def test_api_map_covers_design():
                 continue
             if meth not in ours:
                 missing.append(meth)
-    assert not missing, f"Backend methods of DESIGN.md's API map without a conformance row: {missing}"
+    assert not missing, (
+        f"Backend methods of DESIGN.md's API map without a conformance row: {missing}"
+    )

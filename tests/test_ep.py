@@ -6,12 +6,12 @@ autograd of every op (input and top-k weight gradients), header checks, and
 Every rank builds every rank's inputs from seeds, so each computes the references on its
 own (no communication in the reference path).
 """
+
 from __future__ import annotations
 
+import eputil
 import pytest
 import torch
-
-import eputil
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -22,6 +22,7 @@ def times_e_plus_one(e):
 
 # ========================================================== dispatch/combine values
 
+
 def rank_roundtrip(rank, ws, dtype_name, T, H, E, K, masked, seed):
     import mooncake_ep
 
@@ -30,27 +31,42 @@ def rank_roundtrip(rank, ws, dtype_name, T, H, E, K, masked, seed):
     L = E // ws
     x, idx, w = eputil.make_inputs(rank, T + 3 * rank, H, E, K, dtype, seed, masked)
     r = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
-    y = eputil.scaled_experts_normal(r.recv_x, r.recv_topk_idx, r.recv_topk_weights, rank, L, times_e_plus_one)
+    y = eputil.scaled_experts_normal(
+        r.recv_x, r.recv_topk_idx, r.recv_topk_weights, rank, L, times_e_plus_one
+    )
     out = buf.combine(y, r.handle).combined_x
     # a cached dispatch of other data on the same handle moves the same rows
     r2 = buf.dispatch(x * 2, handle=r.handle)
     ll = buf.low_latency_dispatch(x, idx, T + 3 * ws, E)
     # DeepEP's unpacking: (combined_x, event, hook)
     out_ll, ll_event, ll_hook = buf.low_latency_combine(
-        eputil.scaled_experts_ll(ll.recv_x, rank, L, times_e_plus_one), idx, w, ll.handle)
+        eputil.scaled_experts_ll(ll.recv_x, rank, L, times_e_plus_one), idx, w, ll.handle
+    )
     # out= writes into the caller's tensor and hands it back as combined_x
     dst = torch.full((x.shape[0], H), 7.0, dtype=dtype)
-    res_out = buf.low_latency_combine(eputil.scaled_experts_ll(ll.recv_x, rank, L, times_e_plus_one),
-                                      idx, w, ll.handle, out=dst)
+    res_out = buf.low_latency_combine(
+        eputil.scaled_experts_ll(ll.recv_x, rank, L, times_e_plus_one), idx, w, ll.handle, out=dst
+    )
     llq = buf.low_latency_dispatch(x, idx, T + 3 * ws, E, use_fp8=True)
     q, s = llq.recv_x
     deq = mooncake_ep.fp8_dequantize(q, s, torch.float32)
-    return {"out": out, "out_ll": out_ll, "recv_x": r.recv_x, "recv_idx": r.recv_topk_idx,
-            "recv_w": r.recv_topk_weights, "cached": r2.recv_x, "counts": r.num_recv_tokens_per_expert_list,
-            "ll_x": ll.recv_x, "ll_count": ll.recv_count, "fp8_shapes": (tuple(q.shape), tuple(s.shape), q.dtype,
-                                                                           s.dtype), "fp8_deq": deq,
-            "fp8_count": llq.recv_count, "ll_result": (type(res_out).__name__, res_out._fields, ll_event, ll_hook),
-            "ll_out_is_dst": res_out.combined_x is dst, "ll_out": dst}
+    return {
+        "out": out,
+        "out_ll": out_ll,
+        "recv_x": r.recv_x,
+        "recv_idx": r.recv_topk_idx,
+        "recv_w": r.recv_topk_weights,
+        "cached": r2.recv_x,
+        "counts": r.num_recv_tokens_per_expert_list,
+        "ll_x": ll.recv_x,
+        "ll_count": ll.recv_count,
+        "fp8_shapes": (tuple(q.shape), tuple(s.shape), q.dtype, s.dtype),
+        "fp8_deq": deq,
+        "fp8_count": llq.recv_count,
+        "ll_result": (type(res_out).__name__, res_out._fields, ll_event, ll_hook),
+        "ll_out_is_dst": res_out.combined_x is dst,
+        "ll_out": dst,
+    }
 
 
 def expected_receive(ws, rank, T, H, E, K, dtype, seed, masked):
@@ -66,12 +82,17 @@ def expected_receive(ws, rank, T, H, E, K, dtype, seed, masked):
                 rows.append(x[t])
                 idxs.append(loc)
                 ws_.append([float(w[t, k]) if loc[k] >= 0 else 0.0 for k in range(K)])
-                for l in set(l for l in loc if l >= 0):
+                for l in {l for l in loc if l >= 0}:
                     per_expert[l] += 1
                     ll[l].append(x[t])
     recv_x = torch.stack(rows) if rows else torch.zeros((0, H), dtype=dtype)
-    return recv_x, torch.tensor(idxs, dtype=torch.int64).reshape(-1, K), \
-        torch.tensor(ws_, dtype=torch.float32).reshape(-1, K), per_expert, ll
+    return (
+        recv_x,
+        torch.tensor(idxs, dtype=torch.int64).reshape(-1, K),
+        torch.tensor(ws_, dtype=torch.float32).reshape(-1, K),
+        per_expert,
+        ll,
+    )
 
 
 @pytest.mark.parametrize("ws", [2, 4])
@@ -91,17 +112,30 @@ def test_dispatch_combine_random_routing(pool_factory, ws, dtype_name, masked):
         x, idx, w = eputil.make_inputs(r, T + 3 * r, H, E, K, dtype, seed, masked)
         exp = eputil.ref_scaled_moe(x, idx, w, times_e_plus_one)
         tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-5)
-        torch.testing.assert_close(o["out"].double(), exp, **tol, msg=lambda m: f"rank {r} normal: {m}")
-        torch.testing.assert_close(o["out_ll"].double(), exp, **tol, msg=lambda m: f"rank {r} low latency: {m}")
-        assert o["ll_result"] == ("LowLatencyCombineResult", ("combined_x", "event", "hook"), None, None), \
-            o["ll_result"]
+        torch.testing.assert_close(
+            o["out"].double(), exp, **tol, msg=lambda m: f"rank {r} normal: {m}"
+        )
+        torch.testing.assert_close(
+            o["out_ll"].double(), exp, **tol, msg=lambda m: f"rank {r} low latency: {m}"
+        )
+        assert o["ll_result"] == (
+            "LowLatencyCombineResult",
+            ("combined_x", "event", "hook"),
+            None,
+            None,
+        ), o["ll_result"]
         assert o["ll_out_is_dst"] and torch.equal(o["ll_out"], o["out_ll"]), f"rank {r}: out="
         rx, ridx, rw, per_expert, ll_rows = expected_receive(ws, r, T, H, E, K, dtype, seed, masked)
         assert torch.equal(o["recv_x"], rx), f"rank {r}: recv_x differs"
-        assert torch.equal(o["recv_idx"], ridx), f"rank {r}: recv_topk_idx {o['recv_idx']} vs {ridx}"
+        assert torch.equal(o["recv_idx"], ridx), (
+            f"rank {r}: recv_topk_idx {o['recv_idx']} vs {ridx}"
+        )
         assert torch.equal(o["recv_w"], rw), f"rank {r}: recv_topk_weights"
         assert torch.equal(o["cached"], rx * 2), f"rank {r}: cached dispatch"
-        assert o["counts"] == per_expert and o["ll_count"].tolist() == per_expert, (o["counts"], per_expert)
+        assert o["counts"] == per_expert and o["ll_count"].tolist() == per_expert, (
+            o["counts"],
+            per_expert,
+        )
         assert o["ll_count"].dtype == torch.int32
         WT = ws * (T + 3 * ws)
         assert tuple(o["ll_x"].shape) == (L, WT, H)
@@ -110,7 +144,9 @@ def test_dispatch_combine_random_routing(pool_factory, ws, dtype_name, masked):
             want = torch.stack(ll_rows[l]) if n else torch.zeros((0, H), dtype=dtype)
             assert torch.equal(o["ll_x"][l, :n], want), f"rank {r} expert {l}: packed rows differ"
         nb = (H + 127) // 128
-        assert o["fp8_shapes"] == ((L, WT, H), (L, WT, nb), torch.float8_e4m3fn, torch.float32), o["fp8_shapes"]
+        assert o["fp8_shapes"] == ((L, WT, H), (L, WT, nb), torch.float8_e4m3fn, torch.float32), o[
+            "fp8_shapes"
+        ]
         assert torch.equal(o["fp8_count"], o["ll_count"])
         for l in range(L):
             n = per_expert[l]
@@ -118,10 +154,13 @@ def test_dispatch_combine_random_routing(pool_factory, ws, dtype_name, masked):
                 want = torch.stack(ll_rows[l]).float()
                 # e4m3: 3 mantissa bits -> relative error <= 2^-4 of the block's values
                 amax = want.abs().max()
-                torch.testing.assert_close(o["fp8_deq"][l, :n], want, rtol=0.0625, atol=float(amax) * 2 ** -9 + 1e-6)
+                torch.testing.assert_close(
+                    o["fp8_deq"][l, :n], want, rtol=0.0625, atol=float(amax) * 2**-9 + 1e-6
+                )
 
 
 # ===================================================================== autograd
+
 
 def rank_autograd(rank, ws, T, H, E, K, seed):
     import mooncake_ep
@@ -136,8 +175,9 @@ def rank_autograd(rank, ws, T, H, E, K, seed):
         G = eputil.make_inputs(rank + 50, T + rank, H, E, K, torch.float64, seed)[0]
         if mode == "normal":
             r = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
-            y = eputil.scaled_experts_normal(r.recv_x, r.recv_topk_idx, r.recv_topk_weights, rank, L,
-                                             times_e_plus_one)
+            y = eputil.scaled_experts_normal(
+                r.recv_x, r.recv_topk_idx, r.recv_topk_weights, rank, L, times_e_plus_one
+            )
             o = buf.combine(y, r.handle).combined_x
         else:
             ll = buf.low_latency_dispatch(x, idx, T + ws, E)
@@ -151,7 +191,12 @@ def rank_autograd(rank, ws, T, H, E, K, seed):
     r = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
     c = buf.combine(r.recv_x, r.handle, topk_weights=r.recv_topk_weights)
     (c.combined_topk_weights * torch.arange(K, dtype=torch.float32)).sum().backward()
-    out["combine_w"] = {"gw": w.grad, "combined_w": c.combined_topk_weights.detach(), "w": w.detach(), "idx": idx}
+    out["combine_w"] = {
+        "gw": w.grad,
+        "combined_w": c.combined_topk_weights.detach(),
+        "w": w.detach(),
+        "idx": idx,
+    }
     return out
 
 
@@ -176,9 +221,16 @@ def test_autograd_matches_reference(pool_factory, ws):
         (ref * G).sum().backward()
         for mode in ("normal", "low_latency"):
             got = res[r][mode]
-            torch.testing.assert_close(got["gx"], x.grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {r} {mode} dx: {m}")
-            torch.testing.assert_close(got["gw"].double(), w64.grad, rtol=1e-5, atol=1e-4,
-                                       msg=lambda m: f"rank {r} {mode} dw: {m}")
+            torch.testing.assert_close(
+                got["gx"], x.grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {r} {mode} dx: {m}"
+            )
+            torch.testing.assert_close(
+                got["gw"].double(),
+                w64.grad,
+                rtol=1e-5,
+                atol=1e-4,
+                msg=lambda m: f"rank {r} {mode} dw: {m}",
+            )
         cw = res[r]["combine_w"]
         mask = (cw["idx"] >= 0).float()
         assert torch.equal(cw["combined_w"], cw["w"] * mask), (cw["combined_w"], cw["w"])
@@ -187,6 +239,7 @@ def test_autograd_matches_reference(pool_factory, ws):
 
 
 # ================================================================ header checks
+
 
 def rank_mismatch(rank, ws, what):
     import mooncake_ep
@@ -198,9 +251,13 @@ def rank_mismatch(rank, ws, what):
         if what == "num_experts":
             buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E if rank == 0 else 4 * ws)
         elif what == "dtype":
-            buf.dispatch(x if rank == 0 else x.double(), topk_idx=idx, topk_weights=w, num_experts=E)
+            buf.dispatch(
+                x if rank == 0 else x.double(), topk_idx=idx, topk_weights=w, num_experts=E
+            )
         elif what == "weights_dtype":
-            buf.dispatch(x, topk_idx=idx, topk_weights=w if rank == 0 else w.double(), num_experts=E)
+            buf.dispatch(
+                x, topk_idx=idx, topk_weights=w if rank == 0 else w.double(), num_experts=E
+            )
         elif what == "t_max":
             buf.low_latency_dispatch(x, idx, 4 if rank == 0 else 8, E)
         elif what == "too_many_tokens":
@@ -214,8 +271,9 @@ def rank_mismatch(rank, ws, what):
         return str(e)
 
 
-@pytest.mark.parametrize("what", ["num_experts", "dtype", "weights_dtype", "t_max", "too_many_tokens",
-                                  "combine_shape"])
+@pytest.mark.parametrize(
+    "what", ["num_experts", "dtype", "weights_dtype", "t_max", "too_many_tokens", "combine_shape"]
+)
 def test_bad_or_disagreeing_arguments_raise_everywhere(pool_factory, what):
     """A rank's bad argument or ranks that disagree (E, dtype, T_max, shapes) make every
     rank raise ValueError naming the op and the offending rank; the pool's health check
@@ -223,11 +281,16 @@ def test_bad_or_disagreeing_arguments_raise_everywhere(pool_factory, what):
     ws = 2
     res = pool_factory(ws).run(rank_mismatch, what, timeout=60)
     for r in range(ws):
-        assert res[r] is not None and f"(rank {r})" in res[r] and "mooncake_ep" in res[r], (r, res[r])
+        assert res[r] is not None and f"(rank {r})" in res[r] and "mooncake_ep" in res[r], (
+            r,
+            res[r],
+        )
         if r == 0:
             assert "1" in res[r], res[r]
-        if what == "dtype":     # dtype names, not the header's codes
-            assert "dtype=float32" in res[r] and "rank 1: " in res[r] and "dtype=float64" in res[r], res[r]
+        if what == "dtype":  # dtype names, not the header's codes
+            assert (
+                "dtype=float32" in res[r] and "rank 1: " in res[r] and "dtype=float64" in res[r]
+            ), res[r]
 
 
 def rank_ll_dtypes(rank, ws):
@@ -243,10 +306,14 @@ def rank_ll_dtypes(rank, ws):
         y = eputil.scaled_experts_ll(ll.recv_x, rank, L, times_e_plus_one)
         q = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)
         deq = mooncake_ep.fp8_dequantize(*q.recv_x, dtype=torch.float32)
-        out[name] = {"out": buf.low_latency_combine(y, idx, w, ll.handle).combined_x,
-                     "fp8_rows": sum(ll.recv_count.tolist()),
-                     "close": [bool(torch.allclose(ll.recv_x[l, :n].float(), deq[l, :n], rtol=0.0625, atol=1e-3))
-                               for l, n in enumerate(ll.recv_count.tolist())]}
+        out[name] = {
+            "out": buf.low_latency_combine(y, idx, w, ll.handle).combined_x,
+            "fp8_rows": sum(ll.recv_count.tolist()),
+            "close": [
+                bool(torch.allclose(ll.recv_x[l, :n].float(), deq[l, :n], rtol=0.0625, atol=1e-3))
+                for l, n in enumerate(ll.recv_count.tolist())
+            ],
+        }
     return out
 
 
@@ -261,8 +328,14 @@ def test_low_latency_dtypes(pool_factory):
             x, idx, w = eputil.make_inputs(r, 5, 136, 2 * ws, 2, getattr(torch, name), 17, 0.2)
             exp = eputil.ref_scaled_moe(x, idx, w, times_e_plus_one)
             assert o["out"].dtype == getattr(torch, name)
-            tol = dict(rtol=1e-6, atol=1e-6) if name in ("float32", "float64") else dict(rtol=1e-2, atol=1e-2)
-            torch.testing.assert_close(o["out"].double(), exp, **tol, msg=lambda m: f"rank {r} {name}: {m}")
+            tol = (
+                dict(rtol=1e-6, atol=1e-6)
+                if name in ("float32", "float64")
+                else dict(rtol=1e-2, atol=1e-2)
+            )
+            torch.testing.assert_close(
+                o["out"].double(), exp, **tol, msg=lambda m: f"rank {r} {name}: {m}"
+            )
             assert o["fp8_rows"] > 0 and all(o["close"]), (r, name, o)
 
 
@@ -272,7 +345,9 @@ def test_fp8_quantize_rejects_non_2d():
     import mooncake_ep
 
     for bad in (torch.ones(256), torch.ones(2, 3, 128), torch.ones(4, 128, dtype=torch.int32)):
-        with pytest.raises(ValueError, match=r"fp8_quantize: x must be a 2-D floating-point tensor \[N, H\]"):
+        with pytest.raises(
+            ValueError, match=r"fp8_quantize: x must be a 2-D floating-point tensor \[N, H\]"
+        ):
             mooncake_ep.fp8_quantize(bad)
     q, s = mooncake_ep.fp8_quantize(torch.ones(3, 130))
     assert q.shape == (3, 130) and s.shape == (3, 2)
@@ -287,8 +362,12 @@ def test_ep_bench_help():
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    p = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "ep_bench.py"), "--help"],
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "ep_bench.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
     assert p.stdout.count("MoE dispatch + combine round trip on CPU") == 1, p.stdout
     assert "issue" not in p.stdout and "--smoke" in p.stdout and "Output:" in p.stdout, p.stdout
@@ -316,12 +395,18 @@ def rank_moe(rank, ws, H, E, K, F, T, dtype_name):
         y = moe(x)
         (y.float() * G.float()).sum().backward()
         gate_grad = gate.proj.weight.grad.clone()
-        dist.all_reduce(gate_grad)                      # data-parallel gate: sum over ranks
-        out[mode] = {"y": y.detach(), "gx": x.grad,
-                     "expert_grads": {rank * L + l: [p.grad.clone() if p.grad is not None else None
-                                                     for p in ex.parameters()]
-                                      for l, ex in enumerate(moe.experts)},
-                     "gate_grad": gate_grad}
+        dist.all_reduce(gate_grad)  # data-parallel gate: sum over ranks
+        out[mode] = {
+            "y": y.detach(),
+            "gx": x.grad,
+            "expert_grads": {
+                rank * L + l: [
+                    p.grad.clone() if p.grad is not None else None for p in ex.parameters()
+                ]
+                for l, ex in enumerate(moe.experts)
+            },
+            "gate_grad": gate_grad,
+        }
         # inference: no_grad gives the same output
         with torch.no_grad():
             out[mode]["y_eval"] = moe(x.detach())
@@ -343,23 +428,40 @@ def test_moe_matches_single_process_reference(pool_factory, ws, dtype_name):
     tol = dict(rtol=1e-4, atol=1e-5)
     for mode in MOE_MODES:
         gate, experts = eputil.build_model(H, E, K, F, mode, seed=3)
-        xs = [eputil.make_inputs(r, T + 2 * r, H, E, K, dtype, seed=9)[0].requires_grad_() for r in range(ws)]
+        xs = [
+            eputil.make_inputs(r, T + 2 * r, H, E, K, dtype, seed=9)[0].requires_grad_()
+            for r in range(ws)
+        ]
         Gs = [eputil.make_inputs(r + 77, T + 2 * r, H, E, K, dtype, seed=9)[0] for r in range(ws)]
         ys = [eputil.ref_moe(gate, experts, x) for x in xs]
         sum((y * G).sum() for y, G in zip(ys, Gs)).backward()
         for r in range(ws):
             o = res[r][mode]
-            torch.testing.assert_close(o["y"], ys[r].detach(), **tol, msg=lambda m: f"{mode} rank {r} forward: {m}")
-            torch.testing.assert_close(o["y_eval"], ys[r].detach(), **tol, msg=lambda m: f"{mode} rank {r} eval: {m}")
-            torch.testing.assert_close(o["gx"], xs[r].grad, **tol, msg=lambda m: f"{mode} rank {r} dx: {m}")
-            torch.testing.assert_close(o["gate_grad"], gate.proj.weight.grad, **tol,
-                                       msg=lambda m: f"{mode} rank {r} gate grad: {m}")
+            torch.testing.assert_close(
+                o["y"], ys[r].detach(), **tol, msg=lambda m: f"{mode} rank {r} forward: {m}"
+            )
+            torch.testing.assert_close(
+                o["y_eval"], ys[r].detach(), **tol, msg=lambda m: f"{mode} rank {r} eval: {m}"
+            )
+            torch.testing.assert_close(
+                o["gx"], xs[r].grad, **tol, msg=lambda m: f"{mode} rank {r} dx: {m}"
+            )
+            torch.testing.assert_close(
+                o["gate_grad"],
+                gate.proj.weight.grad,
+                **tol,
+                msg=lambda m: f"{mode} rank {r} gate grad: {m}",
+            )
             for e, grads in o["expert_grads"].items():
                 for p, g in zip(experts[e].parameters(), grads):
                     if p.grad is None:
-                        assert g is None or not g.any(), f"{mode}: expert {e} got a gradient it should not have"
+                        assert g is None or not g.any(), (
+                            f"{mode}: expert {e} got a gradient it should not have"
+                        )
                         continue
-                    torch.testing.assert_close(g, p.grad, **tol, msg=lambda m: f"{mode} expert {e} grad: {m}")
+                    torch.testing.assert_close(
+                        g, p.grad, **tol, msg=lambda m: f"{mode} expert {e} grad: {m}"
+                    )
         if mode == "skew":
             # the skewed case really puts every token on one expert
             assert all(experts[e].up.weight.grad is None for e in range(E) if e != 1)
@@ -386,12 +488,21 @@ def rank_moe_validation(rank, ws):
     Moe = mooncake_ep.ExpertParallelMoE
     # construction: a Linear gate's width is known at once
     expect("linear_width", lambda: Moe(nn.Linear(H, E - 1, bias=False), experts, top_k=K))
-    expect("linear_all_with_2E", lambda: Moe(nn.Linear(H, E, bias=False), experts, num_experts=2 * E, top_k=K))
+    expect(
+        "linear_all_with_2E",
+        lambda: Moe(nn.Linear(H, E, bias=False), experts, num_experts=2 * E, top_k=K),
+    )
     for k in (0, -1, E + 1):
         expect(f"top_k={k}", lambda: Moe(gate, experts, top_k=k))
     # first forward: widths of other gates, K of a tuple-returning gate
-    expect("logits_width", lambda: Moe(eputil.Gate(H, E + 1, K, "logits"), experts, top_k=K), forward=True)
-    expect("logits_all_with_2E", lambda: Moe(gate, experts, num_experts=2 * E, top_k=K), forward=True)
+    expect(
+        "logits_width",
+        lambda: Moe(eputil.Gate(H, E + 1, K, "logits"), experts, top_k=K),
+        forward=True,
+    )
+    expect(
+        "logits_all_with_2E", lambda: Moe(gate, experts, num_experts=2 * E, top_k=K), forward=True
+    )
     expect("tuple_k", lambda: Moe(eputil.Gate(H, E, K, "topk"), experts, top_k=K + 1), forward=True)
     # the group is untouched by all that: valid layers give the reference values, also
     # with this rank's experts only (num_experts= given, Linear gate of width E)
@@ -399,9 +510,9 @@ def rank_moe_validation(rank, ws):
     x = eputil.make_inputs(rank, T + rank, H, E, K, torch.float32, seed=13)[0]
     with torch.no_grad():
         y_all = Moe(gate, experts, top_k=K)(x)
-        y_local = Moe(gate.proj, experts[rank * L:(rank + 1) * L], num_experts=E, top_k=K)(x)
+        y_local = Moe(gate.proj, experts[rank * L : (rank + 1) * L], num_experts=E, top_k=K)(x)
         tuple_gate = eputil.Gate(H, E, K, "topk")
-        tuple_gate.proj = gate.proj                 # the same router, returning (topk_idx, topk_weights)
+        tuple_gate.proj = gate.proj  # the same router, returning (topk_idx, topk_weights)
         y_tuple = Moe(tuple_gate, experts, top_k=K)(x)
     return {"errs": errs, "y_all": y_all, "y_local": y_local, "y_tuple": y_tuple}
 
@@ -421,11 +532,16 @@ def test_moe_validation(pool_factory):
     for r in range(ws):
         e = res[r]["errs"]
         assert all(v is not None for v in e.values()), e
-        assert "Linear(in_features=8, out_features=3" in e["linear_width"] and "num_experts is 4" in e["linear_width"]
+        assert (
+            "Linear(in_features=8, out_features=3" in e["linear_width"]
+            and "num_experts is 4" in e["linear_width"]
+        )
         for key in ("linear_all_with_2E", "logits_all_with_2E"):
             assert "ambiguous" in e[key] and "num_experts is 8" in e[key], (key, e[key])
         for k in (0, -1, E + 1):
-            assert f"top_k must be an int in [1, num_experts={E}], got {k}" in e[f"top_k={k}"], e[f"top_k={k}"]
+            assert f"top_k must be an int in [1, num_experts={E}], got {k}" in e[f"top_k={k}"], e[
+                f"top_k={k}"
+            ]
         assert "Gate" in e["logits_width"] and "5 logits" in e["logits_width"], e["logits_width"]
         assert "top-2" in e["tuple_k"] and "top_k=3" in e["tuple_k"], e["tuple_k"]
         x = eputil.make_inputs(r, T + r, H, E, K, torch.float32, seed=13)[0]
@@ -435,11 +551,14 @@ def test_moe_validation(pool_factory):
             gt.proj = gate.proj
             exp_tuple = eputil.ref_moe(gt, experts, x)
         for key in ("y_all", "y_local"):
-            torch.testing.assert_close(res[r][key], exp, rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {r} {key}: {m}")
+            torch.testing.assert_close(
+                res[r][key], exp, rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {r} {key}: {m}"
+            )
         torch.testing.assert_close(res[r]["y_tuple"], exp_tuple, rtol=1e-4, atol=1e-5)
 
 
 # ===================================================== options and other backends
+
 
 def rank_options(rank, ws):
     import torch.distributed as dist
@@ -449,12 +568,15 @@ def rank_options(rank, ws):
     E, K, H = 2 * ws, 3, 40
     x, idx, w = eputil.make_inputs(rank, 11, H, E, K, torch.bfloat16, 3, 0.2)
     out = {}
-    for name, buf in (("fp32", mooncake_ep.Buffer(config=mooncake_ep.EPConfig(fp32_accumulate=True))),
-                      ("bf16", mooncake_ep.Buffer(config=mooncake_ep.EPConfig(fp32_accumulate=False))),
-                      ("gloo", mooncake_ep.Buffer(dist.new_group(list(range(ws)), backend="gloo")))):
+    for name, buf in (
+        ("fp32", mooncake_ep.Buffer(config=mooncake_ep.EPConfig(fp32_accumulate=True))),
+        ("bf16", mooncake_ep.Buffer(config=mooncake_ep.EPConfig(fp32_accumulate=False))),
+        ("gloo", mooncake_ep.Buffer(dist.new_group(list(range(ws)), backend="gloo"))),
+    ):
         r = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
-        y = eputil.scaled_experts_normal(r.recv_x, r.recv_topk_idx, r.recv_topk_weights, rank, E // ws,
-                                         times_e_plus_one)
+        y = eputil.scaled_experts_normal(
+            r.recv_x, r.recv_topk_idx, r.recv_topk_weights, rank, E // ws, times_e_plus_one
+        )
         out[name] = buf.combine(y, r.handle).combined_x
         out[name + "_active"] = buf.get_active_ranks().tolist()
     errs = []
@@ -488,7 +610,9 @@ def test_options_and_gloo_group(pool_factory, ws):
         if ws == 2:
             assert torch.equal(o["bf16"], o["fp32"])
         assert o["gloo_active"] == [1] * ws
-        assert len(o["errs"]) == 3 and "kernels" in o["errs"][0] and "meta" in o["errs"][2], o["errs"]
+        assert len(o["errs"]) == 3 and "kernels" in o["errs"][0] and "meta" in o["errs"][2], o[
+            "errs"
+        ]
 
 
 def rank_warnings_are_errors(rank, ws):
@@ -499,19 +623,21 @@ def rank_warnings_are_errors(rank, ws):
     E, K, H = 2 * ws, 2, 16
     x, idx, w = eputil.make_inputs(rank, 6, H, E, K, torch.float32, 21, 0.2)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")          # -W error (FutureWarning included)
+        warnings.simplefilter("error")  # -W error (FutureWarning included)
         buf = mooncake_ep.Buffer()
         r = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
-        y = eputil.scaled_experts_normal(r.recv_x, r.recv_topk_idx, r.recv_topk_weights, rank, E // ws,
-                                         times_e_plus_one)
+        y = eputil.scaled_experts_normal(
+            r.recv_x, r.recv_topk_idx, r.recv_topk_weights, rank, E // ws, times_e_plus_one
+        )
         out = buf.combine(y, r.handle).combined_x
         ll = buf.low_latency_dispatch(x, idx, 6, E)
-        out_ll = buf.low_latency_combine(eputil.scaled_experts_ll(ll.recv_x, rank, E // ws, times_e_plus_one),
-                                         idx, w, ll.handle).combined_x
+        out_ll = buf.low_latency_combine(
+            eputil.scaled_experts_ll(ll.recv_x, rank, E // ws, times_e_plus_one), idx, w, ll.handle
+        ).combined_x
         gate, experts = eputil.build_model(H, E, K, 8, "topk", seed=2)
         moe = mooncake_ep.ExpertParallelMoE(gate, experts)
         moe.snapshot_experts()
-        moe.restore_experts()                   # nothing to restore: the all_gather of the table still runs
+        moe.restore_experts()  # nothing to restore: the all_gather of the table still runs
         xm = x.clone().requires_grad_()
         ym = moe(xm)
         ym.sum().backward()
@@ -550,7 +676,7 @@ def rank_cached_bad(rank, ws):
         err = None
     except ValueError as e:
         err = str(e)
-    again = buf.dispatch(x * 3, handle=r.handle).recv_x     # the group goes on
+    again = buf.dispatch(x * 3, handle=r.handle).recv_x  # the group goes on
     return {"err": err, "ok": torch.equal(again, r.recv_x * 3)}
 
 
@@ -567,15 +693,21 @@ def rank_buffers_not_reused_while_held(rank, ws):
     import mooncake_ep
 
     buf = mooncake_ep.Buffer()
-    E, T, H = 2 * ws, 600, 1024          # receive buffers above the 1 MiB recycling threshold
+    E, T, H = 2 * ws, 600, 1024  # receive buffers above the 1 MiB recycling threshold
     keep = []
     for i in range(4):
         x, idx, w = eputil.make_inputs(rank, T, H, E, 2, torch.bfloat16, seed=40 + i)
         r = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
         ll = buf.low_latency_dispatch(x, idx, T, E)
-        keep.append((r.recv_x, r.recv_x.clone(), ll.recv_x, ll.recv_x.clone(), ll.recv_count.clone()))
+        keep.append(
+            (r.recv_x, r.recv_x.clone(), ll.recv_x, ll.recv_x.clone(), ll.recv_count.clone())
+        )
     ok = all(torch.equal(a, b) for a, b, _, _, _ in keep)
-    ok_ll = all(torch.equal(p[l, :int(c[l])], q[l, :int(c[l])]) for _, _, p, q, c in keep for l in range(c.numel()))
+    ok_ll = all(
+        torch.equal(p[l, : int(c[l])], q[l, : int(c[l])])
+        for _, _, p, q, c in keep
+        for l in range(c.numel())
+    )
     # once dropped, buffers are recycled (the cache does not grow without bound)
     del keep
     for i in range(6):
@@ -599,7 +731,7 @@ def rank_subgroup(rank, ws):
 
     import mooncake_ep
 
-    g = dist.new_group([1, 3])                  # every rank creates it; ranks 1 and 3 use it
+    g = dist.new_group([1, 3])  # every rank creates it; ranks 1 and 3 use it
     if rank not in (1, 3):
         try:
             mooncake_ep.Buffer(g)
@@ -611,8 +743,9 @@ def rank_subgroup(rank, ws):
     E = 4
     x, idx, w = eputil.make_inputs(rank, 7, 24, E, 2, torch.float32, 12, 0.2)
     r = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
-    y = eputil.scaled_experts_normal(r.recv_x, r.recv_topk_idx, r.recv_topk_weights, gr, E // 2,
-                                     times_e_plus_one)
+    y = eputil.scaled_experts_normal(
+        r.recv_x, r.recv_topk_idx, r.recv_topk_weights, gr, E // 2, times_e_plus_one
+    )
     out = buf.combine(y, r.handle).combined_x
     return {"group_rank": gr, "size": buf.group_size, "out": out}
 

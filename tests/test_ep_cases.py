@@ -9,14 +9,14 @@ bit for bit.
 Environment: ``MOONCAKE_TEST_EP4_REPS`` (repetitions of EP-4, default 100; the slow run
 uses 1000).
 """
+
 from __future__ import annotations
 
 import os
 
+import eputil
 import pytest
 import torch
-
-import eputil
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -43,11 +43,15 @@ EP1_H, EP1_E, EP1_K = 128, 16, 2
 
 def ep1_inputs(rank, variant):
     """rank 0: 3 tokens (unless "all_empty"); other ranks: (0, 128) and (0, 2)."""
-    H, E, K = EP1_H, EP1_E, EP1_K
+    H, _E, K = EP1_H, EP1_E, EP1_K
     T = 3 if (rank == 0 and variant != "all_empty") else 0
-    x = ((torch.arange(T * H, dtype=torch.float64).reshape(T, H) % 13) / 8 - 0.75).to(torch.bfloat16)
+    x = ((torch.arange(T * H, dtype=torch.float64).reshape(T, H) % 13) / 8 - 0.75).to(
+        torch.bfloat16
+    )
     if variant == "no_rank3":
-        idx = torch.tensor([[0, 5], [11, 4], [8, 9]], dtype=torch.int64)[:T]   # experts 12..15 unused
+        idx = torch.tensor([[0, 5], [11, 4], [8, 9]], dtype=torch.int64)[
+            :T
+        ]  # experts 12..15 unused
     else:
         idx = torch.tensor([[0, 15], [7, 12], [3, 9]], dtype=torch.int64)[:T]
     w = torch.tensor([[0.5, 0.25], [0.75, 0.125], [0.0625, 1.0]], dtype=torch.float32)[:T]
@@ -62,14 +66,26 @@ def rank_ep1(rank, ws, variant):
     L = EP1_E // ws
     layout = buf.get_dispatch_layout(idx, EP1_E)
     r = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=EP1_E)
-    y = eputil.scaled_experts_normal(r.recv_x, r.recv_topk_idx, r.recv_topk_weights, rank, L, plus_one)
+    y = eputil.scaled_experts_normal(
+        r.recv_x, r.recv_topk_idx, r.recv_topk_weights, rank, L, plus_one
+    )
     out = buf.combine(y, r.handle).combined_x
     ll = buf.low_latency_dispatch(x, idx, 4, EP1_E)
-    out_ll = buf.low_latency_combine(eputil.scaled_experts_ll(ll.recv_x, rank, L, plus_one), idx, w,
-                                     ll.handle).combined_x
-    return {"x": x, "idx": idx, "w": w, "out": out, "out_ll": out_ll, "recv_rows": int(r.recv_x.shape[0]),
-            "recv_shape": tuple(r.recv_x.shape), "layout_rank": layout.num_tokens_per_rank,
-            "counts": r.num_recv_tokens_per_expert_list, "ll_count": ll.recv_count.tolist()}
+    out_ll = buf.low_latency_combine(
+        eputil.scaled_experts_ll(ll.recv_x, rank, L, plus_one), idx, w, ll.handle
+    ).combined_x
+    return {
+        "x": x,
+        "idx": idx,
+        "w": w,
+        "out": out,
+        "out_ll": out_ll,
+        "recv_rows": int(r.recv_x.shape[0]),
+        "recv_shape": tuple(r.recv_x.shape),
+        "layout_rank": layout.num_tokens_per_rank,
+        "counts": r.num_recv_tokens_per_expert_list,
+        "ll_count": ll.recv_count.tolist(),
+    }
 
 
 @pytest.mark.parametrize("variant", ["rank0_only", "all_empty", "no_rank3"])
@@ -83,7 +99,11 @@ def test_ep1_ranks_with_zero_tokens(pool_factory, variant):
         o = res[r]
         exp = eputil.ref_scaled_moe(o["x"], o["idx"], o["w"], plus_one).to(torch.bfloat16)
         for key in ("out", "out_ll"):
-            assert o[key].dtype == torch.bfloat16 and tuple(o[key].shape) == tuple(exp.shape), (r, key, o[key].shape)
+            assert o[key].dtype == torch.bfloat16 and tuple(o[key].shape) == tuple(exp.shape), (
+                r,
+                key,
+                o[key].shape,
+            )
             assert torch.equal(o[key], exp), f"rank {r} {key}: got {o[key]}\nexpected {exp}"
         if r != 0 or variant == "all_empty":
             assert tuple(o["out"].shape) == (0, EP1_H)
@@ -97,7 +117,11 @@ def test_ep1_ranks_with_zero_tokens(pool_factory, variant):
         assert res[r]["recv_rows"] == tokens_per_rank[r], (r, res[r]["recv_rows"], tokens_per_rank)
         assert res[r]["recv_shape"][1] == EP1_H
     if variant == "no_rank3":
-        assert res[3]["recv_rows"] == 0 and res[3]["counts"] == [0] * 4 and res[3]["ll_count"] == [0] * 4
+        assert (
+            res[3]["recv_rows"] == 0
+            and res[3]["counts"] == [0] * 4
+            and res[3]["ll_count"] == [0] * 4
+        )
     if variant == "all_empty":
         assert all(res[r]["recv_rows"] == 0 for r in range(ws))
 
@@ -105,7 +129,7 @@ def test_ep1_ranks_with_zero_tokens(pool_factory, variant):
 # ============================================================================ EP-2
 
 EP2_E, EP2_K, EP2_H = 8, 3, 16
-EP2_IDX = [[1, -1, 6], [-1, -1, -1]]       # token A, token B
+EP2_IDX = [[1, -1, 6], [-1, -1, -1]]  # token A, token B
 EP2_W = [[0.5, 100.0, 0.25], [3.0, 5.0, 7.0]]  # masked slots carry large weights: must be ignored
 
 
@@ -122,15 +146,25 @@ def rank_ep2(rank, ws):
     w = torch.tensor(EP2_W, dtype=torch.float32)
     L = EP2_E // ws
     r = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=EP2_E)
-    y = eputil.scaled_experts_normal(r.recv_x, r.recv_topk_idx, r.recv_topk_weights, rank, L, plus_one)
+    y = eputil.scaled_experts_normal(
+        r.recv_x, r.recv_topk_idx, r.recv_topk_weights, rank, L, plus_one
+    )
     c = buf.combine(y, r.handle, topk_weights=r.recv_topk_weights)
     ll = buf.low_latency_dispatch(x, idx, 2, EP2_E)
-    out_ll = buf.low_latency_combine(eputil.scaled_experts_ll(ll.recv_x, rank, L, plus_one), idx, w,
-                                     ll.handle).combined_x
-    return {"out": c.combined_x, "combined_w": c.combined_topk_weights, "out_ll": out_ll,
-            "recv_x": r.recv_x, "recv_idx": r.recv_topk_idx, "recv_w": r.recv_topk_weights,
-            "counts": r.num_recv_tokens_per_expert_list, "ll_count": ll.recv_count.tolist(),
-            "layout": tuple(t.tolist() for t in buf.get_dispatch_layout(idx, EP2_E))}
+    out_ll = buf.low_latency_combine(
+        eputil.scaled_experts_ll(ll.recv_x, rank, L, plus_one), idx, w, ll.handle
+    ).combined_x
+    return {
+        "out": c.combined_x,
+        "combined_w": c.combined_topk_weights,
+        "out_ll": out_ll,
+        "recv_x": r.recv_x,
+        "recv_idx": r.recv_topk_idx,
+        "recv_w": r.recv_topk_weights,
+        "counts": r.num_recv_tokens_per_expert_list,
+        "ll_count": ll.recv_count.tolist(),
+        "layout": tuple(t.tolist() for t in buf.get_dispatch_layout(idx, EP2_E)),
+    }
 
 
 def test_ep2_masked_slots(pool_factory):
@@ -145,16 +179,25 @@ def test_ep2_masked_slots(pool_factory):
         exp = torch.stack([0.5 * 2 * x[0] + 0.25 * 7 * x[0], torch.zeros(EP2_H)])
         assert torch.equal(o["out"], exp), f"rank {r}: {o['out']} vs {exp}"
         assert torch.equal(o["out_ll"], exp), f"rank {r} (low latency): {o['out_ll']} vs {exp}"
-        assert torch.equal(o["out"][1], torch.zeros(EP2_H)) and torch.equal(o["out_ll"][1], torch.zeros(EP2_H))
+        assert torch.equal(o["out"][1], torch.zeros(EP2_H)) and torch.equal(
+            o["out_ll"][1], torch.zeros(EP2_H)
+        )
         # combined weights: each slot's weight comes back from the rank owning its expert, masked slots 0
-        assert torch.equal(o["combined_w"], torch.tensor([[0.5, 0.0, 0.25], [0.0, 0.0, 0.0]])), o["combined_w"]
+        assert torch.equal(o["combined_w"], torch.tensor([[0.5, 0.0, 0.25], [0.0, 0.0, 0.0]])), o[
+            "combined_w"
+        ]
         # only token A travels, once to each rank (expert 1 on rank 0, expert 6 on rank 1)
         assert o["recv_x"].shape == (2, EP2_H), o["recv_x"].shape
         assert torch.equal(o["recv_x"], torch.stack([ep2_x(0)[0], ep2_x(1)[0]])), o["recv_x"]
-        assert o["layout"] == ([1, 1], [0, 1, 0, 0, 0, 0, 1, 0], [[True, True], [False, False]]), o["layout"]
+        assert o["layout"] == ([1, 1], [0, 1, 0, 0, 0, 0, 1, 0], [[True, True], [False, False]]), o[
+            "layout"
+        ]
     assert res[0]["recv_idx"].tolist() == [[1, -1, -1], [1, -1, -1]]
     assert res[1]["recv_idx"].tolist() == [[-1, -1, 2], [-1, -1, 2]]
-    assert res[0]["recv_w"].tolist() == [[0.5, 0.0, 0.0]] * 2 and res[1]["recv_w"].tolist() == [[0.0, 0.0, 0.25]] * 2
+    assert (
+        res[0]["recv_w"].tolist() == [[0.5, 0.0, 0.0]] * 2
+        and res[1]["recv_w"].tolist() == [[0.0, 0.0, 0.25]] * 2
+    )
     assert res[0]["counts"] == [0, 2, 0, 0] and res[1]["counts"] == [0, 0, 2, 0]
     assert res[0]["ll_count"] == [0, 2, 0, 0] and res[1]["ll_count"] == [0, 0, 2, 0]
 
@@ -182,7 +225,9 @@ def rank_ep2_reject(rank, ws, bad_rank, bad_value, mode):
     # the group goes on: a good dispatch + combine right after is right
     good = torch.tensor(EP2_IDX, dtype=torch.int64)
     r = buf.dispatch(x, topk_idx=good, topk_weights=w, num_experts=EP2_E)
-    y = eputil.scaled_experts_normal(r.recv_x, r.recv_topk_idx, r.recv_topk_weights, rank, EP2_E // ws, plus_one)
+    y = eputil.scaled_experts_normal(
+        r.recv_x, r.recv_topk_idx, r.recv_topk_weights, rank, EP2_E // ws, plus_one
+    )
     out = buf.combine(y, r.handle).combined_x
     return {"err": err, "ops": None if ops0 is None else ops1 - ops0, "out": out}
 
@@ -199,13 +244,20 @@ def test_ep2_rejected_ids(pool_factory, mode, bad_value):
     res = pool_factory(ws).run(rank_ep2_reject, 1, bad_value, mode, timeout=60)
     op = "dispatch" if mode == "normal" else "low_latency_dispatch"
     e1 = res[1]["err"]
-    assert e1 is not None and f"mooncake_ep {op} (rank 1)" in e1 and f"topk_idx[1, 2] = {bad_value}" in e1 \
-        and "[0, 8)" in e1 and "nothing was sent" in e1, e1
+    assert (
+        e1 is not None
+        and f"mooncake_ep {op} (rank 1)" in e1
+        and f"topk_idx[1, 2] = {bad_value}" in e1
+        and "[0, 8)" in e1
+        and "nothing was sent" in e1
+    ), e1
     e0 = res[0]["err"]
     assert e0 is not None and f"mooncake_ep {op} (rank 0)" in e0 and "rank(s) [1]" in e0, e0
     for r in range(ws):
         if res[r]["ops"] is not None:
-            assert res[r]["ops"] == 1, f"rank {r}: {res[r]['ops']} ops issued by the rejected call (expected the header only)"
+            assert res[r]["ops"] == 1, (
+                f"rank {r}: {res[r]['ops']} ops issued by the rejected call (expected the header only)"
+            )
         x = ep2_x(r)
         exp = torch.stack([0.5 * 2 * x[0] + 0.25 * 7 * x[0], torch.zeros(EP2_H)])
         assert torch.equal(res[r]["out"], exp)
@@ -220,7 +272,7 @@ def rank_ep4(rank, ws, reps):
     import mooncake_ep
 
     E = 8 * ws
-    L = E // ws
+    E // ws
     buf = mooncake_ep.Buffer()
     g = torch.Generator().manual_seed(4000 + rank)
     x = torch.randint(0, 2, (EP4_T, EP4_H), generator=g).to(torch.bfloat16)
@@ -250,4 +302,6 @@ def test_ep4_repeatability(pool_factory, ws):
     exactly 8 x."""
     res = pool_factory(ws).run(rank_ep4, EP4_REPS, timeout=60 + 2.0 * EP4_REPS * ws)
     for r in range(ws):
-        assert res[r] == {"normal": [], "low_latency": []}, f"rank {r}: repetitions with wrong output: {res[r]}"
+        assert res[r] == {"normal": [], "low_latency": []}, (
+            f"rank {r}: repetitions with wrong output: {res[r]}"
+        )

@@ -11,12 +11,12 @@
 * On a machine with CUDA and a CUDA build of ``mooncake_pg`` (``WITH_CUDA``), the same ops
   on CUDA tensors equal the CPU results; skipped otherwise.
 """
+
 from __future__ import annotations
 
+import eputil
 import pytest
 import torch
-
-import eputil
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -48,8 +48,14 @@ def _ops(buf, rank, ws, dtype, seed, device="cpu"):
     x, idx, w = x.to(device), idx.to(device), w.to(device)
     xg = x.clone().requires_grad_(True)
     r = buf.dispatch(xg, topk_idx=idx, topk_weights=w, num_experts=E)
-    y = eputil.scaled_experts_normal(r.recv_x.detach().cpu(), r.recv_topk_idx.cpu(),
-                                     r.recv_topk_weights.detach().cpu(), rank, L, _scale).to(device)
+    y = eputil.scaled_experts_normal(
+        r.recv_x.detach().cpu(),
+        r.recv_topk_idx.cpu(),
+        r.recv_topk_weights.detach().cpu(),
+        rank,
+        L,
+        _scale,
+    ).to(device)
     yg = y.clone().requires_grad_(True)
     c = buf.combine(yg, r.handle)
     (c.combined_x.float() * torch.arange(H, device=device).float()).sum().backward()
@@ -63,9 +69,18 @@ def _ops(buf, rank, ws, dtype, seed, device="cpu"):
     out_ll = buf.low_latency_combine(y_ll, idx, w, ll.handle).combined_x
     q = buf.low_latency_dispatch(x, idx, Tm, E, use_fp8=True)
     qx, qs = q.recv_x
-    res = {"recv_x": r.recv_x, "recv_idx": r.recv_topk_idx, "recv_w": r.recv_topk_weights,
-           "combined": c.combined_x, "grad_x": xg.grad, "grad_y": yg.grad, "cached": cached,
-           "ll_count": ll.recv_count, "out_ll": out_ll, "fp8_count": q.recv_count}
+    res = {
+        "recv_x": r.recv_x,
+        "recv_idx": r.recv_topk_idx,
+        "recv_w": r.recv_topk_weights,
+        "combined": c.combined_x,
+        "grad_x": xg.grad,
+        "grad_y": yg.grad,
+        "cached": cached,
+        "ll_count": ll.recv_count,
+        "out_ll": out_ll,
+        "fp8_count": q.recv_count,
+    }
     for l, n in enumerate(counts):
         res[f"ll_x{l}"] = ll.recv_x[l, :n]
         res[f"fp8_q{l}"] = qx[l, :n].contiguous().view(torch.uint8)
@@ -104,17 +119,23 @@ def rank_triton_vs_torch(rank, ws):
         r = b.dispatch(xz, topk_idx=none_idx, num_experts=2 * ws)
         out[f"empty_{name}"] = (tuple(r.recv_x.shape), b.combine(r.recv_x, r.handle).combined_x)
         ll = b.low_latency_dispatch(xz, none_idx, 5, 2 * ws)
-        out[f"empty_ll_{name}"] = b.low_latency_combine(ll.recv_x, none_idx, torch.ones(5, 2), ll.handle).combined_x
+        out[f"empty_ll_{name}"] = b.low_latency_combine(
+            ll.recv_x, none_idx, torch.ones(5, 2), ll.handle
+        ).combined_x
     out["loaded_after_triton"] = "mooncake_ep.triton_kernels" in sys.modules
     probe = torch.zeros(2, 2)
     out["use"] = {k: K_._use_triton(probe, k) for k in ("auto", "torch", "triton")}
     # the normal combine's Triton path applies to these inputs (not a silent fallback)
-    out["combine_triton"] = K_.sum_rows_by_table(probe, torch.tensor([[0, 1]]), kernels="triton") is not None
+    out["combine_triton"] = (
+        K_.sum_rows_by_table(probe, torch.tensor([[0, 1]]), kernels="triton") is not None
+    )
     return out
 
 
 def _bits(t):
-    return t.contiguous().view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
+    return (
+        t.contiguous().view(torch.uint8) if t.is_floating_point() and t.element_size() == 1 else t
+    )
 
 
 @pytest.mark.skipif(not _triton_importable(), reason="triton is not importable")
@@ -134,17 +155,23 @@ def test_triton_kernels_match_torch_under_interpreter(pool_factory, ws):
             shape, comb = o[f"empty_{name}"]
             assert shape == (0, 16) and torch.equal(comb, torch.zeros(5, 16)), (r, name)
             assert torch.equal(o[f"empty_ll_{name}"], torch.zeros(5, 16)), (r, name)
-        assert not o["loaded_before"] and not o["loaded_after_torch"], "torch kernels imported Triton's"
+        assert not o["loaded_before"] and not o["loaded_after_torch"], (
+            "torch kernels imported Triton's"
+        )
         assert o["loaded_after_triton"], "the Triton kernels were never imported"
         for name in ("bfloat16", "float32"):
             ref, got, env_got = o[name]["ref"], o[name]["got"], o[name]["env"]
             assert set(ref) == set(got) == set(env_got)
             assert set(o[name]["devices"].values()) == {"cpu"}
-            assert any(k.startswith("fp8_q") and v.numel() for k, v in ref.items()), "no fp8 rows moved"
+            assert any(k.startswith("fp8_q") and v.numel() for k, v in ref.items()), (
+                "no fp8 rows moved"
+            )
             for k in ref:
                 for label, g in (("triton", got[k]), ("env", env_got[k])):
                     assert g.dtype == ref[k].dtype and g.shape == ref[k].shape, (r, name, k, label)
-                    assert torch.equal(_bits(g), _bits(ref[k])), f"rank {r} {name} {k} ({label}) differs"
+                    assert torch.equal(_bits(g), _bits(ref[k])), (
+                        f"rank {r} {name} {k} ({label}) differs"
+                    )
 
 
 def rank_moe_triton_vs_torch(rank, ws):
@@ -160,8 +187,11 @@ def rank_moe_triton_vs_torch(rank, ws):
         x = torch.randn((T + rank, H), generator=g).requires_grad_()
         y = moe(x)
         (y * torch.arange(H).float()).sum().backward()
-        out[kern] = {"y": y.detach(), "gx": x.grad,
-                     "grads": [p.grad for ex in moe.experts for p in ex.parameters()]}
+        out[kern] = {
+            "y": y.detach(),
+            "gx": x.grad,
+            "grads": [p.grad for ex in moe.experts for p in ex.parameters()],
+        }
     return out
 
 
@@ -194,15 +224,20 @@ def rank_device_errors(rank, ws):
     meta = torch.device("meta")
     cases = {
         "x_meta": lambda: buf.dispatch(x.to(meta), topk_idx=idx.to(meta), num_experts=E),
-        "x_meta_rank1": lambda: buf.dispatch(x.to(meta) if rank == 1 else x, topk_idx=idx, num_experts=E),
+        "x_meta_rank1": lambda: buf.dispatch(
+            x.to(meta) if rank == 1 else x, topk_idx=idx, num_experts=E
+        ),
         "idx_mixed": lambda: buf.dispatch(x, topk_idx=idx.to(meta), topk_weights=w, num_experts=E),
         "w_mixed": lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w.to(meta), num_experts=E),
         "combine_meta": lambda: buf.combine(r.recv_x.to(meta), r.handle),
         "cached_meta": lambda: buf.dispatch(x.to(meta), handle=r.handle),
         "ll_idx_mixed": lambda: buf.low_latency_dispatch(x, idx.to(meta), 4, E),
-        "ll_combine_w_mixed": lambda: buf.low_latency_combine(ll.recv_x, idx, w.to(meta), ll.handle),
-        "ll_combine_out_mixed": lambda: buf.low_latency_combine(ll.recv_x, idx, w, ll.handle,
-                                                                out=torch.empty((4, H), device=meta)),
+        "ll_combine_w_mixed": lambda: buf.low_latency_combine(
+            ll.recv_x, idx, w.to(meta), ll.handle
+        ),
+        "ll_combine_out_mixed": lambda: buf.low_latency_combine(
+            ll.recv_x, idx, w, ll.handle, out=torch.empty((4, H), device=meta)
+        ),
     }
     if not mooncake_pg.WITH_CUDA:
         # CUDA tensors on a CPU-only build: fake CUDA tensors (no GPU needed); the check
@@ -235,7 +270,7 @@ def test_device_errors_raise_everywhere(pool_factory):
     res = pool_factory(ws).run(rank_device_errors, timeout=90)
     for r in range(ws):
         o = res[r]
-        x, idx, w = eputil.make_inputs(r, 4, 16, 2 * ws, 2)
+        x, idx, _w = eputil.make_inputs(r, 4, 16, 2 * ws, 2)
         # identity experts: each token comes back once per rank it went to
         in_rank = torch.zeros((4, ws), dtype=torch.bool)
         for t in range(4):
@@ -250,7 +285,10 @@ def test_device_errors_raise_everywhere(pool_factory):
             op = "low_latency_" if name.startswith("ll_") else ""
             op += "combine" if "combine" in name else "dispatch"
             assert f"mooncake_ep {op} (rank {r})" in msg and "nothing was sent" in msg, (name, msg)
-        assert "x is on meta, expected a device the group's backend" in o["x_meta"] and "cpu" in o["x_meta"]
+        assert (
+            "x is on meta, expected a device the group's backend" in o["x_meta"]
+            and "cpu" in o["x_meta"]
+        )
         if r == 1:
             assert "x is on meta" in o["x_meta_rank1"]
         else:
@@ -280,7 +318,13 @@ def rank_cuda_vs_cpu(rank, ws, kernels):
     dev = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(dev)
     cfg = mooncake_ep.EPConfig(kernels=kernels)
-    cpu, _ = _ops(mooncake_ep.Buffer(config=mooncake_ep.EPConfig(kernels="torch")), rank, ws, torch.bfloat16, 9)
+    cpu, _ = _ops(
+        mooncake_ep.Buffer(config=mooncake_ep.EPConfig(kernels="torch")),
+        rank,
+        ws,
+        torch.bfloat16,
+        9,
+    )
     gpu, devs = _ops(mooncake_ep.Buffer(config=cfg), rank, ws, torch.bfloat16, 9, device=dev)
     return {"cpu": cpu, "gpu": gpu, "devices": devs, "dev": str(dev)}
 
@@ -298,7 +342,13 @@ def test_cuda_tensors_match_cpu(pool_factory, kernels):
         o = res[r]
         assert set(o["devices"].values()) == {o["dev"]}, o["devices"]
         for k in o["cpu"]:
-            if k == "out_ll":   # up to K weighted rows per token: CUDA's index_add_ adds them in any order
-                torch.testing.assert_close(o["gpu"][k].float(), o["cpu"][k].float(), rtol=2 ** -7, atol=1e-6)
+            if (
+                k == "out_ll"
+            ):  # up to K weighted rows per token: CUDA's index_add_ adds them in any order
+                torch.testing.assert_close(
+                    o["gpu"][k].float(), o["cpu"][k].float(), rtol=2**-7, atol=1e-6
+                )
                 continue
-            assert torch.equal(_bits(o["gpu"][k]), _bits(o["cpu"][k])), f"rank {r} {k} differs on CUDA"
+            assert torch.equal(_bits(o["gpu"][k]), _bits(o["cpu"][k])), (
+                f"rank {r} {k} differs on CUDA"
+            )

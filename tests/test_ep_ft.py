@@ -15,6 +15,7 @@ the group's agreement (op timeout), never masked privately; and a rank that dies
 replaced gets its experts' weights back (``ExpertParallelMoE.restore_experts``) before
 any token is routed to it.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,11 +23,10 @@ import signal
 import sys
 import time
 
-import pytest
-import torch
-
 import eputil
+import pytest
 import rankpool
+import torch
 from rankpool import RankPool, RemoteError
 
 pytestmark = pytest.mark.timeout(120)
@@ -53,21 +53,28 @@ def _try(fn, log, name):
         log.append({"op": name, "raised": None, "dt": time.monotonic() - t0})
         return res
     except mooncake_pg.RankFailureError as e:
-        log.append({"op": name, "raised": {"failed": sorted(e.failed_ranks), "epoch": e.epoch},
-                    "dt": time.monotonic() - t0})
+        log.append(
+            {
+                "op": name,
+                "raised": {"failed": sorted(e.failed_ranks), "epoch": e.epoch},
+                "dt": time.monotonic() - t0,
+            }
+        )
         return fn()
 
 
 def rank_kill_between(rank, ws, seed):
-    import mooncake_pg
     import mooncake_ep
+    import mooncake_pg
 
     buf = mooncake_ep.Buffer()
     L = E // ws
     x, idx, w = eputil.make_inputs(rank, T + rank, H, E, K, torch.float32, seed, 0.2)
     r = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
     ll = buf.low_latency_dispatch(x, idx, T + ws, E)
-    y = eputil.scaled_experts_normal(r.recv_x, r.recv_topk_idx, r.recv_topk_weights, rank, L, plus_one)
+    y = eputil.scaled_experts_normal(
+        r.recv_x, r.recv_topk_idx, r.recv_topk_weights, rank, L, plus_one
+    )
     y_ll = eputil.scaled_experts_ll(ll.recv_x, rank, L, plus_one)
     if rank == VICTIM:
         sys.stderr.write(f"[test_ep_ft] rank {rank}: SIGKILL between dispatch and combine\n")
@@ -76,25 +83,42 @@ def rank_kill_between(rank, ws, seed):
         time.sleep(60)
     log = []
     out = _try(lambda: buf.combine(y, r.handle).combined_x, log, "combine")
-    out_ll = _try(lambda: buf.low_latency_combine(y_ll, idx, w, ll.handle).combined_x, log, "low_latency_combine")
+    out_ll = _try(
+        lambda: buf.low_latency_combine(y_ll, idx, w, ll.handle).combined_x,
+        log,
+        "low_latency_combine",
+    )
     # later rounds run over the survivors
     r2 = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
-    y2 = eputil.scaled_experts_normal(r2.recv_x, r2.recv_topk_idx, r2.recv_topk_weights, rank, L, plus_one)
+    y2 = eputil.scaled_experts_normal(
+        r2.recv_x, r2.recv_topk_idx, r2.recv_topk_weights, rank, L, plus_one
+    )
     out2 = buf.combine(y2, r2.handle).combined_x
     ll2 = buf.low_latency_dispatch(x, idx, T + ws, E)
-    out2_ll = buf.low_latency_combine(eputil.scaled_experts_ll(ll2.recv_x, rank, L, plus_one), idx, w,
-                                      ll2.handle).combined_x
+    out2_ll = buf.low_latency_combine(
+        eputil.scaled_experts_ll(ll2.recv_x, rank, L, plus_one), idx, w, ll2.handle
+    ).combined_x
     # the MoE layer after the failure (forward and input gradient)
     gate, experts = eputil.build_model(H, E, 2, 16, "topk", seed=4)
     moe = mooncake_ep.ExpertParallelMoE(gate, experts)
     xm = eputil.make_inputs(rank, T, H, E, K, torch.float32, seed + 1)[0].requires_grad_()
     ym = moe(xm)
     ym.sum().backward()
-    return {"out": out, "out_ll": out_ll, "out2": out2, "out2_ll": out2_ll, "log": log,
-            "recv_from_victim": r2.recv_x.shape[0], "moe_y": ym.detach(), "moe_gx": xm.grad,
-            "active": mooncake_pg.get_active_ranks().tolist(), "epoch": mooncake_pg.get_epoch(),
-            "buf_active": buf.get_active_ranks().tolist(), "buf_epoch": buf.get_epoch(),
-            "failed": sorted(mooncake_pg.backend_of().failed_ranks())}
+    return {
+        "out": out,
+        "out_ll": out_ll,
+        "out2": out2,
+        "out2_ll": out2_ll,
+        "log": log,
+        "recv_from_victim": r2.recv_x.shape[0],
+        "moe_y": ym.detach(),
+        "moe_gx": xm.grad,
+        "active": mooncake_pg.get_active_ranks().tolist(),
+        "epoch": mooncake_pg.get_epoch(),
+        "buf_active": buf.get_active_ranks().tolist(),
+        "buf_epoch": buf.get_epoch(),
+        "failed": sorted(mooncake_pg.backend_of().failed_ranks()),
+    }
 
 
 @pytest.mark.parametrize("policy", ["mask", "raise"])
@@ -109,7 +133,9 @@ def test_kill_between_dispatch_and_combine(policy):
     assert isinstance(res[VICTIM], RemoteError) and res[VICTIM].type_name == "RankDied", res[VICTIM]
     survivors = [r for r in range(W) if r != VICTIM]
     bad = {r: res[r] for r in survivors if isinstance(res[r], RemoteError)}
-    assert not bad, "\n".join(f"rank {r}: {e.type_name}: {e.message}\n{e.traceback}" for r, e in bad.items())
+    assert not bad, "\n".join(
+        f"rank {r}: {e.type_name}: {e.message}\n{e.traceback}" for r, e in bad.items()
+    )
     L = E // W
     dead = set(range(VICTIM * L, (VICTIM + 1) * L))
     gate, experts = eputil.build_model(H, E, 2, 16, "topk", seed=4)
@@ -118,11 +144,23 @@ def test_kill_between_dispatch_and_combine(policy):
         x, idx, w = eputil.make_inputs(r, T + r, H, E, K, torch.float32, seed, 0.2)
         exp = eputil.ref_scaled_moe(x, idx, w, plus_one, excluded=dead).float()
         full = eputil.ref_scaled_moe(x, idx, w, plus_one).float()
-        assert not torch.allclose(exp, full), "the test routes nothing to the victim: it proves nothing"
+        assert not torch.allclose(exp, full), (
+            "the test routes nothing to the victim: it proves nothing"
+        )
         for key in ("out", "out_ll", "out2", "out2_ll"):
-            torch.testing.assert_close(o[key], exp, rtol=1e-6, atol=1e-5, msg=lambda m: f"rank {r} {key}: {m}")
-        assert o["active"] == [1, 1, 0, 1] and o["buf_active"] == [1, 1, 0, 1], (r, o["active"], o["buf_active"])
-        assert o["epoch"] == 1 and o["buf_epoch"] == 1 and o["failed"] == [VICTIM], (r, o["epoch"], o["failed"])
+            torch.testing.assert_close(
+                o[key], exp, rtol=1e-6, atol=1e-5, msg=lambda m: f"rank {r} {key}: {m}"
+            )
+        assert o["active"] == [1, 1, 0, 1] and o["buf_active"] == [1, 1, 0, 1], (
+            r,
+            o["active"],
+            o["buf_active"],
+        )
+        assert o["epoch"] == 1 and o["buf_epoch"] == 1 and o["failed"] == [VICTIM], (
+            r,
+            o["epoch"],
+            o["failed"],
+        )
         raised = [e for e in o["log"] if e["raised"]]
         if policy == "mask":
             assert not raised, f"rank {r}: on_failure='mask' raised: {o['log']}"
@@ -143,22 +181,29 @@ SILENT_TIMEOUT = 3.0
 
 
 def rank_silent_between(rank, ws, seed):
-    import mooncake_pg
     import mooncake_ep
+    import mooncake_pg
 
     buf = mooncake_ep.Buffer()
     L = E // ws
     x, idx, w = eputil.make_inputs(rank, T + rank, H, E, K, torch.float32, seed, 0.2)
     r = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
-    y = eputil.scaled_experts_normal(r.recv_x, r.recv_topk_idx, r.recv_topk_weights, rank, L, plus_one)
+    y = eputil.scaled_experts_normal(
+        r.recv_x, r.recv_topk_idx, r.recv_topk_weights, rank, L, plus_one
+    )
     if rank == VICTIM:
-        time.sleep(SILENT_TIMEOUT + 2.0)        # alive but silent: no process death to see
+        time.sleep(SILENT_TIMEOUT + 2.0)  # alive but silent: no process death to see
         return {"slept": True}
     t0 = time.monotonic()
     out = buf.combine(y, r.handle).combined_x
     dt = time.monotonic() - t0
-    return {"out": out, "dt": dt, "active": buf.get_active_ranks().tolist(), "epoch": buf.get_epoch(),
-            "failed": sorted(mooncake_pg.backend_of().failed_ranks())}
+    return {
+        "out": out,
+        "dt": dt,
+        "active": buf.get_active_ranks().tolist(),
+        "epoch": buf.get_epoch(),
+        "failed": sorted(mooncake_pg.backend_of().failed_ranks()),
+    }
 
 
 def test_silent_peer_is_reported_to_the_agreement():
@@ -175,7 +220,9 @@ def test_silent_peer_is_reported_to_the_agreement():
         pool.close(graceful=False)
     survivors = [r for r in range(W) if r != VICTIM]
     bad = {r: res[r] for r in survivors if isinstance(res[r], RemoteError)}
-    assert not bad, "\n".join(f"rank {r}: {e.type_name}: {e.message}\n{e.traceback}" for r, e in bad.items())
+    assert not bad, "\n".join(
+        f"rank {r}: {e.type_name}: {e.message}\n{e.traceback}" for r, e in bad.items()
+    )
     L = E // W
     dead = set(range(VICTIM * L, (VICTIM + 1) * L))
     for r in survivors:
@@ -243,8 +290,8 @@ def rank_rj_kill(rank, ws, victim):
         time.sleep(60)
     x = eputil.make_inputs(rank, RJ_T, RJ_H, RJ_E, RJ_K, torch.float32, 30)[0]
     with torch.no_grad():
-        y = moe(x)               # over the survivors
-    moe.snapshot_experts()       # a snapshot while the victim is dead keeps its copy
+        y = moe(x)  # over the survivors
+    moe.snapshot_experts()  # a snapshot while the victim is dead keeps its copy
     return y
 
 
@@ -265,7 +312,7 @@ def rank_rj_rejoin(rank, ws, victim):
         # fresh weights: the old ones died with the process. A training script builds its
         # model before join_group (examples/moe_rl_demo.py), another one after it.
         early = _rj_model(rank, ws)
-        out["guard_joining"] = _guard(early)    # not even joined yet
+        out["guard_joining"] = _guard(early)  # not even joined yet
         mooncake_pg.join_group(None, timeout=20)
         late = _rj_model(rank, ws)
         out["fresh_digest"] = _state_digest(early)
@@ -317,7 +364,9 @@ def test_rejoined_rank_gets_its_experts_back():
         assert not any(isinstance(v, RemoteError) for v in res), res
         digests = res
         res = rp.run(rank_rj_kill, victim)
-        assert isinstance(res[victim], RemoteError) and res[victim].type_name == "RankDied", res[victim]
+        assert isinstance(res[victim], RemoteError) and res[victim].type_name == "RankDied", res[
+            victim
+        ]
         gate, experts = _perturbed_experts()
         L = RJ_E // 3
         dead = set(range(victim * L, (victim + 1) * L))
@@ -330,19 +379,28 @@ def test_rejoined_rank_gets_its_experts_back():
         rp.respawn(victim)
         res = rp.run(rank_rj_rejoin, victim, timeout=60)
         bad = {r: v for r, v in enumerate(res) if isinstance(v, RemoteError)}
-        assert not bad, "\n".join(f"rank {r}: {e.type_name}: {e.message}\n{e.traceback}" for r, e in bad.items())
+        assert not bad, "\n".join(
+            f"rank {r}: {e.type_name}: {e.message}\n{e.traceback}" for r, e in bad.items()
+        )
     finally:
         rp.close()
-    assert res[victim]["fresh_digest"] != digests[victim], "the replacement started with the old weights"
+    assert res[victim]["fresh_digest"] != digests[victim], (
+        "the replacement started with the old weights"
+    )
     o = res[victim]
     assert o["guard_joining"] is not None and "join_group" in o["guard_joining"], o["guard_joining"]
     for key in ("guard_late", "guard_again"):
         assert o[key] is not None and "restore_experts" in o[key] and "[1]" in o[key], (key, o[key])
     for r in range(3):
         o = res[r]
-        assert o["guard"] is not None and "restore_experts" in o["guard"] and "[1]" in o["guard"], (r, o["guard"])
+        assert o["guard"] is not None and "restore_experts" in o["guard"] and "[1]" in o["guard"], (
+            r,
+            o["guard"],
+        )
         assert f"(rank {r})" in o["guard"], (r, o["guard"])
-        assert o["digest"] == digests[r], f"rank {r}: experts after restore differ from before the failure"
+        assert o["digest"] == digests[r], (
+            f"rank {r}: experts after restore differ from before the failure"
+        )
         assert o["active"] == [1, 1, 1] and o["epoch"] == 2, (r, o["active"], o["epoch"])
         x = eputil.make_inputs(r, RJ_T, RJ_H, RJ_E, RJ_K, torch.float32, 31)[0]
         with torch.no_grad():

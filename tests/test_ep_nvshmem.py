@@ -19,14 +19,14 @@
 * On a GPU with a CUDA build and nvshmem4py: the real NVSHMEM path against the group path
   (skipped elsewhere; ``tests/device/gpu_checks.py`` step ``ep_nvshmem`` runs it too).
 """
+
 from __future__ import annotations
 
 import os
 
+import eputil
 import pytest
 import torch
-
-import eputil
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -50,10 +50,15 @@ def test_config_and_environment(monkeypatch):
             env_defaults()
     monkeypatch.setenv("MOONCAKE_EP_LOW_LATENCY_BACKEND", "nvshmem")
     # explicit options win over the environment
-    assert resolve(mooncake_ep.EPConfig(low_latency_backend="group"), 2)["low_latency_backend"] == "group"
+    assert (
+        resolve(mooncake_ep.EPConfig(low_latency_backend="group"), 2)["low_latency_backend"]
+        == "group"
+    )
     assert resolve(mooncake_ep.EPConfig(), 2)["low_latency_backend"] == "nvshmem"
     monkeypatch.setenv("MOONCAKE_EP_LOW_LATENCY_BACKEND", "ibgda")
-    with pytest.raises(ValueError, match="MOONCAKE_EP_LOW_LATENCY_BACKEND must be one of .*'ibgda'"):
+    with pytest.raises(
+        ValueError, match="MOONCAKE_EP_LOW_LATENCY_BACKEND must be one of .*'ibgda'"
+    ):
         env_defaults()
     with pytest.raises(ValueError, match="low_latency_backend must be one of .*'nccl'"):
         mooncake_ep.EPConfig(low_latency_backend="nccl")
@@ -64,23 +69,37 @@ def test_nvshmem_import_is_lazy_and_guarded():
     import subprocess
     import sys
 
-    code = ("import sys, torch, mooncake_ep; from mooncake_ep import _nvshmem as n; "
-            "assert 'nvshmem' not in sys.modules and 'mooncake_ep._nvshmem' in sys.modules; "
-            "print(n.local_unusable(torch.device('cpu'), 0, 1, [0])); "
-            "n._TEST_ALLOW_CPU = True; print(n.local_unusable(torch.device('cpu'), 0, 1, [0]))")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    code = (
+        "import sys, torch, mooncake_ep; from mooncake_ep import _nvshmem as n; "
+        "assert 'nvshmem' not in sys.modules and 'mooncake_ep._nvshmem' in sys.modules; "
+        "print(n.local_unusable(torch.device('cpu'), 0, 1, [0])); "
+        "n._TEST_ALLOW_CPU = True; print(n.local_unusable(torch.device('cpu'), 0, 1, [0]))"
+    )
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            [
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                os.environ.get("PYTHONPATH", ""),
+            ]
+        ),
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
     assert out.returncode == 0, out.stderr
     first, second = out.stdout.strip().splitlines()
     assert first == "expected CUDA tensors, got x on cpu"
     try:
         import nvshmem.core  # noqa: F401
+
         has = True
     except Exception:
         has = False
     if not has:
-        assert second.startswith("nvshmem.core does not import") and "nvshmem4py-cu13" in second, second
+        assert second.startswith("nvshmem.core does not import") and "nvshmem4py-cu13" in second, (
+            second
+        )
 
 
 # ------------------------------------------------------------------ selection (no NVSHMEM)
@@ -93,16 +112,22 @@ def _ll_round(buf, rank, ws, dtype=torch.float32, seed=3, fp8=False, backward=Tr
     recv_count left out (uninitialised by contract)."""
     E = E_PER_RANK * ws
     L = E // ws
-    x, idx, w = (t.to(device) for t in eputil.make_inputs(rank, T + rank % 2, H, E, K, dtype, seed, 0.2))
+    x, idx, w = (
+        t.to(device) for t in eputil.make_inputs(rank, T + rank % 2, H, E, K, dtype, seed, 0.2)
+    )
     Tm = T + 2
     xg = x.clone().requires_grad_(backward)
     wg = w.clone().requires_grad_(backward)
     ll = buf.low_latency_dispatch(xg, idx, Tm, E)
     f = torch.tensor([float(rank * L + l + 1) for l in range(L)], device=device).view(L, 1, 1)
-    y = (ll.recv_x.float() * f).to(ll.recv_x.dtype)      # local expert e multiplies by e + 1
+    y = (ll.recv_x.float() * f).to(ll.recv_x.dtype)  # local expert e multiplies by e + 1
     out = buf.low_latency_combine(y, idx, wg, ll.handle).combined_x
-    res = {"count": ll.recv_count.clone(), "out": out.detach().clone(), "backend": buf.low_latency_backend,
-           "handle_backend": ll.handle.backend}
+    res = {
+        "count": ll.recv_count.clone(),
+        "out": out.detach().clone(),
+        "backend": buf.low_latency_backend,
+        "handle_backend": ll.handle.backend,
+    }
     for l, n in enumerate(ll.recv_count.tolist()):
         res[f"x{l}"] = ll.recv_x[l, :n].detach().clone()
     if backward:
@@ -120,12 +145,12 @@ def _ll_round(buf, rank, ws, dtype=torch.float32, seed=3, fp8=False, backward=Tr
 def _equal(a, b, close=()):
     """Bit for bit, except ``close`` keys: within one bf16 rounding (sums that CUDA's
     index_add_ adds in no fixed order)."""
-    assert set(a) == set(b), (set(a) ^ set(b))
+    assert set(a) == set(b), set(a) ^ set(b)
     for k in a:
         if isinstance(a[k], torch.Tensor):
             assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
             if k in close:
-                torch.testing.assert_close(a[k].float(), b[k].float(), rtol=2 ** -7, atol=1e-5)
+                torch.testing.assert_close(a[k].float(), b[k].float(), rtol=2**-7, atol=1e-5)
             else:
                 assert torch.equal(a[k], b[k]), f"{k} differs"
 
@@ -190,6 +215,7 @@ def test_backend_selection_without_nvshmem(pool_factory, ws):
     res = pool_factory(ws).run(rank_selection, timeout=120)
     try:
         import nvshmem.core  # noqa: F401
+
         installed = True
     except Exception:
         installed = False
@@ -201,13 +227,21 @@ def test_backend_selection_without_nvshmem(pool_factory, ws):
         assert o["auto"]["backend"] == o["auto"]["handle_backend"] == "group"
         assert o["ref"]["backend"] == "group" and o["group_reason"] is None
         assert "NVSHMEM is not usable on rank(s) [0, 1]" in o["auto_reason"], o["auto_reason"]
-        assert f"on rank {r}: expected CUDA tensors, got x on cpu" in o["auto_reason"], o["auto_reason"]
+        assert f"on rank {r}: expected CUDA tensors, got x on cpu" in o["auto_reason"], o[
+            "auto_reason"
+        ]
         e = o["errors"]
         for name in ("forced_cpu", "forced_env"):
             msg = e[name]
             assert msg is not None, name
-            assert msg.startswith(f"mooncake_ep low_latency_dispatch (rank {r}): ") and "nothing was sent" in msg, msg
-            assert "low_latency_backend='nvshmem'" in msg and "expected CUDA tensors, got x on cpu" in msg, msg
+            assert (
+                msg.startswith(f"mooncake_ep low_latency_dispatch (rank {r}): ")
+                and "nothing was sent" in msg
+            ), msg
+            assert (
+                "low_latency_backend='nvshmem'" in msg
+                and "expected CUDA tensors, got x on cpu" in msg
+            ), msg
         msg = e["forced_not_installed"]
         assert msg is not None and f"(rank {r})" in msg and "nothing was sent" in msg
         if not installed:
@@ -216,8 +250,11 @@ def test_backend_selection_without_nvshmem(pool_factory, ws):
             assert "expected CUDA tensors, got x on cpu" in e["mixed"], e["mixed"]
         else:
             assert "rank(s) [1] passed invalid arguments" in e["mixed"], e["mixed"]
-        assert "ranks disagree on low_latency_backend" in e["disagree"] and "rank 0: 'group'" in e["disagree"] \
-            and "rank 1: 'auto'" in e["disagree"], e["disagree"]
+        assert (
+            "ranks disagree on low_latency_backend" in e["disagree"]
+            and "rank 0: 'group'" in e["disagree"]
+            and "rank 1: 'auto'" in e["disagree"]
+        ), e["disagree"]
 
 
 # ------------------------------------------------------------------ the protocol, on fake NVSHMEM
@@ -239,23 +276,38 @@ def rank_fake_nvshmem(rank, ws, directory):
         b_grp = mooncake_ep.Buffer(config=cfg(low_latency_backend="group"))
         out = {"runs": {}}
         for dt in (torch.bfloat16, torch.float32):
-            out["runs"][str(dt)] = (_ll_round(b_grp, rank, ws, dt, fp8=True), _ll_round(b_nv, rank, ws, dt, fp8=True))
+            out["runs"][str(dt)] = (
+                _ll_round(b_grp, rank, ws, dt, fp8=True),
+                _ll_round(b_nv, rank, ws, dt, fp8=True),
+            )
         calls_before_grow = dict(fake.CALLS)
         # float64 rows are wider than the first allocation: the buffers grow (collectively)
-        out["runs"]["float64"] = (_ll_round(b_grp, rank, ws, torch.float64), _ll_round(b_nv, rank, ws, torch.float64))
+        out["runs"]["float64"] = (
+            _ll_round(b_grp, rank, ws, torch.float64),
+            _ll_round(b_nv, rank, ws, torch.float64),
+        )
         out["grew"] = fake.CALLS["free_tensor"] - calls_before_grow.get("free_tensor", 0)
         # a second Buffer (auto) on the same group: the same NVSHMEM world, its own buffers
         b_auto = mooncake_ep.Buffer()
-        out["runs"]["auto"] = (_ll_round(b_grp, rank, ws, seed=8), _ll_round(b_auto, rank, ws, seed=8))
+        out["runs"]["auto"] = (
+            _ll_round(b_grp, rank, ws, seed=8),
+            _ll_round(b_auto, rank, ws, seed=8),
+        )
         # nothing routed anywhere on this rank
         E = E_PER_RANK * ws
         xz = torch.randn(3, H)
         none = torch.full((3, 2), -1, dtype=torch.int64)
         ll = b_nv.low_latency_dispatch(xz, none, 4, E)
-        out["empty"] = b_nv.low_latency_combine(ll.recv_x, none, torch.ones(3, 2), ll.handle).combined_x
+        out["empty"] = b_nv.low_latency_combine(
+            ll.recv_x, none, torch.ones(3, 2), ll.handle
+        ).combined_x
         out["calls"] = dict(fake.CALLS)
         out["token"] = fake._S["token"]
-        out["backends"] = (b_nv.low_latency_backend, b_auto.low_latency_backend, b_auto.low_latency_fallback_reason)
+        out["backends"] = (
+            b_nv.low_latency_backend,
+            b_auto.low_latency_backend,
+            b_auto.low_latency_fallback_reason,
+        )
         return out
     finally:
         fake.uninstall()
@@ -268,8 +320,9 @@ def test_nvshmem_protocol_on_fake_library(pool_factory, ws, tmp_path):
     path's results bit for bit: low-latency dispatch, combine, backward (both directions
     over NVSHMEM) and fp8; bf16, float32 and float64 (the buffers grow); auto picks NVSHMEM
     when every rank can; one unique id reaches every rank through the group."""
-    res = pool_factory(ws, env={"MOONCAKE_TEST_FAKE_NVSHMEM": "1"}).run(rank_fake_nvshmem, str(tmp_path),
-                                                                         timeout=240)
+    res = pool_factory(ws, env={"MOONCAKE_TEST_FAKE_NVSHMEM": "1"}).run(
+        rank_fake_nvshmem, str(tmp_path), timeout=240
+    )
     tokens = {res[r]["token"] for r in range(ws)}
     assert len(tokens) == 1 and None not in tokens
     for r in range(ws):
@@ -283,7 +336,7 @@ def test_nvshmem_protocol_on_fake_library(pool_factory, ws, tmp_path):
         c = o["calls"]
         assert c["init"] == 1 and c["get_unique_id"] == 1, c
         assert c["put_signal_nbi"] > 0 and c["put_bytes"] > 0 and c["signal_wait"] > 0, c
-        assert o["grew"] == 2, o["grew"]   # send and receive buffer of one Buffer, once
+        assert o["grew"] == 2, o["grew"]  # send and receive buffer of one Buffer, once
 
 
 def rank_fake_init_failure(rank, ws, directory, backend):
@@ -323,14 +376,18 @@ def test_nvshmem_init_failure(pool_factory, backend, tmp_path):
     rank 1 before any token moves; with "auto" every rank falls back to the group (same
     results) and records why."""
     ws = 2
-    res = pool_factory(ws, env={"MOONCAKE_TEST_FAKE_NVSHMEM": "1"}).run(rank_fake_init_failure, str(tmp_path),
-                                                                         backend, timeout=120)
+    res = pool_factory(ws, env={"MOONCAKE_TEST_FAKE_NVSHMEM": "1"}).run(
+        rank_fake_init_failure, str(tmp_path), backend, timeout=120
+    )
     for r in range(ws):
         o = res[r]
         assert o["inits"] == 1, o["inits"]
         if backend == "nvshmem":
             msg = o["error"]
-            assert msg.startswith(f"mooncake_ep low_latency_dispatch (rank {r}): ") and "nothing was sent" in msg
+            assert (
+                msg.startswith(f"mooncake_ep low_latency_dispatch (rank {r}): ")
+                and "nothing was sent" in msg
+            )
             assert "NVSHMEM setup failed on rank(s) [1]" in msg, msg
         else:
             assert "error" not in o
@@ -358,7 +415,7 @@ def rank_real_nvshmem_no_gpu(rank, ws, backend):
     from mooncake_ep import _nvshmem
 
     _nvshmem._reset_for_tests()
-    _nvshmem._TEST_ALLOW_CPU = True     # CPU tensors through to the real library's init
+    _nvshmem._TEST_ALLOW_CPU = True  # CPU tensors through to the real library's init
     try:
         buf = mooncake_ep.Buffer(config=mooncake_ep.EPConfig(low_latency_backend=backend))
         out = {}
@@ -372,21 +429,28 @@ def rank_real_nvshmem_no_gpu(rank, ws, backend):
         _nvshmem._reset_for_tests()
 
 
-@pytest.mark.skipif(_real_nvshmem_without_gpu() is not None, reason=str(_real_nvshmem_without_gpu()))
+@pytest.mark.skipif(
+    _real_nvshmem_without_gpu() is not None, reason=str(_real_nvshmem_without_gpu())
+)
 @pytest.mark.parametrize("backend", ["nvshmem", "auto"])
 def test_real_nvshmem4py_without_gpu(pool_factory, backend):
     """Where nvshmem4py-cu13 is installed but there is no GPU (a scratch venv; not CI): the
     unique id goes through the group, the real init fails, and every rank raises
     (``nvshmem``) or falls back to the group (``auto``) with the reason."""
     ws = 2
-    res = pool_factory(ws, env={"MOONCAKE_TEST_REAL_NVSHMEM": "1"}).run(rank_real_nvshmem_no_gpu, backend,
-                                                                          timeout=120)
+    res = pool_factory(ws, env={"MOONCAKE_TEST_REAL_NVSHMEM": "1"}).run(
+        rank_real_nvshmem_no_gpu, backend, timeout=120
+    )
     for r in range(ws):
         o = res[r]
         text = o.get("error") or o["reason"]
-        assert "NVSHMEM setup failed on rank(s)" in text and "nvshmem.core.init failed" in text, text
+        assert "NVSHMEM setup failed on rank(s)" in text and "nvshmem.core.init failed" in text, (
+            text
+        )
         if backend == "nvshmem":
-            assert o["error"].startswith(f"mooncake_ep low_latency_dispatch (rank {r}): "), o["error"]
+            assert o["error"].startswith(f"mooncake_ep low_latency_dispatch (rank {r}): "), o[
+                "error"
+            ]
         else:
             assert o["got"]["backend"] == "group"
 
@@ -415,8 +479,10 @@ def rank_cuda_nvshmem(rank, ws):
     grp = mooncake_ep.Buffer(config=cfg(low_latency_backend="group"))
     out = {}
     for dt in (torch.bfloat16, torch.float32):
-        out[str(dt)] = (_ll_round(grp, rank, ws, dt, fp8=True, device=dev),
-                        _ll_round(nv, rank, ws, dt, fp8=True, device=dev))
+        out[str(dt)] = (
+            _ll_round(grp, rank, ws, dt, fp8=True, device=dev),
+            _ll_round(nv, rank, ws, dt, fp8=True, device=dev),
+        )
     out["dev"] = str(dev)
     return out
 
@@ -427,7 +493,9 @@ def test_nvshmem_on_cuda_matches_group(pool_factory):
     and fp8 over the real NVSHMEM equal the group path (rows, counts, fp8 bit for bit; the
     weighted sums within one bf16 rounding), results on the GPU."""
     ws = 2
-    res = pool_factory(ws, env={"MOONCAKE_TEST_NVSHMEM_GPU": "1"}).run(rank_cuda_nvshmem, timeout=240)
+    res = pool_factory(ws, env={"MOONCAKE_TEST_NVSHMEM_GPU": "1"}).run(
+        rank_cuda_nvshmem, timeout=240
+    )
     for r in range(ws):
         o = res[r]
         for name in ("torch.bfloat16", "torch.float32"):

@@ -8,6 +8,7 @@ is not importable. The kernels are written for Triton 3.6 and 3.9; this runs aga
 installed one (``MOONCAKE_TEST_TRITON_PATH`` prepends another triton to the child's
 ``sys.path``, e.g. a ``pip install --target`` of 3.6).
 """
+
 from __future__ import annotations
 
 import json
@@ -105,11 +106,12 @@ def _run_child(code, interpret):
         env.pop("TRITON_INTERPRET", None)
     extra = os.environ.get("MOONCAKE_TEST_TRITON_PATH")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (extra, REPO, env.get("PYTHONPATH")) if p)
-    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=150)
+    p = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=150
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")][-1]
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def test_kernels_under_interpreter():

@@ -22,6 +22,7 @@ with a ``RemoteError`` of type ``RankDied`` (checked by :func:`run_killed`).
 Environment: ``MOONCAKE_FT_SEED`` (soak seed, default 20261129), ``MOONCAKE_FT_SOAK_TRIALS``
 (default 10).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,16 +35,15 @@ import sys
 import time
 
 import pytest
+import rankpool
 import torch
 import torch.distributed as dist
-
-import rankpool
 from rankpool import RankPool, RemoteError
 
-OP_TIMEOUT = 30.0          # MooncakeOptions.timeout of every pool here
-DETECT_BOUND = 5.0         # detection + agreement must take well under OP_TIMEOUT
-FAST_BOUND = 1.0           # fail-fast ops once a failure is known (FT-4)
-RUN_TIMEOUT = 45.0         # one pool.run: bounded even if a survivor hangs to its op timeout
+OP_TIMEOUT = 30.0  # MooncakeOptions.timeout of every pool here
+DETECT_BOUND = 5.0  # detection + agreement must take well under OP_TIMEOUT
+FAST_BOUND = 1.0  # fail-fast ops once a failure is known (FT-4)
+RUN_TIMEOUT = 45.0  # one pool.run: bounded even if a survivor hangs to its op timeout
 TRANSPORTS = ["shm", "tcp"]
 
 pytestmark = pytest.mark.timeout(150)
@@ -61,8 +61,8 @@ class Fault:
 
     victim: int
     op: int
-    how: str = "inject"     # "inject" | "sigkill" | "exit0"
-    round: int = 0          # inject only: the round of op ``op`` the victim never reaches
+    how: str = "inject"  # "inject" | "sigkill" | "exit0"
+    round: int = 0  # inject only: the round of op ``op`` the victim never reaches
 
     def __post_init__(self):
         assert self.how in ("inject", "sigkill", "exit0"), self.how
@@ -103,8 +103,9 @@ def maybe_die(rank, fault, op_index):
 
 def victim_survived(rank, fault):
     """Rank side: the victim got past the point where it should have died."""
-    raise AssertionError(f"rank {rank}: still alive after the fault ({fault.describe()}); "
-                         "the fault did not fire")
+    raise AssertionError(
+        f"rank {rank}: still alive after the fault ({fault.describe()}); the fault did not fire"
+    )
 
 
 @pytest.fixture
@@ -125,7 +126,9 @@ def ft_pool():
         p.close(graceful=False)
 
 
-_AGREED = re.compile(r"\[mooncake\] rank (\d+) group '([^']*)': epoch (\d+) agreed: ([^;\n]*);(\S*)")
+_AGREED = re.compile(
+    r"\[mooncake\] rank (\d+) group '([^']*)': epoch (\d+) agreed: ([^;\n]*);(\S*)"
+)
 
 
 def agreed_records(pool, ranks):
@@ -142,9 +145,12 @@ def agreed_records(pool, ranks):
 
 
 def mooncake_lines(pool, ranks):
-    return "\n".join(f"rank {r}: {line}" for r in ranks
-                     for line in rankpool._log_tail(pool.logs[r], 200_000).splitlines()
-                     if "[mooncake]" in line or "[test_ft]" in line)
+    return "\n".join(
+        f"rank {r}: {line}"
+        for r in ranks
+        for line in rankpool._log_tail(pool.logs[r], 200_000).splitlines()
+        if "[mooncake]" in line or "[test_ft]" in line
+    )
 
 
 def run_killed(pool, fn, *args, victims, timeout=RUN_TIMEOUT):
@@ -157,10 +163,15 @@ def run_killed(pool, fn, *args, victims, timeout=RUN_TIMEOUT):
     logs = mooncake_lines(pool, range(pool.world_size))
     for v in victims:
         assert isinstance(res[v], RemoteError) and res[v].type_name == "RankDied", (
-            f"victim rank {v} should have died, got {res[v]!r}\n{logs}")
+            f"victim rank {v} should have died, got {res[v]!r}\n{logs}"
+        )
     bad = {r: res[r] for r in survivors if isinstance(res[r], RemoteError)}
-    assert not bad, ("survivors raised:\n" + "\n".join(
-        f"rank {r}: {e.type_name}: {e.message}\n{e.traceback}" for r, e in bad.items()) + "\n" + logs)
+    assert not bad, (
+        "survivors raised:\n"
+        + "\n".join(f"rank {r}: {e.type_name}: {e.message}\n{e.traceback}" for r, e in bad.items())
+        + "\n"
+        + logs
+    )
     return {r: res[r] for r in survivors}, wall
 
 
@@ -173,10 +184,13 @@ def check_log_blame(pool, survivors, victims):
     for r, lst in recs.items():
         for group, epoch, failed, rest in lst:
             assert set(failed) <= set(victims), (
-                f"rank {r} logged an agreement blaming {failed} (only {sorted(victims)} died)\n{logs}")
+                f"rank {r} logged an agreement blaming {failed} (only {sorted(victims)} died)\n{logs}"
+            )
             by_key.setdefault((group, epoch), {})[r] = (tuple(failed), rest)
     for key, per_rank in by_key.items():
-        assert len(set(per_rank.values())) == 1, f"survivors logged different records for {key}: {per_rank}\n{logs}"
+        assert len(set(per_rank.values())) == 1, (
+            f"survivors logged different records for {key}: {per_rank}\n{logs}"
+        )
     return recs
 
 
@@ -193,18 +207,33 @@ def _outcome(fn):
         val = fn()
         return {"ok": True, "dt": time.monotonic() - t0, "val": val}
     except mooncake_pg.RankFailureError as e:
-        return {"ok": False, "dt": time.monotonic() - t0, "type": type(e).__name__,
-                "failed": sorted(e.failed_ranks), "epoch": e.epoch, "msg": str(e)[:500]}
-    except Exception as e:  # noqa: BLE001 - recorded, the parent asserts on it
-        return {"ok": False, "dt": time.monotonic() - t0, "type": type(e).__name__,
-                "failed": None, "epoch": None, "msg": str(e)[:500]}
+        return {
+            "ok": False,
+            "dt": time.monotonic() - t0,
+            "type": type(e).__name__,
+            "failed": sorted(e.failed_ranks),
+            "epoch": e.epoch,
+            "msg": str(e)[:500],
+        }
+    except Exception as e:
+        return {
+            "ok": False,
+            "dt": time.monotonic() - t0,
+            "type": type(e).__name__,
+            "failed": None,
+            "epoch": None,
+            "msg": str(e)[:500],
+        }
 
 
 def _membership(g):
     import mooncake_pg
 
-    return {"active": mooncake_pg.get_active_ranks(g).tolist(), "epoch": mooncake_pg.get_epoch(g),
-            "failed": sorted(mooncake_pg.backend_of(g).failed_ranks())}
+    return {
+        "active": mooncake_pg.get_active_ranks(g).tolist(),
+        "epoch": mooncake_pg.get_epoch(g),
+        "failed": sorted(mooncake_pg.backend_of(g).failed_ranks()),
+    }
 
 
 # ============================================================================= FT-1
@@ -212,8 +241,8 @@ def _membership(g):
 FT1_W = 4
 FT1_ITERS = 200
 FT1_VICTIM = 1
-FT1_KILL_OP = 21        # the victim dies after iteration 20 (0-based collective 21 never completes)
-FT1_BIG_N = 3_000_000   # the large all_reduce of the mid-op variants: 24 rounds with 1 MiB slots
+FT1_KILL_OP = 21  # the victim dies after iteration 20 (0-based collective 21 never completes)
+FT1_BIG_N = 3_000_000  # the large all_reduce of the mid-op variants: 24 rounds with 1 MiB slots
 FT1_FAULTS = {
     "sigkill": Fault(FT1_VICTIM, FT1_KILL_OP, "sigkill"),
     "exit0": Fault(FT1_VICTIM, FT1_KILL_OP, "exit0"),
@@ -264,46 +293,66 @@ def test_ft1_kill_mid_allreduce(ft_pool, transport, policy, variant):
     for i in range(FT1_ITERS):
         outs = {r: res[r]["recs"][i] for r in survivors}
         oks = {r: o["ok"] for r, o in outs.items()}
-        assert len(set(oks.values())) == 1, f"{ctx} iteration {i}: survivors disagree on the outcome: {outs}\n{logs}"
+        assert len(set(oks.values())) == 1, (
+            f"{ctx} iteration {i}: survivors disagree on the outcome: {outs}\n{logs}"
+        )
         if not oks[survivors[0]]:
             for r, o in outs.items():
                 assert o["type"] == "RankFailureError", f"{ctx} iteration {i} rank {r}: {o}\n{logs}"
                 assert o["failed"] == [fault.victim], (
-                    f"{ctx} iteration {i} rank {r} blames {o['failed']}, expected [{fault.victim}]: {o}\n{logs}")
-            assert len({o["epoch"] for o in outs.values()}) == 1, f"{ctx} iteration {i}: epochs differ: {outs}"
+                    f"{ctx} iteration {i} rank {r} blames {o['failed']}, expected [{fault.victim}]: {o}\n{logs}"
+                )
+            assert len({o["epoch"] for o in outs.values()}) == 1, (
+                f"{ctx} iteration {i}: epochs differ: {outs}"
+            )
             failing.append(i)
             values.append(None)
         else:
             ds = {o["val"]["digest"] for o in outs.values()}
-            assert len(ds) == 1, f"{ctx} iteration {i}: results differ across survivors: {outs}\n{logs}"
+            assert len(ds) == 1, (
+                f"{ctx} iteration {i}: results differ across survivors: {outs}\n{logs}"
+            )
             values.append(outs[survivors[0]]["val"]["values"])
 
     # the op in flight: the victim finished collective op-1 locally, so the first op
     # the survivors see fail is op-1 or op; with round >= 1 it is op exactly
     first_ok = fault.op - 1 if (fault.how != "inject" or fault.round == 0) else fault.op
     if policy == "raise":
-        assert len(failing) == 1, f"{ctx} expected exactly one op to raise, got iterations {failing}\n{logs}"
+        assert len(failing) == 1, (
+            f"{ctx} expected exactly one op to raise, got iterations {failing}\n{logs}"
+        )
         k = failing[0]
-        assert first_ok <= k <= fault.op, f"{ctx} the op that raised was iteration {k}, expected {fault.op}\n{logs}"
+        assert first_ok <= k <= fault.op, (
+            f"{ctx} the op that raised was iteration {k}, expected {fault.op}\n{logs}"
+        )
         for r in survivors:
             assert res[r]["recs"][k]["epoch"] == 1, f"{ctx} rank {r}: {res[r]['recs'][k]}"
     else:
-        assert not failing, f"{ctx} on_failure='mask' must not raise, iterations {failing} raised\n{logs}"
+        assert not failing, (
+            f"{ctx} on_failure='mask' must not raise, iterations {failing} raised\n{logs}"
+        )
         # the op in flight completes over the survivors (8) unless it had completed with
         # everyone; from the first op the victim never reached on, every result is 8
         k = next(i for i, v in enumerate(values) if v != [full])
-        assert first_ok <= k <= fault.op, f"{ctx} first result without rank 1 at iteration {k}: {values[k]}\n{logs}"
+        assert first_ok <= k <= fault.op, (
+            f"{ctx} first result without rank 1 at iteration {k}: {values[k]}\n{logs}"
+        )
     for i in range(FT1_ITERS):
         if i < k:
-            assert values[i] == [full], f"{ctx} iteration {i} before the failure gave {values[i]}, expected [{full}]"
+            assert values[i] == [full], (
+                f"{ctx} iteration {i} before the failure gave {values[i]}, expected [{full}]"
+            )
         elif i > k or policy == "mask":
             assert values[i] == [surv], (
-                f"{ctx} iteration {i} after the failure gave {values[i]}, expected [{surv}] (1+3+4)\n{logs}")
+                f"{ctx} iteration {i} after the failure gave {values[i]}, expected [{surv}] (1+3+4)\n{logs}"
+            )
 
     # bounded: the failing (or masked) op took well under the op timeout, and no op hung
     for r in survivors:
         dt = res[r]["recs"][k]["dt"]
-        assert dt < DETECT_BOUND, f"{ctx} rank {r}: the op in flight took {dt:.2f} s (op timeout {OP_TIMEOUT} s)"
+        assert dt < DETECT_BOUND, (
+            f"{ctx} rank {r}: the op in flight took {dt:.2f} s (op timeout {OP_TIMEOUT} s)"
+        )
         worst = max(o["dt"] for o in res[r]["recs"])
         assert worst < DETECT_BOUND, f"{ctx} rank {r}: slowest op took {worst:.2f} s"
 
@@ -312,22 +361,28 @@ def test_ft1_kill_mid_allreduce(ft_pool, transport, policy, variant):
         m = res[r]
         assert m["failed"] == [fault.victim], f"{ctx} rank {r}: failed ranks {m['failed']}\n{logs}"
         assert m["epoch"] == 1, f"{ctx} rank {r}: epoch {m['epoch']}\n{logs}"
-        assert m["active"] == [0 if j == fault.victim else 1 for j in range(FT1_W)], f"{ctx} rank {r}: {m['active']}"
+        assert m["active"] == [0 if j == fault.victim else 1 for j in range(FT1_W)], (
+            f"{ctx} rank {r}: {m['active']}"
+        )
     recs = check_log_blame(pool, survivors, [fault.victim])
     for r in survivors:
         assert any(ep == 1 and failed == [fault.victim] for _, ep, failed, _ in recs[r]), (
-            f"{ctx} rank {r} logged no 'epoch 1 agreed: {fault.victim}' line\n{logs}")
+            f"{ctx} rank {r} logged no 'epoch 1 agreed: {fault.victim}' line\n{logs}"
+        )
     dts = [res[r]["recs"][k]["dt"] for r in survivors]
-    print(f"{ctx} op in flight = iteration {k}; its duration per survivor: "
-          + ", ".join(f"{d * 1000:.1f} ms" for d in dts) + f"; run {wall:.2f} s")
+    print(
+        f"{ctx} op in flight = iteration {k}; its duration per survivor: "
+        + ", ".join(f"{d * 1000:.1f} ms" for d in dts)
+        + f"; run {wall:.2f} s"
+    )
 
 
 # ============================================================================= FT-4
 
 FT4_W = 3
 FT4_VICTIM = 2
-FT4_WARMUP = 3   # collectives before the victim dies
-FT4_N = 6        # numel of the input; out has FT4_W * FT4_N elements
+FT4_WARMUP = 3  # collectives before the victim dies
+FT4_N = 6  # numel of the input; out has FT4_W * FT4_N elements
 
 
 def rank_ft4(rank, ws, fault):
@@ -353,7 +408,9 @@ def rank_ft4(rank, ws, fault):
     for _ in range(10):
         recs["all_reduce"].append(_outcome(lambda: dist.all_reduce(out, group=g)))
         untouched()
-    recs["all_gather_into_tensor"] = _outcome(lambda: dist.all_gather_into_tensor(out, inp, group=g))
+    recs["all_gather_into_tensor"] = _outcome(
+        lambda: dist.all_gather_into_tensor(out, inp, group=g)
+    )
     untouched()
     recs["all_gather"] = _outcome(lambda: dist.all_gather(list(out.chunk(ws)), inp, group=g))
     untouched()
@@ -381,7 +438,10 @@ def rank_ft4(rank, ws, fault):
     recs["all_reduce_after"] = _outcome(lambda: (dist.all_reduce(t, group=g), t.item())[1])
     ag = torch.full((ws * FT4_N,), -7.0)
     recs["all_gather_after"] = _outcome(
-        lambda: (dist.all_gather_into_tensor(ag, inp, group=g), ag.view(ws, FT4_N)[:, 0].tolist())[1])
+        lambda: (dist.all_gather_into_tensor(ag, inp, group=g), ag.view(ws, FT4_N)[:, 0].tolist())[
+            1
+        ]
+    )
     recs["final"] = _membership(g)
     return recs
 
@@ -399,45 +459,72 @@ def test_ft4_manual_fails_fast_and_leaves_buffers(ft_pool, transport):
     for r, rec in sorted(res.items()):
         ars = rec["all_reduce"]
         for i, o in enumerate(ars):
-            assert not o["ok"], f"{ctx} rank {r}: all_reduce #{i} after the failure succeeded\n{logs}"
+            assert not o["ok"], (
+                f"{ctx} rank {r}: all_reduce #{i} after the failure succeeded\n{logs}"
+            )
             assert o["type"] == "RankFailureError" and o["failed"] == [fault.victim], (
-                f"{ctx} rank {r}: all_reduce #{i}: {o}\n{logs}")
+                f"{ctx} rank {r}: all_reduce #{i}: {o}\n{logs}"
+            )
             assert o["epoch"] == 1, f"{ctx} rank {r}: all_reduce #{i}: {o}"
             bound = DETECT_BOUND if i == 0 else FAST_BOUND
-            assert o["dt"] < bound, f"{ctx} rank {r}: all_reduce #{i} took {o['dt']:.3f} s (bound {bound} s)"
+            assert o["dt"] < bound, (
+                f"{ctx} rank {r}: all_reduce #{i} took {o['dt']:.3f} s (bound {bound} s)"
+            )
         for name in ("all_gather_into_tensor", "all_gather"):
             o = rec[name]
-            assert not o["ok"] and o["type"] == "RankFailureError" and o["failed"] == [fault.victim], (
-                f"{ctx} rank {r}: {name}: {o}\n{logs}")
+            assert (
+                not o["ok"] and o["type"] == "RankFailureError" and o["failed"] == [fault.victim]
+            ), f"{ctx} rank {r}: {name}: {o}\n{logs}"
             assert o["dt"] < FAST_BOUND, f"{ctx} rank {r}: {name} took {o['dt']:.3f} s"
         iss = rec["async_issue"]
         if iss["ok"]:
             wt = rec["async_wait"]
             assert not wt["ok"], f"{ctx} rank {r}: async all_reduce wait() reported success\n{logs}"
-            assert wt["type"] == "RankFailureError" and wt["failed"] == [fault.victim], f"{ctx} rank {r}: wait(): {wt}"
+            assert wt["type"] == "RankFailureError" and wt["failed"] == [fault.victim], (
+                f"{ctx} rank {r}: wait(): {wt}"
+            )
             assert not rec["async_is_success"], f"{ctx} rank {r}: work.is_success() is True"
             assert rec["async_failed_ranks"] == [fault.victim], (
-                f"{ctx} rank {r}: get_failed_ranks(work) = {rec['async_failed_ranks']}")
+                f"{ctx} rank {r}: get_failed_ranks(work) = {rec['async_failed_ranks']}"
+            )
         else:
-            assert iss["type"] == "RankFailureError" and iss["failed"] == [fault.victim], f"{ctx} rank {r}: {iss}"
-        assert rec["async_total_dt"] < FAST_BOUND, f"{ctx} rank {r}: async all_reduce took {rec['async_total_dt']:.3f} s"
-        assert all(rec["untouched"]), f"{ctx} rank {r}: `out` was modified (after op #{rec['untouched'].index(False)})"
+            assert iss["type"] == "RankFailureError" and iss["failed"] == [fault.victim], (
+                f"{ctx} rank {r}: {iss}"
+            )
+        assert rec["async_total_dt"] < FAST_BOUND, (
+            f"{ctx} rank {r}: async all_reduce took {rec['async_total_dt']:.3f} s"
+        )
+        assert all(rec["untouched"]), (
+            f"{ctx} rank {r}: `out` was modified (after op #{rec['untouched'].index(False)})"
+        )
         # manual: membership unchanged until deactivate_ranks
         b = rec["before_deactivate"]
-        assert b["active"] == [1, 1, 1] and b["epoch"] == 0, f"{ctx} rank {r}: before deactivate_ranks: {b}"
-        assert rec["deactivate"]["ok"], f"{ctx} rank {r}: deactivate_ranks: {rec['deactivate']}\n{logs}"
+        assert b["active"] == [1, 1, 1] and b["epoch"] == 0, (
+            f"{ctx} rank {r}: before deactivate_ranks: {b}"
+        )
+        assert rec["deactivate"]["ok"], (
+            f"{ctx} rank {r}: deactivate_ranks: {rec['deactivate']}\n{logs}"
+        )
         for key in ("after_deactivate", "final"):
             m = rec[key]
             assert m["active"] == [1, 1, 0] and m["epoch"] == 1 and m["failed"] == [fault.victim], (
-                f"{ctx} rank {r}: {key}: {m}")
+                f"{ctx} rank {r}: {key}: {m}"
+            )
         o = rec["all_reduce_after"]
         assert o["ok"] and o["val"] == 3.0, f"{ctx} rank {r}: all_reduce over {{0, 1}}: {o}\n{logs}"
         o = rec["all_gather_after"]
-        assert o["ok"] and o["val"] == [1.0, 2.0, -7.0], f"{ctx} rank {r}: all_gather over {{0, 1}}: {o}"
+        assert o["ok"] and o["val"] == [1.0, 2.0, -7.0], (
+            f"{ctx} rank {r}: all_gather over {{0, 1}}: {o}"
+        )
     check_log_blame(pool, sorted(res), [fault.victim])
-    print(f"{ctx} fail-fast durations (ms) per survivor: " + "; ".join(
-        f"rank {r}: " + ", ".join(f"{o['dt'] * 1000:.1f}" for o in rec["all_reduce"]) for r, rec in sorted(res.items()))
-        + f"; run {wall:.2f} s")
+    print(
+        f"{ctx} fail-fast durations (ms) per survivor: "
+        + "; ".join(
+            f"rank {r}: " + ", ".join(f"{o['dt'] * 1000:.1f}" for o in rec["all_reduce"])
+            for r, rec in sorted(res.items())
+        )
+        + f"; run {wall:.2f} s"
+    )
 
 
 # ============================================================ inactive seats (raise)
@@ -448,7 +535,6 @@ SENT = -1.0
 
 
 def rank_inactive_seats(rank, ws, fault):
-    import mooncake_pg
 
     g = make_group(rank, ws, fault)
     t = torch.tensor([float(rank + 1)])
@@ -466,9 +552,13 @@ def rank_inactive_seats(rank, ws, fault):
     # all_gather (list and tensor forms): slot 3 keeps its sentinel
     inp = torch.arange(m, dtype=torch.float32) + 100 * rank
     outs = [torch.full((m,), SENT) for _ in range(ws)]
-    out["all_gather"] = _outcome(lambda: (dist.all_gather(outs, inp, group=g), torch.stack(outs))[1])
+    out["all_gather"] = _outcome(
+        lambda: (dist.all_gather(outs, inp, group=g), torch.stack(outs))[1]
+    )
     flat = torch.full((ws * m,), SENT)
-    out["all_gather_into_tensor"] = _outcome(lambda: (dist.all_gather_into_tensor(flat, inp, group=g), flat.clone())[1])
+    out["all_gather_into_tensor"] = _outcome(
+        lambda: (dist.all_gather_into_tensor(flat, inp, group=g), flat.clone())[1]
+    )
 
     # AVG divides by the number of contributors (small: one round; large: pipelined)
     def avg(n):
@@ -480,16 +570,24 @@ def rank_inactive_seats(rank, ws, fault):
     out["avg_large"] = _outcome(lambda: avg(1 << 20))
 
     # all_to_all_single: nothing to/from rank 3; its output rows keep their sentinel
-    a_in = torch.cat([torch.arange(m, dtype=torch.float32) + 100 * rank + 10 * j for j in range(ws)])
+    a_in = torch.cat(
+        [torch.arange(m, dtype=torch.float32) + 100 * rank + 10 * j for j in range(ws)]
+    )
     a_out = torch.full((ws * m,), SENT)
-    out["all_to_all_single"] = _outcome(lambda: (dist.all_to_all_single(a_out, a_in, group=g), a_out.clone())[1])
+    out["all_to_all_single"] = _outcome(
+        lambda: (dist.all_to_all_single(a_out, a_in, group=g), a_out.clone())[1]
+    )
 
     # reduce_scatter over the survivors (tensor and list forms)
     rs_in = torch.arange(ws * m, dtype=torch.float32) + 1000 * rank
     rs_out = torch.full((m,), SENT)
-    out["reduce_scatter_tensor"] = _outcome(lambda: (dist.reduce_scatter_tensor(rs_out, rs_in, group=g), rs_out.clone())[1])
+    out["reduce_scatter_tensor"] = _outcome(
+        lambda: (dist.reduce_scatter_tensor(rs_out, rs_in, group=g), rs_out.clone())[1]
+    )
     rs_out2 = torch.full((m,), SENT)
-    out["reduce_scatter"] = _outcome(lambda: (dist.reduce_scatter(rs_out2, list(rs_in.chunk(ws)), group=g), rs_out2.clone())[1])
+    out["reduce_scatter"] = _outcome(
+        lambda: (dist.reduce_scatter(rs_out2, list(rs_in.chunk(ws)), group=g), rs_out2.clone())[1]
+    )
 
     # rooted ops whose root died raise, and leave the buffers alone
     root = fault.victim
@@ -499,22 +597,30 @@ def rank_inactive_seats(rank, ws, fault):
     rd = torch.full((m,), float(rank + 1))
     out["reduce_root3"] = _outcome(lambda: dist.reduce(rd, dst=root, group=g))
     out["reduce_root3_untouched"] = bool((rd == rank + 1).all())
-    out["gather_root3"] = _outcome(lambda: dist.gather(torch.full((m,), float(rank)), dst=root, group=g))
+    out["gather_root3"] = _outcome(
+        lambda: dist.gather(torch.full((m,), float(rank)), dst=root, group=g)
+    )
     sc = torch.full((m,), SENT)
     out["scatter_root3"] = _outcome(lambda: dist.scatter(sc, src=root, group=g))
     out["scatter_root3_untouched"] = bool((sc == SENT).all())
 
     # rooted ops with a live root run over the survivors; gather leaves slot 3 untouched
     gl = [torch.full((m,), SENT) for _ in range(ws)] if rank == 0 else None
-    out["gather_root0"] = _outcome(lambda: (dist.gather(torch.full((m,), float(rank)), gl, dst=0, group=g),
-                                            torch.stack(gl) if gl is not None else None)[1])
+    out["gather_root0"] = _outcome(
+        lambda: (
+            dist.gather(torch.full((m,), float(rank)), gl, dst=0, group=g),
+            torch.stack(gl) if gl is not None else None,
+        )[1]
+    )
     sl = [torch.full((m,), float(10 + j)) for j in range(ws)] if rank == 0 else None
     so = torch.full((m,), SENT)
     out["scatter_root0"] = _outcome(lambda: (dist.scatter(so, sl, src=0, group=g), so.tolist())[1])
     rd0 = torch.full((m,), float(rank + 1))
     out["reduce_root0"] = _outcome(lambda: (dist.reduce(rd0, dst=0, group=g), rd0.tolist())[1])
     bc0 = torch.full((m,), 42.0 if rank == 0 else SENT)
-    out["broadcast_root0"] = _outcome(lambda: (dist.broadcast(bc0, src=0, group=g), bc0.tolist())[1])
+    out["broadcast_root0"] = _outcome(
+        lambda: (dist.broadcast(bc0, src=0, group=g), bc0.tolist())[1]
+    )
 
     # p2p with the dead rank raises (blocking and async forms)
     p = torch.full((m,), float(rank))
@@ -560,59 +666,109 @@ def test_inactive_seats_after_failure(ft_pool, transport):
     def raises(r, name, bound=FAST_BOUND):
         o = res[r][name]
         assert not o["ok"], f"{ctx} rank {r}: {name} succeeded (expected RankFailureError)"
-        assert o["type"] == "RankFailureError" and o["failed"] == [IS_VICTIM], f"{ctx} rank {r}: {name}: {o}"
+        assert o["type"] == "RankFailureError" and o["failed"] == [IS_VICTIM], (
+            f"{ctx} rank {r}: {name}: {o}"
+        )
         assert o["dt"] < bound, f"{ctx} rank {r}: {name} took {o['dt']:.3f} s"
 
     for r in survivors:
         d = res[r]["detect"]
-        assert not d["ok"] and d["type"] == "RankFailureError" and d["failed"] == [IS_VICTIM] and d["epoch"] == 1, (
-            f"{ctx} rank {r}: detecting op: {d}\n{logs}")
+        assert (
+            not d["ok"]
+            and d["type"] == "RankFailureError"
+            and d["failed"] == [IS_VICTIM]
+            and d["epoch"] == 1
+        ), f"{ctx} rank {r}: detecting op: {d}\n{logs}"
         assert d["dt"] < DETECT_BOUND, f"{ctx} rank {r}: detection took {d['dt']:.2f} s"
-        assert res[r]["membership"] == {"active": [1, 1, 1, 0], "epoch": 1, "failed": [IS_VICTIM]}, res[r]["membership"]
+        assert res[r]["membership"] == {
+            "active": [1, 1, 1, 0],
+            "epoch": 1,
+            "failed": [IS_VICTIM],
+        }, res[r]["membership"]
 
-        exp_ag = torch.stack([ar + 100 * j if j != IS_VICTIM else torch.full((m,), SENT) for j in range(IS_W)])
+        exp_ag = torch.stack(
+            [ar + 100 * j if j != IS_VICTIM else torch.full((m,), SENT) for j in range(IS_W)]
+        )
         got = ok(r, "all_gather")
-        assert torch.equal(got, exp_ag), f"{ctx} rank {r}: all_gather\n got {got}\n expected {exp_ag}"
+        assert torch.equal(got, exp_ag), (
+            f"{ctx} rank {r}: all_gather\n got {got}\n expected {exp_ag}"
+        )
         got = ok(r, "all_gather_into_tensor")
-        assert torch.equal(got, exp_ag.flatten()), f"{ctx} rank {r}: all_gather_into_tensor\n got {got}"
+        assert torch.equal(got, exp_ag.flatten()), (
+            f"{ctx} rank {r}: all_gather_into_tensor\n got {got}"
+        )
 
-        assert ok(r, "avg_small") == [2.0], f"{ctx} rank {r}: AVG of 1,2,3 gave {res[r]['avg_small']}"
-        assert ok(r, "avg_large") == [2.0], f"{ctx} rank {r}: AVG (1 Mi elements) gave {res[r]['avg_large']}"
+        assert ok(r, "avg_small") == [2.0], (
+            f"{ctx} rank {r}: AVG of 1,2,3 gave {res[r]['avg_small']}"
+        )
+        assert ok(r, "avg_large") == [2.0], (
+            f"{ctx} rank {r}: AVG (1 Mi elements) gave {res[r]['avg_large']}"
+        )
 
-        exp_a2a = torch.cat([ar + 100 * j + 10 * r if j != IS_VICTIM else torch.full((m,), SENT)
-                             for j in range(IS_W)])
+        exp_a2a = torch.cat(
+            [
+                ar + 100 * j + 10 * r if j != IS_VICTIM else torch.full((m,), SENT)
+                for j in range(IS_W)
+            ]
+        )
         got = ok(r, "all_to_all_single")
-        assert torch.equal(got, exp_a2a), f"{ctx} rank {r}: all_to_all_single\n got {got}\n expected {exp_a2a}"
+        assert torch.equal(got, exp_a2a), (
+            f"{ctx} rank {r}: all_to_all_single\n got {got}\n expected {exp_a2a}"
+        )
 
-        exp_rs = sum(torch.arange(IS_W * m, dtype=torch.float32)[r * m:(r + 1) * m] + 1000 * j for j in survivors)
+        exp_rs = sum(
+            torch.arange(IS_W * m, dtype=torch.float32)[r * m : (r + 1) * m] + 1000 * j
+            for j in survivors
+        )
         for name in ("reduce_scatter_tensor", "reduce_scatter"):
             got = ok(r, name)
-            assert torch.equal(got, exp_rs), f"{ctx} rank {r}: {name}\n got {got}\n expected {exp_rs}"
+            assert torch.equal(got, exp_rs), (
+                f"{ctx} rank {r}: {name}\n got {got}\n expected {exp_rs}"
+            )
 
         for name in ("broadcast_root3", "reduce_root3", "gather_root3", "scatter_root3"):
             raises(r, name)
-        for name in ("broadcast_root3_untouched", "reduce_root3_untouched", "scatter_root3_untouched",
-                     "recv_from3_untouched"):
+        for name in (
+            "broadcast_root3_untouched",
+            "reduce_root3_untouched",
+            "scatter_root3_untouched",
+            "recv_from3_untouched",
+        ):
             assert res[r][name], f"{ctx} rank {r}: {name} is False (the failed op wrote its buffer)"
         for name in ("send_to3", "recv_from3", "isend_to3", "irecv_from3"):
             raises(r, name, DETECT_BOUND)
 
         got = ok(r, "gather_root0")
         if r == 0:
-            exp = torch.stack([torch.full((m,), float(j)) if j != IS_VICTIM else torch.full((m,), SENT)
-                               for j in range(IS_W)])
-            assert torch.equal(got, exp), f"{ctx} rank 0: gather to root 0\n got {got}\n expected {exp}"
-        assert ok(r, "scatter_root0") == [float(10 + r)] * m, f"{ctx} rank {r}: scatter from 0: {res[r]['scatter_root0']}"
+            exp = torch.stack(
+                [
+                    torch.full((m,), float(j)) if j != IS_VICTIM else torch.full((m,), SENT)
+                    for j in range(IS_W)
+                ]
+            )
+            assert torch.equal(got, exp), (
+                f"{ctx} rank 0: gather to root 0\n got {got}\n expected {exp}"
+            )
+        assert ok(r, "scatter_root0") == [float(10 + r)] * m, (
+            f"{ctx} rank {r}: scatter from 0: {res[r]['scatter_root0']}"
+        )
         exp_rd = [6.0] * m if r == 0 else [float(r + 1)] * m
-        assert ok(r, "reduce_root0") == exp_rd, f"{ctx} rank {r}: reduce to 0: {res[r]['reduce_root0']}"
-        assert ok(r, "broadcast_root0") == [42.0] * m, f"{ctx} rank {r}: broadcast from 0: {res[r]['broadcast_root0']}"
-        assert ok(r, "all_reduce_after") == 6.0, f"{ctx} rank {r}: all_reduce after: {res[r]['all_reduce_after']}"
+        assert ok(r, "reduce_root0") == exp_rd, (
+            f"{ctx} rank {r}: reduce to 0: {res[r]['reduce_root0']}"
+        )
+        assert ok(r, "broadcast_root0") == [42.0] * m, (
+            f"{ctx} rank {r}: broadcast from 0: {res[r]['broadcast_root0']}"
+        )
+        assert ok(r, "all_reduce_after") == 6.0, (
+            f"{ctx} rank {r}: all_reduce after: {res[r]['all_reduce_after']}"
+        )
         if r == 1:
             assert ok(r, "p2p_survivors") == [0.0] * m
         elif r == 0:
             ok(r, "p2p_survivors")
         assert res[r]["final"] == {"active": [1, 1, 1, 0], "epoch": 1, "failed": [IS_VICTIM]}, (
-            f"{ctx} rank {r}: membership changed by the failing rooted/p2p ops: {res[r]['final']}\n{logs}")
+            f"{ctx} rank {r}: membership changed by the failing rooted/p2p ops: {res[r]['final']}\n{logs}"
+        )
     check_log_blame(pool, survivors, [IS_VICTIM])
 
 
@@ -672,29 +828,46 @@ def test_p2p_peer_dies(ft_pool, transport, policy):
     for r in (0, 2):
         o = res[r]["p2p"]
         assert not o["ok"] and o["type"] == "RankFailureError" and o["failed"] == [P2P_VICTIM], (
-            f"{ctx} rank {r}: p2p with the dead rank: {o}\n{logs}")
+            f"{ctx} rank {r}: p2p with the dead rank: {o}\n{logs}"
+        )
         assert o["dt"] < DETECT_BOUND, f"{ctx} rank {r}: p2p failure took {o['dt']:.2f} s"
     assert res[0]["p2p_untouched"], f"{ctx} rank 0: the failed irecv wrote its buffer"
     c1 = {r: res[r]["coll1"] for r in survivors}
     assert len({o["ok"] for o in c1.values()}) == 1, (
-        f"{ctx} survivors disagree on the first collective after the failure: {c1}\n{logs}")
+        f"{ctx} survivors disagree on the first collective after the failure: {c1}\n{logs}"
+    )
     if policy == "mask":
-        assert all(o["ok"] for o in c1.values()), f"{ctx} mask: first collective raised: {c1}\n{logs}"
+        assert all(o["ok"] for o in c1.values()), (
+            f"{ctx} mask: first collective raised: {c1}\n{logs}"
+        )
     for r, o in c1.items():
         if o["ok"]:
-            assert o["val"] == 8.0, f"{ctx} rank {r}: first collective gave {o['val']}, expected 8\n{logs}"
+            assert o["val"] == 8.0, (
+                f"{ctx} rank {r}: first collective gave {o['val']}, expected 8\n{logs}"
+            )
         else:
-            assert o["type"] == "RankFailureError" and o["failed"] == [P2P_VICTIM], f"{ctx} rank {r}: {o}\n{logs}"
-        assert o["dt"] < DETECT_BOUND, f"{ctx} rank {r}: first collective took {o['dt']:.2f} s\n{logs}"
+            assert o["type"] == "RankFailureError" and o["failed"] == [P2P_VICTIM], (
+                f"{ctx} rank {r}: {o}\n{logs}"
+            )
+        assert o["dt"] < DETECT_BOUND, (
+            f"{ctx} rank {r}: first collective took {o['dt']:.2f} s\n{logs}"
+        )
     for r in survivors:
         o = res[r]["coll2"]
         assert o["ok"] and o["val"] == 8.0, f"{ctx} rank {r}: second collective: {o}\n{logs}"
         assert res[r]["final"] == {"active": [1, 0, 1, 1], "epoch": 1, "failed": [P2P_VICTIM]}, (
-            f"{ctx} rank {r}: {res[r]['final']}\n{logs}")
+            f"{ctx} rank {r}: {res[r]['final']}\n{logs}"
+        )
     check_log_blame(pool, survivors, [P2P_VICTIM])
-    print(f"{ctx} p2p failed after " + ", ".join(f"rank {r}: {res[r]['p2p']['dt'] * 1000:.1f} ms" for r in (0, 2))
-          + "; first collective: " + ", ".join(
-              f"rank {r}: {'ok' if o['ok'] else 'raised'} {o['dt'] * 1000:.1f} ms" for r, o in c1.items()))
+    print(
+        f"{ctx} p2p failed after "
+        + ", ".join(f"rank {r}: {res[r]['p2p']['dt'] * 1000:.1f} ms" for r in (0, 2))
+        + "; first collective: "
+        + ", ".join(
+            f"rank {r}: {'ok' if o['ok'] else 'raised'} {o['dt'] * 1000:.1f} ms"
+            for r, o in c1.items()
+        )
+    )
 
 
 # ============================================================================= soak
@@ -705,17 +878,17 @@ SOAK_TRIALS = int(os.environ.get("MOONCAKE_FT_SOAK_TRIALS", "10"))
 SOAK_POLICIES = ["raise", "mask", "manual"]
 # op -> (size parameter, rounds with the default 1 MiB slots at W=4)
 SOAK_OPS = {
-    "all_reduce": (1 << 19, 5),                 # 512 Ki floats: 4 pieces of 128 Ki + 1
-    "all_gather_into_tensor": (3 << 18, 3),     # 768 Ki floats in (3 MiB): 3 rounds of 1 MiB
-    "reduce_scatter_tensor": (1 << 18, 4),      # 256 Ki floats out: 4 rounds of 64 Ki
-    "all_to_all_single": (3 << 16, 3),          # 192 Ki floats per peer (768 KiB): 3 rounds of 256 KiB
-    "broadcast": (3 << 18, 3),                  # 3 MiB: 3 rounds of 1 MiB
+    "all_reduce": (1 << 19, 5),  # 512 Ki floats: 4 pieces of 128 Ki + 1
+    "all_gather_into_tensor": (3 << 18, 3),  # 768 Ki floats in (3 MiB): 3 rounds of 1 MiB
+    "reduce_scatter_tensor": (1 << 18, 4),  # 256 Ki floats out: 4 rounds of 64 Ki
+    "all_to_all_single": (3 << 16, 3),  # 192 Ki floats per peer (768 KiB): 3 rounds of 256 KiB
+    "broadcast": (3 << 18, 3),  # 3 MiB: 3 rounds of 1 MiB
     # a ring of isend/irecv (3 MiB messages: more than the p2p ring and socket buffers);
     # "round" 0: the victim dies before posting its p2p ops, 1: after posting its irecv
     "send_recv": (3 << 18, 2),
 }
 SOAK_REPLICATED = ("all_reduce", "all_gather_into_tensor", "broadcast")  # same output on every rank
-SOAK_KILL_OP = 2   # collectives 0 (small all_reduce) and 1 (the op, full group) complete first
+SOAK_KILL_OP = 2  # collectives 0 (small all_reduce) and 1 (the op, full group) complete first
 
 
 def _soak_trials():
@@ -730,8 +903,17 @@ def _soak_trials():
         victim = rng.randrange(SOAK_W)
         rnd = rng.randrange(SOAK_OPS[op][1])
         root = rng.choice([r for r in range(SOAK_W) if r != victim])
-        trials.append({"i": i, "policy": SOAK_POLICIES[i % 3], "transport": TRANSPORTS[i % 2], "op": op,
-                       "victim": victim, "round": rnd, "root": root})
+        trials.append(
+            {
+                "i": i,
+                "policy": SOAK_POLICIES[i % 3],
+                "transport": TRANSPORTS[i % 2],
+                "op": op,
+                "victim": victim,
+                "round": rnd,
+                "root": root,
+            }
+        )
     return trials
 
 
@@ -751,7 +933,9 @@ def soak_input(op, rank, ws, size, root):
         x = torch.cat([(torch.arange(n) % 5).float() + 100 * rank + 10 * j for j in range(ws)])
         return x, torch.full((ws * n,), SENT)
     if op == "broadcast":
-        return ((torch.arange(n) % 19).float() + 1000 if rank == root else torch.full((n,), SENT)), None
+        return (
+            (torch.arange(n) % 19).float() + 1000 if rank == root else torch.full((n,), SENT)
+        ), None
     raise ValueError(op)
 
 
@@ -761,13 +945,23 @@ def soak_reference(op, rank, ws, size, root, active):
     if op == "all_reduce":
         return sum(soak_input(op, j, ws, size, root)[0] for j in active)
     if op == "all_gather_into_tensor":
-        return torch.cat([soak_input(op, j, ws, size, root)[0] if j in active else torch.full((n,), SENT)
-                          for j in range(ws)])
+        return torch.cat(
+            [
+                soak_input(op, j, ws, size, root)[0] if j in active else torch.full((n,), SENT)
+                for j in range(ws)
+            ]
+        )
     if op == "reduce_scatter_tensor":
-        return sum(soak_input(op, j, ws, size, root)[0][rank * n:(rank + 1) * n] for j in active)
+        return sum(soak_input(op, j, ws, size, root)[0][rank * n : (rank + 1) * n] for j in active)
     if op == "all_to_all_single":
-        return torch.cat([soak_input(op, j, ws, size, root)[0][rank * n:(rank + 1) * n] if j in active
-                          else torch.full((n,), SENT) for j in range(ws)])
+        return torch.cat(
+            [
+                soak_input(op, j, ws, size, root)[0][rank * n : (rank + 1) * n]
+                if j in active
+                else torch.full((n,), SENT)
+                for j in range(ws)
+            ]
+        )
     if op == "broadcast":
         return soak_input(op, root, ws, size, root)[0]
     raise ValueError(op)
@@ -817,8 +1011,10 @@ def rank_soak_p2p(rank, ws, trial, fault):
         victim_survived(rank, fault)
     buf = torch.full((size,), SENT)
     # posting to a peer already known dead may raise at once; else the Work's wait() does
-    works = {"recv": lambda: dist.irecv(buf, src=prv, group=g),
-             "send": lambda: dist.isend(payload(rank, nxt), dst=nxt, group=g)}
+    works = {
+        "recv": lambda: dist.irecv(buf, src=prv, group=g),
+        "send": lambda: dist.isend(payload(rank, nxt), dst=nxt, group=g),
+    }
     posted = {k: _outcome(post) for k, post in works.items()}
     for k in ("send", "recv"):
         rec[k] = _outcome(posted[k]["val"].wait) if posted[k]["ok"] else posted[k]
@@ -839,8 +1035,12 @@ def rank_soak_p2p(rank, ws, trial, fault):
     i = alive.index(rank)
     n2, p2 = alive[(i + 1) % len(alive)], alive[(i - 1) % len(alive)]
     buf2 = torch.full((size,), SENT)
-    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, payload(rank, n2), n2, group=g),
-                                   dist.P2POp(dist.irecv, buf2, p2, group=g)])
+    reqs = dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, payload(rank, n2), n2, group=g),
+            dist.P2POp(dist.irecv, buf2, p2, group=g),
+        ]
+    )
     for q in reqs:
         q.wait()
     rec["ring2"] = bool(torch.equal(buf2, payload(p2, rank)))
@@ -871,38 +1071,60 @@ def check_p2p_trial(ft_pool, trial, label):
         o = res[r]
         assert o["op0"]["val"] == 10.0, f"{ctx} rank {r}: {o['op0']}"
         for key in ("send", "recv"):
-            assert o[key]["dt"] < DETECT_BOUND, f"{ctx} rank {r}: {key} took {o[key]['dt']:.2f} s\n{logs}"
-        if r == (v + 1) % SOAK_W:   # receives from the victim
-            assert failed_on_victim(o["recv"]), f"{ctx} rank {r}: irecv from the dead rank: {o['recv']}\n{logs}"
+            assert o[key]["dt"] < DETECT_BOUND, (
+                f"{ctx} rank {r}: {key} took {o[key]['dt']:.2f} s\n{logs}"
+            )
+        if r == (v + 1) % SOAK_W:  # receives from the victim
+            assert failed_on_victim(o["recv"]), (
+                f"{ctx} rank {r}: irecv from the dead rank: {o['recv']}\n{logs}"
+            )
             assert o["recv_untouched"], f"{ctx} rank {r}: the failed irecv wrote its buffer"
         else:
-            assert (o["recv"]["ok"] and o["recv_equal"]) or (policy == "manual" and failed_on_victim(o["recv"])), (
-                f"{ctx} rank {r}: irecv from live rank {(r - 1) % SOAK_W}: {o['recv']} equal={o['recv_equal']}\n{logs}")
-        if r == (v - 1) % SOAK_W:   # sends to the victim
+            assert (o["recv"]["ok"] and o["recv_equal"]) or (
+                policy == "manual" and failed_on_victim(o["recv"])
+            ), (
+                f"{ctx} rank {r}: irecv from live rank {(r - 1) % SOAK_W}: {o['recv']} equal={o['recv_equal']}\n{logs}"
+            )
+        if r == (v - 1) % SOAK_W:  # sends to the victim
             # completing is fine too: over TCP the kernel may take the whole 3 MiB into the
             # victim's socket buffers just before it dies, whether or not it posted its irecv
             assert failed_on_victim(o["send"]) or o["send"]["ok"], (
-                f"{ctx} rank {r}: isend to the dead rank: {o['send']}\n{logs}")
+                f"{ctx} rank {r}: isend to the dead rank: {o['send']}\n{logs}"
+            )
         else:
             assert o["send"]["ok"] or (policy == "manual" and failed_on_victim(o["send"])), (
-                f"{ctx} rank {r}: isend to a live rank: {o['send']}\n{logs}")
+                f"{ctx} rank {r}: isend to a live rank: {o['send']}\n{logs}"
+            )
     c1 = {r: res[r]["coll1"] for r in survivors}
-    assert len({o["ok"] for o in c1.values()}) == 1, f"{ctx} survivors disagree on the first collective: {c1}\n{logs}"
+    assert len({o["ok"] for o in c1.values()}) == 1, (
+        f"{ctx} survivors disagree on the first collective: {c1}\n{logs}"
+    )
     for r, o in c1.items():
-        assert o["dt"] < DETECT_BOUND, f"{ctx} rank {r}: first collective took {o['dt']:.2f} s\n{logs}"
+        assert o["dt"] < DETECT_BOUND, (
+            f"{ctx} rank {r}: first collective took {o['dt']:.2f} s\n{logs}"
+        )
         if o["ok"]:
-            assert policy != "manual" and o["val"] == float(sum(j + 1 for j in survivors)), f"{ctx} rank {r}: {o}"
+            assert policy != "manual" and o["val"] == float(sum(j + 1 for j in survivors)), (
+                f"{ctx} rank {r}: {o}"
+            )
         else:
-            assert policy != "mask" and failed_on_victim(o), f"{ctx} rank {r}: first collective: {o}\n{logs}"
+            assert policy != "mask" and failed_on_victim(o), (
+                f"{ctx} rank {r}: first collective: {o}\n{logs}"
+            )
     expected_active = [0 if j == v else 1 for j in range(SOAK_W)]
     for r in survivors:
         if policy == "manual":
-            assert res[r]["deactivate"]["ok"], f"{ctx} rank {r}: deactivate_ranks: {res[r]['deactivate']}\n{logs}"
+            assert res[r]["deactivate"]["ok"], (
+                f"{ctx} rank {r}: deactivate_ranks: {res[r]['deactivate']}\n{logs}"
+            )
         o = res[r]["coll2"]
-        assert o["ok"] and o["val"] == float(sum(j + 1 for j in survivors)), f"{ctx} rank {r}: second collective {o}"
+        assert o["ok"] and o["val"] == float(sum(j + 1 for j in survivors)), (
+            f"{ctx} rank {r}: second collective {o}"
+        )
         assert res[r]["ring2"], f"{ctx} rank {r}: the survivors' ring delivered wrong data"
         assert res[r]["final"] == {"active": expected_active, "epoch": 1, "failed": [v]}, (
-            f"{ctx} rank {r}: membership {res[r]['final']}\n{logs}")
+            f"{ctx} rank {r}: membership {res[r]['final']}\n{logs}"
+        )
     check_log_blame(pool, survivors, [v])
     print(f"{ctx} ok in {wall:.2f} s")
 
@@ -922,10 +1144,13 @@ def rank_soak(rank, ws, trial, fault):
             info = None
             if not eq:
                 bad = (got != exp).nonzero().flatten()
-                info = (f"{bad.numel()} of {got.numel()} elements differ; first at {bad[0].item()}: "
-                        f"got {got[bad[0]].item()} expected {exp[bad[0]].item()}; "
-                        f"last at {bad[-1].item()}: got {got[bad[-1]].item()} expected {exp[bad[-1]].item()}")
+                info = (
+                    f"{bad.numel()} of {got.numel()} elements differ; first at {bad[0].item()}: "
+                    f"got {got[bad[0]].item()} expected {exp[bad[0]].item()}; "
+                    f"last at {bad[-1].item()}: got {got[bad[-1]].item()} expected {exp[bad[-1]].item()}"
+                )
             return {"digest": digest(got), "equal": eq, "info": info}
+
         return fn
 
     def small_ar():
@@ -942,7 +1167,9 @@ def rank_soak(rank, ws, trial, fault):
         victim_survived(rank, fault)
     rec["after_inflight"] = _membership(g)
     if trial["policy"] == "manual" and not rec["inflight"]["ok"] and rec["inflight"]["failed"]:
-        rec["deactivate"] = _outcome(lambda: mooncake_pg.deactivate_ranks(g, rec["inflight"]["failed"]))
+        rec["deactivate"] = _outcome(
+            lambda: mooncake_pg.deactivate_ranks(g, rec["inflight"]["failed"])
+        )
     rec["next"] = _outcome(checked(survivors))
     rec["next_ar"] = _outcome(small_ar)
     rec["final"] = _membership(g)
@@ -950,8 +1177,13 @@ def rank_soak(rank, ws, trial, fault):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("trial", SOAK, ids=lambda t: (f"t{t['i']}-{t['policy']}-{t['transport']}-{t['op']}"
-                                                       f"-v{t['victim']}-r{t['round']}"))
+@pytest.mark.parametrize(
+    "trial",
+    SOAK,
+    ids=lambda t: (
+        f"t{t['i']}-{t['policy']}-{t['transport']}-{t['op']}-v{t['victim']}-r{t['round']}"
+    ),
+)
 def test_soak_random_kill(ft_pool, trial):
     """Soak: SIGKILL of a random rank (0 included) in a random op at a random round."""
     print(f"soak seed {SOAK_SEED} (MOONCAKE_FT_SEED), trial {trial}")
@@ -966,7 +1198,15 @@ def test_soak_random_kill(ft_pool, trial):
 def test_kill_mid_op(ft_pool, transport, policy, op):
     """Deterministic matrix of the soak: rank 1 SIGKILLed at round 1 of each op (after it
     delivered the first piece of its data), under each policy."""
-    trial = {"i": -1, "policy": policy, "transport": transport, "op": op, "victim": 1, "round": 1, "root": 0}
+    trial = {
+        "i": -1,
+        "policy": policy,
+        "transport": transport,
+        "op": op,
+        "victim": 1,
+        "round": 1,
+        "root": 0,
+    }
     check_kill_trial(ft_pool, trial, f"trial {trial}")
 
 
@@ -976,8 +1216,15 @@ def test_kill_mid_op(ft_pool, transport, policy, op):
 def test_kill_in_send_recv(ft_pool, transport, policy):
     """The soak's send/recv trial, deterministic: rank 2 dies in a ring of isend/irecv
     (before posting on shm, after posting its irecv on tcp), under each policy."""
-    trial = {"i": -1, "policy": policy, "transport": transport, "op": "send_recv", "victim": 2,
-             "round": 0 if transport == "shm" else 1, "root": 0}
+    trial = {
+        "i": -1,
+        "policy": policy,
+        "transport": transport,
+        "op": "send_recv",
+        "victim": 2,
+        "round": 0 if transport == "shm" else 1,
+        "root": 0,
+    }
     check_p2p_trial(ft_pool, trial, f"trial {trial}")
 
 
@@ -992,48 +1239,76 @@ def check_kill_trial(ft_pool, trial, label):
     policy = trial["policy"]
 
     for r in survivors:
-        assert res[r]["op0"]["ok"] and res[r]["op0"]["val"] == 10.0, f"{ctx} rank {r}: op0 {res[r]['op0']}"
+        assert res[r]["op0"]["ok"] and res[r]["op0"]["val"] == 10.0, (
+            f"{ctx} rank {r}: op0 {res[r]['op0']}"
+        )
         o = res[r]["op1"]
-        assert o["ok"] and o["val"]["equal"], f"{ctx} rank {r}: {trial['op']} before the kill: {o}\n{logs}"
+        assert o["ok"] and o["val"]["equal"], (
+            f"{ctx} rank {r}: {trial['op']} before the kill: {o}\n{logs}"
+        )
 
     # the op in flight: the same outcome on every survivor
     inf = {r: res[r]["inflight"] for r in survivors}
-    assert len({o["ok"] for o in inf.values()}) == 1, f"{ctx} survivors disagree on the op in flight: {inf}\n{logs}"
+    assert len({o["ok"] for o in inf.values()}) == 1, (
+        f"{ctx} survivors disagree on the op in flight: {inf}\n{logs}"
+    )
     for r, o in inf.items():
-        assert o["dt"] < DETECT_BOUND, f"{ctx} rank {r}: the op in flight took {o['dt']:.2f} s\n{logs}"
+        assert o["dt"] < DETECT_BOUND, (
+            f"{ctx} rank {r}: the op in flight took {o['dt']:.2f} s\n{logs}"
+        )
     if policy == "mask":
-        assert all(o["ok"] for o in inf.values()), f"{ctx} mask: the op in flight raised: {inf}\n{logs}"
+        assert all(o["ok"] for o in inf.values()), (
+            f"{ctx} mask: the op in flight raised: {inf}\n{logs}"
+        )
         if trial["op"] in SOAK_REPLICATED:  # the same output on every rank
             assert len({o["val"]["digest"] for o in inf.values()}) == 1, (
-                f"{ctx} mask: the op in flight gave different results on the survivors: {inf}\n{logs}")
+                f"{ctx} mask: the op in flight gave different results on the survivors: {inf}\n{logs}"
+            )
         for r, o in inf.items():
-            assert o["val"]["equal"], (f"{ctx} mask: rank {r}: the op in flight != reference over the survivors: "
-                                       f"{o['val']['info']}\n{logs}")
+            assert o["val"]["equal"], (
+                f"{ctx} mask: rank {r}: the op in flight != reference over the survivors: "
+                f"{o['val']['info']}\n{logs}"
+            )
     else:
         for r, o in inf.items():
             assert not o["ok"], f"{ctx} {policy}: rank {r}: the op in flight completed: {o}\n{logs}"
-            assert o["type"] == "RankFailureError" and o["failed"] == [fault.victim] and o["epoch"] == 1, (
-                f"{ctx} {policy}: rank {r}: the op in flight: {o}\n{logs}")
+            assert (
+                o["type"] == "RankFailureError"
+                and o["failed"] == [fault.victim]
+                and o["epoch"] == 1
+            ), f"{ctx} {policy}: rank {r}: the op in flight: {o}\n{logs}"
         if policy == "manual":
             for r in survivors:
                 m = res[r]["after_inflight"]
-                assert m["active"] == [1] * SOAK_W and m["epoch"] == 0, f"{ctx} manual: rank {r} before deactivate: {m}"
-                assert res[r]["deactivate"]["ok"], f"{ctx} rank {r}: deactivate_ranks: {res[r]['deactivate']}\n{logs}"
+                assert m["active"] == [1] * SOAK_W and m["epoch"] == 0, (
+                    f"{ctx} manual: rank {r} before deactivate: {m}"
+                )
+                assert res[r]["deactivate"]["ok"], (
+                    f"{ctx} rank {r}: deactivate_ranks: {res[r]['deactivate']}\n{logs}"
+                )
 
     # agreement, membership and the next ops over the survivors
     expected_active = [0 if j == fault.victim else 1 for j in range(SOAK_W)]
     for r in survivors:
         m = res[r]["final"]
         assert m == {"active": expected_active, "epoch": 1, "failed": [fault.victim]}, (
-            f"{ctx} rank {r}: membership {m}\n{logs}")
+            f"{ctx} rank {r}: membership {m}\n{logs}"
+        )
         o = res[r]["next"]
         assert o["ok"], f"{ctx} rank {r}: {trial['op']} after the failure raised: {o}\n{logs}"
-        assert o["val"]["equal"], f"{ctx} rank {r}: {trial['op']} after the failure: {o['val']['info']}\n{logs}"
+        assert o["val"]["equal"], (
+            f"{ctx} rank {r}: {trial['op']} after the failure: {o['val']['info']}\n{logs}"
+        )
         o = res[r]["next_ar"]
-        assert o["ok"] and o["val"] == float(sum(j + 1 for j in survivors)), f"{ctx} rank {r}: all_reduce after: {o}"
+        assert o["ok"] and o["val"] == float(sum(j + 1 for j in survivors)), (
+            f"{ctx} rank {r}: all_reduce after: {o}"
+        )
     check_log_blame(pool, survivors, [fault.victim])
-    print(f"{ctx} ok: op in flight {'completed' if inf[survivors[0]]['ok'] else 'raised'} in "
-          + ", ".join(f"{inf[r]['dt'] * 1000:.1f}" for r in survivors) + f" ms; run {wall:.2f} s")
+    print(
+        f"{ctx} ok: op in flight {'completed' if inf[survivors[0]]['ok'] else 'raised'} in "
+        + ", ".join(f"{inf[r]['dt'] * 1000:.1f}" for r in survivors)
+        + f" ms; run {wall:.2f} s"
+    )
 
 
 # ============================================================== subgroups
@@ -1042,7 +1317,7 @@ def check_kill_trial(ft_pool, trial, label):
 def rank_subgroups(rank, ws):
     import mooncake_pg
 
-    sub = dist.new_group([0, 1, 2])   # contains the victim (2)
+    sub = dist.new_group([0, 1, 2])  # contains the victim (2)
     other = dist.new_group([0, 1, 3])  # does not
     x = torch.ones(1)
     dist.all_reduce(x)
@@ -1145,11 +1420,28 @@ def test_control_store_in_rank0_dies(tmp_path, transport):
     procs = []
     try:
         for r in range(3):
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE="3",
-                       MOONCAKE_SOCKET_IFNAME="lo", PYTHONPATH=os.pathsep.join(filter(None, [rankpool.REPO_ROOT, os.environ.get("PYTHONPATH")])))
-            procs.append(subprocess.Popen([sys.executable, str(script), transport], env=env, cwd=rankpool.REPO_ROOT,
-                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                          start_new_session=True))
+            env = dict(
+                os.environ,
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                RANK=str(r),
+                WORLD_SIZE="3",
+                MOONCAKE_SOCKET_IFNAME="lo",
+                PYTHONPATH=os.pathsep.join(
+                    filter(None, [rankpool.REPO_ROOT, os.environ.get("PYTHONPATH")])
+                ),
+            )
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(script), transport],
+                    env=env,
+                    cwd=rankpool.REPO_ROOT,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    text=True,
+                    start_new_session=True,
+                )
+            )
         outs = [p.communicate(timeout=60)[0] for p in procs]
     finally:
         for p in procs:
@@ -1162,6 +1454,6 @@ def test_control_store_in_rank0_dies(tmp_path, transport):
         line = [l for l in outs[r].splitlines() if l.startswith("RESULT")]
         assert line, outs[r]
         _, kind, seconds, *msg = line[0].split(" ", 3)
-        assert kind == "RankFencedError", line   # a DistBackendError
+        assert kind == "RankFencedError", line  # a DistBackendError
         assert float(seconds) < 10.0, line
         assert "control store is unreachable" in msg[0] and "fatal" in msg[0], line

@@ -14,6 +14,7 @@
 - ``tests/device/run_gpu_checks.sh --dry-run`` plans every step and writes its JSON.
 - GPU tests (CUDA tensors in the group, stream order) skip here with a reason.
 """
+
 from __future__ import annotations
 
 import glob
@@ -23,8 +24,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import textwrap
+import time
 
 import pytest
 import torch
@@ -62,9 +63,17 @@ def _init_ranks(transports: list) -> list:
     session; [(returncode, stdout, stderr)]; fails the test if a rank hangs (60 s)."""
     with tempfile.TemporaryDirectory() as d:
         store = os.path.join(d, "store")
-        procs = [subprocess.Popen([sys.executable, "-c", RDMA_RANK, str(r), str(len(transports)), store, t],
-                                  env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  start_new_session=True) for r, t in enumerate(transports)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", RDMA_RANK, str(r), str(len(transports)), store, t],
+                env=_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+            for r, t in enumerate(transports)
+        ]
         outs = []
         for p in procs:
             try:
@@ -84,10 +93,13 @@ def test_rdma_transport_fails_clearly_on_every_rank():
         pytest.skip("this machine has an active RDMA port: transport='rdma' would initialize")
     for rc, out, err in _init_ranks(["rdma", "rdma"]):
         assert rc == 3, (out, err[-2000:])
-        line = [ln for ln in out.splitlines() if ln.startswith("ERROR")][0]
+        line = next(ln for ln in out.splitlines() if ln.startswith("ERROR"))
         assert "transport 'rdma'" in line, line
         if mooncake_pg.WITH_RDMA:
-            assert "expected an RDMA device port in state PORT_ACTIVE" in line and "got 0 device(s)" in line, line
+            assert (
+                "expected an RDMA device port in state PORT_ACTIVE" in line
+                and "got 0 device(s)" in line
+            ), line
         else:
             assert "expected a build with MOONCAKE_WITH_RDMA" in line, line
 
@@ -116,7 +128,11 @@ def test_rdma_devices_records():
     for d in devs:
         assert isinstance(d, mooncake_pg.RdmaDevice) and d.name
         for p in d.ports:
-            assert isinstance(p, mooncake_pg.RdmaPort) and p.port >= 1 and p.link_layer in ("InfiniBand", "Ethernet")
+            assert (
+                isinstance(p, mooncake_pg.RdmaPort)
+                and p.port >= 1
+                and p.link_layer in ("InfiniBand", "Ethernet")
+            )
     if not os.path.exists("/sys/class/infiniband"):
         assert devs == []
 
@@ -150,9 +166,14 @@ def test_cuda_registration_follows_the_build():
 
 @pytest.mark.skipif(mooncake_pg.WITH_CUDA, reason="this extension was built with CUDA")
 def test_cuda_helpers_raise_on_a_cpu_build():
-    for fn, args in ((_C._cuda_reduce, (torch.zeros(2), [torch.zeros(2)], 0)), (_C._cuda_ipc_export, (torch.zeros(2),)),
-                     (_C._cuda_ipc_reduce_from, (torch.zeros(2), b"", 0, 0))):
-        with pytest.raises(RuntimeError, match="expected a build with CUDA .* got a CPU-only build"):
+    for fn, args in (
+        (_C._cuda_reduce, (torch.zeros(2), [torch.zeros(2)], 0)),
+        (_C._cuda_ipc_export, (torch.zeros(2),)),
+        (_C._cuda_ipc_reduce_from, (torch.zeros(2), b"", 0, 0)),
+    ):
+        with pytest.raises(
+            RuntimeError, match="expected a build with CUDA .* got a CPU-only build"
+        ):
             fn(*args)
 
 
@@ -163,7 +184,14 @@ def test_cuda_ipc_switch_from_environment(monkeypatch):
 
     monkeypatch.delenv("MOONCAKE_CUDA_IPC", raising=False)
     assert resolve(None)["cuda_ipc"] is True
-    for raw, want in (("0", False), ("false", False), ("off", False), ("1", True), ("on", True), ("", True)):
+    for raw, want in (
+        ("0", False),
+        ("false", False),
+        ("off", False),
+        ("1", True),
+        ("on", True),
+        ("", True),
+    ):
         monkeypatch.setenv("MOONCAKE_CUDA_IPC", raw)
         assert resolve(None)["cuda_ipc"] is want, raw
     monkeypatch.setenv("MOONCAKE_CUDA_IPC", "0")
@@ -196,14 +224,21 @@ def test_cuda_ipc_unavailable_on_a_cpu_build():
     """A CPU-only build reports the CUDA IPC path as unavailable, with the reason, for every
     setting of the switch, and its extension holds no IPC code."""
     for env in ({}, {"MOONCAKE_CUDA_IPC": "0"}):
-        p = subprocess.run([sys.executable, "-c", CUDA_PATH_RANK], env=_env(**env), capture_output=True, text=True,
-                           timeout=100)
+        p = subprocess.run(
+            [sys.executable, "-c", CUDA_PATH_RANK],
+            env=_env(**env),
+            capture_output=True,
+            text=True,
+            timeout=100,
+        )
         assert p.returncode == 0, p.stdout + p.stderr[-3000:]
         r = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
         for v in r.values():
             assert v == "unavailable: this build has no CUDA (rebuild with MOONCAKE_WITH_CUDA=1)", r
     if shutil.which("nm"):
-        syms = subprocess.run(["nm", "-C", _C.__file__], capture_output=True, text=True, timeout=60).stdout
+        syms = subprocess.run(
+            ["nm", "-C", _C.__file__], capture_output=True, text=True, timeout=60
+        ).stdout
         assert "CudaIpc" not in syms and "ipc_event_open" not in syms
 
 
@@ -246,9 +281,15 @@ CUDA_BUILD_SMOKE = textwrap.dedent('''
 
 def cuda_build_paths():
     """(python of the CUDA venv, built .so) from scripts/build_cuda.sh's default places, or None."""
-    cache = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mooncake")
+    cache = os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mooncake"
+    )
     ver = os.environ.get("MOONCAKE_CUDA_TORCH", "2.14.1")
-    py = os.path.join(os.environ.get("MOONCAKE_CUDA_VENV") or os.path.join(cache, f"cuda-venv-torch{ver}"), "bin", "python")
+    py = os.path.join(
+        os.environ.get("MOONCAKE_CUDA_VENV") or os.path.join(cache, f"cuda-venv-torch{ver}"),
+        "bin",
+        "python",
+    )
     build = os.environ.get("MOONCAKE_CUDA_BUILD") or os.path.join(cache, f"cuda-build-torch{ver}")
     sos = glob.glob(os.path.join(build, "lib", "mooncake_pg", "_C*.so"))
     return (py, sos[0]) if os.path.exists(py) and sos else None
@@ -258,15 +299,29 @@ def run_cuda_build_smoke(py, so, workdir):
     """Imports the CUDA-built extension next to a copy of the Python package (the source
     tree's _C is the CPU build) and runs CUDA_BUILD_SMOKE; returns its RESULT."""
     pkg = os.path.join(workdir, "mooncake_pg")
-    shutil.copytree(os.path.join(REPO, "mooncake_pg"), pkg,
-                    ignore=shutil.ignore_patterns("_C*.so", "__pycache__", "_build_info.py"))
+    shutil.copytree(
+        os.path.join(REPO, "mooncake_pg"),
+        pkg,
+        ignore=shutil.ignore_patterns("_C*.so", "__pycache__", "_build_info.py"),
+    )
     shutil.copy2(so, pkg)
-    ver = subprocess.run([py, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True,
-                         timeout=120).stdout.strip()
+    ver = subprocess.run(
+        [py, "-c", "import torch; print(torch.__version__)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout.strip()
     with open(os.path.join(pkg, "_build_info.py"), "w") as f:
         f.write(f"TORCH_VERSION = {ver!r}\n")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=workdir, CUDA_VISIBLE_DEVICES="")
-    p = subprocess.run([py, "-c", CUDA_BUILD_SMOKE], cwd=workdir, env=env, capture_output=True, text=True, timeout=150)
+    p = subprocess.run(
+        [py, "-c", CUDA_BUILD_SMOKE],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     return json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
 
@@ -288,28 +343,62 @@ def test_cuda_build_runs_without_a_gpu(tmp_path):
     assert r["cuda_path_off"].startswith("staging: CUDA IPC switched off (MOONCAKE_CUDA_IPC=0"), r
     assert r["cuda_path_9_seats"].startswith("staging: max_group_size 9 exceeds the 8 sources"), r
     syms = subprocess.run(["nm", "-C", paths[1]], capture_output=True, text=True, timeout=60).stdout
-    for want in ("mooncake::CudaIpc::stage", "mooncake::CudaIpc::reduce", "mooncake::cuda::ipc_event_open"):
+    for want in (
+        "mooncake::CudaIpc::stage",
+        "mooncake::CudaIpc::reduce",
+        "mooncake::cuda::ipc_event_open",
+    ):
         assert want in syms, want
 
 
 def test_gpu_checks_dry_run(tmp_path):
     """tests/device/run_gpu_checks.sh --dry-run plans every step and exits 0 without a GPU."""
     out = tmp_path / "gpu.json"
-    p = subprocess.run(["bash", os.path.join(REPO, "tests/device/run_gpu_checks.sh"), "--dry-run", "--json", str(out)],
-                       cwd=REPO, env=_env(PYTHON=sys.executable), capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [
+            "bash",
+            os.path.join(REPO, "tests/device/run_gpu_checks.sh"),
+            "--dry-run",
+            "--json",
+            str(out),
+        ],
+        cwd=REPO,
+        env=_env(PYTHON=sys.executable),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     r = json.loads(out.read_text())
     assert r["dry_run"] is True and r["ok"] is True
-    assert [s["step"] for s in r["plan"]["steps"]] == ["env", "build", "kernels", "conformance", "ep", "ep_nvshmem",
-                                                   "allreduce_bw"]
-    assert sum(s["limit_s"] for s in r["plan"]["steps"]) <= 6 * 60 + 150  # steps share a 340 s deadline
-    bad = subprocess.run(["bash", os.path.join(REPO, "tests/device/run_gpu_checks.sh"), "--steps", "nope"],
-                         cwd=REPO, env=_env(PYTHON=sys.executable), capture_output=True, text=True, timeout=60)
+    assert [s["step"] for s in r["plan"]["steps"]] == [
+        "env",
+        "build",
+        "kernels",
+        "conformance",
+        "ep",
+        "ep_nvshmem",
+        "allreduce_bw",
+    ]
+    assert (
+        sum(s["limit_s"] for s in r["plan"]["steps"]) <= 6 * 60 + 150
+    )  # steps share a 340 s deadline
+    bad = subprocess.run(
+        ["bash", os.path.join(REPO, "tests/device/run_gpu_checks.sh"), "--steps", "nope"],
+        cwd=REPO,
+        env=_env(PYTHON=sys.executable),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "unknown step" in bad.stderr
 
 
-GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (torch.cuda.is_available() is False); "
-                         "tests/device/run_gpu_checks.sh runs these paths on a GPU machine")
+GPU = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a GPU (torch.cuda.is_available() is False); "
+    "tests/device/run_gpu_checks.sh runs these paths on a GPU machine",
+)
 
 
 @GPU
@@ -327,10 +416,12 @@ def test_cuda_work_wait_orders_the_current_stream(tmp_path):
     Work.wait() makes the current stream wait for the copy back."""
     import torch.distributed as dist
 
-    dist.init_process_group("mooncake", rank=0, world_size=1, init_method="file://" + str(tmp_path / "s"))
+    dist.init_process_group(
+        "mooncake", rank=0, world_size=1, init_method="file://" + str(tmp_path / "s")
+    )
     try:
         x = torch.zeros(1 << 20, device="cuda")
-        x.add_(3)                      # queued on the current stream
+        x.add_(3)  # queued on the current stream
         w = dist.all_reduce(x, async_op=True)
         w.wait()
         assert float(x.sum()) == 3 * (1 << 20)
@@ -373,8 +464,20 @@ def test_triton_aot_names_an_unlisted_kernel(tmp_path):
     env = _env()
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
     env.pop("TRITON_INTERPRET", None)
-    p = subprocess.run([sys.executable, os.path.join(REPO, "scripts/triton_aot.py"), "--module", "fake_kernels",
-                        "--json", str(out)], env=env, capture_output=True, text=True, timeout=100)
+    p = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "scripts/triton_aot.py"),
+            "--module",
+            "fake_kernels",
+            "--json",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert p.returncode == 1, p.stdout + p.stderr
     r = json.loads(out.read_text())
     assert r["missing"] == ["_forgotten_kernel"] and r["helpers"] == ["_helper"]
@@ -394,9 +497,12 @@ def test_rdma_port_choice():
     assert _C._rdma_choose(devs, "") == ("mlx5_0", 2)
     assert _C._rdma_choose(devs, "mlx5_1") == ("mlx5_1", 1)
     assert _C._rdma_choose(devs, "mlx5_0:2") == ("mlx5_0", 2)
-    with pytest.raises(RuntimeError, match=r"expected an RDMA device port in state PORT_ACTIVE matching 'mlx5_0:1', "
-                                           r"got 2 device\(s\) \[mlx5_0:1 PORT_DOWN, mlx5_0:2 PORT_ACTIVE, "
-                                           r"mlx5_1:1 PORT_ACTIVE\]"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"expected an RDMA device port in state PORT_ACTIVE matching 'mlx5_0:1', "
+        r"got 2 device\(s\) \[mlx5_0:1 PORT_DOWN, mlx5_0:2 PORT_ACTIVE, "
+        r"mlx5_1:1 PORT_ACTIVE\]",
+    ):
         _C._rdma_choose(devs, "mlx5_0:1")
     with pytest.raises(RuntimeError, match=r"got 0 device\(s\)"):
         _C._rdma_choose([], "")

@@ -7,6 +7,7 @@ exists, else the same run on gloo (same seeds, same rank-dependent data).
 The default group of the pool is the backend under test (``mooncake`` by default), so
 DeviceMesh/FSDP2/DCP, which use the default group's backend for "cpu", run on it.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -16,7 +17,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-
 from rankpool import default_backend, get_pool
 
 pytestmark = pytest.mark.timeout(240)
@@ -96,7 +96,7 @@ def test_world_size_1():
 def rank_subgroups(rank, ws):
     torch.set_num_threads(1)
     g01 = dist.new_group([0, 1])
-    g123 = dist.new_group([1, 2, 3])   # does not contain rank 0
+    g123 = dist.new_group([1, 2, 3])  # does not contain rank 0
     g23 = dist.new_group([2, 3])
     g31 = dist.new_group([3, 1])
     out = {}
@@ -118,7 +118,7 @@ def rank_subgroups(rank, ws):
             dist.all_reduce(t, group=g123)
             out["g123_all_reduce"] = t
             b = torch.arange(3.0) + 100 * rank
-            dist.broadcast(b, src=2, group=g123)          # global rank 2
+            dist.broadcast(b, src=2, group=g123)  # global rank 2
             out["g123_broadcast"] = b
             o = torch.zeros(6)
             dist.all_gather_single(o, torch.tensor([rank * 1.0, rank + 0.5]), group=g123)
@@ -199,7 +199,9 @@ def rank_objects(rank, ws):
     torch.set_num_threads(1)
     out = {}
     objs = [None] * ws
-    dist.all_gather_object(objs, {"rank": rank, "payload": list(range(rank)), "s": "x" * (rank * 1000)})
+    dist.all_gather_object(
+        objs, {"rank": rank, "payload": list(range(rank)), "s": "x" * (rank * 1000)}
+    )
     out["all_gather_object"] = objs
     lst = [{"from": 1, "n": 42}, "hello", 3.5, None] if rank == 1 else [None] * 4
     dist.broadcast_object_list(lst, src=1)
@@ -208,7 +210,9 @@ def rank_objects(rank, ws):
     dist.gather_object(("g", rank), g, dst=2)
     out["gather_object"] = g
     recv = [None]
-    dist.scatter_object_list(recv, [("s", k, [k] * k) for k in range(ws)] if rank == 0 else None, src=0)
+    dist.scatter_object_list(
+        recv, [("s", k, [k] * k) for k in range(ws)] if rank == 0 else None, src=0
+    )
     out["scatter_object_list"] = recv[0]
     return out
 
@@ -219,8 +223,9 @@ def test_object_collectives():
     ws = 3
     res = pool(ws).run(rank_objects, timeout=60)
     for r, o in enumerate(res):
-        assert o["all_gather_object"] == [{"rank": k, "payload": list(range(k)), "s": "x" * (k * 1000)}
-                                          for k in range(ws)]
+        assert o["all_gather_object"] == [
+            {"rank": k, "payload": list(range(k)), "s": "x" * (k * 1000)} for k in range(ws)
+        ]
         assert o["broadcast_object_list"] == [{"from": 1, "n": 42}, "hello", 3.5, None]
         assert o["scatter_object_list"] == ("s", r, [r] * r)
     assert res[2]["gather_object"] == [("g", k) for k in range(ws)]
@@ -291,7 +296,9 @@ DDP_STEPS = 4
 
 
 def make_mlp():
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    return nn.Sequential(
+        nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
+    )
 
 
 def ddp_batch(rank, step):
@@ -310,8 +317,9 @@ def rank_ddp(rank, ws, hook):
     if hook == "allreduce_hook":
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     elif hook == "powerSGD":
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
-                                            start_powerSGD_iter=2, random_seed=0)
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2, random_seed=0
+        )
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     for step in range(DDP_STEPS):
@@ -354,8 +362,12 @@ def test_ddp_allreduce(hook):
     ref = ddp_reference(ws)
     glo = gloo_pool(ws).run(rank_ddp, hook, timeout=120)
     for k, (p, q, g) in enumerate(zip(res[0], ref, glo[0])):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"DDP {hook} param {k} vs reference: {m}")
-        torch.testing.assert_close(p, g, rtol=1e-5, atol=1e-6, msg=lambda m: f"DDP {hook} param {k} vs gloo: {m}")
+        torch.testing.assert_close(
+            p, q, rtol=1e-5, atol=1e-6, msg=lambda m: f"DDP {hook} param {k} vs reference: {m}"
+        )
+        torch.testing.assert_close(
+            p, g, rtol=1e-5, atol=1e-6, msg=lambda m: f"DDP {hook} param {k} vs gloo: {m}"
+        )
 
 
 def test_ddp_powersgd_hook():
@@ -367,10 +379,13 @@ def test_ddp_powersgd_hook():
     _same_on_all_ranks(res, "DDP PowerSGD")
     glo = gloo_pool(ws).run(rank_ddp, "powerSGD", timeout=120)
     for k, (p, g) in enumerate(zip(res[0], glo[0])):
-        torch.testing.assert_close(p, g, rtol=1e-4, atol=1e-5, msg=lambda m: f"PowerSGD param {k} vs gloo: {m}")
+        torch.testing.assert_close(
+            p, g, rtol=1e-4, atol=1e-5, msg=lambda m: f"PowerSGD param {k} vs gloo: {m}"
+        )
     ref = ddp_reference(ws)
-    assert any(not torch.allclose(p, q, rtol=1e-4, atol=1e-5) for p, q in zip(res[0], ref)), \
+    assert any(not torch.allclose(p, q, rtol=1e-4, atol=1e-5) for p, q in zip(res[0], ref)), (
         "PowerSGD run equals the uncompressed reference: was the hook applied?"
+    )
 
 
 # -------------------------------------------------------------------- DeviceMesh
@@ -413,7 +428,7 @@ def test_device_mesh():
         assert o["dp_all_reduce"].tolist() == [sum(q + 1.0 for q in dp), sum(100.0 * q for q in dp)]
         assert o["tp_all_reduce"].tolist() == [sum(q + 1.0 for q in tp), sum(100.0 * q for q in tp)]
         i, j = r // 2, r % 2
-        assert torch.equal(o["local_shard"], full[4 * i:4 * i + 4, 2 * j:2 * j + 2])
+        assert torch.equal(o["local_shard"], full[4 * i : 4 * i + 4, 2 * j : 2 * j + 2])
         assert torch.equal(o["full_tensor"], full)
         assert torch.equal(o["replicated"], full)
         assert o["sum"].item() == 2 * full.sum().item()
@@ -430,7 +445,9 @@ def rank_fsdp2(rank, ws):
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    model = nn.Sequential(
+        nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
+    )
     mesh = init_device_mesh("cpu", (ws,))
     for layer in model:
         if isinstance(layer, nn.Linear):
@@ -457,11 +474,21 @@ def test_fsdp2_losses_equal_gloo():
     glo = gloo_pool(ws).run(rank_fsdp2, timeout=180)
     for r in range(ws):
         assert res[r]["mesh_backend"] == BACKEND
-        torch.testing.assert_close(torch.tensor(res[r]["losses"]), torch.tensor(glo[r]["losses"]),
-                                   rtol=1e-5, atol=1e-6, msg=lambda m: f"FSDP2 losses, rank {r}: {m}")
+        torch.testing.assert_close(
+            torch.tensor(res[r]["losses"]),
+            torch.tensor(glo[r]["losses"]),
+            rtol=1e-5,
+            atol=1e-6,
+            msg=lambda m: f"FSDP2 losses, rank {r}: {m}",
+        )
         for k in glo[r]["params"]:
-            torch.testing.assert_close(res[r]["params"][k], glo[r]["params"][k], rtol=1e-4, atol=1e-5,
-                                       msg=lambda m: f"FSDP2 param {k}, rank {r}: {m}")
+            torch.testing.assert_close(
+                res[r]["params"][k],
+                glo[r]["params"][k],
+                rtol=1e-4,
+                atol=1e-5,
+                msg=lambda m: f"FSDP2 param {k}, rank {r}: {m}",
+            )
     # the losses moved (the run trained) and the ranks saw different data
     assert res[0]["losses"][0] != res[0]["losses"][-1]
     assert res[0]["losses"][0] != res[1]["losses"][0]
@@ -478,19 +505,26 @@ def rank_dcp(rank, ws, path):
 
     mesh = init_device_mesh("cpu", (ws,))
     full = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6) * 0.5
-    sd = {"sharded": distribute_tensor(full, mesh, [Shard(0)]),
-          "replicated": torch.arange(5.0) * 3,
-          "step": torch.tensor(7)}
+    sd = {
+        "sharded": distribute_tensor(full, mesh, [Shard(0)]),
+        "replicated": torch.arange(5.0) * 3,
+        "step": torch.tensor(7),
+    }
     dcp.save(sd, checkpoint_id=path)
     dist.barrier()
-    target = {"sharded": distribute_tensor(torch.zeros(8, 6), mesh, [Shard(0)]),
-              "replicated": torch.zeros(5),
-              "step": torch.tensor(0)}
+    target = {
+        "sharded": distribute_tensor(torch.zeros(8, 6), mesh, [Shard(0)]),
+        "replicated": torch.zeros(5),
+        "step": torch.tensor(0),
+    }
     dcp.load(target, checkpoint_id=path)
-    return {"local": target["sharded"].to_local().clone(),
-            "expected_local": sd["sharded"].to_local().clone(),
-            "full": target["sharded"].full_tensor(),
-            "replicated": target["replicated"], "step": target["step"].item()}
+    return {
+        "local": target["sharded"].to_local().clone(),
+        "expected_local": sd["sharded"].to_local().clone(),
+        "full": target["sharded"].full_tensor(),
+        "replicated": target["replicated"],
+        "step": target["step"].item(),
+    }
 
 
 def test_distributed_checkpoint_save_load(tmp_path):

@@ -15,6 +15,7 @@ launcher's SIGTERM handler stops them). Ranks talk over loopback only.
 4. ``--max-group-size`` beyond the started ranks: extension seats start empty and nobody
    waits for them.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,12 +23,10 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
-
-from rankpool import _alive   # a zombie nobody reaped counts as dead
+from rankpool import _alive  # a zombie nobody reaped counts as dead
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
@@ -38,8 +37,14 @@ def _launch(args, tmp_path, env=None):
     e.update({"MOONCAKE_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
     e.update(env or {})
     out = open(tmp_path / "launcher.out", "w+")
-    p = subprocess.Popen([PY, "-m", "mooncake_pg.run", *args], cwd=ROOT, env=e, stdout=out,
-                         stderr=subprocess.STDOUT, start_new_session=True)
+    p = subprocess.Popen(
+        [PY, "-m", "mooncake_pg.run", *args],
+        cwd=ROOT,
+        env=e,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     p.out = out
     return p
 
@@ -63,16 +68,34 @@ def _finish(p, timeout):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("victim", [1, 0])
 def test_elastic_train_survives_a_killed_rank(tmp_path, victim):
-    p = _launch(["--nproc-per-node", "4", "--max-restarts", "2", "examples/elastic_train.py",
-                 "--steps", "90", "--kill-rank", str(victim), "--kill-at", "20", "--step-time", "0.03"],
-                tmp_path)
+    p = _launch(
+        [
+            "--nproc-per-node",
+            "4",
+            "--max-restarts",
+            "2",
+            "examples/elastic_train.py",
+            "--steps",
+            "90",
+            "--kill-rank",
+            str(victim),
+            "--kill-at",
+            "20",
+            "--step-time",
+            "0.03",
+        ],
+        tmp_path,
+    )
     rc, text = _finish(p, 200)
     ctx = f"victim {victim}:\n{text[-6000:]}"
     assert rc == 0, ctx
     assert f"rank {victim} died (signal SIGKILL); respawning it alone" in text, ctx
     assert f"[rank {victim}] respawned: waiting to be admitted" in text, ctx
-    done = re.search(r"done: (\d+) steps .* loss ([\d.]+) -> ([\d.]+), (\d+) recoveries, epoch (\d+), "
-                     r"active \[1, 1, 1, 1\], parameters identical on all ranks: True", text)
+    done = re.search(
+        r"done: (\d+) steps .* loss ([\d.]+) -> ([\d.]+), (\d+) recoveries, epoch (\d+), "
+        r"active \[1, 1, 1, 1\], parameters identical on all ranks: True",
+        text,
+    )
     assert done, ctx
     steps, first, last, recov, epoch = done.groups()
     assert int(steps) == 90 and float(last) < 0.5 * float(first), ctx
@@ -96,8 +119,11 @@ def test_max_restarts_then_exit_1(tmp_path):
     script = tmp_path / "failing.py"
     script.write_text(FAILING)
     count = tmp_path / "count"
-    p = _launch(["--nproc-per-node", "2", "--max-restarts", "2", "--monitor-interval", "0.05", str(script)],
-                tmp_path, env={"COUNT_FILE": str(count)})
+    p = _launch(
+        ["--nproc-per-node", "2", "--max-restarts", "2", "--monitor-interval", "0.05", str(script)],
+        tmp_path,
+        env={"COUNT_FILE": str(count)},
+    )
     rc, text = _finish(p, 90)
     assert rc == 1, text
     starts = sorted(count.read_text().split())
@@ -121,8 +147,11 @@ def test_sigterm_stops_every_rank_and_store_is_loopback_only(tmp_path):
     script.write_text(SLEEPER)
     pids = tmp_path / "pids"
     pids.mkdir()
-    p = _launch(["--nproc-per-node", "3", "--shutdown-grace", "2", str(script)], tmp_path,
-                env={"PID_DIR": str(pids)})
+    p = _launch(
+        ["--nproc-per-node", "3", "--shutdown-grace", "2", str(script)],
+        tmp_path,
+        env={"PID_DIR": str(pids)},
+    )
     deadline = time.monotonic() + 60
     while len(os.listdir(pids)) < 3 and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -133,7 +162,10 @@ def test_sigterm_stops_every_rank_and_store_is_loopback_only(tmp_path):
     port = int(m.group(1))
     # the store's listening socket: 127.0.0.1 only (0100007F in /proc/net/tcp)
     listeners = []
-    for line in open("/proc/net/tcp").read().splitlines()[1:] + open("/proc/net/tcp6").read().splitlines()[1:]:
+    for line in (
+        open("/proc/net/tcp").read().splitlines()[1:]
+        + open("/proc/net/tcp6").read().splitlines()[1:]
+    ):
         local, state = line.split()[1], line.split()[3]
         if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
             listeners.append(local.rsplit(":", 1)[0])
@@ -144,7 +176,9 @@ def test_sigterm_stops_every_rank_and_store_is_loopback_only(tmp_path):
     assert rc == 128 + signal.SIGTERM, text
     while any(_alive(pid) for pid in ranks) and time.monotonic() - t0 < 10:
         time.sleep(0.05)
-    assert not any(_alive(pid) for pid in ranks), f"ranks still alive after SIGTERM: {ranks}\n{text}"
+    assert not any(_alive(pid) for pid in ranks), (
+        f"ranks still alive after SIGTERM: {ranks}\n{text}"
+    )
 
 
 EXTENSION = """
@@ -170,11 +204,18 @@ def test_extension_seats_start_empty(tmp_path):
 
 
 def test_bad_flags_are_rejected():
-    for args, want in ((["--nnodes", "2", "x.py"], "--master-port is required"),
-                       (["--node-rank", "1", "x.py"], "--node-rank must lie in"),
-                       (["--nproc-per-node", "4", "--max-group-size", "2", "x.py"], "--max-group-size")):
-        r = subprocess.run([PY, "-m", "mooncake_pg.run", *args], cwd=ROOT, capture_output=True, text=True,
-                           timeout=60)
+    for args, want in (
+        (["--nnodes", "2", "x.py"], "--master-port is required"),
+        (["--node-rank", "1", "x.py"], "--node-rank must lie in"),
+        (["--nproc-per-node", "4", "--max-group-size", "2", "x.py"], "--max-group-size"),
+    ):
+        r = subprocess.run(
+            [PY, "-m", "mooncake_pg.run", *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 2 and want in r.stderr, (args, r.stderr)
 
 
@@ -208,12 +249,29 @@ def test_sidecars_run_outside_the_group(tmp_path, second_rc):
     (tmp_path / "side.py").write_text(SIDE)
     (tmp_path / "rank.py").write_text(RANK_WAITS)
     logs = tmp_path / "logs"
-    p = _launch(["--nproc-per-node", "2", "--log-dir", str(logs), "--sidecar", f"{PY} {tmp_path / 'side.py'} 0",
-                 "--sidecar", f"{PY} {tmp_path / 'side.py'} {second_rc}", str(tmp_path / "rank.py")], tmp_path)
+    p = _launch(
+        [
+            "--nproc-per-node",
+            "2",
+            "--log-dir",
+            str(logs),
+            "--sidecar",
+            f"{PY} {tmp_path / 'side.py'} 0",
+            "--sidecar",
+            f"{PY} {tmp_path / 'side.py'} {second_rc}",
+            str(tmp_path / "rank.py"),
+        ],
+        tmp_path,
+    )
     rc, text = _finish(p, 90)
-    outs = {f.name: f.read_text() for f in logs.iterdir()}   # one file per process: no interleaving
-    assert "sidecar 0 False" in outs["sidecar0.out"] and "sidecar 1 False" in outs["sidecar1.out"], (outs, text)
-    assert "rank 0 saw both sidecars" in outs["rank0.0.out"] and "rank 1 saw both sidecars" in outs["rank1.0.out"], outs
+    outs = {f.name: f.read_text() for f in logs.iterdir()}  # one file per process: no interleaving
+    assert (
+        "sidecar 0 False" in outs["sidecar0.out"] and "sidecar 1 False" in outs["sidecar1.out"]
+    ), (outs, text)
+    assert (
+        "rank 0 saw both sidecars" in outs["rank0.0.out"]
+        and "rank 1 saw both sidecars" in outs["rank1.0.out"]
+    ), outs
     if second_rc == 0:
         assert rc == 0, text
     else:
@@ -242,7 +300,9 @@ def test_joiners_fail_fast_when_every_rank_died(tmp_path):
     once (not after join_group's timeout), so the launcher gives up quickly."""
     (tmp_path / "all_die.py").write_text(ALL_DIE)
     t0 = time.monotonic()
-    p = _launch(["--nproc-per-node", "2", "--max-restarts", "1", str(tmp_path / "all_die.py")], tmp_path)
+    p = _launch(
+        ["--nproc-per-node", "2", "--max-restarts", "1", str(tmp_path / "all_die.py")], tmp_path
+    )
     rc, text = _finish(p, 100)
     took = time.monotonic() - t0
     assert rc == 1, text

@@ -26,6 +26,7 @@ with ``graceful=False`` (killing every rank's process group); the others use cac
 Every rank function returns plain records; the assertions are made here, against values
 computed independently in the test process.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,10 +41,9 @@ import time
 from datetime import timedelta
 
 import pytest
+import rankpool
 import torch
 import torch.distributed as dist
-
-import rankpool
 from rankpool import PoolStartError, RankPool, RemoteError
 
 pytestmark = pytest.mark.timeout(90)
@@ -53,8 +53,8 @@ if not any(b == "mooncake" for b, _ in rankpool.parse_backends()):
 
 TRANSPORTS = ["shm", "tcp"]
 SENTINEL = -7.0
-LOCAL_ERROR_LIMIT_S = 1.0   # an error found by local or header checks comes at once
-RUN_TIMEOUT = 60.0          # one pool.run
+LOCAL_ERROR_LIMIT_S = 1.0  # an error found by local or header checks comes at once
+RUN_TIMEOUT = 60.0  # one pool.run
 
 
 # ============================================================== rank-side helpers
@@ -71,10 +71,15 @@ def _outcome(fn):
     try:
         val = fn()
         return {"ok": True, "dt": time.monotonic() - t0, "val": val}
-    except Exception as e:  # noqa: BLE001 - recorded, the test asserts on it
-        return {"ok": False, "dt": time.monotonic() - t0, "type": type(e).__name__,
-                "mro": [c.__name__ for c in type(e).__mro__], "msg": str(e),
-                "failed": list(getattr(e, "failed_ranks", []) or [])}
+    except Exception as e:
+        return {
+            "ok": False,
+            "dt": time.monotonic() - t0,
+            "type": type(e).__name__,
+            "mro": [c.__name__ for c in type(e).__mro__],
+            "msg": str(e),
+            "failed": list(getattr(e, "failed_ranks", []) or []),
+        }
 
 
 def _wait_dead(pid, limit=15.0):
@@ -100,9 +105,11 @@ def _follow_up(rank, ws):
 
 def _expected_follow_up(ws):
     s = ws * (ws + 1) / 2
-    return {"small": torch.full((5,), s),
-            "big": torch.arange(100_000, dtype=torch.float32) * s,
-            "agit": (torch.arange(ws, dtype=torch.float32) * 10).repeat_interleave(3)}
+    return {
+        "small": torch.full((5,), s),
+        "big": torch.arange(100_000, dtype=torch.float32) * s,
+        "agit": (torch.arange(ws, dtype=torch.float32) * 10).repeat_interleave(3),
+    }
 
 
 def _check_follow_up(res, ws, ctx):
@@ -111,7 +118,8 @@ def _check_follow_up(res, ws, ctx):
         for k, v in exp.items():
             assert torch.equal(res[r]["after"][k], v), (
                 f"{ctx} rank {r}: follow-up {k} gave {res[r]['after'][k][:8].tolist()}, "
-                f"expected {v[:8].tolist()}")
+                f"expected {v[:8].tolist()}"
+            )
 
 
 def _fmt(rec):
@@ -127,8 +135,8 @@ def _fresh_pool(ws, transport, op_timeout, **kw):
 # ======================================= 1. large send to a live peer that never receives
 
 NO_RECV_TIMEOUT = 3.0
-SMALL_N = 1024            # 4 KiB of float32: buffered, completes without a matching recv
-BIG_N = 10_000_000        # 40 MB of float32: cannot be buffered
+SMALL_N = 1024  # 4 KiB of float32: buffered, completes without a matching recv
+BIG_N = 10_000_000  # 40 MB of float32: cannot be buffered
 
 
 def rank_send_no_recv(rank, ws):
@@ -168,31 +176,39 @@ def test_large_send_without_recv_times_out(transport):
     ctx = f"[{transport}]"
     small = res[0]["small"]
     assert small["ok"] and small["dt"] < LOCAL_ERROR_LIMIT_S, (
-        f"{ctx} a 4 KiB send with no recv posted should complete once buffered; {_fmt(small)}")
+        f"{ctx} a 4 KiB send with no recv posted should complete once buffered; {_fmt(small)}"
+    )
     assert torch.equal(res[1]["small_recv"], torch.arange(SMALL_N, dtype=torch.float32)), (
-        f"{ctx} the buffered small message arrived wrong: {res[1]['small_recv'][:8].tolist()}")
+        f"{ctx} the buffered small message arrived wrong: {res[1]['small_recv'][:8].tolist()}"
+    )
     big = res[0]["big"]
     assert not big["ok"], f"{ctx} a 40 MB send that nobody receives {_fmt(big)}"
     assert "DistBackendError" in big["mro"], f"{ctx} expected DistBackendError: {_fmt(big)}"
     assert 2.0 <= big["dt"] <= 15.0, (
-        f"{ctx} the send should fail after about the op timeout ({NO_RECV_TIMEOUT} s): {_fmt(big)}")
+        f"{ctx} the send should fail after about the op timeout ({NO_RECV_TIMEOUT} s): {_fmt(big)}"
+    )
     again = res[0]["again"]
     assert not again["ok"] and "DistBackendError" in again["mro"], (
         f"{ctx} the p2p link to rank 1 is closed after the timed-out send, so a later send "
-        f"to it must raise: {_fmt(again)}")
+        f"to it must raise: {_fmt(again)}"
+    )
     assert again["dt"] < LOCAL_ERROR_LIMIT_S, f"{ctx} send on a closed link: {_fmt(again)}"
     _check_follow_up(res, 2, ctx)
 
 
 # ================================================== 2. send / isend to a SIGKILLed peer
 
-DEAD_OP_TIMEOUT = 30.0     # detection must not wait for the op timeout
+DEAD_OP_TIMEOUT = 30.0  # detection must not wait for the op timeout
 DEAD_BOUND = 5.0
-DEAD_KILL_DELAY = 0.5      # "during": the victim dies this long after rank 0 starts sending
+DEAD_KILL_DELAY = 0.5  # "during": the victim dies this long after rank 0 starts sending
 # (when the victim dies, elements sent): 4 KiB and 400 KB fit the shared-memory ring
 # (1 MiB) and the loopback socket buffers, 4 MB and 40 MB do not
-DEAD_CASES = {"before-4KB": ("before", 1024), "before-400KB": ("before", 100_000),
-              "before-4MB": ("before", 1_000_000), "during-40MB": ("during", BIG_N)}
+DEAD_CASES = {
+    "before-4KB": ("before", 1024),
+    "before-400KB": ("before", 100_000),
+    "before-4MB": ("before", 1_000_000),
+    "during-40MB": ("during", BIG_N),
+}
 
 
 def _p2p_send(mode, t):
@@ -245,19 +261,33 @@ def test_send_to_killed_peer_raises_rank_failure(transport, mode, case):
         pool.close(graceful=False)
     ctx = f"[{transport}/{mode}/{case}]"
     assert isinstance(res[1], RemoteError) and res[1].type_name == "RankDied", (
-        f"{ctx} rank 1 should have killed itself: {res[1]!r}")
-    assert not isinstance(res[0], RemoteError), f"{ctx} rank 0: {res[0]}\n{getattr(res[0], 'traceback', '')}"
-    bound = {"first": DEAD_BOUND + (DEAD_KILL_DELAY if when == "during" else 0.0),
-             "second": LOCAL_ERROR_LIMIT_S, "small": LOCAL_ERROR_LIMIT_S}
-    for key, what in (("first", f"{mode} of {4 * n} B"), ("second", "then a 4 MB send of the other kind"),
-                      ("small", f"then a 16 B {mode}")):
+        f"{ctx} rank 1 should have killed itself: {res[1]!r}"
+    )
+    assert not isinstance(res[0], RemoteError), (
+        f"{ctx} rank 0: {res[0]}\n{getattr(res[0], 'traceback', '')}"
+    )
+    bound = {
+        "first": DEAD_BOUND + (DEAD_KILL_DELAY if when == "during" else 0.0),
+        "second": LOCAL_ERROR_LIMIT_S,
+        "small": LOCAL_ERROR_LIMIT_S,
+    }
+    for key, what in (
+        ("first", f"{mode} of {4 * n} B"),
+        ("second", "then a 4 MB send of the other kind"),
+        ("small", f"then a 16 B {mode}"),
+    ):
         rec = res[0][key]
         assert not rec["ok"], f"{ctx} {what} to SIGKILLed rank 1 {_fmt(rec)}"
-        assert rec["type"] == "RankFailureError", f"{ctx} {what}: expected RankFailureError: {_fmt(rec)}"
+        assert rec["type"] == "RankFailureError", (
+            f"{ctx} {what}: expected RankFailureError: {_fmt(rec)}"
+        )
         assert rec["failed"] == [1], f"{ctx} {what}: failed_ranks {rec['failed']}, expected [1]"
-        assert re.search(r"\brank 1\b", rec["msg"]), f"{ctx} {what}: message does not name rank 1: {_fmt(rec)}"
+        assert re.search(r"\brank 1\b", rec["msg"]), (
+            f"{ctx} {what}: message does not name rank 1: {_fmt(rec)}"
+        )
         assert rec["dt"] < bound[key], (
-            f"{ctx} {what}: took {rec['dt']:.2f} s (op timeout {DEAD_OP_TIMEOUT} s): {_fmt(rec)}")
+            f"{ctx} {what}: took {rec['dt']:.2f} s (op timeout {DEAD_OP_TIMEOUT} s): {_fmt(rec)}"
+        )
     if when == "during":
         assert res[0]["first"]["dead_before_return"], f"{ctx} the send ended before the victim died"
 
@@ -270,8 +300,12 @@ BATCH_OP_TIMEOUT = 10.0
 def _ring(rank, ws, n=6):
     nxt, prv = (rank + 1) % ws, (rank - 1) % ws
     r = torch.full((n,), SENTINEL)
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((n,), float(rank + 1)), nxt),
-                                    dist.P2POp(dist.irecv, r, prv)])
+    works = dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, torch.full((n,), float(rank + 1)), nxt),
+            dist.P2POp(dist.irecv, r, prv),
+        ]
+    )
     for w in works:
         w.wait()
     return r
@@ -310,23 +344,32 @@ def test_batch_isend_irecv_bad_op_does_not_poison_group(transport, bad, with_goo
     ctx = f"[{transport}/{bad}/{'with good ops' if with_good else 'alone'}]"
     for r in range(ws):
         rec = res[r]["batch"]
-        assert not rec["ok"], f"{ctx} rank {r}: batch_isend_irecv with a send to a bad peer {_fmt(rec)}"
-        assert "ValueError" in rec["mro"], f"{ctx} rank {r}: a bad peer is a bad argument (ValueError): {_fmt(rec)}"
+        assert not rec["ok"], (
+            f"{ctx} rank {r}: batch_isend_irecv with a send to a bad peer {_fmt(rec)}"
+        )
+        assert "ValueError" in rec["mro"], (
+            f"{ctx} rank {r}: a bad peer is a bad argument (ValueError): {_fmt(rec)}"
+        )
         if bad == "out_of_range":
-            assert re.search(rf"\b{ws + 5}\b", rec["msg"]), f"{ctx} rank {r}: the bad peer is not named: {_fmt(rec)}"
+            assert re.search(rf"\b{ws + 5}\b", rec["msg"]), (
+                f"{ctx} rank {r}: the bad peer is not named: {_fmt(rec)}"
+            )
         assert rec["dt"] < LOCAL_ERROR_LIMIT_S * 5, f"{ctx} rank {r}: {_fmt(rec)}"
         # the good irecv of the batch either took the good isend's message or nothing
         prv = (r - 1) % ws
         got = res[r]["recv_buf"]
-        assert (torch.equal(got, torch.full((4,), SENTINEL)) or torch.equal(got, torch.full((4,), float(100 + prv)))), (
-            f"{ctx} rank {r}: the batch's good irecv buffer holds {got.tolist()}")
+        assert torch.equal(got, torch.full((4,), SENTINEL)) or torch.equal(
+            got, torch.full((4,), float(100 + prv))
+        ), f"{ctx} rank {r}: the batch's good irecv buffer holds {got.tolist()}"
     _check_follow_up(res, ws, ctx)
     for r in range(ws):
         prv = (r - 1) % ws
         assert torch.equal(res[r]["ring1"], torch.full((6,), float(prv + 1))), (
-            f"{ctx} rank {r}: later batch ring gave {res[r]['ring1'].tolist()}, expected {prv + 1}")
+            f"{ctx} rank {r}: later batch ring gave {res[r]['ring1'].tolist()}, expected {prv + 1}"
+        )
         assert torch.equal(res[r]["ring2"], torch.full((300_000,), float(prv + 1))), (
-            f"{ctx} rank {r}: later large batch ring gave {res[r]['ring2'][:8].tolist()}")
+            f"{ctx} rank {r}: later large batch ring gave {res[r]['ring2'][:8].tolist()}"
+        )
 
 
 # ========================== 4. re-initialising the default group with the same store
@@ -391,21 +434,42 @@ def test_reinit_default_group_same_store(tmp_path):
     lsock.bind(("127.0.0.1", 0))
     lsock.listen(64)
     port = lsock.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=30), master_listen_fd=lsock.fileno())
+    store = dist.TCPStore(
+        "127.0.0.1",
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=30),
+        master_listen_fd=lsock.fileno(),
+    )
     assert store.port == port
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([rankpool.REPO_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env.update({"MOONCAKE_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-                "MKL_NUM_THREADS": "1"})
+    env["PYTHONPATH"] = os.pathsep.join(
+        [rankpool.REPO_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
+    env.update(
+        {
+            "MOONCAKE_SOCKET_IFNAME": "lo",
+            "GLOO_SOCKET_IFNAME": "lo",
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+        }
+    )
     env.pop("MOONCAKE_TRANSPORT", None)
     procs = []
     try:
         for r in range(ws):
-            procs.append(subprocess.Popen(
-                [sys.executable, str(script), str(r), str(ws), str(port), ",".join(transports)],
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=str(tmp_path),
-                start_new_session=True, preexec_fn=rankpool._set_pdeathsig))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(script), str(r), str(ws), str(port), ",".join(transports)],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=str(tmp_path),
+                    start_new_session=True,
+                    preexec_fn=rankpool._set_pdeathsig,
+                )
+            )
         outs = []
         deadline = time.monotonic() + 75
         for p in procs:
@@ -414,7 +478,9 @@ def test_reinit_default_group_same_store(tmp_path):
             except subprocess.TimeoutExpired:
                 _kill_popen_group(p)
                 text, _ = p.communicate()
-                pytest.fail(f"a rank did not finish re-initialising in time:\n{text.decode(errors='replace')[-4000:]}")
+                pytest.fail(
+                    f"a rank did not finish re-initialising in time:\n{text.decode(errors='replace')[-4000:]}"
+                )
             outs.append((p.returncode, text.decode(errors="replace")))
     finally:
         for p in procs:
@@ -429,7 +495,7 @@ def test_reinit_default_group_same_store(tmp_path):
         assert rc == 0, f"rank {r} exited with {rc}:\n{text[-4000:]}"
         line = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
         assert line, f"rank {r} printed no result:\n{text[-4000:]}"
-        results.append(json.loads(line[-1][len("RESULT "):]))
+        results.append(json.loads(line[-1][len("RESULT ") :]))
     ref_big = torch.arange(200_000, dtype=torch.float64)
     for r in range(ws):
         assert len(results[r]) == len(transports), f"rank {r}: {results[r]}"
@@ -441,10 +507,13 @@ def test_reinit_default_group_same_store(tmp_path):
             assert rec["x"] == [s, s, s, 1], f"{ctx}: all_reduce gave {rec['x']}, expected all {s}"
             big = ref_big * (ws * (ws + 1) / 2) + it * ws
             assert rec["big_sum"] == float(big.sum()) and rec["big_first"] == big[:3].tolist(), (
-                f"{ctx}: pipelined all_reduce gave first {rec['big_first']} sum {rec['big_sum']}")
+                f"{ctx}: pipelined all_reduce gave first {rec['big_first']} sum {rec['big_sum']}"
+            )
             prv = (r - 1) % ws
             assert rec["ring"] == [float(10 * it + prv)] * 3, f"{ctx}: p2p ring gave {rec['ring']}"
-            assert rec["group"] == [float(ws * (ws - 1) / 2)] * 2, f"{ctx}: new_group all_reduce gave {rec['group']}"
+            assert rec["group"] == [float(ws * (ws - 1) / 2)] * 2, (
+                f"{ctx}: new_group all_reduce gave {rec['group']}"
+            )
 
 
 # ======================= 5. Work.wait() after destroy_process_group returns with an error
@@ -492,22 +561,31 @@ def test_wait_after_destroy_returns_with_error(transport, peer):
         pool.close(graceful=False)
     ctx = f"[{transport}/peer {peer}]"
     if kill:
-        assert isinstance(res[1], RemoteError) and res[1].type_name == "RankDied", f"{ctx} rank 1: {res[1]!r}"
+        assert isinstance(res[1], RemoteError) and res[1].type_name == "RankDied", (
+            f"{ctx} rank 1: {res[1]!r}"
+        )
     else:
         assert not isinstance(res[1], RemoteError), f"{ctx} rank 1: {res[1]}"
-    assert not isinstance(res[0], RemoteError), f"{ctx} rank 0: {res[0]}\n{getattr(res[0], 'traceback', '')}"
+    assert not isinstance(res[0], RemoteError), (
+        f"{ctx} rank 0: {res[0]}\n{getattr(res[0], 'traceback', '')}"
+    )
     out = res[0]
     if not kill:
         assert out["pending"] == {"irecv": True, "all_reduce": True}, (
-            f"{ctx} with rank 1 alive and idle both works should still be pending: {out['pending']}")
+            f"{ctx} with rank 1 alive and idle both works should still be pending: {out['pending']}"
+        )
     assert out["destroy"]["ok"] and out["destroy"]["dt"] < WAIT_BOUND, (
-        f"{ctx} destroy_process_group {_fmt(out['destroy'])}")
+        f"{ctx} destroy_process_group {_fmt(out['destroy'])}"
+    )
     for name in ("irecv", "all_reduce"):
         rec = out[name]
-        assert not rec["ok"], f"{ctx} {name}.wait() after destroy {_fmt(rec)} (nothing was received/reduced)"
+        assert not rec["ok"], (
+            f"{ctx} {name}.wait() after destroy {_fmt(rec)} (nothing was received/reduced)"
+        )
         assert rec["dt"] < WAIT_BOUND, f"{ctx} {name}.wait() after destroy {_fmt(rec)}"
     assert torch.equal(out["recv_buf"], torch.full((5,), SENTINEL)), (
-        f"{ctx} the irecv buffer was written: {out['recv_buf'].tolist()}")
+        f"{ctx} the irecv buffer was written: {out['recv_buf'].tolist()}"
+    )
 
 
 # ================================================= 6. expanded (stride-0) output tensors
@@ -532,8 +610,11 @@ def rank_expanded_output(rank, ws, opname):
         outs = [b.expand(4) for b in bases]
         call = lambda: dist.all_gather(outs, torch.full((4,), float(rank + 1)))  # noqa: E731
     rec = _outcome(call)
-    untouched = bool((base == SENTINEL).all()) if opname != "all_gather" else all(
-        bool((b == SENTINEL).all()) for b in bases)
+    untouched = (
+        bool((base == SENTINEL).all())
+        if opname != "all_gather"
+        else all(bool((b == SENTINEL).all()) for b in bases)
+    )
     return {"rec": rec, "untouched": untouched, "after": _follow_up(rank, ws)}
 
 
@@ -570,10 +651,16 @@ def rank_kind_mismatch(rank, ws, kinds):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("kinds", [("all_reduce", "barrier"), ("barrier", "all_reduce"),
-                                   ("all_reduce", "all_reduce", "barrier"),
-                                   ("barrier", "all_reduce", "barrier")],
-                         ids=lambda k: "-".join(k))
+@pytest.mark.parametrize(
+    "kinds",
+    [
+        ("all_reduce", "barrier"),
+        ("barrier", "all_reduce"),
+        ("all_reduce", "all_reduce", "barrier"),
+        ("barrier", "all_reduce", "barrier"),
+    ],
+    ids=lambda k: "-".join(k),
+)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_op_kind_mismatch_names_own_op_and_offender(transport, kinds):
     ws = len(kinds)
@@ -586,14 +673,17 @@ def test_op_kind_mismatch_names_own_op_and_offender(transport, kinds):
         assert not rec["ok"], f"{ctx} rank {r}: {kinds[r]} against {kinds} {_fmt(rec)}"
         assert "ValueError" in rec["mro"], f"{ctx} rank {r}: expected ValueError: {_fmt(rec)}"
         assert rec["msg"].startswith(f"mooncake {kinds[r]} "), (
-            f"{ctx} rank {r} called {kinds[r]}; the message must start with its own op: {rec['msg'][:300]!r}")
+            f"{ctx} rank {r} called {kinds[r]}; the message must start with its own op: {rec['msg'][:300]!r}"
+        )
         who = ", ".join(str(j) for j in offenders)
         assert re.search(rf"offending rank\(s\): {re.escape(who)}(?![\d,])", rec["msg"]), (
-            f"{ctx} rank {r}: message does not name offending rank(s) {offenders}: {rec['msg'][:300]!r}")
+            f"{ctx} rank {r}: message does not name offending rank(s) {offenders}: {rec['msg'][:300]!r}"
+        )
         assert rec["dt"] < 5.0, f"{ctx} rank {r}: {_fmt(rec)}"
         if kinds[r] == "all_reduce":
             assert torch.equal(res[r]["buf"], torch.full((4,), SENTINEL)), (
-                f"{ctx} rank {r}: the all_reduce buffer was modified: {res[r]['buf'].tolist()}")
+                f"{ctx} rank {r}: the all_reduce buffer was modified: {res[r]['buf'].tolist()}"
+            )
     _check_follow_up(res, ws, ctx)
 
 
@@ -622,7 +712,9 @@ def test_shm_slot_bytes_env_not_a_number_at_init():
     """The same through init_process_group in real rank processes: every rank's init
     raises ValueError naming the variable (no hang, no other error)."""
     with pytest.raises(PoolStartError) as ei:
-        pool = RankPool(2, "mooncake", "shm", op_timeout=10.0, env={"MOONCAKE_SHM_SLOT_BYTES": "abc"})
+        pool = RankPool(
+            2, "mooncake", "shm", op_timeout=10.0, env={"MOONCAKE_SHM_SLOT_BYTES": "abc"}
+        )
         pool.close(graceful=False)
     errs = ei.value.errors
     assert sorted(errs) == [0, 1], f"every rank's init should fail: {ei.value}"

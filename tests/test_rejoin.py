@@ -21,6 +21,7 @@ very op that produced the sum.
 
 Environment: ``MOONCAKE_REJOIN_CYCLES`` (kill-and-rejoin cycles per transport, default 3).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,15 +32,14 @@ import sys
 import time
 
 import pytest
+import rankpool
 import torch
 import torch.distributed as dist
-
-import rankpool
 from rankpool import RankPool, RemoteError
 
-OP_TIMEOUT = 10.0           # MooncakeOptions.timeout: failures are detected by process handles
-RUN_TIMEOUT = 45.0          # one pool.run
-REJOIN_RUN_TIMEOUT = 30.0   # the rejoin call: join_group / recover_ranks fail well before it
+OP_TIMEOUT = 10.0  # MooncakeOptions.timeout: failures are detected by process handles
+RUN_TIMEOUT = 45.0  # one pool.run
+REJOIN_RUN_TIMEOUT = 30.0  # the rejoin call: join_group / recover_ranks fail well before it
 JOIN_TIMEOUT = 20.0
 W = 3
 TRANSPORTS = ["shm", "tcp"]
@@ -60,12 +60,18 @@ if not any(b == "mooncake" for b, _ in rankpool.parse_backends()):
 class RejoinPool:
     """A fresh RankPool plus :meth:`respawn` (replacement ranks started by the test)."""
 
-    def __init__(self, transport, policy="mask", op_timeout=OP_TIMEOUT, options=None,
-                 rank_options=None):
-        self.pool = RankPool(W, "mooncake", transport, op_timeout=op_timeout,
-                             options={"on_failure": policy, **(options or {})},
-                             rank_options=rank_options)
-        self.extra_pids = []     # every pid this pool ever had (victims included)
+    def __init__(
+        self, transport, policy="mask", op_timeout=OP_TIMEOUT, options=None, rank_options=None
+    ):
+        self.pool = RankPool(
+            W,
+            "mooncake",
+            transport,
+            op_timeout=op_timeout,
+            options={"on_failure": policy, **(options or {})},
+            rank_options=rank_options,
+        )
+        self.extra_pids = []  # every pid this pool ever had (victims included)
         self.generation = [0] * W
         self.history = [(r, 0, pid) for r, pid in enumerate(self.pool.pids)]
 
@@ -76,9 +82,10 @@ class RejoinPool:
     def run(self, fn, *args, timeout=RUN_TIMEOUT, **kw):
         try:
             return self.pool.run(fn, *args, timeout=timeout, return_exceptions=True, **kw)
-        except rankpool.RankError as e:   # a timeout: add the membership log of every seat
-            raise AssertionError(f"{fn.__name__}: {e}\n--- [mooncake] lines:\n"
-                                 + self.mooncake_lines()) from None
+        except rankpool.RankError as e:  # a timeout: add the membership log of every seat
+            raise AssertionError(
+                f"{fn.__name__}: {e}\n--- [mooncake] lines:\n" + self.mooncake_lines()
+            ) from None
 
     def respawn(self, rank, timeout=60.0, extra_env=None):
         """Starts a replacement for dead seat ``rank`` (``is_recovery=True``) and puts it
@@ -96,18 +103,31 @@ class RejoinPool:
         except OSError:
             pass
         self.generation[rank] += 1
-        env = {"GLOO_SOCKET_IFNAME": "lo", "MOONCAKE_SOCKET_IFNAME": "lo",
-               "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        env = {
+            "GLOO_SOCKET_IFNAME": "lo",
+            "MOONCAKE_SOCKET_IFNAME": "lo",
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+        }
         env.update(pool.env)
         env.update(extra_env or {})
         log = os.path.join(s.tmpdir, f"pool{pool.id}-rank{rank}-gen{self.generation[rank]}.log")
         options = dict(pool.options)
         options["is_recovery"] = True
-        spec = {"sock": s.sock_path, "token": s.token, "pool_id": pool.id, "rank": rank,
-                "world_size": pool.world_size, "backend": pool.backend,
-                "transport": pool.transport, "op_timeout": pool.op_timeout,
-                "options": options, "store_file": os.path.join(s.tmpdir, f"pool{pool.id}.store"),
-                "log": log, "env": env}
+        spec = {
+            "sock": s.sock_path,
+            "token": s.token,
+            "pool_id": pool.id,
+            "rank": rank,
+            "world_size": pool.world_size,
+            "backend": pool.backend,
+            "transport": pool.transport,
+            "op_timeout": pool.op_timeout,
+            "options": options,
+            "store_file": os.path.join(s.tmpdir, f"pool{pool.id}.store"),
+            "log": log,
+            "env": env,
+        }
         pid = s.spawn(spec)
         self.extra_pids.append(pid)
         pool.pids[rank] = pid
@@ -116,10 +136,16 @@ class RejoinPool:
         while True:
             got = s.accept(deadline)
             if got is None:
-                raise AssertionError(f"replacement for seat {rank} did not connect\n"
-                                     + rankpool._log_tail(log))
+                raise AssertionError(
+                    f"replacement for seat {rank} did not connect\n" + rankpool._log_tail(log)
+                )
             conn, hello = got
-            if hello[0] == "hello" and hello[1] == pool.id and hello[2] == rank and hello[4] == s.token:
+            if (
+                hello[0] == "hello"
+                and hello[1] == pool.id
+                and hello[2] == rank
+                and hello[4] == s.token
+            ):
                 break
             conn.close()
         pool.pids[rank] = hello[3]
@@ -127,26 +153,39 @@ class RejoinPool:
         self.history.append((rank, self.generation[rank], hello[3]))
         pool.conns[rank] = conn
         if not conn.poll(max(0.1, deadline - time.monotonic())):
-            raise AssertionError(f"replacement for seat {rank}: init_process_group(is_recovery=True) "
-                                 f"did not return\n" + rankpool._log_tail(log))
+            raise AssertionError(
+                f"replacement for seat {rank}: init_process_group(is_recovery=True) "
+                f"did not return\n" + rankpool._log_tail(log)
+            )
         msg = rankpool._loads(conn.recv_bytes())
         if msg[0] != "ready":
-            raise AssertionError(f"replacement for seat {rank}: init failed: {msg[2]!r}\n"
-                                 f"{getattr(msg[2], 'traceback', '')}\n" + rankpool._log_tail(log))
+            raise AssertionError(
+                f"replacement for seat {rank}: init failed: {msg[2]!r}\n"
+                f"{getattr(msg[2], 'traceback', '')}\n" + rankpool._log_tail(log)
+            )
         pool.dirty = False
         return hello[3]
 
     def mooncake_lines(self):
         out = ["seat processes (rank, generation, pid): " + ", ".join(map(str, self.history))]
         for r in range(W):
-            paths = [os.path.join(rankpool._get_session().tmpdir, f"pool{self.pool.id}-rank{r}.log")]
-            paths += [os.path.join(rankpool._get_session().tmpdir,
-                                   f"pool{self.pool.id}-rank{r}-gen{g}.log")
-                      for g in range(1, self.generation[r] + 1)]
+            paths = [
+                os.path.join(rankpool._get_session().tmpdir, f"pool{self.pool.id}-rank{r}.log")
+            ]
+            paths += [
+                os.path.join(
+                    rankpool._get_session().tmpdir, f"pool{self.pool.id}-rank{r}-gen{g}.log"
+                )
+                for g in range(1, self.generation[r] + 1)
+            ]
             for gen, p in enumerate(paths):
                 for line in rankpool._log_tail(p, 200_000).splitlines():
-                    if ("[mooncake]" in line or "[test_rejoin]" in line or "Fatal Python" in line
-                            or "Error" in line):
+                    if (
+                        "[mooncake]" in line
+                        or "[test_rejoin]" in line
+                        or "Fatal Python" in line
+                        or "Error" in line
+                    ):
                         out.append(f"rank {r}/gen {gen}: {line}")
         return "\n".join(out)
 
@@ -172,21 +211,31 @@ def rj_pool():
 
 def expect_ok(rp, res, ranks, what):
     bad = {r: res[r] for r in ranks if isinstance(res[r], RemoteError)}
-    assert not bad, (f"{what}: ranks raised:\n" + "\n".join(
-        f"rank {r}: {e.type_name}: {e.message}\n{e.traceback}"
-        + (f"\nrank {r} log tail:\n{e.log[-1500:]}" if e.type_name == "RankDied" and e.log else "")
-        for r, e in bad.items())
-        + "\n" + rp.mooncake_lines())
+    assert not bad, (
+        f"{what}: ranks raised:\n"
+        + "\n".join(
+            f"rank {r}: {e.type_name}: {e.message}\n{e.traceback}"
+            + (
+                f"\nrank {r} log tail:\n{e.log[-1500:]}"
+                if e.type_name == "RankDied" and e.log
+                else ""
+            )
+            for r, e in bad.items()
+        )
+        + "\n"
+        + rp.mooncake_lines()
+    )
 
 
 def expect_died(rp, res, victim, what):
     assert isinstance(res[victim], RemoteError) and res[victim].type_name == "RankDied", (
-        f"{what}: victim rank {victim} should have died, got {res[victim]!r}\n{rp.mooncake_lines()}")
+        f"{what}: victim rank {victim} should have died, got {res[victim]!r}\n{rp.mooncake_lines()}"
+    )
 
 
 # ================================================================ rank-side code
 
-_ST = {}   # per rank process: model, optimizer, step counter
+_ST = {}  # per rank process: model, optimizer, step counter
 
 
 def _digest(*tensors):
@@ -202,8 +251,10 @@ def _opt_snapshot(opt):
     sd = opt.state_dict()
     state = {}
     for idx in sorted(sd["state"]):
-        state[idx] = {k: (v.detach().clone() if torch.is_tensor(v) else v)
-                      for k, v in sorted(sd["state"][idx].items())}
+        state[idx] = {
+            k: (v.detach().clone() if torch.is_tensor(v) else v)
+            for k, v in sorted(sd["state"][idx].items())
+        }
     h = hashlib.sha256()
     for idx, st in state.items():
         for k, v in st.items():
@@ -218,11 +269,17 @@ def _make_model(kind, seed):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     if kind == "adam":
-        opt = torch.optim.Adam(model.parameters(), lr=1e-2 if seed < 1000 else 0.5,
-                               betas=(0.9, 0.99) if seed < 1000 else (0.5, 0.5))
+        opt = torch.optim.Adam(
+            model.parameters(),
+            lr=1e-2 if seed < 1000 else 0.5,
+            betas=(0.9, 0.99) if seed < 1000 else (0.5, 0.5),
+        )
     else:
-        opt = torch.optim.SGD(model.parameters(), lr=5e-2 if seed < 1000 else 0.7,
-                              momentum=0.9 if seed < 1000 else 0.1)
+        opt = torch.optim.SGD(
+            model.parameters(),
+            lr=5e-2 if seed < 1000 else 0.7,
+            momentum=0.9 if seed < 1000 else 0.1,
+        )
     return model, opt
 
 
@@ -247,7 +304,7 @@ def _train_step(rank, st):
     off = 0
     for p in params:
         k = p.numel()
-        p.grad.copy_(flat[off:off + k].view_as(p) / n)
+        p.grad.copy_(flat[off : off + k].view_as(p) / n)
         off += k
     opt.step()
     st["step"] += 1
@@ -265,7 +322,7 @@ def _die(rank, why):
 
 def rank_setup(rank, ws, kind):
     _ST.clear()
-    model, opt = _make_model(kind, 17)   # same init everywhere
+    model, opt = _make_model(kind, 17)  # same init everywhere
     _ST.update(model=model, opt=opt, step=0, kind=kind)
     return True
 
@@ -279,8 +336,13 @@ def rank_train(rank, ws, steps, victim=None, kill_at=None):
         ns.append(_train_step(rank, _ST))
     import mooncake_pg
 
-    return {"n": ns, "step": _ST["step"], "active": mooncake_pg.get_active_ranks().tolist(),
-            "epoch": mooncake_pg.get_epoch(), "rng": _digest(torch.get_rng_state())}
+    return {
+        "n": ns,
+        "step": _ST["step"],
+        "active": mooncake_pg.get_active_ranks().tolist(),
+        "epoch": mooncake_pg.get_epoch(),
+        "rng": _digest(torch.get_rng_state()),
+    }
 
 
 def rank_rejoin(rank, ws, joiner, step, max_steps=2000):
@@ -291,7 +353,7 @@ def rank_rejoin(rank, ws, joiner, step, max_steps=2000):
     if rank == joiner:
         kind = _ST.get("kind") or step["kind"]
         _ST.clear()
-        model, opt = _make_model(kind, 5000 + rank)     # different init and hyper-parameters
+        model, opt = _make_model(kind, 5000 + rank)  # different init and hyper-parameters
         # give the fresh optimizer some (wrong) state of its own, to be overwritten
         x, y = _batch(99, 12345)
         torch.nn.functional.mse_loss(model(x), y).backward()
@@ -301,8 +363,13 @@ def rank_rejoin(rank, ws, joiner, step, max_steps=2000):
         mooncake_pg.join_group(None, timeout=JOIN_TIMEOUT)
         t_join = time.monotonic() - t0
         mooncake_pg.sync_state(model, opt)
-        return {"joined_after": t_join, "steps": 0, "pending_seen": [],
-                "active": mooncake_pg.get_active_ranks().tolist(), "epoch": mooncake_pg.get_epoch()}
+        return {
+            "joined_after": t_join,
+            "steps": 0,
+            "pending_seen": [],
+            "active": mooncake_pg.get_active_ranks().tolist(),
+            "epoch": mooncake_pg.get_epoch(),
+        }
     pending_seen = []
     for i in range(max_steps):
         _train_step(rank, _ST)
@@ -312,14 +379,20 @@ def rank_rejoin(rank, ws, joiner, step, max_steps=2000):
         mooncake_pg.recover_ranks(None, pend)
         if all(mooncake_pg.get_active_ranks().tolist()):
             mooncake_pg.sync_state(_ST["model"], _ST["opt"])
-            return {"joined_after": time.monotonic() - t0, "steps": i + 1,
-                    "pending_seen": pending_seen, "step": _ST["step"],
-                    "active": mooncake_pg.get_active_ranks().tolist(),
-                    "epoch": mooncake_pg.get_epoch()}
+            return {
+                "joined_after": time.monotonic() - t0,
+                "steps": i + 1,
+                "pending_seen": pending_seen,
+                "step": _ST["step"],
+                "active": mooncake_pg.get_active_ranks().tolist(),
+                "epoch": mooncake_pg.get_epoch(),
+            }
         time.sleep(0.005)
-    raise AssertionError(f"rank {rank}: seat {joiner} not admitted after {max_steps} steps "
-                         f"(pending {mooncake_pg.get_pending_ranks()}, "
-                         f"active {mooncake_pg.get_active_ranks().tolist()})")
+    raise AssertionError(
+        f"rank {rank}: seat {joiner} not admitted after {max_steps} steps "
+        f"(pending {mooncake_pg.get_pending_ranks()}, "
+        f"active {mooncake_pg.get_active_ranks().tolist()})"
+    )
 
 
 def rank_check(rank, ws):
@@ -327,9 +400,13 @@ def rank_check(rank, ws):
     import mooncake_pg
 
     model, opt = _ST["model"], _ST["opt"]
-    out = {"active": mooncake_pg.get_active_ranks().tolist(), "epoch": mooncake_pg.get_epoch(),
-           "params": _digest(*[p for p in model.parameters()]),
-           "opt": _opt_snapshot(opt)["digest"], "step": _ST["step"]}
+    out = {
+        "active": mooncake_pg.get_active_ranks().tolist(),
+        "epoch": mooncake_pg.get_epoch(),
+        "params": _digest(*list(model.parameters())),
+        "opt": _opt_snapshot(opt)["digest"],
+        "step": _ST["step"],
+    }
     out["rand"] = torch.rand(4).tolist()
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
@@ -345,9 +422,12 @@ def rank_check(rank, ws):
     out["gather_list"] = [x.tolist() for x in lst]
     nxt, prv = (rank + 1) % ws, (rank - 1) % ws
     r = torch.full((1024,), -1, dtype=torch.int32)
-    reqs = dist.batch_isend_irecv([
-        dist.P2POp(dist.isend, torch.arange(1024, dtype=torch.int32) + 1000 * rank, nxt),
-        dist.P2POp(dist.irecv, r, prv)])
+    reqs = dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.isend, torch.arange(1024, dtype=torch.int32) + 1000 * rank, nxt),
+            dist.P2POp(dist.irecv, r, prv),
+        ]
+    )
     for q in reqs:
         q.wait()
     out["ring"] = torch.equal(r, torch.arange(1024, dtype=torch.int32) + 1000 * prv)
@@ -374,8 +454,12 @@ def check_full_group(rp, ctx, epoch, want_step=None):
         assert o["epoch"] == epoch, f"{ctx} rank {r}: epoch {o['epoch']}, expected {epoch}\n{logs}"
         assert o["sum"] == 6.0, f"{ctx} rank {r}: all_reduce of [rank+1] gave {o['sum']}\n{logs}"
         assert o["big"] == [6.0], f"{ctx} rank {r}: large all_reduce gave {o['big']}"
-        assert o["gather"] == [0.0] * 3 + [10.0] * 3 + [20.0] * 3, f"{ctx} rank {r}: all_gather {o['gather']}"
-        assert o["gather_list"] == [[0.0] * 2, [1.0] * 2, [2.0] * 2], f"{ctx} rank {r}: {o['gather_list']}"
+        assert o["gather"] == [0.0] * 3 + [10.0] * 3 + [20.0] * 3, (
+            f"{ctx} rank {r}: all_gather {o['gather']}"
+        )
+        assert o["gather_list"] == [[0.0] * 2, [1.0] * 2, [2.0] * 2], (
+            f"{ctx} rank {r}: {o['gather_list']}"
+        )
         assert o["ring"], f"{ctx} rank {r}: batch_isend_irecv ring delivered wrong data"
         assert o["sendrecv"], f"{ctx} rank {r}: send/recv ring delivered wrong data"
         if want_step is not None:
@@ -383,7 +467,8 @@ def check_full_group(rp, ctx, epoch, want_step=None):
     for key in ("params", "opt", "rand"):
         vals = {r: res[r][key] for r in range(W)}
         assert len({json.dumps(v) for v in vals.values()}) == 1, (
-            f"{ctx}: {key} differ across ranks after sync_state: {vals}\n{logs}")
+            f"{ctx}: {key} differ across ranks after sync_state: {vals}\n{logs}"
+        )
     return res
 
 
@@ -417,22 +502,33 @@ def test_kill_and_rejoin_cycles(rj_pool, transport):
         for r in survivors:
             ns = res[r]["n"]
             assert ns[:2] == [3, 3] and ns[-1] == 2 and ns == sorted(ns, reverse=True), (
-                f"{ctx} rank {r}: contributors per step {ns}\n{rp.mooncake_lines()}")
-            assert res[r]["active"] == [0 if j == victim else 1 for j in range(W)], f"{ctx} {res[r]}"
-            assert res[r]["epoch"] == 2 * c + 1, f"{ctx} rank {r}: epoch {res[r]['epoch']} after the kill"
+                f"{ctx} rank {r}: contributors per step {ns}\n{rp.mooncake_lines()}"
+            )
+            assert res[r]["active"] == [0 if j == victim else 1 for j in range(W)], (
+                f"{ctx} {res[r]}"
+            )
+            assert res[r]["epoch"] == 2 * c + 1, (
+                f"{ctx} rank {r}: epoch {res[r]['epoch']} after the kill"
+            )
         assert len({json.dumps(res[r]["n"]) for r in survivors}) == 1, f"{ctx}: {res}"
         step += 6
         t_kill = time.monotonic() - t0
         rp.respawn(victim)
         t_spawn = time.monotonic() - t0
         res = rp.run(rank_rejoin, victim, {"step": step, "kind": kind}, timeout=REJOIN_RUN_TIMEOUT)
-        expect_ok(rp, res, range(W), f"{ctx} rejoin (seat {victim} refilled for the "
-                  f"{rp.generation[victim]}. time)")
+        expect_ok(
+            rp,
+            res,
+            range(W),
+            f"{ctx} rejoin (seat {victim} refilled for the {rp.generation[victim]}. time)",
+        )
         extra = {res[r]["steps"] for r in survivors}
         assert len(extra) == 1, f"{ctx}: survivors admitted the joiner after different steps: {res}"
         step += extra.pop()
         for r in range(W):
-            assert res[r]["active"] == [1] * W and res[r]["epoch"] == 2 * c + 2, f"{ctx} rank {r}: {res[r]}"
+            assert res[r]["active"] == [1] * W and res[r]["epoch"] == 2 * c + 2, (
+                f"{ctx} rank {r}: {res[r]}"
+            )
         # the joiner's own step counter is the test's bookkeeping; set it from the survivors
         res = rp.run(rank_set_step, step)
         expect_ok(rp, res, range(W), f"{ctx} set step")
@@ -444,9 +540,11 @@ def test_kill_and_rejoin_cycles(rj_pool, transport):
         step += 2
         timings.append((time.monotonic() - t0, t_kill, t_spawn))
     check_full_group(rp, f"[{transport} end]", 2 * CYCLES, want_step=step)
-    print(f"[{transport}] {CYCLES} cycles in {time.monotonic() - t_start:.2f} s; per cycle "
-          "(total, kill+train, +respawn): "
-          + ", ".join(f"({a:.2f}, {b:.2f}, {d:.2f})" for a, b, d in timings))
+    print(
+        f"[{transport}] {CYCLES} cycles in {time.monotonic() - t_start:.2f} s; per cycle "
+        "(total, kill+train, +respawn): "
+        + ", ".join(f"({a:.2f}, {b:.2f}, {d:.2f})" for a, b, d in timings)
+    )
 
 
 def rank_set_step(rank, ws, step):
@@ -470,9 +568,13 @@ def rank_adam_prepare(rank, ws):
 def rank_adam_after(rank, ws):
     """After the rejoin: optimizer state, hyper-parameters, parameters, RNG draws."""
     snap = _opt_snapshot(_ST["opt"])
-    return {"state": snap["state"], "param_groups": snap["param_groups"],
-            "params": [p.detach().clone() for p in _ST["model"].parameters()],
-            "rng": _digest(torch.get_rng_state()), "draw": torch.rand(8)}
+    return {
+        "state": snap["state"],
+        "param_groups": snap["param_groups"],
+        "params": [p.detach().clone() for p in _ST["model"].parameters()],
+        "rng": _digest(torch.get_rng_state()),
+        "draw": torch.rand(8),
+    }
 
 
 @pytest.mark.parametrize("victim", [0, 2])
@@ -504,16 +606,23 @@ def test_sync_state_adam_and_rng(rj_pool, victim):
         for k in ("step", "exp_avg", "exp_avg_sq"):
             a, b = j["state"][idx][k], s["state"][idx][k]
             assert torch.is_tensor(a) and torch.is_tensor(b), f"{ctx} param {idx} {k}: {a!r} {b!r}"
-            assert a.dtype == b.dtype and torch.equal(a, b), f"{ctx} param {idx} {k}: joiner {a} source {b}"
+            assert a.dtype == b.dtype and torch.equal(a, b), (
+                f"{ctx} param {idx} {k}: joiner {a} source {b}"
+            )
         assert set(j["state"][idx]) == set(s["state"][idx]), f"{ctx}: {j['state'][idx].keys()}"
-    assert j["param_groups"] == s["param_groups"], f"{ctx}: param_groups {j['param_groups']} vs {s['param_groups']}"
+    assert j["param_groups"] == s["param_groups"], (
+        f"{ctx}: param_groups {j['param_groups']} vs {s['param_groups']}"
+    )
     for a, b in zip(j["params"], s["params"]):
         assert torch.equal(a, b), f"{ctx}: parameters differ"
     # RNG: the joiner's state equals the source's (the source's state from before the sync)
     assert j["rng"] == s["rng"] == rng_before[src]["rng"], (
         f"{ctx}: RNG joiner {j['rng'][:12]} source {s['rng'][:12]} "
-        f"source-before {rng_before[src]['rng'][:12]}")
-    assert torch.equal(j["draw"], s["draw"]), f"{ctx}: torch.rand after sync: {j['draw']} vs {s['draw']}"
+        f"source-before {rng_before[src]['rng'][:12]}"
+    )
+    assert torch.equal(j["draw"], s["draw"]), (
+        f"{ctx}: torch.rand after sync: {j['draw']} vs {s['draw']}"
+    )
     # the whole group is usable and consistent
     check_full_group(rp, ctx, 2)
 
@@ -525,14 +634,23 @@ def _raises(fn, exc=Exception):
     t0 = time.monotonic()
     try:
         fn()
-    except exc as e:  # noqa: BLE001
-        return {"raised": True, "type": type(e).__name__,
-                "mro": [c.__name__ for c in type(e).__mro__], "msg": str(e)[:300],
-                "dt": time.monotonic() - t0}
-    except BaseException as e:  # noqa: BLE001
-        return {"raised": True, "type": type(e).__name__,
-                "mro": [c.__name__ for c in type(e).__mro__], "msg": str(e)[:300],
-                "dt": time.monotonic() - t0, "unexpected": True}
+    except exc as e:
+        return {
+            "raised": True,
+            "type": type(e).__name__,
+            "mro": [c.__name__ for c in type(e).__mro__],
+            "msg": str(e)[:300],
+            "dt": time.monotonic() - t0,
+        }
+    except BaseException as e:
+        return {
+            "raised": True,
+            "type": type(e).__name__,
+            "mro": [c.__name__ for c in type(e).__mro__],
+            "msg": str(e)[:300],
+            "dt": time.monotonic() - t0,
+            "unexpected": True,
+        }
     return {"raised": False, "dt": time.monotonic() - t0}
 
 
@@ -546,7 +664,7 @@ def rank_api_after_kill(rank, ws, victim):
         _die(rank, "after the first all_reduce")
     out = {}
     t = torch.tensor([float(rank + 1)])
-    dist.all_reduce(t)          # masked: completes over the survivors
+    dist.all_reduce(t)  # masked: completes over the survivors
     deadline = time.monotonic() + 10
     while mooncake_pg.get_active_ranks().tolist()[victim] and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -557,7 +675,9 @@ def rank_api_after_kill(rank, ws, victim):
     out["active_rank"] = _raises(lambda: mooncake_pg.recover_ranks(None, [rank]))
     out["out_of_range"] = _raises(lambda: mooncake_pg.recover_ranks(None, [W]))
     out["empty"] = _raises(lambda: mooncake_pg.recover_ranks(None, []))
-    out["empty_pending"] = _raises(lambda: mooncake_pg.recover_ranks(None, mooncake_pg.get_pending_ranks()))
+    out["empty_pending"] = _raises(
+        lambda: mooncake_pg.recover_ranks(None, mooncake_pg.get_pending_ranks())
+    )
     out["epoch_after"] = mooncake_pg.get_epoch()
     out["active_after"] = mooncake_pg.get_active_ranks().tolist()
     t = torch.tensor([float(rank + 1)])
@@ -566,8 +686,10 @@ def rank_api_after_kill(rank, ws, victim):
     return out
 
 
-JOINER_OPS = {"collectives": ["all_reduce", "broadcast", "all_gather", "barrier"],
-              "p2p": ["send", "recv", "batch_isend_irecv"]}
+JOINER_OPS = {
+    "collectives": ["all_reduce", "broadcast", "all_gather", "barrier"],
+    "p2p": ["send", "recv", "batch_isend_irecv"],
+}
 _JOINER_OP_FNS = {
     "all_reduce": lambda: dist.all_reduce(torch.ones(4)),
     "broadcast": lambda: dist.broadcast(torch.ones(4), 0),
@@ -575,8 +697,12 @@ _JOINER_OP_FNS = {
     "barrier": lambda: dist.barrier(),
     "send": lambda: dist.send(torch.ones(4), 0),
     "recv": lambda: dist.recv(torch.ones(4), 0),
-    "batch_isend_irecv": lambda: [q.wait() for q in dist.batch_isend_irecv(
-        [dist.P2POp(dist.isend, torch.ones(4), 0), dist.P2POp(dist.irecv, torch.ones(4), 1)])],
+    "batch_isend_irecv": lambda: [
+        q.wait()
+        for q in dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, torch.ones(4), 0), dist.P2POp(dist.irecv, torch.ones(4), 1)]
+        )
+    ],
 }
 
 
@@ -597,8 +723,11 @@ def rank_api_waiting(rank, ws, victim, kind):
     while pend != [victim] and time.monotonic() < deadline:
         time.sleep(0.01)
         pend = mooncake_pg.get_pending_ranks()
-    out = {"pending": pend, "epoch": mooncake_pg.get_epoch(),
-           "active": mooncake_pg.get_active_ranks().tolist()}
+    out = {
+        "pending": pend,
+        "epoch": mooncake_pg.get_epoch(),
+        "active": mooncake_pg.get_active_ranks().tolist(),
+    }
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
     out["sum"] = t.item()
@@ -634,7 +763,8 @@ def rank_api_admit(rank, ws, victim):
 
 def _assert_value_error(ctx, r, what, rec, logs=""):
     assert rec["raised"] and not rec.get("unexpected") and "ValueError" in rec["mro"], (
-        f"{ctx} rank {r}: {what} should raise ValueError, got {rec}\n{logs}")
+        f"{ctx} rank {r}: {what} should raise ValueError, got {rec}\n{logs}"
+    )
 
 
 @pytest.mark.parametrize("ops", list(JOINER_OPS))
@@ -656,7 +786,9 @@ def test_pending_and_recover_errors(rj_pool, transport, ops):
         o = res[r]
         assert o["active"] == [1, 1, 0] and o["epoch"] == 1, f"{ctx} rank {r}: {o}\n{logs}"
         assert o["pending"] == [], f"{ctx} rank {r}: pending before any replacement: {o['pending']}"
-        _assert_value_error(ctx, r, f"recover_ranks([{victim}]) with no replacement", o["no_replacement"], logs)
+        _assert_value_error(
+            ctx, r, f"recover_ranks([{victim}]) with no replacement", o["no_replacement"], logs
+        )
         _assert_value_error(ctx, r, f"recover_ranks([{r}]) (active)", o["active_rank"], logs)
         _assert_value_error(ctx, r, f"recover_ranks([{W}]) (out of range)", o["out_of_range"], logs)
         assert not o["empty"]["raised"] and not o["empty_pending"]["raised"], f"{ctx} rank {r}: {o}"
@@ -665,23 +797,33 @@ def test_pending_and_recover_errors(rj_pool, transport, ops):
 
     rp.respawn(victim)
     res = rp.run(rank_api_waiting, victim, ops)
-    expect_ok(rp, res, range(W), f"{ctx} waiting (the joiner tried {JOINER_OPS[ops]} before join_group)")
+    expect_ok(
+        rp, res, range(W), f"{ctx} waiting (the joiner tried {JOINER_OPS[ops]} before join_group)"
+    )
     logs = rp.mooncake_lines()
     j = res[victim]
     for op in JOINER_OPS[ops]:
         rec = j[op]
         assert rec["raised"] and not rec.get("unexpected"), (
-            f"{ctx} joiner: {op} before join_group should raise, got {rec}\n{logs}")
+            f"{ctx} joiner: {op} before join_group should raise, got {rec}\n{logs}"
+        )
         assert rec["dt"] < OP_TIMEOUT / 2, (
             f"{ctx} joiner: {op} before join_group raised only after {rec['dt']:.1f} s "
-            f"(op timeout {OP_TIMEOUT} s): {rec}")
+            f"(op timeout {OP_TIMEOUT} s): {rec}"
+        )
     for r in survivors:
         o = res[r]
-        assert o["pending"] == [victim], f"{ctx} rank {r}: pending while the joiner waits: {o}\n{logs}"
+        assert o["pending"] == [victim], (
+            f"{ctx} rank {r}: pending while the joiner waits: {o}\n{logs}"
+        )
         assert o["epoch"] == 1 and o["active"] == [1, 1, 0], f"{ctx} rank {r}: {o}"
-        assert o["sum"] == 3.0, f"{ctx} rank {r}: all_reduce among survivors gave {o['sum']}\n{logs}"
+        assert o["sum"] == 3.0, (
+            f"{ctx} rank {r}: all_reduce among survivors gave {o['sum']}\n{logs}"
+        )
         assert o["pending_after_op"] == [victim], f"{ctx} rank {r}: {o}"
-        _assert_value_error(ctx, r, f"recover_ranks([{r}]) (active) while a joiner waits", o["active_rank"], logs)
+        _assert_value_error(
+            ctx, r, f"recover_ranks([{r}]) (active) while a joiner waits", o["active_rank"], logs
+        )
 
     res = rp.run(rank_api_admit, victim, timeout=REJOIN_RUN_TIMEOUT)
     expect_ok(rp, res, range(W), f"{ctx} admit")
@@ -691,7 +833,9 @@ def test_pending_and_recover_errors(rj_pool, transport, ops):
         assert o["epoch"] == 2 and o["active"] == [1, 1, 1], f"{ctx} rank {r}: {o}\n{logs}"
         assert o["pending"] == [], f"{ctx} rank {r}: {o}"
         assert o["sum"] == 6.0 and o["sum2"] == 6.0, f"{ctx} rank {r}: {o}\n{logs}"
-        _assert_value_error(ctx, r, f"recover_ranks([{victim}]) after it rejoined", o["again"], logs)
+        _assert_value_error(
+            ctx, r, f"recover_ranks([{victim}]) after it rejoined", o["again"], logs
+        )
         assert o["epoch_after"] == 2, f"{ctx} rank {r}: {o}"
     for r in survivors:
         assert res[r]["pending_before"] == [victim], f"{ctx} rank {r}: {res[r]}"
@@ -727,7 +871,7 @@ def rank_ft5_join(rank, ws, joiner):
         deadline = time.monotonic() + JOIN_TIMEOUT
         while True:
             t = torch.ones(1)
-            dist.all_reduce(t)   # the members keep working while they wait
+            dist.all_reduce(t)  # the members keep working while they wait
             pend = mooncake_pg.get_pending_ranks()
             mooncake_pg.recover_ranks(None, pend)
             if mooncake_pg.get_active_ranks()[joiner]:
@@ -760,8 +904,9 @@ def rank_ft5_traffic(rank, ws):
             dist.send(mine, peer)
         out["plain"] = torch.equal(got, want)
         got = torch.full((1024,), -1, dtype=torch.int32)
-        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine + 1, peer),
-                                       dist.P2POp(dist.irecv, got, peer)])
+        reqs = dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, mine + 1, peer), dist.P2POp(dist.irecv, got, peer)]
+        )
         for q in reqs:
             q.wait()
         out["batch"] = torch.equal(got, want + 1)
@@ -773,11 +918,14 @@ def rank_ft5_die(rank, ws, victim):
     if rank == victim:
         _die(rank, "FT-5 victim")
     t = torch.tensor([float(rank + 1)])
-    dist.all_reduce(t)   # mask policy: completes over the survivors
+    dist.all_reduce(t)  # mask policy: completes over the survivors
     import mooncake_pg
 
-    return {"sum": t.item(), "active": mooncake_pg.get_active_ranks().tolist(),
-            "epoch": mooncake_pg.get_epoch()}
+    return {
+        "sum": t.item(),
+        "active": mooncake_pg.get_active_ranks().tolist(),
+        "epoch": mooncake_pg.get_epoch(),
+    }
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -785,8 +933,11 @@ def test_ft5_extension_seat(rj_pool, transport):
     """CASES.md FT-5: max_group_size=3 (world size 3 everywhere), ranks 0 and 1 found the
     group, seat 2 is empty and joins later; all_reduce gives 6 and rank 2 <-> rank 1 p2p
     arrives intact both ways; then rank 1 is killed and brought back into its seat."""
-    rp = rj_pool(transport, options={"max_group_size": W, "active_ranks": [0, 1]},
-                 rank_options={2: {"is_recovery": True}})
+    rp = rj_pool(
+        transport,
+        options={"max_group_size": W, "active_ranks": [0, 1]},
+        rank_options={2: {"is_recovery": True}},
+    )
     res = rp.run(rank_ft5_founders)
     expect_ok(rp, res, range(W), "founders")
     for r in (0, 1):
@@ -807,13 +958,17 @@ def test_ft5_extension_seat(rj_pool, transport):
             assert res[r]["active"] == [1, 1, 1] and res[r]["epoch"] == epoch, f"{ctx} {res[r]}"
             assert res[r]["sum"] == 6.0, f"{ctx} rank {r}: all_reduce gave {res[r]['sum']}"
         for r in (1, 2):
-            assert res[r]["plain"] and res[r]["batch"], f"{ctx} rank {r}: p2p with the other: {res[r]}"
+            assert res[r]["plain"] and res[r]["batch"], (
+                f"{ctx} rank {r}: p2p with the other: {res[r]}"
+            )
         # kill rank 1, the others go on without it, then it comes back into its seat
         res = rp.run(rank_ft5_die, 1)
         expect_died(rp, res, 1, ctx)
         expect_ok(rp, res, (0, 2), ctx)
         for r in (0, 2):
-            assert res[r] == {"sum": 4.0, "active": [1, 0, 1], "epoch": epoch + 1}, f"{ctx} rank {r}: {res[r]}"
+            assert res[r] == {"sum": 4.0, "active": [1, 0, 1], "epoch": epoch + 1}, (
+                f"{ctx} rank {r}: {res[r]}"
+            )
         rp.respawn(1)
         res = rp.run(rank_ft5_join, 1, timeout=REJOIN_RUN_TIMEOUT)
         expect_ok(rp, res, range(W), f"{ctx} rank 1 rejoins")
@@ -870,8 +1025,11 @@ def rank_ft5_sub_join(rank, ws):
 def test_ft5_extension_seat_subgroups(rj_pool):
     """A subgroup created while a seat is empty is joined by the process that fills the
     seat (after the default group); groups created after the join are set up normally."""
-    rp = rj_pool("shm", options={"max_group_size": W, "active_ranks": [0, 1]},
-                 rank_options={2: {"is_recovery": True}})
+    rp = rj_pool(
+        "shm",
+        options={"max_group_size": W, "active_ranks": [0, 1]},
+        rank_options={2: {"is_recovery": True}},
+    )
     res = rp.run(rank_ft5_sub_before)
     expect_ok(rp, res, range(W), "subgroup before the join")
     assert res[1] == {"sum": 2.0, "active": [1, 0]}, res[1]
@@ -898,8 +1056,12 @@ def rank_pending_probe(rank, ws, joiner=None, joiner_pid=None):
     dist.all_reduce(t)
     pend = mooncake_pg.get_pending_ranks()
     admitted = mooncake_pg.recover_ranks(None, pend)
-    return {"pending": pend, "admitted": admitted, "sum": t.item(),
-            "active": mooncake_pg.get_active_ranks().tolist()}
+    return {
+        "pending": pend,
+        "admitted": admitted,
+        "sum": t.item(),
+        "active": mooncake_pg.get_active_ranks().tolist(),
+    }
 
 
 def test_joiner_dying_before_admission_is_not_pending(rj_pool):
@@ -914,7 +1076,9 @@ def test_joiner_dying_before_admission_is_not_pending(rj_pool):
     res = rp.run(rank_pending_probe, 1, pid)
     expect_died(rp, res, 1, "dead joiner")
     for r in (0, 2):
-        assert res[r] == {"pending": [], "admitted": [], "sum": 4.0, "active": [1, 0, 1]}, f"rank {r}: {res[r]}"
+        assert res[r] == {"pending": [], "admitted": [], "sum": 4.0, "active": [1, 0, 1]}, (
+            f"rank {r}: {res[r]}"
+        )
     rp.respawn(1)
     res = rp.run(rank_rejoin, 1, {"step": 0, "kind": "sgd"}, timeout=REJOIN_RUN_TIMEOUT)
     expect_ok(rp, res, range(W), "second replacement")
@@ -951,13 +1115,20 @@ def rank_joiner_dies_in_recover(rank, ws, joiner):
     err = None
     try:
         admitted = mooncake_pg.recover_ranks(None, pend)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         admitted, err = None, f"{type(e).__name__}: {e}"
     dt = time.monotonic() - t0
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
-    return {"pending": pend, "admitted": admitted, "err": err, "dt": dt, "sum": t.item(),
-            "active": mooncake_pg.get_active_ranks().tolist(), "epoch": mooncake_pg.get_epoch()}
+    return {
+        "pending": pend,
+        "admitted": admitted,
+        "err": err,
+        "dt": dt,
+        "sum": t.item(),
+        "active": mooncake_pg.get_active_ranks().tolist(),
+        "epoch": mooncake_pg.get_epoch(),
+    }
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -972,7 +1143,9 @@ def test_joiner_dying_during_recover_ranks(rj_pool, transport):
     expect_ok(rp, res, (0, 2), "survivors")
     for r in (0, 2):
         o = res[r]
-        assert o["pending"] == [1] and o["err"] is None and o["admitted"] == [], f"rank {r}: {o}\n{rp.mooncake_lines()}"
+        assert o["pending"] == [1] and o["err"] is None and o["admitted"] == [], (
+            f"rank {r}: {o}\n{rp.mooncake_lines()}"
+        )
         assert o["sum"] == 4.0 and o["active"] == [1, 0, 1] and o["epoch"] == 3, f"rank {r}: {o}"
         assert o["dt"] < 15, f"rank {r}: recover_ranks took {o['dt']:.1f} s"
     # and a further replacement joins normally

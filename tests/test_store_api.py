@@ -1,10 +1,16 @@
 """API details of MooncakeStore with an embedded master (one process): dtypes through
 put_tensor, bad input rejected with ValueError before anything is sent, options."""
+
 import pytest
 
 torch = pytest.importorskip("torch")
-from mooncake_store import (MasterConfig, MooncakeStore, ObjectNotFoundError, ReplicateConfig,  # noqa: E402
-                            StoreConfig)
+from mooncake_store import (  # noqa: E402
+    MasterConfig,
+    MooncakeStore,
+    ObjectNotFoundError,
+    ReplicateConfig,
+    StoreConfig,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -16,25 +22,42 @@ def store():
     s.close()
 
 
-@pytest.mark.parametrize("make", [
-    lambda: torch.randn(5, 3).to(torch.float8_e4m3fn),
-    lambda: torch.randn(5, 3).to(torch.float8_e5m2),
-    lambda: torch.tensor([True, False, True]),
-    lambda: torch.randn(4, dtype=torch.complex64),
-    lambda: (torch.arange(7, dtype=torch.int32) + 60000).to(torch.uint16),
-    lambda: torch.arange(-3, 3, dtype=torch.int8),
-    lambda: torch.tensor(3.5),
-    lambda: torch.randn(2, 3, 4, dtype=torch.float64).transpose(0, 2),
-    lambda: torch.randn(3, 8, dtype=torch.bfloat16),
-    lambda: torch.empty(0, 128, dtype=torch.bfloat16),
-], ids=["f8e4m3", "f8e5m2", "bool", "complex64", "uint16", "int8", "0-dim", "transposed-f64", "bf16", "empty-bf16"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(5, 3).to(torch.float8_e4m3fn),
+        lambda: torch.randn(5, 3).to(torch.float8_e5m2),
+        lambda: torch.tensor([True, False, True]),
+        lambda: torch.randn(4, dtype=torch.complex64),
+        lambda: (torch.arange(7, dtype=torch.int32) + 60000).to(torch.uint16),
+        lambda: torch.arange(-3, 3, dtype=torch.int8),
+        lambda: torch.tensor(3.5),
+        lambda: torch.randn(2, 3, 4, dtype=torch.float64).transpose(0, 2),
+        lambda: torch.randn(3, 8, dtype=torch.bfloat16),
+        lambda: torch.empty(0, 128, dtype=torch.bfloat16),
+    ],
+    ids=[
+        "f8e4m3",
+        "f8e5m2",
+        "bool",
+        "complex64",
+        "uint16",
+        "int8",
+        "0-dim",
+        "transposed-f64",
+        "bf16",
+        "empty-bf16",
+    ],
+)
 def test_tensor_dtypes_round_trip(store, make):
     t = make()
     key = f"t-{t.dtype}-{tuple(t.shape)}-{t.stride()}"
     store.put_tensor(key, t, upsert=True)
     g = store.get_tensor(key)
     assert g.dtype == t.dtype and g.shape == t.shape
-    assert torch.equal(g.reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8))
+    assert torch.equal(
+        g.reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8)
+    )
 
 
 def test_get_into(store):
@@ -49,19 +72,28 @@ def test_get_into(store):
         store.get_into("gi", b"x" * 16)
     t = torch.zeros(10, dtype=torch.uint8)
     assert store.get_into("gi", t) == 10 and bytes(t.numpy()) == b"0123456789"
-    sizes = store.get_into_batch(["gi", "missing"], [bytearray(10), bytearray(10)], return_exceptions=True)
+    sizes = store.get_into_batch(
+        ["gi", "missing"], [bytearray(10), bytearray(10)], return_exceptions=True
+    )
     assert sizes[0] == 10 and isinstance(sizes[1], ObjectNotFoundError)
 
 
 def test_bad_input_is_rejected_before_sending(store):
     before = store.stats()
-    for bad in (lambda: store.put("", b"x"), lambda: store.put(5, b"x"), lambda: store.put("k", "str"),
-                lambda: store.put("k", object()), lambda: store.put_batch(["a", "a"], [b"", b""]),
-                lambda: store.put_batch(["a", "b"], [b""]), lambda: store.put("k", b"x", config=3),
-                lambda: store.get_batch("ab"), lambda: store.put("k" * 5000, b"x"),
-                lambda: store.put_tensor("k", b"not a tensor"),
-                lambda: store.put_tensor("k", torch.eye(3).to_sparse()),  # was: RuntimeError from torch
-                lambda: store.get_into("k", torch.zeros(9).to_sparse())):
+    for bad in (
+        lambda: store.put("", b"x"),
+        lambda: store.put(5, b"x"),
+        lambda: store.put("k", "str"),
+        lambda: store.put("k", object()),
+        lambda: store.put_batch(["a", "a"], [b"", b""]),
+        lambda: store.put_batch(["a", "b"], [b""]),
+        lambda: store.put("k", b"x", config=3),
+        lambda: store.get_batch("ab"),
+        lambda: store.put("k" * 5000, b"x"),
+        lambda: store.put_tensor("k", b"not a tensor"),
+        lambda: store.put_tensor("k", torch.eye(3).to_sparse()),  # was: RuntimeError from torch
+        lambda: store.get_into("k", torch.zeros(9).to_sparse()),
+    ):
         with pytest.raises(ValueError):
             bad()
     after = store.stats()
@@ -75,7 +107,11 @@ def test_empty_batches_return_empty_lists():
         assert s.put_batch([], []) == []
         assert s.put_tensor_batch([], []) == []
         assert s.put_batch([], [], upsert=True) == []
-        assert s.get_batch([]) == [] and s.get_into_batch([], []) == [] and s.get_tensor_batch([]) == []
+        assert (
+            s.get_batch([]) == []
+            and s.get_into_batch([], []) == []
+            and s.get_tensor_batch([]) == []
+        )
         assert s.exists_batch([]) == [] and s.remove_batch([]) == []
         s.put("after", b"ok")  # the client still works
         assert s.get("after") == b"ok"
@@ -119,22 +155,32 @@ def test_key_errors_name_the_op_and_the_problem(store):
     are the other bad arguments; nothing is sent. Valid non-ASCII keys work."""
     before = store.stats()
     bad = "ab\udcff"
-    for op, call in (("put", lambda: store.put(bad, b"x")), ("upsert", lambda: store.upsert(bad, b"x")),
-                     ("get", lambda: store.get(bad)), ("exists", lambda: store.exists(bad)),
-                     ("remove", lambda: store.remove(bad)), ("where", lambda: store.where(bad)),
-                     ("put_tensor", lambda: store.put_tensor(bad, torch.zeros(2))),
-                     ("get_tensor", lambda: store.get_tensor(bad)),
-                     ("put_batch", lambda: store.put_batch(["ok", bad], [b"", b""])),
-                     ("get_batch", lambda: store.get_batch(["ok", bad])),
-                     ("exists_batch", lambda: store.exists_batch([bad])),
-                     ("get_into", lambda: store.get_into(bad, bytearray(4)))):
-        with pytest.raises(ValueError, match=rf"^{op}: key must be valid Unicode text .*lone surrogate '\\udcff' at index 2"):
+    for op, call in (
+        ("put", lambda: store.put(bad, b"x")),
+        ("upsert", lambda: store.upsert(bad, b"x")),
+        ("get", lambda: store.get(bad)),
+        ("exists", lambda: store.exists(bad)),
+        ("remove", lambda: store.remove(bad)),
+        ("where", lambda: store.where(bad)),
+        ("put_tensor", lambda: store.put_tensor(bad, torch.zeros(2))),
+        ("get_tensor", lambda: store.get_tensor(bad)),
+        ("put_batch", lambda: store.put_batch(["ok", bad], [b"", b""])),
+        ("get_batch", lambda: store.get_batch(["ok", bad])),
+        ("exists_batch", lambda: store.exists_batch([bad])),
+        ("get_into", lambda: store.get_into(bad, bytearray(4))),
+    ):
+        with pytest.raises(
+            ValueError,
+            match=rf"^{op}: key must be valid Unicode text .*lone surrogate '\\udcff' at index 2",
+        ):
             call()
     with pytest.raises(ValueError, match="^put: key must be a non-empty str, got ''"):
         store.put("", b"x")
     with pytest.raises(ValueError, match="^get: key must be a non-empty str, got 5"):
         store.get(5)
-    with pytest.raises(ValueError, match="^put: key must be at most 4096 bytes of UTF-8, got 4098 bytes"):
+    with pytest.raises(
+        ValueError, match="^put: key must be at most 4096 bytes of UTF-8, got 4098 bytes"
+    ):
         store.put("é" * 2049, b"x")
     with pytest.raises(ValueError, match="^get_into: buffer is read-only"):
         store.get_into("k", b"x" * 16)
@@ -142,11 +188,13 @@ def test_key_errors_name_the_op_and_the_problem(store):
         store.put("k", "str")
     with pytest.raises(ValueError, match="^put_tensor: expected a torch.Tensor"):
         store.put_tensor("k", b"x")
-    with pytest.raises(ValueError, match="^get_batch: keys must be a sequence of str, not a single key"):
+    with pytest.raises(
+        ValueError, match="^get_batch: keys must be a sequence of str, not a single key"
+    ):
         store.get_batch("ab")
     after = store.stats()
     assert after.puts == before.puts and after.pending == 0 and not store.exists("ok")
-    for key in ("ключ/é", "emoji-\U0001F600", "é" * 2048):  # non-ASCII, and exactly 4096 bytes
+    for key in ("ключ/é", "emoji-\U0001f600", "é" * 2048):  # non-ASCII, and exactly 4096 bytes
         store.put(key, key.encode())
         assert store.get(key) == key.encode() and store.get_batch([key]) == [key.encode()]
         store.remove(key, force=True)
@@ -159,7 +207,11 @@ def test_repeated_keys_reads_serve_each_writes_refuse(store):
     store.put_tensor("rk-t", torch.arange(4))
     assert store.get_batch(["rk-a", "rk-b", "rk-a", "rk-a"]) == [b"AAA", b"B", b"AAA", b"AAA"]
     got = store.get_batch(["rk-x", "rk-a", "rk-x"], return_exceptions=True)
-    assert isinstance(got[0], ObjectNotFoundError) and got[1] == b"AAA" and isinstance(got[2], ObjectNotFoundError)
+    assert (
+        isinstance(got[0], ObjectNotFoundError)
+        and got[1] == b"AAA"
+        and isinstance(got[2], ObjectNotFoundError)
+    )
     with pytest.raises(ObjectNotFoundError):
         store.get_batch(["rk-a", "rk-x", "rk-x"])
     assert store.exists_batch(["rk-a", "rk-x", "rk-a", "rk-b"]) == [True, False, True, True]
@@ -170,12 +222,19 @@ def test_repeated_keys_reads_serve_each_writes_refuse(store):
     b1, b2, b3 = bytearray(8), bytearray(3), torch.zeros(4, dtype=torch.uint8)
     assert store.get_into_batch(["rk-a", "rk-a", "rk-b"], [b1, b2, b3]) == [3, 3, 1]
     assert bytes(b1[:3]) == b"AAA" and bytes(b2) == b"AAA" and bytes(b3[:1].numpy()) == b"B"
-    small = store.get_into_batch(["rk-a", "rk-a"], [bytearray(3), bytearray(2)], return_exceptions=True)
+    small = store.get_into_batch(
+        ["rk-a", "rk-a"], [bytearray(3), bytearray(2)], return_exceptions=True
+    )
     assert small[0] == 3 and isinstance(small[1], ValueError) and "too small" in str(small[1])
     before = store.stats()
-    for op, call in (("put_batch", lambda: store.put_batch(["rk-n", "rk-m", "rk-n"], [b"1", b"2", b"3"])),
-                     ("put_tensor_batch", lambda: store.put_tensor_batch(["rk-n", "rk-n"], [torch.zeros(1)] * 2)),
-                     ("remove_batch", lambda: store.remove_batch(["rk-a", "rk-a"]))):
+    for op, call in (
+        ("put_batch", lambda: store.put_batch(["rk-n", "rk-m", "rk-n"], [b"1", b"2", b"3"])),
+        (
+            "put_tensor_batch",
+            lambda: store.put_tensor_batch(["rk-n", "rk-n"], [torch.zeros(1)] * 2),
+        ),
+        ("remove_batch", lambda: store.remove_batch(["rk-a", "rk-a"])),
+    ):
         with pytest.raises(ValueError, match=rf"^{op}: key 'rk-[na]' repeats within one batch"):
             call()
     assert store.stats().puts == before.puts and not store.exists("rk-n") and store.exists("rk-a")

@@ -1,18 +1,25 @@
 """Store cases ST-1, ST-3, ST-4, ST-6 and ST-7 (shared/cases/CASES.md) with real processes:
 a master process, segment-owning client processes ("agents", tests/store_agents.py) and
 the test process as one more client. Everything on 127.0.0.1."""
+
 import os
-import signal
 import sys
 import time
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import store_agents as sa  # noqa: E402
+import store_agents as sa
 
-from mooncake_store import (LeaseExpiredError, MooncakeStore, ObjectExistsError, ObjectHasLeaseError,  # noqa: E402
-                            ObjectNotFoundError, ReplicaShortfallError, ReplicateConfig)
+from mooncake_store import (
+    LeaseExpiredError,
+    MooncakeStore,
+    ObjectExistsError,
+    ObjectHasLeaseError,
+    ObjectNotFoundError,
+    ReplicaShortfallError,
+    ReplicateConfig,
+)
 
 MiB = 1 << 20
 pytestmark = pytest.mark.timeout(120)
@@ -81,7 +88,10 @@ def test_st3_empty_values(procs):
         assert s.put_batch(["b0", "b1"], [b"", b"normal"]) == [1, 1]
         assert s.get_batch(["b0", "b1"]) == [b"", b"normal"]
         assert node.cmd("get_batch", keys=["b0", "b1", "never"]) == [
-            {"size": 0, "sha": sa.digest(b"")}, {"size": 6, "sha": sa.digest(b"normal")}, {"err": "ObjectNotFoundError"}]
+            {"size": 0, "sha": sa.digest(b"")},
+            {"size": 6, "sha": sa.digest(b"normal")},
+            {"err": "ObjectNotFoundError"},
+        ]
 
 
 def test_st4_leases_short_ttl(procs):
@@ -137,8 +147,14 @@ def test_st6_replica_placement(procs):
     m = sa.start_master(client_ttl=1.0)
     nodes = {}
     for i in range(3):
-        a = sa.start_agent({"master": m.address, "segment_size": 16 * MiB, "name": f"node{i}",
-                            "heartbeat_interval_s": 0.2})
+        a = sa.start_agent(
+            {
+                "master": m.address,
+                "segment_size": 16 * MiB,
+                "name": f"node{i}",
+                "heartbeat_interval_s": 0.2,
+            }
+        )
         nodes[f"node{i}"] = a
     data = sa.pattern(6, 4 * MiB)
     with client(m) as s:
@@ -172,8 +188,10 @@ def test_st7_writer_dies_mid_put(procs):
     space are freed (used bytes back to the earlier figure) and B's put succeeds."""
     m = sa.start_master(client_ttl=1.0)
     sa.start_agent({"master": m.address, "segment_size": 160 * MiB, "name": "storage"})
-    writer = sa.start_agent({"master": m.address, "segment_size": 0, "heartbeat_interval_s": 0.2},
-                            env={"MOONCAKE_STORE_TEST_PAUSE": "put:60"})
+    writer = sa.start_agent(
+        {"master": m.address, "segment_size": 0, "heartbeat_interval_s": 0.2},
+        env={"MOONCAKE_STORE_TEST_PAUSE": "put:60"},
+    )
     with client(m) as b:
         used0 = b.stats().used_bytes
         writer.send("put", key="big", seed=7, size=64 * MiB)

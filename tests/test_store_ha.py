@@ -1,7 +1,7 @@
 """High availability with a real etcd: two masters elect a leader; SIGKILL of the leader
 makes the standby lead within 5 s; every committed object stays readable; clients and
 segment owners go on without a restart."""
-import json
+
 import os
 import sys
 import time
@@ -10,11 +10,11 @@ import uuid
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import store_agents as sa  # noqa: E402
-from etcd_util import EtcdServer  # noqa: E402
+import store_agents as sa
+from etcd_util import EtcdServer
 
-from mooncake_store import MooncakeStore, ReplicateConfig  # noqa: E402
-from mooncake_store.protocol import Connection  # noqa: E402
+from mooncake_store import MooncakeStore, ReplicateConfig
+from mooncake_store.protocol import Connection
 
 MiB = 1 << 20
 pytestmark = pytest.mark.timeout(180)
@@ -65,7 +65,9 @@ def test_leader_kill_standby_takes_over(procs, etcd):
     time.sleep(0.3)
     assert is_leader(m1.address) and not is_leader(m2.address)
     cfg = {"etcd": etcd, "etcd_prefix": prefix, "heartbeat_interval_s": 0.2}
-    nodes = [sa.start_agent({**cfg, "segment_size": 32 * MiB, "name": f"node{i}"}) for i in range(2)]
+    nodes = [
+        sa.start_agent({**cfg, "segment_size": 32 * MiB, "name": f"node{i}"}) for i in range(2)
+    ]
     with MooncakeStore(serve_tcp=False, segment_size=0, **cfg) as s:
         expect = {}
         for i in range(10):
@@ -84,7 +86,9 @@ def test_leader_kill_standby_takes_over(procs, etcd):
         m1.kill()
         t0 = time.monotonic()
         while not is_leader(m2.address):
-            assert time.monotonic() - t0 < 5.0, "the standby did not take over within 5 s:\n" + m2.log()
+            assert time.monotonic() - t0 < 5.0, (
+                "the standby did not take over within 5 s:\n" + m2.log()
+            )
             time.sleep(0.05)
         took = time.monotonic() - t0
         print(f"standby took over after {took:.2f} s")
@@ -123,8 +127,10 @@ def test_leader_stopped_clients_keep_their_objects(procs, etcd):
     m1, m2, prefix = start_pair(etcd)
     cfg = {"etcd": etcd, "etcd_prefix": prefix}
     node = sa.start_agent({**cfg, "segment_size": 32 * MiB, "name": "node"})
-    with MooncakeStore(serve_tcp=False, segment_size=0, **cfg) as busy, \
-            MooncakeStore(serve_tcp=False, segment_size=8 * MiB, name="idle", **cfg) as idle:
+    with (
+        MooncakeStore(serve_tcp=False, segment_size=0, **cfg) as busy,
+        MooncakeStore(serve_tcp=False, segment_size=8 * MiB, name="idle", **cfg) as idle,
+    ):
         expect = {f"k{i}": sa.pattern(i, 50_000 + i) for i in range(30)}
         busy.put_batch(list(expect), list(expect.values()))
         idle.put("on-idle", b"idle's own segment", ReplicateConfig(preferred_segment="idle"))
@@ -176,8 +182,12 @@ def test_resumed_stale_leader_answers_nothing(procs, etcd):
     cfg = {"etcd": etcd, "etcd_prefix": prefix}
     rc = ReplicateConfig(preferred_segment="owner")
     K = 64 << 10
-    with MooncakeStore(serve_tcp=False, segment_size=8 * MiB, name="owner", put_reservation_bytes=0, **cfg) as owner, \
-            MooncakeStore(serve_tcp=False, segment_size=MiB, name="a", **cfg) as a:
+    with (
+        MooncakeStore(
+            serve_tcp=False, segment_size=8 * MiB, name="owner", put_reservation_bytes=0, **cfg
+        ) as owner,
+        MooncakeStore(serve_tcp=False, segment_size=MiB, name="a", **cfg) as a,
+    ):
         owner.put("k", b"A" * MiB, rc)
         a.put("a0", b"a" * K, rc)  # a now holds a put reservation in owner's segment
         assert a.stats().reserved_bytes > 0
@@ -203,7 +213,9 @@ def test_resumed_stale_leader_answers_nothing(procs, etcd):
             while not is_leader(m2.address):
                 assert time.monotonic() - t0 < 10, m2.log()
                 time.sleep(0.05)
-            with MooncakeStore(serve_tcp=False, segment_size=MiB, name="c", put_reservation_bytes=0, **cfg) as c:
+            with MooncakeStore(
+                serve_tcp=False, segment_size=MiB, name="c", put_reservation_bytes=0, **cfg
+            ) as c:
                 c.upsert("k", b"B" * MiB, rc)
                 for i in range(16):  # whatever the new leader places in owner's segment
                     c.put(f"c{i}", b"C" * K, rc)
@@ -213,7 +225,9 @@ def test_resumed_stale_leader_answers_nothing(procs, etcd):
                 os.killpg(m1.pid, signal.SIGCONT)
                 t.join(40)
                 t2.join(40)
-                assert got["k"] in (b"A" * MiB, b"B" * MiB), got["k"] if isinstance(got["k"], Exception) else set(got["k"])
+                assert got["k"] in (b"A" * MiB, b"B" * MiB), (
+                    got["k"] if isinstance(got["k"], Exception) else set(got["k"])
+                )
                 assert got["a1"] == 1, got["a1"]
                 for i in range(16):
                     assert c.get(f"c{i}") == b"C" * K, i

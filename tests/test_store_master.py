@@ -1,5 +1,6 @@
 """The master as a service: malformed and oversized frames (fuzz), the shared secret,
 Prometheus metrics over HTTP. The master runs as its own process on 127.0.0.1."""
+
 import os
 import random
 import socket
@@ -12,17 +13,65 @@ import msgpack
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import store_agents as sa  # noqa: E402
+import store_agents as sa
 
-from mooncake_store import AuthError, MooncakeStore, ProtocolError, ReplicateConfig  # noqa: E402
+from mooncake_store import AuthError, MooncakeStore, ReplicateConfig
 
 pytestmark = pytest.mark.timeout(120)
-METHODS = ["register", "unregister", "adopt_ssd", "load_done", "poll", "put_start", "put_end", "put_revoke", "put",
-           "reserve", "get", "exists", "where",
-           "remove", "offload_done", "stats", "metrics", "leader", "hello", "nope", ""]
-ARG_NAMES = ["client", "items", "keys", "r", "pref", "pin", "all", "upsert", "force", "wait_ms", "epoch", "name",
-             "host", "pid", "segs", "ssd", "ssd_dir", "key", "version", "path", "ok", "mac", "seg", "off", "rid",
-             "bytes", "ret", "min", "x"]
+METHODS = [
+    "register",
+    "unregister",
+    "adopt_ssd",
+    "load_done",
+    "poll",
+    "put_start",
+    "put_end",
+    "put_revoke",
+    "put",
+    "reserve",
+    "get",
+    "exists",
+    "where",
+    "remove",
+    "offload_done",
+    "stats",
+    "metrics",
+    "leader",
+    "hello",
+    "nope",
+    "",
+]
+ARG_NAMES = [
+    "client",
+    "items",
+    "keys",
+    "r",
+    "pref",
+    "pin",
+    "all",
+    "upsert",
+    "force",
+    "wait_ms",
+    "epoch",
+    "name",
+    "host",
+    "pid",
+    "segs",
+    "ssd",
+    "ssd_dir",
+    "key",
+    "version",
+    "path",
+    "ok",
+    "mac",
+    "seg",
+    "off",
+    "rid",
+    "bytes",
+    "ret",
+    "min",
+    "x",
+]
 
 
 @pytest.fixture
@@ -42,7 +91,9 @@ def rss_kib(pid):
 def rand_obj(rng, depth=0):
     kind = rng.randrange(10 if depth < 3 else 7)
     if kind == 0:
-        return rng.choice([0, -1, 1, 2**63 - 1, -2**63, 2**64 - 1, rng.randrange(-10**6, 10**6)])
+        return rng.choice(
+            [0, -1, 1, 2**63 - 1, -(2**63), 2**64 - 1, rng.randrange(-(10**6), 10**6)]
+        )
     if kind == 1:
         return rng.random() * 1e9
     if kind == 2:
@@ -54,7 +105,7 @@ def rand_obj(rng, depth=0):
     if kind == 5:
         return rng.random() < 0.5
     if kind == 6:
-        return "k%d" % rng.randrange(50)
+        return f"k{rng.randrange(50)}"
     if kind in (7, 8):
         return [rand_obj(rng, depth + 1) for _ in range(rng.randrange(0, 6))]
     return {rng.choice(ARG_NAMES): rand_obj(rng, depth + 1) for _ in range(rng.randrange(0, 6))}
@@ -97,7 +148,9 @@ def test_fuzz_malformed_and_oversized_frames(procs):
     serving real clients and its memory stays bounded."""
     m = sa.start_master(max_frame_bytes=65536)
     rng = random.Random(1234)
-    victim = MooncakeStore(serve_tcp=False, master=m.address, segment_size=8 << 20)  # its id is fuzzed
+    victim = MooncakeStore(
+        serve_tcp=False, master=m.address, segment_size=8 << 20
+    )  # its id is fuzzed
     with MooncakeStore(serve_tcp=False, master=m.address, segment_size=8 << 20) as s:
         s.put("keep", b"committed", ReplicateConfig(preferred_segment=s.name))
         raw = Raw(m.address)
@@ -155,7 +208,9 @@ def test_shared_secret(procs):
     raw.send_frame(msgpack.packb([1, "stats", {}]))
     rep = raw.read()
     assert rep[1] == 1 and rep[2][0] == "Auth"
-    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=1 << 20, secret="s3cret") as s:
+    with MooncakeStore(
+        serve_tcp=False, master=m.address, segment_size=1 << 20, secret="s3cret"
+    ) as s:
         s.put("a", b"b")
         assert s.get("a") == b"b"
 
@@ -168,8 +223,16 @@ def test_metrics_http(procs):
         s.get("a")
         with pytest.raises(KeyError):
             s.get("b")
-        text = urllib.request.urlopen(f"http://127.0.0.1:{m.metrics_port}/metrics", timeout=10).read().decode()
-        vals = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and not line.startswith("#")}
+        text = (
+            urllib.request.urlopen(f"http://127.0.0.1:{m.metrics_port}/metrics", timeout=10)
+            .read()
+            .decode()
+        )
+        vals = {
+            line.split()[0]: float(line.split()[1])
+            for line in text.splitlines()
+            if line and not line.startswith("#")
+        }
         assert vals["mooncake_store_objects"] == 1
         assert vals["mooncake_store_hits_total"] == 1 and vals["mooncake_store_misses_total"] == 1
         assert vals["mooncake_store_used_bytes"] > 0 and "mooncake_store_evictions_total" in vals
@@ -177,9 +240,14 @@ def test_metrics_http(procs):
         # only /metrics: any other path was answered with the metrics too
         for path, method, code in (("/admin", "GET", 404), ("/metrics", "POST", 405)):
             with pytest.raises(urllib.error.HTTPError) as e:
-                urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{m.metrics_port}{path}",
-                                                              method=method, data=b"" if method == "POST" else None),
-                                       timeout=10)
+                urllib.request.urlopen(
+                    urllib.request.Request(
+                        f"http://127.0.0.1:{m.metrics_port}{path}",
+                        method=method,
+                        data=b"" if method == "POST" else None,
+                    ),
+                    timeout=10,
+                )
             assert e.value.code == code
 
 
@@ -190,7 +258,9 @@ def test_clients_survive_a_master_restart(procs):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     m = sa.start_master(port=port)
-    node = sa.start_agent({"master": m.address, "segment_size": 4 << 20, "heartbeat_interval_s": 0.2})
+    node = sa.start_agent(
+        {"master": m.address, "segment_size": 4 << 20, "heartbeat_interval_s": 0.2}
+    )
     with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0) as s:
         s.put("before", b"x")
         m.kill()
@@ -217,7 +287,9 @@ def test_upserted_key_goes_with_its_dead_writer(procs):
     from mooncake_store import ObjectNotFoundError
 
     m = sa.start_master(client_ttl=1.0)
-    writer = sa.start_agent({"master": m.address, "segment_size": 4 << 20, "heartbeat_interval_s": 0.2})
+    writer = sa.start_agent(
+        {"master": m.address, "segment_size": 4 << 20, "heartbeat_interval_s": 0.2}
+    )
     writer.cmd("put", key="k", seed=1, size=1000, upsert=True)
     writer.cmd("put", key="k", seed=2, size=2000, upsert=True)
     with MooncakeStore(serve_tcp=False, master=m.address, segment_size=1 << 20) as s:
@@ -259,10 +331,16 @@ def test_exiting_clients_unregister_and_puts_avoid_a_dead_segment(procs):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([sa.REPO, os.environ.get("PYTHONPATH", "")]))
 
     def run(name, how):
-        subprocess.run([sys.executable, "-c", _EXIT_CLIENT, m.address, name, how], env=env, timeout=60,
-                       start_new_session=True)
+        subprocess.run(
+            [sys.executable, "-c", _EXIT_CLIENT, m.address, name, how],
+            env=env,
+            timeout=60,
+            start_new_session=True,
+        )
 
-    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=8 << 20, name="survivor") as s:
+    with MooncakeStore(
+        serve_tcp=False, master=m.address, segment_size=8 << 20, name="survivor"
+    ) as s:
         run("leaver", "exit")
         st = s.stats()
         assert st.clients == 1 and st.segments == 1 and st.clients_lost == 0, st
@@ -302,16 +380,18 @@ def test_fragmentation_around_a_pinned_object_evicts_nothing():
     """A put whose bytes would be free after evicting everything evictable, but not in one
     piece (a pinned object sits between the evictable ones), raises NoSpaceError and
     evicts nothing; one that fits in a run of evictable objects evicts only those."""
-    from mooncake_store import NoSpaceError
-
-    from mooncake_store import MasterConfig
+    from mooncake_store import MasterConfig, NoSpaceError
 
     MiB = 1 << 20
     # high_watermark 1.0: the segment is full on purpose, and the master's periodic
     # eviction down to the low watermark (which would take "a" right after "two" goes in,
     # whenever a tick falls there) is not what this test is about
-    with MooncakeStore(serve_tcp=False, segment_size=4 * MiB + 4096, put_reservation_bytes=0,
-                       master_config=MasterConfig(lease_ttl_s=0.2, high_watermark=1.0)) as s:
+    with MooncakeStore(
+        serve_tcp=False,
+        segment_size=4 * MiB + 4096,
+        put_reservation_bytes=0,
+        master_config=MasterConfig(lease_ttl_s=0.2, high_watermark=1.0),
+    ) as s:
         s.put("a", b"a" * MiB)
         s.put("pinned", b"p" * MiB, ReplicateConfig(pin=True))
         s.put("b", b"b" * MiB)
@@ -319,7 +399,9 @@ def test_fragmentation_around_a_pinned_object_evicts_nothing():
         with pytest.raises(NoSpaceError):
             s.put("wide", b"w" * (2 * MiB + 1))  # a and b+c are 3 MiB in all, but 1 + 2 apart
         assert s.stats().evictions == 0
-        assert [s.get(k) for k in "bca"] == [k.encode() * MiB for k in "bca"]  # a: most recently used
+        assert [s.get(k) for k in "bca"] == [
+            k.encode() * MiB for k in "bca"
+        ]  # a: most recently used
         time.sleep(0.3)  # the reads' leases end
         s.put("two", b"t" * (2 * MiB))  # b + c make one 2 MiB run: both go (LRU order), a stays
         assert s.get("two") == b"t" * (2 * MiB) and s.get("a") == b"a" * MiB
@@ -333,8 +415,12 @@ def test_a_stalled_master_does_not_declare_its_clients_dead(procs):
     import signal
 
     m = sa.start_master(client_ttl=1.0)
-    node = sa.start_agent({"master": m.address, "segment_size": 4 << 20, "heartbeat_interval_s": 0.2})
-    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0, heartbeat_interval_s=0.2) as s:
+    node = sa.start_agent(
+        {"master": m.address, "segment_size": 4 << 20, "heartbeat_interval_s": 0.2}
+    )
+    with MooncakeStore(
+        serve_tcp=False, master=m.address, segment_size=0, heartbeat_interval_s=0.2
+    ) as s:
         for i in range(10):
             s.put(f"k{i}", bytes([i]) * 1000)
         os.kill(m.pid, signal.SIGSTOP)
@@ -361,8 +447,14 @@ def test_a_put_given_up_in_a_stall_does_not_block_its_retry(procs):
     from mooncake_store import StoreError
 
     m = sa.start_master(put_ttl=30)
-    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=4 << 20, put_reservation_bytes=0,
-                       rpc_timeout_s=1, failover_timeout_s=2) as s:
+    with MooncakeStore(
+        serve_tcp=False,
+        master=m.address,
+        segment_size=4 << 20,
+        put_reservation_bytes=0,
+        rpc_timeout_s=1,
+        failover_timeout_s=2,
+    ) as s:
         s.put("warm", b"w")
         os.kill(m.pid, signal.SIGSTOP)
         try:
@@ -393,6 +485,7 @@ def test_python_m_master_without_runpy_warning(procs):
     import mooncake_store
     from mooncake_store import Master
     from mooncake_store.master import Master as M2
+
     assert Master is M2 and mooncake_store.Master is M2 and "Master" in mooncake_store.__all__
     with pytest.raises(AttributeError):
         mooncake_store.NoSuchThing  # noqa: B018
@@ -415,7 +508,9 @@ def test_unauthenticated_connections_cannot_hold_memory_or_slots(procs):
     rep = idle.read()  # nothing sent: the master gives up on it
     assert rep[1] == 1 and "not authenticated within" in rep[2][1], rep
     assert 8 < time.monotonic() - t0 < 30 and idle.closed()
-    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=1 << 20, secret="s3cret") as s:
+    with MooncakeStore(
+        serve_tcp=False, master=m.address, segment_size=1 << 20, secret="s3cret"
+    ) as s:
         s.put("a", b"b")
         time.sleep(0.1)
         assert s.get("a") == b"b"  # authenticated clients are not timed out
@@ -432,17 +527,42 @@ def test_master_cli_refuses_what_it_cannot_serve(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         pf = tmp_path / "port"
-        r = subprocess.run([sys.executable, "-m", "mooncake_store.master", "--port", str(busy.getsockname()[1]),
-                            "--port-file", str(pf)], capture_output=True, text=True, timeout=60)
-        assert r.returncode == 1 and "cannot listen on 127.0.0.1" in r.stderr, (r.returncode, r.stderr[-2000:])
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "mooncake_store.master",
+                "--port",
+                str(busy.getsockname()[1]),
+                "--port-file",
+                str(pf),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == 1 and "cannot listen on 127.0.0.1" in r.stderr, (
+            r.returncode,
+            r.stderr[-2000:],
+        )
         time.sleep(0.2)
         assert not pf.exists()
-    for bad, says in ((["--metrics-port", "70000"], "metrics_port must be 0..65535"),
-                      (["--lease-ttl", "inf"], "lease_ttl_s must be >= 0.1"), (["--client-ttl", "inf"], "client_ttl_s"),
-                      (["--lease-ttl", "1e-9"], "lease_ttl_s must be >= 0.1"),  # every get's lease expired at once
-                      (["--host", "0.0.0.0", "--etcd", "127.0.0.1:1"], "give advertise")):  # it published 0.0.0.0
-        r = subprocess.run([sys.executable, "-m", "mooncake_store.master", "--port", "0", *bad], capture_output=True,
-                           text=True, timeout=60)
+    for bad, says in (
+        (["--metrics-port", "70000"], "metrics_port must be 0..65535"),
+        (["--lease-ttl", "inf"], "lease_ttl_s must be >= 0.1"),
+        (["--client-ttl", "inf"], "client_ttl_s"),
+        (
+            ["--lease-ttl", "1e-9"],
+            "lease_ttl_s must be >= 0.1",
+        ),  # every get's lease expired at once
+        (["--host", "0.0.0.0", "--etcd", "127.0.0.1:1"], "give advertise"),
+    ):  # it published 0.0.0.0
+        r = subprocess.run(
+            [sys.executable, "-m", "mooncake_store.master", "--port", "0", *bad],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 2 and says in r.stderr, (bad, r.returncode, r.stderr[-2000:])
 
 
@@ -466,5 +586,7 @@ def test_client_argument_checks_from_the_trial():
             s.remove("k")
         assert s.exists("k")
     phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    with pytest.raises(ValueError, match="more than this machine's memory"):  # it ate the machine's memory
+    with pytest.raises(
+        ValueError, match="more than this machine's memory"
+    ):  # it ate the machine's memory
         MooncakeStore(serve_tcp=False, segment_size=phys + (1 << 30))

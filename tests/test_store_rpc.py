@@ -3,6 +3,7 @@ poll for replies (``StoreConfig.rpc_busy_poll_us``), whole-call timeouts, frames
 than one read or one send, and the warm-up of a put reservation's pages
 (``transfer.touch_pages``). A plain-socket peer on 127.0.0.1 plays the master where a
 master that stalls or answers late is needed; the real master elsewhere."""
+
 import os
 import socket
 import struct
@@ -11,11 +12,10 @@ import time
 
 import msgpack
 import pytest
-
 import torch  # noqa: F401  (before the extension)
+
 from mooncake_pg import transfer
-from mooncake_store import MooncakeStore, StoreConfig
-from mooncake_store import protocol
+from mooncake_store import MooncakeStore, StoreConfig, protocol
 
 pytestmark = pytest.mark.timeout(60)
 MiB = 1 << 20
@@ -90,7 +90,9 @@ def test_answers_fast_late_and_large(busy_poll_us):
     """A reply within the spin, one after it (the poll() path), and a 9 MiB reply that
     arrives over many reads all come back whole and in order."""
     peer = Peer(echo)
-    c = protocol.Connection("127.0.0.1", peer.port, secret=None, timeout=5, busy_poll_us=busy_poll_us)
+    c = protocol.Connection(
+        "127.0.0.1", peer.port, secret=None, timeout=5, busy_poll_us=busy_poll_us
+    )
     try:
         for i in range(50):
             assert c.call("x", {"i": i}) == {"i": i}
@@ -125,7 +127,9 @@ def test_silent_master_times_out(busy_poll_us):
     """A master that never answers: the call raises TimeoutError (an OSError, which the
     client treats as a lost connection) after its timeout, not before, and not much later."""
     peer = Peer(lambda req: None)
-    c = protocol.Connection("127.0.0.1", peer.port, secret=None, timeout=5, busy_poll_us=busy_poll_us)
+    c = protocol.Connection(
+        "127.0.0.1", peer.port, secret=None, timeout=5, busy_poll_us=busy_poll_us
+    )
     try:
         t0 = time.monotonic()
         with pytest.raises(TimeoutError):
@@ -146,7 +150,9 @@ def test_greeting_timeout_and_closed_peer():
     try:
         t0 = time.monotonic()
         with pytest.raises(TimeoutError):
-            protocol.Connection("127.0.0.1", srv.getsockname()[1], secret=None, timeout=0.5, busy_poll_us=200)
+            protocol.Connection(
+                "127.0.0.1", srv.getsockname()[1], secret=None, timeout=0.5, busy_poll_us=200
+            )
         assert time.monotonic() - t0 < 3.0
     finally:
         srv.close()
@@ -161,16 +167,36 @@ def test_greeting_timeout_and_closed_peer():
         peer.close()
 
 
-@pytest.mark.parametrize("field,default,bad,var,good,malformed,says,too_big", [
-    ("rpc_busy_poll_us", 200, (-1, 1_000_001, 1.5, True, "200"), "MOONCAKE_STORE_RPC_BUSY_POLL_US", "50", "50us",
-     "must be a whole number of microseconds", "2000000"),
-    ("put_reservation_bytes", 64 * MiB, (-1, 1 << 50, 1 << 70, 1.5, True), "MOONCAKE_STORE_PUT_RESERVATION_BYTES",
-     "1048576", "1M", "must be a byte count", str(1 << 50)),
-])
+@pytest.mark.parametrize(
+    "field,default,bad,var,good,malformed,says,too_big",
+    [
+        (
+            "rpc_busy_poll_us",
+            200,
+            (-1, 1_000_001, 1.5, True, "200"),
+            "MOONCAKE_STORE_RPC_BUSY_POLL_US",
+            "50",
+            "50us",
+            "must be a whole number of microseconds",
+            "2000000",
+        ),
+        (
+            "put_reservation_bytes",
+            64 * MiB,
+            (-1, 1 << 50, 1 << 70, 1.5, True),
+            "MOONCAKE_STORE_PUT_RESERVATION_BYTES",
+            "1048576",
+            "1M",
+            "must be a byte count",
+            str(1 << 50),
+        ),
+    ],
+)
 def test_config_and_env(monkeypatch, field, default, bad, var, good, malformed, says, too_big):
     """The default; bad values raise naming the field; the variable is read, an explicit
     argument wins over it, a malformed one (also non-ASCII digits) raises naming the
     variable, and so does one out of range."""
+
     def resolved(**kw):
         return getattr(StoreConfig(master="127.0.0.1:1", **kw).resolved(), field)
 
@@ -199,8 +225,11 @@ def test_touch_pages_reads_and_changes_nothing():
     assert transfer.touch_pages(b"read-only is fine") == 1
     # strided buffers are refused (they were read past their end: a broadcast array crashed)
     np = pytest.importorskip("numpy")
-    for strided in (np.broadcast_to(np.zeros(1), (1 << 24,)), np.arange(8192, dtype=np.uint8)[::-1],
-                    memoryview(bytearray(8192))[::2]):
+    for strided in (
+        np.broadcast_to(np.zeros(1), (1 << 24,)),
+        np.arange(8192, dtype=np.uint8)[::-1],
+        memoryview(bytearray(8192))[::2],
+    ):
         with pytest.raises(RuntimeError, match="touch_pages: buffer is not contiguous"):
             transfer.touch_pages(strided)
         with pytest.raises(RuntimeError, match="copy_to_bytes: buffer is not contiguous"):
@@ -216,8 +245,13 @@ def test_reservation_warmed_and_client_closes_cleanly():
     the values written meanwhile read back exactly, and close() (which waits for that
     thread before unmapping the segment) works, also right after a warm-up started."""
     for _ in range(3):
-        s = MooncakeStore(serve_tcp=False, segment_size=64 * MiB + 4096, put_reservation_bytes=4 * MiB,
-                          rpc_busy_poll_us=200, huge_pages=False)  # 2 MiB pages need no warm-up
+        s = MooncakeStore(
+            serve_tcp=False,
+            segment_size=64 * MiB + 4096,
+            put_reservation_bytes=4 * MiB,
+            rpc_busy_poll_us=200,
+            huge_pages=False,
+        )  # 2 MiB pages need no warm-up
         vals = {f"k{i}": os.urandom(1000 + 37 * i) for i in range(200)}
         for k, v in vals.items():
             assert s.put(k, v) == 1

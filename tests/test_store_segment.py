@@ -3,6 +3,7 @@
 that other mappings of it use those pages whole too; mappings that live as long as any
 view of them; read-only mappings of other clients' segments. The kernel's own account
 (``/proc/self/smaps``) is the reference for what is mapped how."""
+
 import json
 import os
 import subprocess
@@ -28,8 +29,10 @@ def collapse_supported() -> bool:
         os.close(fd)
 
 
-needs_collapse = pytest.mark.skipif(not collapse_supported(), reason="the kernel refuses MADV_COLLAPSE on shmem "
-                                    "(before Linux 6.1, or shmem_enabled=deny)")
+needs_collapse = pytest.mark.skipif(
+    not collapse_supported(),
+    reason="the kernel refuses MADV_COLLAPSE on shmem (before Linux 6.1, or shmem_enabled=deny)",
+)
 
 
 def vmas(fd: int):
@@ -44,7 +47,12 @@ def vmas(fd: int):
                 if int(parts[4]) == target.st_ino:
                     cur = {"start": int(parts[0].split("-")[0], 16)}
                     out.append(cur)
-            elif cur is not None and parts[0].endswith(":") and len(parts) >= 2 and parts[1].isdigit():
+            elif (
+                cur is not None
+                and parts[0].endswith(":")
+                and len(parts) >= 2
+                and parts[1].isdigit()
+            ):
                 cur[parts[0][:-1]] = int(parts[1])
     return out
 
@@ -67,9 +75,9 @@ def test_segment_in_huge_pages_and_peer_mappings_use_them():
             for k, v in vals.items():
                 assert s.put(k, v) == 1
             assert all(s.get(k) == v for k, v in vals.items())
-            (obj,), segs, _ = s._get_meta(["k3"])
+            (obj,), _segs, _ = s._get_meta(["k3"])
             off = obj.replicas[0][2]
-            assert peer.view[off:off + obj.size] == vals["k3"]
+            assert peer.view[off : off + obj.size] == vals["k3"]
         finally:
             peer.close()
         assert s._warm_thread is None  # 2 MiB pages do not go cold: no warm-up thread
@@ -79,7 +87,9 @@ def test_segment_in_huge_pages_and_peer_mappings_use_them():
 
 def test_huge_pages_off_keeps_small_pages_and_warms_up():
     pytest.importorskip("torch")  # the warm-up runs in the C++ extension, loaded once torch is
-    s = MooncakeStore(serve_tcp=False, segment_size=64 * MiB, huge_pages=False, put_reservation_bytes=4 * MiB)
+    s = MooncakeStore(
+        serve_tcp=False, segment_size=64 * MiB, huge_pages=False, put_reservation_bytes=4 * MiB
+    )
     try:
         assert s._segment.huge_bytes == 0 and not s._segment.all_huge
         (own,) = vmas(s._segment.fd)
@@ -149,18 +159,24 @@ def test_peer_process_maps_whole_pages():
     seg = S.LocalSegment("peer", 8 * MiB)
     try:
         data = os.urandom(MiB)
-        seg.view[3 * MiB:4 * MiB] = data
+        seg.view[3 * MiB : 4 * MiB] = data
         code = (
             "import sys, json, hashlib; from mooncake_store import segment as S\n"
             "desc = json.loads(sys.argv[1])\n"
             "m = S.MappedSegment(desc, readonly=True)\n"
             "pmd = sum(int(l.split()[1]) for l in open('/proc/self/smaps') if l.startswith('ShmemPmdMapped:'))\n"
-            "print(hashlib.sha256(m.view[3 << 20:4 << 20]).hexdigest(), pmd)\n")
+            "print(hashlib.sha256(m.view[3 << 20:4 << 20]).hexdigest(), pmd)\n"
+        )
         import hashlib
 
         desc = seg.desc("h", None) | {"name": "peer"}
-        out = subprocess.run([sys.executable, "-c", code, json.dumps(desc)], capture_output=True, text=True,
-                             timeout=60, start_new_session=True)
+        out = subprocess.run(
+            [sys.executable, "-c", code, json.dumps(desc)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            start_new_session=True,
+        )
         assert out.returncode == 0, out.stderr
         digest, pmd = out.stdout.split()
         assert digest == hashlib.sha256(data).hexdigest()
@@ -188,10 +204,14 @@ def test_copies_exact_at_odd_sizes_and_alignments():
         src = os.urandom(6 * MiB + 999)
         for n in (1, 4095, 4096, 4097, 64 * 1024 + 7, MiB + 123, 5 * MiB + 3):
             for soff, doff in ((0, 0), (1, 5), (31, 64), (100, 4096 + 17)):
-                piece = memoryview(src)[soff:soff + n]
-                transfer.copy_buffers([seg.view[doff:doff + n]], [piece])
-                assert seg.view[doff:doff + n] == piece, (n, soff, doff)
-                assert transfer.copy_to_bytes([seg.view[doff:doff + n]]) == [bytes(piece)], (n, soff, doff)
+                piece = memoryview(src)[soff : soff + n]
+                transfer.copy_buffers([seg.view[doff : doff + n]], [piece])
+                assert seg.view[doff : doff + n] == piece, (n, soff, doff)
+                assert transfer.copy_to_bytes([seg.view[doff : doff + n]]) == [bytes(piece)], (
+                    n,
+                    soff,
+                    doff,
+                )
     finally:
         seg.close()
 
@@ -203,7 +223,12 @@ def test_parallel_copies_cover_every_byte(threads):
     value read back with its last byte wrong), over several pieces too, and into fresh
     outputs (each thread prefaults its part)."""
     transfer = pytest.importorskip("mooncake_pg.transfer")
-    for total in (threads * 4096 * 256 + 1, threads * 4096 * 300 + threads - 1, 4 * MiB + 8193, 8 * MiB + 1):
+    for total in (
+        threads * 4096 * 256 + 1,
+        threads * 4096 * 300 + threads - 1,
+        4 * MiB + 8193,
+        8 * MiB + 1,
+    ):
         src = os.urandom(total)
         dst = bytearray(total)
         transfer.copy_buffers([dst], [src], threads)
@@ -237,14 +262,20 @@ def test_store_values_one_past_a_page_multiple_read_back_exactly():
         s.close()
 
 
-@pytest.mark.parametrize("kw, says", [
-    (dict(huge_pages="False"), "huge_pages must be True or False"),  # was: a truthy string, huge pages on
-    (dict(prefault="no"), "prefault must be True or False"),
-    (dict(serve_tcp=1), "serve_tcp must be True or False"),
-    (dict(host_id=5), "host_id must be a str"),  # was: the master's "register: bad arguments"
-    (dict(segment_size=True), "segment_size must be a byte count"),
-    (dict(ssd_dir=3), "ssd_dir must be a path"),
-])
+@pytest.mark.parametrize(
+    "kw, says",
+    [
+        (
+            dict(huge_pages="False"),
+            "huge_pages must be True or False",
+        ),  # was: a truthy string, huge pages on
+        (dict(prefault="no"), "prefault must be True or False"),
+        (dict(serve_tcp=1), "serve_tcp must be True or False"),
+        (dict(host_id=5), "host_id must be a str"),  # was: the master's "register: bad arguments"
+        (dict(segment_size=True), "segment_size must be a byte count"),
+        (dict(ssd_dir=3), "ssd_dir must be a path"),
+    ],
+)
 def test_config_types_checked_before_anything_starts(kw, says):
     from mooncake_store import StoreConfig
 
@@ -294,10 +325,16 @@ print(json.dumps({"tuned": S._malloc_tuned, "faults": faults}))
 
 
 @pytest.mark.skipif(not os.confstr("CS_GNU_LIBC_VERSION"), reason="mallopt thresholds are glibc's")
-@pytest.mark.parametrize("env, tuned", [({}, True), ({"MOONCAKE_STORE_TUNE_MALLOC": "0"}, False),
-                                        ({"MALLOC_TRIM_THRESHOLD_": "131072"}, False),
-                                        ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"}, False),
-                                        ({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}, True)])
+@pytest.mark.parametrize(
+    "env, tuned",
+    [
+        ({}, True),
+        ({"MOONCAKE_STORE_TUNE_MALLOC": "0"}, False),
+        ({"MALLOC_TRIM_THRESHOLD_": "131072"}, False),
+        ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"}, False),
+        ({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}, True),
+    ],
+)
 def test_tune_malloc_gets_reuse_freed_heap(env, tuned):
     """With ``tune_malloc`` (default), a batch get of 16 x 1 MiB takes its values from the
     heap the previous batch freed: the kernel's count of this process's page faults stays
@@ -306,8 +343,13 @@ def test_tune_malloc_gets_reuse_freed_heap(env, tuned):
     settings, which win)."""
     penv = {k: v for k, v in os.environ.items() if "MALLOC" not in k and k != "GLIBC_TUNABLES"}
     penv.update(env)
-    out = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT], capture_output=True, text=True, timeout=120,
-                         env=penv)
+    out = subprocess.run(
+        [sys.executable, "-c", _FAULTS_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=penv,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["tuned"] is tuned

@@ -1,5 +1,6 @@
 """SSD tier: objects evicted from memory drop to a client's SSD directory, read back
 correctly, and survive a full restart of master and clients."""
+
 import os
 import sys
 import time
@@ -7,9 +8,9 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import store_agents as sa  # noqa: E402
+import store_agents as sa
 
-from mooncake_store import MooncakeStore, NoSpaceError, ReplicateConfig  # noqa: E402
+from mooncake_store import MooncakeStore, NoSpaceError, ReplicateConfig
 
 MiB = 1 << 20
 pytestmark = pytest.mark.timeout(120)
@@ -36,8 +37,15 @@ def put_until_on_ssd(s, n: int, want: int, settle: float = 0.3):
 def test_ssd_tier_evict_read_back_and_restart(procs, tmp_path):
     ssd_dir = str(tmp_path / "ssd")
     m = sa.start_master(high_watermark=0.8, low_watermark=0.5)
-    node = sa.start_agent({"master": m.address, "segment_size": 8 * MiB + 4096, "name": "node", "ssd_dir": ssd_dir,
-                           "heartbeat_interval_s": 0.2})
+    node = sa.start_agent(
+        {
+            "master": m.address,
+            "segment_size": 8 * MiB + 4096,
+            "name": "node",
+            "ssd_dir": ssd_dir,
+            "heartbeat_interval_s": 0.2,
+        }
+    )
     n = 20
     with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0) as s:
         for i in range(n):  # 20 MiB through an 8 MiB segment
@@ -62,7 +70,9 @@ def test_ssd_tier_evict_read_back_and_restart(procs, tmp_path):
     node.kill()
     m.kill()
     m2 = sa.start_master()
-    sa.start_agent({"master": m2.address, "segment_size": 8 * MiB, "name": "node2", "ssd_dir": ssd_dir})
+    sa.start_agent(
+        {"master": m2.address, "segment_size": 8 * MiB, "name": "node2", "ssd_dir": ssd_dir}
+    )
     with MooncakeStore(serve_tcp=False, master=m2.address, segment_size=0) as s:
         for i in on_ssd:
             if i in (0, 1):
@@ -117,13 +127,23 @@ def test_ssd_max_bytes_drops_the_least_recently_used(procs, tmp_path):
     1 MiB, what is read is always the right data, and the newest objects stay."""
     ssd_dir = tmp_path / "ssd"
     m = sa.start_master(high_watermark=0.8, low_watermark=0.5)
-    sa.start_agent({"master": m.address, "segment_size": 4 * MiB + 4096, "name": "node", "ssd_dir": str(ssd_dir),
-                    "ssd_max_bytes": 3 * MiB, "heartbeat_interval_s": 0.2})
+    sa.start_agent(
+        {
+            "master": m.address,
+            "segment_size": 4 * MiB + 4096,
+            "name": "node",
+            "ssd_dir": str(ssd_dir),
+            "ssd_max_bytes": 3 * MiB,
+            "heartbeat_interval_s": 0.2,
+        }
+    )
     n = 16
     with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0) as s:
         for i in range(n):
             assert s.put(f"o{i}", sa.pattern(i, MiB)) == 1
-            files = list(ssd_dir.rglob("*.obj"))  # complete object files (writes go to *.tmp<pid> first)
+            files = list(
+                ssd_dir.rglob("*.obj")
+            )  # complete object files (writes go to *.tmp<pid> first)
             assert len(files) <= 3, files
         deadline = time.monotonic() + 20
         last = None
@@ -150,8 +170,16 @@ def test_ssd_max_bytes_drops_the_least_recently_used(procs, tmp_path):
 
 def test_ssd_max_bytes_smaller_than_an_object_evicts_without_ssd(procs, tmp_path):
     m = sa.start_master(high_watermark=0.8, low_watermark=0.5)
-    sa.start_agent({"master": m.address, "segment_size": 4 * MiB + 4096, "name": "node",
-                    "ssd_dir": str(tmp_path / "ssd"), "ssd_max_bytes": MiB // 2, "heartbeat_interval_s": 0.2})
+    sa.start_agent(
+        {
+            "master": m.address,
+            "segment_size": 4 * MiB + 4096,
+            "name": "node",
+            "ssd_dir": str(tmp_path / "ssd"),
+            "ssd_max_bytes": MiB // 2,
+            "heartbeat_interval_s": 0.2,
+        }
+    )
     with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0) as s:
         for i in range(8):
             s.put(f"o{i}", sa.pattern(i, MiB))
@@ -175,8 +203,15 @@ def test_a_failing_ssd_write_evicts_without_ssd(procs, tmp_path):
 
     ssd_dir = tmp_path / "ssd"
     m = sa.start_master(high_watermark=0.8, low_watermark=0.5)
-    sa.start_agent({"master": m.address, "segment_size": 4 * MiB + 4096, "name": "node", "ssd_dir": str(ssd_dir),
-                    "heartbeat_interval_s": 0.2})
+    sa.start_agent(
+        {
+            "master": m.address,
+            "segment_size": 4 * MiB + 4096,
+            "name": "node",
+            "ssd_dir": str(ssd_dir),
+            "heartbeat_interval_s": 0.2,
+        }
+    )
     shutil.rmtree(ssd_dir)
     ssd_dir.write_bytes(b"not a directory")
     with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0) as s:
@@ -211,8 +246,15 @@ def test_corrupt_ssd_files_are_dropped_once_read(procs, tmp_path):
 
     ssd_dir = tmp_path / "ssd"
     m = sa.start_master(high_watermark=0.8, low_watermark=0.5)
-    node = sa.start_agent({"master": m.address, "segment_size": 4 * MiB + 4096, "name": "node",
-                          "ssd_dir": str(ssd_dir), "heartbeat_interval_s": 0.2})
+    node = sa.start_agent(
+        {
+            "master": m.address,
+            "segment_size": 4 * MiB + 4096,
+            "name": "node",
+            "ssd_dir": str(ssd_dir),
+            "heartbeat_interval_s": 0.2,
+        }
+    )
     with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0) as s:
         put_until_on_ssd(s, 10, 4, settle=0)
     node.kill()
@@ -225,18 +267,32 @@ def test_corrupt_ssd_files_are_dropped_once_read(procs, tmp_path):
         f.seek(-100, os.SEEK_END)
         f.write(bytes([b[0] ^ 0xFF]))
     m2 = sa.start_master()
-    sa.start_agent({"master": m2.address, "segment_size": 4 * MiB + 4096, "name": "node2", "ssd_dir": str(ssd_dir),
-                    "heartbeat_interval_s": 0.2}, serve_tcp=True,
-                   env={"MOONCAKE_HOST_ID": "disk-host"})
+    sa.start_agent(
+        {
+            "master": m2.address,
+            "segment_size": 4 * MiB + 4096,
+            "name": "node2",
+            "ssd_dir": str(ssd_dir),
+            "heartbeat_interval_s": 0.2,
+        },
+        serve_tcp=True,
+        env={"MOONCAKE_HOST_ID": "disk-host"},
+    )
     os.truncate(files[cut], os.path.getsize(files[cut]) - 10)  # after the restart's scan
     os.unlink(files[gone])
-    with MooncakeStore(serve_tcp=False, master=m2.address, segment_size=0, host_id="disk-host") as same, \
-            MooncakeStore(master=m2.address, segment_size=0, host_id="reader-host") as remote:
+    with (
+        MooncakeStore(
+            serve_tcp=False, master=m2.address, segment_size=0, host_id="disk-host"
+        ) as same,
+        MooncakeStore(master=m2.address, segment_size=0, host_id="reader-host") as remote,
+    ):
         assert all(same.exists(k) for k in (flip, cut, gone, good))
         for key in (flip, gone):
             with pytest.raises(TransferError, match="is corrupt"):
                 same.get(key)
-        with pytest.raises(KeyError):  # the owner's load failed and dropped it: a miss by the time it asks again
+        with pytest.raises(
+            KeyError
+        ):  # the owner's load failed and dropped it: a miss by the time it asks again
             remote.get(cut)
         deadline = time.monotonic() + 20
         while any(same.exists(k) for k in (flip, cut, gone)):
@@ -245,7 +301,9 @@ def test_corrupt_ssd_files_are_dropped_once_read(procs, tmp_path):
         for key in (flip, cut, gone):
             with pytest.raises(KeyError):
                 remote.get(key)
-        assert same.stats().ssd_corrupt == 3 and "mooncake_store_ssd_corrupt_total 3" in same.metrics()
+        assert (
+            same.stats().ssd_corrupt == 3 and "mooncake_store_ssd_corrupt_total 3" in same.metrics()
+        )
         i = int(good[1:])
         assert same.get(good) == sa.pattern(i, MiB) and remote.get(good) == sa.pattern(i, MiB)
         deadline = time.monotonic() + 10
@@ -261,7 +319,12 @@ def test_owner_restarted_within_its_ttl_keeps_its_ssd_objects(procs, tmp_path):
     The new process now takes the files over."""
     ssd_dir = str(tmp_path / "ssd")
     m = sa.start_master(high_watermark=0.8, low_watermark=0.5, client_ttl=4.0)
-    cfg = {"master": m.address, "segment_size": 4 * MiB + 4096, "ssd_dir": ssd_dir, "heartbeat_interval_s": 0.2}
+    cfg = {
+        "master": m.address,
+        "segment_size": 4 * MiB + 4096,
+        "ssd_dir": ssd_dir,
+        "heartbeat_interval_s": 0.2,
+    }
     node = sa.start_agent({**cfg, "name": "node"})
     with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0) as s:
         put_until_on_ssd(s, 10, 5)
@@ -269,7 +332,9 @@ def test_owner_restarted_within_its_ttl_keeps_its_ssd_objects(procs, tmp_path):
         node.kill()
         t0 = time.monotonic()
         sa.start_agent({**cfg, "name": "node-again"})
-        assert time.monotonic() - t0 < 4.0, "the restart took longer than the client TTL: the test proves nothing"
+        assert time.monotonic() - t0 < 4.0, (
+            "the restart took longer than the client TTL: the test proves nothing"
+        )
         deadline = time.monotonic() + 20
         while s.stats().clients_lost == 0:  # the old process is declared dead
             assert time.monotonic() < deadline, s.stats()
@@ -289,8 +354,14 @@ def test_ssd_max_bytes_keeps_the_newest_under_a_burst(procs, tmp_path):
     ssd_dir = tmp_path / "ssd"
     m = sa.start_master()
     n = 40
-    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=16 * MiB, ssd_dir=str(ssd_dir),
-                       ssd_max_bytes=10 * MiB, name="h") as s:
+    with MooncakeStore(
+        serve_tcp=False,
+        master=m.address,
+        segment_size=16 * MiB,
+        ssd_dir=str(ssd_dir),
+        ssd_max_bytes=10 * MiB,
+        name="h",
+    ) as s:
         for i in range(n):
             s.put(f"m{i}", sa.pattern(i, MiB))
         deadline = time.monotonic() + 20
@@ -324,7 +395,12 @@ def test_ssd_dir_checks(procs, tmp_path):
     ssd_dir = tmp_path / "ssd"
     (ssd_dir / "ab").mkdir(parents=True)
     os.mkfifo(ssd_dir / "ab" / "fifo.obj")
-    cfg = {"master": m.address, "segment_size": 4 * MiB + 4096, "ssd_dir": str(ssd_dir), "heartbeat_interval_s": 0.2}
+    cfg = {
+        "master": m.address,
+        "segment_size": 4 * MiB + 4096,
+        "ssd_dir": str(ssd_dir),
+        "heartbeat_interval_s": 0.2,
+    }
     node = sa.start_agent({**cfg, "name": "node"}, timeout=30)  # the FIFO blocked start forever
     with pytest.raises(StoreError, match=f"in use by another store client \\(pid {node.pid}\\)"):
         MooncakeStore(serve_tcp=False, **cfg)
@@ -341,9 +417,11 @@ def test_ssd_dir_checks(procs, tmp_path):
     node.kill()
     with MooncakeStore(serve_tcp=False, **cfg) as again:  # the lock went with the process
         assert again.stats().clients >= 1
-    bad = [(dict(ssd_dir=str(tmp_path / "file")), "not a directory"),
-           (dict(ssd_max_bytes=MiB), "ssd_max_bytes needs ssd_dir"),
-           (dict(ssd_dir=str(tmp_path / "x"), segment_size=0), "needs segment_size > 0")]
+    bad = [
+        (dict(ssd_dir=str(tmp_path / "file")), "not a directory"),
+        (dict(ssd_max_bytes=MiB), "ssd_max_bytes needs ssd_dir"),
+        (dict(ssd_dir=str(tmp_path / "x"), segment_size=0), "needs segment_size > 0"),
+    ]
     (tmp_path / "file").write_bytes(b"x")
     for kw, says in bad:
         kw.setdefault("segment_size", MiB)

@@ -1,6 +1,7 @@
 """The store across hosts: segment owners with different host ids are reached through the
 C++ TransferEngine over TCP (127.0.0.1), replicas fall back when an owner dies, and the
 engine itself refuses out-of-bounds requests and wrong secrets."""
+
 import os
 import sys
 import time
@@ -8,10 +9,11 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import store_agents as sa  # noqa: E402
+import store_agents as sa
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
+
 from mooncake_store import MooncakeStore, ReplicateConfig, TransferError  # noqa: E402
 
 MiB = 1 << 20
@@ -36,7 +38,9 @@ def test_transfer_engine_bounds_and_secret():
         out = bytearray(3)
         cli.batch_read("127.0.0.1", srv.port, region, [0], [out])
         assert out == b"abc" and buf[4000:4096] == b"x" * 96
-        with pytest.raises(RuntimeError, match="TransferEngine::batch_write: .*out of bounds") as refused:
+        with pytest.raises(
+            RuntimeError, match="TransferEngine::batch_write: .*out of bounds"
+        ) as refused:
             cli.batch_write("127.0.0.1", srv.port, region, [4000], [b"y" * 97])
         assert not isinstance(refused.value, dist.DistNetworkError)  # a live peer refused it
         assert buf[4000:4096] == b"x" * 96  # nothing written
@@ -50,12 +54,20 @@ def test_transfer_engine_bounds_and_secret():
         assert out == bytes(buf[1:4])
         # bad arguments: ValueError before anything is sent (a port past 65535 wrapped
         # around to a real one)
-        for kw, says in ((dict(port=srv.port + 65536), "port must be 1..65535"), (dict(port=-1), "port"),
-                         (dict(port=0), "port"), (dict(region=-1), "region"), (dict(offsets=[-1]), "offsets"),
-                         (dict(offsets=[1.5]), "offsets"), (dict(host=""), "host")):
+        for kw, says in (
+            (dict(port=srv.port + 65536), "port must be 1..65535"),
+            (dict(port=-1), "port"),
+            (dict(port=0), "port"),
+            (dict(region=-1), "region"),
+            (dict(offsets=[-1]), "offsets"),
+            (dict(offsets=[1.5]), "offsets"),
+            (dict(host=""), "host"),
+        ):
             args = dict(host="127.0.0.1", port=srv.port, region=region, offsets=[0]) | kw
             with pytest.raises(ValueError, match=f"TransferEngine.batch_read_bytes: {says}"):
-                cli.batch_read_bytes(args["host"], args["port"], args["region"], args["offsets"], [3])
+                cli.batch_read_bytes(
+                    args["host"], args["port"], args["region"], args["offsets"], [3]
+                )
         for bad_len in (-3, 1 << 63, 1 << 64):  # 2**63 and up: SystemError from Python's bytes
             with pytest.raises(ValueError, match="lens"):
                 cli.batch_read_bytes("127.0.0.1", srv.port, region, [0], [bad_len])
@@ -75,10 +87,14 @@ def test_transfer_engine_large_batches_and_a_peer_killed_mid_batch():
 
     from mooncake_pg.transfer import TransferEngine
 
-    code = ("import signal, sys; import torch; from mooncake_pg.transfer import TransferEngine\n"
-            "te = TransferEngine('127.0.0.1'); buf = bytearray(64 << 20); r = te.register_memory(buf)\n"
-            "print(te.port, r, flush=True); signal.pause()\n")
-    srv = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    code = (
+        "import signal, sys; import torch; from mooncake_pg.transfer import TransferEngine\n"
+        "te = TransferEngine('127.0.0.1'); buf = bytearray(64 << 20); r = te.register_memory(buf)\n"
+        "print(te.port, r, flush=True); signal.pause()\n"
+    )
+    srv = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     cli = TransferEngine()
     try:
         port, region = map(int, srv.stdout.readline().split())
@@ -94,9 +110,13 @@ def test_transfer_engine_large_batches_and_a_peer_killed_mid_batch():
         killer = __import__("threading").Timer(0.5, lambda: os.killpg(srv.pid, signal.SIGKILL))
         killer.start()
         t0 = time.monotonic()
-        with pytest.raises(dist.DistNetworkError,
-                           match="TransferEngine::batch_write: peer .* (stopped taking ops|closed the connection)"):
-            cli.batch_write("127.0.0.1", port, region, [0, 16 * MiB, 32 * MiB], [os.urandom(16 * MiB)] * 3)
+        with pytest.raises(
+            dist.DistNetworkError,
+            match="TransferEngine::batch_write: peer .* (stopped taking ops|closed the connection)",
+        ):
+            cli.batch_write(
+                "127.0.0.1", port, region, [0, 16 * MiB, 32 * MiB], [os.urandom(16 * MiB)] * 3
+            )
         assert time.monotonic() - t0 < 20
         killer.join()
         srv.wait(10)  # gone, listening socket included
@@ -113,9 +133,19 @@ def test_transfer_engine_large_batches_and_a_peer_killed_mid_batch():
 
 def test_store_over_tcp_between_hosts(procs):
     m = sa.start_master(client_ttl=1.0)
-    nodes = [sa.start_agent({"master": m.address, "segment_size": 64 * MiB, "name": f"h{i}",
-                             "heartbeat_interval_s": 0.2}, serve_tcp=True, env={"MOONCAKE_HOST_ID": f"host{i}"})
-             for i in range(2)]
+    nodes = [
+        sa.start_agent(
+            {
+                "master": m.address,
+                "segment_size": 64 * MiB,
+                "name": f"h{i}",
+                "heartbeat_interval_s": 0.2,
+            },
+            serve_tcp=True,
+            env={"MOONCAKE_HOST_ID": f"host{i}"},
+        )
+        for i in range(2)
+    ]
     with MooncakeStore(master=m.address, segment_size=0, host_id="client-host") as s:
         for size in (0, 1, 4096, MiB + 3, 16 * MiB):
             data = sa.pattern(size, size)
@@ -128,7 +158,7 @@ def test_store_over_tcp_between_hosts(procs):
         assert s.get_batch(keys) == vals
         bufs = [bytearray(5000) for _ in keys]
         assert s.get_into_batch(keys, bufs) == [4096 + i for i in range(64)]
-        assert all(bytes(b[:len(v)]) == v for b, v in zip(bufs, vals))
+        assert all(bytes(b[: len(v)]) == v for b, v in zip(bufs, vals))
         t = torch.arange(1000, dtype=torch.float32).reshape(10, 100).t()  # non-contiguous
         s.put_tensor("t", t)
         assert torch.equal(s.get_tensor("t"), t)
@@ -156,7 +186,7 @@ def test_store_over_tcp_between_hosts(procs):
         assert time.monotonic() - t0 < 15
         bufs = [bytearray(8000) for _ in rkeys]
         assert s.get_into_batch(rkeys, bufs) == [len(v) for v in rvals]
-        assert all(bytes(b[:len(v)]) == v for b, v in zip(bufs, rvals))
+        assert all(bytes(b[: len(v)]) == v for b, v in zip(bufs, rvals))
         time.sleep(1.5)
         assert s.get(f"s{16 * MiB}") == sa.pattern(16 * MiB, 16 * MiB)
 
@@ -170,8 +200,16 @@ def test_dead_or_stopped_owner_costs_one_wait_per_batch(procs):
     import signal
 
     m = sa.start_master(client_ttl=1.0)
-    node = sa.start_agent({"master": m.address, "segment_size": 256 * MiB, "name": "owner",
-                           "heartbeat_interval_s": 0.2}, serve_tcp=True, env={"MOONCAKE_HOST_ID": "owner-host"})
+    node = sa.start_agent(
+        {
+            "master": m.address,
+            "segment_size": 256 * MiB,
+            "name": "owner",
+            "heartbeat_interval_s": 0.2,
+        },
+        serve_tcp=True,
+        env={"MOONCAKE_HOST_ID": "owner-host"},
+    )
     with MooncakeStore(master=m.address, segment_size=0, host_id="client-host") as s:
         keys = [f"k{i}" for i in range(6)]
         vals = [sa.pattern(i, MiB + i) for i in range(6)]
@@ -182,8 +220,16 @@ def test_dead_or_stopped_owner_costs_one_wait_per_batch(procs):
         got = s.get_batch(keys, return_exceptions=True)
         assert all(isinstance(g, TransferError) for g in got), got
         assert time.monotonic() - t0 < 8
-    node = sa.start_agent({"master": m.address, "segment_size": 256 * MiB, "name": "owner2",
-                           "heartbeat_interval_s": 0.2}, serve_tcp=True, env={"MOONCAKE_HOST_ID": "owner-host"})
+    node = sa.start_agent(
+        {
+            "master": m.address,
+            "segment_size": 256 * MiB,
+            "name": "owner2",
+            "heartbeat_interval_s": 0.2,
+        },
+        serve_tcp=True,
+        env={"MOONCAKE_HOST_ID": "owner-host"},
+    )
     with MooncakeStore(master=m.address, segment_size=0, host_id="client-host") as s:
         keys = [f"p{i}" for i in range(20)]
         vals = [os.urandom(8 * MiB) for _ in keys]
@@ -209,15 +255,28 @@ def test_unreachable_owner_does_not_expire_a_batch_lease(procs, how):
     import signal
 
     m = sa.start_master(client_ttl=60.0)
-    nodes = [sa.start_agent({"master": m.address, "segment_size": 64 * MiB, "name": f"seg{i}"}, serve_tcp=True,
-                            env={"MOONCAKE_HOST_ID": f"host{i}"}) for i in range(2)]
+    nodes = [
+        sa.start_agent(
+            {"master": m.address, "segment_size": 64 * MiB, "name": f"seg{i}"},
+            serve_tcp=True,
+            env={"MOONCAKE_HOST_ID": f"host{i}"},
+        )
+        for i in range(2)
+    ]
     with MooncakeStore(master=m.address, segment_size=0, host_id="writer-host") as w:
         healthy = [f"g{i}" for i in range(8)]
         both = [f"r{i}" for i in range(8)]
         lone = [f"l{i}" for i in range(4)]
-        w.put_batch(healthy, [sa.pattern(i, 5000 + i) for i in range(8)], ReplicateConfig(preferred_segment="seg1"))
-        w.put_batch(both, [sa.pattern(50 + i, 7000 + i) for i in range(8)],
-                    ReplicateConfig(replica_num=2, preferred_segment="seg0"))
+        w.put_batch(
+            healthy,
+            [sa.pattern(i, 5000 + i) for i in range(8)],
+            ReplicateConfig(preferred_segment="seg1"),
+        )
+        w.put_batch(
+            both,
+            [sa.pattern(50 + i, 7000 + i) for i in range(8)],
+            ReplicateConfig(replica_num=2, preferred_segment="seg0"),
+        )
         w.put_batch(lone, [b"L" * 3000] * 4, ReplicateConfig(preferred_segment="seg0"))
         assert all(w.where(k).memory[0] == "seg0" for k in both + lone)
     nodes[0].kill(signal.SIGKILL if how == "kill" else signal.SIGSTOP)
@@ -247,9 +306,17 @@ def test_ssd_replica_read_from_another_host(procs, tmp_path):
     client's segment on request and read over TCP (readers wait while the segment is full
     of leased objects: 1 s leases here)."""
     m = sa.start_master(high_watermark=0.8, low_watermark=0.5, lease_ttl=1.0)
-    sa.start_agent({"master": m.address, "segment_size": 4 * MiB + 4096, "name": "disk-host",
-                    "ssd_dir": str(tmp_path / "ssd"), "heartbeat_interval_s": 0.2},
-                   serve_tcp=True, env={"MOONCAKE_HOST_ID": "host-with-disk"})
+    sa.start_agent(
+        {
+            "master": m.address,
+            "segment_size": 4 * MiB + 4096,
+            "name": "disk-host",
+            "ssd_dir": str(tmp_path / "ssd"),
+            "heartbeat_interval_s": 0.2,
+        },
+        serve_tcp=True,
+        env={"MOONCAKE_HOST_ID": "host-with-disk"},
+    )
     with MooncakeStore(master=m.address, segment_size=0, host_id="reader-host") as s:
         for i in range(8):
             s.put(f"o{i}", sa.pattern(i, MiB))

@@ -10,6 +10,7 @@ unreachable store, and exit; nothing hangs. Traffic stays on 10.213.0.0/24 insid
 namespaces this test creates (tests/netns.py), which are deleted afterwards.
 Skipped where namespaces cannot be made (not root, no iproute2).
 """
+
 from __future__ import annotations
 
 import json
@@ -18,13 +19,15 @@ import random
 import sys
 import time
 
-import pytest
-
 import netns
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OK, WHY = netns.available()
-pytestmark = [pytest.mark.timeout(240), pytest.mark.skipif(not OK, reason=f"network namespaces: {WHY}")]
+pytestmark = [
+    pytest.mark.timeout(240),
+    pytest.mark.skipif(not OK, reason=f"network namespaces: {WHY}"),
+]
 
 OP_TIMEOUT = 3.0
 RANK_SCRIPT = r'''
@@ -78,25 +81,62 @@ def test_cut_off_host_fences_itself_and_the_store_side_goes_on(tmp_path):
     progress = tmp_path / "progress"
     progress.mkdir()
     with netns.two_hosts("mctest") as t:
-        port = random.randint(20000, 60000)   # any port: the namespace and its addresses are ours alone
+        port = random.randint(
+            20000, 60000
+        )  # any port: the namespace and its addresses are ours alone
         launchers = {}
         for node, ns in ((0, t.a), (1, t.b)):
             env = dict(os.environ)
-            env.update({"MOONCAKE_HOST_ID": f"host-{node}", "MOONCAKE_SOCKET_IFNAME": "eth0",
-                        "GLOO_SOCKET_IFNAME": "eth0", "PROGRESS_DIR": str(progress), "OMP_NUM_THREADS": "1",
-                        "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))})
+            env.update(
+                {
+                    "MOONCAKE_HOST_ID": f"host-{node}",
+                    "MOONCAKE_SOCKET_IFNAME": "eth0",
+                    "GLOO_SOCKET_IFNAME": "eth0",
+                    "PROGRESS_DIR": str(progress),
+                    "OMP_NUM_THREADS": "1",
+                    "PYTHONPATH": os.pathsep.join(
+                        filter(None, [ROOT, os.environ.get("PYTHONPATH")])
+                    ),
+                }
+            )
             log = open(tmp_path / f"node{node}.log", "w")
-            launchers[node] = (netns.run_in(ns, [sys.executable, "-m", "mooncake_pg.run", "--nnodes", "2",
-                                                 "--node-rank", str(node), "--master-addr", t.addr[t.a],
-                                                 "--master-port", str(port), "--nproc-per-node", "2",
-                                                 "--max-restarts", "0", "--log-dir",
-                                                 str(tmp_path / f"ranks{node}"), str(script)],
-                                                env=env, cwd=ROOT, stdout=log, stderr=log), log)
+            launchers[node] = (
+                netns.run_in(
+                    ns,
+                    [
+                        sys.executable,
+                        "-m",
+                        "mooncake_pg.run",
+                        "--nnodes",
+                        "2",
+                        "--node-rank",
+                        str(node),
+                        "--master-addr",
+                        t.addr[t.a],
+                        "--master-port",
+                        str(port),
+                        "--nproc-per-node",
+                        "2",
+                        "--max-restarts",
+                        "0",
+                        "--log-dir",
+                        str(tmp_path / f"ranks{node}"),
+                        str(script),
+                    ],
+                    env=env,
+                    cwd=ROOT,
+                    stdout=log,
+                    stderr=log,
+                ),
+                log,
+            )
 
         def logs():
             text = []
             for n in (0, 1):
-                text.append(f"--- launcher {n}:\n" + (tmp_path / f"node{n}.log").read_text()[-3000:])
+                text.append(
+                    f"--- launcher {n}:\n" + (tmp_path / f"node{n}.log").read_text()[-3000:]
+                )
                 d = tmp_path / f"ranks{n}"
                 for name in sorted(os.listdir(d)) if d.exists() else []:
                     text.append(f"--- {name}:\n" + (d / name).read_text()[-2000:])
@@ -108,7 +148,9 @@ def test_cut_off_host_fences_itself_and_the_store_side_goes_on(tmp_path):
                 done = [int((progress / r).read_text() or 0) for r in os.listdir(progress)]
                 if len(done) == 4 and min(done) >= 10:
                     break
-                assert all(p.poll() is None for p, _ in launchers.values()), f"a launcher exited early\n{logs()}"
+                assert all(p.poll() is None for p, _ in launchers.values()), (
+                    f"a launcher exited early\n{logs()}"
+                )
                 time.sleep(0.1)
             else:
                 raise AssertionError(f"the 4 ranks did not get going\n{logs()}")
@@ -118,14 +160,16 @@ def test_cut_off_host_fences_itself_and_the_store_side_goes_on(tmp_path):
             for node, (p, _) in launchers.items():
                 try:
                     rcs[node] = p.wait(max(1.0, t_cut + 60 - time.monotonic()))
-                except Exception:  # noqa: BLE001
+                except Exception:
                     rcs[node] = None
             took = time.monotonic() - t_cut
         finally:
             for p, log in launchers.values():
                 netns.kill_group(p)
                 log.close()
-    assert rcs == {0: 0, 1: 1}, f"launcher exit codes {rcs} (a should finish, b's ranks fail)\n{logs()}"
+    assert rcs == {0: 0, 1: 1}, (
+        f"launcher exit codes {rcs} (a should finish, b's ranks fail)\n{logs()}"
+    )
     assert took < 60, f"took {took:.1f} s\n{logs()}"
     res = {}
     for n in (0, 1):
@@ -138,9 +182,15 @@ def test_cut_off_host_fences_itself_and_the_store_side_goes_on(tmp_path):
         assert o["active"] == [1, 1, 0, 0] and o["epoch"] in (1, 2), f"rank {r}: {o}"
         assert o["epoch"] == res[0]["epoch"], f"ranks 0 and 1 end in different epochs: {res[0]} {o}"
         assert set(o["sums"]) <= {10.0, 3.0} and o["sums"][-1] == 3.0, f"rank {r}: {o}"
-        assert o["stall"] is not None and o["stall"] < 4 * OP_TIMEOUT, f"rank {r}: detection took {o['stall']}"
+        assert o["stall"] is not None and o["stall"] < 4 * OP_TIMEOUT, (
+            f"rank {r}: detection took {o['stall']}"
+        )
     for r in (2, 3):
         o = res[r]
-        assert not o["ok"] and o["type"] == "RankFencedError" and o["is_dist_error"], f"rank {r}: {o}\n{logs()}"
-        assert "control store is unreachable" in o["msg"] and "fences itself" in o["msg"], f"rank {r}: {o['msg']}"
+        assert not o["ok"] and o["type"] == "RankFencedError" and o["is_dist_error"], (
+            f"rank {r}: {o}\n{logs()}"
+        )
+        assert "control store is unreachable" in o["msg"] and "fences itself" in o["msg"], (
+            f"rank {r}: {o['msg']}"
+        )
     print(f"cut detected and settled in {took:.1f} s; a's stall {res[0]['stall']:.2f} s")

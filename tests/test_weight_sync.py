@@ -2,6 +2,7 @@
 publish. Real processes: a master and a storage client (the segment owner) started by
 store_agents; trainers and rollout workers are ranks of a rank pool (torch.distributed
 processes); the test process only orchestrates and compares digests."""
+
 import contextlib
 import os
 import sys
@@ -9,8 +10,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import store_agents as sa  # noqa: E402
-from rankpool import get_pool  # noqa: E402
+import store_agents as sa
+from rankpool import get_pool
 
 MiB = 1 << 20
 pytestmark = pytest.mark.timeout(300)
@@ -50,14 +51,18 @@ def _small_sd(version):
     import torch
 
     g = torch.Generator().manual_seed(version)
-    return {"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g).to(torch.bfloat16),
-            "step": torch.tensor([version], dtype=torch.int64)}
+    return {
+        "w": torch.randn(64, 32, generator=g),
+        "b": torch.randn(32, generator=g).to(torch.bfloat16),
+        "step": torch.tensor([version], dtype=torch.int64),
+    }
 
 
 def _ws1_rank(rank, world, addr, op, version=None):
     """rank 0: trainer (a fresh WeightSync each call: no state survives a 'restart'); rank 1: rollout."""
     import torch
     import torch.distributed as dist
+
     from mooncake_store import StaleVersionError, WeightSync
 
     out = {}
@@ -71,7 +76,9 @@ def _ws1_rank(rank, world, addr, op, version=None):
     dist.barrier()
     if rank == 1:
         r = _STATE.setdefault("ws1_reader", WeightSync(_client(addr), "ws1"))
-        model = _STATE.setdefault("ws1_model", {k: torch.zeros_like(v) for k, v in _small_sd(0).items()})
+        model = _STATE.setdefault(
+            "ws1_model", {k: torch.zeros_like(v) for k, v in _small_sd(0).items()}
+        )
         res = r.pull(model)
         out.update(version=r.version, installed=res.installed, digests=_digests(model))
         try:
@@ -91,7 +98,9 @@ def test_ws1_no_going_back(store_procs):
 
     def check(out, v):
         assert out["version"] == v
-        assert {k: d[0] for k, d in out["digests"].items()} == want[v]  # reported version matches the tensors
+        assert {k: d[0] for k, d in out["digests"].items()} == want[
+            v
+        ]  # reported version matches the tensors
 
     r = pool.run(_ws1_rank, addr, "publish", 1, timeout=60)
     assert r[0]["published"] == 1 and r[1]["installed"]
@@ -144,22 +153,26 @@ def _ws2_target(tag):
     """This worker's model for WS-2 (zeros; kept across calls)."""
     import torch
 
-    return _STATE.setdefault((tag, "model"), {k: torch.zeros_like(v) for k, v in _ws2_sd(0).items()})
+    return _STATE.setdefault(
+        (tag, "model"), {k: torch.zeros_like(v) for k, v in _ws2_sd(0).items()}
+    )
 
 
 def _fail_at_bucket_4(rank, fail_rank, seen):
     """A stage hook recording bucket indices; ``fail_rank`` raises at bucket 4."""
+
     def hook(i):
         seen.append(i)
         if rank == fail_rank and i == 4:
             raise InjectedError(f"worker {rank}: injected failure at bucket 4")
+
     return hook
 
 
 def _ws2_store_rank(rank, world, addr, version, fail_rank, tag):
     """rank 0 publishes ``version`` (if not yet); ranks 1..3 pull; ``fail_rank`` raises at bucket 4."""
-    import torch
     import torch.distributed as dist
+
     from mooncake_store import WeightSync, WeightSyncConfig
 
     cfg = WeightSyncConfig(bucket_bytes=8 * MiB)
@@ -177,7 +190,11 @@ def _ws2_store_rank(rank, world, addr, version, fail_rank, tag):
             r.pull(model, stage_hook=_fail_at_bucket_4(rank, fail_rank, seen))
         except InjectedError as e:
             out["error"] = str(e)
-        out.update(version=r.version, digests={k: v[0] for k, v in _digests(model).items()}, buckets_seen=seen)
+        out.update(
+            version=r.version,
+            digests={k: v[0] for k, v in _digests(model).items()},
+            buckets_seen=seen,
+        )
     return out
 
 
@@ -197,7 +214,9 @@ def test_ws2_store_path_all_or_nothing(store_procs):
         assert r[w]["version"] == 1 and r[w]["digests"] == want[1]
     r = pool.run(_ws2_store_rank, addr, 2, 2, "store", timeout=120)
     assert "injected" in r[2]["error"]
-    assert r[2]["version"] == 1 and r[2]["digests"] == want[1]  # kept and reports its previous version
+    assert (
+        r[2]["version"] == 1 and r[2]["digests"] == want[1]
+    )  # kept and reports its previous version
     assert max(r[2]["buckets_seen"]) == 4  # stopped at the failing bucket
     for w in (1, 3):  # a whole version, old or new, never a mix
         assert r[w]["digests"] == want[r[w]["version"]]
@@ -209,7 +228,6 @@ def test_ws2_store_path_all_or_nothing(store_procs):
 
 def _ws2_pg_rank(rank, world, version, fail_rank, tag):
     """The process-group path: rank 0 broadcasts ``version``; ranks 1..3 receive."""
-    import torch
     from mooncake_store import GroupWeightSync, WeightSyncAbortedError
 
     gs = _STATE.setdefault((tag, "gs"), GroupWeightSync(src=0, bucket_bytes=8 * MiB))
@@ -220,7 +238,11 @@ def _ws2_pg_rank(rank, world, version, fail_rank, tag):
     seen = []
     out = {}
     try:
-        res = gs.sync(model, version if rank == 0 else None, stage_hook=_fail_at_bucket_4(rank, fail_rank, seen))
+        res = gs.sync(
+            model,
+            version if rank == 0 else None,
+            stage_hook=_fail_at_bucket_4(rank, fail_rank, seen),
+        )
         out["buckets"] = res.buckets
     except WeightSyncAbortedError as e:
         out["error"] = str(e)
@@ -258,7 +280,7 @@ def _ws4_sd():
     return {
         "fp32": torch.randn(1000, 33, generator=g),
         "bf16": torch.randn(77, 5, generator=g).to(torch.bfloat16),
-        "ids": torch.randint(-2**40, 2**40, (999,), generator=g, dtype=torch.int64),
+        "ids": torch.randint(-(2**40), 2**40, (999,), generator=g, dtype=torch.int64),
         "empty": torch.empty(0, 7),
         "transposed": torch.randn(40, 30, generator=g).t(),
         "big": torch.randn(300 * MiB // 4, generator=g),
@@ -270,6 +292,7 @@ def _ws4_rank(rank, world, addr, version):
 
     import torch
     import torch.distributed as dist
+
     from mooncake_store import WeightSync, WeightSyncConfig
 
     cfg = WeightSyncConfig(bucket_bytes=16 * MiB, keep_versions=0)
@@ -316,6 +339,7 @@ def test_ws4_bytes_really_moved(store_procs):
 def _fsdp_rank(rank, world, addr):
     import torch
     import torch.distributed as dist
+
     from mooncake_store import WeightSync
 
     torch.manual_seed(0)
@@ -339,9 +363,16 @@ def _fsdp_rank(rank, world, addr):
         assert "publish_id" in str(e)
     pid = [__import__("uuid").uuid4().hex]
     dist.broadcast_object_list(pid, src=0)  # the shards of one publish share its id
-    res = WeightSync(_client(addr), "fsdp").publish(sd, 1, shard=rank, num_shards=world, publish_id=pid[0])
+    res = WeightSync(_client(addr), "fsdp").publish(
+        sd, 1, shard=rank, num_shards=world, publish_id=pid[0]
+    )
     dist.barrier()
-    return {"local_rows": {k: v.to_local().shape[0] for k, v in sd.items()}, "committed": res.committed, "bytes": res.bytes, "full": _digests(full)}
+    return {
+        "local_rows": {k: v.to_local().shape[0] for k, v in sd.items()},
+        "committed": res.committed,
+        "bytes": res.bytes,
+        "full": _digests(full),
+    }
 
 
 def test_fsdp2_sharded_publish_pulled_into_plain_model(store_procs):
@@ -349,9 +380,12 @@ def test_fsdp2_sharded_publish_pulled_into_plain_model(store_procs):
     pool = get_pool(2)
     r = pool.run(_fsdp_rank, addr, timeout=120)
     assert [x["committed"] for x in r] == [True, False]
-    assert r[0]["local_rows"]["0.weight"] == 17 and r[1]["local_rows"]["0.weight"] == 16  # uneven FSDP2 shards
+    assert (
+        r[0]["local_rows"]["0.weight"] == 17 and r[1]["local_rows"]["0.weight"] == 16
+    )  # uneven FSDP2 shards
     # the pieces are each rank's own shards: together one full copy, uneven rows included
     import torch
+
     from mooncake_store import MooncakeStore, WeightSync
 
     plain = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.ReLU(), torch.nn.Linear(33, 7))
@@ -361,8 +395,10 @@ def test_fsdp2_sharded_publish_pulled_into_plain_model(store_procs):
         res16 = WeightSync(s, "fsdp").pull(None, dtype=torch.bfloat16)
     assert res.installed and res.version == 1
     assert _digests(plain.state_dict()) == r[0]["full"]
-    assert all(v.dtype == torch.bfloat16 and torch.equal(v, plain.state_dict()[k].to(torch.bfloat16))
-               for k, v in res16.state_dict.items())
+    assert all(
+        v.dtype == torch.bfloat16 and torch.equal(v, plain.state_dict()[k].to(torch.bfloat16))
+        for k, v in res16.state_dict.items()
+    )
     assert r[0]["bytes"] + r[1]["bytes"] >= sum(v.numel() * 4 for v in plain.state_dict().values())
 
 
@@ -370,6 +406,7 @@ def test_corrupt_or_missing_piece_keeps_the_old_version(store_procs):
     """A bucket whose bytes changed after the commit (checksum) or that is gone: the pull
     raises WeightSyncAbortedError and the reader keeps its version and tensors."""
     import torch
+
     from mooncake_store import MooncakeStore, WeightSync, WeightSyncAbortedError, WeightSyncConfig
 
     addr = _start_store(64)
@@ -401,7 +438,9 @@ def test_corrupt_or_missing_piece_keeps_the_old_version(store_procs):
 def _view_cfg(**kw):
     from mooncake_store import WeightSyncConfig
 
-    return WeightSyncConfig(bucket_bytes=4096, keep_versions=0, install="view", hold_ttl_s=1.0, **kw)
+    return WeightSyncConfig(
+        bucket_bytes=4096, keep_versions=0, install="view", hold_ttl_s=1.0, **kw
+    )
 
 
 def _zero_module(float_dtype=None):
@@ -410,7 +449,9 @@ def _zero_module(float_dtype=None):
     m = torch.nn.Module()
     for k, v in _small_sd(0).items():
         if v.is_floating_point():
-            m.register_parameter(k, torch.nn.Parameter(torch.zeros_like(v, dtype=float_dtype), requires_grad=False))
+            m.register_parameter(
+                k, torch.nn.Parameter(torch.zeros_like(v, dtype=float_dtype), requires_grad=False)
+            )
         else:
             m.register_buffer(k, torch.zeros_like(v))
     return m
@@ -432,17 +473,24 @@ def _view_rank(rank, world, addr, op, version=None, dtype=None):
 
     import torch
     import torch.distributed as dist
+
     from mooncake_store import WeightSync
 
     out = {}
     if rank == 0 and op == "publish":
-        ws = _STATE.setdefault("view_trainer", WeightSync(_client(addr), "view", config=_view_cfg()))
+        ws = _STATE.setdefault(
+            "view_trainer", WeightSync(_client(addr), "view", config=_view_cfg())
+        )
         out["dropped"] = ws.publish(_small_sd(version), version).dropped
         out["versions"] = ws.committed_versions()
     dist.barrier()
     if rank > 0:
-        r = _STATE.setdefault(("view_reader", dtype), WeightSync(_client(addr), "view", config=_view_cfg()))
-        model = _STATE.setdefault(("view_model", dtype), _zero_module(dtype and getattr(torch, dtype)))
+        r = _STATE.setdefault(
+            ("view_reader", dtype), WeightSync(_client(addr), "view", config=_view_cfg())
+        )
+        model = _STATE.setdefault(
+            ("view_model", dtype), _zero_module(dtype and getattr(torch, dtype))
+        )
         if op == "pull":
             r.pull(model, dtype=None if dtype is None else getattr(torch, dtype))
         elif op == "wait":
@@ -451,9 +499,13 @@ def _view_rank(rank, world, addr, op, version=None, dtype=None):
 
         gc.collect()  # views of older versions may sit in reference cycles until a collection
         sd = model.state_dict()
-        out.update(version=r.version, digests={k: d[0] for k, d in _digests(sd).items()},
-                   dtypes={k: str(v.dtype) for k, v in sd.items()},
-                   in_store={k: _in_store_memory(v) for k, v in sd.items()}, held=r._held_versions())
+        out.update(
+            version=r.version,
+            digests={k: d[0] for k, d in _digests(sd).items()},
+            dtypes={k: str(v.dtype) for k, v in sd.items()},
+            in_store={k: _in_store_memory(v) for k, v in sd.items()},
+            held=r._held_versions(),
+        )
     return out
 
 
@@ -472,7 +524,9 @@ def test_view_install_shares_the_published_bytes_and_holds_them(store_procs):
     for out in r[1:]:
         assert out["version"] == 1 and out["digests"] == want[1] and out["held"] == [1]
         assert all(out["in_store"].values()), out["in_store"]
-    r = pool.run(_view_rank, addr, "wait", 2.5, timeout=60)  # > hold_ttl_s: only the refresh keeps v1
+    r = pool.run(
+        _view_rank, addr, "wait", 2.5, timeout=60
+    )  # > hold_ttl_s: only the refresh keeps v1
     r = pool.run(_view_rank, addr, "publish", 2, timeout=60)
     assert r[0]["dropped"] == [] and r[0]["versions"] == [1, 2]
     r = pool.run(_view_rank, addr, "publish", 3, timeout=60)
@@ -523,14 +577,23 @@ def test_a_write_to_a_viewed_parameter_kills_the_writer_not_the_weights(store_pr
     import subprocess
 
     import torch
+
     from mooncake_store import MooncakeStore, WeightSync
 
     addr = _start_store(64)
     with MooncakeStore(serve_tcp=False, master=addr, segment_size=0) as s:
         WeightSync(s, "ro").publish({"w": torch.ones(1024)}, 1)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([sa.REPO, os.environ.get("PYTHONPATH", "")]))
-        p = subprocess.run([sys.executable, "-c", _WRITE_TO_VIEW, addr], capture_output=True, text=True, timeout=60,
-                           env=env, start_new_session=True)
+        env = dict(
+            os.environ, PYTHONPATH=os.pathsep.join([sa.REPO, os.environ.get("PYTHONPATH", "")])
+        )
+        p = subprocess.run(
+            [sys.executable, "-c", _WRITE_TO_VIEW, addr],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+            start_new_session=True,
+        )
         assert "pulled" in p.stdout and "wrote" not in p.stdout, (p.stdout, p.stderr)
         assert p.returncode == -signal.SIGSEGV, (p.returncode, p.stderr[-2000:])
         got = WeightSync(s, "ro").pull(None).state_dict["w"]
@@ -539,6 +602,7 @@ def test_a_write_to_a_viewed_parameter_kills_the_writer_not_the_weights(store_pr
 
 def test_view_install_rejects_what_it_cannot_protect():
     import torch
+
     from mooncake_store import MooncakeStore, WeightSync, WeightSyncConfig
 
     with pytest.raises(ValueError, match="install"):
@@ -560,12 +624,14 @@ def test_failed_publish_leaves_nothing_pinned_and_bad_tensors_or_dtypes_are_refu
     from torch); a pull into a tensor of another dtype is ValueError unless both are
     floating-point (an int64 target used to truncate 1.7 to 1 silently)."""
     import torch
+
     from mooncake_store import MooncakeStore, NoSpaceError, WeightSync, WeightSyncConfig
 
     with MooncakeStore(serve_tcp=False, segment_size=64 * MiB) as s:
         ws = WeightSync(s, "m", config=WeightSyncConfig(keep_versions=0, bucket_bytes=4 * MiB))
         big = {f"w{i}": torch.full((MiB,), float(i)) for i in range(10)}  # 40 MiB
         ws.publish(big, 1)
+
         def held():  # objects and the bytes they take (not space reserved for the next puts)
             st = s.stats()
             return st.objects, st.used_bytes - st.reserved_bytes
@@ -577,8 +643,11 @@ def test_failed_publish_leaves_nothing_pinned_and_bad_tensors_or_dtypes_are_refu
             assert held() == before  # nothing of v2 left behind
         small = {f"w{i}": torch.full((16,), float(i) + 0.7) for i in range(10)}
         ws.publish(small, 2)  # fits: nothing of the failed tries holds space
-        for bad in (torch.eye(3).to_sparse(), torch.eye(3).to_sparse_csr(),
-                    torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])):
+        for bad in (
+            torch.eye(3).to_sparse(),
+            torch.eye(3).to_sparse_csr(),
+            torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)]),
+        ):
             with pytest.raises(ValueError, match="dense"):
                 ws.publish({"w0": bad}, 3)
         assert ws.latest_version() == 2
@@ -613,13 +682,15 @@ def test_view_holds_follow_the_tensors_and_release_copies(store_procs):
     version; non-float casts and empty or out-of-range publishes are refused (all found
     by a new-user trial)."""
     import gc
-
-    import torch
-    from mooncake_store import MooncakeStore, WeightSync, WeightSyncConfig
-
     import time
 
-    m = sa.start_master(lease_ttl=0.2)  # dropped versions' space is reused 0.2 s after the last read
+    import torch
+
+    from mooncake_store import MooncakeStore, WeightSync, WeightSyncConfig
+
+    m = sa.start_master(
+        lease_ttl=0.2
+    )  # dropped versions' space is reused 0.2 s after the last read
     sa.start_agent({"master": m.address, "segment_size": 8 * MiB, "name": "storage"})
     addr = m.address
     cfg = WeightSyncConfig(bucket_bytes=1 << 20, keep_versions=0, install="view", hold_ttl_s=1.0)
@@ -631,7 +702,9 @@ def test_view_holds_follow_the_tensors_and_release_copies(store_procs):
         tr.publish(sd(1), 1)
         rd.pull(m)
         kept = m.w.detach()  # e.g. a rollout engine's cached reference
-        for v in range(2, 12):  # 8 MiB of segment: later versions reuse freed space, v1's too unless held
+        for v in range(
+            2, 12
+        ):  # 8 MiB of segment: later versions reuse freed space, v1's too unless held
             time.sleep(0.3)
             tr.publish(sd(v), v)
             rd.pull(m)
@@ -642,8 +715,12 @@ def test_view_holds_follow_the_tensors_and_release_copies(store_procs):
         gc.collect()
         assert rd._held_versions() == [11]
         other = torch.nn.Module()
-        other.register_parameter("w", torch.nn.Parameter(torch.zeros(256, 1024), requires_grad=False))
-        assert rd.pull(other).installed and torch.equal(other.w, sd(11)["w"])  # same version, other module
+        other.register_parameter(
+            "w", torch.nn.Parameter(torch.zeros(256, 1024), requires_grad=False)
+        )
+        assert rd.pull(other).installed and torch.equal(
+            other.w, sd(11)["w"]
+        )  # same version, other module
         ptr = m.w.data_ptr()
         rd.release()
         assert m.w.data_ptr() != ptr and torch.equal(m.w, sd(11)["w"])  # a private copy now
@@ -665,17 +742,25 @@ def test_a_dead_view_readers_slot_is_reclaimed(store_procs):
     import time
 
     import torch
+
     from mooncake_store import MooncakeStore, WeightSync, WeightSyncConfig
 
     addr = _start_store(16)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([sa.REPO, os.environ.get("PYTHONPATH", "")]))
     with MooncakeStore(serve_tcp=False, master=addr, segment_size=0) as s:
-        tr = WeightSync(s, "slots", config=WeightSyncConfig(max_readers=1, hold_ttl_s=1.0, keep_versions=0))
+        tr = WeightSync(
+            s, "slots", config=WeightSyncConfig(max_readers=1, hold_ttl_s=1.0, keep_versions=0)
+        )
         tr.publish({"w": torch.ones(4096)}, 1)
 
         def reader():
-            p = subprocess.Popen([sys.executable, "-c", _VIEW_READER, addr], stdout=subprocess.PIPE, text=True,
-                                 env=env, start_new_session=True)
+            p = subprocess.Popen(
+                [sys.executable, "-c", _VIEW_READER, addr],
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+                start_new_session=True,
+            )
             line = p.stdout.readline()
             return p, line
 
@@ -724,6 +809,7 @@ def test_a_view_reader_stopped_past_its_hold_is_told(store_procs):
     import time
 
     import torch
+
     from mooncake_store import MooncakeStore, WeightSync, WeightSyncConfig
 
     addr = _start_store(16)
@@ -731,8 +817,14 @@ def test_a_view_reader_stopped_past_its_hold_is_told(store_procs):
     with MooncakeStore(serve_tcp=False, master=addr, segment_size=0) as s:
         tr = WeightSync(s, "lapse", config=WeightSyncConfig(hold_ttl_s=1.0, keep_versions=0))
         tr.publish({"w": torch.ones(4096)}, 1)
-        p = subprocess.Popen([sys.executable, "-c", _LAPSING_READER, addr], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        p = subprocess.Popen(
+            [sys.executable, "-c", _LAPSING_READER, addr],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
         try:
             assert p.stdout.readline().split() == ["pulled", "1", "1.0"]
             os.killpg(p.pid, signal.SIGSTOP)
@@ -760,6 +852,7 @@ def test_view_reader_pulls_mixed_with_into_none_and_store_close(store_procs):
     import time
 
     import torch
+
     from mooncake_store import MooncakeStore, WeightSync, WeightSyncConfig
 
     m = sa.start_master(lease_ttl=0.2)
@@ -800,8 +893,8 @@ def _race_rank(rank, world, addr, rounds):
     trainer not yet dead and its replacement); rank 2: a rollout worker pulling each."""
     import re
 
-    import torch
     import torch.distributed as dist
+
     from mooncake_store import StaleVersionError, WeightSync, WeightSyncConfig
 
     cfg = WeightSyncConfig(bucket_bytes=64 * 1024, keep_versions=0)
@@ -812,21 +905,29 @@ def _race_rank(rank, world, addr, rounds):
         rec = {}
         if rank < 2:
             try:
-                rec["committed"] = WeightSync(s, "race", config=cfg).publish(_race_sd(v, rank), v).committed
+                rec["committed"] = (
+                    WeightSync(s, "race", config=cfg).publish(_race_sd(v, rank), v).committed
+                )
             except StaleVersionError as e:
                 rec["stale"] = str(e)
                 pid = re.search(r"this publish \('([0-9a-f]+)'\)", str(e))
                 if pid:  # the loser's own pieces are gone
                     pp = f"ws/race/v{v}/{pid.group(1)}/"
-                    rec["left"] = sum(s.exists_batch([f"{pp}b0.{i}" for i in range(32)] + [pp + "m0"]))
+                    rec["left"] = sum(
+                        s.exists_batch([f"{pp}b0.{i}" for i in range(32)] + [pp + "m0"])
+                    )
                 else:
                     rec["left"] = "the error names no publish id"
         dist.barrier()
         if rank == 2:
             try:
-                got = _STATE.setdefault("race_reader", WeightSync(s, "race", config=cfg)).pull(None, v).state_dict
+                got = (
+                    _STATE.setdefault("race_reader", WeightSync(s, "race", config=cfg))
+                    .pull(None, v)
+                    .state_dict
+                )
                 rec["values"] = sorted({float(x) for t in got.values() for x in t.unique()})
-            except Exception as e:  # noqa: BLE001 - reported to the test
+            except Exception as e:
                 rec["pull_error"] = f"{type(e).__name__}: {e}"
         out.append(rec)
     _STATE.pop("race_reader", None)
@@ -862,6 +963,7 @@ def test_dtypes_without_copy_kernels_are_refused_at_publish():
     ValueError naming the tensor and dtype before writing anything, and their bytes
     (t.view(torch.uint8)) round-trip."""
     import torch
+
     from mooncake_store import MooncakeStore, WeightSync
 
     with MooncakeStore(serve_tcp=False, segment_size=8 * MiB) as s:
@@ -871,11 +973,19 @@ def test_dtypes_without_copy_kernels_are_refused_at_publish():
         for dt in ("int4", "uint4", "uint1"):
             if hasattr(torch, dt):
                 with pytest.raises(ValueError, match=f"'q': dtype torch.{dt} cannot be published"):
-                    ws.publish({"w": torch.ones(8), "q": torch.zeros(8, dtype=torch.uint8).view(getattr(torch, dt))}, 1)
+                    ws.publish(
+                        {
+                            "w": torch.ones(8),
+                            "q": torch.zeros(8, dtype=torch.uint8).view(getattr(torch, dt)),
+                        },
+                        1,
+                    )
         assert ws.latest_version() == -1 and s.stats().objects == before
         ws.publish({"w": torch.ones(8), "q": q.view(torch.uint8)}, 1)
         got = WeightSync(s, "q").pull(None).state_dict
-        assert torch.equal(got["q"], torch.arange(16, dtype=torch.uint8)) and torch.equal(got["w"], torch.ones(8))
+        assert torch.equal(got["q"], torch.arange(16, dtype=torch.uint8)) and torch.equal(
+            got["w"], torch.ones(8)
+        )
 
 
 def test_publish_waits_for_space_of_dropped_versions_still_leased(store_procs):
@@ -886,6 +996,7 @@ def test_publish_waits_for_space_of_dropped_versions_still_leased(store_procs):
     import time
 
     import torch
+
     from mooncake_store import MooncakeStore, WeightSync, WeightSyncConfig
 
     m = sa.start_master(lease_ttl=1.0)
@@ -935,8 +1046,17 @@ def test_group_sync_survivor_of_a_dead_rank_raises_weight_sync_aborted(tmp_path)
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([sa.REPO, os.environ.get("PYTHONPATH", "")]))
     initf = str(tmp_path / "init")
-    ps = [subprocess.Popen([sys.executable, "-c", _GWS_DEATH, str(r), initf], stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, env=env, start_new_session=True) for r in range(2)]
+    ps = [
+        subprocess.Popen(
+            [sys.executable, "-c", _GWS_DEATH, str(r), initf],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        for r in range(2)
+    ]
     try:
         out0, err0 = ps[0].communicate(timeout=120)
         ps[1].wait(30)
@@ -951,6 +1071,7 @@ def test_group_sync_survivor_of_a_dead_rank_raises_weight_sync_aborted(tmp_path)
 
 def _gws_refuse_rank(rank, world, case):
     import torch
+
     from mooncake_store import GroupWeightSync, WeightSyncAbortedError
 
     sd = {"a": torch.zeros(8, 4), "b": torch.zeros(3)}
@@ -975,7 +1096,9 @@ def test_group_sync_refusals_name_the_rank_tensor_and_version():
     pool = get_pool(4)
     r = pool.run(_gws_refuse_rank, "shape", timeout=60)
     for w in range(4):
-        assert "refused version 3" in r[w] and "rank 2: 'a' has shape (4, 8), src sends (8, 4)" in r[w], r[w]
+        assert (
+            "refused version 3" in r[w] and "rank 2: 'a' has shape (4, 8), src sends (8, 4)" in r[w]
+        ), r[w]
     r = pool.run(_gws_refuse_rank, "version", timeout=60)
     for w in range(4):
         assert "rank 1 passed version 5, src 0 sends 3" in r[w], r[w]
@@ -1010,7 +1133,12 @@ def test_restarted_trainer_holding_the_memory_sees_its_versions(store_procs):
     no segment)."""
     import torch
 
-    from mooncake_store import MooncakeStore, ObjectNotFoundError, WeightSync, WeightSyncAbortedError
+    from mooncake_store import (
+        MooncakeStore,
+        ObjectNotFoundError,
+        WeightSync,
+        WeightSyncAbortedError,
+    )
 
     m = sa.start_master()
     with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0) as rs:
@@ -1034,4 +1162,6 @@ def test_restarted_trainer_holding_the_memory_sees_its_versions(store_procs):
             assert ws2.latest_version() == 2 and ws2.committed_versions()[-1] == 2
             ws2.publish({"w": torch.full((4,), 3.0)}, 3)
             r = reader.pull(into=target)
-            assert r.installed and r.version == 3 and torch.equal(target["w"], torch.full((4,), 3.0))
+            assert (
+                r.installed and r.version == 3 and torch.equal(target["w"], torch.full((4,), 3.0))
+            )

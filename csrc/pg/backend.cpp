@@ -57,19 +57,32 @@ enum OpCode : uint32_t {
 
 const char* op_name(uint32_t op) {
   switch (op) {
-    case OP_ALLREDUCE: return "all_reduce";
-    case OP_REDUCE: return "reduce";
-    case OP_BROADCAST: return "broadcast";
-    case OP_ALLGATHER: return "all_gather";
-    case OP_GATHER: return "gather";
-    case OP_REDUCE_SCATTER: return "reduce_scatter";
-    case OP_SCATTER: return "scatter";
-    case OP_ALLTOALL: return "all_to_all";
-    case OP_BARRIER: return "barrier";
-    case OP_ALLREDUCE_IPC: return "all_reduce";  // describe() adds "through CUDA IPC"
-    case OP_BROADCAST_IPC: return "broadcast";
-    case OP_ALLGATHER_IPC: return "all_gather";
-    case OP_REDUCE_SCATTER_IPC: return "reduce_scatter";
+    case OP_ALLREDUCE:
+      return "all_reduce";
+    case OP_REDUCE:
+      return "reduce";
+    case OP_BROADCAST:
+      return "broadcast";
+    case OP_ALLGATHER:
+      return "all_gather";
+    case OP_GATHER:
+      return "gather";
+    case OP_REDUCE_SCATTER:
+      return "reduce_scatter";
+    case OP_SCATTER:
+      return "scatter";
+    case OP_ALLTOALL:
+      return "all_to_all";
+    case OP_BARRIER:
+      return "barrier";
+    case OP_ALLREDUCE_IPC:
+      return "all_reduce";  // describe() adds "through CUDA IPC"
+    case OP_BROADCAST_IPC:
+      return "broadcast";
+    case OP_ALLGATHER_IPC:
+      return "all_gather";
+    case OP_REDUCE_SCATTER_IPC:
+      return "reduce_scatter";
   }
   return "unknown op";
 }
@@ -88,7 +101,6 @@ struct OpHeader {
 };
 static_assert(sizeof(OpHeader) == 48, "OpHeader layout");
 
-
 constexpr size_t kSmallAllreduce = 16 << 10;
 
 size_t hdr_cap_for(int size) { return (sizeof(OpHeader) + 16 * static_cast<size_t>(size) + 63) / 64 * 64; }
@@ -99,8 +111,8 @@ std::string describe(const OpHeader& h) {
   std::ostringstream o;
   o << op_name(h.op);
   if (h.op != OP_BARRIER) {
-    o << " of " << h.count << (h.op == OP_ALLTOALL ? " element(s) per row" : " element(s)")
-      << " of dtype " << dtype_name(h.dtype);
+    o << " of " << h.count << (h.op == OP_ALLTOALL ? " element(s) per row" : " element(s)") << " of dtype "
+      << dtype_name(h.dtype);
   }
   if (h.op == OP_ALLREDUCE || h.op == OP_REDUCE || h.op == OP_REDUCE_SCATTER || h.op == OP_ALLREDUCE_IPC ||
       h.op == OP_REDUCE_SCATTER_IPC)
@@ -118,10 +130,23 @@ std::string describe(const OpHeader& h) {
 bool data_dtype_ok(c10::ScalarType dt) {
   using ST = c10::ScalarType;
   switch (dt) {
-    case ST::Double: case ST::Float: case ST::Half: case ST::BFloat16:
-    case ST::Float8_e4m3fn: case ST::Float8_e5m2: case ST::Char: case ST::Short:
-    case ST::Int: case ST::Long: case ST::Byte: case ST::UInt16: case ST::UInt32:
-    case ST::UInt64: case ST::Bool: case ST::ComplexFloat: case ST::ComplexDouble:
+    case ST::Double:
+    case ST::Float:
+    case ST::Half:
+    case ST::BFloat16:
+    case ST::Float8_e4m3fn:
+    case ST::Float8_e5m2:
+    case ST::Char:
+    case ST::Short:
+    case ST::Int:
+    case ST::Long:
+    case ST::Byte:
+    case ST::UInt16:
+    case ST::UInt32:
+    case ST::UInt64:
+    case ST::Bool:
+    case ST::ComplexFloat:
+    case ST::ComplexDouble:
       return true;
     default:
       return false;
@@ -131,14 +156,22 @@ bool data_dtype_ok(c10::ScalarType dt) {
 RedOp to_redop(const c10d::ReduceOp& op, double* premul) {
   *premul = 1.0;
   switch (op.op_) {
-    case c10d::ReduceOp::SUM: return RedOp::SUM;
-    case c10d::ReduceOp::AVG: return RedOp::AVG;
-    case c10d::ReduceOp::PRODUCT: return RedOp::PRODUCT;
-    case c10d::ReduceOp::MIN: return RedOp::MIN;
-    case c10d::ReduceOp::MAX: return RedOp::MAX;
-    case c10d::ReduceOp::BAND: return RedOp::BAND;
-    case c10d::ReduceOp::BOR: return RedOp::BOR;
-    case c10d::ReduceOp::BXOR: return RedOp::BXOR;
+    case c10d::ReduceOp::SUM:
+      return RedOp::SUM;
+    case c10d::ReduceOp::AVG:
+      return RedOp::AVG;
+    case c10d::ReduceOp::PRODUCT:
+      return RedOp::PRODUCT;
+    case c10d::ReduceOp::MIN:
+      return RedOp::MIN;
+    case c10d::ReduceOp::MAX:
+      return RedOp::MAX;
+    case c10d::ReduceOp::BAND:
+      return RedOp::BAND;
+    case c10d::ReduceOp::BOR:
+      return RedOp::BOR;
+    case c10d::ReduceOp::BXOR:
+      return RedOp::BXOR;
     case c10d::ReduceOp::PREMUL_SUM: {
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 12)
       auto* sup = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
@@ -192,9 +225,9 @@ bool MooncakeWork::wait(std::chrono::milliseconds timeout) {
   if (timeout == kNoTimeout) {
     cv_.wait(lk, [&] { return done_; });
   } else if (!cv_.wait_for(lk, timeout, [&] { return done_; })) {
-    C10_THROW_ERROR(DistBackendError,
-                    "MooncakeWork::wait: timed out after " + std::to_string(timeout.count()) +
-                        " ms; the op goes on and no rank is declared failed");
+    C10_THROW_ERROR(DistBackendError, "MooncakeWork::wait: timed out after " +
+                                          std::to_string(timeout.count()) +
+                                          " ms; the op goes on and no rank is declared failed");
   }
   std::exception_ptr err = err_;
   lk.unlock();
@@ -238,9 +271,7 @@ bool MooncakeWork::child_done(std::exception_ptr err) {
 // ===================================================================================
 MooncakeBackend::MooncakeBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                                  BackendConfig cfg)
-    : c10d::Backend(rank, size),
-      cfg_(std::move(cfg)),
-      timeout_(static_cast<int64_t>(cfg_.timeout_s * 1000)) {
+    : c10d::Backend(rank, size), cfg_(std::move(cfg)), timeout_(static_cast<int64_t>(cfg_.timeout_s * 1000)) {
   setup(store);
 #ifdef MOONCAKE_WITH_CUDA
   ipc_ = std::make_unique<CudaIpc>(rank_, size_, store_, store_ns_);
@@ -251,11 +282,12 @@ std::string MooncakeBackend::cuda_ipc_status() const {
 #ifndef MOONCAKE_WITH_CUDA
   return "unavailable: this build has no CUDA (rebuild with MOONCAKE_WITH_CUDA=1)";
 #else
-  if (!cfg_.cuda_ipc) return "staging: CUDA IPC switched off (MOONCAKE_CUDA_IPC=0 or MooncakeOptions(cuda_ipc=False))";
+  if (!cfg_.cuda_ipc)
+    return "staging: CUDA IPC switched off (MOONCAKE_CUDA_IPC=0 or MooncakeOptions(cuda_ipc=False))";
   if (!one_host_) return "staging: the group's ranks are not all on this host (MOONCAKE_HOST_ID differs)";
   if (size_ > cuda::kMaxSources)
-    return "staging: max_group_size " + std::to_string(size_) + " exceeds the " + std::to_string(cuda::kMaxSources) +
-           " sources the IPC reduction kernel takes";
+    return "staging: max_group_size " + std::to_string(size_) + " exceeds the " +
+           std::to_string(cuda::kMaxSources) + " sources the IPC reduction kernel takes";
   return "ipc";
 #endif
 }
@@ -316,9 +348,11 @@ void MooncakeBackend::setup(const c10::intrusive_ptr<c10d::Store>& store) {
 #endif
   TORCH_CHECK_VALUE(cfg_.shm_slot_bytes >= 4096, "MooncakeBackend::setup: shm_slot_bytes must be >= 4096");
   TORCH_CHECK_VALUE(cfg_.on_failure == "raise" || cfg_.on_failure == "mask" || cfg_.on_failure == "manual",
-                    "MooncakeBackend::setup: on_failure must be raise, mask or manual, got '", cfg_.on_failure, "'");
-  policy_ = cfg_.on_failure == "mask" ? FailurePolicy::MASK
-            : cfg_.on_failure == "manual" ? FailurePolicy::MANUAL : FailurePolicy::RAISE;
+                    "MooncakeBackend::setup: on_failure must be raise, mask or manual, got '",
+                    cfg_.on_failure, "'");
+  policy_ = cfg_.on_failure == "mask"     ? FailurePolicy::MASK
+            : cfg_.on_failure == "manual" ? FailurePolicy::MANUAL
+                                          : FailurePolicy::RAISE;
   store_ = store;
   active_.assign(W, 1);
   agreed_failed_.assign(W, 0);
@@ -332,9 +366,11 @@ void MooncakeBackend::setup(const c10::intrusive_ptr<c10d::Store>& store) {
     if (store->check({store_ns_ + "cfg"})) {
       const std::string want = store_get_str(store, store_ns_ + "cfg");
       const std::string mine = group_cfg_string();
-      TORCH_CHECK_VALUE(want == mine, "MooncakeBackend::setup: recovering rank ", rank_, " does not match the group "
-                        "it joins: the group has world_size|transport|shm_slot_bytes = '", want, "', this process '",
-                        mine, "' (start it with the founders' world size and settings)");
+      TORCH_CHECK_VALUE(want == mine, "MooncakeBackend::setup: recovering rank ", rank_,
+                        " does not match the group "
+                        "it joins: the group has world_size|transport|shm_slot_bytes = '",
+                        want, "', this process '", mine,
+                        "' (start it with the founders' world size and settings)");
     }
     store_set_str(store, store_ns_ + "joinhost/" + std::to_string(rank_), cfg_.host_id);
     store_set_str(store, store_ns_ + "join/" + std::to_string(rank_), std::to_string(getpid()));
@@ -352,9 +388,11 @@ void MooncakeBackend::setup(const c10::intrusive_ptr<c10d::Store>& store) {
   std::sort(founders.begin(), founders.end());
   founders.erase(std::unique(founders.begin(), founders.end()), founders.end());
   for (int j : founders)
-    TORCH_CHECK_VALUE(j >= 0 && j < W, "MooncakeBackend::setup: active rank ", j, " is out of range [0, ", W, ")");
-  TORCH_CHECK_VALUE(std::binary_search(founders.begin(), founders.end(), rank_), "MooncakeBackend::setup: rank ",
-                    rank_, " is not among the initial active ranks [", join_ranks(founders),
+    TORCH_CHECK_VALUE(j >= 0 && j < W, "MooncakeBackend::setup: active rank ", j, " is out of range [0, ", W,
+                      ")");
+  TORCH_CHECK_VALUE(std::binary_search(founders.begin(), founders.end(), rank_),
+                    "MooncakeBackend::setup: rank ", rank_, " is not among the initial active ranks [",
+                    join_ranks(founders),
                     "]; a process for an extension seat starts with is_recovery=True and calls join_group");
   std::fill(active_.begin(), active_.end(), 0);
   for (int j : founders) active_[j] = 1;
@@ -372,7 +410,8 @@ std::string MooncakeBackend::group_cfg_string() const {
   return std::to_string(size_) + "|" + cfg_.transport + "|" + std::to_string(cfg_.shm_slot_bytes / 64 * 64);
 }
 
-void MooncakeBackend::build_transport(const std::string& ns, const std::vector<int>& members, int64_t wait_ms) {
+void MooncakeBackend::build_transport(const std::string& ns, const std::vector<int>& members,
+                                      int64_t wait_ms) {
   // Connects `members` (ascending group ranks, this rank among them): shared memory when
   // they share a host (or forced), else a TCP mesh. Keys live under `ns`.
   const int W = size_;
@@ -394,8 +433,9 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
       std::vector<int> missing;
       for (int j : who)
         if (!store->check({key(what + std::to_string(j))})) missing.push_back(j);
-      TORCH_CHECK(false, "MooncakeBackend::build_transport: rank(s) [", join_ranks(missing), "] did not publish '",
-                  what, "' within ", wait_ms, " ms (died or stopped during the rebuild)");
+      TORCH_CHECK(false, "MooncakeBackend::build_transport: rank(s) [", join_ranks(missing),
+                  "] did not publish '", what, "' within ", wait_ms,
+                  " ms (died or stopped during the rebuild)");
     }
   };
 
@@ -405,7 +445,8 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
     store_set_str(store, key("host/" + std::to_string(rank_)), "!" + setup_error_);
     TORCH_CHECK(false, setup_error_);
   }
-  const std::string mine = cfg_.host_id + "|" + t + "|" + std::to_string(slot) + "|members=" + join_ranks(members);
+  const std::string mine =
+      cfg_.host_id + "|" + t + "|" + std::to_string(slot) + "|members=" + join_ranks(members);
   store_set_str(store, key("host/" + std::to_string(rank_)), mine);
   await_keys("host/", members);
   bool one_host = true;
@@ -413,13 +454,14 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
   for (int j : members) {
     std::string v = store_get_str(store, key("host/" + std::to_string(j)));
     TORCH_CHECK(v.empty() || v[0] != '!', "MooncakeBackend::setup: rank ", j,
-                " could not set up its transport, so this group cannot start (", v.substr(v.empty() ? 0 : 1), ")");
+                " could not set up its transport, so this group cannot start (", v.substr(v.empty() ? 0 : 1),
+                ")");
     hosts[j] = v.substr(0, v.find('|'));
     if (hosts[j] != cfg_.host_id) one_host = false;
-    TORCH_CHECK_VALUE(v.substr(v.find('|')) == mine.substr(mine.find('|')),
-                      "MooncakeBackend::setup: rank ", j, " uses transport|slot|members '",
-                      v.substr(v.find('|') + 1), "' but rank ", rank_, " uses '",
-                      mine.substr(mine.find('|') + 1), "'; MOONCAKE_TRANSPORT, shm_slot_bytes and active_ranks "
+    TORCH_CHECK_VALUE(v.substr(v.find('|')) == mine.substr(mine.find('|')), "MooncakeBackend::setup: rank ",
+                      j, " uses transport|slot|members '", v.substr(v.find('|') + 1), "' but rank ", rank_,
+                      " uses '", mine.substr(mine.find('|') + 1),
+                      "'; MOONCAKE_TRANSPORT, shm_slot_bytes and active_ranks "
                       "must agree across ranks");
   }
   // 2. process handles of same-host peers (failure detection)
@@ -439,8 +481,9 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
   }
   one_host_ = one_host;
   const bool use_shm = (t == "shm") || (t == "auto" && one_host);
-  TORCH_CHECK(!(t == "shm" && !one_host),
-              "MooncakeBackend::setup: transport 'shm' needs every rank on one host (MOONCAKE_HOST_ID differs)");
+  TORCH_CHECK(
+      !(t == "shm" && !one_host),
+      "MooncakeBackend::setup: transport 'shm' needs every rank on one host (MOONCAKE_HOST_ID differs)");
 
   std::unique_ptr<CollEngine> coll;
   std::unique_ptr<P2PChannel> p2p;
@@ -457,8 +500,10 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
         try {
           store->wait({key("shm")}, std::chrono::milliseconds(wait_ms));
         } catch (const std::exception&) {
-          TORCH_CHECK(false, "MooncakeBackend::build_transport: rank ", lead, " did not create the shared segment "
-                      "within ", wait_ms, " ms (died or stopped during the rebuild)");
+          TORCH_CHECK(false, "MooncakeBackend::build_transport: rank ", lead,
+                      " did not create the shared segment "
+                      "within ",
+                      wait_ms, " ms (died or stopped during the rebuild)");
         }
       }
       seg->open(store_get_str(store, key("shm")), layout.total);
@@ -468,10 +513,12 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
       std::vector<std::string> keys;
       for (int j : members) keys.push_back(key("mapped/" + std::to_string(j)));
       try {
-        if (wait_ms > 0) await_keys("mapped/", members);
-        else store->wait(keys);
+        if (wait_ms > 0)
+          await_keys("mapped/", members);
+        else
+          store->wait(keys);
       } catch (...) {
-        seg->unlink();   // nothing is left behind in /dev/shm
+        seg->unlink();  // nothing is left behind in /dev/shm
         throw;
       }
       seg->unlink();  // every member has it mapped: nothing is left behind if one dies
@@ -521,7 +568,9 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
       // collectives over RDMA queue pairs; p2p byte streams stay on TCP
       for (int& fd : cfds)
         if (fd >= 0) close(fd);
-      auto publish = [&](const std::string& k, const std::string& v) { store_set_str(store, key("rdma/" + k), v); };
+      auto publish = [&](const std::string& k, const std::string& v) {
+        store_set_str(store, key("rdma/" + k), v);
+      };
       auto fetch = [&](int j, const std::string& k) {
         const std::string full = key("rdma/" + k);
         try {
@@ -556,7 +605,7 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
 // ===================================================================================
 namespace {
 std::mutex g_failed_mu;
-std::vector<int> g_failed_global;       // ascending, unique
+std::vector<int> g_failed_global;  // ascending, unique
 std::atomic<uint64_t> g_failed_version{0};
 
 void note_failed_global(int g) {
@@ -573,9 +622,7 @@ std::vector<int> known_failed_global_ranks() {
   return g_failed_global;
 }
 
-int MooncakeBackend::global_rank(int r) const {
-  return cfg_.global_ranks.empty() ? r : cfg_.global_ranks[r];
-}
+int MooncakeBackend::global_rank(int r) const { return cfg_.global_ranks.empty() ? r : cfg_.global_ranks[r]; }
 
 std::vector<int> MooncakeBackend::failed_elsewhere() {
   std::vector<int> out;
@@ -712,7 +759,8 @@ std::vector<int> MooncakeBackend::agree(const std::vector<int>& suspects, const 
       if (todo.empty()) break;
       std::sort(todo.begin(), todo.end());
       const std::string key = store_ns_ + "epoch/" + std::to_string(agreed_epoch_ + 1);
-      const std::string mine = join_ranks(todo) + ";decided_by=" + std::to_string(rank_) + ";reason=" + reason;
+      const std::string mine =
+          join_ranks(todo) + ";decided_by=" + std::to_string(rank_) + ";reason=" + reason;
       bounded_store_call<bool>("proposing a membership record", [key, mine](c10d::Store& st) {
         st.compareSet(key, std::string(), mine);  // the first proposal of an epoch wins
         return true;
@@ -726,16 +774,18 @@ std::vector<int> MooncakeBackend::agree(const std::vector<int>& suspects, const 
     const auto* ce = dynamic_cast<const c10::Error*>(&e);
     std::string why = ce ? ce->what_without_backtrace() : e.what();
     why = why.substr(0, why.find('\n'));
-    broken_ = std::string("MooncakeBackend: the control store is unreachable, so membership cannot be agreed (") + why +
-              "); this rank fences itself: the others may have declared it failed. This is fatal for the group on "
-              "this rank (if the store lived in rank 0, rank 0 is gone); it may rejoin as a recovering rank";
+    broken_ =
+        std::string("MooncakeBackend: the control store is unreachable, so membership cannot be agreed (") +
+        why +
+        "); this rank fences itself: the others may have declared it failed. This is fatal for the group on "
+        "this rank (if the store lived in rank 0, rank 0 is gone); it may rejoin as a recovering rank";
     log_membership("fenced: " + broken_);
     throw RankFailure("MooncakeBackend (rank " + std::to_string(rank_) + "): " + broken_, {rank_},
                       static_cast<int64_t>(agreed_epoch_), true);
   }
   if (agreed_failed_[rank_]) {
-    broken_ = "MooncakeBackend: this rank was declared failed by its peers (epoch " + std::to_string(agreed_epoch_) +
-              ") and has fenced itself; it may rejoin as a recovering rank";
+    broken_ = "MooncakeBackend: this rank was declared failed by its peers (epoch " +
+              std::to_string(agreed_epoch_) + ") and has fenced itself; it may rejoin as a recovering rank";
     throw RankFailure("MooncakeBackend (rank " + std::to_string(rank_) + "): " + broken_, {rank_},
                       static_cast<int64_t>(agreed_epoch_), true);
   }
@@ -879,7 +929,7 @@ void MooncakeBackend::apply_join(const Record& rec, uint64_t epoch) {
       store_->wait(built, std::chrono::milliseconds(wait_ms));
     } catch (const std::exception&) {
     }
-    std::vector<int> gone;   // members that did not finish the build at all
+    std::vector<int> gone;  // members that did not finish the build at all
     bool all_ok = true;
     for (int j : members) {
       const std::string k = ns + "built/" + std::to_string(j);
@@ -903,14 +953,16 @@ void MooncakeBackend::apply_join(const Record& rec, uint64_t epoch) {
     }
     std::vector<int> failed = parse_ranks(outcome.substr(outcome.find(':') + 1));
     if (failed.empty() || attempt >= size_) {
-      broken_ = "MooncakeBackend: rebuilding the transport for membership epoch " + std::to_string(agreed_epoch_) +
+      broken_ = "MooncakeBackend: rebuilding the transport for membership epoch " +
+                std::to_string(agreed_epoch_) +
                 " failed: " + (why.empty() ? std::string("another member failed to build it") : why);
       C10_THROW_ERROR(DistBackendError, "MooncakeBackend (rank " + std::to_string(rank_) + "): " + broken_);
     }
     // the ranks that did not finish are failed: the next epoch's record says so
     const uint64_t e = agreed_epoch_ + 1;
     const std::string rec_s = join_ranks(failed) + ";decided_by=" + std::to_string(rank_) +
-                              ";reason=did not finish the transport rebuild of epoch " + std::to_string(agreed_epoch_);
+                              ";reason=did not finish the transport rebuild of epoch " +
+                              std::to_string(agreed_epoch_);
     store_->compareSet(store_ns_ + "epoch/" + std::to_string(e), std::string(), rec_s);
     Record frec;
     TORCH_CHECK(read_record_full(e, &frec), "mooncake: epoch record ", e, " vanished");
@@ -930,8 +982,10 @@ void MooncakeBackend::apply_join(const Record& rec, uint64_t epoch) {
     }
     for (int f : frec.ranks) note_failed_global(global_rank(f));
     if (agreed_failed_[rank_]) {
-      broken_ = "MooncakeBackend: this rank did not finish the transport rebuild in time and was declared failed "
-                "(epoch " + std::to_string(e) + "); it has fenced itself and may rejoin as a recovering rank";
+      broken_ =
+          "MooncakeBackend: this rank did not finish the transport rebuild in time and was declared failed "
+          "(epoch " +
+          std::to_string(e) + "); it has fenced itself and may rejoin as a recovering rank";
       throw RankFailure("MooncakeBackend (rank " + std::to_string(rank_) + "): " + broken_, {rank_},
                         static_cast<int64_t>(e), true);
     }
@@ -964,8 +1018,9 @@ void MooncakeBackend::recover_ranks(const std::vector<int>& ranks) {
   std::lock_guard<std::mutex> g(engine_mu_);
   for (int r : todo) {
     TORCH_CHECK_VALUE(!active_[r], "mooncake recover_ranks (rank ", rank_, "): rank ", r, " is active");
-    TORCH_CHECK_VALUE(store_->check({store_ns_ + "join/" + std::to_string(r)}), "mooncake recover_ranks (rank ", rank_,
-                      "): no replacement for rank ", r, " has asked to join (start it with is_recovery=True)");
+    TORCH_CHECK_VALUE(store_->check({store_ns_ + "join/" + std::to_string(r)}),
+                      "mooncake recover_ranks (rank ", rank_, "): no replacement for rank ", r,
+                      " has asked to join (start it with is_recovery=True)");
   }
   // 2. agree on the record of the next epoch (identical proposals; the first one wins)
   catch_up(/*stop_at_join=*/true);
@@ -979,15 +1034,14 @@ void MooncakeBackend::recover_ranks(const std::vector<int>& ranks) {
   std::string pids;
   for (int r : todo)
     pids += (pids.empty() ? "" : ",") + store_get_str(store_, store_ns_ + "join/" + std::to_string(r));
-  const std::string proposal = "join=" + join_ranks(todo) + ";active=" + join_ranks(next_list) + ";pids=" + pids +
-                               ";decided_by=" + std::to_string(rank_);
+  const std::string proposal = "join=" + join_ranks(todo) + ";active=" + join_ranks(next_list) +
+                               ";pids=" + pids + ";decided_by=" + std::to_string(rank_);
   store_->compareSet(store_ns_ + "epoch/" + std::to_string(e), std::string(), proposal);
   Record rec;
   TORCH_CHECK(read_record_full(e, &rec), "mooncake recover_ranks: epoch record ", e, " vanished");
   TORCH_CHECK(rec.join && rec.ranks == todo && rec.active == next_list && rec.pids == pids,
-              "mooncake recover_ranks (rank ", rank_,
-              "): survivors disagree about epoch ", e, ": '", rec.raw, "' vs mine '", proposal,
-              "' (a failure was agreed concurrently; retry)");
+              "mooncake recover_ranks (rank ", rank_, "): survivors disagree about epoch ", e, ": '", rec.raw,
+              "' vs mine '", proposal, "' (a failure was agreed concurrently; retry)");
   log_membership("epoch " + std::to_string(e) + " agreed: " + rec.raw);
   for (int r : todo)
     store_set_str(store_, store_ns_ + "admitted/" + std::to_string(r),
@@ -998,7 +1052,8 @@ void MooncakeBackend::recover_ranks(const std::vector<int>& ranks) {
 }
 
 void MooncakeBackend::join_group(double timeout_s) {
-  TORCH_CHECK(joining_, "mooncake join_group (rank ", rank_, "): this rank is not a recovering rank "
+  TORCH_CHECK(joining_, "mooncake join_group (rank ", rank_,
+              "): this rank is not a recovering rank "
               "(create the group with MooncakeOptions(is_recovery=True))");
   std::lock_guard<std::mutex> g(engine_mu_);
   const int64_t deadline = now_ns() + static_cast<int64_t>(timeout_s * 1e9);
@@ -1032,16 +1087,18 @@ void MooncakeBackend::join_group(double timeout_s) {
         return;
       }
     }
-    TORCH_CHECK(now_ns() < deadline, "mooncake join_group (rank ", rank_, "): not admitted within ", timeout_s,
-                " s; the survivors must call recover_ranks(group, get_pending_ranks(group))");
+    TORCH_CHECK(now_ns() < deadline, "mooncake join_group (rank ", rank_, "): not admitted within ",
+                timeout_s, " s; the survivors must call recover_ranks(group, get_pending_ranks(group))");
     if (now_ns() >= next_liveness_check) {
       next_liveness_check = now_ns() + 500 * 1000 * 1000;
       std::vector<int> members = joinable_members(&members_ns, &member_epoch);
       if (!members.empty() && members_all_dead(members_ns, members))
-        C10_THROW_ERROR(DistBackendError,
-                        "mooncake join_group (rank " + std::to_string(rank_) + "): no live member is left to admit "
-                        "this rank (every active rank [" + join_ranks(members) + "] of the group has exited on this "
-                        "host); the group is gone");
+        C10_THROW_ERROR(DistBackendError, "mooncake join_group (rank " + std::to_string(rank_) +
+                                              "): no live member is left to admit "
+                                              "this rank (every active rank [" +
+                                              join_ranks(members) +
+                                              "] of the group has exited on this "
+                                              "host); the group is gone");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
@@ -1079,7 +1136,8 @@ bool MooncakeBackend::members_all_dead(const std::string& ns, const std::vector<
     if (!store_->check({hk}) || !store_->check({pk})) return false;
     const std::string host = store_get_str(store_, hk);
     if (host.substr(0, host.find('|')) != cfg_.host_id) return false;  // another host: cannot tell
-    if (kill(static_cast<pid_t>(std::stoll(store_get_str(store_, pk))), 0) == 0 || errno != ESRCH) return false;
+    if (kill(static_cast<pid_t>(std::stoll(store_get_str(store_, pk))), 0) == 0 || errno != ESRCH)
+      return false;
   }
   return true;
 }
@@ -1167,17 +1225,16 @@ void MooncakeBackend::deliver(const c10::intrusive_ptr<MooncakeWork>& w, std::ex
   }
 }
 
-c10::intrusive_ptr<MooncakeWork> MooncakeBackend::submit(c10d::OpType type,
-                                                         std::vector<at::Tensor> outputs,
-                                                         bool async_op,
-                                                         std::chrono::milliseconds timeout, Job job,
-                                                         std::function<void()> after,
+c10::intrusive_ptr<MooncakeWork> MooncakeBackend::submit(c10d::OpType type, std::vector<at::Tensor> outputs,
+                                                         bool async_op, std::chrono::milliseconds timeout,
+                                                         Job job, std::function<void()> after,
                                                          std::function<void()> before_retry) {
   auto w = c10::make_intrusive<MooncakeWork>(rank_, type, outputs);
   w->after = std::move(after);
   attach_to_coalescing(w, outputs);
   ++seq_;
-  if (cfg_.debug) trace("issued " + c10d::opTypeToString(type) + " #" + std::to_string(seq_) + (async_op ? " async" : ""));
+  if (cfg_.debug)
+    trace("issued " + c10d::opTypeToString(type) + " #" + std::to_string(seq_) + (async_op ? " async" : ""));
   auto run = [this, job, timeout, before_retry]() -> std::exception_ptr {
     std::lock_guard<std::mutex> g(engine_mu_);
     for (int attempt = 0;; ++attempt) {
@@ -1189,7 +1246,8 @@ c10::intrusive_ptr<MooncakeWork> MooncakeBackend::submit(c10d::OpType type,
         if (policy_ == FailurePolicy::MANUAL && agreed_epoch_ != epoch_) {
           // a failure is agreed but the caller has not deactivated it yet: fail fast
           throw RankFailure("MooncakeBackend (rank " + std::to_string(rank_) + "): rank(s) " +
-                                join_ranks(pending_failed()) + " failed (epoch " + std::to_string(agreed_epoch_) +
+                                join_ranks(pending_failed()) + " failed (epoch " +
+                                std::to_string(agreed_epoch_) +
                                 "); on_failure='manual': call deactivate_ranks before further ops",
                             pending_failed(), static_cast<int64_t>(agreed_epoch_));
         }
@@ -1202,7 +1260,8 @@ c10::intrusive_ptr<MooncakeWork> MooncakeBackend::submit(c10d::OpType type,
       } catch (const PeerFailure& e) {
         try {
           std::vector<int> newly = agree(e.ranks, e.timed_out ? "op timeout" : "process died");
-          if (cfg_.debug) fprintf(stderr, "%s\nrecent ops (MOONCAKE_DEBUG):\n%s", e.what(), dump_trace().c_str());
+          if (cfg_.debug)
+            fprintf(stderr, "%s\nrecent ops (MOONCAKE_DEBUG):\n%s", e.what(), dump_trace().c_str());
           if (policy_ == FailurePolicy::MASK && attempt < size_) continue;  // rerun over survivors
           throw_failure(e.what(), newly);
         } catch (...) {
@@ -1324,8 +1383,8 @@ void MooncakeBackend::startCoalescing() {
     endCoalescing();
   }
   coalescing_ = true;
-  coalesce_parent_ = c10::make_intrusive<MooncakeWork>(rank_, c10d::OpType::COALESCED,
-                                                       std::vector<at::Tensor>{});
+  coalesce_parent_ =
+      c10::make_intrusive<MooncakeWork>(rank_, c10d::OpType::COALESCED, std::vector<at::Tensor>{});
   coalesce_parent_->add_child({});  // guard released by endCoalescing
 }
 
@@ -1417,8 +1476,8 @@ static void check_headers(CollEngine* e, uint64_t k, int ref, const std::vector<
       std::string who;
       for (int j = 0; j < W; ++j)
         if (flagged[j]) who += (who.empty() ? "" : ", ") + std::to_string(j);
-      TORCH_CHECK_VALUE(false, "mooncake all_to_all (rank ", e->rank(), "): cross-rank mismatch of split sizes: ",
-                        detail, "; offending rank(s): ", who,
+      TORCH_CHECK_VALUE(false, "mooncake all_to_all (rank ", e->rank(),
+                        "): cross-rank mismatch of split sizes: ", detail, "; offending rank(s): ", who,
                         ". The op was cancelled on every rank and no output was modified.");
     }
     return;
@@ -1429,16 +1488,16 @@ static void check_headers(CollEngine* e, uint64_t k, int ref, const std::vector<
     OpHeader mine;
     std::memcpy(&mine, e->peer_hdr(e->rank(), k), sizeof(mine));
     TORCH_CHECK_VALUE(false, "mooncake ", op_name(mine.op), " (rank ", e->rank(),
-                      "): cross-rank mismatch: rank ", bad[0], " called ", describe(first_bad),
-                      " but rank ", ref, " called ", describe(r), "; offending rank(s): ", who,
+                      "): cross-rank mismatch: rank ", bad[0], " called ", describe(first_bad), " but rank ",
+                      ref, " called ", describe(r), "; offending rank(s): ", who,
                       ". The op was cancelled on every rank and no output was modified.");
   }
 }
 
 static void copy_plain(void* dst, const void* src, size_t n) { std::memcpy(dst, src, n); }
 
-static void copy_in(void* dst, const void* src, size_t n_elems, size_t esize, c10::ScalarType dt,
-                    RedOp op, double premul) {
+static void copy_in(void* dst, const void* src, size_t n_elems, size_t esize, c10::ScalarType dt, RedOp op,
+                    double premul) {
   if (op == RedOp::PREMUL_SUM && premul != 1.0)
     scale_copy(dst, src, n_elems, dt, premul);
   else
@@ -1449,7 +1508,8 @@ void MooncakeBackend::require_active_root(int root, const char* op) {
   if (!active_[root]) {
     std::vector<int> failed{root};
     throw RankFailure(std::string("mooncake ") + op + " (rank " + std::to_string(rank_) + "): root rank " +
-                          std::to_string(root) + " is not active (failed or not joined); rooted ops whose root died always raise",
+                          std::to_string(root) +
+                          " is not active (failed or not joined); rooted ops whose root died always raise",
                       failed, static_cast<int64_t>(epoch_));
   }
 }
@@ -1589,8 +1649,8 @@ void MooncakeBackend::run_broadcast(at::Tensor& t, int root, int64_t dl) {
   }
 }
 
-void MooncakeBackend::run_allgather(const at::Tensor& in, const std::vector<uint8_t*>& outs,
-                                    int opcode, int root, int64_t dl) {
+void MooncakeBackend::run_allgather(const at::Tensor& in, const std::vector<uint8_t*>& outs, int opcode,
+                                    int root, int64_t dl) {
   // opcode OP_ALLGATHER: outs[j] for every seat j; OP_GATHER: outs only on root.
   // Output slots of inactive seats are left untouched.
   CollEngine* e = coll_.get();
@@ -1624,8 +1684,8 @@ void MooncakeBackend::run_allgather(const at::Tensor& in, const std::vector<uint
   }
 }
 
-void MooncakeBackend::run_reduce_scatter(const std::vector<const uint8_t*>& ins, at::Tensor& out,
-                                         RedOp op, double premul, int64_t dl) {
+void MooncakeBackend::run_reduce_scatter(const std::vector<const uint8_t*>& ins, at::Tensor& out, RedOp op,
+                                         double premul, int64_t dl) {
   // Chunk j of every active rank's input is reduced into active rank j's output; chunks of
   // inactive seats are not computed.
   CollEngine* e = coll_.get();
@@ -1702,9 +1762,9 @@ void MooncakeBackend::run_scatter(const std::vector<const uint8_t*>& ins, at::Te
   }
 }
 
-void MooncakeBackend::run_alltoall(const uint8_t* in, uint8_t* out, c10::ScalarType dt,
-                                   int64_t row_elems, const std::vector<int64_t>& in_rows,
-                                   const std::vector<int64_t>& out_rows, int64_t dl) {
+void MooncakeBackend::run_alltoall(const uint8_t* in, uint8_t* out, c10::ScalarType dt, int64_t row_elems,
+                                   const std::vector<int64_t>& in_rows, const std::vector<int64_t>& out_rows,
+                                   int64_t dl) {
   // Rows to or from inactive seats are not moved (their output rows stay untouched).
   CollEngine* e = coll_.get();
   const int W = size_, r = rank_;
@@ -1783,8 +1843,8 @@ namespace {
 void check_dense(const at::Tensor& t, const char* op, int rank) {
   TORCH_CHECK_VALUE(t.layout() == c10::kStrided, "mooncake ", op, " (rank ", rank,
                     "): expected a dense (strided) tensor, got layout ", t.layout());
-  TORCH_CHECK_VALUE(data_dtype_ok(t.scalar_type()), "mooncake ", op, " (rank ", rank,
-                    "): unsupported dtype ", t.scalar_type());
+  TORCH_CHECK_VALUE(data_dtype_ok(t.scalar_type()), "mooncake ", op, " (rank ", rank, "): unsupported dtype ",
+                    t.scalar_type());
 }
 
 void check_tensor(const at::Tensor& t, const char* op, int rank) {
@@ -1797,20 +1857,20 @@ void check_tensor(const at::Tensor& t, const char* op, int rank) {
 
 // an output's elements must be distinct in memory (not an expanded view)
 void check_distinct(const at::Tensor& out) {
-  TORCH_CHECK_VALUE(at::has_internal_overlap(out) != at::MemOverlap::Yes,
-                    "mooncake: an output tensor has overlapping elements (e.g. an expanded view with stride 0); "
-                    "pass a tensor whose elements are distinct in memory");
+  TORCH_CHECK_VALUE(
+      at::has_internal_overlap(out) != at::MemOverlap::Yes,
+      "mooncake: an output tensor has overlapping elements (e.g. an expanded view with stride 0); "
+      "pass a tensor whose elements are distinct in memory");
 }
 
-void check_same(const at::Tensor& a, const at::Tensor& b, const char* op, int rank,
-                const char* what) {
+void check_same(const at::Tensor& a, const at::Tensor& b, const char* op, int rank, const char* what) {
   TORCH_CHECK_VALUE(a.scalar_type() == b.scalar_type(), "mooncake ", op, " (rank ", rank, "): ", what,
                     " has dtype ", b.scalar_type(), ", expected ", a.scalar_type());
 }
 
 void check_single(const std::vector<at::Tensor>& ts, const char* op, int rank) {
-  TORCH_CHECK_VALUE(ts.size() == 1, "mooncake ", op, " (rank ", rank,
-                    "): expected exactly one tensor, got ", ts.size());
+  TORCH_CHECK_VALUE(ts.size() == 1, "mooncake ", op, " (rank ", rank, "): expected exactly one tensor, got ",
+                    ts.size());
   check_tensor(ts[0], op, rank);
 }
 
@@ -1825,7 +1885,8 @@ void check_reduce(c10::ScalarType dt, RedOp op, const char* opname, int rank) {
 }
 
 // all_gather_into_tensor: output holds world_size inputs of input's dtype
-void check_gather_shapes(const at::Tensor& output, const at::Tensor& input, int size, const char* op, int rank) {
+void check_gather_shapes(const at::Tensor& output, const at::Tensor& input, int size, const char* op,
+                         int rank) {
   check_same(input, output, op, rank, "the output");
   TORCH_CHECK_VALUE(output.numel() == input.numel() * size, "mooncake ", op, " (rank ", rank,
                     "): output must have world_size * input.numel() = ", input.numel() * size,
@@ -1834,8 +1895,9 @@ void check_gather_shapes(const at::Tensor& output, const at::Tensor& input, int 
 
 // reduce_scatter_tensor: input holds world_size outputs of output's dtype, and the
 // reduction is supported for it; returns the reduction (premul: PREMUL_SUM's factor)
-RedOp check_scatter_args(const at::Tensor& output, const at::Tensor& input, const c10d::ReduceScatterOptions& opts,
-                         int size, const char* op, int rank, double* premul) {
+RedOp check_scatter_args(const at::Tensor& output, const at::Tensor& input,
+                         const c10d::ReduceScatterOptions& opts, int size, const char* op, int rank,
+                         double* premul) {
   check_same(output, input, op, rank, "the input");
   const RedOp rop = to_redop(opts.reduceOp, premul);
   check_reduce(output.scalar_type(), rop, op, rank);
@@ -1901,7 +1963,8 @@ void MooncakeBackend::ipc_epoch_start(const void* hdr, int ref, const char* opna
   ipc_epoch_ = coll_->epoch();
 }
 
-c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce_ipc(at::Tensor& t, const c10d::AllreduceOptions& opts) {
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce_ipc(at::Tensor& t,
+                                                              const c10d::AllreduceOptions& opts) {
   // the rank's own argument errors raise here, before anything is queued
   const char* op = "all_reduce";
   check_dense(t, op, rank_);
@@ -1916,12 +1979,14 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce_ipc(at::Tensor& t, con
 }
 
 void MooncakeBackend::ipc_check_one_host(const char* method) const {
-  TORCH_CHECK(one_host_, "MooncakeBackend::", method, ": the CUDA IPC path needs every rank on this host, and the "
+  TORCH_CHECK(one_host_, "MooncakeBackend::", method,
+              ": the CUDA IPC path needs every rank on this host, and the "
               "membership now spans hosts (MOONCAKE_CUDA_IPC=0 stages through host memory instead)");
 }
 
-void MooncakeBackend::run_ipc_pieces(CudaIpcOp& op, const void* hdr, int ref, size_t n, size_t R, const char* opname,
-                                     int64_t dl, const IpcPieceFn& before, const IpcPieceFn& after) {
+void MooncakeBackend::run_ipc_pieces(CudaIpcOp& op, const void* hdr, int ref, size_t n, size_t R,
+                                     const char* opname, int64_t dl, const IpcPieceFn& before,
+                                     const IpcPieceFn& after) {
   // pg/cuda_ipc.hpp: per piece of at most R elements, `before` (copies in, side stream),
   // one engine round with the header (the handshake: peers' copies are queued; failures
   // and mismatches as on the CPU path), `after` (reads peers' buffers, side stream). The
@@ -1971,7 +2036,8 @@ void MooncakeBackend::run_allreduce_ipc(CudaIpcOp& op, RedOp rop, double premul,
       });
 }
 
-c10::intrusive_ptr<c10d::Work> MooncakeBackend::broadcast_ipc(at::Tensor& t, const c10d::BroadcastOptions& opts) {
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::broadcast_ipc(at::Tensor& t,
+                                                              const c10d::BroadcastOptions& opts) {
   const char* op = "broadcast";
   check_dense(t, op, rank_);
   check_root(opts.rootRank, size_, op, rank_);
@@ -1997,8 +2063,10 @@ void MooncakeBackend::run_broadcast_ipc(CudaIpcOp& op, int root, int64_t dl) {
   run_ipc_pieces(
       op, &h, root, n, ipc_->round_elems(op), "broadcast", dl,
       [&](int parity, size_t off, size_t len) {
-        if (rank_ == root && len) ipc_->stage(op, parity, off, len, act_, peer_pid_, RedOp::SUM, 1.0);
-        else ipc_->publish_events();  // the root waits for my reads before it overwrites its buffer
+        if (rank_ == root && len)
+          ipc_->stage(op, parity, off, len, act_, peer_pid_, RedOp::SUM, 1.0);
+        else
+          ipc_->publish_events();  // the root waits for my reads before it overwrites its buffer
       },
       [&](int parity, size_t off, size_t len) {
         if (rank_ != root && len) ipc_->copy_from(op, parity, root, off, len, peer_pid_);
@@ -2042,8 +2110,8 @@ void MooncakeBackend::run_allgather_ipc(CudaIpcOp& op, int64_t dl) {
       });
 }
 
-c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter_base_ipc(at::Tensor& output, at::Tensor& input,
-                                                                        const c10d::ReduceScatterOptions& opts) {
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter_base_ipc(
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
   const char* op = "reduce_scatter_single";
   check_dense(input, op, rank_);
   check_dense(output, op, rank_);
@@ -2090,7 +2158,8 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce(std::vector<at::Tensor
 #ifdef MOONCAKE_WITH_CUDA
   if (ipc_eligible(tensors)) return allreduce_ipc(tensors[0], opts);
 #endif
-  MOONCAKE_CUDA_STAGED(ALLREDUCE, "allreduce", (tensor_ptrs(tensors)), (tensor_ptrs(tensors)), allreduce(tensors, opts));
+  MOONCAKE_CUDA_STAGED(ALLREDUCE, "allreduce", (tensor_ptrs(tensors)), (tensor_ptrs(tensors)),
+                       allreduce(tensors, opts));
   const char* op = "all_reduce";
   check_single(tensors, op, rank_);
   double premul;
@@ -2098,14 +2167,16 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce(std::vector<at::Tensor
   check_reduce(tensors[0].scalar_type(), rop, op, rank_);
   std::vector<std::function<void()>> backs;
   at::Tensor t = contiguous_out(tensors[0], backs);
-  return submit(c10d::OpType::ALLREDUCE, tensors, opts.asyncOp, opts.timeout,
-                [this, t, rop, premul](int64_t dl) mutable { run_allreduce(t, rop, premul, -1, dl); },
-                join_backs(backs), backup_for_retry({t}));
+  return submit(
+      c10d::OpType::ALLREDUCE, tensors, opts.asyncOp, opts.timeout,
+      [this, t, rop, premul](int64_t dl) mutable { run_allreduce(t, rop, premul, -1, dl); },
+      join_backs(backs), backup_for_retry({t}));
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
-  MOONCAKE_CUDA_STAGED(ALLREDUCE_COALESCED, "allreduce_coalesced", (tensor_ptrs(tensors)), (tensor_ptrs(tensors)), allreduce_coalesced(tensors, opts));
+  MOONCAKE_CUDA_STAGED(ALLREDUCE_COALESCED, "allreduce_coalesced", (tensor_ptrs(tensors)),
+                       (tensor_ptrs(tensors)), allreduce_coalesced(tensors, opts));
   const char* op = "all_reduce_coalesced";
   double premul;
   RedOp rop = to_redop(opts.reduceOp, &premul);
@@ -2116,16 +2187,18 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce_coalesced(
     check_reduce(t.scalar_type(), rop, op, rank_);
     work.push_back(contiguous_out(t, backs));
   }
-  return submit(c10d::OpType::ALLREDUCE_COALESCED, tensors, opts.asyncOp, opts.timeout,
-                [this, work, rop, premul](int64_t dl) mutable {
-                  for (auto& t : work) run_allreduce(t, rop, premul, -1, dl);
-                },
-                join_backs(backs), backup_for_retry(work));
+  return submit(
+      c10d::OpType::ALLREDUCE_COALESCED, tensors, opts.asyncOp, opts.timeout,
+      [this, work, rop, premul](int64_t dl) mutable {
+        for (auto& t : work) run_allreduce(t, rop, premul, -1, dl);
+      },
+      join_backs(backs), backup_for_retry(work));
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce(std::vector<at::Tensor>& tensors,
                                                        const c10d::ReduceOptions& opts) {
-  MOONCAKE_CUDA_STAGED(REDUCE, "reduce", (tensor_ptrs(tensors)), (tensor_ptrs(tensors)), reduce(tensors, opts));
+  MOONCAKE_CUDA_STAGED(REDUCE, "reduce", (tensor_ptrs(tensors)), (tensor_ptrs(tensors)),
+                       reduce(tensors, opts));
   const char* op = "reduce";
   check_single(tensors, op, rank_);
   check_root(opts.rootRank, size_, op, rank_);
@@ -2135,9 +2208,10 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce(std::vector<at::Tensor>& 
   std::vector<std::function<void()>> backs;
   at::Tensor t = contiguous_out(tensors[0], backs);
   int root = static_cast<int>(opts.rootRank);
-  return submit(c10d::OpType::REDUCE, tensors, opts.asyncOp, opts.timeout,
-                [this, t, rop, premul, root](int64_t dl) mutable { run_allreduce(t, rop, premul, root, dl); },
-                join_backs(backs), rank_ == root ? backup_for_retry({t}) : nullptr);
+  return submit(
+      c10d::OpType::REDUCE, tensors, opts.asyncOp, opts.timeout,
+      [this, t, rop, premul, root](int64_t dl) mutable { run_allreduce(t, rop, premul, root, dl); },
+      join_backs(backs), rank_ == root ? backup_for_retry({t}) : nullptr);
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::broadcast(std::vector<at::Tensor>& tensors,
@@ -2145,7 +2219,8 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::broadcast(std::vector<at::Tensor
 #ifdef MOONCAKE_WITH_CUDA
   if (ipc_eligible(tensors)) return broadcast_ipc(tensors[0], opts);
 #endif
-  MOONCAKE_CUDA_STAGED(BROADCAST, "broadcast", (tensor_ptrs(tensors)), (tensor_ptrs(tensors)), broadcast(tensors, opts));
+  MOONCAKE_CUDA_STAGED(BROADCAST, "broadcast", (tensor_ptrs(tensors)), (tensor_ptrs(tensors)),
+                       broadcast(tensors, opts));
   const char* op = "broadcast";
   check_single(tensors, op, rank_);
   check_root(opts.rootRank, size_, op, rank_);
@@ -2153,14 +2228,16 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::broadcast(std::vector<at::Tensor
   at::Tensor t = contiguous_out(tensors[0], backs);
   int root = static_cast<int>(opts.rootRank);
   if (rank_ == root) backs.clear();  // the root's tensor is only read
-  return submit(c10d::OpType::BROADCAST, tensors, opts.asyncOp, opts.timeout,
-                [this, t, root](int64_t dl) mutable { run_broadcast(t, root, dl); }, join_backs(backs));
+  return submit(
+      c10d::OpType::BROADCAST, tensors, opts.asyncOp, opts.timeout,
+      [this, t, root](int64_t dl) mutable { run_broadcast(t, root, dl); }, join_backs(backs));
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                           std::vector<at::Tensor>& inputs,
                                                           const c10d::AllgatherOptions& opts) {
-  MOONCAKE_CUDA_STAGED(ALLGATHER, "allgather", (tensor_ptrs(inputs)), (tensor_ptrs(outputs)), allgather(outputs, inputs, opts));
+  MOONCAKE_CUDA_STAGED(ALLGATHER, "allgather", (tensor_ptrs(inputs)), (tensor_ptrs(outputs)),
+                       allgather(outputs, inputs, opts));
   const char* op = "all_gather";
   check_single(inputs, op, rank_);
   TORCH_CHECK_VALUE(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size_, "mooncake ", op,
@@ -2179,9 +2256,10 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather(std::vector<std::vecto
     outs.push_back(contiguous_out(o, backs));
     ptrs.push_back(static_cast<uint8_t*>(outs.back().data_ptr()));
   }
-  return submit(c10d::OpType::ALLGATHER, flat_outputs(outputs), opts.asyncOp, opts.timeout,
-                [this, in, outs, ptrs](int64_t dl) { run_allgather(in, ptrs, OP_ALLGATHER, -1, dl); },
-                join_backs(backs), backup_for_retry(outs));
+  return submit(
+      c10d::OpType::ALLGATHER, flat_outputs(outputs), opts.asyncOp, opts.timeout,
+      [this, in, outs, ptrs](int64_t dl) { run_allgather(in, ptrs, OP_ALLGATHER, -1, dl); },
+      join_backs(backs), backup_for_retry(outs));
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
@@ -2190,7 +2268,8 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::_allgather_base(at::Tensor& outp
   if (ipc_eligible({input}) && output.defined() && output.is_cuda())
     return allgather_base_ipc(output, input, opts);
 #endif
-  MOONCAKE_CUDA_STAGED(_ALLGATHER_BASE, "_allgather_base", (tensor_ptrs(input)), (tensor_ptrs(output)), _allgather_base(output, input, opts));
+  MOONCAKE_CUDA_STAGED(_ALLGATHER_BASE, "_allgather_base", (tensor_ptrs(input)), (tensor_ptrs(output)),
+                       _allgather_base(output, input, opts));
   const char* op = "all_gather_single";
   check_tensor(input, op, rank_);
   check_tensor(output, op, rank_);
@@ -2201,15 +2280,17 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::_allgather_base(at::Tensor& outp
   std::vector<uint8_t*> ptrs;
   const size_t nb = in.numel() * in.element_size();
   for (int j = 0; j < size_; ++j) ptrs.push_back(static_cast<uint8_t*>(out.data_ptr()) + j * nb);
-  return submit(c10d::OpType::_ALLGATHER_BASE, {output}, opts.asyncOp, opts.timeout,
-                [this, in, out, ptrs](int64_t dl) { run_allgather(in, ptrs, OP_ALLGATHER, -1, dl); },
-                join_backs(backs), backup_for_retry({out}));
+  return submit(
+      c10d::OpType::_ALLGATHER_BASE, {output}, opts.asyncOp, opts.timeout,
+      [this, in, out, ptrs](int64_t dl) { run_allgather(in, ptrs, OP_ALLGATHER, -1, dl); }, join_backs(backs),
+      backup_for_retry({out}));
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  MOONCAKE_CUDA_STAGED(ALLGATHER_COALESCED, "allgather_coalesced", (tensor_ptrs(inputs)), (tensor_ptrs(outputs)), allgather_coalesced(outputs, inputs, opts));
+  MOONCAKE_CUDA_STAGED(ALLGATHER_COALESCED, "allgather_coalesced", (tensor_ptrs(inputs)),
+                       (tensor_ptrs(outputs)), allgather_coalesced(outputs, inputs, opts));
   const char* op = "all_gather_coalesced";
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "mooncake ", op, " (rank ", rank_,
                     "): expected one output list per input, got ", outputs.size(), " for ", inputs.size());
@@ -2232,16 +2313,18 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_coalesced(
       ptrs.back().push_back(static_cast<uint8_t*>(keep.back().data_ptr()));
     }
   }
-  return submit(c10d::OpType::ALLGATHER_COALESCED, flat_outputs(outputs), opts.asyncOp, opts.timeout,
-                [this, ins, ptrs, keep](int64_t dl) {
-                  for (size_t i = 0; i < ins.size(); ++i) run_allgather(ins[i], ptrs[i], OP_ALLGATHER, -1, dl);
-                },
-                join_backs(backs), backup_for_retry(keep));
+  return submit(
+      c10d::OpType::ALLGATHER_COALESCED, flat_outputs(outputs), opts.asyncOp, opts.timeout,
+      [this, ins, ptrs, keep](int64_t dl) {
+        for (size_t i = 0; i < ins.size(); ++i) run_allgather(ins[i], ptrs[i], OP_ALLGATHER, -1, dl);
+      },
+      join_backs(backs), backup_for_retry(keep));
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
-  MOONCAKE_CUDA_STAGED(MOONCAKE_OP_AG_COALESCED, "allgather_into_tensor_coalesced", (tensor_ptrs(inputs)), (tensor_ptrs(outputs)), allgather_into_tensor_coalesced(outputs, inputs, opts));
+  MOONCAKE_CUDA_STAGED(MOONCAKE_OP_AG_COALESCED, "allgather_into_tensor_coalesced", (tensor_ptrs(inputs)),
+                       (tensor_ptrs(outputs)), allgather_into_tensor_coalesced(outputs, inputs, opts));
   const char* op = "all_gather_into_tensor_coalesced";
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "mooncake ", op, " (rank ", rank_,
                     "): expected as many outputs as inputs, got ", outputs.size(), " and ", inputs.size());
@@ -2259,19 +2342,22 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_into_tensor_coalesced(
     outs.push_back(contiguous_out(outputs[i], backs));
     ptrs.emplace_back();
     const size_t nb = ins.back().numel() * ins.back().element_size();
-    for (int j = 0; j < size_; ++j) ptrs.back().push_back(static_cast<uint8_t*>(outs.back().data_ptr()) + j * nb);
+    for (int j = 0; j < size_; ++j)
+      ptrs.back().push_back(static_cast<uint8_t*>(outs.back().data_ptr()) + j * nb);
   }
-  return submit(c10d::OpType::COALESCED, outputs, opts.asyncOp, opts.timeout,
-                [this, ins, outs, ptrs](int64_t dl) {
-                  for (size_t i = 0; i < ins.size(); ++i) run_allgather(ins[i], ptrs[i], OP_ALLGATHER, -1, dl);
-                },
-                join_backs(backs), backup_for_retry(outs));
+  return submit(
+      c10d::OpType::COALESCED, outputs, opts.asyncOp, opts.timeout,
+      [this, ins, outs, ptrs](int64_t dl) {
+        for (size_t i = 0; i < ins.size(); ++i) run_allgather(ins[i], ptrs[i], OP_ALLGATHER, -1, dl);
+      },
+      join_backs(backs), backup_for_retry(outs));
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                        std::vector<at::Tensor>& inputs,
                                                        const c10d::GatherOptions& opts) {
-  MOONCAKE_CUDA_STAGED(GATHER, "gather", (tensor_ptrs(inputs)), (tensor_ptrs(outputs)), gather(outputs, inputs, opts));
+  MOONCAKE_CUDA_STAGED(GATHER, "gather", (tensor_ptrs(inputs)), (tensor_ptrs(outputs)),
+                       gather(outputs, inputs, opts));
   const char* op = "gather";
   check_single(inputs, op, rank_);
   check_root(opts.rootRank, size_, op, rank_);
@@ -2295,15 +2381,17 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::gather(std::vector<std::vector<a
     TORCH_CHECK_VALUE(outputs.empty() || outputs[0].empty(), "mooncake ", op, " (rank ", rank_,
                       "): only the root (rank ", root, ") passes output tensors");
   }
-  return submit(c10d::OpType::GATHER, flat_outputs(outputs), opts.asyncOp, opts.timeout,
-                [this, in, outs, ptrs, root](int64_t dl) { run_allgather(in, ptrs, OP_GATHER, root, dl); },
-                join_backs(backs), backup_for_retry(outs));
+  return submit(
+      c10d::OpType::GATHER, flat_outputs(outputs), opts.asyncOp, opts.timeout,
+      [this, in, outs, ptrs, root](int64_t dl) { run_allgather(in, ptrs, OP_GATHER, root, dl); },
+      join_backs(backs), backup_for_retry(outs));
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::scatter(std::vector<at::Tensor>& outputs,
                                                         std::vector<std::vector<at::Tensor>>& inputs,
                                                         const c10d::ScatterOptions& opts) {
-  MOONCAKE_CUDA_STAGED(SCATTER, "scatter", (tensor_ptrs(inputs)), (tensor_ptrs(outputs)), scatter(outputs, inputs, opts));
+  MOONCAKE_CUDA_STAGED(SCATTER, "scatter", (tensor_ptrs(inputs)), (tensor_ptrs(outputs)),
+                       scatter(outputs, inputs, opts));
   const char* op = "scatter";
   check_single(outputs, op, rank_);
   check_root(opts.rootRank, size_, op, rank_);
@@ -2328,15 +2416,17 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::scatter(std::vector<at::Tensor>&
     TORCH_CHECK_VALUE(inputs.empty() || inputs[0].empty(), "mooncake ", op, " (rank ", rank_,
                       "): only the root (rank ", root, ") passes input tensors");
   }
-  return submit(c10d::OpType::SCATTER, outputs, opts.asyncOp, opts.timeout,
-                [this, ins, ptrs, out, root](int64_t dl) mutable { run_scatter(ptrs, out, root, dl); },
-                join_backs(backs));
+  return submit(
+      c10d::OpType::SCATTER, outputs, opts.asyncOp, opts.timeout,
+      [this, ins, ptrs, out, root](int64_t dl) mutable { run_scatter(ptrs, out, root, dl); },
+      join_backs(backs));
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                                std::vector<std::vector<at::Tensor>>& inputs,
                                                                const c10d::ReduceScatterOptions& opts) {
-  MOONCAKE_CUDA_STAGED(REDUCE_SCATTER, "reduce_scatter", (tensor_ptrs(inputs)), (tensor_ptrs(outputs)), reduce_scatter(outputs, inputs, opts));
+  MOONCAKE_CUDA_STAGED(REDUCE_SCATTER, "reduce_scatter", (tensor_ptrs(inputs)), (tensor_ptrs(outputs)),
+                       reduce_scatter(outputs, inputs, opts));
   const char* op = "reduce_scatter";
   check_single(outputs, op, rank_);
   double premul;
@@ -2352,15 +2442,17 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter(std::vector<at::T
     check_tensor(i, op, rank_);
     check_same(out, i, op, rank_, "an input tensor");
     TORCH_CHECK_VALUE(i.numel() == out.numel(), "mooncake ", op, " (rank ", rank_,
-                      "): each input tensor must have ", out.numel(), " element(s) like the output, got ", i.numel());
+                      "): each input tensor must have ", out.numel(), " element(s) like the output, got ",
+                      i.numel());
     ins.push_back(i.contiguous());
     ptrs.push_back(static_cast<const uint8_t*>(ins.back().data_ptr()));
   }
-  return submit(c10d::OpType::REDUCE_SCATTER, outputs, opts.asyncOp, opts.timeout,
-                [this, ins, ptrs, out, rop, premul](int64_t dl) mutable {
-                  run_reduce_scatter(ptrs, out, rop, premul, dl);
-                },
-                join_backs(backs));
+  return submit(
+      c10d::OpType::REDUCE_SCATTER, outputs, opts.asyncOp, opts.timeout,
+      [this, ins, ptrs, out, rop, premul](int64_t dl) mutable {
+        run_reduce_scatter(ptrs, out, rop, premul, dl);
+      },
+      join_backs(backs));
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
@@ -2369,7 +2461,8 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::_reduce_scatter_base(at::Tensor&
   if (ipc_eligible({input}) && output.defined() && output.is_cuda())
     return reduce_scatter_base_ipc(output, input, opts);
 #endif
-  MOONCAKE_CUDA_STAGED(_REDUCE_SCATTER_BASE, "_reduce_scatter_base", (tensor_ptrs(input)), (tensor_ptrs(output)), _reduce_scatter_base(output, input, opts));
+  MOONCAKE_CUDA_STAGED(_REDUCE_SCATTER_BASE, "_reduce_scatter_base", (tensor_ptrs(input)),
+                       (tensor_ptrs(output)), _reduce_scatter_base(output, input, opts));
   const char* op = "reduce_scatter_single";
   check_tensor(input, op, rank_);
   check_tensor(output, op, rank_);
@@ -2381,16 +2474,19 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::_reduce_scatter_base(at::Tensor&
   std::vector<const uint8_t*> ptrs;
   const size_t nb = out.numel() * out.element_size();
   for (int j = 0; j < size_; ++j) ptrs.push_back(static_cast<const uint8_t*>(in.data_ptr()) + j * nb);
-  return submit(c10d::OpType::_REDUCE_SCATTER_BASE, {output}, opts.asyncOp, opts.timeout,
-                [this, in, ptrs, out, rop, premul](int64_t dl) mutable {
-                  run_reduce_scatter(ptrs, out, rop, premul, dl);
-                },
-                join_backs(backs));
+  return submit(
+      c10d::OpType::_REDUCE_SCATTER_BASE, {output}, opts.asyncOp, opts.timeout,
+      [this, in, ptrs, out, rop, premul](int64_t dl) mutable {
+        run_reduce_scatter(ptrs, out, rop, premul, dl);
+      },
+      join_backs(backs));
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter_tensor_coalesced(
-    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
-  MOONCAKE_CUDA_STAGED(MOONCAKE_OP_RS_COALESCED, "reduce_scatter_tensor_coalesced", (tensor_ptrs(inputs)), (tensor_ptrs(outputs)), reduce_scatter_tensor_coalesced(outputs, inputs, opts));
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  MOONCAKE_CUDA_STAGED(MOONCAKE_OP_RS_COALESCED, "reduce_scatter_tensor_coalesced", (tensor_ptrs(inputs)),
+                       (tensor_ptrs(outputs)), reduce_scatter_tensor_coalesced(outputs, inputs, opts));
   const char* op = "reduce_scatter_tensor_coalesced";
   TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "mooncake ", op, " (rank ", rank_,
                     "): expected as many outputs as inputs");
@@ -2411,20 +2507,23 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter_tensor_coalesced(
     outs.push_back(contiguous_out(outputs[i], backs));
     ptrs.emplace_back();
     const size_t nb = outs.back().numel() * outs.back().element_size();
-    for (int j = 0; j < size_; ++j) ptrs.back().push_back(static_cast<const uint8_t*>(ins.back().data_ptr()) + j * nb);
+    for (int j = 0; j < size_; ++j)
+      ptrs.back().push_back(static_cast<const uint8_t*>(ins.back().data_ptr()) + j * nb);
   }
-  return submit(c10d::OpType::COALESCED, outputs, opts.asyncOp, opts.timeout,
-                [this, ins, outs, ptrs, rop, premul](int64_t dl) mutable {
-                  for (size_t i = 0; i < outs.size(); ++i) run_reduce_scatter(ptrs[i], outs[i], rop, premul, dl);
-                },
-                join_backs(backs));
+  return submit(
+      c10d::OpType::COALESCED, outputs, opts.asyncOp, opts.timeout,
+      [this, ins, outs, ptrs, rop, premul](int64_t dl) mutable {
+        for (size_t i = 0; i < outs.size(); ++i) run_reduce_scatter(ptrs[i], outs[i], rop, premul, dl);
+      },
+      join_backs(backs));
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
                                                               std::vector<int64_t>& output_split_sizes,
                                                               std::vector<int64_t>& input_split_sizes,
                                                               const c10d::AllToAllOptions& opts) {
-  MOONCAKE_CUDA_STAGED(ALLTOALL_BASE, "alltoall_base", (tensor_ptrs(input)), (tensor_ptrs(output)), alltoall_base(output, input, output_split_sizes, input_split_sizes, opts));
+  MOONCAKE_CUDA_STAGED(ALLTOALL_BASE, "alltoall_base", (tensor_ptrs(input)), (tensor_ptrs(output)),
+                       alltoall_base(output, input, output_split_sizes, input_split_sizes, opts));
   const char* op = "all_to_all_single";
   check_tensor(input, op, rank_);
   check_tensor(output, op, rank_);
@@ -2434,20 +2533,20 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall_base(at::Tensor& output
     std::vector<int64_t> rows;
     const int64_t dim0 = t.dim() == 0 ? 1 : t.size(0);
     if (s.empty()) {
-      TORCH_CHECK_VALUE(dim0 % W == 0, "mooncake ", op, " (rank ", rank_, "): ", which,
-                        ".size(0) = ", dim0, " is not divisible by world_size ", W,
-                        " (pass split sizes for uneven splits)");
+      TORCH_CHECK_VALUE(dim0 % W == 0, "mooncake ", op, " (rank ", rank_, "): ", which, ".size(0) = ", dim0,
+                        " is not divisible by world_size ", W, " (pass split sizes for uneven splits)");
       rows.assign(W, dim0 / W);
     } else {
       TORCH_CHECK_VALUE(static_cast<int>(s.size()) == W, "mooncake ", op, " (rank ", rank_, "): ", which,
                         " split sizes have ", s.size(), " entries, expected world_size = ", W);
       int64_t sum = 0;
       for (int64_t v : s) {
-        TORCH_CHECK_VALUE(v >= 0, "mooncake ", op, " (rank ", rank_, "): negative ", which, " split size ", v);
+        TORCH_CHECK_VALUE(v >= 0, "mooncake ", op, " (rank ", rank_, "): negative ", which, " split size ",
+                          v);
         sum += v;
       }
-      TORCH_CHECK_VALUE(sum == dim0, "mooncake ", op, " (rank ", rank_, "): ", which,
-                        " split sizes sum to ", sum, " but ", which, ".size(0) is ", dim0);
+      TORCH_CHECK_VALUE(sum == dim0, "mooncake ", op, " (rank ", rank_, "): ", which, " split sizes sum to ",
+                        sum, " but ", which, ".size(0) is ", dim0);
       rows = s;
     }
     return rows;
@@ -2469,23 +2568,25 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall_base(at::Tensor& output
   std::vector<std::function<void()>> backs;
   at::Tensor out = contiguous_out(output, backs);
   const auto dt = input.scalar_type();
-  return submit(c10d::OpType::ALLTOALL_BASE, {output}, opts.asyncOp, opts.timeout,
-                [this, in, out, dt, row_elems, in_rows, out_rows](int64_t dl) mutable {
-                  run_alltoall(static_cast<const uint8_t*>(in.data_ptr()), static_cast<uint8_t*>(out.data_ptr()),
-                               dt, row_elems, in_rows, out_rows, dl);
-                },
-                join_backs(backs), backup_for_retry({out}));
+  return submit(
+      c10d::OpType::ALLTOALL_BASE, {output}, opts.asyncOp, opts.timeout,
+      [this, in, out, dt, row_elems, in_rows, out_rows](int64_t dl) mutable {
+        run_alltoall(static_cast<const uint8_t*>(in.data_ptr()), static_cast<uint8_t*>(out.data_ptr()), dt,
+                     row_elems, in_rows, out_rows, dl);
+      },
+      join_backs(backs), backup_for_retry({out}));
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall(std::vector<at::Tensor>& outputs,
                                                          std::vector<at::Tensor>& inputs,
                                                          const c10d::AllToAllOptions& opts) {
-  MOONCAKE_CUDA_STAGED(ALLTOALL, "alltoall", (tensor_ptrs(inputs)), (tensor_ptrs(outputs)), alltoall(outputs, inputs, opts));
+  MOONCAKE_CUDA_STAGED(ALLTOALL, "alltoall", (tensor_ptrs(inputs)), (tensor_ptrs(outputs)),
+                       alltoall(outputs, inputs, opts));
   const char* op = "all_to_all";
   const int W = size_;
-  TORCH_CHECK_VALUE(static_cast<int>(inputs.size()) == W && static_cast<int>(outputs.size()) == W, "mooncake ",
-                    op, " (rank ", rank_, "): expected ", W, " input and ", W, " output tensors, got ",
-                    inputs.size(), " and ", outputs.size());
+  TORCH_CHECK_VALUE(static_cast<int>(inputs.size()) == W && static_cast<int>(outputs.size()) == W,
+                    "mooncake ", op, " (rank ", rank_, "): expected ", W, " input and ", W,
+                    " output tensors, got ", inputs.size(), " and ", outputs.size());
   for (auto& t : inputs) check_tensor(t, op, rank_);
   for (auto& t : outputs) {
     check_tensor(t, op, rank_);
@@ -2513,12 +2614,13 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall(std::vector<at::Tensor>
     }
   };
   const auto dt = inputs[0].scalar_type();
-  return submit(c10d::OpType::ALLTOALL, outputs, opts.asyncOp, opts.timeout,
-                [this, in, out, dt, in_rows, out_rows](int64_t dl) mutable {
-                  run_alltoall(static_cast<const uint8_t*>(in.data_ptr()), static_cast<uint8_t*>(out.data_ptr()),
-                               dt, 1, in_rows, out_rows, dl);
-                },
-                back);
+  return submit(
+      c10d::OpType::ALLTOALL, outputs, opts.asyncOp, opts.timeout,
+      [this, in, out, dt, in_rows, out_rows](int64_t dl) mutable {
+        run_alltoall(static_cast<const uint8_t*>(in.data_ptr()), static_cast<uint8_t*>(out.data_ptr()), dt, 1,
+                     in_rows, out_rows, dl);
+      },
+      back);
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::barrier(const c10d::BarrierOptions& opts) {

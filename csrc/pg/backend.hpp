@@ -51,13 +51,14 @@ std::vector<at::Tensor*> tensor_ptrs(A&... a) {
 // First line of every op taking tensors: with CUDA, an op on CUDA tensors goes through
 // pinned host staging (pg/cuda_staging.hpp) and re-enters the op with CPU tensors.
 #ifdef MOONCAKE_WITH_CUDA
-#define MOONCAKE_CUDA_STAGED(TYPE, NAME, INS, OUTS, ...)                                                   \
+#define MOONCAKE_CUDA_STAGED(TYPE, NAME, INS, OUTS, ...)                                                  \
   do {                                                                                                    \
     auto mc_ins_ = INS;                                                                                   \
     auto mc_outs_ = OUTS;                                                                                 \
     if (::mooncake::any_cuda(mc_ins_) || ::mooncake::any_cuda(mc_outs_))                                  \
-      return ::mooncake::cuda_staged(rank_, c10d::OpType::TYPE, NAME, mc_ins_, mc_outs_,                 \
-                                     [&]() { return __VA_ARGS__; }, coalescing_, &coalesced_cuda_);      \
+      return ::mooncake::cuda_staged(                                                                     \
+          rank_, c10d::OpType::TYPE, NAME, mc_ins_, mc_outs_, [&]() { return __VA_ARGS__; }, coalescing_, \
+          &coalesced_cuda_);                                                                              \
   } while (0)
 #else
 #define MOONCAKE_CUDA_STAGED(TYPE, NAME, INS, OUTS, ...) \
@@ -164,8 +165,7 @@ class MooncakeWork : public c10d::Work {
 
 class MooncakeBackend : public c10d::Backend {
  public:
-  MooncakeBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-                  BackendConfig cfg);
+  MooncakeBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, BackendConfig cfg);
   ~MooncakeBackend() override;
 
   const std::string getBackendName() const override { return "mooncake"; }
@@ -180,8 +180,8 @@ class MooncakeBackend : public c10d::Backend {
                                            const c10d::BroadcastOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
-      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceCoalescedOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
                                         const c10d::ReduceOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -189,12 +189,12 @@ class MooncakeBackend : public c10d::Backend {
                                            const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
                                                  const c10d::AllgatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
-      std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
-      const c10d::AllgatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
-      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
-      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
                                         std::vector<at::Tensor>& inputs,
                                         const c10d::GatherOptions& opts) override;
@@ -204,8 +204,8 @@ class MooncakeBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
                                                 std::vector<std::vector<at::Tensor>>& inputs,
                                                 const c10d::ReduceScatterOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
-      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::ReduceScatterOptions& opts) override;
@@ -213,15 +213,11 @@ class MooncakeBackend : public c10d::Backend {
                                                std::vector<int64_t>& output_split_sizes,
                                                std::vector<int64_t>& input_split_sizes,
                                                const c10d::AllToAllOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
-                                          std::vector<at::Tensor>& inputs,
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                           const c10d::AllToAllOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank,
-                                      int tag) override;
-  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank,
-                                      int tag) override;
-  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
-                                               int tag) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
 
   // Introspection for tests and benchmarks.
@@ -236,7 +232,7 @@ class MooncakeBackend : public c10d::Backend {
   // Membership (DESIGN.md "Membership and fault tolerance").
   std::vector<int32_t> active_ranks();
   int64_t epoch();
-  std::vector<int> failed_ranks();  // every rank agreed failed so far
+  std::vector<int> failed_ranks();    // every rank agreed failed so far
   std::vector<int> pending_failed();  // manual policy: agreed failed, not yet deactivated
   // Deactivates `ranks` on this rank (agreed through the control store; every survivor
   // calls it with the same ranks).
@@ -269,23 +265,22 @@ class MooncakeBackend : public c10d::Backend {
   void run_reduce_scatter_ipc(CudaIpcOp& op, RedOp rop, double premul, int64_t dl);
   void ipc_epoch_start(const void* hdr, int ref, const char* opname, int64_t dl);  // hdr: an OpHeader
   using IpcPieceFn = std::function<void(int parity, size_t off, size_t len)>;
-  void run_ipc_pieces(CudaIpcOp& op, const void* hdr, int ref, size_t n, size_t R, const char* opname, int64_t dl,
-                      const IpcPieceFn& before, const IpcPieceFn& after);
+  void run_ipc_pieces(CudaIpcOp& op, const void* hdr, int ref, size_t n, size_t R, const char* opname,
+                      int64_t dl, const IpcPieceFn& before, const IpcPieceFn& after);
   void ipc_check_one_host(const char* method) const;
   uint64_t ipc_epoch_ = ~uint64_t(0);  // engine epoch of the latest IPC op
 #endif
   using Job = std::function<void(int64_t deadline_ns)>;
   // Sync ops (async_op false) run on the caller's thread when nothing is queued; async
   // ops run on the progress thread in issue order.
-  c10::intrusive_ptr<MooncakeWork> submit(c10d::OpType type, std::vector<at::Tensor> outputs,
-                                          bool async_op, std::chrono::milliseconds timeout,
-                                          Job job, std::function<void()> after = nullptr,
+  c10::intrusive_ptr<MooncakeWork> submit(c10d::OpType type, std::vector<at::Tensor> outputs, bool async_op,
+                                          std::chrono::milliseconds timeout, Job job,
+                                          std::function<void()> after = nullptr,
                                           std::function<void()> before_retry = nullptr);
   void progress_loop();
   void completion_loop();
   void p2p_loop();
-  void deliver(const c10::intrusive_ptr<MooncakeWork>& w, std::exception_ptr err,
-               bool inline_future);
+  void deliver(const c10::intrusive_ptr<MooncakeWork>& w, std::exception_ptr err, bool inline_future);
   void ensure_threads(bool p2p);
   int64_t deadline_for(std::chrono::milliseconds t) const;
 
@@ -313,20 +308,19 @@ class MooncakeBackend : public c10d::Backend {
   // collective bodies (run with the engine held)
   void run_allreduce(at::Tensor& t, RedOp op, double premul, int root, int64_t dl);
   void run_broadcast(at::Tensor& t, int root, int64_t dl);
-  void run_allgather(const at::Tensor& in, const std::vector<uint8_t*>& outs, int opcode,
-                     int root, int64_t dl);
-  void run_reduce_scatter(const std::vector<const uint8_t*>& ins, at::Tensor& out, RedOp op,
-                          double premul, int64_t dl);
-  void run_scatter(const std::vector<const uint8_t*>& ins, at::Tensor& out, int root,
-                   int64_t dl);
+  void run_allgather(const at::Tensor& in, const std::vector<uint8_t*>& outs, int opcode, int root,
+                     int64_t dl);
+  void run_reduce_scatter(const std::vector<const uint8_t*>& ins, at::Tensor& out, RedOp op, double premul,
+                          int64_t dl);
+  void run_scatter(const std::vector<const uint8_t*>& ins, at::Tensor& out, int root, int64_t dl);
   void run_alltoall(const uint8_t* in, uint8_t* out, c10::ScalarType dt, int64_t row_elems,
-                    const std::vector<int64_t>& in_rows, const std::vector<int64_t>& out_rows,
-                    int64_t dl);
+                    const std::vector<int64_t>& in_rows, const std::vector<int64_t>& out_rows, int64_t dl);
   void run_barrier(int64_t dl);
   void exchange(const PeerRanges* sends, size_t hdr_len, int64_t dl, const char* opname);
 
   // Inside start/endCoalescing: the batch's Work completes when `w` (and its peers) do.
-  void attach_to_coalescing(const c10::intrusive_ptr<MooncakeWork>& w, const std::vector<at::Tensor>& outputs);
+  void attach_to_coalescing(const c10::intrusive_ptr<MooncakeWork>& w,
+                            const std::vector<at::Tensor>& outputs);
   struct P2POp;
   void post_p2p(std::shared_ptr<P2POp> op);
   void check_peer_active(int peer, bool is_send);
@@ -357,16 +351,16 @@ class MooncakeBackend : public c10d::Backend {
   std::vector<int> last_joined_;
 
   c10::intrusive_ptr<c10d::Store> store_;
-  std::string store_ns_;  // key prefix of this incarnation of the group in the store
+  std::string store_ns_;     // key prefix of this incarnation of the group in the store
   std::string setup_error_;  // why this rank cannot set up its transport (told to the founders, then raised)
   FailurePolicy policy_ = FailurePolicy::RAISE;
   std::vector<char> active_;
-  std::vector<int> act_;  // active ranks, ascending
-  int my_index_ = 0;      // position of rank_ in act_
-  uint64_t epoch_ = 0;          // applied membership epoch
-  uint64_t agreed_epoch_ = 0;   // last agreed record read from the store
+  std::vector<int> act_;       // active ranks, ascending
+  int my_index_ = 0;           // position of rank_ in act_
+  uint64_t epoch_ = 0;         // applied membership epoch
+  uint64_t agreed_epoch_ = 0;  // last agreed record read from the store
   std::vector<char> agreed_failed_;
-  std::mutex mem_mu_;  // guards copies read from Python threads
+  std::mutex mem_mu_;            // guards copies read from Python threads
   std::vector<int> peer_pidfd_;  // same-host peers: pidfd (or -1)
   std::vector<int64_t> peer_pid_;
 

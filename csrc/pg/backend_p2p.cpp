@@ -52,13 +52,14 @@ void MooncakeBackend::check_peer_active(int peer, bool is_send) {
     inactive = !active_[peer];
   }
   if (inactive)
-    throw RankFailure(std::string("mooncake ") + (is_send ? "send" : "recv") + " (rank " + std::to_string(rank_) +
-                          "): peer rank " + std::to_string(peer) + " is not active (failed or not joined)",
+    throw RankFailure(std::string("mooncake ") + (is_send ? "send" : "recv") + " (rank " +
+                          std::to_string(rank_) + "): peer rank " + std::to_string(peer) +
+                          " is not active (failed or not joined)",
                       {peer}, epoch());
   // a peer already gone must not take a buffered send as if it were alive
   if (!probe_dead({peer}).empty())
-    throw RankFailure(std::string("mooncake ") + (is_send ? "send" : "recv") + " (rank " + std::to_string(rank_) +
-                          "): peer rank " + std::to_string(peer) + " has died",
+    throw RankFailure(std::string("mooncake ") + (is_send ? "send" : "recv") + " (rank " +
+                          std::to_string(rank_) + "): peer rank " + std::to_string(peer) + " has died",
                       {peer}, epoch());
 }
 
@@ -82,7 +83,8 @@ static void check_p2p(std::vector<at::Tensor>& tensors, int peer, int size, int 
   const at::Tensor& t = tensors[0];
   TORCH_CHECK_VALUE(t.device().is_cpu(), "mooncake ", op, " (rank ", rank,
                     "): expected a CPU tensor, got one on ", t.device());
-  TORCH_CHECK_VALUE(t.layout() == c10::kStrided, "mooncake ", op, " (rank ", rank, "): expected a dense tensor");
+  TORCH_CHECK_VALUE(t.layout() == c10::kStrided, "mooncake ", op, " (rank ", rank,
+                    "): expected a dense tensor");
   if (!any) {
     TORCH_CHECK_VALUE(peer >= 0 && peer < size, "mooncake ", op, " (rank ", rank, "): peer rank ", peer,
                       " is out of range [0, ", size, ")");
@@ -90,8 +92,9 @@ static void check_p2p(std::vector<at::Tensor>& tensors, int peer, int size, int 
   }
 }
 
-c10::intrusive_ptr<c10d::Work> MooncakeBackend::failed_work(c10d::OpType type, std::vector<at::Tensor> outputs,
-                                                             std::exception_ptr err) {
+c10::intrusive_ptr<c10d::Work> MooncakeBackend::failed_work(c10d::OpType type,
+                                                            std::vector<at::Tensor> outputs,
+                                                            std::exception_ptr err) {
   auto w = c10::make_intrusive<MooncakeWork>(rank_, type, std::move(outputs));
   attach_to_coalescing(w, {});
   deliver(w, err, true);
@@ -99,7 +102,8 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::failed_work(c10d::OpType type, s
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
-  MOONCAKE_CUDA_STAGED(SEND, "send", (tensor_ptrs(tensors)), (std::vector<at::Tensor*>{}), send(tensors, dstRank, tag));
+  MOONCAKE_CUDA_STAGED(SEND, "send", (tensor_ptrs(tensors)), (std::vector<at::Tensor*>{}),
+                       send(tensors, dstRank, tag));
   if (coalescing_) {
     // inside batch_isend_irecv: report bad arguments through the batch's Work
     try {
@@ -112,7 +116,8 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::send(std::vector<at::Tensor>& te
 }
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
-  MOONCAKE_CUDA_STAGED(RECV, "recv", (std::vector<at::Tensor*>{}), (tensor_ptrs(tensors)), recv(tensors, srcRank, tag));
+  MOONCAKE_CUDA_STAGED(RECV, "recv", (std::vector<at::Tensor*>{}), (tensor_ptrs(tensors)),
+                       recv(tensors, srcRank, tag));
   if (coalescing_) {
     try {
       return recv_impl(tensors, srcRank, tag);
@@ -123,7 +128,8 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::recv(std::vector<at::Tensor>& te
   return recv_impl(tensors, srcRank, tag);
 }
 
-c10::intrusive_ptr<MooncakeWork> MooncakeBackend::send_impl(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
+c10::intrusive_ptr<MooncakeWork> MooncakeBackend::send_impl(std::vector<at::Tensor>& tensors, int dstRank,
+                                                            int tag) {
   check_p2p(tensors, dstRank, size_, rank_, "send", false);
   check_peer_active(dstRank, true);
   auto op = std::make_shared<P2POp>();
@@ -133,15 +139,20 @@ c10::intrusive_ptr<MooncakeWork> MooncakeBackend::send_impl(std::vector<at::Tens
   op->buf = tensors[0].contiguous();
   op->work = c10::make_intrusive<MooncakeWork>(rank_, c10d::OpType::SEND, tensors);
   op->deadline = deadline_for(std::chrono::milliseconds(0));
-  op->hdr = P2PHeader{kP2PMagic, tag, static_cast<uint64_t>(op->buf.numel() * op->buf.element_size()),
-                      static_cast<int32_t>(op->buf.scalar_type()), 0, 0};
+  op->hdr = P2PHeader{kP2PMagic,
+                      tag,
+                      static_cast<uint64_t>(op->buf.numel() * op->buf.element_size()),
+                      static_cast<int32_t>(op->buf.scalar_type()),
+                      0,
+                      0};
   auto w = op->work;
   attach_to_coalescing(w, tensors);
   post_p2p(op);
   return w;
 }
 
-c10::intrusive_ptr<MooncakeWork> MooncakeBackend::recv_impl(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
+c10::intrusive_ptr<MooncakeWork> MooncakeBackend::recv_impl(std::vector<at::Tensor>& tensors, int srcRank,
+                                                            int tag) {
   check_p2p(tensors, srcRank, size_, rank_, "recv", srcRank < 0);
   check_peer_active(srcRank, false);
   auto op = std::make_shared<P2POp>();
@@ -149,8 +160,8 @@ c10::intrusive_ptr<MooncakeWork> MooncakeBackend::recv_impl(std::vector<at::Tens
   op->tag = tag;
   const at::Tensor& user = tensors[0];
   op->buf = user.is_contiguous() ? user : at::empty_like(user, at::MemoryFormat::Contiguous);
-  op->work = c10::make_intrusive<MooncakeWork>(rank_, srcRank < 0 ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV,
-                                               tensors);
+  op->work = c10::make_intrusive<MooncakeWork>(
+      rank_, srcRank < 0 ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV, tensors);
   if (!user.is_contiguous()) {
     at::Tensor u = user, b = op->buf;
     op->work->after = [u, b]() mutable { u.copy_(b); };
@@ -190,13 +201,14 @@ void MooncakeBackend::p2p_loop() {
     else if (op->peer >= 0 && dead[op->peer])
       e = std::make_exception_ptr(RankFailure(msg, {op->peer}, epoch()));
     else
-      e = std::make_exception_ptr(c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, __LINE__}, msg));
+      e = std::make_exception_ptr(
+          c10::DistBackendError(c10::SourceLocation{__func__, __FILE__, __LINE__}, msg));
     deliver(op->work, e, false);
   };
   auto mark_dead = [&](int j, const std::string& why) {
     dead[j] = 1;
-    broken[j] = std::string("mooncake p2p (rank ") + std::to_string(rank_) + "): peer rank " + std::to_string(j) +
-                " failed (" + why + ")";
+    broken[j] = std::string("mooncake p2p (rank ") + std::to_string(rank_) + "): peer rank " +
+                std::to_string(j) + " failed (" + why + ")";
     for (auto& op : sendq[j]) fail(op, broken[j], false);
     for (auto& op : recvq[j]) fail(op, broken[j], false);
     sendq[j].clear();
@@ -220,9 +232,12 @@ void MooncakeBackend::p2p_loop() {
           fail(op, broken[op->peer], false);
           continue;
         }
-        if (op->is_send) sendq[op->peer].push_back(op);
-        else if (op->peer < 0) anyq.push_back(op);
-        else recvq[op->peer].push_back(op);
+        if (op->is_send)
+          sendq[op->peer].push_back(op);
+        else if (op->peer < 0)
+          anyq.push_back(op);
+        else
+          recvq[op->peer].push_back(op);
       }
     }
     bool progress = false;
@@ -244,7 +259,8 @@ void MooncakeBackend::p2p_loop() {
           }
           const size_t nb = op->hdr.nbytes;
           if (op->done < nb) {
-            size_t m = p2p_->write_some(j, static_cast<uint8_t*>(op->buf.data_ptr()) + op->done, nb - op->done);
+            size_t m =
+                p2p_->write_some(j, static_cast<uint8_t*>(op->buf.data_ptr()) + op->done, nb - op->done);
             op->done += m;
             if (m) progress = true;
             if (op->done < nb) break;
@@ -259,7 +275,8 @@ void MooncakeBackend::p2p_loop() {
           Incoming& ic = in[j];
           if (!ic.op) {
             if (recvq[j].empty() && anyq.empty()) break;
-            size_t m = p2p_->read_some(j, reinterpret_cast<uint8_t*>(&ic.hdr) + ic.got, sizeof(P2PHeader) - ic.got);
+            size_t m =
+                p2p_->read_some(j, reinterpret_cast<uint8_t*>(&ic.hdr) + ic.got, sizeof(P2PHeader) - ic.got);
             ic.got += m;
             if (m) progress = true;
             if (ic.got < sizeof(P2PHeader)) break;
@@ -281,9 +298,10 @@ void MooncakeBackend::p2p_loop() {
               op->error = "mooncake recv (rank " + std::to_string(rank_) + "): the next message from rank " +
                           std::to_string(j) + " has tag " + std::to_string(ic.hdr.tag) + ", " +
                           std::to_string(ic.hdr.nbytes) + " byte(s) of dtype " +
-                          c10::toString(static_cast<c10::ScalarType>(ic.hdr.dtype)) + " but this recv expects tag " +
-                          std::to_string(op->tag) + ", " + std::to_string(want) + " byte(s) of dtype " +
-                          c10::toString(op->buf.scalar_type()) + "; the message was dropped";
+                          c10::toString(static_cast<c10::ScalarType>(ic.hdr.dtype)) +
+                          " but this recv expects tag " + std::to_string(op->tag) + ", " +
+                          std::to_string(want) + " byte(s) of dtype " + c10::toString(op->buf.scalar_type()) +
+                          "; the message was dropped";
             }
             ic.op = op;
             ic.left = ic.hdr.nbytes;
@@ -305,8 +323,10 @@ void MooncakeBackend::p2p_loop() {
           if (ic.left > 0) break;
           auto finished = op;
           ic.op.reset();
-          if (finished->error.empty()) deliver(finished->work, nullptr, false);
-          else fail(finished, finished->error, true);
+          if (finished->error.empty())
+            deliver(finished->work, nullptr, false);
+          else
+            fail(finished, finished->error, true);
           progress = true;
         }
       } catch (const std::exception& e) {
@@ -325,8 +345,8 @@ void MooncakeBackend::p2p_loop() {
         for (auto it = q.begin(); it != q.end();) {
           if ((*it)->deadline < now && (*it)->started && peer >= 0) {
             // part of the message has moved: the stream to this peer cannot be resynced
-            std::string why = std::string("mooncake ") + ((*it)->is_send ? "send to" : "recv from") + " rank " +
-                              std::to_string(peer) + " (rank " + std::to_string(rank_) +
+            std::string why = std::string("mooncake ") + ((*it)->is_send ? "send to" : "recv from") +
+                              " rank " + std::to_string(peer) + " (rank " + std::to_string(rank_) +
                               "): timed out mid-message; the link to that rank is closed";
             broken[peer] = why;
             std::deque<std::shared_ptr<P2POp>> doomed;
@@ -336,8 +356,9 @@ void MooncakeBackend::p2p_loop() {
           }
           if ((*it)->deadline < now && !(*it)->started) {
             fail(*it,
-                 std::string("mooncake ") + ((*it)->is_send ? "send" : "recv") + " (rank " + std::to_string(rank_) +
-                     "): timed out waiting for rank " + (peer < 0 ? std::string("<any>") : std::to_string(peer)),
+                 std::string("mooncake ") + ((*it)->is_send ? "send" : "recv") + " (rank " +
+                     std::to_string(rank_) + "): timed out waiting for rank " +
+                     (peer < 0 ? std::string("<any>") : std::to_string(peer)),
                  false);
             it = q.erase(it);
           } else {
@@ -349,7 +370,8 @@ void MooncakeBackend::p2p_loop() {
         expire(sendq[j], j);
         expire(recvq[j], j);
         if (in[j].op && in[j].op->deadline < now) {
-          std::string why = "mooncake recv from rank " + std::to_string(j) + " (rank " + std::to_string(rank_) +
+          std::string why = "mooncake recv from rank " + std::to_string(j) + " (rank " +
+                            std::to_string(rank_) +
                             "): timed out mid-message; the link to that rank is closed";
           broken[j] = why;
           fail(in[j].op, why, false);
@@ -361,7 +383,8 @@ void MooncakeBackend::p2p_loop() {
       expire(anyq, -1);
     }
     if (!progress) {
-      for (int j = 0; j < W; ++j) want_read[j] = j != rank_ && (!recvq[j].empty() || !anyq.empty() || in[j].op);
+      for (int j = 0; j < W; ++j)
+        want_read[j] = j != rank_ && (!recvq[j].empty() || !anyq.empty() || in[j].op);
       p2p_->wait(token, 20000000, want_read);
     }
   }

@@ -22,7 +22,8 @@ auto cuda_call(const char* where, F&& f) -> decltype(f()) {
   try {
     return f();
   } catch (const std::runtime_error& e) {
-    TORCH_CHECK(false, where, ": ", e.what(), " (MOONCAKE_CUDA_IPC=0 makes the group stage CUDA tensors through "
+    TORCH_CHECK(false, where, ": ", e.what(),
+                " (MOONCAKE_CUDA_IPC=0 makes the group stage CUDA tensors through "
                 "pinned host memory instead)");
   }
 }
@@ -76,8 +77,11 @@ std::shared_ptr<CudaIpcOp> CudaIpc::begin(const at::Tensor& t, const char* opnam
     dev_ = t.device();
     stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, t.device().index());
   }
-  TORCH_CHECK_VALUE(t.device() == *dev_, "CudaIpc::begin: ", opname, " on ", t.device(), ", but this group's CUDA IPC "
-                    "buffers live on ", *dev_, " (one device per process and group; MOONCAKE_CUDA_IPC=0 stages "
+  TORCH_CHECK_VALUE(t.device() == *dev_, "CudaIpc::begin: ", opname, " on ", t.device(),
+                    ", but this group's CUDA IPC "
+                    "buffers live on ",
+                    *dev_,
+                    " (one device per process and group; MOONCAKE_CUDA_IPC=0 stages "
                     "through host memory instead)");
   c10::cuda::CUDAGuard dg(*dev_);
   TORCH_CHECK_VALUE(!out.defined() || out.device() == *dev_, "CudaIpc::begin: ", opname, ": output on ",
@@ -104,8 +108,9 @@ void CudaIpc::prepare(CudaIpcOp& op, bool separate) {
     if (op.out_user.numel())
       c10::cuda::CUDACachingAllocator::recordStream(op.out_user.storage().data_ptr(), op.stream);
     // a copy keeps the slots of inactive seats as they were
-    op.out_work = (op.out_user.is_contiguous() && !separate) ? op.out_user
-                                                              : op.out_user.clone(at::MemoryFormat::Contiguous);
+    op.out_work = (op.out_user.is_contiguous() && !separate)
+                      ? op.out_user
+                      : op.out_user.clone(at::MemoryFormat::Contiguous);
   }
 }
 
@@ -184,11 +189,12 @@ bool CudaIpc::open_events(int j, int64_t pid, bool required) {
   std::string raw;
   if (!get_key("ev", j, pid, required, &raw)) return false;
   drop_peer(p);
-  TORCH_CHECK(raw.size() == 4 * cuda::kIpcHandleBytes, "CudaIpc::open_events: rank ", j, " published ", raw.size(),
-              " bytes of event handles, expected ", 4 * cuda::kIpcHandleBytes);
+  TORCH_CHECK(raw.size() == 4 * cuda::kIpcHandleBytes, "CudaIpc::open_events: rank ", j, " published ",
+              raw.size(), " bytes of event handles, expected ", 4 * cuda::kIpcHandleBytes);
   for (int i = 0; i < 4; ++i)
     p.ev[i] = cuda_call("CudaIpc::open_events", [&] {
-      return cuda::ipc_event_open(raw.substr(i * cuda::kIpcHandleBytes, cuda::kIpcHandleBytes), dev_->index());
+      return cuda::ipc_event_open(raw.substr(i * cuda::kIpcHandleBytes, cuda::kIpcHandleBytes),
+                                  dev_->index());
     });
   p.pid = pid;
   return true;
@@ -206,8 +212,8 @@ CudaIpc::Peer& CudaIpc::peer(int j, int64_t pid, size_t cls) {
 }
 
 void CudaIpc::stage_segments(CudaIpcOp& op, int parity, const std::vector<std::pair<size_t, size_t>>& segs,
-                             size_t len, const std::vector<int>& act, const std::vector<int64_t>& pids, RedOp rop,
-                             double premul) {
+                             size_t len, const std::vector<int>& act, const std::vector<int64_t>& pids,
+                             RedOp rop, double premul) {
   ensure_own(op.cls);
   c10::cuda::CUDAGuard dg(op.dev);
   void* st = op.stream.stream();
@@ -226,8 +232,10 @@ void CudaIpc::stage_segments(CudaIpcOp& op, int parity, const std::vector<std::p
     TORCH_CHECK((dst_off + len) * E <= op.cls, "CudaIpc::stage: segment beyond the buffer");
     uint8_t* dst = half + dst_off * E;
     const uint8_t* src = static_cast<const uint8_t*>(op.work.data_ptr()) + src_off * E;
-    if (scaled) cuda_call("CudaIpc::stage", [&] { cuda::launch_scale(dst, src, len, dt, premul, st); });
-    else cuda_call("CudaIpc::stage", [&] { cuda::copy_async(dst, src, len * E, st); });
+    if (scaled)
+      cuda_call("CudaIpc::stage", [&] { cuda::launch_scale(dst, src, len, dt, premul, st); });
+    else
+      cuda_call("CudaIpc::stage", [&] { cuda::copy_async(dst, src, len * E, st); });
   }
   cuda_call("CudaIpc::stage", [&] { cuda::event_record(ev_[parity], st); });
 }
@@ -237,8 +245,9 @@ void CudaIpc::stage(CudaIpcOp& op, int parity, size_t off, size_t len, const std
   stage_segments(op, parity, {{off, 0}}, len, act, pids, rop, premul);
 }
 
-void CudaIpc::stage_scatter(CudaIpcOp& op, int parity, size_t off, size_t len, size_t n, const std::vector<int>& act,
-                            const std::vector<int64_t>& pids, RedOp rop, double premul) {
+void CudaIpc::stage_scatter(CudaIpcOp& op, int parity, size_t off, size_t len, size_t n,
+                            const std::vector<int>& act, const std::vector<int64_t>& pids, RedOp rop,
+                            double premul) {
   std::vector<std::pair<size_t, size_t>> segs;
   for (int d : act) segs.emplace_back(d * n + off, d * len);  // seat d's piece
   stage_segments(op, parity, segs, len, act, pids, rop, premul);
@@ -263,24 +272,27 @@ void CudaIpc::reduce_at(CudaIpcOp& op, int parity, size_t half_off, void* out, s
   }
   auto dt = static_cast<cuda::DType>(cuda_dtype_code(op.work.scalar_type(), "CudaIpc::reduce"));
   cuda_call("CudaIpc::reduce", [&] {
-    cuda::launch_reduce(out, srcs.data(), static_cast<int>(srcs.size()), len, dt, static_cast<cuda::Op>(rop), st);
+    cuda::launch_reduce(out, srcs.data(), static_cast<int>(srcs.size()), len, dt, static_cast<cuda::Op>(rop),
+                        st);
   });
   cuda_call("CudaIpc::reduce", [&] { cuda::event_record(ev_[2 + parity], st); });  // my reads are done
 }
 
 void CudaIpc::reduce(CudaIpcOp& op, int parity, size_t off, size_t len, const std::vector<int>& act,
                      const std::vector<int64_t>& pids, RedOp rop) {
-  reduce_at(op, parity, 0, static_cast<uint8_t*>(op.work.data_ptr()) + off * op.work.element_size(), len, act, pids,
-            rop);
+  reduce_at(op, parity, 0, static_cast<uint8_t*>(op.work.data_ptr()) + off * op.work.element_size(), len, act,
+            pids, rop);
 }
 
 void CudaIpc::reduce_scatter(CudaIpcOp& op, int parity, size_t off, size_t len, const std::vector<int>& act,
                              const std::vector<int64_t>& pids, RedOp rop) {
-  reduce_at(op, parity, rank_ * len, static_cast<uint8_t*>(op.out_work.data_ptr()) + off * op.out_work.element_size(),
-            len, act, pids, rop);
+  reduce_at(op, parity, rank_ * len,
+            static_cast<uint8_t*>(op.out_work.data_ptr()) + off * op.out_work.element_size(), len, act, pids,
+            rop);
 }
 
-void CudaIpc::copy_from(CudaIpcOp& op, int parity, int src, size_t off, size_t len, const std::vector<int64_t>& pids) {
+void CudaIpc::copy_from(CudaIpcOp& op, int parity, int src, size_t off, size_t len,
+                        const std::vector<int64_t>& pids) {
   publish_events();
   c10::cuda::CUDAGuard dg(op.dev);
   void* st = op.stream.stream();
@@ -294,8 +306,8 @@ void CudaIpc::copy_from(CudaIpcOp& op, int parity, int src, size_t off, size_t l
   cuda_call("CudaIpc::copy_from", [&] { cuda::event_record(ev_[2 + parity], st); });  // my reads are done
 }
 
-void CudaIpc::gather_into(CudaIpcOp& op, int parity, size_t off, size_t len, size_t n, const std::vector<int>& act,
-                          const std::vector<int64_t>& pids) {
+void CudaIpc::gather_into(CudaIpcOp& op, int parity, size_t off, size_t len, size_t n,
+                          const std::vector<int>& act, const std::vector<int64_t>& pids) {
   c10::cuda::CUDAGuard dg(op.dev);
   void* st = op.stream.stream();
   const size_t E = op.work.element_size();
@@ -306,7 +318,8 @@ void CudaIpc::gather_into(CudaIpcOp& op, int parity, size_t off, size_t len, siz
       src = static_cast<const uint8_t*>(bufs_[op.cls]) + parity * op.cls;  // copied on this stream
     } else {
       Peer& p = peer(j, pids[j], op.cls);
-      cuda_call("CudaIpc::gather_into", [&] { cuda::stream_wait_event(st, p.ev[parity]); });  // its copy is done
+      cuda_call("CudaIpc::gather_into",
+                [&] { cuda::stream_wait_event(st, p.ev[parity]); });  // its copy is done
       src = static_cast<const uint8_t*>(p.bufs[op.cls]) + parity * op.cls;
     }
     cuda_call("CudaIpc::gather_into", [&] { cuda::copy_async(out + (j * n + off) * E, src, len * E, st); });
@@ -327,7 +340,8 @@ namespace {
 
 class CudaIpcWork : public c10d::Work {
  public:
-  CudaIpcWork(int rank, c10d::OpType type, c10::intrusive_ptr<c10d::Work> inner, std::shared_ptr<CudaIpcOp> op)
+  CudaIpcWork(int rank, c10d::OpType type, c10::intrusive_ptr<c10d::Work> inner,
+              std::shared_ptr<CudaIpcOp> op)
       : c10d::Work(rank, type), inner_(std::move(inner)), op_(std::move(op)) {
     future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
                                                        std::vector<c10::Device>{op_->dev});
@@ -343,7 +357,8 @@ class CudaIpcWork : public c10d::Work {
       try {
         c10::cuda::CUDAGuard dg(op->dev);
         c10::cuda::CUDAStreamGuard sg(op->stream);  // the future's event goes after the op
-        fut->markCompleted(c10::IValue(std::vector<at::Tensor>{op->out_user.defined() ? op->out_user : op->user}));
+        fut->markCompleted(
+            c10::IValue(std::vector<at::Tensor>{op->out_user.defined() ? op->out_user : op->user}));
       } catch (...) {
         fut->setErrorIfNeeded(std::current_exception());
       }
@@ -352,8 +367,9 @@ class CudaIpcWork : public c10d::Work {
   void block_current() {
     if (!op_->ended) return;
     c10::cuda::CUDAGuard dg(op_->dev);
-    cuda_call("CudaIpcWork::wait",
-              [&] { cuda::stream_wait_event(c10::cuda::getCurrentCUDAStream(op_->dev.index()).stream(), op_->end); });
+    cuda_call("CudaIpcWork::wait", [&] {
+      cuda::stream_wait_event(c10::cuda::getCurrentCUDAStream(op_->dev.index()).stream(), op_->end);
+    });
   }
   bool wait(std::chrono::milliseconds timeout) override {
     inner_->wait(timeout);  // the op's error (or a timeout), as on the CPU
@@ -380,7 +396,8 @@ class CudaIpcWork : public c10d::Work {
 
 }  // namespace
 
-c10::intrusive_ptr<c10d::Work> CudaIpc::wrap(int rank, c10d::OpType type, c10::intrusive_ptr<c10d::Work> inner,
+c10::intrusive_ptr<c10d::Work> CudaIpc::wrap(int rank, c10d::OpType type,
+                                             c10::intrusive_ptr<c10d::Work> inner,
                                              std::shared_ptr<CudaIpcOp> op) {
   auto w = c10::make_intrusive<CudaIpcWork>(rank, type, std::move(inner), std::move(op));
   w->hook();

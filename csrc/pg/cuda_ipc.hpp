@@ -57,16 +57,16 @@ namespace mooncake {
 struct CudaIpcOp {
   CudaIpcOp(at::Tensor t, c10::Device dev, c10::cuda::CUDAStream s);
   ~CudaIpcOp();
-  at::Tensor user;             // the caller's tensor (the result is written into it)
-  at::Tensor work;             // contiguous tensor the rounds reduce into (user when contiguous)
-  at::Tensor out_user;         // all_gather: the caller's output (undefined otherwise)
-  at::Tensor out_work;         // all_gather: contiguous output the rounds write into
-  bool writes_user = true;     // finish() copies `work` back into `user` when they differ
+  at::Tensor user;          // the caller's tensor (the result is written into it)
+  at::Tensor work;          // contiguous tensor the rounds reduce into (user when contiguous)
+  at::Tensor out_user;      // all_gather: the caller's output (undefined otherwise)
+  at::Tensor out_work;      // all_gather: contiguous output the rounds write into
+  bool writes_user = true;  // finish() copies `work` back into `user` when they differ
   c10::Device dev;
-  c10::cuda::CUDAStream stream;  // the group's side stream on dev
-  void* start = nullptr;       // recorded on the caller's current stream at issue
-  void* end = nullptr;         // recorded on the side stream after the last round
-  size_t cls = 0;              // size class (bytes per parity)
+  c10::cuda::CUDAStream stream;    // the group's side stream on dev
+  void* start = nullptr;           // recorded on the caller's current stream at issue
+  void* end = nullptr;             // recorded on the side stream after the last round
+  size_t cls = 0;                  // size class (bytes per parity)
   std::atomic<bool> ended{false};  // `end` was recorded
 };
 
@@ -84,7 +84,8 @@ class CudaIpc {
   // Caller's thread: records the start event on the current stream of t's device. The
   // group's IPC state is bound to the device of its first CUDA op (ValueError otherwise).
   // `out`: all_gather's output (same device), undefined otherwise.
-  std::shared_ptr<CudaIpcOp> begin(const at::Tensor& t, const char* opname, const at::Tensor& out = at::Tensor());
+  std::shared_ptr<CudaIpcOp> begin(const at::Tensor& t, const char* opname,
+                                   const at::Tensor& out = at::Tensor());
   // In the job, in this order: prepare; per round stage, (engine round), reduce; finish.
   size_t round_elems(const CudaIpcOp& op) const { return op.cls / op.user.element_size(); }
   // `separate`: reduce into a copy and write the caller's tensor only in finish() (a rerun
@@ -111,11 +112,13 @@ class CudaIpc {
   // of n elements) goes to out_work[j*n + off ...] (then "done reading" is recorded).
   void gather_into(CudaIpcOp& op, int parity, size_t off, size_t len, size_t n, const std::vector<int>& act,
                    const std::vector<int64_t>& pids);
-  void copy_from(CudaIpcOp& op, int parity, int src, size_t off, size_t len, const std::vector<int64_t>& pids);
+  void copy_from(CudaIpcOp& op, int parity, int src, size_t off, size_t len,
+                 const std::vector<int64_t>& pids);
   void finish(CudaIpcOp& op);
   // The Work returned to the caller: completes with `inner` (the engine side), wait() makes
   // the current stream wait for the op's end event.
-  static c10::intrusive_ptr<c10d::Work> wrap(int rank, c10d::OpType type, c10::intrusive_ptr<c10d::Work> inner,
+  static c10::intrusive_ptr<c10d::Work> wrap(int rank, c10d::OpType type,
+                                             c10::intrusive_ptr<c10d::Work> inner,
                                              std::shared_ptr<CudaIpcOp> op);
 
  private:
@@ -126,10 +129,11 @@ class CudaIpc {
   };
   void ensure_own(size_t cls);  // my events and my buffer of class `cls`, published
   // (src offset in work, dst offset in my half), elements; `len` elements each
-  void stage_segments(CudaIpcOp& op, int parity, const std::vector<std::pair<size_t, size_t>>& segs, size_t len,
-                      const std::vector<int>& act, const std::vector<int64_t>& pids, RedOp rop, double premul);
-  void reduce_at(CudaIpcOp& op, int parity, size_t half_off, void* out, size_t len, const std::vector<int>& act,
-                 const std::vector<int64_t>& pids, RedOp rop);
+  void stage_segments(CudaIpcOp& op, int parity, const std::vector<std::pair<size_t, size_t>>& segs,
+                      size_t len, const std::vector<int>& act, const std::vector<int64_t>& pids, RedOp rop,
+                      double premul);
+  void reduce_at(CudaIpcOp& op, int parity, size_t half_off, void* out, size_t len,
+                 const std::vector<int>& act, const std::vector<int64_t>& pids, RedOp rop);
   // Rank j's events (required: they must be published by incarnation `pid`; else false
   // when they are not, or only by an earlier incarnation).
   bool open_events(int j, int64_t pid, bool required);

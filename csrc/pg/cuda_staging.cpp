@@ -40,8 +40,8 @@ class Event {
 class CudaStagedWork : public c10d::Work {
  public:
   CudaStagedWork(int rank, c10d::OpType type, c10::intrusive_ptr<c10d::Work> inner,
-                 std::vector<std::pair<at::Tensor, at::Tensor>> back, c10::Device dev, std::vector<at::Tensor> outputs,
-                 std::vector<c10::intrusive_ptr<c10d::Work>> children)
+                 std::vector<std::pair<at::Tensor, at::Tensor>> back, c10::Device dev,
+                 std::vector<at::Tensor> outputs, std::vector<c10::intrusive_ptr<c10d::Work>> children)
       : c10d::Work(rank, type),
         inner_(std::move(inner)),
         back_(std::move(back)),
@@ -52,9 +52,10 @@ class CudaStagedWork : public c10d::Work {
                                                        std::vector<c10::Device>{dev_});
   }
 
-  static c10::intrusive_ptr<CudaStagedWork> make(int rank, c10d::OpType type, c10::intrusive_ptr<c10d::Work> inner,
-                                                 std::vector<std::pair<at::Tensor, at::Tensor>> back, c10::Device dev,
-                                                 std::vector<at::Tensor> outputs,
+  static c10::intrusive_ptr<CudaStagedWork> make(int rank, c10d::OpType type,
+                                                 c10::intrusive_ptr<c10d::Work> inner,
+                                                 std::vector<std::pair<at::Tensor, at::Tensor>> back,
+                                                 c10::Device dev, std::vector<at::Tensor> outputs,
                                                  std::vector<c10::intrusive_ptr<c10d::Work>> children = {}) {
     auto w = c10::make_intrusive<CudaStagedWork>(rank, type, inner, std::move(back), dev, std::move(outputs),
                                                  std::move(children));
@@ -142,15 +143,15 @@ class CudaStagedWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
-
 void check_reduce_args(const at::Tensor& dst, const at::Tensor& src, int op, const char* fn) {
-  TORCH_CHECK_VALUE(dst.is_cuda() && src.is_cuda(), fn, ": expected CUDA tensors, got ", dst.device(), " and ",
-                    src.device());
-  TORCH_CHECK_VALUE(dst.device() == src.device(), fn, ": expected tensors on one device, got ", dst.device(), " and ",
-                    src.device());
-  TORCH_CHECK_VALUE(dst.scalar_type() == src.scalar_type(), fn, ": expected dtype ", dst.scalar_type(), ", got ",
-                    src.scalar_type());
-  TORCH_CHECK_VALUE(dst.numel() == src.numel(), fn, ": expected ", dst.numel(), " elements, got ", src.numel());
+  TORCH_CHECK_VALUE(dst.is_cuda() && src.is_cuda(), fn, ": expected CUDA tensors, got ", dst.device(),
+                    " and ", src.device());
+  TORCH_CHECK_VALUE(dst.device() == src.device(), fn, ": expected tensors on one device, got ", dst.device(),
+                    " and ", src.device());
+  TORCH_CHECK_VALUE(dst.scalar_type() == src.scalar_type(), fn, ": expected dtype ", dst.scalar_type(),
+                    ", got ", src.scalar_type());
+  TORCH_CHECK_VALUE(dst.numel() == src.numel(), fn, ": expected ", dst.numel(), " elements, got ",
+                    src.numel());
   TORCH_CHECK_VALUE(dst.is_contiguous() && src.is_contiguous(), fn, ": expected contiguous tensors");
   TORCH_CHECK_VALUE(op >= 0 && op <= static_cast<int>(RedOp::PREMUL_SUM), fn, ": unknown ReduceOp code ", op);
   const std::string why = check_reduce_supported(dst.scalar_type(), static_cast<RedOp>(op));
@@ -159,31 +160,47 @@ void check_reduce_args(const at::Tensor& dst, const at::Tensor& src, int op, con
 
 }  // namespace
 
-int cuda_dtype_code(c10::ScalarType st, const char* fn) {
-  return static_cast<int>(to_cuda_dtype(st, fn));
-}
+int cuda_dtype_code(c10::ScalarType st, const char* fn) { return static_cast<int>(to_cuda_dtype(st, fn)); }
 
 cuda::DType to_cuda_dtype(c10::ScalarType st, const char* fn) {
   using ST = c10::ScalarType;
   switch (st) {
-    case ST::Double: return cuda::DType::F64;
-    case ST::Float: return cuda::DType::F32;
-    case ST::Half: return cuda::DType::F16;
-    case ST::BFloat16: return cuda::DType::BF16;
-    case ST::Float8_e4m3fn: return cuda::DType::F8E4M3;
-    case ST::Float8_e5m2: return cuda::DType::F8E5M2;
-    case ST::Char: return cuda::DType::I8;
-    case ST::Short: return cuda::DType::I16;
-    case ST::Int: return cuda::DType::I32;
-    case ST::Long: return cuda::DType::I64;
-    case ST::Byte: return cuda::DType::U8;
-    case ST::UInt16: return cuda::DType::U16;
-    case ST::UInt32: return cuda::DType::U32;
-    case ST::UInt64: return cuda::DType::U64;
-    case ST::Bool: return cuda::DType::BOOL;
-    case ST::ComplexFloat: return cuda::DType::C64;
-    case ST::ComplexDouble: return cuda::DType::C128;
-    default: break;
+    case ST::Double:
+      return cuda::DType::F64;
+    case ST::Float:
+      return cuda::DType::F32;
+    case ST::Half:
+      return cuda::DType::F16;
+    case ST::BFloat16:
+      return cuda::DType::BF16;
+    case ST::Float8_e4m3fn:
+      return cuda::DType::F8E4M3;
+    case ST::Float8_e5m2:
+      return cuda::DType::F8E5M2;
+    case ST::Char:
+      return cuda::DType::I8;
+    case ST::Short:
+      return cuda::DType::I16;
+    case ST::Int:
+      return cuda::DType::I32;
+    case ST::Long:
+      return cuda::DType::I64;
+    case ST::Byte:
+      return cuda::DType::U8;
+    case ST::UInt16:
+      return cuda::DType::U16;
+    case ST::UInt32:
+      return cuda::DType::U32;
+    case ST::UInt64:
+      return cuda::DType::U64;
+    case ST::Bool:
+      return cuda::DType::BOOL;
+    case ST::ComplexFloat:
+      return cuda::DType::C64;
+    case ST::ComplexDouble:
+      return cuda::DType::C128;
+    default:
+      break;
   }
   TORCH_CHECK_VALUE(false, fn, ": unsupported dtype ", c10::toString(st));
 }
@@ -195,9 +212,11 @@ bool any_cuda(const std::vector<at::Tensor*>& ts) {
 }
 
 c10::intrusive_ptr<c10d::Work> cuda_staged(int rank, c10d::OpType type, const char* op,
-                                           const std::vector<at::Tensor*>& ins, const std::vector<at::Tensor*>& outs,
+                                           const std::vector<at::Tensor*>& ins,
+                                           const std::vector<at::Tensor*>& outs,
                                            const std::function<c10::intrusive_ptr<c10d::Work>()>& cpu_call,
-                                           bool coalescing, std::vector<c10::intrusive_ptr<c10d::Work>>* coalesced) {
+                                           bool coalescing,
+                                           std::vector<c10::intrusive_ptr<c10d::Work>>* coalesced) {
   std::vector<at::Tensor*> all;
   std::unordered_set<at::Tensor*> seen;
   for (auto* v : {&ins, &outs})
@@ -205,8 +224,9 @@ c10::intrusive_ptr<c10d::Work> cuda_staged(int rank, c10d::OpType type, const ch
       if (p->defined() && seen.insert(p).second) all.push_back(p);
   std::optional<c10::Device> dev;
   for (at::Tensor* p : all) {
-    TORCH_CHECK_VALUE(p->is_cuda(), "MooncakeBackend::", op, ": expected every tensor on one CUDA device, got one on ",
-                      p->device(), " next to CUDA tensors");
+    TORCH_CHECK_VALUE(p->is_cuda(), "MooncakeBackend::", op,
+                      ": expected every tensor on one CUDA device, got one on ", p->device(),
+                      " next to CUDA tensors");
     if (!dev) dev = p->device();
     TORCH_CHECK_VALUE(p->device() == *dev, "MooncakeBackend::", op, ": expected every tensor on ", *dev,
                       ", got one on ", p->device());
@@ -240,7 +260,8 @@ c10::intrusive_ptr<c10d::Work> cuda_staged(int rank, c10d::OpType type, const ch
     outputs.push_back(orig[p]);
   }
   restore();
-  c10::intrusive_ptr<c10d::Work> w = CudaStagedWork::make(rank, type, inner, std::move(back), *dev, std::move(outputs));
+  c10::intrusive_ptr<c10d::Work> w =
+      CudaStagedWork::make(rank, type, inner, std::move(back), *dev, std::move(outputs));
   if (coalescing && coalesced) coalesced->push_back(w);
   return w;
 }
@@ -255,13 +276,14 @@ c10::intrusive_ptr<c10d::Work> cuda_coalesced(int rank, c10::intrusive_ptr<c10d:
       outputs.push_back(t);
       dev = t.device();
     }
-  return CudaStagedWork::make(rank, c10d::OpType::COALESCED, inner, {}, dev, std::move(outputs), std::move(children));
+  return CudaStagedWork::make(rank, c10d::OpType::COALESCED, inner, {}, dev, std::move(outputs),
+                              std::move(children));
 }
 
 void cuda_reduce_(at::Tensor& dst, const std::vector<at::Tensor>& srcs, int op) {
   const char* fn = "mooncake_pg._C._cuda_reduce";
-  TORCH_CHECK_VALUE(!srcs.empty() && srcs.size() < static_cast<size_t>(cuda::kMaxSources), fn, ": expected 1..",
-                    cuda::kMaxSources - 1, " sources, got ", srcs.size());
+  TORCH_CHECK_VALUE(!srcs.empty() && srcs.size() < static_cast<size_t>(cuda::kMaxSources), fn,
+                    ": expected 1..", cuda::kMaxSources - 1, " sources, got ", srcs.size());
   std::vector<const void*> ptrs{dst.data_ptr()};
   for (const auto& s : srcs) {
     check_reduce_args(dst, s, op, fn);
@@ -269,8 +291,9 @@ void cuda_reduce_(at::Tensor& dst, const std::vector<at::Tensor>& srcs, int op) 
   }
   c10::cuda::CUDAGuard g(dst.device());
   try {
-    cuda::launch_reduce(dst.data_ptr(), ptrs.data(), static_cast<int>(ptrs.size()), static_cast<size_t>(dst.numel()),
-                        to_cuda_dtype(dst.scalar_type(), fn), static_cast<cuda::Op>(op),
+    cuda::launch_reduce(dst.data_ptr(), ptrs.data(), static_cast<int>(ptrs.size()),
+                        static_cast<size_t>(dst.numel()), to_cuda_dtype(dst.scalar_type(), fn),
+                        static_cast<cuda::Op>(op),
                         c10::cuda::getCurrentCUDAStream(dst.device().index()).stream());
   } catch (const std::runtime_error& e) {
     TORCH_CHECK(false, fn, ": ", e.what());
@@ -278,7 +301,8 @@ void cuda_reduce_(at::Tensor& dst, const std::vector<at::Tensor>& srcs, int op) 
 }
 
 std::string cuda_ipc_export(const at::Tensor& t, int64_t* offset) {
-  TORCH_CHECK_VALUE(t.is_cuda(), "mooncake_pg._C._cuda_ipc_export: expected a CUDA tensor, got one on ", t.device());
+  TORCH_CHECK_VALUE(t.is_cuda(), "mooncake_pg._C._cuda_ipc_export: expected a CUDA tensor, got one on ",
+                    t.device());
   c10::cuda::CUDAGuard g(t.device());
   size_t size = 0;
   void* base = c10::cuda::CUDACachingAllocator::getBaseAllocation(t.storage().data_ptr().get(), &size);

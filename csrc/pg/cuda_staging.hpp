@@ -27,9 +27,11 @@ int cuda_dtype_code(c10::ScalarType st, const char* fn);
 // `outs` back. `op` names the op in errors. Raises ValueError when the tensors are not all
 // on one CUDA device. Works made while `coalescing` are also appended to `coalesced`.
 c10::intrusive_ptr<c10d::Work> cuda_staged(int rank, c10d::OpType type, const char* op,
-                                           const std::vector<at::Tensor*>& ins, const std::vector<at::Tensor*>& outs,
+                                           const std::vector<at::Tensor*>& ins,
+                                           const std::vector<at::Tensor*>& outs,
                                            const std::function<c10::intrusive_ptr<c10d::Work>()>& cpu_call,
-                                           bool coalescing, std::vector<c10::intrusive_ptr<c10d::Work>>* coalesced);
+                                           bool coalescing,
+                                           std::vector<c10::intrusive_ptr<c10d::Work>>* coalesced);
 
 // The Work endCoalescing returns when CUDA ops were coalesced: waits for `inner` (the
 // coalesced CPU work), then for every staged child's copy-back.

@@ -25,14 +25,14 @@ ShmLayout::ShmLayout(int size_, size_t slot_, size_t hdr_cap_, size_t ring_)
 
 static std::string missing_msg(const char* what, const std::vector<int>& missing) {
   std::string w(what);
-  std::string s = w.back() == ':' ? w.substr(0, w.size() - 1) + " rank(s)" : w + ": timed out waiting for rank(s)";
+  std::string s =
+      w.back() == ':' ? w.substr(0, w.size() - 1) + " rank(s)" : w + ": timed out waiting for rank(s)";
   for (int r : missing) s += " " + std::to_string(r);
   return s;
 }
 
 // ---- ShmEngine ---------------------------------------------------------------------
-ShmEngine::ShmEngine(int rank, int size, std::shared_ptr<ShmSegment> seg,
-                     const ShmLayout& layout, bool spin)
+ShmEngine::ShmEngine(int rank, int size, std::shared_ptr<ShmSegment> seg, const ShmLayout& layout, bool spin)
     : CollEngine(rank, size, layout.slot, layout.hdr_cap),
       seg_(std::move(seg)),
       layout_(layout),
@@ -188,8 +188,7 @@ size_t ShmP2P::read_some(int peer, void* buf, size_t n) {
 
 void ShmP2P::wait(uint32_t token, int64_t timeout_ns, const std::vector<char>&) {
   sleeping(rank_)->store(1, std::memory_order_seq_cst);
-  if (bell(rank_)->load(std::memory_order_seq_cst) == token)
-    futex_wait(bell(rank_), token, timeout_ns);
+  if (bell(rank_)->load(std::memory_order_seq_cst) == token) futex_wait(bell(rank_), token, timeout_ns);
   sleeping(rank_)->store(0, std::memory_order_seq_cst);
 }
 
@@ -322,7 +321,8 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
             dst = peers_[j][i.fh.round % 3].data() + hdr_cap_ + r.off;
             len = r.len;
           }
-          size_t m = recv_some(fds_[j], dst + (i.stage == 100 ? 0 : i.done), len - (i.stage == 100 ? 0 : i.done));
+          size_t m =
+              recv_some(fds_[j], dst + (i.stage == 100 ? 0 : i.done), len - (i.stage == 100 ? 0 : i.done));
           if (m > 0) progress = true;
           if (i.stage == 100) {
             i.discard_left -= m;

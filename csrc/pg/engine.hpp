@@ -125,8 +125,7 @@ struct ShmLayout {
 class ShmEngine : public CollEngine {
  public:
   // `seg` is mapped by every local rank; `spin` enables brief spinning before sleeping.
-  ShmEngine(int rank, int size, std::shared_ptr<ShmSegment> seg, const ShmLayout& layout,
-            bool spin);
+  ShmEngine(int rank, int size, std::shared_ptr<ShmSegment> seg, const ShmLayout& layout, bool spin);
   uint8_t* my_slot(uint64_t k) override { return slot_ptr(rank_, k); }
   uint8_t* my_hdr(uint64_t k) override { return hdr_ptr(rank_, k); }
   const uint8_t* peer_slot(int j, uint64_t k) override { return slot_ptr(j, k); }
@@ -146,7 +145,9 @@ class ShmEngine : public CollEngine {
   std::atomic<uint64_t>* arrived(int r) {
     return reinterpret_cast<std::atomic<uint64_t>*>(base_ + layout_.coll_ctrl + 64 * (r + 1));
   }
-  std::atomic<uint32_t>* bell() { return reinterpret_cast<std::atomic<uint32_t>*>(base_ + layout_.coll_ctrl); }
+  std::atomic<uint32_t>* bell() {
+    return reinterpret_cast<std::atomic<uint32_t>*>(base_ + layout_.coll_ctrl);
+  }
   std::atomic<uint32_t>* sleepers() { return bell() + 1; }
 
   std::shared_ptr<ShmSegment> seg_;

@@ -13,7 +13,7 @@
 namespace mooncake {
 
 namespace {
-constexpr int kRecvDepth = 64;         // receives kept posted per queue pair
+constexpr int kRecvDepth = 64;             // receives kept posted per queue pair
 constexpr uint64_t kRecvTag = 1ull << 63;  // wr_id of receives: tag | peer; of writes: peer
 
 std::string ranks_str(const std::vector<int>& r) {
@@ -33,7 +33,8 @@ RdmaEngine::RdmaEngine(int rank, int size, size_t slot_bytes, size_t hdr_cap, co
   rdma_choose(rdma_devices(), device_spec, &dev, &port);
   const int npeers = static_cast<int>(members.size()) - 1;
   ctx_ = std::make_unique<RdmaContext>(dev, port, gid_index, std::max(64, npeers * (kRecvDepth + 32)));
-  in_ = std::make_unique<RdmaMemory>(*ctx_, static_cast<size_t>(size) * 3 * stride() + 8 * static_cast<size_t>(size));
+  in_ = std::make_unique<RdmaMemory>(
+      *ctx_, static_cast<size_t>(size) * 3 * stride() + 8 * static_cast<size_t>(size));
   out_ = std::make_unique<RdmaMemory>(*ctx_, 3 * stride() + 8 * 3);
   qps_.resize(size);
   remote_addr_.assign(size, 0);
@@ -109,7 +110,8 @@ void RdmaEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadl
     if (sends) {
       for (const Range& r : (*sends)[j])
         if (r.len > 0)
-          qp.post_write(my_slot(k) + r.off, r.len, out_->lkey(), dst + hdr_cap_ + r.off, remote_rkey_[j], j, false);
+          qp.post_write(my_slot(k) + r.off, r.len, out_->lkey(), dst + hdr_cap_ + r.off, remote_rkey_[j], j,
+                        false);
     } else {
       qp.post_write(my_slot(k), slot_, out_->lkey(), dst + hdr_cap_, remote_rkey_[j], j, false);
     }
@@ -143,7 +145,8 @@ void RdmaEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadl
     if (probe_ && now >= next_probe) {
       next_probe = now + 20000000;
       std::vector<int> dead = probe_(missing());
-      if (!dead.empty()) throw PeerFailure("rdma exchange: peer process(es) died:" + ranks_str(dead), dead, false);
+      if (!dead.empty())
+        throw PeerFailure("rdma exchange: peer process(es) died:" + ranks_str(dead), dead, false);
     }
     if (now >= deadline_ns) {
       std::vector<int> m = missing();

@@ -44,18 +44,22 @@ class RdmaEngine : public CollEngine {
  private:
   size_t stride() const { return hdr_cap_ + slot_; }
   size_t ctr_off() const { return static_cast<size_t>(size_) * 3 * stride(); }
-  volatile uint64_t* in_ctr(int j) { return reinterpret_cast<volatile uint64_t*>(in_->data() + ctr_off() + 8 * j); }
-  uint64_t* out_ctr(uint64_t k) { return reinterpret_cast<uint64_t*>(out_->data() + 3 * stride() + 8 * (k % 3)); }
+  volatile uint64_t* in_ctr(int j) {
+    return reinterpret_cast<volatile uint64_t*>(in_->data() + ctr_off() + 8 * j);
+  }
+  uint64_t* out_ctr(uint64_t k) {
+    return reinterpret_cast<uint64_t*>(out_->data() + 3 * stride() + 8 * (k % 3));
+  }
   void handle_completions(int* sends_left, const char* what);
 
   std::unique_ptr<RdmaContext> ctx_;
   std::unique_ptr<RdmaMemory> in_, out_;
   std::vector<std::unique_ptr<RdmaQp>> qps_;  // per peer (null for self and non-members)
-  std::vector<uint64_t> remote_addr_;          // base of peer j's in_ area
+  std::vector<uint64_t> remote_addr_;         // base of peer j's in_ area
   std::vector<uint32_t> remote_rkey_;
-  std::vector<uint64_t> seen_;                 // highest round counter seen from peer j
+  std::vector<uint64_t> seen_;  // highest round counter seen from peer j
   std::vector<uint32_t> qpn_of_;
-  std::vector<int> failed_;                    // peers whose queue pair broke
+  std::vector<int> failed_;  // peers whose queue pair broke
 };
 
 }  // namespace mooncake

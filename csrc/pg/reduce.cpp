@@ -15,22 +15,29 @@ namespace mooncake {
 
 const char* red_op_name(RedOp op) {
   switch (op) {
-    case RedOp::SUM: return "SUM";
-    case RedOp::AVG: return "AVG";
-    case RedOp::PRODUCT: return "PRODUCT";
-    case RedOp::MIN: return "MIN";
-    case RedOp::MAX: return "MAX";
-    case RedOp::BAND: return "BAND";
-    case RedOp::BOR: return "BOR";
-    case RedOp::BXOR: return "BXOR";
-    case RedOp::PREMUL_SUM: return "PREMUL_SUM";
+    case RedOp::SUM:
+      return "SUM";
+    case RedOp::AVG:
+      return "AVG";
+    case RedOp::PRODUCT:
+      return "PRODUCT";
+    case RedOp::MIN:
+      return "MIN";
+    case RedOp::MAX:
+      return "MAX";
+    case RedOp::BAND:
+      return "BAND";
+    case RedOp::BOR:
+      return "BOR";
+    case RedOp::BXOR:
+      return "BXOR";
+    case RedOp::PREMUL_SUM:
+      return "PREMUL_SUM";
   }
   return "?";
 }
 
-static bool is_float_kind(c10::ScalarType dt) {
-  return c10::isFloatingType(dt);
-}
+static bool is_float_kind(c10::ScalarType dt) { return c10::isFloatingType(dt); }
 
 std::string check_reduce_supported(c10::ScalarType dt, RedOp op) {
   using ST = c10::ScalarType;
@@ -38,7 +45,8 @@ std::string check_reduce_supported(c10::ScalarType dt, RedOp op) {
     if (dt != ST::ComplexFloat && dt != ST::ComplexDouble)
       return std::string("unsupported complex dtype ") + c10::toString(dt);
     if (op == RedOp::SUM || op == RedOp::AVG || op == RedOp::PREMUL_SUM) return "";
-    return std::string("ReduceOp ") + red_op_name(op) + " is not defined for complex tensors (only SUM and AVG)";
+    return std::string("ReduceOp ") + red_op_name(op) +
+           " is not defined for complex tensors (only SUM and AVG)";
   }
   if (dt == ST::Bool) {
     if (op == RedOp::AVG || op == RedOp::PREMUL_SUM)
@@ -47,32 +55,67 @@ std::string check_reduce_supported(c10::ScalarType dt, RedOp op) {
   }
   if (is_float_kind(dt)) {
     if (op == RedOp::BAND || op == RedOp::BOR || op == RedOp::BXOR)
-      return std::string("bitwise ReduceOp ") + red_op_name(op) + " is not defined for floating-point tensors";
+      return std::string("bitwise ReduceOp ") + red_op_name(op) +
+             " is not defined for floating-point tensors";
     switch (dt) {
-      case ST::Double: case ST::Float: case ST::Half: case ST::BFloat16:
-      case ST::Float8_e4m3fn: case ST::Float8_e5m2: return "";
-      default: return std::string("unsupported dtype ") + c10::toString(dt);
+      case ST::Double:
+      case ST::Float:
+      case ST::Half:
+      case ST::BFloat16:
+      case ST::Float8_e4m3fn:
+      case ST::Float8_e5m2:
+        return "";
+      default:
+        return std::string("unsupported dtype ") + c10::toString(dt);
     }
   }
   switch (dt) {
-    case ST::Char: case ST::Short: case ST::Int: case ST::Long: case ST::Byte:
-    case ST::UInt16: case ST::UInt32: case ST::UInt64:
+    case ST::Char:
+    case ST::Short:
+    case ST::Int:
+    case ST::Long:
+    case ST::Byte:
+    case ST::UInt16:
+    case ST::UInt32:
+    case ST::UInt64:
       if (op == RedOp::PREMUL_SUM) return "PREMUL_SUM is only defined for floating-point tensors";
       return "";
-    default: return std::string("unsupported dtype ") + c10::toString(dt);
+    default:
+      return std::string("unsupported dtype ") + c10::toString(dt);
   }
 }
 
 namespace {
 constexpr size_t kBlock = 512;
 
-template <typename T> struct AccOf { using type = T; };
-template <> struct AccOf<c10::Half> { using type = float; };
-template <> struct AccOf<c10::BFloat16> { using type = float; };
-template <> struct AccOf<c10::Float8_e4m3fn> { using type = float; };
-template <> struct AccOf<c10::Float8_e5m2> { using type = float; };
-template <> struct AccOf<c10::complex<float>> { using type = c10::complex<float>; };
-template <> struct AccOf<c10::complex<double>> { using type = c10::complex<double>; };
+template <typename T>
+struct AccOf {
+  using type = T;
+};
+template <>
+struct AccOf<c10::Half> {
+  using type = float;
+};
+template <>
+struct AccOf<c10::BFloat16> {
+  using type = float;
+};
+template <>
+struct AccOf<c10::Float8_e4m3fn> {
+  using type = float;
+};
+template <>
+struct AccOf<c10::Float8_e5m2> {
+  using type = float;
+};
+template <>
+struct AccOf<c10::complex<float>> {
+  using type = c10::complex<float>;
+};
+template <>
+struct AccOf<c10::complex<double>> {
+  using type = c10::complex<double>;
+};
 
 template <typename A, typename F>
 inline void apply(A* acc, const A* x, size_t m, F f) {
@@ -152,14 +195,19 @@ void reduce_arith(void* dst, const void* const* srcs, int ns, size_t n, RedOp op
     }
     if constexpr (std::is_integral_v<A>) {
       switch (op) {
-        case RedOp::BAND: return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return A(a & b); }, false, d2);
-        case RedOp::BOR: return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return A(a | b); }, false, d2);
-        case RedOp::BXOR: return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return A(a ^ b); }, false, d2);
-        default: break;
+        case RedOp::BAND:
+          return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return A(a & b); }, false, d2);
+        case RedOp::BOR:
+          return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return A(a | b); }, false, d2);
+        case RedOp::BXOR:
+          return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return A(a ^ b); }, false, d2);
+        default:
+          break;
       }
     }
   }
-  throw std::invalid_argument(std::string("reduce: ReduceOp ") + red_op_name(op) + " not supported for this dtype");
+  throw std::invalid_argument(std::string("reduce: ReduceOp ") + red_op_name(op) +
+                              " not supported for this dtype");
 }
 
 void reduce_bool(void* dst, const void* const* srcs, int ns, size_t n, RedOp op, void* dst2) {
@@ -184,24 +232,42 @@ void reduce_buffers(void* dst, const void* const* srcs, int ns, size_t n, c10::S
                     void* dst2) {
   using ST = c10::ScalarType;
   switch (dt) {
-    case ST::Double: return reduce_arith<double>(dst, srcs, ns, n, op, dst2);
-    case ST::Float: return reduce_arith<float>(dst, srcs, ns, n, op, dst2);
-    case ST::Half: return reduce_arith<c10::Half>(dst, srcs, ns, n, op, dst2);
-    case ST::BFloat16: return reduce_arith<c10::BFloat16>(dst, srcs, ns, n, op, dst2);
-    case ST::Float8_e4m3fn: return reduce_arith<c10::Float8_e4m3fn>(dst, srcs, ns, n, op, dst2);
-    case ST::Float8_e5m2: return reduce_arith<c10::Float8_e5m2>(dst, srcs, ns, n, op, dst2);
-    case ST::Char: return reduce_arith<int8_t>(dst, srcs, ns, n, op, dst2);
-    case ST::Short: return reduce_arith<int16_t>(dst, srcs, ns, n, op, dst2);
-    case ST::Int: return reduce_arith<int32_t>(dst, srcs, ns, n, op, dst2);
-    case ST::Long: return reduce_arith<int64_t>(dst, srcs, ns, n, op, dst2);
-    case ST::Byte: return reduce_arith<uint8_t>(dst, srcs, ns, n, op, dst2);
-    case ST::UInt16: return reduce_arith<uint16_t>(dst, srcs, ns, n, op, dst2);
-    case ST::UInt32: return reduce_arith<uint32_t>(dst, srcs, ns, n, op, dst2);
-    case ST::UInt64: return reduce_arith<uint64_t>(dst, srcs, ns, n, op, dst2);
-    case ST::ComplexFloat: return reduce_arith<c10::complex<float>>(dst, srcs, ns, n, op, dst2);
-    case ST::ComplexDouble: return reduce_arith<c10::complex<double>>(dst, srcs, ns, n, op, dst2);
-    case ST::Bool: return reduce_bool(dst, srcs, ns, n, op, dst2);
-    default: throw std::invalid_argument(std::string("reduce: unsupported dtype ") + c10::toString(dt));
+    case ST::Double:
+      return reduce_arith<double>(dst, srcs, ns, n, op, dst2);
+    case ST::Float:
+      return reduce_arith<float>(dst, srcs, ns, n, op, dst2);
+    case ST::Half:
+      return reduce_arith<c10::Half>(dst, srcs, ns, n, op, dst2);
+    case ST::BFloat16:
+      return reduce_arith<c10::BFloat16>(dst, srcs, ns, n, op, dst2);
+    case ST::Float8_e4m3fn:
+      return reduce_arith<c10::Float8_e4m3fn>(dst, srcs, ns, n, op, dst2);
+    case ST::Float8_e5m2:
+      return reduce_arith<c10::Float8_e5m2>(dst, srcs, ns, n, op, dst2);
+    case ST::Char:
+      return reduce_arith<int8_t>(dst, srcs, ns, n, op, dst2);
+    case ST::Short:
+      return reduce_arith<int16_t>(dst, srcs, ns, n, op, dst2);
+    case ST::Int:
+      return reduce_arith<int32_t>(dst, srcs, ns, n, op, dst2);
+    case ST::Long:
+      return reduce_arith<int64_t>(dst, srcs, ns, n, op, dst2);
+    case ST::Byte:
+      return reduce_arith<uint8_t>(dst, srcs, ns, n, op, dst2);
+    case ST::UInt16:
+      return reduce_arith<uint16_t>(dst, srcs, ns, n, op, dst2);
+    case ST::UInt32:
+      return reduce_arith<uint32_t>(dst, srcs, ns, n, op, dst2);
+    case ST::UInt64:
+      return reduce_arith<uint64_t>(dst, srcs, ns, n, op, dst2);
+    case ST::ComplexFloat:
+      return reduce_arith<c10::complex<float>>(dst, srcs, ns, n, op, dst2);
+    case ST::ComplexDouble:
+      return reduce_arith<c10::complex<double>>(dst, srcs, ns, n, op, dst2);
+    case ST::Bool:
+      return reduce_bool(dst, srcs, ns, n, op, dst2);
+    default:
+      throw std::invalid_argument(std::string("reduce: unsupported dtype ") + c10::toString(dt));
   }
 }
 
@@ -223,15 +289,24 @@ void scale_typed(void* dst, const void* src, size_t n, double f) {
 void scale_copy(void* dst, const void* src, size_t n, c10::ScalarType dt, double f) {
   using ST = c10::ScalarType;
   switch (dt) {
-    case ST::Double: return scale_typed<double>(dst, src, n, f);
-    case ST::Float: return scale_typed<float>(dst, src, n, f);
-    case ST::Half: return scale_typed<c10::Half>(dst, src, n, f);
-    case ST::BFloat16: return scale_typed<c10::BFloat16>(dst, src, n, f);
-    case ST::Float8_e4m3fn: return scale_typed<c10::Float8_e4m3fn>(dst, src, n, f);
-    case ST::Float8_e5m2: return scale_typed<c10::Float8_e5m2>(dst, src, n, f);
-    case ST::ComplexFloat: return scale_typed<c10::complex<float>>(dst, src, n, f);
-    case ST::ComplexDouble: return scale_typed<c10::complex<double>>(dst, src, n, f);
-    default: throw std::invalid_argument(std::string("PREMUL_SUM: unsupported dtype ") + c10::toString(dt));
+    case ST::Double:
+      return scale_typed<double>(dst, src, n, f);
+    case ST::Float:
+      return scale_typed<float>(dst, src, n, f);
+    case ST::Half:
+      return scale_typed<c10::Half>(dst, src, n, f);
+    case ST::BFloat16:
+      return scale_typed<c10::BFloat16>(dst, src, n, f);
+    case ST::Float8_e4m3fn:
+      return scale_typed<c10::Float8_e4m3fn>(dst, src, n, f);
+    case ST::Float8_e5m2:
+      return scale_typed<c10::Float8_e5m2>(dst, src, n, f);
+    case ST::ComplexFloat:
+      return scale_typed<c10::complex<float>>(dst, src, n, f);
+    case ST::ComplexDouble:
+      return scale_typed<c10::complex<double>>(dst, src, n, f);
+    default:
+      throw std::invalid_argument(std::string("PREMUL_SUM: unsupported dtype ") + c10::toString(dt));
   }
 }
 

@@ -169,7 +169,8 @@ void prefault_write(void* p, size_t n) {
     while (last > first && (present[last - 1] & 1)) --last;
     if (first == last) return;
   }
-  (void)madvise(reinterpret_cast<void*>(a + first * page), (last - first) * page, 23 /* MADV_POPULATE_WRITE */);
+  (void)madvise(reinterpret_cast<void*>(a + first * page), (last - first) * page,
+                23 /* MADV_POPULATE_WRITE */);
 #else
   (void)p;
   (void)n;

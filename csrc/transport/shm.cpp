@@ -69,8 +69,7 @@ bool futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_
   struct timespec ts;
   ts.tv_sec = timeout_ns / 1000000000LL;
   ts.tv_nsec = timeout_ns % 1000000000LL;
-  long rc = syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts,
-                    nullptr, 0);
+  long rc = syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
   return !(rc != 0 && errno == ETIMEDOUT);
 }
 

@@ -109,8 +109,8 @@ int tcp_connect(const std::string& host, int port, int64_t timeout_ms) {
     close(fd);
     errno = saved;
     if (now_ns() > deadline)
-      throw std::runtime_error("tcp: cannot connect to " + host + ":" + std::to_string(port) +
-                               ": " + std::strerror(errno));
+      throw std::runtime_error("tcp: cannot connect to " + host + ":" + std::to_string(port) + ": " +
+                               std::strerror(errno));
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
 }

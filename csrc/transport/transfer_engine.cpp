@@ -26,11 +26,12 @@ namespace {
 
 constexpr char kMagic[8] = {'M', 'C', 'T', 'E', '0', '0', '0', '1'};
 constexpr uint32_t kOpWrite = 1, kOpRead = 2;
-constexpr int kIoTimeoutS = 10;  // a send or receive that makes no progress this long fails (a live
-                                 // peer always moves some bytes within it; a stopped one blocks its clients this long)
+constexpr int kIoTimeoutS =
+    10;  // a send or receive that makes no progress this long fails (a live
+         // peer always moves some bytes within it; a stopped one blocks its clients this long)
 constexpr int kConnectTimeoutMs = 2000;  // a peer's engine listens before it is advertised: refused = gone
 constexpr int kHandshakeTimeoutS = 5;    // a live peer answers the hello at once (a stopped one never)
-constexpr size_t kWindow = 256;  // ops in flight per round (bounds unread replies)
+constexpr size_t kWindow = 256;          // ops in flight per round (bounds unread replies)
 
 struct ReqHdr {
   uint32_t op;
@@ -92,7 +93,8 @@ bool recv_full(int fd, void* buf, size_t n) {
 bool send_iov(int fd, std::vector<iovec>& iov) {
   timeval tv{};
   socklen_t tl = sizeof(tv);
-  double timeout_s = getsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, &tl) == 0 ? tv.tv_sec + tv.tv_usec * 1e-6 : 0;
+  double timeout_s =
+      getsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, &tl) == 0 ? tv.tv_sec + tv.tv_usec * 1e-6 : 0;
   size_t i = 0;
   while (i < iov.size()) {
     msghdr m{};
@@ -123,8 +125,8 @@ bool send_iov(int fd, std::vector<iovec>& iov) {
 // (SO_RCVTIMEO: EAGAIN) or a closed or broken connection.
 std::string recv_failure(const std::string& peer, size_t i) {
   if (errno == EAGAIN || errno == EWOULDBLOCK)
-    return "peer " + peer + " sent nothing for " + std::to_string(kIoTimeoutS) + " s during op " + std::to_string(i) +
-           " (stopped or hung)";
+    return "peer " + peer + " sent nothing for " + std::to_string(kIoTimeoutS) + " s during op " +
+           std::to_string(i) + " (stopped or hung)";
   return "peer " + peer + " closed the connection during op " + std::to_string(i);
 }
 
@@ -150,7 +152,8 @@ TransferEngine::TransferEngine(const std::string& listen_host, const std::string
     listen_fd_ = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
     int one = 1;
     setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    bool ok = listen_fd_ >= 0 && bind(listen_fd_, res->ai_addr, res->ai_addrlen) == 0 && listen(listen_fd_, 256) == 0;
+    bool ok = listen_fd_ >= 0 && bind(listen_fd_, res->ai_addr, res->ai_addrlen) == 0 &&
+              listen(listen_fd_, 256) == 0;
     freeaddrinfo(res);
     if (!ok) throw err("TransferEngine", "cannot listen on " + listen_host + ": " + std::strerror(errno));
     sockaddr_storage bound{};
@@ -214,7 +217,8 @@ void TransferEngine::serve(int fd) {
   set_timeout(fd, kIoTimeoutS);
   char magic[8];
   uint32_t slen = 0;
-  bool ok = recv_full(fd, magic, 8) && std::memcmp(magic, kMagic, 8) == 0 && recv_full(fd, &slen, 4) && slen <= 256;
+  bool ok =
+      recv_full(fd, magic, 8) && std::memcmp(magic, kMagic, 8) == 0 && recv_full(fd, &slen, 4) && slen <= 256;
   std::string secret(ok ? slen : 0, '\0');
   ok = ok && recv_full(fd, secret.data(), slen);
   if (ok) {
@@ -230,8 +234,8 @@ void TransferEngine::serve(int fd) {
     if (!recv_full(fd, &h, sizeof(h))) break;
     std::shared_lock<std::shared_mutex> g(regions_mu_);
     auto it = regions_.find(h.region);
-    bool valid = (h.op == kOpWrite || h.op == kOpRead) && it != regions_.end() && h.offset <= it->second.len &&
-                 h.len <= it->second.len - h.offset;
+    bool valid = (h.op == kOpWrite || h.op == kOpRead) && it != regions_.end() &&
+                 h.offset <= it->second.len && h.len <= it->second.len - h.offset;
     RepHdr r{valid ? 0u : 1u, 0, valid ? h.len : 0};
     if (!valid) {
       send_full(fd, &r, sizeof(r));
@@ -359,9 +363,11 @@ void TransferEngine::batch(const char* what, const std::string& host, int port, 
     }
     if (!send_iov(fd, iov)) {
       drop(host, port, c);
-      throw conn_err(what, "peer " + peer + " stopped taking ops " + std::to_string(start) + "-" + std::to_string(end - 1) +
-                          " (it refused one: unknown region or out of bounds; or it died, or read nothing for " +
-                          std::to_string(kIoTimeoutS) + " s)");
+      throw conn_err(
+          what, "peer " + peer + " stopped taking ops " + std::to_string(start) + "-" +
+                    std::to_string(end - 1) +
+                    " (it refused one: unknown region or out of bounds; or it died, or read nothing for " +
+                    std::to_string(kIoTimeoutS) + " s)");
     }
     for (size_t i = start; i < end; ++i) {
       RepHdr r;
@@ -372,9 +378,9 @@ void TransferEngine::batch(const char* what, const std::string& host, int port, 
       }
       if (r.status != 0) {
         drop(host, port, c);
-        throw err(what, "peer " + peer + " refused op " + std::to_string(i) + " (region " + std::to_string(region) +
-                            ", offset " + std::to_string(offsets[i]) + ", " + std::to_string(lens[i]) +
-                            " bytes): unknown region or out of bounds");
+        throw err(what, "peer " + peer + " refused op " + std::to_string(i) + " (region " +
+                            std::to_string(region) + ", offset " + std::to_string(offsets[i]) + ", " +
+                            std::to_string(lens[i]) + " bytes): unknown region or out of bounds");
       }
       if (!kWrite && !recv_full(fd, bufs[i], lens[i])) {
         drop(host, port, c);

@@ -75,8 +75,9 @@ class TransferEngine {
   std::shared_ptr<Conn> connect_to(const std::string& host, int port);
   void drop(const std::string& host, int port, const std::shared_ptr<Conn>& c);
   template <bool kWrite>
-  void batch(const char* what, const std::string& host, int port, uint32_t region, const std::vector<uint64_t>& offsets,
-             const std::vector<uint8_t*>& bufs, const std::vector<uint64_t>& lens);
+  void batch(const char* what, const std::string& host, int port, uint32_t region,
+             const std::vector<uint64_t>& offsets, const std::vector<uint8_t*>& bufs,
+             const std::vector<uint64_t>& lens);
 
   std::string host_;
   std::string secret_;

@@ -35,6 +35,7 @@ planned here (arguments, repository files, tools, imports), prints the plan and 
 the JSON with ``"dry_run": true``; it exits 0 on a machine without a GPU.
 Exit status: 0 when every step that ran passed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,7 +53,15 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = ["env", "build", "kernels", "conformance", "ep", "ep_nvshmem", "allreduce_bw"]
 # seconds per step; the whole run has DEADLINE_S (the shell wrapper kills it at 360 s)
-LIMITS = {"env": 20, "build": 150, "kernels": 30, "conformance": 100, "ep": 55, "ep_nvshmem": 45, "allreduce_bw": 80}
+LIMITS = {
+    "env": 20,
+    "build": 150,
+    "kernels": 30,
+    "conformance": 100,
+    "ep": 55,
+    "ep_nvshmem": 45,
+    "allreduce_bw": 80,
+}
 DEADLINE_S = 340
 
 
@@ -64,8 +73,15 @@ def _left(ctx, want: float) -> float:
 def _run(cmd, limit: float, env=None):
     """Runs `cmd` in its own session; on timeout the whole session (rank processes too) is
     killed. Returns (returncode or None on timeout, stdout, stderr)."""
-    p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = p.communicate(timeout=limit)
         return p.returncode, out, err
@@ -80,8 +96,11 @@ def _run(cmd, limit: float, env=None):
 
 def _child(code: str, limit: float, env=None, args=()):
     """Runs ``code`` in a fresh Python; returns (ok, last RESULT json or None, tail of output)."""
-    e = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p),
-             OMP_NUM_THREADS="1")
+    e = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p),
+        OMP_NUM_THREADS="1",
+    )
     e.update(env or {})
     # from a file, not -c: multiprocessing's spawn re-imports the main module by path
     with tempfile.TemporaryDirectory(prefix="mc_gpu_check_") as d:
@@ -92,8 +111,10 @@ def _child(code: str, limit: float, env=None, args=()):
     res = None
     for line in out.splitlines():
         if line.startswith("RESULT "):
-            res = json.loads(line[len("RESULT "):])
-    tail = ("" if rc is not None else f"timed out after {limit:.0f} s\n") + out[-3000:] + err[-4000:]
+            res = json.loads(line[len("RESULT ") :])
+    tail = (
+        ("" if rc is not None else f"timed out after {limit:.0f} s\n") + out[-3000:] + err[-4000:]
+    )
     return rc == 0 and res is not None, res, tail
 
 
@@ -421,16 +442,23 @@ def step_env(ctx):
     ok, res, tail = _child(ENV_CODE, _left(ctx, LIMITS["env"]))
     res = res or {}
     res["nvidia_smi"] = shutil.which("nvidia-smi")
-    res["nvcc"] = shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if os.path.exists(p)), None)
-    res["ninja"] = shutil.which("ninja") is not None or importlib.util.find_spec("ninja") is not None
+    res["nvcc"] = shutil.which("nvcc") or next(
+        (p for p in ("/usr/local/cuda/bin/nvcc",) if os.path.exists(p)), None
+    )
+    res["ninja"] = (
+        shutil.which("ninja") is not None or importlib.util.find_spec("ninja") is not None
+    )
     res["python"] = platform.python_version()
     ctx["arch"] = ".".join(map(str, res.get("capability", [9, 0])))
     return ok, res, tail
 
 
 def build_cmd(ctx):
-    env = {"MOONCAKE_WITH_CUDA": "1", "TORCH_CUDA_ARCH_LIST": ctx.get("arch", "9.0"),
-           "MAX_JOBS": str(max(1, min(16, os.cpu_count() or 1)))}
+    env = {
+        "MOONCAKE_WITH_CUDA": "1",
+        "TORCH_CUDA_ARCH_LIST": ctx.get("arch", "9.0"),
+        "MAX_JOBS": str(max(1, min(16, os.cpu_count() or 1))),
+    }
     return [sys.executable, "setup.py", "-q", "build_ext", "--inplace"], env
 
 
@@ -443,9 +471,12 @@ def step_build(ctx):
         why = "build timed out" if rc is None else f"build failed (exit {rc})"
         return False, {"cmd": " ".join(cmd)}, why + "\n" + out[-3000:] + err[-6000:]
     build_s = round(time.perf_counter() - t0, 1)
-    ok, res, tail = _child("import json, mooncake_pg as m; print('RESULT ' + json.dumps({'WITH_CUDA': m.WITH_CUDA, "
-                           "'WITH_RDMA': m.WITH_RDMA, 'rdma_devices': [d.name for d in m.rdma_devices()]})); "
-                           "assert m.WITH_CUDA", 60)
+    ok, res, tail = _child(
+        "import json, mooncake_pg as m; print('RESULT ' + json.dumps({'WITH_CUDA': m.WITH_CUDA, "
+        "'WITH_RDMA': m.WITH_RDMA, 'rdma_devices': [d.name for d in m.rdma_devices()]})); "
+        "assert m.WITH_CUDA",
+        60,
+    )
     return ok, dict(res or {}, cmd=" ".join(cmd), env=env, build_seconds=build_s), tail
 
 
@@ -454,8 +485,19 @@ def step_kernels(ctx):
 
 
 def conformance_cmd():
-    return ([sys.executable, "-m", "pytest", "-q", "--maxfail=10", "-p", "no:cacheprovider", "tests/test_conformance.py"],
-            {"MOONCAKE_TEST_DEVICE": "cuda"})
+    return (
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "--maxfail=10",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_conformance.py",
+        ],
+        {"MOONCAKE_TEST_DEVICE": "cuda"},
+    )
 
 
 def step_conformance(ctx):
@@ -464,20 +506,43 @@ def step_conformance(ctx):
     # leave the last two steps their time
     limit = _left(ctx, min(LIMITS["conformance"], ctx["deadline"] - time.monotonic() - 110))
     rc, out, err = _run(cmd, limit, e)
-    summary = [ln for ln in out.splitlines() if " passed" in ln or " failed" in ln or " error" in ln][-1:]
-    res = {"cmd": " ".join(cmd), "summary": summary, "timed_out": rc is None, "limit_s": round(limit)}
+    summary = [
+        ln for ln in out.splitlines() if " passed" in ln or " failed" in ln or " error" in ln
+    ][-1:]
+    res = {
+        "cmd": " ".join(cmd),
+        "summary": summary,
+        "timed_out": rc is None,
+        "limit_s": round(limit),
+    }
     return rc == 0, res, out[-4000:] + err[-2000:]
 
 
 def step_ep(ctx):
-    ok, res, tail = _child(EP_CODE, _left(ctx, 25), env={"MC_REPO": REPO, "TRITON_DEFAULT_FP_FUSION": "0"})
+    ok, res, tail = _child(
+        EP_CODE, _left(ctx, 25), env={"MC_REPO": REPO, "TRITON_DEFAULT_FP_FUSION": "0"}
+    )
     res = res or {}
     # the group path here (step ep_nvshmem covers NVSHMEM, where nvshmem4py is installed)
-    ok2, r2, t2 = _child(RANKS_CODE, _left(ctx, 40), args=(json.dumps({"what": "ep", "ws": 2, "timeout": 35}),),
-                         env={"MOONCAKE_EP_LOW_LATENCY_BACKEND": "group"})
+    ok2, r2, t2 = _child(
+        RANKS_CODE,
+        _left(ctx, 40),
+        args=(json.dumps({"what": "ep", "ws": 2, "timeout": 35}),),
+        env={"MOONCAKE_EP_LOW_LATENCY_BACKEND": "group"},
+    )
     res["ep_ws2"] = r2
-    passed = bool(r2) and all(r2.get(k) for k in ("ll_on_cuda", "ll_correct", "ll_cuda_close_to_staged",
-                                                  "normal_on_cuda", "normal_correct", "fp8_on_cuda", "fp8_close"))
+    passed = bool(r2) and all(
+        r2.get(k)
+        for k in (
+            "ll_on_cuda",
+            "ll_correct",
+            "ll_cuda_close_to_staged",
+            "normal_on_cuda",
+            "normal_correct",
+            "fp8_on_cuda",
+            "fp8_close",
+        )
+    )
     return ok and ok2 and passed, res, tail + t2
 
 
@@ -556,25 +621,42 @@ if __name__ == "__main__":
     print("RESULT " + json.dumps({str(r): res[r] for r in sorted(res)}))
 '''
 
-NVSHMEM_KEYS = ("on_cuda", "counts_equal", "rows_equal", "combine_close", "grad_close", "combine_correct", "fp8_equal")
+NVSHMEM_KEYS = (
+    "on_cuda",
+    "counts_equal",
+    "rows_equal",
+    "combine_close",
+    "grad_close",
+    "combine_correct",
+    "fp8_equal",
+)
 
 
 def step_ep_nvshmem(ctx):
     """NVSHMEM low-latency path against the group path (1 rank, then 2 sharing the GPU);
     skipped, with the reason in the JSON, where nvshmem.core does not import."""
-    ok, probe, tail = _child("import json\ntry:\n    import nvshmem.core as n\n    r = {'version': str(n.get_version())}\n"
-                             "except Exception as e:\n    r = {'skipped': f'nvshmem.core does not import ({type(e).__name__}: {e}); "
-                             "pip install nvshmem4py-cu13 to run this step'}\nprint('RESULT ' + json.dumps(r))\n", 20)
+    ok, probe, tail = _child(
+        "import json\ntry:\n    import nvshmem.core as n\n    r = {'version': str(n.get_version())}\n"
+        "except Exception as e:\n    r = {'skipped': f'nvshmem.core does not import ({type(e).__name__}: {e}); "
+        "pip install nvshmem4py-cu13 to run this step'}\nprint('RESULT ' + json.dumps(r))\n",
+        20,
+    )
     if not ok or "skipped" in (probe or {}):
         return True, probe or {"skipped": "the import probe failed: " + tail[-500:]}, tail
     res = {"nvshmem": probe.get("version"), "runs": {}}
     good = True
     for ws in (1, 2):
-        ok2, r, t = _child(NVSHMEM_CODE, _left(ctx, 22), args=(json.dumps({"ws": ws, "timeout": 20}),))
+        ok2, r, t = _child(
+            NVSHMEM_CODE, _left(ctx, 22), args=(json.dumps({"ws": ws, "timeout": 20}),)
+        )
         res["runs"][f"ws{ws}"] = r
         tail += t
         for rank_out in (r or {}).values():
-            ok2 = ok2 and rank_out.get("backend") == "nvshmem" and all(rank_out.get(k) for k in NVSHMEM_KEYS)
+            ok2 = (
+                ok2
+                and rank_out.get("backend") == "nvshmem"
+                and all(rank_out.get(k) for k in NVSHMEM_KEYS)
+            )
         good = good and ok2 and bool(r)
     return good, res, tail
 
@@ -593,34 +675,58 @@ def step_allreduce_bw(ctx):
         # the IPC path was taken (and the forced one staged), and matched the references
         ipc = (r or {}).get("ipc_checks")
         res[f"ipc_checks/ws{ws}"] = ipc
-        paths = ((r or {}).get("mooncake", {}).get("path"), (r or {}).get("mooncake_staged", {}).get("path"))
+        paths = (
+            (r or {}).get("mooncake", {}).get("path"),
+            (r or {}).get("mooncake_staged", {}).get("path"),
+        )
         res[f"paths/ws{ws}"] = paths
-        ok = ok and bool(ipc) and not ipc.get("failed") and paths[0] == "ipc" and str(paths[1]).startswith("staging")
+        ok = (
+            ok
+            and bool(ipc)
+            and not ipc.get("failed")
+            and paths[0] == "ipc"
+            and str(paths[1]).startswith("staging")
+        )
         tail += t
     if ceil:
-        for name, r in res["runs"].items():
+        for _name, r in res["runs"].items():
             if r:
                 big = r.get(str(sizes[-1]), {})
                 r["fraction_of_d2d_ceiling"] = big.get("busbw_GBps", 0) / ceil["d2d_copy_GBps"]
     mc, gl = res["runs"].get("mooncake/ws2"), res["runs"].get("gloo/ws2")
     if mc and gl:
-        res["mooncake_over_gloo_ws2_64MiB"] = mc[str(sizes[-1])]["busbw_GBps"] / gl[str(sizes[-1])]["busbw_GBps"]
+        res["mooncake_over_gloo_ws2_64MiB"] = (
+            mc[str(sizes[-1])]["busbw_GBps"] / gl[str(sizes[-1])]["busbw_GBps"]
+        )
     st = res["runs"].get("mooncake_staged/ws2")
     if mc and st:
-        res["ipc_over_staged_ws2_64MiB"] = mc[str(sizes[-1])]["busbw_GBps"] / st[str(sizes[-1])]["busbw_GBps"]
+        res["ipc_over_staged_ws2_64MiB"] = (
+            mc[str(sizes[-1])]["busbw_GBps"] / st[str(sizes[-1])]["busbw_GBps"]
+        )
     return ok, res, tail
 
 
-RUN = {"env": step_env, "build": step_build, "kernels": step_kernels, "conformance": step_conformance,
-       "ep": step_ep, "ep_nvshmem": step_ep_nvshmem, "allreduce_bw": step_allreduce_bw}
+RUN = {
+    "env": step_env,
+    "build": step_build,
+    "kernels": step_kernels,
+    "conformance": step_conformance,
+    "ep": step_ep,
+    "ep_nvshmem": step_ep_nvshmem,
+    "allreduce_bw": step_allreduce_bw,
+}
 
 
 def _torch_cuda_version():
     """``torch.version.cuda`` read in a child (importing torch here would slow every run),
     or None (a CPU build of torch, or no torch)."""
     try:
-        r = subprocess.run([sys.executable, "-c", "import torch; print(torch.version.cuda)"], capture_output=True,
-                           text=True, timeout=60)
+        r = subprocess.run(
+            [sys.executable, "-c", "import torch; print(torch.version.cuda)"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     v = r.stdout.strip().splitlines()[-1:] if r.returncode == 0 else []
@@ -638,43 +744,105 @@ def plan(ctx):
         "pytest": importlib.util.find_spec("pytest") is not None,
         "setuptools": importlib.util.find_spec("setuptools") is not None,
         "ninja": shutil.which("ninja") is not None or importlib.util.find_spec("ninja") is not None,
-        "nvcc": shutil.which("nvcc") or (os.path.exists("/usr/local/cuda/bin/nvcc") and "/usr/local/cuda/bin/nvcc") or None,
+        "nvcc": shutil.which("nvcc")
+        or (os.path.exists("/usr/local/cuda/bin/nvcc") and "/usr/local/cuda/bin/nvcc")
+        or None,
         "nvidia-smi": shutil.which("nvidia-smi"),
-        "nvshmem4py": importlib.util.find_spec("nvshmem") is not None,   # optional: step ep_nvshmem
+        "nvshmem4py": importlib.util.find_spec("nvshmem") is not None,  # optional: step ep_nvshmem
         "torch_cuda": _torch_cuda_version(),  # the CUDA version torch was built for (None: a CPU build)
     }
-    files = ["setup.py", "tests/test_conformance.py", "tests/test_ep_triton.py", "csrc/transport/cuda/kernels.cu",
-             "mooncake_ep/triton_kernels.py"]
+    files = [
+        "setup.py",
+        "tests/test_conformance.py",
+        "tests/test_ep_triton.py",
+        "csrc/transport/cuda/kernels.cu",
+        "mooncake_ep/triton_kernels.py",
+    ]
     missing_files = [f for f in files if not os.path.exists(os.path.join(REPO, f))]
     # the code the children run must at least compile
-    for name, code in (("ENV_CODE", ENV_CODE), ("KERNEL_CODE", KERNEL_CODE), ("EP_CODE", EP_CODE),
-                       ("RANKS_CODE", RANKS_CODE), ("CEILING_CODE", CEILING_CODE), ("NVSHMEM_CODE", NVSHMEM_CODE)):
+    for name, code in (
+        ("ENV_CODE", ENV_CODE),
+        ("KERNEL_CODE", KERNEL_CODE),
+        ("EP_CODE", EP_CODE),
+        ("RANKS_CODE", RANKS_CODE),
+        ("CEILING_CODE", CEILING_CODE),
+        ("NVSHMEM_CODE", NVSHMEM_CODE),
+    ):
         compile(code, name, "exec")
     steps = [
-        {"step": "env", "limit_s": LIMITS["env"], "runs": "torch/CUDA/Triton versions, GPU properties"},
+        {
+            "step": "env",
+            "limit_s": LIMITS["env"],
+            "runs": "torch/CUDA/Triton versions, GPU properties",
+        },
         {"step": "build", "limit_s": LIMITS["build"], "runs": " ".join(cmd_b), "env": env_b},
-        {"step": "kernels", "limit_s": LIMITS["kernels"], "runs": "_C._cuda_reduce vs torch; CUDA IPC reduction"},
-        {"step": "conformance", "limit_s": LIMITS["conformance"], "runs": " ".join(cmd_c), "env": env_c},
-        {"step": "ep", "limit_s": LIMITS["ep"], "runs": "Triton kernels on CUDA vs test_ep_triton references; "
-                                                       "kernel latency; Buffer on CUDA tensors (LL, normal, fp8) vs CPU-staged, 2 ranks"},
-        {"step": "ep_nvshmem", "limit_s": LIMITS["ep_nvshmem"],
-         "runs": "Buffer low_latency_backend='nvshmem' vs 'group' on CUDA tensors, 1 and 2 ranks; "
-                 + ("nvshmem4py found" if tools["nvshmem4py"] else "skipped here: nvshmem4py-cu13 not installed")},
-        {"step": "allreduce_bw", "limit_s": LIMITS["allreduce_bw"],
-         "runs": "d2d copy ceiling; IPC all_reduce vs references; all_reduce busbw mooncake (IPC and staged) "
-                 "vs gloo on CUDA tensors, 2 and 4 ranks"},
+        {
+            "step": "kernels",
+            "limit_s": LIMITS["kernels"],
+            "runs": "_C._cuda_reduce vs torch; CUDA IPC reduction",
+        },
+        {
+            "step": "conformance",
+            "limit_s": LIMITS["conformance"],
+            "runs": " ".join(cmd_c),
+            "env": env_c,
+        },
+        {
+            "step": "ep",
+            "limit_s": LIMITS["ep"],
+            "runs": "Triton kernels on CUDA vs test_ep_triton references; "
+            "kernel latency; Buffer on CUDA tensors (LL, normal, fp8) vs CPU-staged, 2 ranks",
+        },
+        {
+            "step": "ep_nvshmem",
+            "limit_s": LIMITS["ep_nvshmem"],
+            "runs": "Buffer low_latency_backend='nvshmem' vs 'group' on CUDA tensors, 1 and 2 ranks; "
+            + (
+                "nvshmem4py found"
+                if tools["nvshmem4py"]
+                else "skipped here: nvshmem4py-cu13 not installed"
+            ),
+        },
+        {
+            "step": "allreduce_bw",
+            "limit_s": LIMITS["allreduce_bw"],
+            "runs": "d2d copy ceiling; IPC all_reduce vs references; all_reduce busbw mooncake (IPC and staged) "
+            "vs gloo on CUDA tensors, 2 and 4 ranks",
+        },
     ]
-    return {"steps": steps, "tools": tools, "missing_files": missing_files,
-            "needs_on_gpu_machine": [k for k in ("torch", "torch_cuda", "nvcc", "nvidia-smi", "triton", "pytest",
-                                                 "setuptools", "ninja") if not tools[k]]}
+    return {
+        "steps": steps,
+        "tools": tools,
+        "missing_files": missing_files,
+        "needs_on_gpu_machine": [
+            k
+            for k in (
+                "torch",
+                "torch_cuda",
+                "nvcc",
+                "nvidia-smi",
+                "triton",
+                "pytest",
+                "setuptools",
+                "ninja",
+            )
+            if not tools[k]
+        ],
+    }
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="GPU checks of the CUDA paths (see the module docstring).")
-    ap.add_argument("--dry-run", action="store_true", help="plan only: check tools and imports, run nothing")
+    ap = argparse.ArgumentParser(
+        description="GPU checks of the CUDA paths (see the module docstring)."
+    )
+    ap.add_argument(
+        "--dry-run", action="store_true", help="plan only: check tools and imports, run nothing"
+    )
     ap.add_argument("--json", default=os.path.join(REPO, "bench_out", "gpu_checks.json"))
     ap.add_argument("--steps", default=",".join(STEPS), help=f"comma list out of {','.join(STEPS)}")
-    ap.add_argument("--skip-build", action="store_true", help="use the extension already built in place")
+    ap.add_argument(
+        "--skip-build", action="store_true", help="use the extension already built in place"
+    )
     args = ap.parse_args(argv)
     steps = [s.strip() for s in args.steps.split(",") if s.strip()]
     unknown = [s for s in steps if s not in STEPS]
@@ -683,8 +851,10 @@ def main(argv=None) -> int:
     if args.skip_build and "build" in steps:
         steps.remove("build")
     if not steps:
-        ap.error(f"no step to run (--steps {args.steps!r}{' with --skip-build' if args.skip_build else ''}); "
-                 f"choose from {STEPS}")
+        ap.error(
+            f"no step to run (--steps {args.steps!r}{' with --skip-build' if args.skip_build else ''}); "
+            f"choose from {STEPS}"
+        )
     json_dir = os.path.dirname(os.path.abspath(args.json))
     try:  # a bad --json must fail now, not after six minutes of steps
         os.makedirs(json_dir, exist_ok=True)
@@ -693,8 +863,12 @@ def main(argv=None) -> int:
     except OSError as e:
         ap.error(f"--json {args.json!r} cannot be written: {e}")
     ctx = {"arch": "9.0", "deadline": time.monotonic() + DEADLINE_S}
-    out = {"dry_run": args.dry_run, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "host": platform.node(), "steps": {}}
+    out = {
+        "dry_run": args.dry_run,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": platform.node(),
+        "steps": {},
+    }
     t_all = time.perf_counter()
     if args.dry_run:
         p = plan(ctx)
@@ -704,7 +878,9 @@ def main(argv=None) -> int:
                 print(f"[gpu-checks] plan {s['step']:13s} (<= {s['limit_s']:4d} s): {s['runs']}")
         print(f"[gpu-checks] tools: {json.dumps(p['tools'])}")
         if p["needs_on_gpu_machine"]:
-            print(f"[gpu-checks] not here (needed on the GPU machine): {', '.join(p['needs_on_gpu_machine'])}")
+            print(
+                f"[gpu-checks] not here (needed on the GPU machine): {', '.join(p['needs_on_gpu_machine'])}"
+            )
         ok = not p["missing_files"] and p["tools"]["torch"]
         if p["missing_files"]:
             print(f"[gpu-checks] MISSING files: {p['missing_files']}")
@@ -721,7 +897,10 @@ def main(argv=None) -> int:
             out["steps"][s] = {"ok": bool(good), "seconds": round(dt, 1), "result": res}
             if not good:
                 out["steps"][s]["output_tail"] = tail[-6000:]
-            print(f"[gpu-checks] {s}: {'ok' if good else 'FAILED'} in {dt:.1f} s {json.dumps(res)[:600]}", flush=True)
+            print(
+                f"[gpu-checks] {s}: {'ok' if good else 'FAILED'} in {dt:.1f} s {json.dumps(res)[:600]}",
+                flush=True,
+            )
             if not good:  # the reason, here too (the whole tail is in the JSON)
                 why = [ln for ln in (tail or "").strip().splitlines() if ln.strip()][-3:]
                 print("[gpu-checks]   " + "\n[gpu-checks]   ".join(why), flush=True)

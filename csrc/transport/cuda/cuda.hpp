@@ -13,9 +13,23 @@ namespace cuda {
 
 // Element types the kernels handle (the process group maps torch dtypes onto these).
 enum class DType : int {
-  F64 = 0, F32, F16, BF16, F8E4M3, F8E5M2,
-  I8, I16, I32, I64, U8, U16, U32, U64, BOOL,
-  C64, C128,
+  F64 = 0,
+  F32,
+  F16,
+  BF16,
+  F8E4M3,
+  F8E5M2,
+  I8,
+  I16,
+  I32,
+  I64,
+  U8,
+  U16,
+  U32,
+  U64,
+  BOOL,
+  C64,
+  C128,
 };
 // Same order as mooncake::RedOp (pg/reduce.hpp).
 enum class Op : int { SUM = 0, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR, PREMUL_SUM };

@@ -14,7 +14,8 @@ namespace cuda {
 static void check(cudaError_t e, const char* fn, const char* call) {
   if (e != cudaSuccess) {
     cudaGetLastError();  // clear a non-sticky error so later calls are not blamed
-    throw std::runtime_error(std::string("mooncake::cuda::") + fn + ": " + call + " failed: " + cudaGetErrorString(e));
+    throw std::runtime_error(std::string("mooncake::cuda::") + fn + ": " + call +
+                             " failed: " + cudaGetErrorString(e));
   }
 }
 
@@ -23,7 +24,8 @@ std::string ipc_export(const void* base) {
   cudaPointerAttributes attr{};
   check(cudaPointerGetAttributes(&attr, base), "ipc_export", "cudaPointerGetAttributes");
   if (attr.type != cudaMemoryTypeDevice)
-    throw std::runtime_error("mooncake::cuda::ipc_export: expected device memory, got host or managed memory");
+    throw std::runtime_error(
+        "mooncake::cuda::ipc_export: expected device memory, got host or managed memory");
   cudaIpcMemHandle_t h;
   check(cudaIpcGetMemHandle(&h, const_cast<void*>(base)), "ipc_export", "cudaIpcGetMemHandle");
   return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
@@ -64,8 +66,8 @@ void device_free(void* p) {
 
 void copy_async(void* dst, const void* src, size_t bytes, void* stream) {
   if (bytes == 0) return;
-  check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)), "copy_async",
-        "cudaMemcpyAsync");
+  check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)),
+        "copy_async", "cudaMemcpyAsync");
 }
 
 void* ipc_event_create() {
@@ -124,8 +126,8 @@ void event_record(void* ev, void* stream) {
 }
 
 void stream_wait_event(void* stream, void* ev) {
-  check(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(ev), 0), "stream_wait_event",
-        "cudaStreamWaitEvent");
+  check(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(ev), 0),
+        "stream_wait_event", "cudaStreamWaitEvent");
 }
 
 bool event_query(void* ev) {

@@ -20,19 +20,25 @@ std::string errno_str(int e) { return std::string(strerror(e)) + " (errno " + st
 
 std::string gid_str(const uint8_t* g) {
   char buf[48];
-  snprintf(buf, sizeof(buf), "%02x%02x:%02x%02x:%02x%02x:%02x%02x:%02x%02x:%02x%02x:%02x%02x:%02x%02x", g[0], g[1],
-           g[2], g[3], g[4], g[5], g[6], g[7], g[8], g[9], g[10], g[11], g[12], g[13], g[14], g[15]);
+  snprintf(buf, sizeof(buf), "%02x%02x:%02x%02x:%02x%02x:%02x%02x:%02x%02x:%02x%02x:%02x%02x:%02x%02x", g[0],
+           g[1], g[2], g[3], g[4], g[5], g[6], g[7], g[8], g[9], g[10], g[11], g[12], g[13], g[14], g[15]);
   return buf;
 }
 
 int mtu_bytes(int m) {
   switch (m) {
-    case IBV_MTU_256: return 256;
-    case IBV_MTU_512: return 512;
-    case IBV_MTU_1024: return 1024;
-    case IBV_MTU_2048: return 2048;
-    case IBV_MTU_4096: return 4096;
-    default: return 0;
+    case IBV_MTU_256:
+      return 256;
+    case IBV_MTU_512:
+      return 512;
+    case IBV_MTU_1024:
+      return 1024;
+    case IBV_MTU_2048:
+      return 2048;
+    case IBV_MTU_4096:
+      return 4096;
+    default:
+      return 0;
   }
 }
 
@@ -81,7 +87,8 @@ std::vector<RdmaDeviceInfo> rdma_devices() {
     RdmaDeviceInfo info;
     info.name = ibv_get_device_name(list[d]);
     char guid[24];
-    snprintf(guid, sizeof(guid), "%016llx", static_cast<unsigned long long>(be64toh(ibv_get_device_guid(list[d]))));
+    snprintf(guid, sizeof(guid), "%016llx",
+             static_cast<unsigned long long>(be64toh(ibv_get_device_guid(list[d]))));
     info.node_guid = guid;
     ibv_context* ctx = ibv_open_device(list[d]);
     if (ctx) {
@@ -111,7 +118,8 @@ std::vector<RdmaDeviceInfo> rdma_devices() {
   return out;
 }
 
-void rdma_choose(const std::vector<RdmaDeviceInfo>& devs, const std::string& spec, std::string* device, int* port) {
+void rdma_choose(const std::vector<RdmaDeviceInfo>& devs, const std::string& spec, std::string* device,
+                 int* port) {
   std::string want = spec;
   int want_port = 0;
   auto colon = spec.find(':');
@@ -120,7 +128,8 @@ void rdma_choose(const std::vector<RdmaDeviceInfo>& devs, const std::string& spe
     try {
       want_port = std::stoi(spec.substr(colon + 1));
     } catch (const std::exception&) {
-      throw std::runtime_error(err("rdma_choose", "expected DEVICE[:PORT] (e.g. mlx5_0:1), got '" + spec + "'"));
+      throw std::runtime_error(
+          err("rdma_choose", "expected DEVICE[:PORT] (e.g. mlx5_0:1), got '" + spec + "'"));
     }
   }
   std::string seen;
@@ -135,10 +144,11 @@ void rdma_choose(const std::vector<RdmaDeviceInfo>& devs, const std::string& spe
       return;
     }
   }
-  throw std::runtime_error(err("rdma_choose", "expected an RDMA device port in state PORT_ACTIVE" +
-                                                  (spec.empty() ? std::string() : " matching '" + spec + "'") + ", got " +
-                                                  std::to_string(devs.size()) + " device(s)" +
-                                                  (seen.empty() ? std::string() : " [" + seen + "]")));
+  throw std::runtime_error(
+      err("rdma_choose", "expected an RDMA device port in state PORT_ACTIVE" +
+                             (spec.empty() ? std::string() : " matching '" + spec + "'") + ", got " +
+                             std::to_string(devs.size()) + " device(s)" +
+                             (seen.empty() ? std::string() : " [" + seen + "]")));
 }
 
 // ---- RdmaQpInfo ------------------------------------------------------------------------
@@ -173,20 +183,22 @@ RdmaContext::RdmaContext(const std::string& device, int port, int gid_index, int
     : device_(device), port_(port) {
   int n = 0;
   ibv_device** list = ibv_get_device_list(&n);
-  if (!list) throw std::runtime_error(err("RdmaContext::RdmaContext", "ibv_get_device_list: " + errno_str(errno)));
+  if (!list)
+    throw std::runtime_error(err("RdmaContext::RdmaContext", "ibv_get_device_list: " + errno_str(errno)));
   for (int d = 0; d < n && !ctx_; ++d)
     if (device == ibv_get_device_name(list[d])) ctx_ = ibv_open_device(list[d]);
   int e = errno;
   ibv_free_device_list(list);
   if (!ctx_)
-    throw std::runtime_error(err("RdmaContext::RdmaContext", "cannot open RDMA device '" + device + "': " + errno_str(e)));
+    throw std::runtime_error(
+        err("RdmaContext::RdmaContext", "cannot open RDMA device '" + device + "': " + errno_str(e)));
   auto fail = [&](const std::string& what) {
     int e2 = errno;
     if (cq_) ibv_destroy_cq(cq_);
     if (pd_) ibv_dealloc_pd(pd_);
     ibv_close_device(ctx_);
-    throw std::runtime_error(err("RdmaContext::RdmaContext", device + ":" + std::to_string(port) + ": " + what + ": " +
-                                                                  errno_str(e2)));
+    throw std::runtime_error(err("RdmaContext::RdmaContext",
+                                 device + ":" + std::to_string(port) + ": " + what + ": " + errno_str(e2)));
   };
   ibv_port_attr pa{};
   if (ibv_query_port(ctx_, port, &pa) != 0) fail("ibv_query_port");
@@ -204,7 +216,8 @@ RdmaContext::RdmaContext(const std::string& device, int port, int gid_index, int
     }
   } else {
     ibv_gid g{};
-    if (ibv_query_gid(ctx_, port, gid_index, &g) != 0) fail("ibv_query_gid(" + std::to_string(gid_index) + ")");
+    if (ibv_query_gid(ctx_, port, gid_index, &g) != 0)
+      fail("ibv_query_gid(" + std::to_string(gid_index) + ")");
     gid_index_ = gid_index;
     std::memcpy(gid_, g.raw, 16);
   }
@@ -233,14 +246,17 @@ RdmaMemory::RdmaMemory(RdmaContext& ctx, size_t bytes) : size_(bytes) {
   const size_t len = (bytes + 4095) / 4096 * 4096;
   void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED)
-    throw std::runtime_error(err("RdmaMemory::RdmaMemory", "mmap of " + std::to_string(len) + " bytes: " + errno_str(errno)));
+    throw std::runtime_error(
+        err("RdmaMemory::RdmaMemory", "mmap of " + std::to_string(len) + " bytes: " + errno_str(errno)));
   data_ = static_cast<uint8_t*>(p);
-  mr_ = ibv_reg_mr(ctx.pd(), data_, len, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ);
+  mr_ = ibv_reg_mr(ctx.pd(), data_, len,
+                   IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ);
   if (!mr_) {
     int e = errno;
     munmap(data_, len);
-    throw std::runtime_error(err("RdmaMemory::RdmaMemory", "ibv_reg_mr of " + std::to_string(len) + " bytes: " +
-                                                              errno_str(e) + " (check `ulimit -l`)"));
+    throw std::runtime_error(
+        err("RdmaMemory::RdmaMemory",
+            "ibv_reg_mr of " + std::to_string(len) + " bytes: " + errno_str(e) + " (check `ulimit -l`)"));
   }
   size_ = len;
 }
@@ -318,7 +334,7 @@ void RdmaQp::connect(const RdmaQpInfo& r) {
   if (rc != 0) throw std::runtime_error(err("RdmaQp::connect", "ibv_modify_qp(RTR): " + errno_str(rc)));
   a = ibv_qp_attr{};
   a.qp_state = IBV_QPS_RTS;
-  a.timeout = 14;   // 4.096 us * 2^14 = 67 ms per retry
+  a.timeout = 14;  // 4.096 us * 2^14 = 67 ms per retry
   a.retry_cnt = 7;
   a.rnr_retry = 7;  // infinite: a peer that has not posted receives yet is waited for
   a.sq_psn = psn_;
@@ -331,8 +347,9 @@ void RdmaQp::connect(const RdmaQpInfo& r) {
 
 namespace {
 // One RDMA write or read work request on `qp` (no scatter entry for zero bytes).
-void post_rdma(ibv_qp* qp, ibv_wr_opcode opcode, const char* where, const void* local, size_t len, uint32_t lkey,
-               uint64_t remote_addr, uint32_t rkey, uint64_t wr_id, bool signaled, const uint32_t* imm) {
+void post_rdma(ibv_qp* qp, ibv_wr_opcode opcode, const char* where, const void* local, size_t len,
+               uint32_t lkey, uint64_t remote_addr, uint32_t rkey, uint64_t wr_id, bool signaled,
+               const uint32_t* imm) {
   ibv_sge sge{};
   sge.addr = reinterpret_cast<uint64_t>(local);
   sge.length = static_cast<uint32_t>(len);
@@ -357,9 +374,10 @@ void RdmaQp::post_write(const void* local, size_t len, uint32_t lkey, uint64_t r
             remote_addr, rkey, wr_id, signaled, imm);
 }
 
-void RdmaQp::post_read(void* local, size_t len, uint32_t lkey, uint64_t remote_addr, uint32_t rkey, uint64_t wr_id,
-                       bool signaled) {
-  post_rdma(qp_, IBV_WR_RDMA_READ, "RdmaQp::post_read", local, len, lkey, remote_addr, rkey, wr_id, signaled, nullptr);
+void RdmaQp::post_read(void* local, size_t len, uint32_t lkey, uint64_t remote_addr, uint32_t rkey,
+                       uint64_t wr_id, bool signaled) {
+  post_rdma(qp_, IBV_WR_RDMA_READ, "RdmaQp::post_read", local, len, lkey, remote_addr, rkey, wr_id, signaled,
+            nullptr);
 }
 
 void RdmaQp::post_recv(uint64_t wr_id) {

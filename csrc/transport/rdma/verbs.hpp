@@ -17,19 +17,19 @@ struct ibv_qp;
 namespace mooncake {
 
 struct RdmaPortInfo {
-  int port = 0;                // 1-based port number
-  std::string state;           // "PORT_ACTIVE", "PORT_DOWN", ... (ibv_port_state_str)
+  int port = 0;       // 1-based port number
+  std::string state;  // "PORT_ACTIVE", "PORT_DOWN", ... (ibv_port_state_str)
   bool active = false;
-  std::string link_layer;      // "InfiniBand" or "Ethernet" (RoCE)
+  std::string link_layer;  // "InfiniBand" or "Ethernet" (RoCE)
   int lid = 0;
-  int active_mtu = 0;          // bytes
-  int gid_index = -1;          // the GID index this code would use (-1: none usable)
-  std::string gid;             // that GID, as 8 groups of 4 hex digits
+  int active_mtu = 0;  // bytes
+  int gid_index = -1;  // the GID index this code would use (-1: none usable)
+  std::string gid;     // that GID, as 8 groups of 4 hex digits
 };
 
 struct RdmaDeviceInfo {
-  std::string name;            // e.g. "mlx5_0"
-  std::string node_guid;       // hex
+  std::string name;       // e.g. "mlx5_0"
+  std::string node_guid;  // hex
   std::vector<RdmaPortInfo> ports;
 };
 
@@ -40,7 +40,8 @@ std::vector<RdmaDeviceInfo> rdma_devices();
 
 // Picks "<device>[:<port>]" (empty: the first device with an active port) from `devs`.
 // Throws with what was expected and what was found when nothing fits.
-void rdma_choose(const std::vector<RdmaDeviceInfo>& devs, const std::string& spec, std::string* device, int* port);
+void rdma_choose(const std::vector<RdmaDeviceInfo>& devs, const std::string& spec, std::string* device,
+                 int* port);
 
 // Connection details of one queue pair, exchanged through the rendezvous store.
 struct RdmaQpInfo {
@@ -111,8 +112,8 @@ class RdmaQp {
   void connect(const RdmaQpInfo& remote);
   // RDMA write of [local, local+len) (in memory with lkey) to remote_addr/rkey. With
   // `imm`, a write with immediate (consumes one posted receive at the peer).
-  void post_write(const void* local, size_t len, uint32_t lkey, uint64_t remote_addr, uint32_t rkey, uint64_t wr_id,
-                  bool signaled, const uint32_t* imm = nullptr);
+  void post_write(const void* local, size_t len, uint32_t lkey, uint64_t remote_addr, uint32_t rkey,
+                  uint64_t wr_id, bool signaled, const uint32_t* imm = nullptr);
   void post_read(void* local, size_t len, uint32_t lkey, uint64_t remote_addr, uint32_t rkey, uint64_t wr_id,
                  bool signaled);
   // A receive without buffers (for writes with immediate).
@@ -128,9 +129,9 @@ class RdmaQp {
 struct RdmaCompletion {
   uint64_t wr_id;
   uint32_t qpn;
-  int status;      // 0: success (IBV_WC_SUCCESS)
-  bool is_recv;    // a receive (write with immediate arrived)
-  uint32_t imm;    // host order
+  int status;    // 0: success (IBV_WC_SUCCESS)
+  bool is_recv;  // a receive (write with immediate arrived)
+  uint32_t imm;  // host order
   std::string status_str;
 };
 // Polls up to `max` completions without blocking.
