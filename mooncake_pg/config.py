@@ -52,7 +52,7 @@ class MooncakeOptions:
             them, so rendezvous must not either: use ``mooncake-run``, ``file://`` or an
             external store (a ``tcp://`` store hosted by rank 0 waits for every seat).
             Must agree across founders.
-        on_failure: ``"raise"`` / ``"mask"`` / ``"manual"`` (see DESIGN.md).
+        on_failure: ``"raise"`` / ``"mask"`` / ``"manual"`` (see docs/fault-tolerance.md).
         is_recovery: this process replaces a dead rank (or fills an extension seat) and
             will call ``join_group`` (default: ``MOONCAKE_IS_RECOVERY``, set by
             ``mooncake-run`` on a respawned rank). Subgroups created while the default

@@ -1,4 +1,4 @@
-"""Conformance of the "mooncake" backend, driven by DESIGN.md's API map.
+"""Conformance of the "mooncake" backend, driven by the API map of docs/design.md.
 
 Every op runs through the public ``torch.distributed`` API on the backend under test and
 on gloo with the same rank-dependent inputs (``pgutil.make``: never equal across ranks),
@@ -34,7 +34,7 @@ from rankpool import backend_id, get_pool, parse_backends
 pytestmark = pytest.mark.timeout(240)
 
 # --------------------------------------------------------------------------- API map
-# DESIGN.md "torch 2.13 API -> Backend method": each Python API, the Backend method it
+# docs/design.md "torch 2.13 API -> Backend method": each Python API, the Backend method it
 # reaches, and the rank-op (below) that exercises it through the public API.
 API_MAP = [
     ("all_reduce", "allreduce", "all_reduce"),
@@ -1062,7 +1062,7 @@ def _needs_peer(ws):
 
 
 def test_all_reduce(ws, bt):
-    """all_reduce -> allreduce: every dtype x every reduction of DESIGN.md's table,
+    """all_reduce -> allreduce: every dtype x every reduction of docs/design.md's table,
     transposed/strided views, zero-element, async + future, > 1 MiB."""
     check_op(ws, bt, "all_reduce")
 
@@ -1192,23 +1192,15 @@ def test_reference_matches_gloo(ws):
 
 
 def test_api_map_covers_design():
-    """Every Backend method of DESIGN.md's API map has a row here, and every row's rank op
+    """Every Backend method of docs/design.md's API map has a row here, and every row's rank op
     exists with a case list and a reference."""
     for py, _method, opname in API_MAP:
         assert opname in OPS and opname in CASES and opname in REFS, (py, opname)
-    design = None
-    for cand in (
-        os.environ.get("MOONCAKE_DESIGN_MD"),
-        os.path.join(os.path.dirname(__file__), "..", "..", "shared", "DESIGN.md"),
-        os.path.join(os.path.dirname(__file__), "..", "DESIGN.md"),
-    ):
-        if cand and os.path.exists(cand):
-            design = open(cand, encoding="utf-8").read()
-            break
-    if design is None:
-        pytest.skip("DESIGN.md not found next to the repository (set MOONCAKE_DESIGN_MD)")
+    path = os.path.join(os.path.dirname(__file__), "..", "docs", "design.md")
+    with open(path, encoding="utf-8") as f:
+        design = f.read()
     m = re.search(r"### torch 2\.13 API -> Backend method[^\n]*\n\s*((?:\|[^\n]*\n)+)", design)
-    assert m, "API map table not found in DESIGN.md"
+    assert m, "API map table not found in docs/design.md"
     ours = " ".join(method for _, method, _ in API_MAP)
     missing = []
     for line in m.group(1).splitlines()[2:]:
@@ -1221,5 +1213,5 @@ def test_api_map_covers_design():
             if meth not in ours:
                 missing.append(meth)
     assert not missing, (
-        f"Backend methods of DESIGN.md's API map without a conformance row: {missing}"
+        f"Backend methods of docs/design.md's API map without a conformance row: {missing}"
     )
