@@ -9,22 +9,32 @@ are reported and compared with the peers measured in the same run. The systems r
 by side and take turns case by case (repetition ``r`` starts with system ``r mod n``), so
 that other load on the machine hits all of them alike; the load average is printed.
 
-Set-ups (DESIGN.md "Benchmarks"):
+Set-ups (docs/design.md "Benchmarks"); every system runs in its best documented
+configuration:
 
-* ``host``: one host. Each client process contributes its own segment (ours: a shared
-  memory segment, placed with ``preferred_segment`` = itself; Mooncake: its
-  ``global_segment_size`` with the same preference); Redis: a ``redis-server`` on 127.0.0.1.
+* ``host``: one host. Each client process contributes its own segment and prefers it for
+  its puts (ours: a shared memory segment, ``ReplicateConfig(preferred_segment=name)``;
+  Mooncake: its ``global_segment_size``, ``ReplicateConfig.preferred_segment`` = the
+  client's ``get_hostname()``, since Mooncake's master otherwise places each object on a
+  random segment, the storage process's included); Redis: a ``redis-server`` on 127.0.0.1.
 * ``tcp``: a separate storage process owns the segment; clients contribute none and reach
   it over TCP (ours: the C++ transfer engine, the storage process counting as another
   host; Mooncake: protocol ``tcp``). Redis has no such set-up (it is TCP already).
 
+Reads land in a buffer each client allocated once (ours: ``get_into``/``get_into_batch``;
+Mooncake: ``get_into``/``batch_get_into`` into a buffer registered with
+``register_buffer``, and puts with ``put_from``/``batch_put_from`` from a registered
+buffer, the zero-copy path its docs advise); Redis returns new ``bytes`` (redis-py has no
+other form).
+
 Peers: Redis (Debian ``redis-server``; ``MOONCAKE_TEST_REDIS=HOST:PORT`` or a server this
 bench starts on a free port) through ``redis-py`` (SET/GET; MSET/MGET for batches), and
 the published Mooncake store (``pip install mooncake-transfer-engine-non-cuda`` + Debian
-``libibverbs1 librdmacm1``) through its ``put``/``get``/``put_batch``/``get_batch``, run
+``libibverbs1 librdmacm1``) through the calls named above, run
 inside ``unshare -n`` (a network namespace with only loopback, since its clients listen
 on every interface; every system then runs inside that namespace, Redis included) with
-``mooncake_master --rpc_address=127.0.0.1`` and clients on ``P2PHANDSHAKE``, protocol ``tcp``. Systems that are not installed are skipped (said so).
+``mooncake_master --rpc_address=127.0.0.1`` and clients on ``P2PHANDSHAKE``, protocol
+``tcp``. Systems that are not installed are skipped (said so).
 Both masters run as their own process with a 1 s read lease (``--lease-ttl 1``,
 ``--default_kv_lease_ttl=1000``), so the space of each case's objects (removed after the
 case, outside the timed part) comes back before the next case.
@@ -59,6 +69,7 @@ REPO = os.path.dirname(HERE)
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [4 * KiB, MiB, 16 * MiB, 64 * MiB]
 BATCH_KEYS, BATCH_BYTES = 128, 16 * MiB
+RECV_BYTES = max(BATCH_BYTES, max(SIZES))  # what one call reads at most
 
 
 def size_name(n: int) -> str:
@@ -109,6 +120,7 @@ class OurClient:
                 name=spec["name"],
             )
             self.rc = ReplicateConfig()
+        self.recv = bytearray(RECV_BYTES)  # reads land here (get_into), as Mooncake's do
 
     def put(self, keys, vals):
         if len(keys) == 1:
@@ -116,10 +128,13 @@ class OurClient:
         else:
             self.s.put_batch(keys, vals, self.rc)
 
-    def get(self, keys):
+    def get(self, keys, size):
+        views = _recv_views(self.recv, len(keys), size)
         if len(keys) == 1:
-            return [self.s.get(keys[0])]
-        return self.s.get_batch(keys)
+            self.s.get_into(keys[0], views[0])
+        else:
+            self.s.get_into_batch(keys, views)
+        return views
 
     def remove(self, keys):
         self.s.remove_batch(keys, force=True, return_exceptions=True)
@@ -141,7 +156,7 @@ class RedisClient:
         else:
             self.r.mset(dict(zip(keys, vals)))
 
-    def get(self, keys):
+    def get(self, keys, size):
         if len(keys) == 1:
             return [self.r.get(keys[0])]
         return self.r.mget(keys)
@@ -154,23 +169,60 @@ class RedisClient:
 
 
 class MooncakeClient:
+    """The published Mooncake store in its documented fast configuration: each client's
+    own segment preferred for its puts on one host (``ReplicateConfig.preferred_segment``
+    = the client's segment name; the master's default placement is random over every
+    segment, the storage process's included), and zero-copy transfers from and into
+    buffers registered with ``register_buffer`` (``put_from``/``batch_put_from``,
+    ``get_into``/``batch_get_into``)."""
+
     def __init__(self, spec):
-        from mooncake.store import MooncakeDistributedStore
+        import ctypes
+
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
         self.s = MooncakeDistributedStore()
         seg = spec["segment"] if spec["setup"] == "host" else 0
         rc = self.s.setup("127.0.0.1", "P2PHANDSHAKE", seg, 256 * MiB, "tcp", "", spec["master"])
         if rc != 0:
             raise RuntimeError(f"mooncake setup failed: {rc}")
+        self.rc = ReplicateConfig()
+        if spec["setup"] == "host":
+            self.rc.preferred_segment = self.s.get_hostname()
+        self.recv = bytearray(RECV_BYTES)
+        self.send = bytearray(max(SIZES))
+        self._ptr = {}
+        for name in ("recv", "send"):
+            buf = getattr(self, name)
+            self._ptr[name] = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
+            if self.s.register_buffer(self._ptr[name], len(buf)) != 0:
+                raise RuntimeError(f"mooncake register_buffer({name}) failed")
+        self._sent = None
 
     def put(self, keys, vals):
-        rc = self.s.put(keys[0], vals[0]) if len(keys) == 1 else self.s.put_batch(keys, vals)
-        if rc != 0:
-            raise RuntimeError(f"mooncake put failed: {rc}")
+        size = len(vals[0])
+        if self._sent is not vals[0]:  # every key of a case has the same value
+            self.send[:size] = vals[0]
+            self._sent = vals[0]
+        ptr = self._ptr["send"]
+        if len(keys) == 1:
+            rc = self.s.put_from(keys[0], ptr, size, self.rc)
+            bad = rc != 0
+        else:
+            rcs = self.s.batch_put_from(keys, [ptr] * len(keys), [size] * len(keys), self.rc)
+            bad = any(r != 0 for r in rcs)
+        if bad:
+            raise RuntimeError("mooncake put failed")
 
-    def get(self, keys):
-        out = [self.s.get(keys[0])] if len(keys) == 1 else self.s.get_batch(keys)
-        return out
+    def get(self, keys, size):
+        views = _recv_views(self.recv, len(keys), size)
+        base = self._ptr["recv"]
+        ptrs = [base + i * size for i in range(len(keys))]
+        if len(keys) == 1:
+            got = [self.s.get_into(keys[0], ptrs[0], size)]
+        else:
+            got = self.s.batch_get_into(keys, ptrs, [size] * len(keys))
+        return [v if n == size else None for v, n in zip(views, got)]
 
     def remove(self, keys):
         time.sleep(1.05)  # a leased object cannot be removed (1 s lease)
@@ -179,6 +231,12 @@ class MooncakeClient:
 
     def close(self):
         self.s.close()
+
+
+def _recv_views(buf: bytearray, n: int, size: int) -> list:
+    """``n`` consecutive ``size``-byte windows of ``buf``: where one call's values land."""
+    mv = memoryview(buf)
+    return [mv[i * size : (i + 1) * size] for i in range(n)]
 
 
 CLIENTS = {"ours": OurClient, "redis": RedisClient, "mooncake": MooncakeClient}
@@ -225,12 +283,12 @@ def worker_main(spec: dict):
         ok = True
         for g in groups:
             a = time.perf_counter()
-            got = client.get(g)
+            got = client.get(g, size)
             lat_get.append(time.perf_counter() - a)
             ok = ok and len(got) == len(g) and all(x is not None and len(x) == size for x in got)
         t3 = time.perf_counter()
         if case.get("check"):
-            ok = ok and bytes(client.get(groups[0])[0]) == v
+            ok = ok and bytes(client.get(groups[0], size)[0]) == v
         client.remove(keys)
         out.write(
             json.dumps(
