@@ -55,7 +55,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from . import _nvshmem
 from . import kernels as K_
+from ._comm import all_gather_single
 from .config import EPConfig, resolve
 
 # ------------------------------------------------------------------------ results
@@ -215,13 +217,6 @@ class LowLatencyHandle:
 
 
 # ------------------------------------------------------------------------ helpers
-
-
-def _all_gather_single(output, input, group=None):
-    """``dist.all_gather_single`` (torch 2.13's name), or ``all_gather_into_tensor`` on a
-    torch without it (the old name warns ``FutureWarning`` on 2.13)."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, input, group=group)
 
 
 _OPS = {"dispatch": 1, "combine": 2, "low_latency_dispatch": 3, "low_latency_combine": 4}
@@ -485,7 +480,7 @@ class Buffer:
         out = torch.zeros(
             self.group_size * hdr.numel(), dtype=torch.int64
         )  # flat: gloo wants [W * n]
-        _all_gather_single(out, hdr, group=self.group)
+        all_gather_single(out, hdr, group=self.group)
         out = out.view(self.group_size, hdr.numel())
         active, epoch = self._membership()
         if error:
@@ -561,8 +556,6 @@ class Buffer:
 
     def _nvshmem_unusable(self, dev: torch.device) -> str | None:
         """Why this rank cannot move low-latency rows over NVSHMEM (``None``: it can)."""
-        from . import _nvshmem
-
         if self._nvs_disabled:
             return self._nvs_disabled
         if self._nvs is not None and self._nvs.device != dev:
@@ -577,8 +570,6 @@ class Buffer:
     def _nvshmem_setup(self, dev: torch.device, nbytes: int) -> str | None:
         """Collective: NVSHMEM world and this Buffer's symmetric buffers. Returns ``None``,
         or why not (the same on every rank; the Buffer then stays on the group)."""
-        from . import _nvshmem
-
         if self._nvs is not None:  # same device (checked before the header)
             why = self._nvs._grow(nbytes)
         else:

@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .buffer import Buffer, _all_gather_single
+from ._comm import all_gather_single
+from .buffer import Buffer
 
 
 def route_topk(logits: torch.Tensor, top_k: int):
@@ -292,7 +293,7 @@ class ExpertParallelMoE(nn.Module):
         for r in want:
             table[W + r] = 1
         tables = torch.zeros(W * 2 * W, dtype=torch.int64)
-        _all_gather_single(tables, table, group=self.buffer.group)
+        all_gather_single(tables, table, group=self.buffer.group)
         tables = tables.view(W, 2 * W)
         live = [r for r in range(W) if active[r]]
         want_all = sorted({j for r in live for j in range(W) if int(tables[r, W + j])})
