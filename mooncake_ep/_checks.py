@@ -19,7 +19,9 @@ class BadArgs(Exception):
     ValueError after the header exchange told every rank."""
 
 
-def check_int_tensor(name, t, op, rank, shape0=None):
+def check_int_tensor(name: str, t: object, op: str, rank: int, shape0: int | None = None) -> None:
+    """``t`` must be an int64 (or int32) tensor [T, K] (``T == shape0`` when given).
+    ``op`` and ``rank`` name the caller."""
     if not isinstance(t, torch.Tensor):
         raise BadArgs(f"{name} must be a tensor, got {type(t).__name__}")
     if t.dtype not in (torch.int64, torch.int32):
@@ -30,7 +32,9 @@ def check_int_tensor(name, t, op, rank, shape0=None):
         raise BadArgs(f"{name} has {t.shape[0]} rows but x has {shape0} tokens")
 
 
-def check_topk_idx(topk_idx, num_experts):
+def check_topk_idx(topk_idx: torch.Tensor, num_experts: int) -> None:
+    """Every id of ``topk_idx`` [T, K] is -1 (no expert) or in ``[0, num_experts)``; the
+    error names the first bad position and how many there are."""
     bad = (topk_idx < -1) | (topk_idx >= num_experts)
     if bool(bad.any()):
         pos = bad.nonzero()[0].tolist()
@@ -42,7 +46,9 @@ def check_topk_idx(topk_idx, num_experts):
         )
 
 
-def check_same_device(name, t, device, whose="x's device"):
+def check_same_device(
+    name: str, t: object, device: torch.device, whose: str = "x's device"
+) -> None:
     """``t`` must be on ``device`` (all inputs of an op share one device)."""
     if isinstance(t, torch.Tensor) and t.device != device:
         raise BadArgs(
@@ -51,11 +57,13 @@ def check_same_device(name, t, device, whose="x's device"):
         )
 
 
-def input_device(x) -> torch.device:
+def input_device(x: object) -> torch.device:
+    """``x``'s device, CPU for a non-tensor (its check raises later)."""
     return x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
 
 
-def check_x(x, what="x"):
+def check_x(x: object, what: str = "x") -> None:
+    """``x`` must be a float32/bfloat16/float16/float64 tensor [T, H]."""
     if not isinstance(x, torch.Tensor):
         raise BadArgs(f"{what} must be a tensor, got {type(x).__name__}")
     if x.dtype not in DTYPES:
@@ -64,7 +72,8 @@ def check_x(x, what="x"):
         raise BadArgs(f"{what} must be 2-D [num_tokens, hidden], got shape {tuple(x.shape)}")
 
 
-def check_weights(w, shape, what="topk_weights"):
+def check_weights(w: object, shape: tuple[int, ...], what: str = "topk_weights") -> None:
+    """``w`` must be a float32 tensor of ``shape``."""
     if not isinstance(w, torch.Tensor):
         raise BadArgs(f"{what} must be a tensor, got {type(w).__name__}")
     if w.dtype != torch.float32:

@@ -54,7 +54,7 @@ _TEST_ALLOW_CPU = False
 _PROC = {"ranks": None, "ours": False, "error": None}
 
 
-def import_core():
+def import_core() -> tuple[object | None, str | None]:
     """``(nvshmem.core, None)``, or ``(None, why)`` when it does not import."""
     global _IMPORT
     if _IMPORT is None:
@@ -167,7 +167,9 @@ class SymmetricExchange:
     """All-to-all of rows over NVSHMEM symmetric buffers for one ``Buffer`` (see the module
     docstring). Every method is collective over the group."""
 
-    def __init__(self, group, rank: int, world: int, device: torch.device):
+    def __init__(
+        self, group: dist.ProcessGroup, rank: int, world: int, device: torch.device
+    ) -> None:
         self.group, self.rank, self.world, self.device = group, rank, world, device
         self.nbytes = 0
         self.send_t = self.recv_t = self.sig_t = None
