@@ -121,6 +121,13 @@ class Buffer(Transport):
             Buffer must not run low-latency ops.)
         config: :class:`EPConfig` (keyword-only).
 
+    Attributes:
+        group: the process group; ``rank``: this process's rank in it; ``group_size``: W;
+        low_latency_mode: as given (unused).
+
+    Raises ``RuntimeError`` when ``torch.distributed`` is not initialised and
+    ``ValueError`` when this process is not a member of ``group``.
+
     Collective calls: every rank of the group calls the same ops in the same order, and
     runs the backward of the same differentiable ops (backward passes move data too).
     """
