@@ -26,8 +26,11 @@ Triton kernels (:mod:`mooncake_ep.triton_kernels`) serve CUDA tensors.
 
 from __future__ import annotations
 
-from .buffer import (
-    Buffer,
+from .buffer import Buffer
+from .config import EPConfig, env_defaults
+from .kernels import fp8_dequantize, fp8_quantize
+from .moe import ExpertParallelMoE, route_topk
+from .results import (
     CombineResult,
     DispatchHandle,
     DispatchLayout,
@@ -36,9 +39,6 @@ from .buffer import (
     LowLatencyDispatchResult,
     LowLatencyHandle,
 )
-from .config import EPConfig, env_defaults
-from .kernels import fp8_dequantize, fp8_quantize
-from .moe import ExpertParallelMoE, route_topk
 
 __all__ = [
     "Buffer",

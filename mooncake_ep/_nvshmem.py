@@ -3,8 +3,8 @@
 Used by :class:`mooncake_ep.Buffer` when ``EPConfig(low_latency_backend=...)`` (or
 ``MOONCAKE_EP_LOW_LATENCY_BACKEND``) allows it, the tensors are CUDA tensors and
 ``nvshmem.core`` (PyPI ``nvshmem4py-cu13``, which pulls ``nvidia-nvshmem-cu13``) imports.
-Nothing here is imported by ``mooncake_ep`` until a low-latency op asks for NVSHMEM, and
-every import of ``nvshmem`` is guarded: without it the package works as before.
+``nvshmem`` itself is imported only when a low-latency op asks for NVSHMEM, and every
+import of it is guarded: without it the package works as before.
 
 Design (one :class:`SymmetricExchange` per ``Buffer``):
 
@@ -44,6 +44,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ._comm import all_gather_single
+
 # (module, None) once nvshmem.core imported; (None, reason) when it does not
 _IMPORT = None
 # tests only: let CPU tensors use a stand-in ``nvshmem.core`` (tests/fake_nvshmem.py)
@@ -52,7 +54,7 @@ _TEST_ALLOW_CPU = False
 _PROC = {"ranks": None, "ours": False, "error": None}
 
 
-def import_core():
+def import_core() -> tuple[object | None, str | None]:
     """``(nvshmem.core, None)``, or ``(None, why)`` when it does not import."""
     global _IMPORT
     if _IMPORT is None:
@@ -124,10 +126,8 @@ def local_unusable(
 
 def _gather_flags(group, world: int, value: int):
     """all_gather of one int64 per rank (CPU) -> list of W ints."""
-    from .buffer import _all_gather_single
-
     out = torch.zeros(world, dtype=torch.int64)
-    _all_gather_single(out, torch.tensor([int(value)], dtype=torch.int64), group=group)
+    all_gather_single(out, torch.tensor([int(value)], dtype=torch.int64), group=group)
     return [int(v) for v in out]
 
 
@@ -167,7 +167,9 @@ class SymmetricExchange:
     """All-to-all of rows over NVSHMEM symmetric buffers for one ``Buffer`` (see the module
     docstring). Every method is collective over the group."""
 
-    def __init__(self, group, rank: int, world: int, device: torch.device):
+    def __init__(
+        self, group: dist.ProcessGroup, rank: int, world: int, device: torch.device
+    ) -> None:
         self.group, self.rank, self.world, self.device = group, rank, world, device
         self.nbytes = 0
         self.send_t = self.recv_t = self.sig_t = None

@@ -45,251 +45,53 @@ the survivors (a normal-mode dispatch restarts from its header when the epoch mo
 under it, so every survivor returns the same layout); with ``"raise"`` the op raises
 ``RankFailureError`` on every survivor and a retry (same arguments, same handle) runs
 over the survivors; with ``"manual"`` it raises until ``deactivate_ranks``.
+
+Code layout: this module holds :class:`Buffer`'s API (its ops' arguments, checks and
+layouts); the results and handles are in :mod:`mooncake_ep.results` (also importable from
+here), the argument checks in :mod:`mooncake_ep._checks`, the group, header exchange and
+row transport that Buffer derives from in :mod:`mooncake_ep._transport`, the autograd
+functions in :mod:`mooncake_ep._autograd`.
 """
 
 from __future__ import annotations
-
-import dataclasses
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from . import kernels as K_
-from .config import EPConfig, resolve
+from ._autograd import CombineFn, DispatchFn, LowLatencyCombineFn, LowLatencyDispatchFn
+from ._checks import (
+    DTYPES,
+    BadArgs,
+    check_int_tensor,
+    check_same_device,
+    check_topk_idx,
+    check_weights,
+    check_x,
+    input_device,
+)
+from ._transport import FORCED, HDR, LL_CODES, Transport
+from .config import EPConfig
+from .results import (
+    CombineResult,
+    DispatchHandle,
+    DispatchLayout,
+    DispatchResult,
+    LowLatencyCombineResult,
+    LowLatencyDispatchResult,
+    LowLatencyHandle,
+)
 
-# ------------------------------------------------------------------------ results
-
-
-class DispatchLayout(NamedTuple):
-    """Result of :meth:`Buffer.get_dispatch_layout`.
-
-    Attributes:
-        num_tokens_per_rank: int32 [W], tokens that go to each rank (a token counts once
-            per rank however many of its experts live there).
-        num_tokens_per_expert: int32 [E], tokens routed to each expert (a token naming an
-            expert twice counts once).
-        is_token_in_rank: bool [T, W], whether token ``t`` goes to rank ``r``.
-    """
-
-    num_tokens_per_rank: torch.Tensor
-    num_tokens_per_expert: torch.Tensor
-    is_token_in_rank: torch.Tensor
-
-
-class DispatchResult(NamedTuple):
-    """Result of :meth:`Buffer.dispatch`.
-
-    Attributes:
-        recv_x: [N_recv, H] (x's dtype), the tokens this rank received, ordered by source
-            rank, then by token index at the source; one row per (token, this rank).
-        recv_topk_idx: int64 [N_recv, K], the token's top-k with ids local to this rank
-            (``id - rank * L``) and -1 for slots whose expert lives elsewhere (or was -1);
-            ``None`` for a cached dispatch (``handle=`` given).
-        recv_topk_weights: float32 [N_recv, K], the weights of the local slots (0 for the
-            others); ``None`` without ``topk_weights`` or for a cached dispatch.
-        num_recv_tokens_per_expert_list: list of L ints, received tokens per local expert
-            (each rounded up to a multiple of ``expert_alignment``); ``None`` when cached.
-        handle: :class:`DispatchHandle` for :meth:`Buffer.combine` and cached dispatches.
-    """
-
-    recv_x: torch.Tensor
-    recv_topk_idx: torch.Tensor | None
-    recv_topk_weights: torch.Tensor | None
-    num_recv_tokens_per_expert_list: list[int] | None
-    handle: DispatchHandle
-
-
-class CombineResult(NamedTuple):
-    """Result of :meth:`Buffer.combine`.
-
-    Attributes:
-        combined_x: [T, H] (x's dtype), for each token of this rank the sum of the rows
-            the ranks it went to sent back (zero for tokens sent nowhere).
-        combined_topk_weights: float32 [T, K], the same sum over the ``topk_weights``
-            given to combine; ``None`` if none were given.
-    """
-
-    combined_x: torch.Tensor
-    combined_topk_weights: torch.Tensor | None
-
-
-class LowLatencyDispatchResult(NamedTuple):
-    """Result of :meth:`Buffer.low_latency_dispatch`.
-
-    Attributes:
-        recv_x: [L, W * T_max, H] of x's dtype; with ``use_fp8`` a pair ``(x_fp8, scales)``
-            of float8_e4m3fn [L, W * T_max, H] and float32 [L, W * T_max, ceil(H / 128)].
-            Expert ``l``'s rows ``[0, recv_count[l])`` are its tokens, ordered by source
-            rank, then by token index at the source; later rows are left uninitialised
-            (as in DeepEP; combine never reads them).
-        recv_count: int32 [L], tokens received per local expert.
-        handle: :class:`LowLatencyHandle` for :meth:`Buffer.low_latency_combine`.
-    """
-
-    recv_x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-    recv_count: torch.Tensor
-    handle: LowLatencyHandle
-
-
-class LowLatencyCombineResult(NamedTuple):
-    """Result of :meth:`Buffer.low_latency_combine`; unpacks like DeepEP's
-    ``combined_x, event, hook = buf.low_latency_combine(...)``.
-
-    Attributes:
-        combined_x: [T, H] in the experts' output dtype (``out`` when given).
-        event: ``None`` on CPU (the op has finished when it returns).
-        hook: ``None`` on CPU (``return_recv_hook`` is not supported).
-    """
-
-    combined_x: torch.Tensor
-    event: object | None = None
-    hook: object | None = None
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class DispatchHandle:
-    """Communication layout of one normal-mode dispatch (opaque; pass it to ``combine``).
-
-    ``send_token_idx`` (int64 [N_send]) lists the token of each row sent, ordered by
-    destination rank then token; ``send_counts``/``recv_counts`` are rows per rank.
-    """
-
-    num_tokens: int
-    hidden: int
-    num_experts: int
-    num_topk: int
-    send_token_idx: torch.Tensor
-    send_counts: tuple[int, ...]
-    recv_counts: tuple[int, ...]
-    is_token_in_rank: torch.Tensor
-    epoch: int
-    max_ranks_per_token: int = 0
-
-    @property
-    def device(self) -> torch.device:
-        """The device of the dispatch's tensors (its inputs, results and index tensors)."""
-        return self.send_token_idx.device
-
-    def row_table(self) -> torch.Tensor:
-        """int64 [T, W]: the row (of the rows sent, in send order) that carried token ``t``
-        to rank ``r``, -1 where it did not go there."""
-        T, W = self.is_token_in_rank.shape
-        pos = torch.full((T, W), -1, dtype=torch.int64, device=self.device)
-        nz = self.is_token_in_rank.t().nonzero()  # (rank, token) in send order
-        pos[nz[:, 1], nz[:, 0]] = torch.arange(nz.shape[0], device=self.device)
-        return pos
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class LowLatencyHandle:
-    """Communication layout of one low-latency dispatch (opaque).
-
-    One row moves per distinct (token, expert) pair ("pair"); pairs are ordered by
-    expert id, then token. ``pair_token`` int64 [P] is each pair's token; ``slot_pair``
-    int64 [T, K] maps each top-k slot to its pair (-1: masked slot or expert on an
-    inactive rank); ``recv_dst`` int64 [N_recv] is the flat row (``l * W * T_max + j``) of
-    ``recv_x`` that each received row went to. ``backend`` is how its rows move
-    (``"nvshmem"`` or ``"group"``): the combine and the backward passes use the same.
-    """
-
-    num_tokens: int
-    hidden: int
-    num_experts: int
-    num_max_dispatch_tokens_per_rank: int
-    topk_idx: torch.Tensor
-    pair_token: torch.Tensor
-    slot_pair: torch.Tensor
-    send_counts: tuple[int, ...]
-    recv_counts: tuple[int, ...]
-    recv_dst: torch.Tensor
-    recv_count: torch.Tensor
-    use_fp8: bool
-    epoch: int
-    backend: str = "group"
-
-    @property
-    def device(self) -> torch.device:
-        """The device of the dispatch's tensors (its inputs, results and index tensors)."""
-        return self.pair_token.device
-
-
-# ------------------------------------------------------------------------ helpers
-
-
-def _all_gather_single(output, input, group=None):
-    """``dist.all_gather_single`` (torch 2.13's name), or ``all_gather_into_tensor`` on a
-    torch without it (the old name warns ``FutureWarning`` on 2.13)."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, input, group=group)
-
-
-_OPS = {"dispatch": 1, "combine": 2, "low_latency_dispatch": 3, "low_latency_combine": 4}
-_DTYPES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
-_DTYPE_NAMES = {code: str(dt).replace("torch.", "") for dt, code in _DTYPES.items()}
-_HDR = 8  # status, op, then 6 op-specific fields every rank must agree on
-_LL_CODES = {"auto": 0, "nvshmem": 1, "group": 2}
-_FORCED = "low_latency_backend='nvshmem' (EPConfig or MOONCAKE_EP_LOW_LATENCY_BACKEND)"
-_OK, _BAD = 1, 2
-
-
-class _BadArgs(Exception):
-    """A rank's own arguments are invalid (message says which); raised to the caller as
-    ValueError after the header exchange told every rank."""
-
-
-def _int_tensor(name, t, op, rank, shape0=None):
-    if not isinstance(t, torch.Tensor):
-        raise _BadArgs(f"{name} must be a tensor, got {type(t).__name__}")
-    if t.dtype not in (torch.int64, torch.int32):
-        raise _BadArgs(f"{name} must be int64 (or int32), got {t.dtype}")
-    if t.dim() != 2:
-        raise _BadArgs(f"{name} must be 2-D [num_tokens, num_topk], got shape {tuple(t.shape)}")
-    if shape0 is not None and t.shape[0] != shape0:
-        raise _BadArgs(f"{name} has {t.shape[0]} rows but x has {shape0} tokens")
-
-
-def _check_topk_idx(topk_idx, num_experts):
-    bad = (topk_idx < -1) | (topk_idx >= num_experts)
-    if bool(bad.any()):
-        pos = bad.nonzero()[0].tolist()
-        val = int(topk_idx[pos[0], pos[1]])
-        n = int(bad.sum())
-        raise _BadArgs(
-            f"topk_idx[{pos[0]}, {pos[1]}] = {val} ({n} bad id{'s' if n > 1 else ''}); "
-            f"expected -1 (no expert) or an expert id in [0, {num_experts})"
-        )
-
-
-def _same_device(name, t, device, whose="x's device"):
-    """``t`` must be on ``device`` (all inputs of an op share one device)."""
-    if isinstance(t, torch.Tensor) and t.device != device:
-        raise _BadArgs(
-            f"{name} is on {t.device}, expected {device} ({whose}): all inputs of one op "
-            "must be on one device"
-        )
-
-
-def _input_device(x) -> torch.device:
-    return x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
-
-
-def _check_x(x, what="x"):
-    if not isinstance(x, torch.Tensor):
-        raise _BadArgs(f"{what} must be a tensor, got {type(x).__name__}")
-    if x.dtype not in _DTYPES:
-        raise _BadArgs(f"{what} must be float32, bfloat16, float16 or float64, got {x.dtype}")
-    if x.dim() != 2:
-        raise _BadArgs(f"{what} must be 2-D [num_tokens, hidden], got shape {tuple(x.shape)}")
-
-
-def _check_weights(w, shape, what="topk_weights"):
-    if not isinstance(w, torch.Tensor):
-        raise _BadArgs(f"{what} must be a tensor, got {type(w).__name__}")
-    if w.dtype != torch.float32:
-        raise _BadArgs(f"{what} must be float32, got {w.dtype}")
-    if tuple(w.shape) != tuple(shape):
-        raise _BadArgs(f"{what} must have shape {tuple(shape)}, got {tuple(w.shape)}")
+__all__ = [
+    "Buffer",
+    "CombineResult",
+    "DispatchHandle",
+    "DispatchLayout",
+    "DispatchResult",
+    "LowLatencyCombineResult",
+    "LowLatencyDispatchResult",
+    "LowLatencyHandle",
+]
 
 
 def _token_expert_counts(topk_idx, num_experts):
@@ -302,54 +104,7 @@ def _token_expert_counts(topk_idx, num_experts):
     return cnt[:, :num_experts]
 
 
-# ------------------------------------------------------------------- recycling
-
-
-def _storage_uses(t: torch.Tensor) -> int:
-    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
-
-
-class _Recycler:
-    """Large receive buffers, reused once nothing outside the cache refers to them.
-
-    A fresh multi-MiB CPU tensor costs a page fault per 4 KiB page on first touch (the
-    kernel zeroes it), which on this path costs as much as the copy itself. A cached flat
-    tensor is handed out again (as a view) only when its storage has no other user: no
-    result the caller still holds, no tensor saved for backward, no view. Results stay
-    valid as long as they are referenced."""
-
-    def __init__(self, per_dtype: int = 3, min_bytes: int = 1 << 20):
-        self.per_dtype, self.min_bytes = per_dtype, min_bytes
-        self._cache = {}
-
-    def empty(self, shape, dtype, device="cpu") -> torch.Tensor:
-        """An uninitialised ``dtype`` tensor of ``shape`` on ``device``."""
-        device = torch.device(device)
-        n = 1
-        for d in shape:
-            n *= int(d)
-        if n * torch.empty((), dtype=dtype).element_size() < self.min_bytes:
-            return torch.empty(shape, dtype=dtype, device=device)
-        lst = self._cache.setdefault((dtype, device), [])
-        for i, (flat, base) in enumerate(lst):
-            if flat.numel() >= n and _storage_uses(flat) == base:
-                lst.append(lst.pop(i))  # most recently used last
-                return flat[:n].view(shape)
-        flat = torch.empty(n, dtype=dtype, device=device)
-        out = flat[:n].view(shape)
-        lst.append(
-            (flat, _storage_uses(flat) - 1)
-        )  # "free" = no user but the cache (out is one now)
-        free = [i for i, (f, b) in enumerate(lst) if _storage_uses(f) == b]
-        for i in reversed(free[: max(0, len(lst) - self.per_dtype)]):
-            lst.pop(i)  # keep at most per_dtype buffers, oldest free ones go
-        return out
-
-
-# ------------------------------------------------------------------------- buffer
-
-
-class Buffer:
+class Buffer(Transport):
     """Dispatch/combine of MoE tokens over ``group`` (DeepEP's ``Buffer``; CPU or CUDA
     tensors, see the module docstring on devices).
 
@@ -366,6 +121,13 @@ class Buffer:
             Buffer must not run low-latency ops.)
         config: :class:`EPConfig` (keyword-only).
 
+    Attributes:
+        group: the process group; ``rank``: this process's rank in it; ``group_size``: W;
+        low_latency_mode: as given (unused).
+
+    Raises ``RuntimeError`` when ``torch.distributed`` is not initialised and
+    ``ValueError`` when this process is not a member of ``group``.
+
     Collective calls: every rank of the group calls the same ops in the same order, and
     runs the backward of the same differentiable ops (backward passes move data too).
     """
@@ -379,30 +141,9 @@ class Buffer:
         num_qps_per_rank: int = 1,
         *,
         config: EPConfig | None = None,
-    ):
-        if not dist.is_initialized():
-            raise RuntimeError("mooncake_ep.Buffer: torch.distributed is not initialised")
-        self.group = group if group is not None else dist.distributed_c10d._get_default_group()
-        if self.group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(self.group) < 0:
-            raise ValueError("mooncake_ep.Buffer: this process is not a member of the group")
-        self.rank = dist.get_rank(self.group)
-        self.group_size = dist.get_world_size(self.group)
-        self._cfg = resolve(config, self.group_size)
-        self._recycler = _Recycler()
-        self._device_types = {}
+    ) -> None:
+        super().__init__(group, config)
         self.low_latency_mode = bool(low_latency_mode)
-        self._ll_backend = None  # "nvshmem" / "group" of the last low_latency_dispatch
-        self._ll_why = None  # why it was not NVSHMEM
-        self._nvs = None  # _nvshmem.SymmetricExchange, made at the first NVSHMEM use
-        self._nvs_disabled = None  # why NVSHMEM failed for this Buffer (agreed by every rank)
-        self._mooncake = None
-        try:
-            import mooncake_pg
-
-            mooncake_pg.backend_of(self.group)
-            self._mooncake = mooncake_pg
-        except (ImportError, ValueError, RuntimeError):
-            self._mooncake = None
 
     # ----------------------------------------------------------- membership
 
@@ -414,45 +155,6 @@ class Buffer:
         """The group's membership epoch (0 for groups that are not ``mooncake``)."""
         return self._membership()[1]
 
-    def _takes_device(self, device: torch.device) -> bool:
-        """Whether the group's backend serves tensors of ``device``'s type (asked once per type)."""
-        ok = self._device_types.get(device.type)
-        if ok is None:
-            try:
-                self.group._get_backend(torch.device(device.type))
-                ok = True
-            except (RuntimeError, ValueError):
-                ok = False
-            self._device_types[device.type] = ok
-        return ok
-
-    def _check_device(self, x, what="x"):
-        """The group must be able to move tensors of ``x``'s device (before anything is sent)."""
-        dev = x.device
-        if self._takes_device(dev):
-            return
-        served = [t for t in ("cpu", "cuda") if self._takes_device(torch.device(t))]
-        hint = ""
-        if (
-            dev.type == "cuda"
-            and self._mooncake is not None
-            and not getattr(self._mooncake, "WITH_CUDA", False)
-        ):
-            hint = (
-                "; this mooncake_pg build has no CUDA (mooncake_pg.WITH_CUDA is False: rebuild with "
-                "MOONCAKE_WITH_CUDA=1, or pass CPU tensors)"
-            )
-        raise _BadArgs(
-            f"{what} is on {dev}, expected a device the group's backend "
-            f"({dist.get_backend(self.group)}) serves: {' or '.join(served) or 'none'}{hint}"
-        )
-
-    def _membership(self):
-        if self._mooncake is None:
-            return [1] * self.group_size, 0
-        be = self._mooncake.backend_of(self.group)
-        return [int(a) for a in be.active_ranks()], int(be.epoch())
-
     def num_local_experts(self, num_experts: int) -> int:
         """``num_experts / W``; raises ``ValueError`` if it does not divide."""
         if num_experts <= 0 or num_experts % self.group_size:
@@ -461,88 +163,6 @@ class Buffer:
                 f"the group size ({self.group_size})"
             )
         return num_experts // self.group_size
-
-    # ------------------------------------------------------------- transport
-
-    def _err(self, op, msg):
-        return ValueError(f"mooncake_ep {op} (rank {self.rank}): {msg}")
-
-    def _header(self, op, fields, counts=None, error=None, names=(), extra=None):
-        """Collective header exchange; returns (headers int64 [W, n], active mask, epoch).
-        ``extra``: a per-rank value in the last field, not compared across ranks."""
-        n_counts = 0 if counts is None else int(counts.numel())
-        hdr = torch.zeros(_HDR + n_counts, dtype=torch.int64)
-        hdr[0] = _BAD if error else _OK
-        hdr[1] = _OPS[op]
-        if not error:
-            assert len(fields) <= (_HDR - 3 if extra is not None else _HDR - 2)
-            for i, f in enumerate(fields):
-                hdr[2 + i] = int(f)
-            if extra is not None:
-                hdr[_HDR - 1] = int(extra)
-            if n_counts:
-                hdr[_HDR:] = counts.to(torch.int64).cpu()
-        out = torch.zeros(
-            self.group_size * hdr.numel(), dtype=torch.int64
-        )  # flat: gloo wants [W * n]
-        _all_gather_single(out, hdr, group=self.group)
-        out = out.view(self.group_size, hdr.numel())
-        active, epoch = self._membership()
-        if error:
-            raise self._err(op, f"{error}; nothing was sent")
-        live = [r for r in range(self.group_size) if active[r]]
-        bad = [r for r in live if int(out[r, 0]) == _BAD]
-        if bad:
-            raise self._err(
-                op,
-                f"rank(s) {bad} passed invalid arguments (their error says which); "
-                "nothing was sent",
-            )
-        ref = live[0]
-        nf = 2 + len(fields)
-        diff = [r for r in live if not torch.equal(out[r, 1:nf], out[ref, 1:nf])]
-        if diff:
-
-            def show(r):
-                vals = (int(out[r, 2 + i]) for i in range(len(names)))
-                return ", ".join(
-                    f"{nm}={_DTYPE_NAMES.get(v, v) if nm == 'dtype' else v}"
-                    for nm, v in zip(names, vals)
-                )
-
-            what = show(ref)
-            got = "; ".join(f"rank {r}: {show(r)}" for r in diff)
-            raise self._err(
-                op, f"rank(s) {diff} disagree with rank {ref} ({what}): {got}; nothing was sent"
-            )
-        return out, active, epoch
-
-    def _a2a(self, send, send_counts, recv_counts):
-        """Rows of ``send`` (grouped by destination) to every rank; returns the received rows
-        grouped by source. Rows an inactive rank did not send are zero."""
-        send = send.contiguous()
-        out = self._recycler.empty(
-            (sum(recv_counts),) + tuple(send.shape[1:]), send.dtype, send.device
-        )
-        dist.all_to_all_single(out, send, list(recv_counts), list(send_counts), group=self.group)
-        if self._mooncake is not None and out.numel():
-            active, _ = self._membership()
-            start = 0
-            for s, c in enumerate(recv_counts):
-                if c and not active[s]:
-                    out[start : start + c].zero_()
-                start += c
-        return out
-
-    def _fwd(self, handle, send):
-        if getattr(handle, "backend", "group") == "nvshmem":
-            return self._nvshmem_a2a(handle, send, handle.send_counts, handle.recv_counts)
-        return self._a2a(send, handle.send_counts, handle.recv_counts)
-
-    def _bwd(self, handle, recv):
-        if getattr(handle, "backend", "group") == "nvshmem":
-            return self._nvshmem_a2a(handle, recv, handle.recv_counts, handle.send_counts)
-        return self._a2a(recv, handle.recv_counts, handle.send_counts)
 
     # ------------------------------------------------- low-latency backend
 
@@ -559,98 +179,13 @@ class Buffer:
         or when the configuration is ``"group"``)."""
         return self._ll_why
 
-    def _nvshmem_unusable(self, dev: torch.device) -> str | None:
-        """Why this rank cannot move low-latency rows over NVSHMEM (``None``: it can)."""
-        from . import _nvshmem
-
-        if self._nvs_disabled:
-            return self._nvs_disabled
-        if self._nvs is not None and self._nvs.device != dev:
-            return (
-                f"this Buffer's NVSHMEM buffers live on {self._nvs.device}, expected x there, got x on "
-                f"{dev} (one device per Buffer)"
-            )
-        return _nvshmem.local_unusable(
-            dev, self.rank, self.group_size, dist.get_process_group_ranks(self.group)
-        )
-
-    def _nvshmem_setup(self, dev: torch.device, nbytes: int) -> str | None:
-        """Collective: NVSHMEM world and this Buffer's symmetric buffers. Returns ``None``,
-        or why not (the same on every rank; the Buffer then stays on the group)."""
-        from . import _nvshmem
-
-        if self._nvs is not None:  # same device (checked before the header)
-            why = self._nvs._grow(nbytes)
-        else:
-            nvs = _nvshmem.SymmetricExchange(self.group, self.rank, self.group_size, dev)
-            why = nvs.setup(nbytes)
-            if why is None:
-                self._nvs = nvs
-        if why:
-            self._nvs_disabled = why
-        return why
-
-    def _choose_ll_backend(self, op, want, hdr, active, dev, slot_bytes, local_why=None):
-        """After the header: ``("nvshmem" | "group", why not NVSHMEM)``, the same on every
-        rank (from the gathered header). ``want="nvshmem"`` raises ``ValueError`` on every
-        rank instead of falling back."""
-        W = self.group_size
-        live = [r for r in range(W) if active[r]]
-        codes = {r: int(hdr[r, _HDR - 1]) >> 1 for r in live}
-        if len(set(codes.values())) > 1:
-            names = {c: n for n, c in _LL_CODES.items()}
-            got = ", ".join(f"rank {r}: {names.get(c, c)!r}" for r, c in codes.items())
-            raise self._err(
-                op,
-                f"ranks disagree on low_latency_backend (EPConfig or "
-                f"MOONCAKE_EP_LOW_LATENCY_BACKEND): {got}; nothing was sent",
-            )
-        if want == "group":
-            return "group", None
-        inactive = [r for r in range(W) if not active[r]]
-        no = [r for r in live if not int(hdr[r, _HDR - 1]) & 1]
-        if inactive:
-            why = (
-                f"rank(s) {inactive} are inactive (the NVSHMEM path needs every rank of the group)"
-            )
-        elif no:
-            why = (
-                f"NVSHMEM is not usable on rank(s) {no} (CUDA tensors, nvshmem4py-cu13 installed and "
-                "initialised over this group are needed on every rank)"
-            )
-            if local_why:
-                why += f"; on rank {self.rank}: {local_why}"
-        else:
-            why = self._nvshmem_setup(dev, W * slot_bytes)
-        if why is None:
-            return "nvshmem", None
-        if want == "nvshmem":
-            raise self._err(op, f"{_FORCED} cannot be served: {why}; nothing was sent")
-        return "group", why
-
-    def _nvshmem_a2a(self, handle, send, send_counts, recv_counts):
-        active, _ = self._membership()
-        if not all(active):
-            raise RuntimeError(
-                f"mooncake_ep low-latency (rank {self.rank}): rank(s) "
-                f"{[r for r, a in enumerate(active) if not a]} left the group since the "
-                "dispatch; the NVSHMEM path needs every rank (dispatch again: it falls "
-                "back to the group with low_latency_backend='auto')"
-            )
-        send = send.contiguous()
-        out = self._recycler.empty(
-            (sum(recv_counts),) + tuple(send.shape[1:]), send.dtype, send.device
-        )
-        cap = handle.num_max_dispatch_tokens_per_rank * (handle.num_experts // self.group_size)
-        return self._nvs.alltoallv(send, send_counts, recv_counts, cap, out)
-
     # ---------------------------------------------------------------- layout
 
     def get_dispatch_layout(
         self,
         topk_idx: torch.Tensor,
         num_experts: int,
-        previous_event=None,
+        previous_event: object | None = None,
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
     ) -> DispatchLayout:
@@ -669,9 +204,9 @@ class Buffer:
         """
         try:
             self.num_local_experts(num_experts)
-            _int_tensor("topk_idx", topk_idx, "get_dispatch_layout", self.rank)
-            _check_topk_idx(topk_idx, num_experts)
-        except _BadArgs as e:
+            check_int_tensor("topk_idx", topk_idx, "get_dispatch_layout", self.rank)
+            check_topk_idx(topk_idx, num_experts)
+        except BadArgs as e:
             raise self._err("get_dispatch_layout", str(e)) from None
         T = topk_idx.shape[0]
         cnt = _token_expert_counts(topk_idx, num_experts) > 0
@@ -686,15 +221,15 @@ class Buffer:
         x: torch.Tensor,
         handle: DispatchHandle | None = None,
         num_tokens_per_rank: torch.Tensor | None = None,
-        num_tokens_per_rdma_rank=None,
+        num_tokens_per_rdma_rank: torch.Tensor | None = None,
         is_token_in_rank: torch.Tensor | None = None,
         num_tokens_per_expert: torch.Tensor | None = None,
         topk_idx: torch.Tensor | None = None,
         topk_weights: torch.Tensor | None = None,
         expert_alignment: int = 1,
         num_worst_tokens: int = 0,
-        config=None,
-        previous_event=None,
+        config: object | None = None,
+        previous_event: object | None = None,
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
         *,
@@ -731,24 +266,22 @@ class Buffer:
             err = None
             try:
                 if not isinstance(handle, DispatchHandle):
-                    raise _BadArgs(f"handle must be a DispatchHandle, got {type(handle).__name__}")
+                    raise BadArgs(f"handle must be a DispatchHandle, got {type(handle).__name__}")
                 if topk_idx is not None or topk_weights is not None:
-                    raise _BadArgs(
-                        "a cached dispatch (handle given) takes no topk_idx/topk_weights"
-                    )
-                _check_x(x)
+                    raise BadArgs("a cached dispatch (handle given) takes no topk_idx/topk_weights")
+                check_x(x)
                 self._check_device(x)
-                _same_device("x", x, handle.device, "the handle's dispatch ran there")
+                check_same_device("x", x, handle.device, "the handle's dispatch ran there")
                 if tuple(x.shape) != (handle.num_tokens, handle.hidden):
-                    raise _BadArgs(
+                    raise BadArgs(
                         f"x must have shape {(handle.num_tokens, handle.hidden)} (the handle's), "
                         f"got {tuple(x.shape)}"
                     )
-            except _BadArgs as e:
+            except BadArgs as e:
                 err = str(e)
-            fields = [getattr(handle, "hidden", 0), _DTYPES.get(getattr(x, "dtype", None), 0), 1]
+            fields = [getattr(handle, "hidden", 0), DTYPES.get(getattr(x, "dtype", None), 0), 1]
             self._header(op, fields, error=err, names=("hidden", "dtype", "cached"))
-            recv_x, _, _ = _DispatchFn.apply(self, handle, None, x, None)
+            recv_x, _, _ = DispatchFn.apply(self, handle, None, x, None)
             return DispatchResult(recv_x, None, None, None, handle)
 
         W = self.group_size
@@ -763,38 +296,38 @@ class Buffer:
             )
         )
         T = H = Kk = 0
-        dev = _input_device(x)
+        dev = input_device(x)
         try:
             if E is None:
-                raise _BadArgs("num_experts is unknown: pass num_experts= or num_tokens_per_expert")
+                raise BadArgs("num_experts is unknown: pass num_experts= or num_tokens_per_expert")
             if E <= 0 or E % W:
-                raise _BadArgs(
+                raise BadArgs(
                     f"num_experts ({E}) must be a positive multiple of the group size ({W})"
                 )
-            _check_x(x)
+            check_x(x)
             self._check_device(x)
             T, H = x.shape
             if topk_idx is None:
-                raise _BadArgs("topk_idx is required without a handle")
-            _int_tensor("topk_idx", topk_idx, op, self.rank, T)
-            _same_device("topk_idx", topk_idx, dev)
+                raise BadArgs("topk_idx is required without a handle")
+            check_int_tensor("topk_idx", topk_idx, op, self.rank, T)
+            check_same_device("topk_idx", topk_idx, dev)
             Kk = topk_idx.shape[1]
-            _check_topk_idx(topk_idx, E)
+            check_topk_idx(topk_idx, E)
             if topk_weights is not None:
-                _check_weights(topk_weights, (T, Kk))
-                _same_device("topk_weights", topk_weights, dev)
+                check_weights(topk_weights, (T, Kk))
+                check_same_device("topk_weights", topk_weights, dev)
             if num_worst_tokens:
-                raise _BadArgs("num_worst_tokens must be 0 (not supported on CPU)")
+                raise BadArgs("num_worst_tokens must be 0 (not supported on CPU)")
             if int(expert_alignment) < 1:
-                raise _BadArgs(f"expert_alignment must be >= 1, got {expert_alignment}")
+                raise BadArgs(f"expert_alignment must be >= 1, got {expert_alignment}")
             for nm, t, shp in (
                 ("num_tokens_per_rank", num_tokens_per_rank, (W,)),
                 ("is_token_in_rank", is_token_in_rank, (T, W)),
                 ("num_tokens_per_expert", num_tokens_per_expert, (E,)),
             ):
                 if t is not None and tuple(t.shape) != shp:
-                    raise _BadArgs(f"{nm} must have shape {shp}, got {tuple(t.shape)}")
-        except _BadArgs as e:
+                    raise BadArgs(f"{nm} must have shape {shp}, got {tuple(t.shape)}")
+        except BadArgs as e:
             err = str(e)
 
         in_rank = None
@@ -805,7 +338,7 @@ class Buffer:
         fields = [
             E or 0,
             H,
-            _DTYPES.get(getattr(x, "dtype", None), 0),
+            DTYPES.get(getattr(x, "dtype", None), 0),
             Kk,
             int(topk_weights is not None),
         ]
@@ -825,7 +358,7 @@ class Buffer:
             )
             sent = in_rank & act
             send_counts = tuple(int(c) for c in sent.sum(0))
-            recv_counts = tuple(int(hdr[s, _HDR + self.rank]) if active[s] else 0 for s in range(W))
+            recv_counts = tuple(int(hdr[s, HDR + self.rank]) if active[s] else 0 for s in range(W))
             nz = sent.t().nonzero()
             send_tok = nz[:, 1].contiguous()
             mx = int(sent.sum(1).max()) if T else 0
@@ -837,7 +370,7 @@ class Buffer:
             local = torch.where(
                 (rows_idx >= 0) & (local >= 0) & (local < L), local, torch.full_like(local, -1)
             )
-            recv_x, recv_w, recv_idx = _DispatchFn.apply(
+            recv_x, recv_w, recv_idx = DispatchFn.apply(
                 self, h, local.to(torch.int32), x, topk_weights
             )
             if self._membership()[1] == epoch or attempt == tries:
@@ -859,9 +392,9 @@ class Buffer:
         x: torch.Tensor,
         handle: DispatchHandle,
         topk_weights: torch.Tensor | None = None,
-        bias=None,
-        config=None,
-        previous_event=None,
+        bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+        config: object | None = None,
+        previous_event: object | None = None,
         async_finish: bool = False,
         allocate_on_comm_stream: bool = False,
     ) -> CombineResult:
@@ -888,28 +421,28 @@ class Buffer:
         H = Kk = 0
         try:
             if not isinstance(handle, DispatchHandle):
-                raise _BadArgs(f"handle must be a DispatchHandle, got {type(handle).__name__}")
-            _check_x(x)
+                raise BadArgs(f"handle must be a DispatchHandle, got {type(handle).__name__}")
+            check_x(x)
             self._check_device(x)
-            _same_device("x", x, handle.device, "the dispatch's device")
+            check_same_device("x", x, handle.device, "the dispatch's device")
             n = sum(handle.recv_counts)
             if tuple(x.shape) != (n, handle.hidden):
-                raise _BadArgs(
+                raise BadArgs(
                     f"x must have shape {(n, handle.hidden)} (rows received by the dispatch), "
                     f"got {tuple(x.shape)}"
                 )
             H = handle.hidden
             if topk_weights is not None:
                 Kk = handle.num_topk
-                _check_weights(topk_weights, (n, Kk))
-                _same_device("topk_weights", topk_weights, x.device)
+                check_weights(topk_weights, (n, Kk))
+                check_same_device("topk_weights", topk_weights, x.device)
             if bias is not None:
-                raise _BadArgs("bias is not supported")
-        except _BadArgs as e:
+                raise BadArgs("bias is not supported")
+        except BadArgs as e:
             err = str(e)
-        fields = [H, _DTYPES.get(getattr(x, "dtype", None), 0), int(topk_weights is not None), Kk]
+        fields = [H, DTYPES.get(getattr(x, "dtype", None), 0), int(topk_weights is not None), Kk]
         self._header(op, fields, error=err, names=("hidden", "dtype", "has_weights", "num_topk"))
-        out, out_w = _CombineFn.apply(self, handle, x, topk_weights)
+        out, out_w = CombineFn.apply(self, handle, x, topk_weights)
         return CombineResult(out, out_w)
 
     # ---------------------------------------------------------- low latency
@@ -966,23 +499,23 @@ class Buffer:
         err = None
         T = H = Kk = 0
         E, Tm = int(num_experts), int(num_max_dispatch_tokens_per_rank)
-        dev = _input_device(x)
+        dev = input_device(x)
         try:
             if E <= 0 or E % W:
-                raise _BadArgs(
+                raise BadArgs(
                     f"num_experts ({E}) must be a positive multiple of the group size ({W})"
                 )
-            _check_x(x)
+            check_x(x)
             self._check_device(x)
             T, H = x.shape
             if T > Tm:
-                raise _BadArgs(f"x has {T} tokens, more than num_max_dispatch_tokens_per_rank={Tm}")
-            _int_tensor("topk_idx", topk_idx, op, self.rank, T)
-            _same_device("topk_idx", topk_idx, dev)
+                raise BadArgs(f"x has {T} tokens, more than num_max_dispatch_tokens_per_rank={Tm}")
+            check_int_tensor("topk_idx", topk_idx, op, self.rank, T)
+            check_same_device("topk_idx", topk_idx, dev)
             Kk = topk_idx.shape[1]
-            _check_topk_idx(topk_idx, E)
+            check_topk_idx(topk_idx, E)
             if round_scale or use_ue8m0 or return_recv_hook:
-                raise _BadArgs(
+                raise BadArgs(
                     "round_scale, use_ue8m0 and return_recv_hook are not supported on CPU"
                 )
             if cumulative_local_expert_recv_stats is not None:
@@ -992,9 +525,9 @@ class Buffer:
                     or st.dtype != torch.int32
                     or tuple(st.shape) != (E // W,)
                 ):
-                    raise _BadArgs(f"cumulative_local_expert_recv_stats must be int32 [{E // W}]")
-                _same_device("cumulative_local_expert_recv_stats", st, dev)
-        except _BadArgs as e:
+                    raise BadArgs(f"cumulative_local_expert_recv_stats must be int32 [{E // W}]")
+                check_same_device("cumulative_local_expert_recv_stats", st, dev)
+        except BadArgs as e:
             err = str(e)
         want = self._cfg["low_latency_backend"]
         nvs_ok, local_why = 0, None
@@ -1002,12 +535,12 @@ class Buffer:
             local_why = self._nvshmem_unusable(dev)
             nvs_ok = int(local_why is None)
             if local_why is not None and want == "nvshmem":
-                err = f"{_FORCED} cannot be served: {local_why}"
+                err = f"{FORCED} cannot be served: {local_why}"
         L = E // W if E > 0 and E % W == 0 else 1
         cnt = None
         if err is None:
             cnt = _token_expert_counts(topk_idx, E) > 0  # [T, E]
-        fields = [E, H, _DTYPES.get(getattr(x, "dtype", None), 0), Tm, int(bool(use_fp8))]
+        fields = [E, H, DTYPES.get(getattr(x, "dtype", None), 0), Tm, int(bool(use_fp8))]
         names = ("num_experts", "hidden", "dtype", "num_max_dispatch_tokens_per_rank", "use_fp8")
         tries = self._cfg["max_membership_retries"]
         for attempt in range(tries + 1):
@@ -1022,7 +555,7 @@ class Buffer:
                 per_expert if per_expert is not None else torch.zeros(E),
                 error=err,
                 names=names,
-                extra=nvs_ok | (_LL_CODES[want] << 1),
+                extra=nvs_ok | (LL_CODES[want] << 1),
             )
             backend, why = self._choose_ll_backend(
                 op, want, hdr, active, dev, Tm * L * H * max(4, x.element_size()), local_why
@@ -1038,7 +571,7 @@ class Buffer:
                 else (0,) * W
             )
             # rows per (source, local expert) for this rank's experts
-            c = hdr[:, _HDR + self.rank * L : _HDR + (self.rank + 1) * L].clone()
+            c = hdr[:, HDR + self.rank * L : HDR + (self.rank + 1) * L].clone()
             for s in range(W):
                 if not active[s]:
                     c[s] = 0
@@ -1095,7 +628,7 @@ class Buffer:
                     K_.scatter_rows(rs, recv_dst, ps)
                     recv_x = (px.view(L, WT, H), ps.view(L, WT, nb))
             else:
-                recv_x = _LLDispatchFn.apply(self, h, x)
+                recv_x = LowLatencyDispatchFn.apply(self, h, x)
             if self._membership()[1] == epoch or attempt == tries:
                 break
         if self._membership()[1] != epoch:
@@ -1149,238 +682,37 @@ class Buffer:
         H = 0
         try:
             if not isinstance(handle, LowLatencyHandle):
-                raise _BadArgs(f"handle must be a LowLatencyHandle, got {type(handle).__name__}")
-            _check_x(
+                raise BadArgs(f"handle must be a LowLatencyHandle, got {type(handle).__name__}")
+            check_x(
                 x.reshape(-1, x.shape[-1]) if isinstance(x, torch.Tensor) and x.dim() == 3 else x
             )
             self._check_device(x)
-            _same_device("x", x, handle.device, "the dispatch's device")
+            check_same_device("x", x, handle.device, "the dispatch's device")
             L = handle.num_experts // self.group_size
             shp = (L, self.group_size * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
             if tuple(x.shape) != shp:
-                raise _BadArgs(f"x must have shape {shp}, got {tuple(x.shape)}")
+                raise BadArgs(f"x must have shape {shp}, got {tuple(x.shape)}")
             H = handle.hidden
-            _int_tensor("topk_idx", topk_idx, op, self.rank, handle.num_tokens)
-            _same_device("topk_idx", topk_idx, x.device)
+            check_int_tensor("topk_idx", topk_idx, op, self.rank, handle.num_tokens)
+            check_same_device("topk_idx", topk_idx, x.device)
             if not torch.equal(topk_idx.long(), handle.topk_idx.long()):
-                raise _BadArgs("topk_idx differs from the one given to low_latency_dispatch")
-            _check_weights(topk_weights, tuple(topk_idx.shape))
-            _same_device("topk_weights", topk_weights, x.device)
+                raise BadArgs("topk_idx differs from the one given to low_latency_dispatch")
+            check_weights(topk_weights, tuple(topk_idx.shape))
+            check_same_device("topk_weights", topk_weights, x.device)
             if use_logfmt or zero_copy or return_recv_hook:
-                raise _BadArgs(
-                    "use_logfmt, zero_copy and return_recv_hook are not supported on CPU"
-                )
+                raise BadArgs("use_logfmt, zero_copy and return_recv_hook are not supported on CPU")
             if out is not None and (
                 tuple(out.shape) != (handle.num_tokens, H) or out.dtype != x.dtype
             ):
-                raise _BadArgs(f"out must be {x.dtype} [{handle.num_tokens}, {H}]")
-            _same_device("out", out, x.device)
-        except _BadArgs as e:
+                raise BadArgs(f"out must be {x.dtype} [{handle.num_tokens}, {H}]")
+            check_same_device("out", out, x.device)
+        except BadArgs as e:
             err = str(e)
-        fields = [H, _DTYPES.get(getattr(x, "dtype", None), 0)]
+        fields = [H, DTYPES.get(getattr(x, "dtype", None), 0)]
         self._header(op, fields, error=err, names=("hidden", "dtype"))
-        res = _LLCombineFn.apply(self, handle, x, topk_weights)
+        res = LowLatencyCombineFn.apply(self, handle, x, topk_weights)
         if out is not None:
             with torch.no_grad():
                 out.copy_(res)
             return LowLatencyCombineResult(out, None, None)
         return LowLatencyCombineResult(res, None, None)
-
-
-# ------------------------------------------------------------ autograd functions
-
-
-class _DispatchFn(torch.autograd.Function):
-    """(local idx of sent rows, x, topk_weights) -> (recv_x, recv_topk_weights, recv_topk_idx)."""
-
-    @staticmethod
-    def forward(ctx, buf, handle, local_idx, x, w):
-        ctx.buf, ctx.handle = buf, handle
-        ctx.x_dtype = x.dtype
-        kern = buf._cfg["kernels"]
-        recv_x = buf._fwd(handle, K_.gather_rows(x.detach(), handle.send_token_idx, kern))
-        recv_w = recv_idx = None
-        if local_idx is not None:
-            if w is not None:
-                w_rows = w.detach().index_select(0, handle.send_token_idx)
-                w_rows = torch.where(local_idx >= 0, w_rows, torch.zeros_like(w_rows))
-                meta = torch.cat([local_idx, w_rows.view(torch.int32)], 1)
-            else:
-                meta = local_idx
-            recv_meta = buf._fwd(handle, meta)
-            k = local_idx.shape[1]
-            recv_idx = recv_meta[:, :k].contiguous()
-            # rows an inactive source did not send are zero: make their slots "no expert"
-            if w is not None:
-                recv_w = recv_meta[:, k:].contiguous().view(torch.float32)
-            if buf._mooncake is not None and recv_idx.numel():
-                active, _ = buf._membership()
-                start = 0
-                for s, c in enumerate(handle.recv_counts):
-                    if c and not active[s]:
-                        recv_idx[start : start + c] = -1
-                    start += c
-            ctx.mark_non_differentiable(recv_idx)
-        ctx.recv_idx = recv_idx
-        return recv_x, recv_w, recv_idx
-
-    @staticmethod
-    def backward(ctx, g_x, g_w, g_idx):
-        buf, h = ctx.buf, ctx.handle
-        gx = gw = None
-        if ctx.needs_input_grad[3]:
-            if g_x is None:
-                g_x = torch.zeros(
-                    (sum(h.recv_counts), h.hidden), dtype=ctx.x_dtype, device=h.device
-                )
-            rows = buf._bwd(h, g_x.contiguous())
-            gx = K_.scatter_add_rows(
-                rows,
-                h.send_token_idx,
-                h.num_tokens,
-                max_per_row=h.max_ranks_per_token,
-                fp32_accumulate=buf._cfg["fp32_accumulate"],
-                out_dtype=rows.dtype,
-            )
-        if ctx.needs_input_grad[4]:
-            n = sum(h.recv_counts)
-            if g_w is None:
-                g_w = torch.zeros((n, h.num_topk), device=h.device)
-            g_w = torch.where(ctx.recv_idx >= 0, g_w, torch.zeros_like(g_w))
-            rows = buf._bwd(h, g_w.float().contiguous())
-            gw = K_.scatter_add_rows(rows, h.send_token_idx, h.num_tokens, out_dtype=torch.float32)
-        return None, None, None, gx, gw
-
-
-class _CombineFn(torch.autograd.Function):
-    """(recv rows x, topk_weights) -> (combined_x, combined_topk_weights)."""
-
-    @staticmethod
-    def forward(ctx, buf, handle, x, w):
-        ctx.buf, ctx.handle = buf, handle
-        ctx.x_dtype = x.dtype
-        rows = buf._bwd(handle, x.detach())
-        out = None
-        if K_._use_triton(rows, buf._cfg["kernels"]):
-            # Triton: each token sums its rows in rank order, as index_add_ does on CPU
-            out = K_.sum_rows_by_table(
-                rows.contiguous(),
-                handle.row_table(),
-                kernels=buf._cfg["kernels"],
-                fp32_accumulate=buf._cfg["fp32_accumulate"],
-                max_per_row=handle.max_ranks_per_token,
-            )
-        if out is None:
-            out = K_.scatter_add_rows(
-                rows,
-                handle.send_token_idx,
-                handle.num_tokens,
-                max_per_row=handle.max_ranks_per_token,
-                alloc=buf._recycler.empty,
-                fp32_accumulate=buf._cfg["fp32_accumulate"],
-                out_dtype=x.dtype,
-            )
-        out_w = None
-        if w is not None:
-            wr = buf._bwd(handle, w.detach())
-            out_w = K_.scatter_add_rows(
-                wr, handle.send_token_idx, handle.num_tokens, out_dtype=torch.float32
-            )
-        return out, out_w
-
-    @staticmethod
-    def backward(ctx, g_out, g_w):
-        buf, h = ctx.buf, ctx.handle
-        gx = gw = None
-        kern = buf._cfg["kernels"]
-        if ctx.needs_input_grad[2]:
-            if g_out is None:
-                g_out = torch.zeros((h.num_tokens, h.hidden), dtype=ctx.x_dtype, device=h.device)
-            gx = buf._fwd(h, K_.gather_rows(g_out.contiguous(), h.send_token_idx, kern))
-        if ctx.needs_input_grad[3]:
-            if g_w is None:
-                g_w = torch.zeros((h.num_tokens, h.num_topk), device=h.device)
-            gw = buf._fwd(h, K_.gather_rows(g_w.float().contiguous(), h.send_token_idx, kern))
-        return None, None, gx, gw
-
-
-class _LLDispatchFn(torch.autograd.Function):
-    """x [T, H] -> packed [L, W * T_max, H]."""
-
-    @staticmethod
-    def forward(ctx, buf, handle, x):
-        ctx.buf, ctx.handle = buf, handle
-        L = handle.num_experts // buf.group_size
-        WT = buf.group_size * handle.num_max_dispatch_tokens_per_rank
-        rows = buf._fwd(handle, K_.gather_rows(x.detach(), handle.pair_token, buf._cfg["kernels"]))
-        packed = buf._recycler.empty((L * WT, handle.hidden), x.dtype, x.device)
-        K_.scatter_rows(rows, handle.recv_dst, packed)
-        return packed.view(L, WT, handle.hidden)
-
-    @staticmethod
-    def backward(ctx, g):
-        buf, h = ctx.buf, ctx.handle
-        flat = g.reshape(-1, h.hidden)
-        rows = buf._bwd(h, K_.gather_rows(flat.contiguous(), h.recv_dst, buf._cfg["kernels"]))
-        gx = K_.scatter_add_rows(
-            rows,
-            h.pair_token,
-            h.num_tokens,
-            fp32_accumulate=buf._cfg["fp32_accumulate"],
-            out_dtype=g.dtype,
-        )
-        return None, None, gx
-
-
-def _pair_weights(handle, topk_weights):
-    """float32 [P]: sum of the weights of the slots that map to each pair."""
-    P = handle.pair_token.numel()
-    wp = torch.zeros(P, dtype=torch.float32, device=handle.device)
-    sel = handle.slot_pair >= 0
-    if P and bool(sel.any()):
-        wp.index_add_(0, handle.slot_pair[sel], topk_weights[sel].float())
-    return wp
-
-
-class _LLCombineFn(torch.autograd.Function):
-    """(packed x [L, W * T_max, H], topk_weights [T, K]) -> combined [T, H]."""
-
-    @staticmethod
-    def forward(ctx, buf, handle, x, w):
-        ctx.buf, ctx.handle = buf, handle
-        flat = x.detach().reshape(-1, handle.hidden)
-        rows = buf._bwd(handle, K_.gather_rows(flat, handle.recv_dst, buf._cfg["kernels"]))
-        wp = _pair_weights(handle, w.detach())
-        out = K_.scatter_add_rows(
-            rows,
-            handle.pair_token,
-            handle.num_tokens,
-            weights=wp,
-            out_dtype=x.dtype,
-            alloc=buf._recycler.empty,
-        )
-        ctx.save_for_backward(rows, wp)
-        ctx.x_dtype = x.dtype
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        buf, h = ctx.buf, ctx.handle
-        rows, wp = ctx.saved_tensors
-        gx = gw = None
-        g_rows = K_.gather_rows(g.contiguous(), h.pair_token, buf._cfg["kernels"])  # [P, H]
-        if ctx.needs_input_grad[3]:
-            gp = (g_rows.float() * rows.float()).sum(1)  # [P]
-            sel = h.slot_pair >= 0
-            gw = torch.zeros(h.slot_pair.shape, dtype=torch.float32, device=h.device)
-            if bool(sel.any()):
-                gw[sel] = gp[h.slot_pair[sel]]
-        if ctx.needs_input_grad[2]:
-            send = (g_rows.float() * wp.unsqueeze(1)).to(ctx.x_dtype)
-            recv = buf._fwd(h, send)
-            L = h.num_experts // buf.group_size
-            WT = buf.group_size * h.num_max_dispatch_tokens_per_rank
-            packed = torch.zeros((L * WT, h.hidden), dtype=ctx.x_dtype, device=h.device)
-            K_.scatter_rows(recv, h.recv_dst, packed)
-            gx = packed.view(L, WT, h.hidden)
-        return None, None, gx, gw

@@ -12,6 +12,7 @@ mode), ``H`` hidden size.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -60,7 +61,7 @@ def scatter_add_rows(
     fp32_accumulate: bool = True,
     out_dtype: torch.dtype | None = None,
     max_per_row: int | None = None,
-    alloc=None,
+    alloc: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``out[t] = sum over n with idx[n] == t of weights[n] * rows[n]`` (weights 1 when
     ``None``): ``rows`` [N, H], ``idx`` int64 [N] in ``[0, num_out)``, ``weights`` float [N]
@@ -136,7 +137,7 @@ def scatter_rows(rows: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> to
     return out
 
 
-def fp8_quantize(x: torch.Tensor, kernels: str = "auto"):
+def fp8_quantize(x: torch.Tensor, kernels: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Per-block e4m3 cast: ``x`` [N, H] float -> ``(q, scales)`` with ``q`` float8_e4m3fn
     [N, H] and ``scales`` float32 [N, ceil(H / 128)]; block ``b`` covers channels
     ``[128 b, min(128 (b + 1), H))`` (the last block may be shorter) and

@@ -9,10 +9,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .buffer import Buffer, _all_gather_single
+from ._comm import all_gather_single
+from .buffer import Buffer
 
 
-def route_topk(logits: torch.Tensor, top_k: int):
+def route_topk(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over experts, then the ``top_k`` largest: ``(topk_idx int64 [T, K],
     topk_weights float32 [T, K])``. The reference routing of :class:`ExpertParallelMoE`
     when the gate returns logits."""
@@ -73,7 +74,7 @@ class ExpertParallelMoE(nn.Module):
         num_experts: int | None = None,
         top_k: int | None = None,
         buffer: Buffer | None = None,
-    ):
+    ) -> None:
         super().__init__()
         self.buffer = buffer if buffer is not None else Buffer(group)
         W, rank = self.buffer.group_size, self.buffer.rank
@@ -128,7 +129,7 @@ class ExpertParallelMoE(nn.Module):
             )
         raise ValueError(msg)
 
-    def route(self, x: torch.Tensor):
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(topk_idx int64 [T, K], topk_weights float32 [T, K])`` for tokens x [T, H]."""
         g = self.gate(x)
         if isinstance(g, (tuple, list)):
@@ -151,6 +152,9 @@ class ExpertParallelMoE(nn.Module):
         return route_topk(g, self.top_k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., H] -> [..., H] of x's dtype: each token's weighted sum of its top-k
+        experts' outputs (collective; see the class docstring on gradients, dead ranks and
+        the ``RuntimeError`` before :meth:`restore_experts`)."""
         self._check_membership()
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
@@ -292,7 +296,7 @@ class ExpertParallelMoE(nn.Module):
         for r in want:
             table[W + r] = 1
         tables = torch.zeros(W * 2 * W, dtype=torch.int64)
-        _all_gather_single(tables, table, group=self.buffer.group)
+        all_gather_single(tables, table, group=self.buffer.group)
         tables = tables.view(W, 2 * W)
         live = [r for r in range(W) if active[r]]
         want_all = sorted({j for r in live for j in range(W) if int(tables[r, W + j])})

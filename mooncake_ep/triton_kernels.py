@@ -170,14 +170,19 @@ def _combine(rows, pos, w, out_dtype):
     return out
 
 
-def unpermute(rows: torch.Tensor, pos: torch.Tensor, out_dtype=None) -> torch.Tensor:
+def unpermute(
+    rows: torch.Tensor, pos: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """``out[t] = sum_j rows[pos[t, j]]`` over ``pos[t, j] >= 0``: ``rows`` [N, H], ``pos``
     int [T, M] -> [T, H] (``out_dtype``, default rows'); float32 accumulation."""
     return _combine(rows, pos, None, out_dtype)
 
 
 def weighted_combine(
-    rows: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, out_dtype=None
+    rows: torch.Tensor,
+    pos: torch.Tensor,
+    weights: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``out[t] = sum_j weights[t, j] * rows[pos[t, j]]`` over ``pos[t, j] >= 0``;
     ``weights`` float [T, M]; float32 accumulation."""
@@ -189,7 +194,7 @@ def weighted_combine(
     return _combine(rows, pos, weights, out_dtype)
 
 
-def fp8_cast(x: torch.Tensor):
+def fp8_cast(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [N, H] -> ``(q float8_e4m3fn [N, H], scales float32 [N, ceil(H / 128)])``."""
     _check_rows(x, "x")
     N, H = x.shape

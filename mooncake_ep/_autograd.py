@@ -1,0 +1,207 @@
+"""The autograd functions of :class:`mooncake_ep.Buffer`'s ops: each forward moves rows
+with the Buffer's transport, each backward moves the gradients the other way (a dispatch's
+backward is a combine and vice versa). Every rank runs the same backward passes (they are
+collective). ``buf`` is the :class:`mooncake_ep.Buffer`, ``handle`` its dispatch's handle.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import kernels as K_
+
+
+class DispatchFn(torch.autograd.Function):
+    """(local idx of sent rows, x, topk_weights) -> (recv_x, recv_topk_weights, recv_topk_idx)."""
+
+    @staticmethod
+    def forward(ctx, buf, handle, local_idx, x, w):
+        ctx.buf, ctx.handle = buf, handle
+        ctx.x_dtype = x.dtype
+        kern = buf._cfg["kernels"]
+        recv_x = buf._fwd(handle, K_.gather_rows(x.detach(), handle.send_token_idx, kern))
+        recv_w = recv_idx = None
+        if local_idx is not None:
+            if w is not None:
+                w_rows = w.detach().index_select(0, handle.send_token_idx)
+                w_rows = torch.where(local_idx >= 0, w_rows, torch.zeros_like(w_rows))
+                meta = torch.cat([local_idx, w_rows.view(torch.int32)], 1)
+            else:
+                meta = local_idx
+            recv_meta = buf._fwd(handle, meta)
+            k = local_idx.shape[1]
+            recv_idx = recv_meta[:, :k].contiguous()
+            # rows an inactive source did not send are zero: make their slots "no expert"
+            if w is not None:
+                recv_w = recv_meta[:, k:].contiguous().view(torch.float32)
+            if buf._mooncake is not None and recv_idx.numel():
+                active, _ = buf._membership()
+                start = 0
+                for s, c in enumerate(handle.recv_counts):
+                    if c and not active[s]:
+                        recv_idx[start : start + c] = -1
+                    start += c
+            ctx.mark_non_differentiable(recv_idx)
+        ctx.recv_idx = recv_idx
+        return recv_x, recv_w, recv_idx
+
+    @staticmethod
+    def backward(ctx, g_x, g_w, g_idx):
+        buf, h = ctx.buf, ctx.handle
+        gx = gw = None
+        if ctx.needs_input_grad[3]:
+            if g_x is None:
+                g_x = torch.zeros(
+                    (sum(h.recv_counts), h.hidden), dtype=ctx.x_dtype, device=h.device
+                )
+            rows = buf._bwd(h, g_x.contiguous())
+            gx = K_.scatter_add_rows(
+                rows,
+                h.send_token_idx,
+                h.num_tokens,
+                max_per_row=h.max_ranks_per_token,
+                fp32_accumulate=buf._cfg["fp32_accumulate"],
+                out_dtype=rows.dtype,
+            )
+        if ctx.needs_input_grad[4]:
+            n = sum(h.recv_counts)
+            if g_w is None:
+                g_w = torch.zeros((n, h.num_topk), device=h.device)
+            g_w = torch.where(ctx.recv_idx >= 0, g_w, torch.zeros_like(g_w))
+            rows = buf._bwd(h, g_w.float().contiguous())
+            gw = K_.scatter_add_rows(rows, h.send_token_idx, h.num_tokens, out_dtype=torch.float32)
+        return None, None, None, gx, gw
+
+
+class CombineFn(torch.autograd.Function):
+    """(recv rows x, topk_weights) -> (combined_x, combined_topk_weights)."""
+
+    @staticmethod
+    def forward(ctx, buf, handle, x, w):
+        ctx.buf, ctx.handle = buf, handle
+        ctx.x_dtype = x.dtype
+        rows = buf._bwd(handle, x.detach())
+        out = None
+        if K_._use_triton(rows, buf._cfg["kernels"]):
+            # Triton: each token sums its rows in rank order, as index_add_ does on CPU
+            out = K_.sum_rows_by_table(
+                rows.contiguous(),
+                handle.row_table(),
+                kernels=buf._cfg["kernels"],
+                fp32_accumulate=buf._cfg["fp32_accumulate"],
+                max_per_row=handle.max_ranks_per_token,
+            )
+        if out is None:
+            out = K_.scatter_add_rows(
+                rows,
+                handle.send_token_idx,
+                handle.num_tokens,
+                max_per_row=handle.max_ranks_per_token,
+                alloc=buf._recycler.empty,
+                fp32_accumulate=buf._cfg["fp32_accumulate"],
+                out_dtype=x.dtype,
+            )
+        out_w = None
+        if w is not None:
+            wr = buf._bwd(handle, w.detach())
+            out_w = K_.scatter_add_rows(
+                wr, handle.send_token_idx, handle.num_tokens, out_dtype=torch.float32
+            )
+        return out, out_w
+
+    @staticmethod
+    def backward(ctx, g_out, g_w):
+        buf, h = ctx.buf, ctx.handle
+        gx = gw = None
+        kern = buf._cfg["kernels"]
+        if ctx.needs_input_grad[2]:
+            if g_out is None:
+                g_out = torch.zeros((h.num_tokens, h.hidden), dtype=ctx.x_dtype, device=h.device)
+            gx = buf._fwd(h, K_.gather_rows(g_out.contiguous(), h.send_token_idx, kern))
+        if ctx.needs_input_grad[3]:
+            if g_w is None:
+                g_w = torch.zeros((h.num_tokens, h.num_topk), device=h.device)
+            gw = buf._fwd(h, K_.gather_rows(g_w.float().contiguous(), h.send_token_idx, kern))
+        return None, None, gx, gw
+
+
+class LowLatencyDispatchFn(torch.autograd.Function):
+    """x [T, H] -> packed [L, W * T_max, H]."""
+
+    @staticmethod
+    def forward(ctx, buf, handle, x):
+        ctx.buf, ctx.handle = buf, handle
+        L = handle.num_experts // buf.group_size
+        WT = buf.group_size * handle.num_max_dispatch_tokens_per_rank
+        rows = buf._fwd(handle, K_.gather_rows(x.detach(), handle.pair_token, buf._cfg["kernels"]))
+        packed = buf._recycler.empty((L * WT, handle.hidden), x.dtype, x.device)
+        K_.scatter_rows(rows, handle.recv_dst, packed)
+        return packed.view(L, WT, handle.hidden)
+
+    @staticmethod
+    def backward(ctx, g):
+        buf, h = ctx.buf, ctx.handle
+        flat = g.reshape(-1, h.hidden)
+        rows = buf._bwd(h, K_.gather_rows(flat.contiguous(), h.recv_dst, buf._cfg["kernels"]))
+        gx = K_.scatter_add_rows(
+            rows,
+            h.pair_token,
+            h.num_tokens,
+            fp32_accumulate=buf._cfg["fp32_accumulate"],
+            out_dtype=g.dtype,
+        )
+        return None, None, gx
+
+
+def _pair_weights(handle, topk_weights):
+    """float32 [P]: sum of the weights of the slots that map to each pair."""
+    P = handle.pair_token.numel()
+    wp = torch.zeros(P, dtype=torch.float32, device=handle.device)
+    sel = handle.slot_pair >= 0
+    if P and bool(sel.any()):
+        wp.index_add_(0, handle.slot_pair[sel], topk_weights[sel].float())
+    return wp
+
+
+class LowLatencyCombineFn(torch.autograd.Function):
+    """(packed x [L, W * T_max, H], topk_weights [T, K]) -> combined [T, H]."""
+
+    @staticmethod
+    def forward(ctx, buf, handle, x, w):
+        ctx.buf, ctx.handle = buf, handle
+        flat = x.detach().reshape(-1, handle.hidden)
+        rows = buf._bwd(handle, K_.gather_rows(flat, handle.recv_dst, buf._cfg["kernels"]))
+        wp = _pair_weights(handle, w.detach())
+        out = K_.scatter_add_rows(
+            rows,
+            handle.pair_token,
+            handle.num_tokens,
+            weights=wp,
+            out_dtype=x.dtype,
+            alloc=buf._recycler.empty,
+        )
+        ctx.save_for_backward(rows, wp)
+        ctx.x_dtype = x.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        buf, h = ctx.buf, ctx.handle
+        rows, wp = ctx.saved_tensors
+        gx = gw = None
+        g_rows = K_.gather_rows(g.contiguous(), h.pair_token, buf._cfg["kernels"])  # [P, H]
+        if ctx.needs_input_grad[3]:
+            gp = (g_rows.float() * rows.float()).sum(1)  # [P]
+            sel = h.slot_pair >= 0
+            gw = torch.zeros(h.slot_pair.shape, dtype=torch.float32, device=h.device)
+            if bool(sel.any()):
+                gw[sel] = gp[h.slot_pair[sel]]
+        if ctx.needs_input_grad[2]:
+            send = (g_rows.float() * wp.unsqueeze(1)).to(ctx.x_dtype)
+            recv = buf._fwd(h, send)
+            L = h.num_experts // buf.group_size
+            WT = buf.group_size * h.num_max_dispatch_tokens_per_rank
+            packed = torch.zeros((L * WT, h.hidden), dtype=ctx.x_dtype, device=h.device)
+            K_.scatter_rows(recv, h.recv_dst, packed)
+            gx = packed.view(L, WT, h.hidden)
+        return None, None, gx, gw

@@ -1,0 +1,304 @@
+"""The collective plumbing under :class:`mooncake_ep.Buffer`: its group and the group's
+membership, the header exchange every op starts with, and the all-to-all of rows over the
+group's ``all_to_all_single`` or NVSHMEM (:mod:`mooncake_ep._nvshmem`).
+
+:class:`Transport` holds what Buffer's ops share; :class:`mooncake_ep.Buffer` derives
+from it and adds DeepEP's API. Devices, headers, dead ranks and the low-latency backend
+choice behave as :mod:`mooncake_ep.buffer` describes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import _nvshmem
+from ._checks import DTYPE_NAMES, BadArgs
+from ._comm import all_gather_single
+from .config import EPConfig, resolve
+
+# header codes (one int64 each): op ids, status, the low-latency backend wanted
+_OPS = {"dispatch": 1, "combine": 2, "low_latency_dispatch": 3, "low_latency_combine": 4}
+HDR = 8  # status, op, then 6 op-specific fields every rank must agree on
+LL_CODES = {"auto": 0, "nvshmem": 1, "group": 2}
+FORCED = "low_latency_backend='nvshmem' (EPConfig or MOONCAKE_EP_LOW_LATENCY_BACKEND)"
+_OK, _BAD = 1, 2
+
+
+def _storage_uses(t: torch.Tensor) -> int:
+    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+
+
+class _Recycler:
+    """Large receive buffers, reused once nothing outside the cache refers to them.
+
+    A fresh multi-MiB CPU tensor costs a page fault per 4 KiB page on first touch (the
+    kernel zeroes it), which on this path costs as much as the copy itself. A cached flat
+    tensor is handed out again (as a view) only when its storage has no other user: no
+    result the caller still holds, no tensor saved for backward, no view. Results stay
+    valid as long as they are referenced."""
+
+    def __init__(self, per_dtype: int = 3, min_bytes: int = 1 << 20):
+        self.per_dtype, self.min_bytes = per_dtype, min_bytes
+        self._cache = {}
+
+    def empty(self, shape, dtype, device="cpu") -> torch.Tensor:
+        """An uninitialised ``dtype`` tensor of ``shape`` on ``device``."""
+        device = torch.device(device)
+        n = 1
+        for d in shape:
+            n *= int(d)
+        if n * torch.empty((), dtype=dtype).element_size() < self.min_bytes:
+            return torch.empty(shape, dtype=dtype, device=device)
+        lst = self._cache.setdefault((dtype, device), [])
+        for i, (flat, base) in enumerate(lst):
+            if flat.numel() >= n and _storage_uses(flat) == base:
+                lst.append(lst.pop(i))  # most recently used last
+                return flat[:n].view(shape)
+        flat = torch.empty(n, dtype=dtype, device=device)
+        out = flat[:n].view(shape)
+        # "free" = no user but the cache (out is one now)
+        lst.append((flat, _storage_uses(flat) - 1))
+        free = [i for i, (f, b) in enumerate(lst) if _storage_uses(f) == b]
+        for i in reversed(free[: max(0, len(lst) - self.per_dtype)]):
+            lst.pop(i)  # keep at most per_dtype buffers, oldest free ones go
+        return out
+
+
+class Transport:
+    """Group, membership, header exchange and row transport of one
+    :class:`mooncake_ep.Buffer` (its base class; the arguments are Buffer's).
+
+    Raises ``RuntimeError`` when ``torch.distributed`` is not initialised and
+    ``ValueError`` when this process is not a member of ``group``.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, config: EPConfig | None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("mooncake_ep.Buffer: torch.distributed is not initialised")
+        self.group = group if group is not None else dist.distributed_c10d._get_default_group()
+        if self.group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(self.group) < 0:
+            raise ValueError("mooncake_ep.Buffer: this process is not a member of the group")
+        self.rank = dist.get_rank(self.group)
+        self.group_size = dist.get_world_size(self.group)
+        self._cfg = resolve(config, self.group_size)
+        self._recycler = _Recycler()
+        self._device_types = {}
+        self._ll_backend = None  # "nvshmem" / "group" of the last low_latency_dispatch
+        self._ll_why = None  # why it was not NVSHMEM
+        self._nvs = None  # _nvshmem.SymmetricExchange, made at the first NVSHMEM use
+        self._nvs_disabled = None  # why NVSHMEM failed for this Buffer (agreed by every rank)
+        self._mooncake = None
+        try:
+            import mooncake_pg
+
+            mooncake_pg.backend_of(self.group)
+            self._mooncake = mooncake_pg
+        except (ImportError, ValueError, RuntimeError):
+            self._mooncake = None
+
+    # ----------------------------------------------------------- membership
+
+    def _takes_device(self, device: torch.device) -> bool:
+        """Whether the group's backend serves tensors of ``device``'s type (asked once per type)."""
+        ok = self._device_types.get(device.type)
+        if ok is None:
+            try:
+                self.group._get_backend(torch.device(device.type))
+                ok = True
+            except (RuntimeError, ValueError):
+                ok = False
+            self._device_types[device.type] = ok
+        return ok
+
+    def _check_device(self, x, what="x"):
+        """The group must be able to move tensors of ``x``'s device (before anything is sent)."""
+        dev = x.device
+        if self._takes_device(dev):
+            return
+        served = [t for t in ("cpu", "cuda") if self._takes_device(torch.device(t))]
+        hint = ""
+        if (
+            dev.type == "cuda"
+            and self._mooncake is not None
+            and not getattr(self._mooncake, "WITH_CUDA", False)
+        ):
+            hint = (
+                "; this mooncake_pg build has no CUDA (mooncake_pg.WITH_CUDA is False: rebuild with "
+                "MOONCAKE_WITH_CUDA=1, or pass CPU tensors)"
+            )
+        raise BadArgs(
+            f"{what} is on {dev}, expected a device the group's backend "
+            f"({dist.get_backend(self.group)}) serves: {' or '.join(served) or 'none'}{hint}"
+        )
+
+    def _membership(self):
+        if self._mooncake is None:
+            return [1] * self.group_size, 0
+        be = self._mooncake.backend_of(self.group)
+        return [int(a) for a in be.active_ranks()], int(be.epoch())
+
+    # ------------------------------------------------------------- transport
+
+    def _err(self, op, msg):
+        return ValueError(f"mooncake_ep {op} (rank {self.rank}): {msg}")
+
+    def _header(self, op, fields, counts=None, error=None, names=(), extra=None):
+        """Collective header exchange; returns (headers int64 [W, n], active mask, epoch).
+        ``extra``: a per-rank value in the last field, not compared across ranks."""
+        n_counts = 0 if counts is None else int(counts.numel())
+        hdr = torch.zeros(HDR + n_counts, dtype=torch.int64)
+        hdr[0] = _BAD if error else _OK
+        hdr[1] = _OPS[op]
+        if not error:
+            assert len(fields) <= (HDR - 3 if extra is not None else HDR - 2)
+            for i, f in enumerate(fields):
+                hdr[2 + i] = int(f)
+            if extra is not None:
+                hdr[HDR - 1] = int(extra)
+            if n_counts:
+                hdr[HDR:] = counts.to(torch.int64).cpu()
+        out = torch.zeros(
+            self.group_size * hdr.numel(), dtype=torch.int64
+        )  # flat: gloo wants [W * n]
+        all_gather_single(out, hdr, group=self.group)
+        out = out.view(self.group_size, hdr.numel())
+        active, epoch = self._membership()
+        if error:
+            raise self._err(op, f"{error}; nothing was sent")
+        live = [r for r in range(self.group_size) if active[r]]
+        bad = [r for r in live if int(out[r, 0]) == _BAD]
+        if bad:
+            raise self._err(
+                op,
+                f"rank(s) {bad} passed invalid arguments (their error says which); "
+                "nothing was sent",
+            )
+        ref = live[0]
+        nf = 2 + len(fields)
+        diff = [r for r in live if not torch.equal(out[r, 1:nf], out[ref, 1:nf])]
+        if diff:
+
+            def show(r):
+                vals = (int(out[r, 2 + i]) for i in range(len(names)))
+                return ", ".join(
+                    f"{nm}={DTYPE_NAMES.get(v, v) if nm == 'dtype' else v}"
+                    for nm, v in zip(names, vals)
+                )
+
+            what = show(ref)
+            got = "; ".join(f"rank {r}: {show(r)}" for r in diff)
+            raise self._err(
+                op, f"rank(s) {diff} disagree with rank {ref} ({what}): {got}; nothing was sent"
+            )
+        return out, active, epoch
+
+    def _a2a(self, send, send_counts, recv_counts):
+        """Rows of ``send`` (grouped by destination) to every rank; returns the received rows
+        grouped by source. Rows an inactive rank did not send are zero."""
+        send = send.contiguous()
+        out = self._recycler.empty(
+            (sum(recv_counts),) + tuple(send.shape[1:]), send.dtype, send.device
+        )
+        dist.all_to_all_single(out, send, list(recv_counts), list(send_counts), group=self.group)
+        if self._mooncake is not None and out.numel():
+            active, _ = self._membership()
+            start = 0
+            for s, c in enumerate(recv_counts):
+                if c and not active[s]:
+                    out[start : start + c].zero_()
+                start += c
+        return out
+
+    def _fwd(self, handle, send):
+        if getattr(handle, "backend", "group") == "nvshmem":
+            return self._nvshmem_a2a(handle, send, handle.send_counts, handle.recv_counts)
+        return self._a2a(send, handle.send_counts, handle.recv_counts)
+
+    def _bwd(self, handle, recv):
+        if getattr(handle, "backend", "group") == "nvshmem":
+            return self._nvshmem_a2a(handle, recv, handle.recv_counts, handle.send_counts)
+        return self._a2a(recv, handle.recv_counts, handle.send_counts)
+
+    # ------------------------------------------------- low-latency backend
+
+    def _nvshmem_unusable(self, dev: torch.device) -> str | None:
+        """Why this rank cannot move low-latency rows over NVSHMEM (``None``: it can)."""
+        if self._nvs_disabled:
+            return self._nvs_disabled
+        if self._nvs is not None and self._nvs.device != dev:
+            return (
+                f"this Buffer's NVSHMEM buffers live on {self._nvs.device}, expected x there, got x on "
+                f"{dev} (one device per Buffer)"
+            )
+        return _nvshmem.local_unusable(
+            dev, self.rank, self.group_size, dist.get_process_group_ranks(self.group)
+        )
+
+    def _nvshmem_setup(self, dev: torch.device, nbytes: int) -> str | None:
+        """Collective: NVSHMEM world and this Buffer's symmetric buffers. Returns ``None``,
+        or why not (the same on every rank; the Buffer then stays on the group)."""
+        if self._nvs is not None:  # same device (checked before the header)
+            why = self._nvs._grow(nbytes)
+        else:
+            nvs = _nvshmem.SymmetricExchange(self.group, self.rank, self.group_size, dev)
+            why = nvs.setup(nbytes)
+            if why is None:
+                self._nvs = nvs
+        if why:
+            self._nvs_disabled = why
+        return why
+
+    def _choose_ll_backend(self, op, want, hdr, active, dev, slot_bytes, local_why=None):
+        """After the header: ``("nvshmem" | "group", why not NVSHMEM)``, the same on every
+        rank (from the gathered header). ``want="nvshmem"`` raises ``ValueError`` on every
+        rank instead of falling back."""
+        W = self.group_size
+        live = [r for r in range(W) if active[r]]
+        codes = {r: int(hdr[r, HDR - 1]) >> 1 for r in live}
+        if len(set(codes.values())) > 1:
+            names = {c: n for n, c in LL_CODES.items()}
+            got = ", ".join(f"rank {r}: {names.get(c, c)!r}" for r, c in codes.items())
+            raise self._err(
+                op,
+                f"ranks disagree on low_latency_backend (EPConfig or "
+                f"MOONCAKE_EP_LOW_LATENCY_BACKEND): {got}; nothing was sent",
+            )
+        if want == "group":
+            return "group", None
+        inactive = [r for r in range(W) if not active[r]]
+        no = [r for r in live if not int(hdr[r, HDR - 1]) & 1]
+        if inactive:
+            why = (
+                f"rank(s) {inactive} are inactive (the NVSHMEM path needs every rank of the group)"
+            )
+        elif no:
+            why = (
+                f"NVSHMEM is not usable on rank(s) {no} (CUDA tensors, nvshmem4py-cu13 installed and "
+                "initialised over this group are needed on every rank)"
+            )
+            if local_why:
+                why += f"; on rank {self.rank}: {local_why}"
+        else:
+            why = self._nvshmem_setup(dev, W * slot_bytes)
+        if why is None:
+            return "nvshmem", None
+        if want == "nvshmem":
+            raise self._err(op, f"{FORCED} cannot be served: {why}; nothing was sent")
+        return "group", why
+
+    def _nvshmem_a2a(self, handle, send, send_counts, recv_counts):
+        active, _ = self._membership()
+        if not all(active):
+            raise RuntimeError(
+                f"mooncake_ep low-latency (rank {self.rank}): rank(s) "
+                f"{[r for r, a in enumerate(active) if not a]} left the group since the "
+                "dispatch; the NVSHMEM path needs every rank (dispatch again: it falls "
+                "back to the group with low_latency_backend='auto')"
+            )
+        send = send.contiguous()
+        out = self._recycler.empty(
+            (sum(recv_counts),) + tuple(send.shape[1:]), send.dtype, send.device
+        )
+        cap = handle.num_max_dispatch_tokens_per_rank * (handle.num_experts // self.group_size)
+        return self._nvs.alltoallv(send, send_counts, recv_counts, cap, out)
