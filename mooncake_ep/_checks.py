@@ -19,9 +19,9 @@ class BadArgs(Exception):
     ValueError after the header exchange told every rank."""
 
 
-def check_int_tensor(name: str, t: object, op: str, rank: int, shape0: int | None = None) -> None:
-    """``t`` must be an int64 (or int32) tensor [T, K] (``T == shape0`` when given).
-    ``op`` and ``rank`` name the caller."""
+def check_int_tensor(name: str, t: object, shape0: int | None = None) -> None:
+    """``t`` must be an int64 (or int32) tensor [T, K] (``T == shape0`` when given); the
+    caller's BadArgs handler adds the op and the rank."""
     if not isinstance(t, torch.Tensor):
         raise BadArgs(f"{name} must be a tensor, got {type(t).__name__}")
     if t.dtype not in (torch.int64, torch.int32):

@@ -204,7 +204,7 @@ class Buffer(Transport):
         """
         try:
             self.num_local_experts(num_experts)
-            check_int_tensor("topk_idx", topk_idx, "get_dispatch_layout", self.rank)
+            check_int_tensor("topk_idx", topk_idx)
             check_topk_idx(topk_idx, num_experts)
         except BadArgs as e:
             raise self._err("get_dispatch_layout", str(e)) from None
@@ -309,7 +309,7 @@ class Buffer(Transport):
             T, H = x.shape
             if topk_idx is None:
                 raise BadArgs("topk_idx is required without a handle")
-            check_int_tensor("topk_idx", topk_idx, op, self.rank, T)
+            check_int_tensor("topk_idx", topk_idx, T)
             check_same_device("topk_idx", topk_idx, dev)
             Kk = topk_idx.shape[1]
             check_topk_idx(topk_idx, E)
@@ -510,7 +510,7 @@ class Buffer(Transport):
             T, H = x.shape
             if T > Tm:
                 raise BadArgs(f"x has {T} tokens, more than num_max_dispatch_tokens_per_rank={Tm}")
-            check_int_tensor("topk_idx", topk_idx, op, self.rank, T)
+            check_int_tensor("topk_idx", topk_idx, T)
             check_same_device("topk_idx", topk_idx, dev)
             Kk = topk_idx.shape[1]
             check_topk_idx(topk_idx, E)
@@ -693,7 +693,7 @@ class Buffer(Transport):
             if tuple(x.shape) != shp:
                 raise BadArgs(f"x must have shape {shp}, got {tuple(x.shape)}")
             H = handle.hidden
-            check_int_tensor("topk_idx", topk_idx, op, self.rank, handle.num_tokens)
+            check_int_tensor("topk_idx", topk_idx, handle.num_tokens)
             check_same_device("topk_idx", topk_idx, x.device)
             if not torch.equal(topk_idx.long(), handle.topk_idx.long()):
                 raise BadArgs("topk_idx differs from the one given to low_latency_dispatch")
