@@ -39,14 +39,13 @@ from ._link import _LinkMixin
 from ._read import _batch_result, _ReadMixin
 from ._write import _Reservation, _WriteMixin
 from .config import MasterConfig, ReplicateConfig, StoreConfig, _parse_hostport
-from .core import SEG_HEADER
 from .errors import (
     ObjectNotFoundError,
     StoreError,
     TransferError,
     from_code,
 )
-from .segment import LocalSegment, SegmentCache, tune_malloc
+from .segment import SEG_HEADER, LocalSegment, SegmentCache, tune_malloc
 
 log = logging.getLogger("mooncake_store")
 

@@ -14,9 +14,9 @@ import errno
 import os
 import threading
 
-from .core import SEG_HEADER
 from .errors import TransferError
 
+SEG_HEADER = 4096  # bytes at the start of every segment kept for its header (magic + token)
 MAGIC = b"MCSTSEG1"
 
 
