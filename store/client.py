@@ -4,6 +4,10 @@ A client optionally contributes a shared-memory segment (and an SSD directory); 
 master places objects in segments; data moves from client to client: segments of the
 same host are mapped and copied directly, others go through the TCP transfer engine
 (``mooncake_pg.transfer.TransferEngine``).
+
+``MooncakeStore`` holds the public API and the client's state; its parts are mixed in:
+``_link.py`` (metadata requests, failover, heartbeats, the master's tasks), ``_read.py``
+(the read path) and ``_write.py`` (puts, put reservations); ``_args.py`` checks arguments.
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ progress (a put on an existing key with ``upsert`` keeps the old version readabl
 the new one commits). Replicas live in client segments (``[segment, offset, bytes]``) or
 in a client's SSD directory (``[client, path]``). Space is allocated by the master and
 written by the client; the master never touches data.
+
+``Core`` holds the state, clients, reads, the tick and stats; its parts are mixed in:
+``_core_put.py`` (puts, put reservations), ``_core_space.py`` (placement, eviction) and
+``_core_ssd.py`` (the SSD tier); the records live in ``_core_records.py``.
 """
 
 from __future__ import annotations
