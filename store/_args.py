@@ -5,6 +5,19 @@ keys into metadata requests, repeated keys, raising the first error of a batch).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    import numpy as np
+    import torch
+
+    # a value ``put`` stores: a bytes-like object (NumPy arrays included) or a CPU tensor
+    BytesLike: TypeAlias = "bytes | bytearray | memoryview | np.ndarray | torch.Tensor"
+    # a buffer ``get_into`` writes: a writable bytes-like object or a contiguous CPU tensor
+    WritableBuffer: TypeAlias = "bytearray | memoryview | np.ndarray | torch.Tensor"
+
 
 def _as_bytes_view(value, what="value") -> memoryview:
     """A flat read-only byte view of ``value`` (bytes-like or a CPU tensor); ValueError otherwise."""

@@ -143,7 +143,7 @@ class _PutMixin:
         self.abort_puts(c.id, items)
         return {}
 
-    def abort_puts(self, cid: str, items: list, grace_s: float = 0.0):
+    def abort_puts(self, cid: str, items: list, grace_s: float = 0.0) -> None:
         """Aborts the puts ``[key, version]`` that client ``cid`` started and has not ended
         (others are ignored); unlike a request, this does not count as its heartbeat. Their
         space is freed after ``grace_s`` seconds (a writer that may still be copying into

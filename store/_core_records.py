@@ -25,10 +25,10 @@ class Segment:
         # segment with the old one, and freeing the old must not forget the new
         self.keys: dict = {}
 
-    def add_key(self, key: str):
+    def add_key(self, key: str) -> None:
         self.keys[key] = self.keys.get(key, 0) + 1
 
-    def drop_key(self, key: str):
+    def drop_key(self, key: str) -> None:
         n = self.keys.get(key, 0) - 1
         if n > 0:
             self.keys[key] = n

@@ -8,9 +8,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import sys
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from .errors import WeightSyncAbortedError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class PublishResult(NamedTuple):
@@ -83,7 +86,7 @@ def _default_algo() -> str:
         return "blake2b"
 
 
-def tensor_digest(t) -> str:
+def tensor_digest(t: torch.Tensor) -> str:
     """BLAKE2b-128 hex digest of a CPU tensor's bytes (row-major order)."""
     b = _byte_view(t)
     return hashlib.blake2b(b.numpy() if b.numel() else b"", digest_size=16).hexdigest()

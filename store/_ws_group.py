@@ -5,6 +5,7 @@ from a source rank, atomic for the whole group (see ``weight_sync.py``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgpack
 
@@ -21,6 +22,10 @@ from .errors import (
     StaleVersionError,
     WeightSyncAbortedError,
 )
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
 
 
 class GroupWeightSync:
@@ -44,7 +49,9 @@ class GroupWeightSync:
     refuses the version). Dtypes may differ (values are cast into each rank's tensors);
     ``bucket_bytes`` matters on ``src`` only."""
 
-    def __init__(self, *, group=None, src: int = 0, bucket_bytes: int = 64 << 20):
+    def __init__(
+        self, *, group: dist.ProcessGroup | None = None, src: int = 0, bucket_bytes: int = 64 << 20
+    ):
         if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be an int >= 1, got {bucket_bytes!r}")
         self.group = group
@@ -92,7 +99,7 @@ class GroupWeightSync:
 
     def sync(
         self,
-        model_or_state_dict,
+        model_or_state_dict: torch.nn.Module | dict[str, torch.Tensor],
         version: int | None = None,
         *,
         stage_hook: Callable[[int], None] | None = None,

@@ -14,6 +14,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgpack
 
@@ -33,13 +34,16 @@ from .errors import (
     WeightSyncAbortedError,
 )
 
+if TYPE_CHECKING:
+    import torch
+
 
 class _PublishMixin:
     """``publish`` and the drop of old versions."""
 
     def publish(
         self,
-        state_dict,
+        state_dict: dict[str, torch.Tensor] | torch.nn.Module,
         version: int,
         *,
         shard: int = 0,

@@ -16,6 +16,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal
 
 import msgpack
 
@@ -36,6 +37,9 @@ from .errors import (
     StoreError,
     WeightSyncAbortedError,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 # logs under the name of the module WeightSync lives in
 log = logging.getLogger("mooncake_store.weight_sync")
@@ -108,7 +112,7 @@ class _PullMixin:
             log.error(msg)
             warnings.warn(msg, RuntimeWarning, stacklevel=1)
 
-    def release(self):
+    def release(self) -> None:
         """Gives up this reader's slot (call when the reader goes away for good). With
         ``install="view"`` the parameters it installed as views become private copies
         first; tensors the caller kept or detached from views are not protected after
@@ -139,10 +143,10 @@ class _PullMixin:
 
     def pull(
         self,
-        into=None,
-        version="latest",
+        into: torch.nn.Module | dict[str, torch.Tensor] | None = None,
+        version: int | Literal["latest"] = "latest",
         *,
-        dtype=None,
+        dtype: torch.dtype | None = None,
         strict: bool = True,
         stage_hook: Callable[[int], None] | None = None,
     ) -> PullResult:

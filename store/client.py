@@ -22,7 +22,7 @@ import threading
 import uuid
 import weakref
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgpack
 
@@ -50,6 +50,11 @@ from .errors import (
     from_code,
 )
 from .segment import SEG_HEADER, LocalSegment, SegmentCache, tune_malloc
+
+if TYPE_CHECKING:
+    import torch
+
+    from ._args import BytesLike, WritableBuffer
 
 log = logging.getLogger("mooncake_store")
 
@@ -122,7 +127,7 @@ class MooncakeStore(_LinkMixin, _ReadMixin, _WriteMixin):
     Raises ``ValueError`` for bad options; ``StoreError`` if no master answers.
     """
 
-    def __init__(self, config: StoreConfig | None = None, **kw):
+    def __init__(self, config: StoreConfig | None = None, **kw: Any):
         if config is not None and kw:
             raise ValueError("pass either a StoreConfig or keyword options, not both")
         cfg = (config or StoreConfig(**kw)).resolved()
@@ -272,7 +277,7 @@ class MooncakeStore(_LinkMixin, _ReadMixin, _WriteMixin):
 
     # ------------------------------------------------------------------ puts
 
-    def put(self, key: str, value, config: ReplicateConfig = _DEFAULT_REPLICATE) -> int:
+    def put(self, key: str, value: BytesLike, config: ReplicateConfig = _DEFAULT_REPLICATE) -> int:
         """Stores ``value`` (bytes-like, ``b""`` allowed) under ``key``.
 
         Returns how many replicas were placed (``config.replica_num`` or fewer when fewer
@@ -290,7 +295,9 @@ class MooncakeStore(_LinkMixin, _ReadMixin, _WriteMixin):
             False,
         )[0]
 
-    def upsert(self, key: str, value, config: ReplicateConfig = _DEFAULT_REPLICATE) -> int:
+    def upsert(
+        self, key: str, value: BytesLike, config: ReplicateConfig = _DEFAULT_REPLICATE
+    ) -> int:
         """Like :meth:`put`, but replaces an existing value (any size). Readers see the
         old value until the new one is complete. Returns the replicas placed."""
         return self._put_many(
@@ -305,7 +312,7 @@ class MooncakeStore(_LinkMixin, _ReadMixin, _WriteMixin):
     def put_batch(
         self,
         keys: Sequence[str],
-        values: Sequence,
+        values: Sequence[BytesLike],
         config: ReplicateConfig = _DEFAULT_REPLICATE,
         *,
         upsert: bool = False,
@@ -323,7 +330,7 @@ class MooncakeStore(_LinkMixin, _ReadMixin, _WriteMixin):
     def put_tensor(
         self,
         key: str,
-        tensor,
+        tensor: torch.Tensor,
         config: ReplicateConfig = _DEFAULT_REPLICATE,
         *,
         upsert: bool = False,
@@ -337,7 +344,7 @@ class MooncakeStore(_LinkMixin, _ReadMixin, _WriteMixin):
     def put_tensor_batch(
         self,
         keys: Sequence[str],
-        tensors: Sequence,
+        tensors: Sequence[torch.Tensor],
         config: ReplicateConfig = _DEFAULT_REPLICATE,
         *,
         upsert: bool = False,
@@ -406,7 +413,7 @@ class MooncakeStore(_LinkMixin, _ReadMixin, _WriteMixin):
         out, deadline = self._leased(read)
         return _batch_result(keys, out, deadline, return_exceptions)
 
-    def get_into(self, key: str, buffer) -> int:
+    def get_into(self, key: str, buffer: WritableBuffer) -> int:
         """Copies the value of ``key`` into ``buffer`` (writable bytes-like or contiguous CPU
         tensor, at least the value's size); returns the value's size in bytes.
 
@@ -436,7 +443,11 @@ class MooncakeStore(_LinkMixin, _ReadMixin, _WriteMixin):
         return size
 
     def get_into_batch(
-        self, keys: Sequence[str], buffers: Sequence, *, return_exceptions: bool = False
+        self,
+        keys: Sequence[str],
+        buffers: Sequence[WritableBuffer],
+        *,
+        return_exceptions: bool = False,
     ) -> list:
         """Batch form of :meth:`get_into`: returns the sizes (or exceptions in place with
         ``return_exceptions``). A key may repeat: each of its buffers receives the value
@@ -488,7 +499,7 @@ class MooncakeStore(_LinkMixin, _ReadMixin, _WriteMixin):
         out, deadline = self._leased(read)
         return _batch_result(keys, out, deadline, return_exceptions)
 
-    def get_tensor(self, key: str):
+    def get_tensor(self, key: str) -> torch.Tensor:
         """The tensor stored by :meth:`put_tensor` (same dtype and shape).
 
         Raises ``ObjectNotFoundError``, ``ValueError`` if the object is not a tensor,
@@ -597,7 +608,7 @@ class MooncakeStore(_LinkMixin, _ReadMixin, _WriteMixin):
         return self._call("metrics", {})["text"]
 
     # ------------------------------------------------------------------ teardown
-    def close(self):
+    def close(self) -> None:
         """Unregisters (objects held only in this client's segment are gone) and frees
         everything. Idempotent."""
         if self._closed:
@@ -670,8 +681,8 @@ class MooncakeStore(_LinkMixin, _ReadMixin, _WriteMixin):
             self._embedded.stop()
             self._embedded = None
 
-    def __enter__(self):
+    def __enter__(self) -> MooncakeStore:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()

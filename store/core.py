@@ -370,7 +370,7 @@ class Core(_PutMixin, _SpaceMixin, _SsdMixin):
         return {"items": out}
 
     # ------------------------------------------------------------------ time
-    def tick(self):
+    def tick(self) -> None:
         """Declares silent clients dead, aborts overdue puts, frees expired deferred
         space and evicts down to the low watermark when above the high one."""
         now = self.clock()
@@ -511,7 +511,7 @@ class Core(_PutMixin, _SpaceMixin, _SsdMixin):
         return "\n".join(lines) + "\n"
 
 
-def load_into(core: Core, clients: list, objs: list):
+def load_into(core: Core, clients: list, objs: list) -> None:
     """Fills an empty ``core`` from the etcd record (a new leader). Every client gets a
     full ``client_ttl_s`` to send its next heartbeat; nothing is evicted for one lease TTL
     (readers' leases were not recorded)."""

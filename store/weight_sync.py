@@ -68,6 +68,7 @@ from __future__ import annotations
 import threading
 import uuid
 import weakref
+from typing import TYPE_CHECKING
 
 import msgpack
 
@@ -82,6 +83,9 @@ from ._ws_publish import _PublishMixin
 from ._ws_pull import _PullMixin
 from .config import ReplicateConfig, WeightSyncConfig
 from .errors import ObjectNotFoundError
+
+if TYPE_CHECKING:
+    from .client import MooncakeStore
 
 __all__ = [
     "GroupSyncResult",
@@ -100,7 +104,7 @@ class WeightSync(_PublishMixin, _PullMixin):
     ``pull(into=model)``. ``config`` is a :class:`WeightSyncConfig`. One object per
     process and model; a reader's ``version`` is the version it holds (-1: none)."""
 
-    def __init__(self, store, model: str, *, config: WeightSyncConfig | None = None):
+    def __init__(self, store: MooncakeStore, model: str, *, config: WeightSyncConfig | None = None):
         if not isinstance(model, str) or not model or "/" in model or len(model) > 200:
             raise ValueError(
                 f"model must be a non-empty str without '/' (at most 200 chars), got {model!r}"
