@@ -52,7 +52,7 @@ class Allocator:
         self.used += n
         return off
 
-    def free(self, off: int, n: int):
+    def free(self, off: int, n: int) -> None:
         """Returns ``[off, off + aligned(n))`` to the free blocks (coalescing neighbours)."""
         n = aligned(n)
         self.used -= n
@@ -67,7 +67,7 @@ class Allocator:
             n += nsize
         self._insert(off, n)
 
-    def rebuild(self, used: list[tuple[int, int]]):
+    def rebuild(self, used: list[tuple[int, int]]) -> None:
         """Resets to exactly the ``(offset, size)`` ranges in ``used`` being allocated
         (after a leader change). Raises ``ValueError`` on overlaps or out-of-range ranges."""
         self._by_size, self._start, self._end = [], {}, {}

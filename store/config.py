@@ -340,7 +340,7 @@ class StoreConfig:
             raise ValueError(f"{e} (from {var})") from None
         return out
 
-    def validate(self):
+    def validate(self) -> None:
         if self.master is not None:
             _parse_hostport(self.master, "StoreConfig.master")
         if self.etcd is not None:

@@ -19,8 +19,12 @@ from __future__ import annotations
 
 import base64
 import json
+from typing import TYPE_CHECKING, Any
 
 from .config import _parse_hostport
+
+if TYPE_CHECKING:
+    from ._core_records import Client, Obj
 
 TXN_OPS = 100  # below etcd's default --max-txn-ops (128)
 
@@ -42,7 +46,7 @@ class Etcd:
         self.leader_key = self.prefix + "/leader"
 
     # ---------------------------------------------------------------- election
-    def campaign(self, ident: str, ttl: int):
+    def campaign(self, ident: str, ttl: int) -> Any:
         """Tries to become leader: returns the lease (keep it alive with ``refresh``) or None."""
         lease = self.client.lease(ttl)
         if self.client.create(self.leader_key, ident, lease):
@@ -53,7 +57,7 @@ class Etcd:
             pass
         return None
 
-    def refresh(self, lease) -> bool:
+    def refresh(self, lease: Any) -> bool:
         return lease.refresh() > 0
 
     def leader(self) -> dict | None:
@@ -114,7 +118,7 @@ class Etcd:
         return clients, objs
 
 
-def client_record(c) -> str:
+def client_record(c: Client) -> str:
     segs = []
     for s in c.segments:
         segs.append(s.desc)
@@ -131,7 +135,7 @@ def client_record(c) -> str:
     )
 
 
-def obj_record(o) -> str:
+def obj_record(o: Obj) -> str:
     return json.dumps(
         {
             "k": o.key,
@@ -145,7 +149,7 @@ def obj_record(o) -> str:
     )
 
 
-def decode_obj(rec: dict):
+def decode_obj(rec: dict) -> tuple:
     return (
         rec["k"],
         rec["s"],

@@ -29,10 +29,19 @@ import collections
 import dataclasses
 import hashlib
 import sys
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 from .config import KVCacheConfig, ReplicateConfig
 from .errors import ObjectExistsError, ObjectNotFoundError, StoreError
+
+if TYPE_CHECKING:
+    import torch
+
+    from .client import MooncakeStore
+
+    # tokens of a prompt: a 1-D integer tensor or a sequence of ints
+    Tokens = Sequence[int] | torch.Tensor
 
 __all__ = ["KVCacheStats", "KVCacheStore", "KVGetResult", "KVPutResult", "chunk_hashes"]
 
@@ -139,7 +148,7 @@ def _token_bytes(tokens, op="chunk_hashes") -> bytes:
     return a.tobytes()
 
 
-def chunk_hashes(tokens, chunk_tokens: int, *, _op: str = "chunk_hashes") -> list:
+def chunk_hashes(tokens: Tokens, chunk_tokens: int, *, _op: str = "chunk_hashes") -> list:
     """Hex chained hashes of the whole chunks of ``tokens`` (a partial tail is left out)."""
     b = _token_bytes(tokens, _op)
     step = 8 * chunk_tokens
@@ -202,7 +211,9 @@ class KVCacheStore:
     layout (layers, kv heads, head_dim, dtype): see :meth:`put`. Statistics: ``stats``
     (:class:`KVCacheStats`)."""
 
-    def __init__(self, store, *, tenant: str = "default", config: KVCacheConfig | None = None):
+    def __init__(
+        self, store: MooncakeStore, *, tenant: str = "default", config: KVCacheConfig | None = None
+    ):
         if not isinstance(tenant, str) or not tenant or "/" in tenant or len(tenant) > 200:
             raise ValueError(
                 f"KVCacheStore: tenant must be a non-empty str without '/' (at most 200 chars), "
@@ -221,11 +232,13 @@ class KVCacheStore:
         # chunk key -> found, for chunks match_prefix counted and no get has counted since
         self._matched: collections.OrderedDict[str, bool] = collections.OrderedDict()
 
-    def keys(self, tokens, *, _op: str = "KVCacheStore.keys") -> list:
+    def keys(self, tokens: Tokens, *, _op: str = "KVCacheStore.keys") -> list:
         """Store keys of the whole chunks of ``tokens``."""
         return [self._p + h for h in chunk_hashes(tokens, self.cfg.chunk_tokens, _op=_op)]
 
-    def put(self, tokens, kv) -> KVPutResult:
+    def put(
+        self, tokens: Tokens, kv: torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]]
+    ) -> KVPutResult:
         """Stores the K/V of every whole chunk of ``tokens`` that is not stored yet.
 
         ``kv``: a CPU tensor ``[layers, 2, kv_heads, T, head_dim]``, or per-layer ``(K, V)``
@@ -332,7 +345,7 @@ class KVCacheStore:
             raise ValueError(f"{op}: kv as a list must hold at least one layer's (K, V)")
         return torch.stack([torch.stack([k, v]) for k, v in pairs])
 
-    def match_prefix(self, tokens) -> int:
+    def match_prefix(self, tokens: Tokens) -> int:
         """How many leading tokens (whole chunks) have their K/V stored (a lookup: see
         :class:`KVCacheStats`)."""
         keys = self.keys(tokens, _op="KVCacheStore.match_prefix")
@@ -352,7 +365,7 @@ class KVCacheStore:
             m.popitem(last=False)
         return n * self.cfg.chunk_tokens
 
-    def get(self, tokens, upto: int | None = None) -> KVGetResult:
+    def get(self, tokens: Tokens, upto: int | None = None) -> KVGetResult:
         """The K/V of the first ``upto`` tokens (a multiple of ``chunk_tokens``; default:
         every whole chunk), or of the longest prefix of whole chunks that could be read
         and share the first chunk's layout (chunks evicted meanwhile are misses; nothing

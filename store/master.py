@@ -121,13 +121,13 @@ class Master:
             self._startup_error = e
             self._ready.set()
 
-    def run(self):
+    def run(self) -> None:
         """Serves until SIGINT/SIGTERM. Raises ``OSError`` if a port cannot be bound."""
         _run(self._main(install_signals=True))
         if self._startup_error:
             raise self._startup_error
 
-    def stop(self):
+    def stop(self) -> None:
         self._closing = True
         if self.loop is not None and self._stop_evt is not None:
             try:
@@ -646,7 +646,7 @@ _METHODS = {
 }
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="mooncake-store-master", description="Metadata master of mooncake_store."
     )

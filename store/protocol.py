@@ -23,6 +23,7 @@ import select
 import socket
 import struct
 import time
+from typing import Any
 
 import msgpack
 
@@ -32,12 +33,12 @@ VERSION = 1
 _LEN = struct.Struct(">I")
 
 
-def pack(obj) -> bytes:
+def pack(obj: Any) -> bytes:
     body = msgpack.packb(obj, use_bin_type=True)
     return _LEN.pack(len(body)) + body
 
 
-def unpack(body: bytes, max_len: int):
+def unpack(body: bytes, max_len: int) -> Any:
     """Decodes one frame body; raises ``ProtocolError`` if it is not valid msgpack."""
     try:
         return msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
@@ -179,7 +180,7 @@ class Connection:
             body.release()
             self._pos = start + n
 
-    def call(self, method: str, args: dict, timeout: float | None = None):
+    def call(self, method: str, args: dict, timeout: float | None = None) -> Any:
         """Sends one request and returns its result (raises the master's error).
         ``timeout``: seconds for the whole call (default: the connection's)."""
         mid = self._next
@@ -199,7 +200,7 @@ class Connection:
         code, message = rep[2][0], rep[2][1]
         raise from_code(code, message)
 
-    def close(self):
+    def close(self) -> None:
         try:
             self.sock.close()
         except OSError:

@@ -14,9 +14,9 @@ import errno
 import os
 import threading
 
-from .core import SEG_HEADER
 from .errors import TransferError
 
+SEG_HEADER = 4096  # bytes at the start of every segment kept for its header (magic + token)
 MAGIC = b"MCSTSEG1"
 
 
@@ -44,7 +44,7 @@ class LocalSegment:
         )  # all but a tail < 2 MiB
         self.view[0 : len(MAGIC) + 16] = MAGIC + self.token
 
-    def desc(self, host_id: str, te) -> dict:
+    def desc(self, host_id: str, te: list | None) -> dict:
         return {
             "size": self.size,
             "path": f"/proc/{os.getpid()}/fd/{self.fd}",
@@ -54,7 +54,7 @@ class LocalSegment:
             "base": SEG_HEADER,
         }
 
-    def close(self):
+    def close(self) -> None:
         # The memory is unmapped once no view of it is left (a transfer engine
         # registration keeps one until it is unregistered).
         _release(self.view)
@@ -250,7 +250,7 @@ class MappedSegment:
             )
         self.size = size
 
-    def close(self):
+    def close(self) -> None:
         _release(self.view)  # unmapped once views handed out of it are released too
 
 
@@ -279,11 +279,11 @@ class SegmentCache:
                     old.close()
         return m
 
-    def retain(self, live: set):
+    def retain(self, live: set) -> None:
         """Unmaps segments that are no longer registered."""
         with self._lock:
             for name in [n for n in self._maps if n not in live]:
                 self._maps.pop(name).close()
 
-    def close(self):
+    def close(self) -> None:
         self.retain(set())

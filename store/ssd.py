@@ -74,7 +74,7 @@ def _open_regular(path: str):
         raise
 
 
-def write(root: str, key: str, version: int, meta: bytes, data) -> str:
+def write(root: str, key: str, version: int, meta: bytes, data: memoryview) -> str:
     """Writes one object file; returns its path. Raises ``OSError``."""
     path = path_for(root, key, version)
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -117,7 +117,7 @@ class CorruptError(TransferError):
     wrong size, truncated, checksum mismatch): the replica is useless and is dropped."""
 
 
-def read_into(path: str, key: str, version: int, out) -> int:
+def read_into(path: str, key: str, version: int, out: memoryview | bytearray) -> int:
     """Reads the object's data into the writable buffer ``out`` (exactly its size) and
     checks key, version and checksum. Raises ``CorruptError`` when the file is missing
     or its contents are wrong, ``TransferError`` for other I/O errors."""
@@ -184,7 +184,7 @@ def scan(root: str) -> list:
     return out
 
 
-def delete(path: str):
+def delete(path: str) -> None:
     try:
         os.unlink(path)
     except OSError:

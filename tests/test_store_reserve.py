@@ -317,7 +317,7 @@ def test_core_ssd_load_slot_and_corrupt_replica():
     once, so the late load could overwrite a new object), or LOAD_ORPHAN_S at most; an SSD
     replica reported missing or corrupt is dropped, its file deleted, and the object with
     no replica left is gone."""
-    from mooncake_store.core import LOAD_ORPHAN_S
+    from mooncake_store._core_ssd import LOAD_ORPHAN_S
 
     now = [1000.0]
     core = Core(MasterConfig(), clock=lambda: now[0])
