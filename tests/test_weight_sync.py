@@ -916,6 +916,8 @@ def _race_rank(rank, world, addr, rounds):
                     rec["left"] = sum(
                         s.exists_batch([f"{pp}b0.{i}" for i in range(32)] + [pp + "m0"])
                     )
+                elif re.search(rf"version {v} is (already committed|not above)", str(e)):
+                    rec["left"] = 0  # refused before writing: the winner had committed first
                 else:
                     rec["left"] = "the error names no publish id"
         dist.barrier()
@@ -936,9 +938,9 @@ def _race_rank(rank, world, addr, rounds):
 
 def test_two_publishers_of_one_version_commit_exactly_one(store_procs):
     """Two processes publish the same version at once: exactly one commits, the other gets
-    StaleVersionError naming the version and its pieces are removed; the committed version
-    is complete and holds only the winner's weights (was: a committed version that was
-    unreadable, failed its checksums, or mixed both publishers' buckets)."""
+    StaleVersionError naming the version and its pieces are removed (or, when it starts
+    after the winner committed, is refused before writing any); the committed version is
+    complete and holds only the winner's weights, never a mix of both publishers' buckets."""
     addr = _start_store(64)
     pool = get_pool(3)
     rounds = 8
