@@ -13,7 +13,7 @@ runs never clash (addresses repeat, but every run has its own namespaces).
         p = run_in(t.a, [sys.executable, "rank.py"], env=env, hostname="host-a")
         cut(t, t.b)                     # b silently partitioned (no RST/ICMP/carrier change)
         restore(t, t.b)
-        kill_group(p)
+        kill_group(p)                   # tests.faults: SIGKILL the group, reap p
     # on exit (also on exceptions) every process left in the namespaces is SIGKILLed
     # and the namespaces (and with them the veths/bridge) are deleted.
 """
@@ -229,14 +229,6 @@ def run_in(
         pre += [_UNSHARE, "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', hostname]
     popen_kw.setdefault("start_new_session", True)
     return subprocess.Popen([*pre, *argv], env=env, **popen_kw)
-
-
-def kill_group(p: subprocess.Popen, sig: int = signal.SIGKILL, timeout: float = 10.0) -> None:
-    """Signal p's whole process group (p started by run_in) and reap p."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(p.pid, sig)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        p.wait(timeout)
 
 
 def cut(t: Topo, ns: str, mode: str = "drop") -> None:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 
 import pytest
 
 from tests import REPO_ROOT
+from tests.faults import kill_group
 
 ROOT = REPO_ROOT
 
@@ -50,10 +50,7 @@ def test_demo_short_run(tmp_path):
     try:
         text, _ = p.communicate(timeout=240)
     finally:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_group(p)
     assert p.returncode == 0, text[-5000:]
     for line in (
         "launcher exit 0",

@@ -28,7 +28,10 @@ import time
 import pytest
 
 from tests import REPO_ROOT
-from tests.faults import alive  # a zombie nobody reaped counts as dead
+from tests.faults import (
+    alive,  # a zombie nobody reaped counts as dead
+    kill_group,
+)
 
 ROOT = REPO_ROOT
 PY = sys.executable
@@ -57,10 +60,7 @@ def _finish(p, timeout):
     except subprocess.TimeoutExpired:
         rc = None
     finally:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_group(p)
     p.out.seek(0)
     text = p.out.read()
     assert rc is not None, f"mooncake-run did not finish within {timeout} s:\n{text[-6000:]}"

@@ -22,6 +22,7 @@ import time
 import pytest
 
 from tests import REPO_ROOT
+from tests.faults import kill_group
 from tests.integration import netns
 
 ROOT = REPO_ROOT
@@ -167,7 +168,7 @@ def test_cut_off_host_fences_itself_and_the_store_side_goes_on(tmp_path):
             took = time.monotonic() - t_cut
         finally:
             for p, log in launchers.values():
-                netns.kill_group(p)
+                kill_group(p, wait_s=10)
                 log.close()
     assert rcs == {0: 0, 1: 1}, (
         f"launcher exit codes {rcs} (a should finish, b's ranks fail)\n{logs()}"

@@ -33,6 +33,7 @@ import torch
 import mooncake_pg
 from mooncake_pg import _C
 from tests import REPO_ROOT
+from tests.faults import kill_group
 
 pytestmark = pytest.mark.timeout(120)
 REPO = REPO_ROOT
@@ -81,7 +82,7 @@ def _init_ranks(transports: list) -> list:
                 out, err = p.communicate(timeout=60)
             except subprocess.TimeoutExpired:
                 for q in procs:
-                    os.killpg(q.pid, 9)
+                    kill_group(q)
                 pytest.fail(f"a rank hung at init (transports {transports})")
             outs.append((p.returncode, out, err))
     return outs

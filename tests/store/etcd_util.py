@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
 import time
 import urllib.request
+
+from tests.faults import kill_group
 
 
 def _free_port() -> int:
@@ -76,11 +77,7 @@ class EtcdServer:
 
     def stop(self):
         if self.proc is not None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(10)
+            kill_group(self.proc, wait_s=10)
             self.proc = None
         if self.dir:
             shutil.rmtree(self.dir, ignore_errors=True)

@@ -23,6 +23,7 @@ import tempfile
 import time
 
 from tests import REPO_ROOT as REPO
+from tests.faults import kill_group
 
 PY = sys.executable
 _PROCS: list = []
@@ -59,14 +60,8 @@ class Proc:
         return self.p.poll() is None
 
     def kill(self, sig=signal.SIGKILL):
-        try:
-            os.killpg(self.p.pid, sig)
-        except ProcessLookupError:
-            pass
-        try:
-            self.p.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
+        """Signals the process group and waits up to 10 s for the process to exit."""
+        kill_group(self.p, sig, wait_s=10)
 
     def log(self) -> str:
         try:

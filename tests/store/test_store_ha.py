@@ -10,6 +10,7 @@ import pytest
 
 from mooncake_store import MooncakeStore, ReplicateConfig
 from mooncake_store.protocol import Connection
+from tests.faults import kill_group
 from tests.store import store_agents as sa
 
 MiB = 1 << 20
@@ -145,7 +146,7 @@ def test_leader_stopped_clients_keep_their_objects(procs, etcd):
             assert not [e for e in errors if "k3" in e and "not found" in e], errors
         finally:
             stop.set()
-            os.killpg(m1.pid, signal.SIGKILL)
+            kill_group(m1.pid)
 
 
 def test_resumed_stale_leader_answers_nothing(procs, etcd):
@@ -213,4 +214,4 @@ def test_resumed_stale_leader_answers_nothing(procs, etcd):
                     assert c.get(f"c{i}") == b"C" * K, i
                 assert c.get("a1") == b"Q" * K and c.get("k") == b"B" * MiB
         finally:
-            os.killpg(m1.pid, signal.SIGKILL)
+            kill_group(m1.pid)

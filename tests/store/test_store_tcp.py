@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from tests.faults import kill_group
 from tests.store import store_agents as sa
 
 torch = pytest.importorskip("torch")
@@ -100,7 +101,7 @@ def test_transfer_engine_large_batches_and_a_peer_killed_mid_batch():
         assert cli.batch_read_bytes("127.0.0.1", port, region, offs, [len(v) for v in vals]) == vals
         # stopped, then killed while a 48 MiB batch waits on it
         os.kill(srv.pid, signal.SIGSTOP)
-        killer = __import__("threading").Timer(0.5, lambda: os.killpg(srv.pid, signal.SIGKILL))
+        killer = __import__("threading").Timer(0.5, lambda: kill_group(srv))
         killer.start()
         t0 = time.monotonic()
         with pytest.raises(
@@ -117,11 +118,7 @@ def test_transfer_engine_large_batches_and_a_peer_killed_mid_batch():
             cli.batch_read("127.0.0.1", port, region, [0], [bytearray(8)])
     finally:
         cli.close()
-        try:
-            os.killpg(srv.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        srv.wait(10)
+        kill_group(srv, wait_s=10)
 
 
 def test_store_over_tcp_between_hosts(procs):

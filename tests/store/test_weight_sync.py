@@ -3,12 +3,12 @@ publish. Real processes: a master and a storage client (the segment owner) start
 store_agents; trainers and rollout workers are ranks of a rank pool (torch.distributed
 processes); the test process only orchestrates and compares digests."""
 
-import contextlib
 import os
 import sys
 
 import pytest
 
+from tests.faults import kill_group
 from tests.rankpool import get_pool
 from tests.store import store_agents as sa
 
@@ -730,7 +730,6 @@ def test_a_dead_view_readers_slot_is_reclaimed(procs):
     """max_readers=1: a view reader that is SIGKILLed keeps its slot only for hold_ttl_s;
     the next publish reclaims it, and a new reader gets views again (found by a new-user
     trial: slots leaked, later readers silently copied)."""
-    import signal
     import subprocess
     import time
 
@@ -759,16 +758,14 @@ def test_a_dead_view_readers_slot_is_reclaimed(procs):
 
         p1, line = reader()
         assert line.strip() == "in store True", line
-        os.killpg(p1.pid, signal.SIGKILL)
-        p1.wait(10)
+        kill_group(p1, wait_s=10)
         time.sleep(1.5)  # > hold_ttl_s: the dead reader's hold is stale
         tr.publish({"w": torch.full((4096,), 2.0)}, 2)  # reclaims the slot
         p2, line = reader()
         try:
             assert line.strip() == "in store True", line
         finally:
-            os.killpg(p2.pid, signal.SIGKILL)
-            p2.wait(10)
+            kill_group(p2, wait_s=10)
 
 
 _LAPSING_READER = r"""
@@ -828,9 +825,7 @@ def test_a_view_reader_stopped_past_its_hold_is_told(procs):
             os.killpg(p.pid, signal.SIGCONT)
             out, err = p.communicate(timeout=60)
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait(10)
+            kill_group(p, wait_s=10)
         lines = out.splitlines()
         assert lines[0] == "lapsed [1]", (out, err[-2000:])
         assert lines[1] == "pulled 3 [] 3.0", (out, err[-2000:])
@@ -1055,9 +1050,7 @@ def test_group_sync_survivor_of_a_dead_rank_raises_weight_sync_aborted(tmp_path)
         ps[1].wait(30)
     finally:
         for p in ps:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, 9)
-            p.wait(10)
+            kill_group(p, wait_s=10)
     assert ps[1].returncode == -9
     assert out0.split() == ["aborted", "RankFailureError", "-1", "0.0"], (out0, err0[-3000:])
 
