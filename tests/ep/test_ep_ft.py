@@ -350,7 +350,7 @@ def test_rejoined_rank_gets_its_experts_back():
     MoE was built before or after join_group; before join_group it says to join); after it,
     the replacement's experts are bit-identical to the dead rank's and the MoE output
     equals the reference MoE with every rank's trained experts."""
-    from test_rejoin import RejoinPool
+    from tests.pg.test_rejoin import RejoinPool
 
     victim = 1
     rp = RejoinPool(None, policy="mask")

@@ -7,7 +7,7 @@ Contract: DESIGN.md "Membership and fault tolerance". Every test kills a rank fo
 fresh :class:`rankpool.RankPool` (never the cached pools) and tears it down with
 ``close(graceful=False)``, which kills every rank's process group.
 
-Fault injection (:class:`Fault`, the ``ft_pool`` fixture):
+Fault injection (:class:`tests.faults.Fault`, the ``ft_pool`` fixture):
 
 * ``how="inject"``: the victim sets ``MOONCAKE_FAULT_INJECT="OP:ROUND"`` before creating
   the test group, so it SIGKILLs itself on collective number ``op`` of that group just

@@ -1,5 +1,5 @@
 """Store cases ST-1, ST-3, ST-4, ST-6 and ST-7 (shared/cases/CASES.md) with real processes:
-a master process, segment-owning client processes ("agents", tests/store_agents.py) and
+a master process, segment-owning client processes ("agents", tests/store/store_agents.py) and
 the test process as one more client. Everything on 127.0.0.1."""
 
 import time
