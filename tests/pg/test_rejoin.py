@@ -1044,9 +1044,8 @@ def rank_pending_probe(rank, ws, joiner=None, joiner_pid=None):
 
     if rank == joiner:
         kill_self(rank, "joiner dies before join_group")
-    deadline = time.monotonic() + 10
-    while joiner_pid and rankpool._alive(joiner_pid) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    if joiner_pid:
+        wait_dead(joiner_pid, 10.0)
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
     pend = mooncake_pg.get_pending_ranks()
