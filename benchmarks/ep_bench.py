@@ -45,9 +45,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+sys.path.insert(0, os.path.dirname(HERE))  # the repository root: the test helpers' package
 
-import rankpool  # noqa: E402
+from tests import rankpool  # noqa: E402
 
 IMPLS = ["mooncake", "mooncake-ll", "plain-gloo"]
 GATE_X = 3.0

@@ -29,9 +29,9 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+sys.path.insert(0, os.path.dirname(HERE))  # the repository root: the test helpers' package
 
-import rankpool  # noqa: E402
+from tests import rankpool  # noqa: E402
 
 
 def rank_trial(rank, ws, victim, kill_at, stamp_path, iters):

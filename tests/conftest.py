@@ -1,4 +1,5 @@
-"""Fixtures of the process-group tests (see rankpool.py for the rank-process pool).
+"""Fixtures common to every area (see rankpool.py for the rank-process pool); each area's
+own fixtures are in its conftest.py (pg/, ep/, store/, integration/).
 
 Environment:
   MOONCAKE_TEST_BACKENDS   backend(s) under test, ``name[:transport]`` comma-separated
@@ -9,14 +10,9 @@ Environment:
   MOONCAKE_TEST_KEEP_LOGS  1: keep the rank logs' temporary directory
 """
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import rankpool
+from tests import rankpool
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -30,14 +26,3 @@ def _rank_pools():
 def backend_under_test():
     """``(backend, transport)``: the first entry of MOONCAKE_TEST_BACKENDS."""
     return rankpool.default_backend()
-
-
-@pytest.fixture
-def pool_factory():
-    """``pool_factory(world_size, **kw)`` -> cached pool of the backend under test."""
-    backend, transport = rankpool.default_backend()
-
-    def make(world_size, backend=backend, transport=transport, **kw):
-        return rankpool.get_pool(world_size, backend, transport, **kw)
-
-    return make

@@ -59,8 +59,8 @@ import traceback
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as _mp_wait
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(TESTS_DIR)
+from tests import REPO_ROOT
+from tests.faults import alive, kill_group
 
 DEFAULT_OP_TIMEOUT = float(os.environ.get("MOONCAKE_TEST_OP_TIMEOUT", "30"))
 START_TIMEOUT = float(os.environ.get("MOONCAKE_TEST_START_TIMEOUT", "120"))
@@ -125,21 +125,6 @@ def _log_tail(path, limit=4000) -> str:
             return f.read().decode("utf-8", "replace")
     except OSError:
         return ""
-
-
-def _kill_group(pid):
-    """SIGKILL the process group led by ``pid`` (its own session), else the process."""
-    if not pid:
-        return
-    try:
-        os.killpg(pid, signal.SIGKILL)
-        return
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 # ----------------------------------------------------------------------------- errors
@@ -267,10 +252,6 @@ def _init_process_group(spec):
 def _worker_main(spec):
     """Body of one rank process (forked from the zygote or started fresh)."""
     os.environ.update(spec.get("env") or {})
-    if TESTS_DIR not in sys.path:
-        sys.path.insert(0, TESTS_DIR)
-    if REPO_ROOT not in sys.path:
-        sys.path.append(REPO_ROOT)
     import faulthandler
 
     faulthandler.enable(file=sys.stderr, all_threads=True)
@@ -366,10 +347,6 @@ def _zygote_main(sock_path, token):
     _set_pdeathsig()
     os.getppid()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
-    if TESTS_DIR not in sys.path:
-        sys.path.insert(0, TESTS_DIR)
-    if REPO_ROOT not in sys.path:
-        sys.path.append(REPO_ROOT)
     preload = list(_PRELOAD)
     if os.environ.get("MOONCAKE_TEST_ZYGOTE_PRELOAD_MOONCAKE", "1") != "0":
         preload.append("mooncake_pg")
@@ -443,25 +420,9 @@ def _remove_stale_tmpdirs():
                 continue
         except (OSError, ValueError):
             continue
-        if _alive(pid):
+        if alive(pid):
             continue
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _alive(pid) -> bool:
-    """True if ``pid`` runs (a zombie nobody reaped counts as dead)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
-    except (OSError, IndexError):
-        return True
 
 
 class _Session:
@@ -509,7 +470,8 @@ class _Session:
             return conn, hello
 
     def _python_cmd(self, *args):
-        code = f"import sys; sys.path.insert(0, {TESTS_DIR!r}); import rankpool; rankpool._main(sys.argv[1:])"
+        # the repository root is on sys.path: the working directory and PYTHONPATH
+        code = "import sys; from tests import rankpool; rankpool._main(sys.argv[1:])"
         return [sys.executable, "-c", code, *args]
 
     def _child_env(self):
@@ -517,7 +479,8 @@ class _Session:
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("MKL_NUM_THREADS", "1")
         pp = env.get("PYTHONPATH", "")
-        env["PYTHONPATH"] = os.pathsep.join([p for p in (TESTS_DIR, pp, REPO_ROOT) if p])
+        # test functions are looked up by module name (``tests.pg.test_ft``) in the ranks
+        env["PYTHONPATH"] = os.pathsep.join([p for p in (REPO_ROOT, pp) if p])
         return env
 
     def _ensure_zygote(self):
@@ -565,7 +528,7 @@ class _Session:
                 pass
             self.zconn = None
         if self.zygote is not None:
-            _kill_group(self.zygote.pid)
+            kill_group(self.zygote.pid)
             try:
                 self.zygote.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -599,16 +562,16 @@ class _Session:
         return p.pid
 
     def reap(self):
-        alive = []
+        running = []
         for p in self.spawned:
             if p.poll() is None:
-                alive.append(p)
-        self.spawned = alive
+                running.append(p)
+        self.spawned = running
 
     def close(self):
         self._close_zygote()
         for p in self.spawned:
-            _kill_group(p.pid)
+            kill_group(p.pid)
             try:
                 p.wait(timeout=5)
             except subprocess.TimeoutExpired:
@@ -770,7 +733,7 @@ class RankPool:
             except (OSError, EOFError):
                 pass
         for pid in self.pids:
-            _kill_group(pid)
+            kill_group(pid)
         for c in self.conns:
             try:
                 c.close()

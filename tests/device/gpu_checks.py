@@ -8,10 +8,10 @@ Steps (each in a child process with its own time limit; the whole run stays unde
    --inplace`` against the installed torch (nothing downloaded); ``WITH_CUDA`` checked.
 3. ``kernels``: the CUDA reduction kernels (``_C._cuda_reduce``) against torch for every
    dtype and op of DESIGN.md; a reduction from a peer process's tensor through CUDA IPC.
-4. ``conformance``: tests/test_conformance.py with ``MOONCAKE_TEST_DEVICE=cuda`` (world
+4. ``conformance``: tests/pg/test_conformance.py with ``MOONCAKE_TEST_DEVICE=cuda`` (world
    sizes up to 4, every rank on the one GPU).
 5. ``ep``: the Triton kernels of mooncake_ep on CUDA tensors against the references of
-   tests/test_ep_triton.py; their latency; ``Buffer`` on CUDA tensors end to end (2 ranks):
+   tests/ep/test_ep_triton.py; their latency; ``Buffer`` on CUDA tensors end to end (2 ranks):
    low-latency round trip (against the reference and the CPU-staged path), normal
    dispatch + combine, fp8 low-latency dispatch; CUDA vs CPU-staged round-trip latency.
    ``ep_nvshmem``: only where ``nvshmem.core`` (``pip install nvshmem4py-cu13``) imports,
@@ -207,8 +207,7 @@ assert not bad, bad
 
 EP_CODE = r'''
 import json, os, sys, time, torch
-sys.path.insert(0, os.path.join(os.environ["MC_REPO"], "tests"))
-import test_ep_triton as T
+from tests.ep import test_ep_triton as T
 from mooncake_ep import triton_kernels as real
 class _OnCuda:
     """triton_kernels with inputs moved to the GPU and results back (the reference code is CPU code)."""
@@ -494,7 +493,7 @@ def conformance_cmd():
             "--maxfail=10",
             "-p",
             "no:cacheprovider",
-            "tests/test_conformance.py",
+            "tests/pg/test_conformance.py",
         ],
         {"MOONCAKE_TEST_DEVICE": "cuda"},
     )
@@ -753,8 +752,8 @@ def plan(ctx):
     }
     files = [
         "setup.py",
-        "tests/test_conformance.py",
-        "tests/test_ep_triton.py",
+        "tests/pg/test_conformance.py",
+        "tests/ep/test_ep_triton.py",
         "csrc/transport/cuda/kernels.cu",
         "mooncake_ep/triton_kernels.py",
     ]

@@ -1,0 +1,1 @@
+"""Expert-parallel tests (``mooncake_ep``)."""

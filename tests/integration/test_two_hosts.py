@@ -1,0 +1,199 @@
+"""Two hosts in network namespaces (issue 3): ranks 0-1 on host a, ranks 2-3 on host b,
+one ``mooncake-run`` per host (node 0's, on a, hosts the control store), TCP between the
+hosts (``MOONCAKE_HOST_ID`` differs, so the transport follows the namespaces). Host b is
+then cut off (its bridge port drops every frame: no RST, no ICMP, TCP just stalls).
+
+Expected: both sides detect the cut within a few op timeouts; a, which reaches the
+control store, agrees that 2 and 3 failed and goes on (all_reduce of [rank + 1] gives 3);
+b's ranks cannot reach the store, fence themselves with ``RankFencedError`` naming the
+unreachable store, and exit; nothing hangs. Traffic stays on 10.213.0.0/24 inside
+namespaces this test creates (tests/integration/netns.py), which are deleted afterwards.
+Skipped where namespaces cannot be made (not root, no iproute2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+
+import pytest
+
+from tests import REPO_ROOT
+from tests.faults import kill_group
+from tests.integration import netns
+
+ROOT = REPO_ROOT
+OK, WHY = netns.available()
+pytestmark = [
+    pytest.mark.timeout(240),
+    pytest.mark.skipif(not OK, reason=f"network namespaces: {WHY}"),
+]
+
+OP_TIMEOUT = 3.0
+RANK_SCRIPT = r'''
+import json, os, sys, time
+import torch, torch.distributed as dist, mooncake_pg
+dist.init_process_group("mooncake", pg_options=mooncake_pg.MooncakeOptions(on_failure="mask", timeout=%(timeout)s))
+rank = dist.get_rank()
+progress = os.path.join(os.environ["PROGRESS_DIR"], str(rank))
+sums, t_cut = [], None
+try:
+    while True:
+        t = torch.tensor([float(rank + 1)])
+        t0 = time.monotonic()
+        dist.all_reduce(t)
+        if time.monotonic() - t0 > 1.0 and t_cut is None:
+            t_cut = time.monotonic() - t0
+        sums.append(t.item())
+        with open(progress, "w") as f:
+            f.write(str(len(sums)))
+        if len(sums) > 20 and sums[-1] == 3.0 and sums.count(3.0) >= 20:
+            break
+        time.sleep(0.02)
+    out = {"rank": rank, "ok": True, "sums": sums[-25:], "first": sums[0], "stall": t_cut,
+           "active": mooncake_pg.get_active_ranks().tolist(), "epoch": mooncake_pg.get_epoch()}
+    print("RESULT " + json.dumps(out), flush=True)
+    dist.destroy_process_group()
+except Exception as e:
+    out = {"rank": rank, "ok": False, "type": type(e).__name__, "msg": str(e)[:600], "n": len(sums),
+           "is_dist_error": isinstance(e, dist.DistBackendError)}
+    print("RESULT " + json.dumps(out), flush=True)
+    os._exit(3)
+'''
+
+
+def _results(log_dir):
+    """RESULT records of the ranks' stdout files (mooncake-run --log-dir)."""
+    out = {}
+    for name in sorted(os.listdir(log_dir)):
+        if name.endswith(".out"):
+            with open(os.path.join(log_dir, name)) as f:
+                for line in f:
+                    if line.startswith("RESULT "):
+                        rec = json.loads(line[7:])
+                        out[rec["rank"]] = rec
+    return out
+
+
+def test_cut_off_host_fences_itself_and_the_store_side_goes_on(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT % {"timeout": OP_TIMEOUT})
+    progress = tmp_path / "progress"
+    progress.mkdir()
+    with netns.two_hosts("mctest") as t:
+        port = random.randint(
+            20000, 60000
+        )  # any port: the namespace and its addresses are ours alone
+        launchers = {}
+        for node, ns in ((0, t.a), (1, t.b)):
+            env = dict(os.environ)
+            env.update(
+                {
+                    "MOONCAKE_HOST_ID": f"host-{node}",
+                    "MOONCAKE_SOCKET_IFNAME": "eth0",
+                    "GLOO_SOCKET_IFNAME": "eth0",
+                    "PROGRESS_DIR": str(progress),
+                    "OMP_NUM_THREADS": "1",
+                    "PYTHONPATH": os.pathsep.join(
+                        filter(None, [ROOT, os.environ.get("PYTHONPATH")])
+                    ),
+                }
+            )
+            log = open(tmp_path / f"node{node}.log", "w")
+            launchers[node] = (
+                netns.run_in(
+                    ns,
+                    [
+                        sys.executable,
+                        "-m",
+                        "mooncake_pg.run",
+                        "--nnodes",
+                        "2",
+                        "--node-rank",
+                        str(node),
+                        "--master-addr",
+                        t.addr[t.a],
+                        "--master-port",
+                        str(port),
+                        "--nproc-per-node",
+                        "2",
+                        "--max-restarts",
+                        "0",
+                        "--log-dir",
+                        str(tmp_path / f"ranks{node}"),
+                        str(script),
+                    ],
+                    env=env,
+                    cwd=ROOT,
+                    stdout=log,
+                    stderr=log,
+                ),
+                log,
+            )
+
+        def logs():
+            text = []
+            for n in (0, 1):
+                text.append(
+                    f"--- launcher {n}:\n" + (tmp_path / f"node{n}.log").read_text()[-3000:]
+                )
+                d = tmp_path / f"ranks{n}"
+                for name in sorted(os.listdir(d)) if d.exists() else []:
+                    text.append(f"--- {name}:\n" + (d / name).read_text()[-2000:])
+            return "\n".join(text)
+
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                done = [int((progress / r).read_text() or 0) for r in os.listdir(progress)]
+                if len(done) == 4 and min(done) >= 10:
+                    break
+                assert all(p.poll() is None for p, _ in launchers.values()), (
+                    f"a launcher exited early\n{logs()}"
+                )
+                time.sleep(0.1)
+            else:
+                raise AssertionError(f"the 4 ranks did not get going\n{logs()}")
+            t_cut = time.monotonic()
+            netns.cut(t, t.b)
+            rcs = {}
+            for node, (p, _) in launchers.items():
+                try:
+                    rcs[node] = p.wait(max(1.0, t_cut + 60 - time.monotonic()))
+                except Exception:
+                    rcs[node] = None
+            took = time.monotonic() - t_cut
+        finally:
+            for p, log in launchers.values():
+                kill_group(p, wait_s=10)
+                log.close()
+    assert rcs == {0: 0, 1: 1}, (
+        f"launcher exit codes {rcs} (a should finish, b's ranks fail)\n{logs()}"
+    )
+    assert took < 60, f"took {took:.1f} s\n{logs()}"
+    res = {}
+    for n in (0, 1):
+        res.update(_results(tmp_path / f"ranks{n}"))
+    assert sorted(res) == [0, 1, 2, 3], f"results {res}\n{logs()}"
+    for r in (0, 1):
+        o = res[r]
+        assert o["ok"] and o["first"] == 10.0, f"rank {r}: {o}\n{logs()}"
+        # 2 and 3 are agreed failed together (epoch 1) or one after the other (epoch 2)
+        assert o["active"] == [1, 1, 0, 0] and o["epoch"] in (1, 2), f"rank {r}: {o}"
+        assert o["epoch"] == res[0]["epoch"], f"ranks 0 and 1 end in different epochs: {res[0]} {o}"
+        assert set(o["sums"]) <= {10.0, 3.0} and o["sums"][-1] == 3.0, f"rank {r}: {o}"
+        assert o["stall"] is not None and o["stall"] < 4 * OP_TIMEOUT, (
+            f"rank {r}: detection took {o['stall']}"
+        )
+    for r in (2, 3):
+        o = res[r]
+        assert not o["ok"] and o["type"] == "RankFencedError" and o["is_dist_error"], (
+            f"rank {r}: {o}\n{logs()}"
+        )
+        assert "control store is unreachable" in o["msg"] and "fences itself" in o["msg"], (
+            f"rank {r}: {o['msg']}"
+        )
+    print(f"cut detected and settled in {took:.1f} s; a's stall {res[0]['stall']:.2f} s")

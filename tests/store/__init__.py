@@ -1,0 +1,1 @@
+"""Store tests (``mooncake_store``: the store, WeightSync, KVCacheStore)."""

@@ -1,0 +1,240 @@
+"""Real processes for the store tests: a master and client "agents".
+
+``start_master(**flags)`` runs ``python -m mooncake_store.master`` (own session, port 0,
+127.0.0.1) and returns a :class:`Proc` with ``.address``; ``start_agent(config)`` runs
+this module (``python -m tests.store.store_agents``) as a client process that obeys JSON-line commands on stdin (one reply line
+per command on stdout). Values are generated on both sides from ``(seed, size)``
+(``pattern``), so large objects never travel through the pipe; agents answer with
+sizes and SHA-256 digests. Every process lives in its own session; ``Proc.kill()``
+SIGKILLs its process group, and ``cleanup()`` kills everything still running (the
+tests call it on teardown). Every command has a timeout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from tests import REPO_ROOT as REPO
+from tests.faults import kill_group
+
+PY = sys.executable
+_PROCS: list = []
+
+
+def pattern(seed: int, size: int) -> bytes:
+    """Deterministic bytes that differ per seed (and per position)."""
+    import numpy as np
+
+    if size == 0:
+        return b""
+    n = min(size, 1048573)  # a prime-length block, repeated: cheap for 64 MiB values
+    a = (np.arange(n, dtype=np.uint64) * 2654435761 + seed * 40503 + (seed << 7)) >> 7
+    block = (a % 251).astype(np.uint8).tobytes()
+    return (block * (size // n + 1))[:size]
+
+
+def digest(b) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+class Proc:
+    def __init__(self, popen: subprocess.Popen, log_path: str):
+        self.p = popen
+        self.log_path = log_path
+        self.address = None
+        _PROCS.append(self)
+
+    @property
+    def pid(self):
+        return self.p.pid
+
+    def alive(self) -> bool:
+        return self.p.poll() is None
+
+    def kill(self, sig=signal.SIGKILL):
+        """Signals the process group and waits up to 10 s for the process to exit."""
+        kill_group(self.p, sig, wait_s=10)
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()[-4000:]
+        except OSError:
+            return ""
+
+
+class Agent(Proc):
+    def cmd(self, op: str, timeout: float = 60, **kw):
+        """Sends one command; returns its result, or raises AgentError with the remote error."""
+        line = json.dumps({"op": op, **kw}) + "\n"
+        self.p.stdin.write(line.encode())
+        self.p.stdin.flush()
+        return self.reply(timeout)
+
+    def send(self, op: str, **kw):
+        self.p.stdin.write((json.dumps({"op": op, **kw}) + "\n").encode())
+        self.p.stdin.flush()
+
+    def reply(self, timeout: float = 60):
+        deadline = time.monotonic() + timeout
+        fd = self.p.stdout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"agent {self.pid} did not answer in {timeout} s; log:\n{self.log()}"
+                )
+            r, _, _ = select.select([fd], [], [], left)
+            if r:
+                line = fd.readline()
+                if not line:
+                    raise RuntimeError(f"agent {self.pid} exited; log:\n{self.log()}")
+                rep = json.loads(line)
+                if "err" in rep:
+                    raise AgentError(rep["err"], rep["msg"])
+                return rep["ok"]
+
+
+class AgentError(Exception):
+    def __init__(self, kind, msg):
+        super().__init__(f"{kind}: {msg}")
+        self.kind = kind
+        self.msg = msg
+
+
+def _spawn(args, env_extra=None) -> tuple:
+    fd, log_path = tempfile.mkstemp(prefix="mooncake-store-test-", suffix=".log")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("MOONCAKE_STORE_MASTER", None)
+    env.update(env_extra or {})
+    p = subprocess.Popen(
+        args,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=fd,
+        env=env,
+        start_new_session=True,
+        cwd=REPO,
+    )
+    os.close(fd)
+    return p, log_path
+
+
+def start_master(timeout=30, env=None, **flags) -> Proc:
+    """A master process on 127.0.0.1 (flags: e.g. client_ttl=1.0 -> --client-ttl 1.0)."""
+    d = tempfile.mkdtemp(prefix="mooncake-master-")
+    port_file = os.path.join(d, "port")
+    args = [
+        PY,
+        "-m",
+        "mooncake_store.master",
+        "--port",
+        str(flags.pop("port", 0)),
+        "--port-file",
+        port_file,
+    ]
+    for k, v in flags.items():
+        args += ["--" + k.replace("_", "-"), str(v)]
+    p, log = _spawn(args, env)
+    proc = Proc(p, log)
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(port_file):
+        if p.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"master did not start; log:\n{proc.log()}")
+        time.sleep(0.02)
+    with open(port_file) as f:
+        port, mport = f.read().split()
+    proc.address = f"127.0.0.1:{port}"
+    proc.metrics_port = int(mport)
+    return proc
+
+
+def start_agent(config: dict, serve_tcp=False, env=None, timeout=60) -> Agent:
+    """A client process holding ``MooncakeStore(**config)``; returns when it is registered."""
+    p, log = _spawn([PY, "-m", "tests.store.store_agents"], env)
+    a = Agent(p, log)
+    a.cmd("open", config=config, serve_tcp=serve_tcp, timeout=timeout)
+    return a
+
+
+def cleanup():
+    while _PROCS:
+        _PROCS.pop().kill()
+
+
+# ----------------------------------------------------------------------------- agent side
+def _agent_main():
+    from mooncake_store import MooncakeStore, ReplicateConfig
+
+    store = None
+    out = sys.stdout
+
+    def rc(kw):
+        return ReplicateConfig(
+            replica_num=kw.get("replicas", 1),
+            preferred_segment=kw.get("preferred"),
+            pin=kw.get("pin", False),
+            require_all=kw.get("require_all", False),
+        )
+
+    for line in sys.stdin:
+        req = json.loads(line)
+        op = req["op"]
+        try:
+            if op == "open":
+                store = MooncakeStore(serve_tcp=req.get("serve_tcp", False), **req["config"])
+                res = {"name": store.name, "master": store.master_address}
+            elif op == "put":
+                data = pattern(req["seed"], req["size"])
+                fn = store.upsert if req.get("upsert") else store.put
+                res = fn(req["key"], data, rc(req))
+            elif op == "put_batch":
+                vals = [pattern(s, n) for s, n in zip(req["seeds"], req["sizes"])]
+                res = store.put_batch(req["keys"], vals, rc(req))
+            elif op == "get":
+                b = store.get(req["key"])
+                res = {"size": len(b), "sha": digest(b)}
+            elif op == "get_batch":
+                bs = store.get_batch(req["keys"], return_exceptions=True)
+                res = [
+                    {"err": type(b).__name__}
+                    if isinstance(b, BaseException)
+                    else {"size": len(b), "sha": digest(b)}
+                    for b in bs
+                ]
+            elif op == "exists":
+                res = store.exists(req["key"])
+            elif op == "remove":
+                store.remove(req["key"], force=req.get("force", False))
+                res = None
+            elif op == "stats":
+                import dataclasses
+
+                res = dataclasses.asdict(store.stats())
+            elif op == "close":
+                store.close()
+                res = None
+            elif op == "exit":
+                out.write(json.dumps({"ok": None}) + "\n")
+                out.flush()
+                os._exit(0)
+            else:
+                raise ValueError(f"unknown op {op}")
+            out.write(json.dumps({"ok": res}) + "\n")
+        except BaseException as e:
+            out.write(json.dumps({"err": type(e).__name__, "msg": str(e)}) + "\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    _agent_main()
