@@ -48,7 +48,7 @@ from ._comm import all_gather_single
 
 # (module, None) once nvshmem.core imported; (None, reason) when it does not
 _IMPORT = None
-# tests only: let CPU tensors use a stand-in ``nvshmem.core`` (tests/fake_nvshmem.py)
+# tests only: let CPU tensors use a stand-in ``nvshmem.core`` (tests/ep/fake_nvshmem.py)
 _TEST_ALLOW_CPU = False
 # NVSHMEM's one world per process: the global ranks it was initialised over (ours or not)
 _PROC = {"ranks": None, "ours": False, "error": None}

@@ -1,7 +1,7 @@
 """Triton kernels of the dispatch/combine data path (CUDA tensors).
 
 Valid on Triton 3.6 and 3.9: only core ``tl`` operations (no ``tl.dot``, no autotune, no
-descriptors). Checked by tests/test_ep_triton.py on CPU tensors under
+descriptors). Checked by tests/ep/test_ep_triton.py on CPU tensors under
 ``TRITON_INTERPRET=1`` and compiled ahead of time for ``GPUTarget("cuda", 90, 32)``.
 
 Kernels (names of dimensions as in :mod:`mooncake_ep.kernels`):

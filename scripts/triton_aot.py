@@ -2,7 +2,7 @@
 ``GPUTarget("cuda", 90, 32)`` (sm_90; no GPU needed).
 
 Kernels and their compile signatures come from ``triton_kernels.AOT_SIGNATURES`` (the one
-list, also used by tests/test_ep_triton.py). So that no kernel is missed, every
+list, also used by tests/ep/test_ep_triton.py). So that no kernel is missed, every
 ``@triton.jit`` function of the module must either be listed there or be called from a
 listed kernel (a device helper); otherwise this fails naming it.
 
