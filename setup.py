@@ -8,9 +8,11 @@ Optional parts (each adds a ``-DMOONCAKE_WITH_*`` define):
 - RDMA (``csrc/transport/rdma/``, ``-libverbs``): built when ``infiniband/verbs.h`` exists
   (Debian ``libibverbs-dev``); ``MOONCAKE_WITH_RDMA=0`` turns it off, ``=1`` makes a
   missing header an error.
-- CUDA (``csrc/transport/cuda/``, ``csrc/pg/*_cuda.cpp``): a ``CUDAExtension`` when
-  ``MOONCAKE_WITH_CUDA=1`` (needs a CUDA build of torch and nvcc; ``CUDA_HOME`` and
-  ``TORCH_CUDA_ARCH_LIST`` as torch reads them). The default build is CPU-only.
+- CUDA (``csrc/transport/cuda/``; the CUDA parts of the process group,
+  ``csrc/pg/cuda_*.cpp``, are compiled always and are empty without the define, all but
+  ``cuda_ipc_status()``): a ``CUDAExtension`` when ``MOONCAKE_WITH_CUDA=1`` (needs a CUDA
+  build of torch and nvcc; ``CUDA_HOME`` and ``TORCH_CUDA_ARCH_LIST`` as torch reads them).
+  The default build is CPU-only.
 """
 
 import glob
@@ -60,7 +62,10 @@ with open(os.path.join(info_dir, "_build_info.py"), "w") as f:
     f.write(f"TORCH_VERSION = {torch.__version__!r}\n")
 
 sources = sorted(
-    glob.glob("csrc/transport/*.cpp") + glob.glob("csrc/pg/*.cpp") + glob.glob("csrc/ep/*.cpp")
+    glob.glob("csrc/transport/*.cpp")
+    + glob.glob("csrc/pg/*.cpp")
+    + glob.glob("csrc/pg/collectives/*.cpp")
+    + glob.glob("csrc/ep/*.cpp")
 ) + ["csrc/bindings.cpp"]
 defines = [f'-DMOONCAKE_TORCH_VERSION="{torch.__version__}"']
 libraries = []

@@ -1,4 +1,61 @@
-// The "mooncake" c10d backend: collectives over the round engine, p2p over byte streams.
+// The "mooncake" c10d backend: collectives over the round engine (pg/engine.hpp), p2p over
+// byte streams (pg/backend_p2p.cpp), and a membership that changes while the group runs.
+//
+// Contract of MooncakeBackend
+//
+// Call order. Every active rank issues the same collectives in the same order with matching
+// arguments (c10d's rule); membership calls (deactivate_ranks, recover_ranks) are
+// collective too: every survivor makes them between the same two ops. A rank's own bad
+// arguments raise ValueError on that rank before anything is queued (pg/checks.hpp). A
+// cross-rank mismatch (op, dtype, count, root, ReduceOp, split sizes) is caught by the header
+// every collective exchanges in its first round (pg/collectives/op_header.hpp): ValueError
+// on every rank naming the offending ranks, before any output is written; nobody is
+// declared failed and the group goes on. p2p messages between two ranks arrive in the order
+// they were sent; a receive must match the message's tag and size.
+//
+// Threads.
+//   caller      runs the entry points (checks, then submit()), Work::wait, the membership
+//               calls and join_group. A sync op (asyncOp false) runs inline on the caller's
+//               thread when no op is queued or running; any other op is queued.
+//   progress    one thread, started on the first queued op: runs queued collectives one at
+//               a time in issue order. A collective holds engine_mu_ while it runs (inline
+//               or queued), so one runs at a time and in issue order.
+//   completion  a pool, grown while every thread is busy (at most 64): completes the Works'
+//               futures, i.e. runs their callbacks, off the threads that move data.
+//   p2p         one thread, started on the first send/recv: advances every posted send and
+//               receive without waiting on any single one.
+//
+// Who may block. The caller, in a sync op until it completes or its deadline passes
+// (timeout_ms_: MooncakeOptions.timeout, setTimeout), and in Work::wait. The progress thread,
+// in an engine round until the op's deadline. Completion threads, in user callbacks (one may
+// wait on another op's future; the pool grows for it). The p2p thread never waits on one op.
+// Control-store calls on the failure path are bounded by the op timeout
+// (bounded_store_call). shutdown() never waits for a dead peer: it aborts the engine and
+// joins the threads.
+//
+// A dead peer. Detected through process handles of same-host peers (pidfd, else
+// kill(pid, 0)), probed while a round waits, or by the op's deadline passing. The suspect is
+// proposed to the control store as the record of the next membership epoch; the first
+// compare-and-set wins, so every survivor agrees on the same failed ranks (agree()). A
+// failure that another group of this process agreed on applies here too. Then, per
+// on_failure (mooncake_pg/config.py):
+//   raise   (default) the op raises RankFailure (Python: RankFailureError, a
+//           DistBackendError carrying failed_ranks and epoch) on every survivor; the failed
+//           ranks are deactivated (epoch + 1) and later ops run over the survivors;
+//   mask    the op reruns over the survivors (in-place inputs restored first) and completes;
+//   manual  the op raises RankFailure; the failed ranks stay active and every later op
+//           fails fast with RankFailure until every survivor calls deactivate_ranks.
+// Rooted ops whose root is inactive, and p2p with a dead peer, always raise RankFailure
+// (p2p failures are not agreed through the store). A rank that its peers declared failed,
+// or that lost the control store, fences itself (RankFailure with fenced set; Python:
+// RankFencedError): every later op raises; it may rejoin as a recovering rank (is_recovery,
+// then the survivors' recover_ranks and its join_group). Work::wait(timeout) that expires
+// raises on that rank only; the op goes on and nobody is declared failed.
+//
+// Error messages: "MooncakeBackend::method: ..." for set-up and internal errors,
+// "mooncake <op> (rank <r>): ..." (the torch.distributed name of the op) for a caller's
+// arguments and cross-rank mismatches, "MooncakeBackend (rank <r>): ..." for failures of
+// the group.
 #pragma once
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -19,6 +76,7 @@
 #include "pg/cuda_staging.hpp"
 #include "pg/engine.hpp"
 #include "pg/reduce.hpp"
+#include "pg/work.hpp"
 
 namespace mooncake {
 // Pointers to the tensors of an op's arguments (for CUDA staging).
@@ -68,6 +126,9 @@ std::vector<at::Tensor*> tensor_ptrs(A&... a) {
 
 namespace mooncake {
 
+struct OpHeader;         // pg/collectives/op_header.hpp
+enum OpCode : uint32_t;  // pg/collectives/op_header.hpp
+
 // A collective or p2p op could not complete because ranks failed (agreed through the
 // control store). Surfaces in Python as mooncake_pg.RankFailureError (a
 // torch.distributed.DistBackendError) with `failed_ranks` and `epoch`.
@@ -107,7 +168,8 @@ struct BackendConfig {
   // Seats that found the group (ascending; empty: every seat). The others are extension
   // seats: inactive until a process joins them through recover_ranks/join_group.
   std::vector<int> initial_active;
-  // CUDA builds: all_reduce of CUDA tensors through CUDA IPC when every rank is on this host
+  // CUDA builds: all_reduce, broadcast, all_gather into one tensor and reduce_scatter from
+  // one tensor of CUDA tensors through CUDA IPC when every rank is on this host
   // (MOONCAKE_CUDA_IPC=0 / MooncakeOptions(cuda_ipc=False): pinned host staging always).
   bool cuda_ipc = true;
 };
@@ -115,53 +177,6 @@ struct BackendConfig {
 // Default-group ranks agreed failed by any group of this process (DESIGN.md: an agreed
 // failure applies to every group that contains the rank).
 std::vector<int> known_failed_global_ranks();
-
-class MooncakeBackend;
-
-class MooncakeWork : public c10d::Work {
- public:
-  MooncakeWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs);
-  bool isCompleted() override;
-  bool isSuccess() const override;
-  std::exception_ptr exception() const override;
-  int sourceRank() const override;
-  std::vector<at::Tensor> result() override;
-  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
-  void synchronize() override {}
-
-  // Marks the work done (err == nullptr: success). Wakes wait(); does not touch the future.
-  void finish(std::exception_ptr err);
-  // Completes the future (runs its callbacks): call off the progress threads.
-  void complete_future();
-
-  int source_rank = -1;
-  std::function<void()> after;  // copies results back into non-contiguous user tensors
-  // Coalescing: each child names its parent, which completes when every child has.
-  c10::intrusive_ptr<MooncakeWork> parent;
-  void add_child(const std::vector<at::Tensor>& outs) {
-    std::lock_guard<std::mutex> g(child_mu_);
-    pending_children_++;
-    add_output(outs);
-  }
-  bool child_done(std::exception_ptr err);  // true when it was the last one
-  std::exception_ptr child_error() {
-    std::lock_guard<std::mutex> g(child_mu_);
-    return child_err_;
-  }
-  void add_output(const std::vector<at::Tensor>& ts);
-
- private:
-  std::mutex child_mu_;
-  int pending_children_ = 0;
-  std::exception_ptr child_err_;
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  bool done_ = false;
-  std::exception_ptr err_;
-  std::vector<at::Tensor> outputs_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-};
 
 class MooncakeBackend : public c10d::Backend {
  public:
@@ -224,9 +239,8 @@ class MooncakeBackend : public c10d::Backend {
   std::string transport_name() const { return coll_ ? coll_->name() : "none"; }
   uint64_t ops_issued() const { return seq_; }
   // How all_reduce, broadcast, all_gather_single and reduce_scatter_single move CUDA tensors
-  // in this group: "ipc",
-  // or "staging: <why>" (or
-  // "unavailable: <why>" on a build without CUDA).
+  // in this group: "ipc", or "staging: <why>" (or "unavailable: <why>" on a build without
+  // CUDA).
   std::string cuda_ipc_status() const;
 
   // Membership (DESIGN.md "Membership and fault tolerance").
@@ -251,22 +265,23 @@ class MooncakeBackend : public c10d::Backend {
   std::atomic<bool> one_host_{false};  // every member of the current transport shares this host
 #ifdef MOONCAKE_WITH_CUDA
   std::vector<c10::intrusive_ptr<c10d::Work>> coalesced_cuda_;  // staged works of the open coalescing session
-  std::unique_ptr<CudaIpc> ipc_;  // all_reduce of CUDA tensors on one host (pg/cuda_ipc.hpp)
+  std::unique_ptr<CudaIpc> ipc_;  // the CUDA IPC path (pg/cuda_ipc.hpp, pg/cuda_ipc_ops.cpp)
   c10::intrusive_ptr<c10d::Work> allreduce_ipc(at::Tensor& t, const c10d::AllreduceOptions& opts);
-  void run_allreduce_ipc(CudaIpcOp& op, RedOp rop, double premul, int64_t dl);
+  void run_allreduce_ipc(CudaIpcOp& op, RedOp rop, double premul, int64_t deadline_ns);
   c10::intrusive_ptr<c10d::Work> broadcast_ipc(at::Tensor& t, const c10d::BroadcastOptions& opts);
-  void run_broadcast_ipc(CudaIpcOp& op, int root, int64_t dl);
+  void run_broadcast_ipc(CudaIpcOp& op, int root, int64_t deadline_ns);
   c10::intrusive_ptr<c10d::Work> allgather_base_ipc(at::Tensor& output, at::Tensor& input,
                                                     const c10d::AllgatherOptions& opts);
-  void run_allgather_ipc(CudaIpcOp& op, int64_t dl);
+  void run_allgather_ipc(CudaIpcOp& op, int64_t deadline_ns);
   bool ipc_eligible(const std::vector<at::Tensor>& ts) const;
   c10::intrusive_ptr<c10d::Work> reduce_scatter_base_ipc(at::Tensor& output, at::Tensor& input,
                                                          const c10d::ReduceScatterOptions& opts);
-  void run_reduce_scatter_ipc(CudaIpcOp& op, RedOp rop, double premul, int64_t dl);
-  void ipc_epoch_start(const void* hdr, int ref, const char* opname, int64_t dl);  // hdr: an OpHeader
+  void run_reduce_scatter_ipc(CudaIpcOp& op, RedOp rop, double premul, int64_t deadline_ns);
+  // the first IPC op of a membership epoch starts with a header-only round
+  void ipc_epoch_start(const OpHeader& h, int ref, int64_t deadline_ns);
   using IpcPieceFn = std::function<void(int parity, size_t off, size_t len)>;
-  void run_ipc_pieces(CudaIpcOp& op, const void* hdr, int ref, size_t n, size_t R, const char* opname,
-                      int64_t dl, const IpcPieceFn& before, const IpcPieceFn& after);
+  void run_ipc_pieces(CudaIpcOp& op, const OpHeader& hdr, int ref, size_t n, size_t R, int64_t deadline_ns,
+                      const IpcPieceFn& before, const IpcPieceFn& after);
   void ipc_check_one_host(const char* method) const;
   uint64_t ipc_epoch_ = ~uint64_t(0);  // engine epoch of the latest IPC op
 #endif
@@ -282,7 +297,8 @@ class MooncakeBackend : public c10d::Backend {
   void p2p_loop();
   void deliver(const c10::intrusive_ptr<MooncakeWork>& w, std::exception_ptr err, bool inline_future);
   void ensure_threads(bool p2p);
-  int64_t deadline_for(std::chrono::milliseconds t) const;
+  // now + t (t == 0: the group timeout), in ns of now_ns()
+  int64_t deadline_ns_for(std::chrono::milliseconds t) const;
 
   void setup(const c10::intrusive_ptr<c10d::Store>& store);
   void build_transport(const std::string& ns, const std::vector<int>& members, int64_t wait_ms = 0);
@@ -306,17 +322,18 @@ class MooncakeBackend : public c10d::Backend {
   void apply_join(const Record& rec, uint64_t epoch);
 
   // collective bodies (run with the engine held)
-  void run_allreduce(at::Tensor& t, RedOp op, double premul, int root, int64_t dl);
-  void run_broadcast(at::Tensor& t, int root, int64_t dl);
-  void run_allgather(const at::Tensor& in, const std::vector<uint8_t*>& outs, int opcode, int root,
-                     int64_t dl);
-  void run_reduce_scatter(const std::vector<const uint8_t*>& ins, at::Tensor& out, RedOp op, double premul,
-                          int64_t dl);
-  void run_scatter(const std::vector<const uint8_t*>& ins, at::Tensor& out, int root, int64_t dl);
+  void run_allreduce(at::Tensor& t, RedOp rop, double premul, int root, int64_t deadline_ns);
+  void run_broadcast(at::Tensor& t, int root, int64_t deadline_ns);
+  void run_allgather(const at::Tensor& in, const std::vector<uint8_t*>& outs, OpCode opcode, int root,
+                     int64_t deadline_ns);
+  void run_reduce_scatter(const std::vector<const uint8_t*>& ins, at::Tensor& out, RedOp rop, double premul,
+                          int64_t deadline_ns);
+  void run_scatter(const std::vector<const uint8_t*>& ins, at::Tensor& out, int root, int64_t deadline_ns);
   void run_alltoall(const uint8_t* in, uint8_t* out, c10::ScalarType dt, int64_t row_elems,
-                    const std::vector<int64_t>& in_rows, const std::vector<int64_t>& out_rows, int64_t dl);
-  void run_barrier(int64_t dl);
-  void exchange(const PeerRanges* sends, size_t hdr_len, int64_t dl, const char* opname);
+                    const std::vector<int64_t>& in_rows, const std::vector<int64_t>& out_rows,
+                    int64_t deadline_ns);
+  void run_barrier(int64_t deadline_ns);
+  void exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadline_ns);
 
   // Inside start/endCoalescing: the batch's Work completes when `w` (and its peers) do.
   void attach_to_coalescing(const c10::intrusive_ptr<MooncakeWork>& w,
@@ -365,7 +382,7 @@ class MooncakeBackend : public c10d::Backend {
   std::vector<int64_t> peer_pid_;
 
   BackendConfig cfg_;
-  std::chrono::milliseconds timeout_;
+  std::chrono::milliseconds timeout_ms_;  // op timeout (MooncakeOptions.timeout, setTimeout)
   std::unique_ptr<CollEngine> coll_;
   std::unique_ptr<P2PChannel> p2p_;
   std::string broken_;  // non-empty: the group is unusable (fenced, store lost, shut down)

@@ -33,7 +33,7 @@ struct MooncakeBackend::P2POp {
   int tag = 0;
   at::Tensor buf;  // contiguous data
   c10::intrusive_ptr<MooncakeWork> work;
-  int64_t deadline = 0;
+  int64_t deadline_ns = 0;
   P2PHeader hdr{};
   size_t hdr_done = 0;
   size_t done = 0;
@@ -66,7 +66,7 @@ void MooncakeBackend::check_peer_active(int peer, bool is_send) {
 void MooncakeBackend::post_p2p(std::shared_ptr<P2POp> op) {
   {
     std::lock_guard<std::mutex> g(qmu_);
-    TORCH_CHECK(!stop_, "MooncakeBackend: the process group was shut down");
+    TORCH_CHECK(!stop_, "MooncakeBackend::post_p2p: the process group was shut down");
     ensure_threads(true);
   }
   {
@@ -138,7 +138,7 @@ c10::intrusive_ptr<MooncakeWork> MooncakeBackend::send_impl(std::vector<at::Tens
   op->tag = tag;
   op->buf = tensors[0].contiguous();
   op->work = c10::make_intrusive<MooncakeWork>(rank_, c10d::OpType::SEND, tensors);
-  op->deadline = deadline_for(std::chrono::milliseconds(0));
+  op->deadline_ns = deadline_ns_for(std::chrono::milliseconds(0));
   op->hdr = P2PHeader{kP2PMagic,
                       tag,
                       static_cast<uint64_t>(op->buf.numel() * op->buf.element_size()),
@@ -166,7 +166,7 @@ c10::intrusive_ptr<MooncakeWork> MooncakeBackend::recv_impl(std::vector<at::Tens
     at::Tensor u = user, b = op->buf;
     op->work->after = [u, b]() mutable { u.copy_(b); };
   }
-  op->deadline = deadline_for(std::chrono::milliseconds(0));
+  op->deadline_ns = deadline_ns_for(std::chrono::milliseconds(0));
   auto w = op->work;
   attach_to_coalescing(w, tensors);
   post_p2p(op);
@@ -343,7 +343,7 @@ void MooncakeBackend::p2p_loop() {
       for (int j : probe_dead(busy)) mark_dead(j, "process died");
       auto expire = [&](std::deque<std::shared_ptr<P2POp>>& q, int peer) {
         for (auto it = q.begin(); it != q.end();) {
-          if ((*it)->deadline < now && (*it)->started && peer >= 0) {
+          if ((*it)->deadline_ns < now && (*it)->started && peer >= 0) {
             // part of the message has moved: the stream to this peer cannot be resynced
             std::string why = std::string("mooncake ") + ((*it)->is_send ? "send to" : "recv from") +
                               " rank " + std::to_string(peer) + " (rank " + std::to_string(rank_) +
@@ -354,7 +354,7 @@ void MooncakeBackend::p2p_loop() {
             for (auto& op : doomed) fail(op, why, false);
             return;
           }
-          if ((*it)->deadline < now && !(*it)->started) {
+          if ((*it)->deadline_ns < now && !(*it)->started) {
             fail(*it,
                  std::string("mooncake ") + ((*it)->is_send ? "send" : "recv") + " (rank " +
                      std::to_string(rank_) + "): timed out waiting for rank " +
@@ -369,7 +369,7 @@ void MooncakeBackend::p2p_loop() {
       for (int j = 0; j < W; ++j) {
         expire(sendq[j], j);
         expire(recvq[j], j);
-        if (in[j].op && in[j].op->deadline < now) {
+        if (in[j].op && in[j].op->deadline_ns < now) {
           std::string why = "mooncake recv from rank " + std::to_string(j) + " (rank " +
                             std::to_string(rank_) +
                             "): timed out mid-message; the link to that rank is closed";

@@ -1,0 +1,563 @@
+// Membership of MooncakeBackend (DESIGN.md "Membership and fault tolerance"): failure
+// detection (same-host process handles, op timeouts), agreement on failed ranks through the
+// control store (numbered epoch records, the first proposal of an epoch wins), the
+// policies' effect on the active set, and rejoin (recover_ranks on the survivors,
+// join_group on the replacement, a transport rebuild over the new member set).
+#include <poll.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <future>
+#include <sstream>
+#include <thread>
+
+#include "pg/backend.hpp"
+#include "pg/control_store.hpp"
+
+namespace mooncake {
+
+namespace {
+std::mutex g_failed_mu;
+std::vector<int> g_failed_global;  // ascending, unique
+std::atomic<uint64_t> g_failed_version{0};
+
+void note_failed_global(int g) {
+  std::lock_guard<std::mutex> lk(g_failed_mu);
+  auto it = std::lower_bound(g_failed_global.begin(), g_failed_global.end(), g);
+  if (it != g_failed_global.end() && *it == g) return;
+  g_failed_global.insert(it, g);
+  g_failed_version++;
+}
+}  // namespace
+
+std::vector<int> known_failed_global_ranks() {
+  std::lock_guard<std::mutex> lk(g_failed_mu);
+  return g_failed_global;
+}
+
+int MooncakeBackend::global_rank(int r) const { return cfg_.global_ranks.empty() ? r : cfg_.global_ranks[r]; }
+
+std::vector<int> MooncakeBackend::failed_elsewhere() {
+  std::vector<int> out;
+  if (g_failed_version.load() == registry_seen_) return out;
+  registry_seen_ = g_failed_version.load();
+  std::vector<int> dead = known_failed_global_ranks();
+  for (int j = 0; j < size_; ++j)
+    if (j != rank_ && active_[j] && !agreed_failed_[j] &&
+        std::binary_search(dead.begin(), dead.end(), global_rank(j)))
+      out.push_back(j);
+  return out;
+}
+void MooncakeBackend::refresh_active_list() {
+  act_.clear();
+  for (int j = 0; j < size_; ++j)
+    if (active_[j]) act_.push_back(j);
+  my_index_ = static_cast<int>(std::find(act_.begin(), act_.end(), rank_) - act_.begin());
+  coll_->set_active(active_);
+}
+
+std::vector<int> MooncakeBackend::probe_dead(const std::vector<int>& ranks) {
+  std::vector<int> dead;
+  for (int j : ranks) {
+    if (j < 0 || j >= size_ || j == rank_) continue;
+    if (peer_pidfd_[j] >= 0) {
+      pollfd p{peer_pidfd_[j], POLLIN, 0};
+      if (poll(&p, 1, 0) > 0) dead.push_back(j);
+    } else if (peer_pid_[j] > 0) {
+      if (kill(static_cast<pid_t>(peer_pid_[j]), 0) != 0 && errno == ESRCH) dead.push_back(j);
+    }
+  }
+  return dead;
+}
+
+template <class T>
+T MooncakeBackend::bounded_store_call(const char* what, std::function<T(c10d::Store&)> fn) {
+  // The call runs on a detached thread that owns everything it touches (the store handle,
+  // the function, the promise): if it outlives the deadline it finishes (or stays blocked)
+  // harmlessly after this backend is gone.
+  auto st = store_;
+  auto prom = std::make_shared<std::promise<T>>();
+  auto fut = prom->get_future();
+  std::thread([st, prom, fn = std::move(fn)]() {
+    try {
+      prom->set_value(fn(*st));
+    } catch (...) {
+      prom->set_exception(std::current_exception());
+    }
+  }).detach();
+  const auto limit = std::max(timeout_ms_, std::chrono::milliseconds(1000));
+  if (fut.wait_for(limit) != std::future_status::ready) {
+    std::ostringstream msg;
+    msg << what << " got no answer within " << limit.count() / 1000.0
+        << " s (this host is cut off from the store, or the store is gone)";
+    throw std::runtime_error(msg.str());
+  }
+  return fut.get();
+}
+
+// Records: "1,3;decided_by=2;reason=..." (failure) or "join=1;active=0,1,2;decided_by=0".
+bool MooncakeBackend::read_record_full(uint64_t epoch, Record* rec) {
+  const std::string key = store_ns_ + "epoch/" + std::to_string(epoch);
+  auto got = bounded_store_call<std::string>("reading membership record", [key](c10d::Store& st) {
+    if (!st.check({key})) return std::string("\x01");
+    auto v = st.get(key);
+    return std::string(v.begin(), v.end());
+  });
+  if (got == "\x01") return false;
+  rec->raw = got;
+  std::string first = rec->raw.substr(0, rec->raw.find(';'));
+  rec->join = first.rfind("join=", 0) == 0;
+  rec->ranks = parse_ranks(rec->join ? first.substr(5) : first);
+  rec->active.clear();
+  rec->pids.clear();
+  if (rec->join) {
+    size_t q = rec->raw.find(";pids=");
+    if (q != std::string::npos) {
+      std::string rest = rec->raw.substr(q + 6);
+      rec->pids = rest.substr(0, rest.find(';'));
+    }
+    size_t a = rec->raw.find(";active=");
+    if (a != std::string::npos) {
+      std::string rest = rec->raw.substr(a + 8);
+      rec->active = parse_ranks(rest.substr(0, rest.find(';')));
+    }
+  }
+  return true;
+}
+
+void MooncakeBackend::log_membership(const std::string& msg) {
+  fprintf(stderr, "[mooncake] rank %d group '%s': %s\n", rank_, cfg_.group_name.c_str(), msg.c_str());
+}
+
+std::vector<int> MooncakeBackend::catch_up(bool stop_at_join) {
+  std::vector<int> added;
+  Record rec;
+  while (read_record_full(agreed_epoch_ + 1, &rec)) {
+    if (rec.join) {
+      if (stop_at_join) break;
+      throw std::runtime_error("membership epoch " + std::to_string(agreed_epoch_ + 1) +
+                               " admits ranks that this rank did not recover: every survivor must call "
+                               "recover_ranks between the same two ops");
+    }
+    agreed_epoch_++;
+    for (int f : rec.ranks)
+      if (f >= 0 && f < size_ && !agreed_failed_[f]) {
+        agreed_failed_[f] = 1;
+        added.push_back(f);
+        note_failed_global(global_rank(f));
+      }
+    log_membership("epoch " + std::to_string(agreed_epoch_) + " agreed: " + rec.raw);
+  }
+  return added;
+}
+
+std::vector<int> MooncakeBackend::agree(const std::vector<int>& suspects, const std::string& reason) {
+  std::vector<int> newly;
+  try {
+    auto more = catch_up();
+    newly.insert(newly.end(), more.begin(), more.end());
+    while (true) {
+      std::vector<int> todo;
+      for (int j : suspects)
+        if (j >= 0 && j < size_ && j != rank_ && !agreed_failed_[j]) todo.push_back(j);
+      if (todo.empty()) break;
+      std::sort(todo.begin(), todo.end());
+      const std::string key = store_ns_ + "epoch/" + std::to_string(agreed_epoch_ + 1);
+      const std::string mine =
+          join_ranks(todo) + ";decided_by=" + std::to_string(rank_) + ";reason=" + reason;
+      bounded_store_call<bool>("proposing a membership record", [key, mine](c10d::Store& st) {
+        st.compareSet(key, std::string(), mine);  // the first proposal of an epoch wins
+        return true;
+      });
+      more = catch_up();
+      newly.insert(newly.end(), more.begin(), more.end());
+    }
+  } catch (const RankFailure&) {
+    throw;
+  } catch (const std::exception& e) {
+    const auto* ce = dynamic_cast<const c10::Error*>(&e);
+    std::string why = ce ? ce->what_without_backtrace() : e.what();
+    why = why.substr(0, why.find('\n'));
+    broken_ =
+        std::string("MooncakeBackend: the control store is unreachable, so membership cannot be agreed (") +
+        why +
+        "); this rank fences itself: the others may have declared it failed. This is fatal for the group on "
+        "this rank (if the store lived in rank 0, rank 0 is gone); it may rejoin as a recovering rank";
+    log_membership("fenced: " + broken_);
+    throw RankFailure("MooncakeBackend (rank " + std::to_string(rank_) + "): " + broken_, {rank_},
+                      static_cast<int64_t>(agreed_epoch_), true);
+  }
+  if (agreed_failed_[rank_]) {
+    broken_ = "MooncakeBackend: this rank was declared failed by its peers (epoch " +
+              std::to_string(agreed_epoch_) + ") and has fenced itself; it may rejoin as a recovering rank";
+    throw RankFailure("MooncakeBackend (rank " + std::to_string(rank_) + "): " + broken_, {rank_},
+                      static_cast<int64_t>(agreed_epoch_), true);
+  }
+  if (policy_ != FailurePolicy::MANUAL) apply_agreed();
+  return newly;
+}
+
+void MooncakeBackend::apply_agreed() {
+  if (epoch_ == agreed_epoch_) return;
+  {
+    std::lock_guard<std::mutex> g(mem_mu_);
+    for (int j = 0; j < size_; ++j)
+      if (agreed_failed_[j]) active_[j] = 0;
+    epoch_ = agreed_epoch_;
+  }
+  refresh_active_list();
+  coll_->start_epoch(epoch_);
+  log_membership("epoch " + std::to_string(epoch_) + " applied: active ranks " + join_ranks(act_));
+}
+
+std::vector<int> MooncakeBackend::pending_failed() {
+  std::lock_guard<std::mutex> g(mem_mu_);
+  std::vector<int> v;
+  for (int j = 0; j < size_; ++j)
+    if (agreed_failed_[j] && active_[j]) v.push_back(j);
+  return v;
+}
+
+std::vector<int32_t> MooncakeBackend::active_ranks() {
+  std::lock_guard<std::mutex> g(mem_mu_);
+  return std::vector<int32_t>(active_.begin(), active_.end());
+}
+
+int64_t MooncakeBackend::epoch() {
+  std::lock_guard<std::mutex> g(mem_mu_);
+  return static_cast<int64_t>(epoch_);
+}
+
+std::vector<int> MooncakeBackend::failed_ranks() {
+  std::lock_guard<std::mutex> g(mem_mu_);
+  std::vector<int> v;
+  for (int j = 0; j < size_; ++j)
+    if (agreed_failed_[j]) v.push_back(j);
+  return v;
+}
+
+void MooncakeBackend::deactivate_ranks(const std::vector<int>& ranks) {
+  for (int r : ranks)
+    TORCH_CHECK_VALUE(r >= 0 && r < size_, "mooncake deactivate_ranks (rank ", rank_, "): rank ", r,
+                      " is out of range [0, ", size_, ")");
+  std::lock_guard<std::mutex> g(engine_mu_);
+  agree(ranks, "deactivate_ranks");
+  apply_agreed();
+}
+
+std::vector<int> MooncakeBackend::pending_ranks() {
+  std::vector<int> out;
+  if (joining_) return out;
+  std::vector<char> active;
+  {
+    std::lock_guard<std::mutex> g(mem_mu_);
+    active = active_;
+  }
+  for (int j = 0; j < size_; ++j) {
+    if (active[j]) continue;
+    const std::string k = store_ns_ + "join/" + std::to_string(j);
+    if (!store_->check({k})) continue;
+    const std::string adm = store_ns_ + "admitted/" + std::to_string(j);
+    const std::string pid = store_get_str(store_, k);
+    if (store_->check({adm}) && store_get_str(store_, adm) == pid) continue;
+    // a joiner on this host that died before being admitted is not pending (admitting it
+    // would make the transport rebuild wait for it in vain)
+    const std::string hk = store_ns_ + "joinhost/" + std::to_string(j);
+    if (store_->check({hk}) && store_get_str(store_, hk) == cfg_.host_id &&
+        kill(static_cast<pid_t>(std::stoll(pid)), 0) != 0 && errno == ESRCH)
+      continue;
+    out.push_back(j);
+  }
+  return out;
+}
+
+std::vector<int> MooncakeBackend::last_joined() {
+  std::lock_guard<std::mutex> g(mem_mu_);
+  return last_joined_;
+}
+
+void MooncakeBackend::stop_p2p_thread() {
+  {
+    std::lock_guard<std::mutex> g(qmu_);
+    p2p_restart_ = true;
+  }
+  if (p2p_) p2p_->notify();
+  if (p2p_thread_.joinable()) p2p_thread_.join();
+  std::lock_guard<std::mutex> g(qmu_);
+  p2p_restart_ = false;
+}
+
+void MooncakeBackend::apply_join(const Record& rec, uint64_t epoch) {
+  {
+    std::lock_guard<std::mutex> g(mem_mu_);
+    std::fill(active_.begin(), active_.end(), 0);
+    for (int j : rec.active)
+      if (j >= 0 && j < size_) active_[j] = 1;
+    for (int j : rec.ranks)
+      if (j >= 0 && j < size_) agreed_failed_[j] = 0;
+    epoch_ = agreed_epoch_ = epoch;
+    last_joined_ = rec.ranks;
+  }
+  {
+    std::lock_guard<std::mutex> lk(g_failed_mu);
+    for (int j : rec.ranks) {
+      auto it = std::lower_bound(g_failed_global.begin(), g_failed_global.end(), global_rank(j));
+      if (it != g_failed_global.end() && *it == global_rank(j)) g_failed_global.erase(it);
+    }
+  }
+  // Build the transport over the new member set. If a member dies (or stops) meanwhile,
+  // the members agree through the store on who did not finish (first proposal of the
+  // outcome wins), record those ranks as failed (next epoch) and build again without them.
+  const int64_t wait_ms = std::max<int64_t>(timeout_ms_.count(), 1000);
+  for (int attempt = 0;; ++attempt) {
+    std::vector<int> members;
+    for (int j = 0; j < size_; ++j)
+      if (active_[j]) members.push_back(j);
+    const std::string ns = store_ns_ + "e" + std::to_string(agreed_epoch_) + "/";
+    std::string why;
+    store_set_str(store_, ns + "ready/" + std::to_string(rank_), "1");
+    try {
+      std::vector<std::string> keys;
+      for (int j : members) keys.push_back(ns + "ready/" + std::to_string(j));
+      store_->wait(keys, std::chrono::milliseconds(wait_ms));
+      build_transport(ns, members, wait_ms);
+    } catch (const std::exception& e) {
+      const auto* ce = dynamic_cast<const c10::Error*>(&e);
+      why = ce ? ce->what_without_backtrace() : e.what();
+      why = why.substr(0, why.find('\n'));
+    }
+    store_set_str(store_, ns + "built/" + std::to_string(rank_), why.empty() ? "ok" : "failed");
+    std::vector<std::string> built;
+    for (int j : members) built.push_back(ns + "built/" + std::to_string(j));
+    try {
+      store_->wait(built, std::chrono::milliseconds(wait_ms));
+    } catch (const std::exception&) {
+    }
+    std::vector<int> gone;  // members that did not finish the build at all
+    bool all_ok = true;
+    for (int j : members) {
+      const std::string k = ns + "built/" + std::to_string(j);
+      if (!store_->check({k})) {
+        gone.push_back(j);
+        all_ok = false;
+      } else if (store_get_str(store_, k) != "ok") {
+        all_ok = false;
+      }
+    }
+    const std::string proposal = all_ok ? "ok" : "failed:" + join_ranks(gone);
+    auto cur = store_->compareSet(ns + "outcome", std::vector<uint8_t>(),
+                                  std::vector<uint8_t>(proposal.begin(), proposal.end()));
+    const std::string outcome(cur.begin(), cur.end());
+    if (outcome == "ok") {
+      if (!why.empty()) {  // cannot happen: "ok" needs every member's "ok"
+        broken_ = "MooncakeBackend: transport rebuild disagreement in epoch " + std::to_string(agreed_epoch_);
+        C10_THROW_ERROR(DistBackendError, "MooncakeBackend (rank " + std::to_string(rank_) + "): " + broken_);
+      }
+      break;
+    }
+    std::vector<int> failed = parse_ranks(outcome.substr(outcome.find(':') + 1));
+    if (failed.empty() || attempt >= size_) {
+      broken_ = "MooncakeBackend: rebuilding the transport for membership epoch " +
+                std::to_string(agreed_epoch_) +
+                " failed: " + (why.empty() ? std::string("another member failed to build it") : why);
+      C10_THROW_ERROR(DistBackendError, "MooncakeBackend (rank " + std::to_string(rank_) + "): " + broken_);
+    }
+    // the ranks that did not finish are failed: the next epoch's record says so
+    const uint64_t e = agreed_epoch_ + 1;
+    const std::string rec_s = join_ranks(failed) + ";decided_by=" + std::to_string(rank_) +
+                              ";reason=did not finish the transport rebuild of epoch " +
+                              std::to_string(agreed_epoch_);
+    store_->compareSet(store_ns_ + "epoch/" + std::to_string(e), std::string(), rec_s);
+    Record frec;
+    TORCH_CHECK(read_record_full(e, &frec), "MooncakeBackend::apply_join: epoch record ", e, " vanished");
+    log_membership("epoch " + std::to_string(e) + " agreed: " + frec.raw);
+    {
+      std::lock_guard<std::mutex> g(mem_mu_);
+      for (int f : frec.ranks)
+        if (f >= 0 && f < size_) {
+          agreed_failed_[f] = 1;
+          active_[f] = 0;
+        }
+      epoch_ = agreed_epoch_ = e;
+      std::vector<int> still;
+      for (int j : last_joined_)
+        if (!agreed_failed_[j]) still.push_back(j);
+      last_joined_ = still;
+    }
+    for (int f : frec.ranks) note_failed_global(global_rank(f));
+    if (agreed_failed_[rank_]) {
+      broken_ =
+          "MooncakeBackend: this rank did not finish the transport rebuild in time and was declared failed "
+          "(epoch " +
+          std::to_string(e) + "); it has fenced itself and may rejoin as a recovering rank";
+      throw RankFailure("MooncakeBackend (rank " + std::to_string(rank_) + "): " + broken_, {rank_},
+                        static_cast<int64_t>(e), true);
+    }
+  }
+  refresh_active_list();
+  coll_->start_epoch(epoch_);
+  seq_exec_ = 0;  // op numbering restarts with the new member set (the joiner starts at 0)
+  log_membership("epoch " + std::to_string(epoch_) + " applied: ranks " + join_ranks(last_joined_) +
+                 " rejoined; active ranks " + join_ranks(act_));
+}
+
+void MooncakeBackend::recover_ranks(const std::vector<int>& ranks) {
+  TORCH_CHECK(!joining_, "mooncake recover_ranks (rank ", rank_,
+              "): this rank is itself waiting to join; call join_group");
+  for (int r : ranks)
+    TORCH_CHECK_VALUE(r >= 0 && r < size_, "mooncake recover_ranks (rank ", rank_, "): rank ", r,
+                      " is out of range [0, ", size_, ")");
+  // 1. the union of what the survivors ask for (they may have looked at different times)
+  at::Tensor want = at::zeros({size_}, at::kInt);
+  for (int r : ranks) want[r] = 1;
+  std::vector<at::Tensor> ts{want};
+  c10d::AllreduceOptions o;
+  o.reduceOp = c10d::ReduceOp::MAX;
+  o.asyncOp = false;
+  allreduce(ts, o)->wait();
+  std::vector<int> todo;
+  for (int j = 0; j < size_; ++j)
+    if (want[j].item<int>()) todo.push_back(j);
+  if (todo.empty()) return;
+  std::lock_guard<std::mutex> g(engine_mu_);
+  for (int r : todo) {
+    TORCH_CHECK_VALUE(!active_[r], "mooncake recover_ranks (rank ", rank_, "): rank ", r, " is active");
+    TORCH_CHECK_VALUE(store_->check({store_ns_ + "join/" + std::to_string(r)}),
+                      "mooncake recover_ranks (rank ", rank_, "): no replacement for rank ", r,
+                      " has asked to join (start it with is_recovery=True)");
+  }
+  // 2. agree on the record of the next epoch (identical proposals; the first one wins)
+  catch_up(/*stop_at_join=*/true);
+  if (policy_ != FailurePolicy::MANUAL) apply_agreed();
+  std::vector<char> next = active_;
+  for (int r : todo) next[r] = 1;
+  std::vector<int> next_list;
+  for (int j = 0; j < size_; ++j)
+    if (next[j]) next_list.push_back(j);
+  const uint64_t e = agreed_epoch_ + 1;
+  std::string pids;
+  for (int r : todo)
+    pids += (pids.empty() ? "" : ",") + store_get_str(store_, store_ns_ + "join/" + std::to_string(r));
+  const std::string proposal = "join=" + join_ranks(todo) + ";active=" + join_ranks(next_list) +
+                               ";pids=" + pids + ";decided_by=" + std::to_string(rank_);
+  store_->compareSet(store_ns_ + "epoch/" + std::to_string(e), std::string(), proposal);
+  Record rec;
+  TORCH_CHECK(read_record_full(e, &rec), "MooncakeBackend::recover_ranks: epoch record ", e, " vanished");
+  TORCH_CHECK(rec.join && rec.ranks == todo && rec.active == next_list && rec.pids == pids,
+              "mooncake recover_ranks (rank ", rank_, "): survivors disagree about epoch ", e, ": '", rec.raw,
+              "' vs mine '", proposal, "' (a failure was agreed concurrently; retry)");
+  log_membership("epoch " + std::to_string(e) + " agreed: " + rec.raw);
+  for (int r : todo)
+    store_set_str(store_, store_ns_ + "admitted/" + std::to_string(r),
+                  store_get_str(store_, store_ns_ + "join/" + std::to_string(r)));
+  // 3. a fresh transport over the new member set
+  stop_p2p_thread();
+  apply_join(rec, e);
+}
+
+void MooncakeBackend::join_group(double timeout_s) {
+  TORCH_CHECK(joining_, "mooncake join_group (rank ", rank_,
+              "): this rank is not a recovering rank "
+              "(create the group with MooncakeOptions(is_recovery=True))");
+  std::lock_guard<std::mutex> g(engine_mu_);
+  const int64_t deadline_ns = now_ns() + static_cast<int64_t>(timeout_s * 1e9);
+  int64_t next_liveness_check_ns = now_ns() + 200 * 1000 * 1000;
+  std::string members_ns;
+  uint64_t member_epoch = 0;
+  while (true) {
+    Record rec;
+    while (read_record_full(agreed_epoch_ + 1, &rec)) {
+      agreed_epoch_++;
+      if (!rec.join) {
+        for (int f : rec.ranks)
+          if (f >= 0 && f < size_) agreed_failed_[f] = 1;
+        continue;
+      }
+      auto it = std::find(rec.ranks.begin(), rec.ranks.end(), rank_);
+      std::vector<std::string> pids;
+      {
+        std::istringstream in(rec.pids);
+        std::string tok;
+        while (std::getline(in, tok, ',')) pids.push_back(tok);
+      }
+      const size_t pos = static_cast<size_t>(it - rec.ranks.begin());
+      if (it != rec.ranks.end() && pos < pids.size() && pids[pos] == std::to_string(getpid())) {
+        {
+          std::lock_guard<std::mutex> m(mem_mu_);
+          std::fill(agreed_failed_.begin(), agreed_failed_.end(), 0);
+        }
+        apply_join(rec, agreed_epoch_);
+        joining_ = false;
+        return;
+      }
+    }
+    TORCH_CHECK(now_ns() < deadline_ns, "mooncake join_group (rank ", rank_, "): not admitted within ",
+                timeout_s, " s; the survivors must call recover_ranks(group, get_pending_ranks(group))");
+    if (now_ns() >= next_liveness_check_ns) {
+      next_liveness_check_ns = now_ns() + 500 * 1000 * 1000;
+      std::vector<int> members = joinable_members(&members_ns, &member_epoch);
+      if (!members.empty() && members_all_dead(members_ns, members))
+        C10_THROW_ERROR(DistBackendError, "mooncake join_group (rank " + std::to_string(rank_) +
+                                              "): no live member is left to admit "
+                                              "this rank (every active rank [" +
+                                              join_ranks(members) +
+                                              "] of the group has exited on this "
+                                              "host); the group is gone");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+std::vector<int> MooncakeBackend::joinable_members(std::string* ns, uint64_t* epoch) {
+  // The group's members as a joiner can tell from the store: the founders (their t0 host
+  // keys), minus agreed failures, as replaced by each join record's active set.
+  std::vector<int> members;
+  if (ns->empty()) {
+    *ns = store_ns_ + "t0/";
+    for (int j = 0; j < size_; ++j)
+      if (j != rank_ && store_->check({*ns + "host/" + std::to_string(j)})) members.push_back(j);
+    members_cache_ = members;
+  }
+  members = members_cache_;
+  Record rec;
+  while (read_record_full(*epoch + 1, &rec)) {
+    (*epoch)++;
+    if (rec.join) {
+      members = rec.active;
+      *ns = store_ns_ + "e" + std::to_string(*epoch) + "/";
+    } else {
+      for (int f : rec.ranks) members.erase(std::remove(members.begin(), members.end(), f), members.end());
+    }
+  }
+  members.erase(std::remove(members.begin(), members.end(), rank_), members.end());
+  members_cache_ = members;
+  return members;
+}
+
+bool MooncakeBackend::members_all_dead(const std::string& ns, const std::vector<int>& members) {
+  for (int j : members) {
+    const std::string hk = ns + "host/" + std::to_string(j), pk = ns + "pid/" + std::to_string(j);
+    if (!store_->check({hk}) || !store_->check({pk})) return false;
+    const std::string host = store_get_str(store_, hk);
+    if (host.substr(0, host.find('|')) != cfg_.host_id) return false;  // another host: cannot tell
+    if (kill(static_cast<pid_t>(std::stoll(store_get_str(store_, pk))), 0) == 0 || errno != ESRCH)
+      return false;
+  }
+  return true;
+}
+
+void MooncakeBackend::throw_failure(const std::string& what, const std::vector<int>& newly) {
+  std::vector<int> failed = newly;
+  if (failed.empty()) failed = failed_ranks();
+  std::string msg = "MooncakeBackend (rank " + std::to_string(rank_) + "): rank(s) " + join_ranks(failed) +
+                    " failed (" + what + "); membership epoch " + std::to_string(agreed_epoch_);
+  if (policy_ == FailurePolicy::MANUAL)
+    msg += "; on_failure='manual': later ops fail fast until every survivor calls deactivate_ranks";
+  else
+    msg += "; later ops run over the surviving ranks";
+  throw RankFailure(msg, failed, static_cast<int64_t>(agreed_epoch_));
+}
+
+}  // namespace mooncake

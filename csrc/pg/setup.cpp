@@ -1,0 +1,318 @@
+// Set-up of MooncakeBackend: the constructor, rendezvous through the c10d Store (the
+// control store) and the transport build (shared memory on one host, else TCP or RDMA),
+// which rejoin (pg/membership.cpp) runs again over each new member set.
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <random>
+#include <sstream>
+
+#include "pg/backend.hpp"
+#include "pg/collectives/op_header.hpp"
+#include "pg/control_store.hpp"
+#include "transport/shm.hpp"
+#include "transport/tcp.hpp"
+#ifdef MOONCAKE_WITH_RDMA
+#include "pg/engine_rdma.hpp"
+#endif
+
+namespace mooncake {
+
+MooncakeBackend::MooncakeBackend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                 BackendConfig cfg)
+    : c10d::Backend(rank, size),
+      cfg_(std::move(cfg)),
+      timeout_ms_(static_cast<int64_t>(cfg_.timeout_s * 1000)) {
+  setup(store);
+#ifdef MOONCAKE_WITH_CUDA
+  ipc_ = std::make_unique<CudaIpc>(rank_, size_, store_, store_ns_);
+#endif
+}
+
+MooncakeBackend::~MooncakeBackend() {
+  shutdown();
+  for (int fd : peer_pidfd_)
+    if (fd >= 0) close(fd);
+}
+
+void MooncakeBackend::setup(const c10::intrusive_ptr<c10d::Store>& store) {
+  const int W = size_;
+  const std::string& t = cfg_.transport;
+  TORCH_CHECK_VALUE(t == "auto" || t == "shm" || t == "tcp" || t == "rdma",
+                    "MooncakeBackend::setup: unknown transport '", t, "'");
+#ifndef MOONCAKE_WITH_RDMA
+  TORCH_CHECK(t != "rdma",
+              "MooncakeBackend::setup: transport 'rdma' needs a build with ibverbs: expected a build with "
+              "MOONCAKE_WITH_RDMA (infiniband/verbs.h present at build time), got one with shm and tcp only "
+              "(install libibverbs-dev and rebuild)");
+#else
+  if (t == "rdma") {
+    // no active device port: a joiner raises now; a founder raises once it has told the
+    // other founders (build_transport publishes it in place of its host record), so that
+    // they raise too instead of waiting for this rank's record
+    std::string dev;
+    int port = 0;
+    try {
+      rdma_choose(rdma_devices(), cfg_.rdma_device, &dev, &port);
+    } catch (const std::exception& e) {
+      setup_error_ = std::string("MooncakeBackend::setup: transport 'rdma': ") + e.what();
+      TORCH_CHECK(!cfg_.is_recovery, setup_error_);
+    }
+  }
+#endif
+  TORCH_CHECK_VALUE(cfg_.shm_slot_bytes >= 4096, "MooncakeBackend::setup: shm_slot_bytes must be >= 4096");
+  TORCH_CHECK_VALUE(cfg_.on_failure == "raise" || cfg_.on_failure == "mask" || cfg_.on_failure == "manual",
+                    "MooncakeBackend::setup: on_failure must be raise, mask or manual, got '",
+                    cfg_.on_failure, "'");
+  policy_ = cfg_.on_failure == "mask"     ? FailurePolicy::MASK
+            : cfg_.on_failure == "manual" ? FailurePolicy::MANUAL
+                                          : FailurePolicy::RAISE;
+  store_ = store;
+  active_.assign(W, 1);
+  agreed_failed_.assign(W, 0);
+  peer_pidfd_.assign(W, -1);
+  peer_pid_.assign(W, 0);
+  if (cfg_.is_recovery) {
+    // A replacement for a failed rank: find the group's current incarnation and ask to be
+    // admitted; the transport is built in join_group() once the survivors recover us.
+    store_ns_ = store_get_str(store, "mc/current");
+    // a replacement must match the group it joins (checked here, before it asks to join)
+    if (store->check({store_ns_ + "cfg"})) {
+      const std::string want = store_get_str(store, store_ns_ + "cfg");
+      const std::string mine = group_cfg_string();
+      TORCH_CHECK_VALUE(want == mine, "MooncakeBackend::setup: recovering rank ", rank_,
+                        " does not match the group "
+                        "it joins: the group has world_size|transport|shm_slot_bytes = '",
+                        want, "', this process '", mine,
+                        "' (start it with the founders' world size and settings)");
+    }
+    store_set_str(store, store_ns_ + "joinhost/" + std::to_string(rank_), cfg_.host_id);
+    store_set_str(store, store_ns_ + "join/" + std::to_string(rank_), std::to_string(getpid()));
+    joining_ = true;
+    log_membership("waiting to be recovered into seat " + std::to_string(rank_));
+    return;
+  }
+  // Founders: every seat, or the seats named in initial_active (the others are extension
+  // seats, inactive until someone joins them; nobody waits for them here).
+  std::vector<int> founders = cfg_.initial_active;
+  if (founders.empty()) {
+    founders.resize(W);
+    for (int j = 0; j < W; ++j) founders[j] = j;
+  }
+  std::sort(founders.begin(), founders.end());
+  founders.erase(std::unique(founders.begin(), founders.end()), founders.end());
+  for (int j : founders)
+    TORCH_CHECK_VALUE(j >= 0 && j < W, "MooncakeBackend::setup: active rank ", j, " is out of range [0, ", W,
+                      ")");
+  TORCH_CHECK_VALUE(std::binary_search(founders.begin(), founders.end(), rank_),
+                    "MooncakeBackend::setup: rank ", rank_, " is not among the initial active ranks [",
+                    join_ranks(founders),
+                    "]; a process for an extension seat starts with is_recovery=True and calls join_group");
+  std::fill(active_.begin(), active_.end(), 0);
+  for (int j : founders) active_[j] = 1;
+  // The store may outlive a destroyed group of the same name (torchrun's TCPStore): keys
+  // of each set-up live under their own incarnation number (every founder adds 1 once).
+  const int64_t inc = (store->add("mc/setups", 1) - 1) / static_cast<int64_t>(founders.size());
+  store_ns_ = "mc/" + std::to_string(inc) + "/";
+  build_transport(store_ns_ + "t0/", founders);
+  refresh_active_list();
+  store_set_str(store, store_ns_ + "cfg", group_cfg_string());
+  store_set_str(store, "mc/current", store_ns_);
+}
+
+std::string MooncakeBackend::group_cfg_string() const {
+  return std::to_string(size_) + "|" + cfg_.transport + "|" + std::to_string(cfg_.shm_slot_bytes / 64 * 64);
+}
+
+void MooncakeBackend::build_transport(const std::string& ns, const std::vector<int>& members,
+                                      int64_t wait_ms) {
+  // Connects `members` (ascending group ranks, this rank among them): shared memory when
+  // they share a host (or forced), else a TCP mesh. Keys live under `ns`.
+  const int W = size_;
+  const std::string& t = cfg_.transport;
+  const c10::intrusive_ptr<c10d::Store>& store = store_;
+  const size_t slot = static_cast<size_t>(cfg_.shm_slot_bytes) / 64 * 64;
+  const size_t hcap = hdr_cap_for(W);
+  auto key = [&](const std::string& k) { return ns + k; };
+  const int lead = members.front();
+  // wait_ms > 0 (a rebuild): every wait for the members' keys is bounded, so a member that
+  // died meanwhile makes this throw instead of blocking on the store
+  auto await_keys = [&](const std::string& what, const std::vector<int>& who) {
+    if (wait_ms <= 0) return;
+    std::vector<std::string> keys;
+    for (int j : who) keys.push_back(key(what + std::to_string(j)));
+    try {
+      store->wait(keys, std::chrono::milliseconds(wait_ms));
+    } catch (const std::exception&) {
+      std::vector<int> missing;
+      for (int j : who)
+        if (!store->check({key(what + std::to_string(j))})) missing.push_back(j);
+      TORCH_CHECK(false, "MooncakeBackend::build_transport: rank(s) [", join_ranks(missing),
+                  "] did not publish '", what, "' within ", wait_ms,
+                  " ms (died or stopped during the rebuild)");
+    }
+  };
+
+  // 1. who shares a host (and agree on the transport); a rank that cannot set up its
+  // transport says so here ("!" + why) and raises, and so does every rank that reads it
+  if (!setup_error_.empty()) {
+    store_set_str(store, key("host/" + std::to_string(rank_)), "!" + setup_error_);
+    TORCH_CHECK(false, setup_error_);
+  }
+  const std::string mine =
+      cfg_.host_id + "|" + t + "|" + std::to_string(slot) + "|members=" + join_ranks(members);
+  store_set_str(store, key("host/" + std::to_string(rank_)), mine);
+  await_keys("host/", members);
+  bool one_host = true;
+  std::vector<std::string> hosts(W);
+  for (int j : members) {
+    std::string v = store_get_str(store, key("host/" + std::to_string(j)));
+    TORCH_CHECK(v.empty() || v[0] != '!', "MooncakeBackend::setup: rank ", j,
+                " could not set up its transport, so this group cannot start (", v.substr(v.empty() ? 0 : 1),
+                ")");
+    hosts[j] = v.substr(0, v.find('|'));
+    if (hosts[j] != cfg_.host_id) one_host = false;
+    TORCH_CHECK_VALUE(v.substr(v.find('|')) == mine.substr(mine.find('|')), "MooncakeBackend::setup: rank ",
+                      j, " uses transport|slot|members '", v.substr(v.find('|') + 1), "' but rank ", rank_,
+                      " uses '", mine.substr(mine.find('|') + 1),
+                      "'; MOONCAKE_TRANSPORT, shm_slot_bytes and active_ranks "
+                      "must agree across ranks");
+  }
+  // 2. process handles of same-host peers (failure detection)
+  store_set_str(store, key("pid/" + std::to_string(rank_)), std::to_string(getpid()));
+  await_keys("pid/", members);
+  for (int j : members) {
+    if (j == rank_ || hosts[j] != cfg_.host_id) continue;
+    int64_t pid = std::stoll(store_get_str(store, key("pid/" + std::to_string(j))));
+    if (peer_pid_[j] == pid) continue;
+    if (peer_pidfd_[j] >= 0) close(peer_pidfd_[j]);
+    peer_pidfd_[j] = -1;
+#ifdef SYS_pidfd_open
+    int fd = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(pid), 0));
+    if (fd >= 0) peer_pidfd_[j] = fd;
+#endif
+    peer_pid_[j] = pid;
+  }
+  one_host_ = one_host;
+  const bool use_shm = (t == "shm") || (t == "auto" && one_host);
+  TORCH_CHECK(
+      !(t == "shm" && !one_host),
+      "MooncakeBackend::setup: transport 'shm' needs every rank on one host (MOONCAKE_HOST_ID differs)");
+
+  std::unique_ptr<CollEngine> coll;
+  std::unique_ptr<P2PChannel> p2p;
+  if (use_shm) {
+    ShmLayout layout(W, slot, hcap, static_cast<size_t>(cfg_.p2p_ring_bytes));
+    auto seg = std::make_shared<ShmSegment>();
+    if (rank_ == lead) {
+      std::random_device rd;
+      std::string name = "/mooncake-" + std::to_string(getpid()) + "-" + std::to_string(rd());
+      seg->create(name, layout.total);
+      store_set_str(store, key("shm"), name);
+    } else {
+      if (wait_ms > 0) {
+        try {
+          store->wait({key("shm")}, std::chrono::milliseconds(wait_ms));
+        } catch (const std::exception&) {
+          TORCH_CHECK(false, "MooncakeBackend::build_transport: rank ", lead,
+                      " did not create the shared segment "
+                      "within ",
+                      wait_ms, " ms (died or stopped during the rebuild)");
+        }
+      }
+      seg->open(store_get_str(store, key("shm")), layout.total);
+    }
+    store_set_str(store, key("mapped/" + std::to_string(rank_)), "1");
+    if (rank_ == lead) {
+      std::vector<std::string> keys;
+      for (int j : members) keys.push_back(key("mapped/" + std::to_string(j)));
+      try {
+        if (wait_ms > 0)
+          await_keys("mapped/", members);
+        else
+          store->wait(keys);
+      } catch (...) {
+        seg->unlink();  // nothing is left behind in /dev/shm
+        throw;
+      }
+      seg->unlink();  // every member has it mapped: nothing is left behind if one dies
+    }
+    bool spin = static_cast<int>(members.size()) <= available_cpus();
+    coll = std::make_unique<ShmEngine>(rank_, W, seg, layout, spin);
+    p2p = std::make_unique<ShmP2P>(rank_, W, seg, layout);
+  } else {
+    TcpListener lc(cfg_.listen_host), lp(cfg_.listen_host);
+    store_set_str(store, key("addr/" + std::to_string(rank_)),
+                  cfg_.listen_host + " " + std::to_string(lc.port()) + " " + std::to_string(lp.port()));
+    std::vector<int> cfds(W, -1), pfds(W, -1);
+    const int64_t connect_timeout_ms = wait_ms > 0 ? wait_ms : std::max<int64_t>(timeout_ms_.count(), 60000);
+    std::vector<int> lower;
+    for (int j : members)
+      if (j < rank_) lower.push_back(j);
+    await_keys("addr/", lower);
+    int higher = 0;
+    for (int j : members) {
+      if (j > rank_) {
+        higher++;
+        continue;
+      }
+      if (j == rank_) continue;
+      std::istringstream in(store_get_str(store, key("addr/" + std::to_string(j))));
+      std::string host;
+      int pc = 0, pp = 0;
+      in >> host >> pc >> pp;
+      int32_t me = rank_;
+      cfds[j] = tcp_connect(host, pc, connect_timeout_ms);
+      send_all_blocking(cfds[j], &me, sizeof(me));
+      pfds[j] = tcp_connect(host, pp, connect_timeout_ms);
+      send_all_blocking(pfds[j], &me, sizeof(me));
+    }
+    for (int n = 0; n < higher; ++n) {
+      for (TcpListener* l : {&lc, &lp}) {
+        int fd = l->accept_fd(connect_timeout_ms);
+        int32_t who = -1;
+        recv_all_blocking(fd, &who, sizeof(who), connect_timeout_ms);
+        TORCH_CHECK(who > rank_ && who < W && std::binary_search(members.begin(), members.end(), who),
+                    "MooncakeBackend::setup: bad handshake from rank ", who);
+        (l == &lc ? cfds : pfds)[who] = fd;
+      }
+    }
+    if (t == "rdma") {
+#ifdef MOONCAKE_WITH_RDMA
+      // collectives over RDMA queue pairs; p2p byte streams stay on TCP
+      for (int& fd : cfds)
+        if (fd >= 0) close(fd);
+      auto publish = [&](const std::string& k, const std::string& v) {
+        store_set_str(store, key("rdma/" + k), v);
+      };
+      auto fetch = [&](int j, const std::string& k) {
+        const std::string full = key("rdma/" + k);
+        try {
+          store->wait({full}, std::chrono::milliseconds(connect_timeout_ms));
+        } catch (const std::exception&) {
+          TORCH_CHECK(false, "MooncakeBackend::build_transport: rank ", j, " did not publish its RDMA '", k,
+                      "' within ", connect_timeout_ms, " ms");
+        }
+        return store_get_str(store, full);
+      };
+      try {
+        coll = std::make_unique<RdmaEngine>(rank_, W, slot, hcap, members, cfg_.rdma_device,
+                                            static_cast<int>(cfg_.rdma_gid_index), publish, fetch);
+      } catch (const c10::Error&) {
+        throw;
+      } catch (const std::exception& e) {
+        TORCH_CHECK(false, "MooncakeBackend::build_transport: transport 'rdma': ", e.what());
+      }
+#endif
+    } else {
+      coll = std::make_unique<TcpEngine>(rank_, W, slot, hcap, cfds);
+    }
+    p2p = std::make_unique<TcpP2P>(rank_, W, pfds);
+  }
+  coll->set_liveness([this](const std::vector<int>& ranks) { return probe_dead(ranks); });
+  coll_ = std::move(coll);
+  p2p_ = std::move(p2p);
+}
+
+}  // namespace mooncake
