@@ -76,7 +76,7 @@ t1=$SECONDS
 # a stamp of the sources' contents (and torch, nvcc, verbs.h) skips a build whose inputs
 # are byte-identical to the cached one. MOONCAKE_FORCE_BUILD=1 rebuilds anyway.
 stamp="$( { find csrc -type f | LC_ALL=C sort | xargs sha1sum; sha1sum setup.py; "$VPY" -c 'import torch; print(torch.__version__)';
-            "$CUDA_HOME/bin/nvcc" --version | tail -n1; ls /usr/include/infiniband/verbs.h 2>/dev/null; } | sha1sum | cut -d' ' -f1)"
+            "$CUDA_HOME/bin/nvcc" --version | tail -n1; ls /usr/include/infiniband/verbs.h 2>/dev/null || true; } | sha1sum | cut -d' ' -f1)"
 so="$(ls "$BUILD"/lib/mooncake_pg/_C*.so 2>/dev/null | head -n1 || true)"
 if [[ "${MOONCAKE_FORCE_BUILD:-0}" != 1 && -n "$so" && -f "$BUILD/stamp" && "$(cat "$BUILD/stamp")" == "$stamp" ]]; then
     say "sources unchanged since the cached build ($so): not rebuilt"
