@@ -9,7 +9,7 @@ each other and with a shared-memory copy ceiling measured in the same run.
     python benchmarks/pg_bench.py                       # full run, a few minutes on 2 cores
     python benchmarks/pg_bench.py --smoke               # CI: 3 small sizes, about 10 s
     python benchmarks/pg_bench.py --backends gloo --world-sizes 2 --sizes 8,1M,64M
-    python benchmarks/pg_bench.py --gate                # also check the speed gates of issue 2
+    python benchmarks/pg_bench.py --gate                # also check the speed gates (docs/design.md)
 
 Method. For every world size one set of rank processes runs all the backends (with
 --isolate, a fresh set per backend); each rank is in its own session and the set is killed
@@ -709,7 +709,7 @@ def render_tables(results, ceiling, args, backends, world_sizes, md=False, sizes
 
 
 def check_gates(results, gate_backend, ref="gloo"):
-    """Speed gates of issue 2. Returns a list of (passed or None, line)."""
+    """Speed gates of docs/design.md "Benchmarks". Returns a list of (passed or None, line)."""
     lines = []
 
     def get(world, backend, op, size):
@@ -996,7 +996,9 @@ def main(argv=None) -> int:
         "--op-timeout", type=float, default=60.0, help="MooncakeOptions(timeout=) (default 60)"
     )
     ap.add_argument(
-        "--gate", action="store_true", help="check issue 2's speed gates; prints PASS/FAIL lines"
+        "--gate",
+        action="store_true",
+        help="check the speed gates of docs/design.md; prints PASS/FAIL lines",
     )
     ap.add_argument(
         "--gate-strict", action="store_true", help="like --gate, and exit 1 when a gate fails"

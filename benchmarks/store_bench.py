@@ -766,7 +766,7 @@ def loopback_rtt(n: int = 2000) -> float:
 
 
 def gates(records, args) -> list:
-    """[(name, ok or None when a peer is missing, detail)] for the gates of issue 5."""
+    """[(name, ok or None when a peer is missing, detail)] for the gates of docs/design.md "Benchmarks"."""
     out = []
     big = [s for s in args.sizes if s >= MiB]
     for op in ("put", "get"):

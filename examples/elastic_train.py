@@ -94,7 +94,9 @@ def main() -> int:
         log("respawned: waiting to be admitted")
         mooncake_pg.join_group(timeout=args.rejoin_timeout)
         step = mooncake_pg.sync_state(model, opt, step=step)
-        log(f"rejoined at step {step}; active ranks {mooncake_pg.get_active_ranks().tolist()}")
+        log(
+            f"rejoined at step {step}; active ranks {mooncake_pg.get_active_ranks().nonzero().flatten().tolist()}"
+        )
 
     def lowest_active() -> int:
         return min(r for r, a in enumerate(mooncake_pg.get_active_ranks().tolist()) if a)

@@ -1,6 +1,6 @@
 """``mooncake_ep``: expert-parallel MoE dispatch/combine over a process group.
 
-DeepEP's vocabulary (DESIGN.md "Expert parallel")::
+DeepEP's vocabulary (docs/design.md "Expert parallel")::
 
     buf = mooncake_ep.Buffer(group)
     layout = buf.get_dispatch_layout(topk_idx, num_experts)              # DispatchLayout
@@ -15,7 +15,7 @@ DeepEP's vocabulary (DESIGN.md "Expert parallel")::
 
     moe = mooncake_ep.ExpertParallelMoE(gate, experts, group, top_k=2)
 
-Results are NamedTuples with the fields of DESIGN.md, which differ from DeepEP's tuples (no
+Results are NamedTuples with the fields of docs/design.md, which differ from DeepEP's tuples (no
 ``num_tokens_per_rdma_rank``, no event objects; only :class:`LowLatencyCombineResult`
 keeps DeepEP's ``(combined_x, event, hook)``, with ``None`` for both on CPU): read them by
 field name.

@@ -5,7 +5,7 @@ multiple of ``W``), ``L = E / W`` experts per rank (rank ``r`` holds experts
 ``[r L, (r + 1) L)``), ``T`` tokens of this rank, ``K`` top-k slots per token, ``H``
 hidden size, ``T_max`` ``num_max_dispatch_tokens_per_rank`` (low-latency mode).
 
-Routing (DESIGN.md "Expert parallel"): ``topk_idx[t, k] == -1`` means no expert (the slot
+Routing (docs/design.md "Expert parallel"): ``topk_idx[t, k] == -1`` means no expert (the slot
 is never sent and its weight is ignored); any other negative id or an id ``>= E`` is
 rejected with ``ValueError`` before anything is sent. A token whose top-k names one
 expert twice goes to it once; the two weights add up.

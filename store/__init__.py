@@ -1,4 +1,4 @@
-"""``mooncake_store``: a distributed object store for tensors (see DESIGN.md "Store").
+"""``mooncake_store``: a distributed object store for tensors (see docs/design.md "Store").
 
     from mooncake_store import MooncakeStore, ReplicateConfig
     store = MooncakeStore()                       # embedded master, 256 MiB segment

@@ -1,4 +1,4 @@
-"""``MooncakeStore``: the client of the store (see DESIGN.md "Store").
+"""``MooncakeStore``: the client of the store (see docs/design.md "Store").
 
 A client optionally contributes a shared-memory segment (and an SSD directory); the
 master places objects in segments; data moves from client to client: segments of the

@@ -1,4 +1,4 @@
-"""Prefix KV cache on the store (see DESIGN.md "Store", ``KVCacheStore``).
+"""Prefix KV cache on the store (see docs/design.md "Store", ``KVCacheStore``).
 
 Tokens are cut into fixed chunks of ``chunk_tokens``; chunk ``i`` is stored under the
 chained hash of the whole prefix up to and including it::

@@ -1,4 +1,4 @@
-"""Weight sync from trainers to rollout workers (see DESIGN.md "Store", ``WeightSync``).
+"""Weight sync from trainers to rollout workers (see docs/design.md "Store", ``WeightSync``).
 
 Two paths:
 

@@ -174,7 +174,7 @@ struct BackendConfig {
   bool cuda_ipc = true;
 };
 
-// Default-group ranks agreed failed by any group of this process (DESIGN.md: an agreed
+// Default-group ranks agreed failed by any group of this process (docs/design.md: an agreed
 // failure applies to every group that contains the rank).
 std::vector<int> known_failed_global_ranks();
 
@@ -243,7 +243,7 @@ class MooncakeBackend : public c10d::Backend {
   // CUDA).
   std::string cuda_ipc_status() const;
 
-  // Membership (DESIGN.md "Membership and fault tolerance").
+  // Membership (docs/design.md "Membership and fault tolerance").
   std::vector<int32_t> active_ranks();
   int64_t epoch();
   std::vector<int> failed_ranks();    // every rank agreed failed so far
@@ -251,7 +251,7 @@ class MooncakeBackend : public c10d::Backend {
   // Deactivates `ranks` on this rank (agreed through the control store; every survivor
   // calls it with the same ranks).
   void deactivate_ranks(const std::vector<int>& ranks);
-  // Rejoin (DESIGN.md): seats whose replacement asked to join and is not admitted yet.
+  // Rejoin (docs/design.md): seats whose replacement asked to join and is not admitted yet.
   std::vector<int> pending_ranks();
   // Survivors, all of them, between the same two ops: admit `ranks` (the union over the
   // survivors' arguments is admitted; a no-op when it is empty).

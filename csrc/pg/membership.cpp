@@ -1,4 +1,4 @@
-// Membership of MooncakeBackend (DESIGN.md "Membership and fault tolerance"): failure
+// Membership of MooncakeBackend (docs/design.md "Membership and fault tolerance"): failure
 // detection (same-host process handles, op timeouts), agreement on failed ranks through the
 // control store (numbered epoch records, the first proposal of an epoch wins), the
 // policies' effect on the active set, and rejoin (recover_ranks on the survivors,

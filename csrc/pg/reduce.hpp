@@ -1,4 +1,4 @@
-// Element-wise reductions over raw buffers, for every dtype of DESIGN.md.
+// Element-wise reductions over raw buffers, for every dtype of docs/design.md.
 #pragma once
 #include <c10/core/ScalarType.h>
 

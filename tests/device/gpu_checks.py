@@ -7,7 +7,7 @@ Steps (each in a child process with its own time limit; the whole run stays unde
 2. ``build``: ``MOONCAKE_WITH_CUDA=1 TORCH_CUDA_ARCH_LIST=<the GPU's> setup.py build_ext
    --inplace`` against the installed torch (nothing downloaded); ``WITH_CUDA`` checked.
 3. ``kernels``: the CUDA reduction kernels (``_C._cuda_reduce``) against torch for every
-   dtype and op of DESIGN.md; a reduction from a peer process's tensor through CUDA IPC.
+   dtype and op of docs/design.md; a reduction from a peer process's tensor through CUDA IPC.
 4. ``conformance``: tests/pg/test_conformance.py with ``MOONCAKE_TEST_DEVICE=cuda`` (world
    sizes up to 4, every rank on the one GPU).
 5. ``ep``: the Triton kernels of mooncake_ep on CUDA tensors against the references of

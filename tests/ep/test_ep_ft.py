@@ -1,4 +1,4 @@
-"""Expert parallelism with a rank that dies between dispatch and combine (issue 4, DESIGN.md
+"""Expert parallelism with a rank that dies between dispatch and combine (docs/design.md
 "Expert parallel" / "Membership and fault tolerance").
 
 W=4 on a fresh rank pool (never the cached ones: a process dies), rank 2 SIGKILLs itself

@@ -8,7 +8,7 @@ launcher's SIGTERM handler stops them). Ranks talk over loopback only.
 1. ``examples/elastic_train.py`` on 4 ranks: rank 1 (and, in a second run, rank 0, whose
    death takes no store with it) SIGKILLs itself mid-training; the others go on, the
    launcher respawns it, it rejoins with ``sync_state``; the run ends with 4 ranks and
-   identical parameters, and the loss went down (issue 3's example).
+   identical parameters, and the loss went down (the README's example).
 2. A rank that keeps failing is respawned ``--max-restarts`` times, then the launcher
    exits 1 once the others are done.
 3. SIGTERM to the launcher stops every rank; the control store listens on 127.0.0.1 only.

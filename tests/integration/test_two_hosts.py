@@ -1,4 +1,4 @@
-"""Two hosts in network namespaces (issue 3): ranks 0-1 on host a, ranks 2-3 on host b,
+"""Two hosts in network namespaces: ranks 0-1 on host a, ranks 2-3 on host b,
 one ``mooncake-run`` per host (node 0's, on a, hosts the control store), TCP between the
 hosts (``MOONCAKE_HOST_ID`` differs, so the transport follows the namespaces). Host b is
 then cut off (its bridge port drops every frame: no RST, no ICMP, TCP just stalls).

@@ -1,4 +1,4 @@
-"""Shared helpers of the process-group tests: dtypes, the dtype/op table of DESIGN.md,
+"""Shared helpers of the process-group tests: dtypes, the dtype/op table of docs/design.md,
 rank-dependent inputs, independent (pure torch/numpy) references, comparisons.
 
 Imported both by the test process and by the rank processes (keep it light).
@@ -63,7 +63,7 @@ def category(name: str) -> str:
 
 
 def ops_for(name: str):
-    """The reductions DESIGN.md's table promises for this dtype."""
+    """The reductions docs/design.md's table promises for this dtype."""
     return {
         "float": FLOAT_OPS,
         "float8": FLOAT_OPS,

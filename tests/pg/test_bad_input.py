@@ -1,4 +1,4 @@
-"""Bad input (DESIGN.md "Work, errors, bad input").
+"""Bad input (docs/design.md "Work, errors, bad input").
 
 (a) A rank's own bad arguments raise before the op is enqueued: only the faulty caller
     makes the call (the other ranks do not take part), so the error must come at once

@@ -2,7 +2,7 @@
 shared/cases/CASES.md, inactive-seat semantics after a failure, p2p with a peer that dies,
 a deterministic kill-mid-op matrix (op x policy x transport) and a small random kill soak.
 
-Contract: DESIGN.md "Membership and fault tolerance". Every test kills a rank for real
+Contract: docs/design.md "Membership and fault tolerance". Every test kills a rank for real
 (SIGKILL, ``os._exit(0)`` or the ``MOONCAKE_FAULT_INJECT`` hook), so each one builds a
 fresh :class:`rankpool.RankPool` (never the cached pools) and tears it down with
 ``close(graceful=False)``, which kills every rank's process group.
@@ -1529,7 +1529,7 @@ def rank_send_dead_peer(rank, ws, mode, when, n):
 @pytest.mark.parametrize("mode", ["send", "isend"])
 @pytest.mark.parametrize("transport", O.TRANSPORTS)
 def test_send_to_killed_peer_raises_rank_failure(transport, mode, case):
-    """DESIGN.md: "p2p with a dead peer ... always raise". "before": rank 1 is SIGKILLed
+    """docs/design.md: "p2p with a dead peer ... always raise". "before": rank 1 is SIGKILLed
     (and gone) before rank 0 posts the send; "during": it dies while the send is in flight
     (no recv was ever posted). Then a send of the other kind and a tiny send must fail fast."""
     when, n = DEAD_CASES[case]

@@ -1,4 +1,4 @@
-"""The GPU and RDMA paths as far as a CPU reaches them (issue 8).
+"""The GPU and RDMA paths as far as a CPU reaches them.
 
 - ``transport="rdma"`` fails at init on every rank with a clear error (expected what, got
   what): on a build without ibverbs, and on a build with it but no active RDMA port (this

@@ -3,7 +3,7 @@ replacement process (``MooncakeOptions(is_recovery=True)``) that the survivors a
 ``recover_ranks`` between two ops; ``sync_state`` hands it parameters, optimizer state and
 RNG state.
 
-Contract: DESIGN.md "Membership and fault tolerance" (rejoin, step by step) and the part
+Contract: docs/design.md "Membership and fault tolerance" (rejoin, step by step) and the part
 of CASES.md FT-5: kill a rank, bring it back into its slot, repeat; and seats beyond the
 founders (``active_ranks`` smaller than ``max_group_size``) filled through the same path.
 
