@@ -58,6 +58,10 @@ class EPConfig:
                 f"EPConfig: low_latency_backend must be one of {_LL_BACKENDS}, "
                 f"got {self.low_latency_backend!r}"
             )
+        if self.fp32_accumulate is not None and not isinstance(self.fp32_accumulate, bool):
+            raise ValueError(
+                f"EPConfig: fp32_accumulate must be a bool or None, got {self.fp32_accumulate!r}"
+            )
         if self.max_membership_retries is not None and self.max_membership_retries < 0:
             raise ValueError(
                 f"EPConfig: max_membership_retries must be >= 0, got {self.max_membership_retries}"
@@ -91,6 +95,10 @@ def env_defaults() -> dict:
 
 def resolve(cfg: EPConfig | None, world_size: int) -> dict:
     """Explicit options over the environment; plain values."""
+    if cfg is not None and not isinstance(cfg, EPConfig):
+        raise TypeError(
+            f"mooncake_ep: config must be an EPConfig or None, got {type(cfg).__name__}"
+        )
     cfg = cfg or EPConfig()
     env = env_defaults()
     return {

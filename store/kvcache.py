@@ -224,6 +224,12 @@ class KVCacheStore:
             raise ValueError(
                 f"KVCacheStore: config must be a KVCacheConfig, got {type(self.cfg).__name__}"
             )
+        from .client import MooncakeStore  # here: client.py is the heavier import
+
+        if not isinstance(store, MooncakeStore):
+            raise TypeError(
+                f"KVCacheStore: store must be a MooncakeStore, got {type(store).__name__}"
+            )
         self.store = store
         self.tenant = tenant
         self._p = f"kv/{self.cfg.model}/{tenant}/"

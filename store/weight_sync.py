@@ -109,6 +109,12 @@ class WeightSync(_PublishMixin, _PullMixin):
             raise ValueError(
                 f"model must be a non-empty str without '/' (at most 200 chars), got {model!r}"
             )
+        from .client import MooncakeStore  # here: client.py is the heavier import
+
+        if not isinstance(store, MooncakeStore):
+            raise TypeError(
+                f"WeightSync: store must be a MooncakeStore, got {type(store).__name__}"
+            )
         self.store = store
         self.model = model
         self.cfg = config or WeightSyncConfig()

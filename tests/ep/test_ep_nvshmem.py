@@ -66,6 +66,20 @@ def test_config_and_environment(monkeypatch):
         mooncake_ep.EPConfig(low_latency_backend="nccl")
 
 
+def test_config_types_are_checked():
+    """A config of another type, or a flag given as a string, is refused by name (a dict
+    reached the kernels as an AttributeError, and "0" meant True)."""
+    import mooncake_ep
+    from mooncake_ep.config import resolve
+
+    with pytest.raises(TypeError, match="config must be an EPConfig or None, got dict"):
+        resolve({"kernels": "torch"}, 2)
+    for bad in ("0", 1, "yes"):
+        with pytest.raises(ValueError, match="fp32_accumulate must be a bool or None"):
+            mooncake_ep.EPConfig(fp32_accumulate=bad)
+    assert resolve(mooncake_ep.EPConfig(fp32_accumulate=False), 2)["fp32_accumulate"] is False
+
+
 def test_nvshmem_import_is_lazy_and_guarded():
     """Importing mooncake_ep does not import nvshmem; without it the reason says so."""
     import subprocess

@@ -1153,3 +1153,15 @@ def test_restarted_trainer_holding_the_memory_sees_its_versions(procs):
             assert (
                 r.installed and r.version == 3 and torch.equal(target["w"], torch.full((4,), 3.0))
             )
+
+
+def test_weight_sync_and_kv_cache_need_a_store():
+    """Anything but a MooncakeStore is a TypeError at construction, naming what it got (it
+    surfaced as an AttributeError from inside publish or match_prefix)."""
+    from mooncake_store import KVCacheStore, WeightSync
+
+    for bad in (None, "127.0.0.1:50051"):
+        with pytest.raises(TypeError, match="WeightSync: store must be a MooncakeStore, got"):
+            WeightSync(bad, "x")
+        with pytest.raises(TypeError, match="KVCacheStore: store must be a MooncakeStore, got"):
+            KVCacheStore(bad, tenant="x")
