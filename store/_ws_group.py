@@ -119,6 +119,17 @@ class GroupWeightSync:
         import torch.distributed as dist
 
         rank = dist.get_rank()
+        group_ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+        if (
+            isinstance(self.src, bool)
+            or not isinstance(self.src, int)
+            or self.src not in group_ranks
+        ):
+            # every rank sees the same src and group: all refuse, before any collective
+            raise ValueError(
+                f"GroupWeightSync.sync (rank {rank}): src must be a (global) rank of the group "
+                f"{group_ranks}, got {self.src!r}"
+            )
         targets = _target_dict(model_or_state_dict)
         is_src = rank == self.src
         prev = self.version

@@ -1071,10 +1071,10 @@ def _gws_refuse_rank(rank, world, case):
     if case == "version" and rank == 3:
         version = None  # takes the source's
     try:
-        GroupWeightSync(src=0).sync(sd, version)
+        GroupWeightSync(src=5 if case == "src" else 0).sync(sd, version)
         return "synced"
-    except WeightSyncAbortedError as e:
-        return str(e)
+    except (WeightSyncAbortedError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
 
 
 def test_group_sync_refusals_name_the_rank_tensor_and_version():
@@ -1090,6 +1090,14 @@ def test_group_sync_refusals_name_the_rank_tensor_and_version():
     r = pool.run(_gws_refuse_rank, "version", timeout=60)
     for w in range(4):
         assert "rank 1 passed version 5, src 0 sends 3" in r[w], r[w]
+    # a source outside the group: ValueError on every rank before any collective (it was
+    # a WeightSyncAbortedError saying a rank died or left)
+    r = pool.run(_gws_refuse_rank, "src", timeout=60)
+    for w in range(4):
+        assert r[w] == (
+            f"ValueError: GroupWeightSync.sync (rank {w}): src must be a (global) rank of the "
+            "group [0, 1, 2, 3], got 5"
+        ), r[w]
 
 
 def test_pull_before_any_publish_does_nothing(procs):
