@@ -55,6 +55,20 @@ def _tensor_bytes(t, what="tensor") -> memoryview:
     return memoryview(flat.numpy())
 
 
+def _copyable(dt) -> bool:
+    """Whether torch can copy tensors of ``dt``: a reader copies or views them back, and
+    some sub-byte dtypes (``torch.int4``, ``torch.uint4``, ``torch.uint1``) have no copy
+    kernel."""
+    import torch
+
+    try:
+        t = torch.empty(2, dtype=dt)
+        t[0:1].copy_(t[1:2])
+        return True
+    except (NotImplementedError, RuntimeError, TypeError):
+        return False
+
+
 def _writable_view(buffer, op="get_into") -> memoryview:
     if _is_tensor(buffer):
         import torch

@@ -10,6 +10,7 @@ import hashlib
 import sys
 from typing import TYPE_CHECKING, NamedTuple
 
+from ._args import _copyable
 from .errors import WeightSyncAbortedError
 
 if TYPE_CHECKING:
@@ -101,19 +102,6 @@ def _unref(refs: dict, v: int):
 
 
 @functools.cache
-def _copyable(dt) -> bool:
-    """Whether torch can copy tensors of ``dt`` (readers copy every piece into place; some
-    sub-byte dtypes, e.g. ``torch.int4``, ``torch.uint4`` or ``torch.uint1``, have no copy
-    kernel)."""
-    torch = _torch()
-    try:
-        t = torch.empty(2, dtype=dt)
-        t[0:1].copy_(t[1:2])
-        return True
-    except (NotImplementedError, RuntimeError, TypeError):
-        return False
-
-
 def _dtype_name(dt) -> str:
     return str(dt).removeprefix("torch.")
 

@@ -33,6 +33,7 @@ from ._args import (
     _check_key,
     _check_keys,
     _chunks,
+    _copyable,
     _dedup,
     _is_tensor,
     _raise_first,
@@ -359,6 +360,12 @@ class MooncakeStore(_LinkMixin, _ReadMixin, _WriteMixin):
         for t in tensors:
             if not _is_tensor(t):
                 raise ValueError(f"{_op}: expected a torch.Tensor, got {type(t).__name__}")
+            if not _copyable(t.dtype):
+                raise ValueError(
+                    f"{_op}: dtype {t.dtype} cannot be stored as a tensor: torch has no copy "
+                    "kernel for it, so get_tensor could not return it (store its bytes, e.g. "
+                    "t.view(torch.uint8), instead)"
+                )
             metas.append(
                 msgpack.packb(
                     {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}

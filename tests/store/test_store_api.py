@@ -60,6 +60,23 @@ def test_tensor_dtypes_round_trip(store, make):
     )
 
 
+def test_dtypes_without_copy_kernels_are_refused_by_put_tensor(store):
+    """torch.uint4 and friends have no copy kernel: put_tensor accepted them and every
+    get_tensor failed with NotImplementedError; now put_tensor raises ValueError naming the
+    dtype before anything is stored, and the tensor's bytes go in as uint8."""
+    for name in ("int4", "uint4", "uint1"):
+        dt = getattr(torch, name, None)
+        if dt is None:
+            continue
+        t = torch.zeros(8, dtype=torch.uint8).view(dt)
+        with pytest.raises(ValueError, match=f"put_tensor: dtype torch.{name} cannot be stored"):
+            store.put_tensor(f"sub-byte-{name}", t)
+        assert not store.exists(f"sub-byte-{name}")
+    raw = torch.arange(8, dtype=torch.uint8)
+    store.put_tensor("sub-byte-bytes", raw, upsert=True)
+    assert torch.equal(store.get_tensor("sub-byte-bytes"), raw)
+
+
 def test_get_into(store):
     store.put("gi", b"0123456789", ReplicateConfig())
     buf = bytearray(16)
