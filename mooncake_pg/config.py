@@ -21,6 +21,8 @@ Every ``MOONCAKE_*`` environment variable the process group reads is read here, 
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import operator
 import os
 import socket
 from collections.abc import Sequence
@@ -83,6 +85,15 @@ class MooncakeOptions:
     def __post_init__(self):
         if isinstance(self.timeout, timedelta):
             self.timeout = self.timeout.total_seconds()
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, numbers.Real):
+            raise ValueError(
+                "MooncakeOptions: timeout must be seconds (a number) or a timedelta, "
+                f"got {self.timeout!r}"
+            )
+        for name in ("max_group_size", "shm_slot_bytes"):
+            setattr(self, name, _opt_int(getattr(self, name), name))
+        for name in ("is_recovery", "debug", "cuda_ipc"):
+            setattr(self, name, _opt_bool(getattr(self, name), name))
         if not (float(self.timeout) > 0):
             raise ValueError(f"MooncakeOptions: timeout must be > 0 seconds, got {self.timeout}")
         if self.transport is not None and self.transport not in _TRANSPORTS:
@@ -98,7 +109,15 @@ class MooncakeOptions:
                 f"MooncakeOptions: max_group_size must be >= 1, got {self.max_group_size}"
             )
         if self.active_ranks is not None:
-            ranks = [int(r) for r in self.active_ranks]
+            try:
+                if isinstance(self.active_ranks, (str, bytes)):
+                    raise TypeError
+                ranks = [operator.index(r) for r in self.active_ranks]
+            except TypeError:
+                raise ValueError(
+                    "MooncakeOptions: active_ranks must be a sequence of int seat numbers, "
+                    f"got {self.active_ranks!r}"
+                ) from None
             if not ranks or any(r < 0 for r in ranks) or len(set(ranks)) != len(ranks):
                 raise ValueError(
                     "MooncakeOptions: active_ranks must be distinct non-negative seat "
@@ -142,6 +161,18 @@ def _opt_bool(value, name: str) -> bool | None:
     if isinstance(value, int) and value in (0, 1):
         return bool(value)
     raise ValueError(f"MooncakeOptions.{name} must be True or False, got {value!r}")
+
+
+def _opt_int(value, name: str) -> int | None:
+    """An explicit integer option: None (unset) or an int (not a bool, not a string)."""
+    if value is None:
+        return None
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"MooncakeOptions: {name} must be an int, got {value!r}") from None
 
 
 def _ranks_env(env, name: str):

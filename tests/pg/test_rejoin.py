@@ -1172,6 +1172,30 @@ def test_active_ranks_env_and_options(monkeypatch):
         mooncake_pg.MooncakeOptions(active_ranks=[0, 3], max_group_size=3)
 
 
+def test_options_of_the_wrong_type_raise_at_construction():
+    """MooncakeOptions names the field of a value of the wrong type when it is made (a
+    string timeout failed inside float(), a string flag was taken at init_process_group)."""
+    import mooncake_pg
+
+    cases = [
+        (dict(timeout="abc"), "timeout must be seconds"),
+        (dict(timeout=None), "timeout must be seconds"),
+        (dict(timeout=True), "timeout must be seconds"),
+        (dict(max_group_size="4"), "max_group_size must be an int, got '4'"),
+        (dict(shm_slot_bytes=8192.0), "shm_slot_bytes must be an int"),
+        (dict(active_ranks="0,1"), "active_ranks must be a sequence of int seat numbers"),
+        (dict(active_ranks=[0.5]), "active_ranks must be a sequence of int seat numbers"),
+        (dict(debug="0"), "MooncakeOptions.debug must be True or False"),
+        (dict(is_recovery="yes"), "MooncakeOptions.is_recovery must be True or False"),
+        (dict(cuda_ipc="false"), "MooncakeOptions.cuda_ipc must be True or False"),
+    ]
+    for kw, want in cases:
+        with pytest.raises(ValueError, match=want):
+            mooncake_pg.MooncakeOptions(**kw)
+    o = mooncake_pg.MooncakeOptions(timeout=5, max_group_size=4, active_ranks=(1, 0), debug=1)
+    assert (o.timeout, o.max_group_size, o.active_ranks, o.debug) == (5, 4, [0, 1], True)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("case", ["not_founder", "max_group_size"])
 def test_extension_seat_misuse_raises_at_init(case):
