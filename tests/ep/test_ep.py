@@ -581,6 +581,16 @@ def rank_options(rank, ws):
         )
         out[name] = buf.combine(y, r.handle).combined_x
         out[name + "_active"] = buf.get_active_ranks().tolist()
+    # fp8 low-latency rows over a gloo group (gloo has no float8 all_to_all): the same bytes
+    # as over the mooncake group
+    ll = {}
+    for name, buf in (
+        ("mooncake", mooncake_ep.Buffer()),
+        ("gloo", mooncake_ep.Buffer(dist.new_group(list(range(ws)), backend="gloo"))),
+    ):
+        q = buf.low_latency_dispatch(x, idx, x.shape[0], E, use_fp8=True)
+        ll[name] = (q.recv_x[0].view(torch.uint8), q.recv_x[1], q.recv_count)
+    out["ll_fp8_same"] = all(torch.equal(a, b) for a, b in zip(ll["mooncake"], ll["gloo"]))
     errs = []
     for bad in ({"kernels": "cuda"}, {"max_membership_retries": -1}):
         try:
@@ -612,6 +622,7 @@ def test_options_and_gloo_group(pool_factory, ws):
         if ws == 2:
             assert torch.equal(o["bf16"], o["fp32"])
         assert o["gloo_active"] == [1] * ws
+        assert o["ll_fp8_same"]
         assert len(o["errs"]) == 3 and "kernels" in o["errs"][0] and "meta" in o["errs"][2], o[
             "errs"
         ]
