@@ -589,8 +589,10 @@ def rank_options(rank, ws):
         ("gloo", mooncake_ep.Buffer(dist.new_group(list(range(ws)), backend="gloo"))),
     ):
         q = buf.low_latency_dispatch(x, idx, x.shape[0], E, use_fp8=True)
-        ll[name] = (q.recv_x[0].view(torch.uint8), q.recv_x[1], q.recv_count)
+        y = mooncake_ep.fp8_dequantize(*q.recv_x)  # identity experts
+        ll[name] = (q.recv_count, buf.low_latency_combine(y, idx, w, q.handle).combined_x)
     out["ll_fp8_same"] = all(torch.equal(a, b) for a, b in zip(ll["mooncake"], ll["gloo"]))
+    out["ll_fp8_close"] = ll["gloo"][1]
     errs = []
     for bad in ({"kernels": "cuda"}, {"max_membership_retries": -1}):
         try:
@@ -623,6 +625,14 @@ def test_options_and_gloo_group(pool_factory, ws):
             assert torch.equal(o["bf16"], o["fp32"])
         assert o["gloo_active"] == [1] * ws
         assert o["ll_fp8_same"]
+        # identity experts: each token comes back as the weighted sum of its fp8 copies
+        kept = (idx >= 0).to(w.dtype)
+        torch.testing.assert_close(
+            o["ll_fp8_close"].double(),
+            (x.double() * (w * kept).sum(1, keepdim=True).double()),
+            rtol=0.15,
+            atol=0.15,
+        )
         assert len(o["errs"]) == 3 and "kernels" in o["errs"][0] and "meta" in o["errs"][2], o[
             "errs"
         ]
