@@ -303,8 +303,8 @@ class _ReadMixin:
 
     def _local_views(self, keys: list) -> tuple:
         """``(views, deadline)``: per key a read-only ``memoryview`` of the value's first
-        replica where it lies in memory on this host (this client's own segment: a
-        writable one), else ``None`` (also for a missing key); ``deadline`` is the
+        replica where it lies in memory on this host (this client's own segment
+        included, through a read-only mapping of it), else ``None`` (also for a missing key); ``deadline`` is the
         ``time.monotonic()`` at which the read lease ends. No copy: the bytes stay the
         store's, valid while the object is not removed (the caller protects them, e.g.
         ``WeightSync`` holds). A view of another client's segment keeps its mapping alive
@@ -317,8 +317,9 @@ class _ReadMixin:
                 desc = segs[obj.replicas[0][1]]
                 if self._is_local(desc):
                     try:
-                        own = self._segment is not None and desc["name"] == self.name
-                        base = self._segment.view if own else self._ro_maps.get(desc).view
+                        # this client's own segment too goes through a read-only mapping:
+                        # a view handed out must not be writable in the owner either
+                        base = self._ro_maps.get(desc).view
                         off = obj.replicas[0][2]
                         view = base[off : off + obj.size]
                     except TransferError:

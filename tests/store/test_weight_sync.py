@@ -1173,3 +1173,34 @@ def test_weight_sync_and_kv_cache_need_a_store():
             WeightSync(bad, "x")
         with pytest.raises(TypeError, match="KVCacheStore: store must be a MooncakeStore, got"):
             KVCacheStore(bad, tenant="x")
+
+
+OWNER_VIEW = """
+import sys, torch
+from mooncake_store import MooncakeStore, WeightSync, WeightSyncConfig
+with MooncakeStore(segment_size=16 << 20, serve_tcp=False) as s:
+    WeightSync(s, "p").publish({"weight": torch.ones(1, 4)}, 1)
+    m = torch.nn.Linear(4, 1, bias=False)
+    WeightSync(s, "p", config=WeightSyncConfig(install="view")).pull(into=m)
+    print("viewed", m.weight.data.tolist(), flush=True)
+    m.weight.data.add_(1)  # the store's memory: must fault, never change the version
+    print("wrote", flush=True)
+"""
+
+
+def test_view_in_the_owning_process_is_read_only():
+    """A view reader in the process that owns the segment gets a read-only view too (it
+    got a writable one: a write changed the published version under every reader)."""
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([sa.REPO, os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run(
+        [sys.executable, "-c", OWNER_VIEW],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        start_new_session=True,
+    )
+    assert "viewed [[1.0, 1.0, 1.0, 1.0]]" in p.stdout, (p.stdout, p.stderr)
+    assert "wrote" not in p.stdout and p.returncode == -11, (p.returncode, p.stdout, p.stderr)
