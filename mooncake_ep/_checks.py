@@ -7,6 +7,8 @@ exchange, and raises ``ValueError`` on every rank before any token moves (see
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 # dtypes of the token rows, and their codes in the header (0: not one of them)
@@ -17,6 +19,13 @@ DTYPE_NAMES = {code: str(dt).replace("torch.", "") for dt, code in DTYPES.items(
 class BadArgs(Exception):
     """A rank's own arguments are invalid (message says which); raised to the caller as
     ValueError after the header exchange told every rank."""
+
+
+def check_int_arg(name: str, v: object) -> int:
+    """``v`` as an int: Python or NumPy integers, never a bool, float or string."""
+    if isinstance(v, bool) or not hasattr(v, "__index__"):
+        raise BadArgs(f"{name} must be an int, got {v!r}")
+    return operator.index(v)
 
 
 def check_int_tensor(name: str, t: object, shape0: int | None = None) -> None:

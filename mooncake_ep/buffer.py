@@ -63,6 +63,7 @@ from ._autograd import CombineFn, DispatchFn, LowLatencyCombineFn, LowLatencyDis
 from ._checks import (
     DTYPES,
     BadArgs,
+    check_int_arg,
     check_int_tensor,
     check_same_device,
     check_topk_idx,
@@ -156,7 +157,10 @@ class Buffer(Transport):
         return self._membership()[1]
 
     def num_local_experts(self, num_experts: int) -> int:
-        """``num_experts / W``; raises ``ValueError`` if it does not divide."""
+        """``num_experts / W``; raises ``ValueError`` if it is not an int or W does not
+        divide it."""
+        if isinstance(num_experts, bool) or not hasattr(num_experts, "__index__"):
+            raise ValueError(f"mooncake_ep: num_experts must be an int, got {num_experts!r}")
         if num_experts <= 0 or num_experts % self.group_size:
             raise ValueError(
                 f"mooncake_ep: num_experts ({num_experts}) must be a positive multiple of "
@@ -498,7 +502,11 @@ class Buffer(Transport):
         W = self.group_size
         err = None
         T = H = Kk = 0
-        E, Tm = int(num_experts), int(num_max_dispatch_tokens_per_rank)
+        try:
+            E = check_int_arg("num_experts", num_experts)
+            Tm = check_int_arg("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
+        except BadArgs as e:
+            raise self._err(op, str(e)) from None
         dev = input_device(x)
         try:
             if E <= 0 or E % W:

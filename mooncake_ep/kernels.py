@@ -174,7 +174,16 @@ def fp8_dequantize(
     q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
     """Inverse of :func:`fp8_quantize` on the last dimension: ``q`` [..., H] float8,
-    ``scales`` [..., ceil(H / 128)] float32 -> [..., H] of ``dtype``."""
+    ``scales`` [..., ceil(H / 128)] float32 -> [..., H] of ``dtype``. Raises
+    ``ValueError`` for another dtype of ``q`` or ``scales`` or mismatched shapes."""
+    if q.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"fp8_dequantize: q must be float8 (e4m3fn or e5m2), got {q.dtype}")
     H = q.shape[-1]
+    want = (*q.shape[:-1], -(-H // FP8_BLOCK))
+    if scales.dtype != torch.float32 or tuple(scales.shape) != want:
+        raise ValueError(
+            f"fp8_dequantize: scales must be float32 of shape {want}, got {scales.dtype} of "
+            f"shape {tuple(scales.shape)}"
+        )
     s = scales.repeat_interleave(FP8_BLOCK, dim=-1)[..., :H]
     return (q.float() * s).to(dtype)

@@ -562,6 +562,21 @@ def test_moe_validation(pool_factory):
 # ===================================================== options and other backends
 
 
+def test_fp8_dequantize_checks_its_inputs():
+    """fp8_dequantize refuses a q that is not float8 and scales of the wrong dtype or shape
+    (a float32 q was dequantized silently)."""
+    import mooncake_ep
+
+    x = torch.randn(3, 130)
+    q, sc = mooncake_ep.fp8_quantize(x)
+    with pytest.raises(ValueError, match="q must be float8"):
+        mooncake_ep.fp8_dequantize(x, sc)
+    with pytest.raises(ValueError, match=r"scales must be float32 of shape \(3, 2\)"):
+        mooncake_ep.fp8_dequantize(q, sc[:, :1])
+    with pytest.raises(ValueError, match="scales must be float32"):
+        mooncake_ep.fp8_dequantize(q, sc.double())
+
+
 def rank_options(rank, ws):
     import torch.distributed as dist
 
@@ -593,6 +608,18 @@ def rank_options(rank, ws):
         ll[name] = (q.recv_count, buf.low_latency_combine(y, idx, w, q.handle).combined_x)
     out["ll_fp8_same"] = all(torch.equal(a, b) for a, b in zip(ll["mooncake"], ll["gloo"]))
     out["ll_fp8_close"] = ll["gloo"][1]
+    bad_args = []  # counts given as floats: refused by name on every rank
+    b = mooncake_ep.Buffer()
+    for call in (
+        lambda: b.get_dispatch_layout(idx, float(E)),
+        lambda: b.low_latency_dispatch(x, idx, float(x.shape[0]), E),
+    ):
+        try:
+            call()
+            bad_args.append("accepted")
+        except ValueError as e:
+            bad_args.append(str(e))
+    out["bad_args"] = bad_args
     errs = []
     for bad in ({"kernels": "cuda"}, {"max_membership_retries": -1}):
         try:
@@ -625,6 +652,8 @@ def test_options_and_gloo_group(pool_factory, ws):
             assert torch.equal(o["bf16"], o["fp32"])
         assert o["gloo_active"] == [1] * ws
         assert o["ll_fp8_same"]
+        assert "num_experts must be an int, got " in o["bad_args"][0], o["bad_args"]
+        assert "num_max_dispatch_tokens_per_rank must be an int" in o["bad_args"][1], o["bad_args"]
         # identity experts: each token comes back as the weighted sum of its fp8 copies
         kept = (idx >= 0).to(w.dtype)
         torch.testing.assert_close(
