@@ -16,10 +16,10 @@ from . import _nvshmem
 from ._checks import DTYPE_NAMES, BadArgs
 from ._comm import all_gather_single
 from .config import EPConfig, resolve
+from .kernels import FP8_DTYPES
 
 # header codes (one int64 each): op ids, status, the low-latency backend wanted
 _OPS = {"dispatch": 1, "combine": 2, "low_latency_dispatch": 3, "low_latency_combine": 4}
-_FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 HDR = 8  # status, op, then 6 op-specific fields every rank must agree on
 LL_CODES = {"auto": 0, "nvshmem": 1, "group": 2}
 FORCED = "low_latency_backend='nvshmem' (EPConfig or MOONCAKE_EP_LOW_LATENCY_BACKEND)"
@@ -199,7 +199,7 @@ class Transport:
         grouped by source. Rows an inactive rank did not send are zero."""
         send = send.contiguous()
         row_dtype = send.dtype
-        if row_dtype in _FP8:  # moved as bytes: gloo has no float8 all_to_all
+        if row_dtype in FP8_DTYPES:  # moved as bytes: gloo has no float8 all_to_all
             send = send.view(torch.uint8)
         out = self._recycler.empty(
             (sum(recv_counts),) + tuple(send.shape[1:]), send.dtype, send.device

@@ -159,8 +159,10 @@ class Buffer(Transport):
     def num_local_experts(self, num_experts: int) -> int:
         """``num_experts / W``; raises ``ValueError`` if it is not an int or W does not
         divide it."""
-        if isinstance(num_experts, bool) or not hasattr(num_experts, "__index__"):
-            raise ValueError(f"mooncake_ep: num_experts must be an int, got {num_experts!r}")
+        try:
+            num_experts = check_int_arg("num_experts", num_experts)
+        except BadArgs as e:
+            raise ValueError(f"mooncake_ep: {e}") from None
         if num_experts <= 0 or num_experts % self.group_size:
             raise ValueError(
                 f"mooncake_ep: num_experts ({num_experts}) must be a positive multiple of "

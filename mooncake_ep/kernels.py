@@ -17,6 +17,10 @@ from collections.abc import Callable
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
+FP8_DTYPES = (
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+)  # what fp8_dequantize and the row exchange take
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_BLOCK = 128  # channels per scale
 FP8_MIN_AMAX = 1e-4  # a block of zeros gets scale FP8_MIN_AMAX / FP8_MAX
@@ -176,7 +180,7 @@ def fp8_dequantize(
     """Inverse of :func:`fp8_quantize` on the last dimension: ``q`` [..., H] float8,
     ``scales`` [..., ceil(H / 128)] float32 -> [..., H] of ``dtype``. Raises
     ``ValueError`` for another dtype of ``q`` or ``scales`` or mismatched shapes."""
-    if q.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if q.dtype not in FP8_DTYPES:
         raise ValueError(f"fp8_dequantize: q must be float8 (e4m3fn or e5m2), got {q.dtype}")
     H = q.shape[-1]
     want = (*q.shape[:-1], -(-H // FP8_BLOCK))

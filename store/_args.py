@@ -5,6 +5,7 @@ keys into metadata requests, repeated keys, raising the first error of a batch).
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ def _tensor_bytes(t, what="tensor") -> memoryview:
     return memoryview(flat.numpy())
 
 
+@functools.cache
 def _copyable(dt) -> bool:
     """Whether torch can copy tensors of ``dt``: a reader copies or views them back, and
     some sub-byte dtypes (``torch.int4``, ``torch.uint4``, ``torch.uint1``) have no copy
