@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from mooncake_pg.config import bool_env
+
 _KERNELS = ("auto", "torch", "triton")
 _LL_BACKENDS = ("auto", "nvshmem", "group")
 
@@ -68,12 +70,6 @@ class EPConfig:
             )
 
 
-def _flag(raw: str | None, default: bool) -> bool:
-    if raw in (None, ""):
-        return default
-    return raw not in ("0", "false", "False", "no")
-
-
 def env_defaults() -> dict:
     """``mooncake_ep``'s settings from ``MOONCAKE_EP_*`` variables (the only place they are read)."""
     env = os.environ
@@ -88,7 +84,7 @@ def env_defaults() -> dict:
         )
     return {
         "kernels": kernels,
-        "fp32_accumulate": _flag(env.get("MOONCAKE_EP_FP32_ACCUMULATE"), True),
+        "fp32_accumulate": bool_env(env, "MOONCAKE_EP_FP32_ACCUMULATE", True),
         "low_latency_backend": ll,
     }
 

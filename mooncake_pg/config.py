@@ -1,7 +1,8 @@
 """Configuration of the ``mooncake`` process group.
 
 Every ``MOONCAKE_*`` environment variable the process group reads is read here, in
-:func:`env_defaults`; explicit arguments always win over the environment.
+:func:`env_defaults`; explicit arguments always win over the environment. Boolean
+variables take ``1/true/yes/on`` or ``0/false/no/off`` in any case (:func:`bool_env`).
 
 | variable | meaning | default |
 |---|---|---|
@@ -188,11 +189,9 @@ def _ranks_env(env, name: str):
     return ranks
 
 
-def _flag(raw: str | None) -> bool:
-    return (raw or "") not in ("", "0", "false", "False")
-
-
-def _bool_env(env, name: str, default: bool) -> bool:
+def bool_env(env, name: str, default: bool) -> bool:
+    """A boolean ``MOONCAKE_*`` variable: unset or empty -> ``default``; ``1/true/yes/on`` and
+    ``0/false/no/off`` in any case; anything else raises ``ValueError`` naming the variable."""
     raw = (env.get(name) or "").strip().lower()
     if raw == "":
         return default
@@ -200,7 +199,9 @@ def _bool_env(env, name: str, default: bool) -> bool:
         return True
     if raw in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"{name} must be 0 or 1, got {env.get(name)!r}")
+    raise ValueError(
+        f"{name} must be 0 or 1, got {env.get(name)!r} (also taken: true/false, yes/no, on/off)"
+    )
 
 
 def env_defaults() -> dict:
@@ -210,14 +211,14 @@ def env_defaults() -> dict:
         "transport": env.get("MOONCAKE_TRANSPORT", "auto") or "auto",
         "host_id": env.get("MOONCAKE_HOST_ID") or f"{socket.gethostname()}/{_boot_id()}",
         "socket_ifname": env.get("MOONCAKE_SOCKET_IFNAME") or None,
-        "debug": _flag(env.get("MOONCAKE_DEBUG")),
+        "debug": bool_env(env, "MOONCAKE_DEBUG", False),
         "shm_slot_bytes": _int_env(env, "MOONCAKE_SHM_SLOT_BYTES", 1 << 20),
         "fault_inject": env.get("MOONCAKE_FAULT_INJECT") or None,
         "active_ranks": _ranks_env(env, "MOONCAKE_ACTIVE_RANKS"),
-        "is_recovery": _flag(env.get("MOONCAKE_IS_RECOVERY")),
+        "is_recovery": bool_env(env, "MOONCAKE_IS_RECOVERY", False),
         "rdma_device": env.get("MOONCAKE_RDMA_DEVICE") or "",
         "rdma_gid_index": _int_env(env, "MOONCAKE_RDMA_GID_INDEX", -1, "a GID index"),
-        "cuda_ipc": _bool_env(env, "MOONCAKE_CUDA_IPC", True),
+        "cuda_ipc": bool_env(env, "MOONCAKE_CUDA_IPC", True),
     }
 
 

@@ -123,6 +123,19 @@ def _check_key(key, op: str) -> str:
     return key
 
 
+def _check_config(config, op: str):
+    """``config`` if it is a :class:`ReplicateConfig`; ValueError naming ``op`` otherwise (the
+    store reports every bad argument as ValueError)."""
+    from .config import ReplicateConfig
+
+    if not isinstance(config, ReplicateConfig):
+        raise ValueError(
+            f"{op}: config must be a mooncake_store.ReplicateConfig, got {type(config).__name__} "
+            "(e.g. ReplicateConfig(replica_num=2))"
+        )
+    return config
+
+
 def _check_keys(keys, op: str, *, repeats: bool = False) -> list:
     """The keys of a batch call as a list (each checked by :func:`_check_key`). A key may
     repeat only where ``repeats`` (reads); otherwise a repeat is a ValueError naming it."""

@@ -105,8 +105,6 @@ class _WriteMixin:
         _retry=True,
         _avoid: tuple = (),
     ) -> list:
-        if not isinstance(cfg, ReplicateConfig):
-            raise ValueError("config must be a ReplicateConfig")
         if not keys:
             return []
         parts = list(_chunks(keys))

@@ -113,7 +113,7 @@ def _dtype_of(name: str):
     return dt
 
 
-def _target_dict(into) -> dict:
+def _target_dict(into, where: str) -> dict:
     torch = _torch()
     if into is None:
         return {}
@@ -122,12 +122,13 @@ def _target_dict(into) -> dict:
     if isinstance(into, dict):
         return into
     raise ValueError(
-        f"into must be an nn.Module, a dict of tensors or None, got {type(into).__name__}"
+        f"{where}: into must be an nn.Module, a dict of tensors or None, got {type(into).__name__}"
     )
 
 
-def _local_pieces(state_dict: dict, shard: int, num_shards: int) -> list:
-    """[(name, dtype, global_shape, offset, local_tensor)] this shard writes."""
+def _local_pieces(state_dict: dict, shard: int, num_shards: int, where: str) -> list:
+    """[(name, dtype, global_shape, offset, local_tensor)] this shard writes; errors start
+    with ``where`` (the model and the op)."""
     torch = _torch()
     DTensor = None
     # no DTensor exists before its module is imported; importing it takes about a second
@@ -140,19 +141,21 @@ def _local_pieces(state_dict: dict, shard: int, num_shards: int) -> list:
     out = []
     for name, t in state_dict.items():
         if not isinstance(name, str) or not name:
-            raise ValueError(f"state dict keys must be non-empty str, got {name!r}")
+            raise ValueError(f"{where}: state dict keys must be non-empty str, got {name!r}")
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"state dict entry {name!r} is a {type(t).__name__}, not a tensor")
+            raise ValueError(
+                f"{where}: state dict entry {name!r} is a {type(t).__name__}, not a tensor"
+            )
         if not (DTensor is not None and isinstance(t, DTensor)) and (
             t.layout != torch.strided or t.is_nested
         ):
             raise ValueError(
-                f"{name!r}: tensors must be dense (strided), got layout {t.layout}"
+                f"{where}: {name!r}: tensors must be dense (strided), got layout {t.layout}"
                 + (" (nested)" if t.is_nested else "")
             )
         if not _copyable(t.dtype):
             raise ValueError(
-                f"{name!r}: dtype {t.dtype} cannot be published: torch has no copy kernel for it, so "
+                f"{where}: {name!r}: dtype {t.dtype} cannot be published: torch has no copy kernel for it, so "
                 "no reader could install it (publish its bytes, e.g. t.view(torch.uint8), instead)"
             )
         if DTensor is not None and isinstance(t, DTensor):
@@ -167,7 +170,7 @@ def _local_pieces(state_dict: dict, shard: int, num_shards: int) -> list:
                     skip = skip or coord[d] != 0
                 else:
                     raise ValueError(
-                        f"{name!r}: placement {p} is not supported (Shard or Replicate only)"
+                        f"{where}: {name!r}: placement {p} is not supported (Shard or Replicate only)"
                     )
             if skip:
                 continue
@@ -177,18 +180,20 @@ def _local_pieces(state_dict: dict, shard: int, num_shards: int) -> list:
             local = t.to_local()
             if local.layout != torch.strided:
                 raise ValueError(
-                    f"{name!r}: tensors must be dense (strided), got layout {local.layout}"
+                    f"{where}: {name!r}: tensors must be dense (strided), got layout {local.layout}"
                 )
             if local.device.type != "cpu":
-                raise ValueError(f"{name!r}: tensors must be on the CPU, got {local.device}")
+                raise ValueError(
+                    f"{where}: {name!r}: tensors must be on the CPU, got {local.device}"
+                )
             if tuple(local.shape) != tuple(local_shape):
                 raise ValueError(
-                    f"{name!r}: local shard shape {tuple(local.shape)} != expected {tuple(local_shape)}"
+                    f"{where}: {name!r}: local shard shape {tuple(local.shape)} != expected {tuple(local_shape)}"
                 )
             out.append((name, t.dtype, list(t.shape), [int(o) for o in offset], local))
         else:
             if t.device.type != "cpu":
-                raise ValueError(f"{name!r}: tensors must be on the CPU, got {t.device}")
+                raise ValueError(f"{where}: {name!r}: tensors must be on the CPU, got {t.device}")
             if shard == 0:
                 out.append((name, t.dtype, list(t.shape), [0] * t.dim(), t))
     return out

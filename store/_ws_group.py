@@ -53,7 +53,9 @@ class GroupWeightSync:
         self, *, group: dist.ProcessGroup | None = None, src: int = 0, bucket_bytes: int = 64 << 20
     ):
         if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-            raise ValueError(f"bucket_bytes must be an int >= 1, got {bucket_bytes!r}")
+            raise ValueError(
+                f"GroupWeightSync: bucket_bytes must be an int >= 1, got {bucket_bytes!r}"
+            )
         self.group = group
         self.src = src
         self.bucket_bytes = bucket_bytes
@@ -130,7 +132,7 @@ class GroupWeightSync:
                 f"GroupWeightSync.sync (rank {rank}): src must be a (global) rank of the group "
                 f"{group_ranks}, got {self.src!r}"
             )
-        targets = _target_dict(model_or_state_dict)
+        targets = _target_dict(model_or_state_dict, f"GroupWeightSync.sync (rank {rank})")
         is_src = rank == self.src
         prev = self.version
         self._rank, self._prev, self._new_version = rank, prev, version
@@ -138,7 +140,10 @@ class GroupWeightSync:
         local_err: BaseException | None = None
         if is_src:
             if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-                raise ValueError(f"src must pass version as an int >= 0, got {version!r}")
+                raise ValueError(
+                    f"GroupWeightSync.sync (rank {rank}): src must pass version as an int >= 0, "
+                    f"got {version!r}"
+                )
             names = list(targets)
             plan, cur, cur_b = [], [], 0
             for nme in names:
@@ -175,20 +180,22 @@ class GroupWeightSync:
                 and (isinstance(version, bool) or version != new_version)
             ):
                 raise ValueError(
-                    f"rank {rank} passed version {version!r}, src {self.src} sends {new_version}: every "
+                    f"GroupWeightSync.sync (rank {rank}): passed version {version!r}, src {self.src} sends {new_version}: every "
                     "rank must pass the source's version (or None)"
                 )
             if new_version <= prev:
                 raise StaleVersionError(
-                    f"rank {rank} holds version {prev}; will not install {new_version}"
+                    f"GroupWeightSync.sync (rank {rank}): holds version {prev}; will not install {new_version}"
                 )
             for b in buckets:
                 for n, _dt, shape in b:
                     if n not in targets:
-                        raise ValueError(f"rank {rank}: {n!r} is not in the model")
+                        raise ValueError(
+                            f"GroupWeightSync.sync (rank {rank}): {n!r} is not in the model"
+                        )
                     if list(targets[n].shape) != shape:
                         raise ValueError(
-                            f"rank {rank}: {n!r} has shape {tuple(targets[n].shape)}, src sends "
+                            f"GroupWeightSync.sync (rank {rank}): {n!r} has shape {tuple(targets[n].shape)}, src sends "
                             f"{tuple(shape)}"
                         )
         except Exception as e:

@@ -80,7 +80,7 @@ class _PublishMixin:
             or not 0 <= shard < num_shards
         ):
             raise ValueError(
-                f"need 0 <= shard < num_shards, got shard={shard!r} num_shards={num_shards!r}"
+                f"{self.model}: publish: need 0 <= shard < num_shards, got shard={shard!r} num_shards={num_shards!r}"
             )
         if publish_id is None:
             if num_shards > 1:
@@ -101,13 +101,13 @@ class _PublishMixin:
             state_dict = state_dict.state_dict()
         if not isinstance(state_dict, dict):
             raise ValueError(
-                f"state_dict must be a dict of tensors, got {type(state_dict).__name__}"
+                f"{self.model}: publish: state_dict must be a dict of tensors, got {type(state_dict).__name__}"
             )
         if not state_dict:
             raise ValueError(
                 f"{self.model}: publish: the state dict is empty (nothing to publish as version {version})"
             )
-        pieces = _local_pieces(state_dict, shard, num_shards)
+        pieces = _local_pieces(state_dict, shard, num_shards, f"{self.model}: publish")
         latest = self.latest_version()
         if version <= latest:
             raise StaleVersionError(

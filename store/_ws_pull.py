@@ -176,10 +176,10 @@ class _PullMixin:
         view_mode = self.cfg.install == "view"
         if view_mode and into is not None and not isinstance(into, torch.nn.Module):
             raise ValueError(
-                f"{self.model}: install='view' needs into=nn.Module (its parameters take the views) "
+                f"{self.model}: pull: install='view' needs into=nn.Module (its parameters take the views) "
                 f"or None, got {type(into).__name__}"
             )
-        targets = _target_dict(into)
+        targets = _target_dict(into, f"{self.model}: pull")
         if dtype is not None and (
             not isinstance(dtype, torch.dtype) or not dtype.is_floating_point
         ):
@@ -210,7 +210,9 @@ class _PullMixin:
             if v == prev and same_into:
                 return PullResult(prev, prev, False, 0, None)
         else:
-            raise ValueError(f"version must be 'latest' or an int >= 0, got {version!r}")
+            raise ValueError(
+                f"{self.model}: pull: version must be 'latest' or an int >= 0, got {version!r}"
+            )
         kept = self._held_versions()  # viewed versions stay held while the new one is staged
         if not self._hold(kept + [v], verify=True) and view_mode:
             view_mode = (

@@ -29,6 +29,7 @@ import msgpack
 from . import protocol, ssd
 from ._args import (
     _as_bytes_view,
+    _check_config,
     _check_force,
     _check_key,
     _check_keys,
@@ -291,7 +292,7 @@ class MooncakeStore(_LinkMixin, _ReadMixin, _WriteMixin):
             [_check_key(key, "put")],
             [_as_bytes_view(value, "put: value")],
             [b""],
-            config,
+            _check_config(config, "put"),
             False,
             False,
         )[0]
@@ -305,7 +306,7 @@ class MooncakeStore(_LinkMixin, _ReadMixin, _WriteMixin):
             [_check_key(key, "upsert")],
             [_as_bytes_view(value, "upsert: value")],
             [b""],
-            config,
+            _check_config(config, "upsert"),
             True,
             False,
         )[0]
@@ -323,6 +324,7 @@ class MooncakeStore(_LinkMixin, _ReadMixin, _WriteMixin):
         per key; a key that fails does not stop the others: its error is raised after the
         whole batch (the first one), or returned in its place with ``return_exceptions``."""
         keys = _check_keys(keys, "put_batch")
+        _check_config(config, "put_batch")
         views = [_as_bytes_view(v, "put_batch: value") for v in values]
         if len(views) != len(keys):
             raise ValueError(f"put_batch: {len(keys)} keys but {len(views)} values")
@@ -354,6 +356,7 @@ class MooncakeStore(_LinkMixin, _ReadMixin, _WriteMixin):
     ) -> list:
         """Batch form of :meth:`put_tensor` (a key may appear once per call)."""
         keys = _check_keys(keys, _op)
+        _check_config(config, _op)
         if len(tensors) != len(keys):
             raise ValueError(f"{_op}: {len(keys)} keys but {len(tensors)} tensors")
         metas, views = [], []
@@ -438,7 +441,8 @@ class MooncakeStore(_LinkMixin, _ReadMixin, _WriteMixin):
                 raise ObjectNotFoundError(f"key {key!r} not found")
             if obj.size > len(mv):
                 raise ValueError(
-                    f"buffer of {len(mv)} bytes is too small for {key!r} ({obj.size} bytes)"
+                    f"get_into: buffer of {len(mv)} bytes is too small for {key!r} "
+                    f"({obj.size} bytes; nothing written)"
                 )
             (err,) = self._read_many([obj], segs, [mv[: obj.size]])
             return obj.size, err, deadline
@@ -491,7 +495,8 @@ class MooncakeStore(_LinkMixin, _ReadMixin, _WriteMixin):
                     out[i] = ObjectNotFoundError(f"key {k!r} not found")
                 elif obj.size > len(mv):
                     out[i] = ValueError(
-                        f"buffer of {len(mv)} bytes is too small for {k!r} ({obj.size} bytes)"
+                        f"get_into_batch: buffer of {len(mv)} bytes is too small for {k!r} "
+                        f"({obj.size} bytes; nothing written)"
                     )
                 else:
                     todo[i] = obj

@@ -83,13 +83,14 @@ def env_defaults() -> dict:
             if not (env[var].isascii() and env[var].isdigit()):
                 raise ValueError(f"{var} must be {what}, got {env[var]!r}")
             out[field] = int(env[var])
-    if env.get("MOONCAKE_STORE_TUNE_MALLOC"):
-        v = env["MOONCAKE_STORE_TUNE_MALLOC"]
-        if v not in ("0", "1"):
-            raise ValueError(f"MOONCAKE_STORE_TUNE_MALLOC must be 0 or 1, got {v!r}")
-        out["tune_malloc"] = v == "1"
-    if env.get("MOONCAKE_STORE_NO_UVLOOP"):
-        out["no_uvloop"] = env["MOONCAKE_STORE_NO_UVLOOP"] not in ("0", "")
+    for var, field in (
+        ("MOONCAKE_STORE_TUNE_MALLOC", "tune_malloc"),
+        ("MOONCAKE_STORE_NO_UVLOOP", "no_uvloop"),
+    ):
+        if env.get(var):
+            if env[var] not in ("0", "1"):
+                raise ValueError(f"{var} must be 0 or 1, got {env[var]!r}")
+            out[field] = env[var] == "1"
     if env.get("MOONCAKE_STORE_TEST_PAUSE"):
         v = env["MOONCAKE_STORE_TEST_PAUSE"]
         what, _, secs = v.partition(":")

@@ -119,7 +119,9 @@ class WeightSync(_PublishMixin, _PullMixin):
         self.model = model
         self.cfg = config or WeightSyncConfig()
         if not isinstance(self.cfg, WeightSyncConfig):
-            raise ValueError("config must be a WeightSyncConfig")
+            raise TypeError(
+                f"WeightSync: config must be a WeightSyncConfig, got {type(self.cfg).__name__}"
+            )
         self._p = f"ws/{model}/"
         self._rc = ReplicateConfig(pin=self.cfg.pin)
         self.version = -1

@@ -690,3 +690,43 @@ def test_shm_slot_bytes_env_not_a_number_at_init():
     for r, e in errs.items():
         assert e.isinstance_of("ValueError"), f"rank {r}: {e!r}"
         assert "MOONCAKE_SHM_SLOT_BYTES" in e.message, f"rank {r}: {e!r}"
+
+
+# ========================================== boolean MOONCAKE_* variables, one parser
+
+
+@O.mooncake_only
+@pytest.mark.parametrize(
+    "var, key, default",
+    [
+        ("MOONCAKE_DEBUG", "debug", False),
+        ("MOONCAKE_IS_RECOVERY", "is_recovery", False),
+        ("MOONCAKE_CUDA_IPC", "cuda_ipc", True),
+        ("MOONCAKE_EP_FP32_ACCUMULATE", "fp32_accumulate", True),
+    ],
+)
+def test_boolean_env_variables_parse_alike(monkeypatch, var, key, default):
+    """Every boolean variable of the process group and of mooncake_ep takes the same
+    words in any case (1/true/yes/on, 0/false/no/off); junk raises naming the variable
+    instead of counting as "on"."""
+    import mooncake_ep.config
+    import mooncake_pg
+
+    read = (
+        mooncake_ep.config.env_defaults
+        if var.startswith("MOONCAKE_EP_")
+        else mooncake_pg.config.env_defaults
+    )
+    monkeypatch.delenv(var, raising=False)
+    assert read()[key] is default
+    for raw, want in [("", default), ("1", True), ("TRUE", True), ("Yes", True), ("on", True)] + [
+        ("0", False),
+        ("FALSE", False),
+        ("no", False),
+        ("Off", False),
+    ]:
+        monkeypatch.setenv(var, raw)
+        assert read()[key] is want, (var, raw)
+    monkeypatch.setenv(var, "sometimes")
+    with pytest.raises(ValueError, match=f"{var} must be 0 or 1, got 'sometimes'"):
+        read()

@@ -82,7 +82,7 @@ def test_get_into(store):
     buf = bytearray(16)
     assert store.get_into("gi", buf) == 10 and bytes(buf[:10]) == b"0123456789"
     small = bytearray(4)
-    with pytest.raises(ValueError, match="too small"):
+    with pytest.raises(ValueError, match="^get_into: buffer of 4 bytes is too small for 'gi'"):
         store.get_into("gi", small)
     assert small == bytearray(4)
     with pytest.raises(ValueError, match="read-only"):
@@ -115,6 +115,17 @@ def test_bad_input_is_rejected_before_sending(store):
             bad()
     after = store.stats()
     assert after.puts == before.puts and after.pending == 0 and not store.exists("k")
+    for op, call in (
+        ("put", lambda: store.put("k", b"x", {"replica_num": 2})),
+        ("upsert", lambda: store.upsert("k", b"x", {"replica_num": 2})),
+        ("put_batch", lambda: store.put_batch(["k"], [b"x"], {"replica_num": 2})),
+        ("put_tensor", lambda: store.put_tensor("k", torch.ones(2), {"replica_num": 2})),
+    ):
+        with pytest.raises(
+            ValueError, match=f"^{op}: config must be a mooncake_store.ReplicateConfig, got dict"
+        ):
+            call()
+    assert not store.exists("k")
 
 
 def test_empty_batches_return_empty_lists():

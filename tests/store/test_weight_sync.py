@@ -1079,19 +1079,18 @@ def _gws_refuse_rank(rank, world, case):
 
 def test_group_sync_refusals_name_the_rank_tensor_and_version():
     """Every rank's error names the refusing rank and what differs: the tensor with both
-    shapes (was: only "the group refused version 1 before any bucket"), or the version a
-    rank passed that differs from the source's (was: silently the source's version)."""
+    shapes, or the version a rank passed that differs from the source's."""
     pool = get_pool(4)
     r = pool.run(_gws_refuse_rank, "shape", timeout=60)
     for w in range(4):
         assert (
-            "refused version 3" in r[w] and "rank 2: 'a' has shape (4, 8), src sends (8, 4)" in r[w]
+            "refused version 3" in r[w]
+            and "GroupWeightSync.sync (rank 2): 'a' has shape (4, 8), src sends (8, 4)" in r[w]
         ), r[w]
     r = pool.run(_gws_refuse_rank, "version", timeout=60)
     for w in range(4):
-        assert "rank 1 passed version 5, src 0 sends 3" in r[w], r[w]
-    # a source outside the group: ValueError on every rank before any collective (it was
-    # a WeightSyncAbortedError saying a rank died or left)
+        assert "GroupWeightSync.sync (rank 1): passed version 5, src 0 sends 3" in r[w], r[w]
+    # a source outside the group: ValueError on every rank before any collective
     r = pool.run(_gws_refuse_rank, "src", timeout=60)
     for w in range(4):
         assert r[w] == (
