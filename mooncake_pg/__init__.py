@@ -74,11 +74,27 @@ def deactivate_ranks(group, ranks) -> None:
     """Takes ``ranks`` out of ``group`` (epoch + 1). With ``on_failure="manual"`` every
     survivor calls this with the failed ranks before further ops; it is agreed through
     the control store, so survivors that pass the same ranks end in the same epoch.
-    Raises ``ValueError`` for a rank outside ``[0, world_size)``."""
+    A rank that names only itself leaves the group (see :func:`leave_group`).
+    Raises ``ValueError`` for a rank outside ``[0, world_size)``, or for the caller's own
+    rank named together with others."""
     backend_of(group).deactivate_ranks([int(r) for r in ranks])
 
 
-__all__ += ["deactivate_ranks", "get_active_ranks", "get_epoch", "get_failed_ranks"]
+def leave_group(group=None) -> None:
+    """This rank leaves ``group`` for good (a preemption notice, a scale-down), between two
+    ops. The leave is agreed like a failure (epoch + 1) but needs no timeout or death: the
+    others' next op notices it within about 0.1 s while waiting for this rank and runs over
+    the remaining ranks under every ``on_failure`` policy (the leaver sent nothing for that
+    op, so nothing is lost); its seat is inactive (``get_active_ranks``) and ``recover_ranks``
+    can refill it as after a death. Afterwards every op of this rank on ``group`` raises
+    ``DistBackendError``. The same as ``deactivate_ranks(group, [own rank])``. In the other
+    ranks' processes the leaver counts as failed in every group that contains it (as an
+    agreed failure does), so a rank that goes away for good leaves each of its groups."""
+    be = backend_of(group)
+    be.deactivate_ranks([be.rank()])
+
+
+__all__ += ["deactivate_ranks", "get_active_ranks", "get_epoch", "get_failed_ranks", "leave_group"]
 
 
 def get_pending_ranks(group=None) -> list:

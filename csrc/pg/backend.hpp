@@ -172,11 +172,17 @@ struct BackendConfig {
   // one tensor of CUDA tensors through CUDA IPC when every rank is on this host
   // (MOONCAKE_CUDA_IPC=0 / MooncakeOptions(cuda_ipc=False): pinned host staging always).
   bool cuda_ipc = true;
+  // > 0: set-up waits at most this long for the other members' keys (groups derived by
+  // shrink/split, whose members are alive processes already); 0: the store's own timeout.
+  int64_t setup_wait_ms = 0;
 };
 
 // Default-group ranks agreed failed by any group of this process (docs/design.md: an agreed
 // failure applies to every group that contains the rank).
 std::vector<int> known_failed_global_ranks();
+// After the default group was shrunk, default-group rank new_rank is old_of_new[new_rank]:
+// the record of agreed failures is renumbered (ranks not kept are dropped).
+void renumber_failed_global_ranks(const std::vector<int>& old_of_new);
 
 class MooncakeBackend : public c10d::Backend {
  public:
@@ -185,16 +191,40 @@ class MooncakeBackend : public c10d::Backend {
 
   const std::string getBackendName() const override { return "mooncake"; }
   bool supportsCoalescing() const override { return true; }
+  // dist.shrink_group and split_group (subgroups.cpp): a new backend of the remaining (or
+  // the listed) ranks, renumbered, set up over this group's store under a key prefix of
+  // its own (no new init_process_group); the members' transports are built anew.
+  // what ProcessGroup::splitGroup copies to a split's backend: the op timeout (the rest
+  // of this group's settings travel through split() itself)
+  c10::intrusive_ptr<c10d::Backend::Options> getBackendOptions() override {
+    return c10::make_intrusive<c10d::Backend::Options>("mooncake", timeout_ms_);
+  }
+  bool supportsShrinking() const override { return true; }
+  bool supportsSplitting() const override { return true; }
+  c10::intrusive_ptr<c10d::Backend> shrink(
+      const std::vector<int64_t>& ranks_to_exclude, int shrink_flags,
+      const c10::intrusive_ptr<c10d::Backend::Options>& opts_override) override;
+  c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store,
+                                          const std::vector<int>& ranks,
+                                          const c10::intrusive_ptr<c10d::Backend::Options>& opts) override;
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
   void shutdown() override;
   void abort() override { shutdown(); }
   void setTimeout(std::chrono::milliseconds timeout) override;
+  // c10d sequence numbers: collectives issued on this group since its member set formed
+  // (construction, or the last rejoin), counted when issued, so equal on every member
+  // between two collectives. They start at 0 everywhere, so there is nothing to agree on.
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return seq_group_.load(); }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;
+  // sparse COO tensors, ReduceOp.SUM (collectives/sparse.cpp); allreduce() routes them here
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                  const c10d::AllreduceOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                      const c10d::AllreduceCoalescedOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
@@ -323,6 +353,7 @@ class MooncakeBackend : public c10d::Backend {
 
   // collective bodies (run with the engine held)
   void run_allreduce(at::Tensor& t, RedOp rop, double premul, int root, int64_t deadline_ns);
+  void run_allreduce_sparse(at::Tensor& t, int64_t deadline_ns);
   void run_broadcast(at::Tensor& t, int root, int64_t deadline_ns);
   void run_allgather(const at::Tensor& in, const std::vector<uint8_t*>& outs, OpCode opcode, int root,
                      int64_t deadline_ns);
@@ -350,6 +381,11 @@ class MooncakeBackend : public c10d::Backend {
   void require_active_root(int root, const char* op);
   std::function<void()> backup_for_retry(const std::vector<at::Tensor>& ts);
   std::vector<int> probe_dead(const std::vector<int>& ranks);
+  // deactivate_ranks of this rank itself: agreed like a failure, marked as a leave
+  void leave();
+  // every rank of `ranks` (non-empty) left the group of its own accord (a leave record)
+  bool only_leaves(const std::vector<int>& ranks) const;
+  int64_t next_record_check_ns_ = 0;  // probe_dead: next look for a newer membership record
   // Reads every agreed record after agreed_epoch_; returns the ranks they add.
   std::vector<int> catch_up(bool stop_at_join = false);
   // Proposes `suspects` as failed for the next epoch (the first compare-and-set wins),
@@ -364,6 +400,10 @@ class MooncakeBackend : public c10d::Backend {
   std::vector<int> failed_elsewhere();
   uint64_t registry_seen_ = 0;
   bool joining_ = false;
+  int64_t shrinks_ = 0;  // shrink() calls so far: each derived group's store keys are its own
+  // a backend of `members` (this group's ranks, ascending; this rank among them) on `store`
+  c10::intrusive_ptr<MooncakeBackend> derive(const c10::intrusive_ptr<c10d::Store>& store,
+                                             const std::vector<int>& members, const char* op) const;
   bool p2p_restart_ = false;
   std::vector<int> last_joined_;
 
@@ -377,6 +417,7 @@ class MooncakeBackend : public c10d::Backend {
   uint64_t epoch_ = 0;         // applied membership epoch
   uint64_t agreed_epoch_ = 0;  // last agreed record read from the store
   std::vector<char> agreed_failed_;
+  std::vector<char> left_;       // agreed out by their own leave record (no data of theirs is missing)
   std::mutex mem_mu_;            // guards copies read from Python threads
   std::vector<int> peer_pidfd_;  // same-host peers: pidfd (or -1)
   std::vector<int64_t> peer_pid_;
@@ -411,9 +452,10 @@ class MooncakeBackend : public c10d::Backend {
   std::mutex trace_mu_;
   void trace(const std::string& what);
   std::string dump_trace();
-  uint64_t seq_ = 0;       // ops issued
-  uint64_t seq_exec_ = 0;  // collectives executed (in the op header; equal on all ranks)
-  uint64_t op_round_ = 0;  // rounds completed by the current collective
+  uint64_t seq_ = 0;                    // ops issued
+  std::atomic<uint64_t> seq_group_{0};  // collectives issued since the member set formed
+  uint64_t seq_exec_ = 0;               // collectives executed (in the op header; equal on all ranks)
+  uint64_t op_round_ = 0;               // rounds completed by the current collective
 };
 
 }  // namespace mooncake

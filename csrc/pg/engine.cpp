@@ -245,6 +245,7 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
   };
   std::vector<Out> out(size_);
   std::vector<uint8_t> scratch;
+  int64_t next_probe = now_ns() + 20000000;  // liveness of missing peers every 20 ms
   for (int j = 0; j < size_; ++j) {
     if (j == rank_ || !active_[j]) continue;
     Out& o = out[j];
@@ -373,12 +374,17 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
     if (all_done) break;
     if (!progress) {
       if (aborted()) throw EngineAborted();
-      int64_t left = deadline_ns - now_ns();
-      if (left <= 0) {
+      const int64_t now = now_ns();
+      int64_t left = deadline_ns - now;
+      if (left <= 0 || (probe_ && now >= next_probe)) {
         std::vector<int> missing;
         for (int j = 0; j < size_; ++j)
           if (j != rank_ && active_[j] && !(in_[j]->complete && in_[j]->fh.round == k)) missing.push_back(j);
-        throw PeerFailure(missing_msg("tcp exchange", missing), missing, true);
+        if (left <= 0) throw PeerFailure(missing_msg("tcp exchange", missing), missing, true);
+        // a peer that left the group (or died on this host) while we wait for it
+        next_probe = now + 20000000;
+        std::vector<int> gone = probe_(missing);
+        if (!gone.empty()) throw PeerFailure(missing_msg("tcp exchange: peer(s) gone:", gone), gone, false);
       }
       poll_fds(rd, wr, -1, static_cast<int>(std::min<int64_t>(left / 1000000 + 1, 100)));
     }

@@ -52,6 +52,8 @@ std::function<void()> MooncakeBackend::backup_for_retry(const std::vector<at::Te
 
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::AllreduceOptions& opts) {
+  if (tensors.size() == 1 && tensors[0].defined() && tensors[0].layout() == c10::kSparse)
+    return allreduce_sparse(tensors, opts);
 #ifdef MOONCAKE_WITH_CUDA
   if (ipc_eligible(tensors)) return allreduce_ipc(tensors[0], opts);
 #endif
@@ -192,25 +194,29 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_coalesced(
   MOONCAKE_CUDA_STAGED(ALLGATHER_COALESCED, "allgather_coalesced", (tensor_ptrs(inputs)),
                        (tensor_ptrs(outputs)), allgather_coalesced(outputs, inputs, opts));
   const char* op = "all_gather_coalesced";
-  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "mooncake ", op, " (rank ", rank_,
-                    "): expected one output list per input, got ", outputs.size(), " for ", inputs.size());
+  // torch's layout: outputs[r][i] receives rank r's inputs[i] (one output list per rank)
+  TORCH_CHECK_VALUE(static_cast<int>(outputs.size()) == size_, "mooncake ", op, " (rank ", rank_,
+                    "): expected one output list per rank (", size_, "), got ", outputs.size());
   std::vector<std::function<void()>> backs;
   std::vector<at::Tensor> ins;
-  std::vector<std::vector<uint8_t*>> ptrs;
+  std::vector<std::vector<uint8_t*>> ptrs(inputs.size(), std::vector<uint8_t*>(size_, nullptr));
   std::vector<at::Tensor> keep;
+  for (int r = 0; r < size_; ++r)
+    TORCH_CHECK_VALUE(outputs[r].size() == inputs.size(), "mooncake ", op, " (rank ", rank_,
+                      "): output list ", r, " holds ", outputs[r].size(),
+                      " tensors, expected one per input (", inputs.size(), ")");
   for (size_t i = 0; i < inputs.size(); ++i) {
     check_tensor(inputs[i], op, rank_);
     ins.push_back(inputs[i].contiguous());
-    TORCH_CHECK_VALUE(static_cast<int>(outputs[i].size()) == size_, "mooncake ", op, " (rank ", rank_,
-                      "): expected ", size_, " output tensors per input, got ", outputs[i].size());
-    ptrs.emplace_back();
-    for (auto& o : outputs[i]) {
+    for (int r = 0; r < size_; ++r) {
+      auto& o = outputs[r][i];
       check_tensor(o, op, rank_);
       check_same(inputs[i], o, op, rank_, "an output tensor");
       TORCH_CHECK_VALUE(o.numel() == inputs[i].numel(), "mooncake ", op, " (rank ", rank_,
-                        "): output tensor size ", o.numel(), " differs from input size ", inputs[i].numel());
+                        "): output tensor [", r, "][", i, "] has ", o.numel(), " elements, input ", i,
+                        " has ", inputs[i].numel());
       keep.push_back(contiguous_out(o, backs));
-      ptrs.back().push_back(static_cast<uint8_t*>(keep.back().data_ptr()));
+      ptrs[i][r] = static_cast<uint8_t*>(keep.back().data_ptr());
     }
   }
   return submit(

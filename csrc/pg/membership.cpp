@@ -37,6 +37,16 @@ std::vector<int> known_failed_global_ranks() {
   return g_failed_global;
 }
 
+void renumber_failed_global_ranks(const std::vector<int>& old_of_new) {
+  std::lock_guard<std::mutex> lk(g_failed_mu);
+  std::vector<int> renumbered;
+  for (size_t i = 0; i < old_of_new.size(); ++i)
+    if (std::binary_search(g_failed_global.begin(), g_failed_global.end(), old_of_new[i]))
+      renumbered.push_back(static_cast<int>(i));
+  g_failed_global = renumbered;
+  g_failed_version++;
+}
+
 int MooncakeBackend::global_rank(int r) const { return cfg_.global_ranks.empty() ? r : cfg_.global_ranks[r]; }
 
 std::vector<int> MooncakeBackend::failed_elsewhere() {
@@ -58,8 +68,28 @@ void MooncakeBackend::refresh_active_list() {
   coll_->set_active(active_);
 }
 
+namespace {
+// the reason of a leave record (deactivate_ranks of a rank's own seat)
+constexpr const char* kLeaveReason = ";reason=left the group";
+}  // namespace
+
 std::vector<int> MooncakeBackend::probe_dead(const std::vector<int>& ranks) {
   std::vector<int> dead;
+  // A rank that left is alive and sends nothing more: a newer record that names a missing
+  // rank (its leave, or another survivor's verdict) ends the wait at once. Looked up at most
+  // every 100 ms, and only while this rank is blocked waiting for a peer.
+  const int64_t now = now_ns();
+  if (now >= next_record_check_ns_) {
+    next_record_check_ns_ = now + 100000000;
+    Record rec;
+    try {
+      if (read_record_full(agreed_epoch_ + 1, &rec) && !rec.join)
+        for (int j : rec.ranks)
+          if (std::find(ranks.begin(), ranks.end(), j) != ranks.end()) dead.push_back(j);
+    } catch (const std::exception&) {  // an unreachable store is found out by agree()
+    }
+    if (!dead.empty()) return dead;
+  }
   for (int j : ranks) {
     if (j < 0 || j >= size_ || j == rank_) continue;
     if (peer_pidfd_[j] >= 0) {
@@ -142,11 +172,14 @@ std::vector<int> MooncakeBackend::catch_up(bool stop_at_join) {
                                "recover_ranks between the same two ops");
     }
     agreed_epoch_++;
+    const bool leave = rec.raw.find(kLeaveReason) != std::string::npos;
     for (int f : rec.ranks)
       if (f >= 0 && f < size_ && !agreed_failed_[f]) {
         agreed_failed_[f] = 1;
+        left_[f] = leave ? 1 : 0;
         added.push_back(f);
-        note_failed_global(global_rank(f));
+        // a leaver left this group only: its own other groups keep it
+        if (!(leave && f == rank_)) note_failed_global(global_rank(f));
       }
     log_membership("epoch " + std::to_string(agreed_epoch_) + " agreed: " + rec.raw);
   }
@@ -195,8 +228,36 @@ std::vector<int> MooncakeBackend::agree(const std::vector<int>& suspects, const 
     throw RankFailure("MooncakeBackend (rank " + std::to_string(rank_) + "): " + broken_, {rank_},
                       static_cast<int64_t>(agreed_epoch_), true);
   }
-  if (policy_ != FailurePolicy::MANUAL) apply_agreed();
+  // a leave needs no decision of the user: applied under on_failure="manual" too
+  if (policy_ != FailurePolicy::MANUAL || only_leaves(pending_failed())) apply_agreed();
   return newly;
+}
+
+bool MooncakeBackend::only_leaves(const std::vector<int>& ranks) const {
+  if (ranks.empty()) return false;
+  for (int r : ranks)
+    if (r < 0 || r >= size_ || !left_[r]) return false;
+  return true;
+}
+
+void MooncakeBackend::leave() {
+  std::lock_guard<std::mutex> g(engine_mu_);
+  TORCH_CHECK(broken_.empty(), "mooncake deactivate_ranks (rank ", rank_, "): ", broken_);
+  // propose "this rank left" for the next free epoch (a failure agreed meanwhile takes
+  // that epoch first: read it, then propose for the one after)
+  while (true) {
+    catch_up();
+    if (agreed_failed_[rank_]) break;
+    const std::string key = store_ns_ + "epoch/" + std::to_string(agreed_epoch_ + 1);
+    const std::string mine = std::to_string(rank_) + ";decided_by=" + std::to_string(rank_) + kLeaveReason;
+    bounded_store_call<bool>("proposing a membership record", [key, mine](c10d::Store& st) {
+      st.compareSet(key, std::string(), mine);
+      return true;
+    });
+  }
+  broken_ = "MooncakeBackend: this rank left the group (deactivate_ranks of its own rank, epoch " +
+            std::to_string(agreed_epoch_) + "); a new process may take its seat through recover_ranks";
+  log_membership("left the group (epoch " + std::to_string(agreed_epoch_) + ")");
 }
 
 void MooncakeBackend::apply_agreed() {
@@ -242,6 +303,14 @@ void MooncakeBackend::deactivate_ranks(const std::vector<int>& ranks) {
   for (int r : ranks)
     TORCH_CHECK_VALUE(r >= 0 && r < size_, "mooncake deactivate_ranks (rank ", rank_, "): rank ", r,
                       " is out of range [0, ", size_, ")");
+  if (std::find(ranks.begin(), ranks.end(), rank_) != ranks.end()) {
+    TORCH_CHECK_VALUE(std::all_of(ranks.begin(), ranks.end(), [this](int r) { return r == rank_; }),
+                      "mooncake deactivate_ranks (rank ", rank_,
+                      "): a rank that deactivates itself (leaves) names only itself, got [",
+                      join_ranks(ranks), "]");
+    leave();
+    return;
+  }
   std::lock_guard<std::mutex> g(engine_mu_);
   agree(ranks, "deactivate_ranks");
   apply_agreed();
@@ -399,6 +468,7 @@ void MooncakeBackend::apply_join(const Record& rec, uint64_t epoch) {
   refresh_active_list();
   coll_->start_epoch(epoch_);
   seq_exec_ = 0;  // op numbering restarts with the new member set (the joiner starts at 0)
+  seq_group_ = 0;
   log_membership("epoch " + std::to_string(epoch_) + " applied: ranks " + join_ranks(last_joined_) +
                  " rejoined; active ranks " + join_ranks(act_));
 }

@@ -85,6 +85,7 @@ c10::intrusive_ptr<MooncakeWork> MooncakeBackend::submit(c10d::OpType type, std:
   w->after = std::move(after);
   attach_to_coalescing(w, outputs);
   ++seq_;
+  ++seq_group_;
   if (cfg_.debug)
     trace("issued " + c10d::opTypeToString(type) + " #" + std::to_string(seq_) + (async_op ? " async" : ""));
   auto run = [this, job, timeout, before_retry]() -> std::exception_ptr {
@@ -115,6 +116,8 @@ c10::intrusive_ptr<MooncakeWork> MooncakeBackend::submit(c10d::OpType type, std:
           if (cfg_.debug)
             fprintf(stderr, "%s\nrecent ops (MOONCAKE_DEBUG):\n%s", e.what(), dump_trace().c_str());
           if (policy_ == FailurePolicy::MASK && attempt < size_) continue;  // rerun over survivors
+          // a rank that left sent nothing for this op (it leaves between ops): rerun without it
+          if (only_leaves(e.ranks) && attempt < size_) continue;
           throw_failure(e.what(), newly);
         } catch (...) {
           return std::current_exception();
@@ -123,6 +126,7 @@ c10::intrusive_ptr<MooncakeWork> MooncakeBackend::submit(c10d::OpType type, std:
         try {
           std::vector<int> newly = agree({}, "catch up");
           if (policy_ == FailurePolicy::MASK && attempt < size_) continue;
+          if (only_leaves(newly) && attempt < size_) continue;
           throw_failure("a peer moved to a later membership epoch", newly);
         } catch (...) {
           return std::current_exception();

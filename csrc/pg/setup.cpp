@@ -71,6 +71,7 @@ void MooncakeBackend::setup(const c10::intrusive_ptr<c10d::Store>& store) {
   store_ = store;
   active_.assign(W, 1);
   agreed_failed_.assign(W, 0);
+  left_.assign(W, 0);
   peer_pidfd_.assign(W, -1);
   peer_pid_.assign(W, 0);
   if (cfg_.is_recovery) {
@@ -115,7 +116,7 @@ void MooncakeBackend::setup(const c10::intrusive_ptr<c10d::Store>& store) {
   // of each set-up live under their own incarnation number (every founder adds 1 once).
   const int64_t inc = (store->add("mc/setups", 1) - 1) / static_cast<int64_t>(founders.size());
   store_ns_ = "mc/" + std::to_string(inc) + "/";
-  build_transport(store_ns_ + "t0/", founders);
+  build_transport(store_ns_ + "t0/", founders, cfg_.setup_wait_ms);
   refresh_active_list();
   store_set_str(store, store_ns_ + "cfg", group_cfg_string());
   store_set_str(store, "mc/current", store_ns_);

@@ -41,6 +41,7 @@ pytestmark = pytest.mark.timeout(240)
 API_MAP = [
     ("all_reduce", "allreduce", "all_reduce"),
     ("all_reduce_coalesced", "allreduce_coalesced", "all_reduce_coalesced"),
+    ("all_reduce of a sparse COO tensor", "allreduce_sparse", "all_reduce_sparse"),
     ("_coalescing_manager + all_reduce", "allreduce_coalesced", "all_reduce_coalesced"),
     ("broadcast", "broadcast", "broadcast"),
     ("reduce", "reduce", "reduce"),
@@ -48,6 +49,7 @@ API_MAP = [
     ("scatter", "scatter", "scatter"),
     ("barrier", "barrier", "barrier"),
     ("all_gather", "allgather", "all_gather"),
+    ("all_gather_coalesced", "allgather_coalesced", "all_gather_coalesced"),
     ("all_gather_single / all_gather_into_tensor", "_allgather_base", "all_gather_single"),
     (
         "_coalescing_manager + all_gather_single",
@@ -227,6 +229,48 @@ def op_all_gather(rank, ws, c):
         return out
     dist.all_gather(out, x)
     return out
+
+
+def _gc_shapes(c):
+    return [(5,), (0,), (2, 3)] if c.get("with_empty") else [(5,), (3, 4), (1,)]
+
+
+def op_all_gather_coalesced(rank, ws, c):
+    """torch's layout: out[r][i] receives rank r's i-th input."""
+    ins = [P.make(c["dtype"], rank, s, salt=20 + i) for i, s in enumerate(_gc_shapes(c))]
+    out = [[torch.zeros_like(t) for t in ins] for _ in range(ws)]
+    if c.get("async"):
+        fut = dist.all_gather_coalesced(out, ins, async_op=True)
+        fut.wait()
+    else:
+        dist.all_gather_coalesced(out, ins)
+    return out
+
+
+def _sparse_input(rank, c):
+    """A coalesced-or-not COO tensor of this rank: nnz depends on the rank (rank 0 may
+    have none), indices repeat within a rank when ``dup``; hybrid: 1 sparse + 1 dense dim."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    nnz = 0 if (c.get("empty_on_0") and rank == 0) or c.get("all_empty") else 3 + 2 * rank
+    size = (6, 5)
+    if c.get("hybrid"):
+        idx = torch.randint(0, size[0], (1, nnz), generator=g)
+        vals = P.make(c["dtype"], rank, (nnz, size[1]), salt=31)
+    else:
+        idx = torch.stack([torch.randint(0, n, (nnz,), generator=g) for n in size])
+        vals = P.make(c["dtype"], rank, (nnz,), salt=31)
+    if c.get("dup") and nnz:
+        idx[:, -1] = idx[:, 0]
+    return torch.sparse_coo_tensor(idx, vals, size, check_invariants=True)
+
+
+def op_all_reduce_sparse(rank, ws, c):
+    t = _sparse_input(rank, c)
+    if c.get("async"):
+        dist.all_reduce(t, async_op=True).wait()
+    else:
+        dist.all_reduce(t)
+    return t.to_dense()
 
 
 def op_all_gather_single(rank, ws, c):
@@ -557,6 +601,19 @@ def ref_all_gather(ws, c):
     return [allv for _ in range(ws)]
 
 
+def ref_all_gather_coalesced(ws, c):
+    out = [
+        [P.make(c["dtype"], r, s, salt=20 + i) for i, s in enumerate(_gc_shapes(c))]
+        for r in range(ws)
+    ]
+    return [out for _ in range(ws)]
+
+
+def ref_all_reduce_sparse(ws, c):
+    dense = sum(_sparse_input(r, c).to_dense().double() for r in range(ws))
+    return [dense.to(P.dt(c["dtype"])) for _ in range(ws)]
+
+
 def ref_all_gather_single(ws, c):
     layout = c.get("layout", "contig")
     allv = [
@@ -808,6 +865,26 @@ def cases_all_gather(ws):
     return cs
 
 
+def cases_all_gather_coalesced(ws):
+    cs = [_c(dtype=d) for d in ("float32", "float64", "bfloat16", "int64", "uint8", "bool")]
+    cs += [_c(dtype=d) for d in ("complex64", "float8_e4m3fn", "uint32")]
+    cs += [_c(dtype=d, with_empty=True) for d in ("float32", "int32")]
+    cs += [_c(dtype="float64", **{"async": True})]
+    return cs
+
+
+def cases_all_reduce_sparse(ws):
+    cs = [_c(dtype=d) for d in ("float32", "float64", "int64")]
+    cs += [
+        _c(dtype="float32", hybrid=True),
+        _c(dtype="float64", dup=True),
+        _c(dtype="float32", empty_on_0=True),
+        _c(dtype="float32", all_empty=True),
+        _c(dtype="float64", **{"async": True}),
+    ]
+    return cs
+
+
 def cases_all_gather_single(ws):
     cs = [_c(dtype=d, shape=SMALL) for d in P.ALL_DTYPES]
     cs += [_c(dtype=d, shape=(3, 4), stacked=True) for d in ("float32", "uint64", "bool")]
@@ -973,6 +1050,8 @@ def gloo_serves(opname, c) -> bool:
 SAME_ON_ALL_RANKS = {
     "all_reduce",
     "all_reduce_coalesced",
+    "all_reduce_sparse",
+    "all_gather_coalesced",
     "broadcast",
     "all_gather",
     "all_gather_single",
@@ -1096,6 +1175,19 @@ def test_barrier(ws, bt):
 
 def test_all_gather(ws, bt):
     check_op(ws, bt, "all_gather")
+
+
+def test_all_gather_coalesced(ws, bt):
+    """all_gather_coalesced -> allgather_coalesced, torch's layout (one output list per rank),
+    several dtypes (complex through torch's real view), empty tensors, async."""
+    check_op(ws, bt, "all_gather_coalesced")
+
+
+def test_all_reduce_sparse(ws, bt):
+    """all_reduce of a sparse COO tensor (SUM) -> allreduce_sparse: the dense result equals the
+    sum of every rank's tensor; hybrid (sparse + dense dims), repeated indices, ranks with
+    no entries, async."""
+    check_op(ws, bt, "all_reduce_sparse")
 
 
 def test_all_gather_single(ws, bt):
