@@ -30,8 +30,9 @@ TORCH_VERSION="2.13.0"
 # tqdm and matplotlib: the main job's progress bars and plot; msgpack, xxhash (WeightSync
 # checksums) and etcd3gw (and
 # uvloop, optional) are the store's runtime dependencies, redis the store benchmark's
-# peer client.
-DEPS=("numpy" "pytest>=8" "pytest-timeout>=2.3" "ninja" "setuptools>=77" "wheel" "triton>=3.6" "tqdm" "matplotlib" "msgpack>=1.0" "xxhash>=3.0" "etcd3gw>=2.4" "uvloop>=0.19" "redis>=5")
+# peer client; expecttest and hypothesis: PyTorch's own distributed test suite
+# (tests/torch_suite) imports them.
+DEPS=("numpy" "pytest>=8" "pytest-timeout>=2.3" "ninja" "setuptools>=77" "wheel" "triton>=3.6" "tqdm" "matplotlib" "msgpack>=1.0" "xxhash>=3.0" "etcd3gw>=2.4" "uvloop>=0.19" "redis>=5" "expecttest" "hypothesis")
 export MAX_JOBS="${MAX_JOBS:-2}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
