@@ -296,15 +296,24 @@ class _WriteMixin:
         """One-round-trip put: writes the objects back to back into this client's
         reservation and commits them with one request (``Core.put``). Returns the results
         as ``_put_many`` does, or None when this path is not taken (more than one replica,
-        ``require_all``, objects larger than a quarter of ``put_reservation_bytes``, no
-        reservation granted, another thread using it, the master no longer knowing it):
-        the caller then puts them the two-request way, from the start. ``_Unreachable(segment)``
-        when the reservation's segment could not be written: the same, avoiding that segment."""
+        ``require_all``, pinned objects, objects larger than a quarter of
+        ``put_reservation_bytes``, no reservation granted, another thread using it, the
+        master no longer knowing it): the caller then puts them the two-request way, from
+        the start. ``_Unreachable(segment)`` when the reservation's segment could not be
+        written: the same, avoiding that segment."""
         want = self.cfg.put_reservation_bytes
         if (
             not want
             or cfg.replica_num != 1
             or cfg.require_all
+            # Pinned objects are placed by the master (best fit: small ones next to each
+            # other). In a reservation they would lie at its front, wherever the master
+            # found room for it; once it is given back (idle, reclaimed, a larger put) the
+            # next one lies elsewhere, and every such island of a few pinned KiB splits a
+            # free run for good (they cannot be evicted). WeightSync's records did that
+            # (attempt, manifest, commit): a segment sized for its buckets had no run left
+            # for the last one (NoSpaceError in the second or third rep of weight_sync_bench).
+            or cfg.pin
             or (self.cfg.test_pause and self.cfg.test_pause[0] == "put")
         ):
             return None

@@ -269,8 +269,10 @@ class StoreConfig:
         put_reservation_bytes: bytes of segment space this client asks the master to
             reserve for its next puts (default 64 MiB; the master grants at most 1/16 of a
             segment, and none once the store is above its low watermark). A put of
-            ``replica_num=1`` whose objects fit in a quarter of it is written into that
-            space and committed with one metadata round trip instead of two; the master
+            ``replica_num=1``, not pinned, whose objects fit in a quarter of it is written
+            into that space and committed with one metadata round trip instead of two
+            (pinned objects are placed by the master, so that they cannot end up scattered
+            over the segment, splitting its free space for good); the master
             takes reserved space back (the client gives it up) before it evicts anything,
             and the client gives it back after a few idle seconds. 0: every put takes two
             round trips (``MOONCAKE_STORE_PUT_RESERVATION_BYTES``).

@@ -1005,6 +1005,71 @@ def test_publish_waits_for_space_of_dropped_versions_still_leased(procs):
         assert time.monotonic() - t0 < 30
 
 
+def test_view_and_copy_models_keep_publishing_in_a_segment_sized_for_their_buckets(procs):
+    """weight_sync_bench at small scale: a view-install model and a copy-install model
+    (keep_versions=0) share a segment of four versions plus one bucket, which is what they
+    need at once (the version the view readers just left, dropped at the next view
+    publish, the viewed one, the latest copy version and the one being written). The
+    trainer's small pinned records (attempt, manifest, commit) went into its put
+    reservation, wherever that lay; each new reservation left a few pinned KiB in another
+    bucket-sized run, and a publish of the second or third round failed with NoSpaceError.
+    Here the reservation is the size of a bucket and buckets are above a quarter of it, as
+    in the benchmark (64 MiB each by default). Every version arrives intact, the readers
+    release the versions they left, and every old version is dropped."""
+    import gc
+
+    import torch
+
+    from mooncake_store import MooncakeStore, WeightSync, WeightSyncConfig
+
+    bucket, nbuckets = MiB, 4
+    m = sa.start_master(lease_ttl=0.2)  # dropped versions the copy reader read come back soon
+    sa.start_agent(
+        {"master": m.address, "segment_size": (4 * nbuckets + 1) * bucket, "name": "storage"}
+    )
+
+    def cfg(install):
+        return WeightSyncConfig(
+            bucket_bytes=bucket, keep_versions=0, checksums=False, install=install
+        )
+
+    def sd(v):  # one tensor per bucket
+        return {f"t{i}": torch.full((bucket // 4,), float(10 * v + i)) for i in range(nbuckets)}
+
+    ways = ("view", "copy")
+    tr = MooncakeStore(
+        serve_tcp=False, master=m.address, segment_size=0, put_reservation_bytes=bucket
+    )
+    rds = {w: MooncakeStore(serve_tcp=False, master=m.address, segment_size=0) for w in ways}
+    try:
+        pubs = {w: WeightSync(tr, "frag-" + w, config=cfg(w)) for w in ways}
+        subs = {w: WeightSync(rds[w], "frag-" + w, config=cfg(w)) for w in ways}
+        models = {}
+        for w in ways:
+            models[w] = torch.nn.Module()
+            for k, t in sd(0).items():
+                models[w].register_parameter(
+                    k, torch.nn.Parameter(torch.zeros_like(t), requires_grad=False)
+                )
+        v, dropped = 0, {w: [] for w in ways}
+        for _round in range(5):
+            for w in ways:
+                v += 1
+                dropped[w] += pubs[w].publish(sd(v), v).dropped
+                assert subs[w].pull(models[w]).version == v
+                gc.collect()
+                got = models[w].state_dict()
+                assert all(torch.equal(got[k], t) for k, t in sd(v).items()), (w, v)
+                assert subs[w]._held_versions() == ([v] if w == "view" else [])
+                # kept: the latest, and for views the version the readers viewed until now
+                kept = [v - 2, v] if w == "view" and v > 1 else [v]
+                assert pubs[w].committed_versions() == kept, (w, v)
+        assert dropped == {"view": [1, 3, 5], "copy": [2, 4, 6, 8]}
+    finally:
+        for s in (tr, *rds.values()):
+            s.close()
+
+
 _GWS_DEATH = r"""
 import os, sys, torch, torch.distributed as dist
 import mooncake_pg
