@@ -264,8 +264,9 @@ class Buffer(Transport):
         backward is a combine (gradients of the rows a token went to are summed).
 
         Raises: ``ValueError`` on every rank, before any token moves, when some rank's
-        arguments are invalid (bad ids: -2 or below, or ``>= E``; shapes; dtypes) or the
-        ranks disagree on E, H, K or dtype. ``RankFailureError`` per the group's policy.
+        arguments are invalid (bad ids: -2 or below, or ``>= E``; shapes; dtypes; counts
+        such as ``num_experts`` that are not ints) or the ranks disagree on E, H, K or
+        dtype. ``RankFailureError`` per the group's policy.
         """
         op = "dispatch"
         if handle is not None:
@@ -292,19 +293,16 @@ class Buffer(Transport):
 
         W = self.group_size
         err = None
-        E = (
-            num_experts
-            if num_experts is not None
-            else (
-                int(num_tokens_per_expert.numel())
-                if isinstance(num_tokens_per_expert, torch.Tensor)
-                else None
-            )
-        )
-        T = H = Kk = 0
+        E = T = H = Kk = 0
         dev = input_device(x)
+        # Every check sits inside this try: a check that raised anything but BadArgs would
+        # leave this rank out of the header exchange the other ranks are waiting in.
         try:
-            if E is None:
+            if num_experts is not None:
+                E = check_int_arg("num_experts", num_experts)
+            elif isinstance(num_tokens_per_expert, torch.Tensor):
+                E = int(num_tokens_per_expert.numel())
+            else:
                 raise BadArgs("num_experts is unknown: pass num_experts= or num_tokens_per_expert")
             if E <= 0 or E % W:
                 raise BadArgs(
@@ -322,16 +320,21 @@ class Buffer(Transport):
             if topk_weights is not None:
                 check_weights(topk_weights, (T, Kk))
                 check_same_device("topk_weights", topk_weights, dev)
-            if num_worst_tokens:
+            if check_int_arg("num_worst_tokens", num_worst_tokens):
                 raise BadArgs("num_worst_tokens must be 0 (not supported on CPU)")
-            if int(expert_alignment) < 1:
-                raise BadArgs(f"expert_alignment must be >= 1, got {expert_alignment}")
+            align = check_int_arg("expert_alignment", expert_alignment)
+            if align < 1:
+                raise BadArgs(f"expert_alignment must be >= 1, got {align}")
             for nm, t, shp in (
                 ("num_tokens_per_rank", num_tokens_per_rank, (W,)),
                 ("is_token_in_rank", is_token_in_rank, (T, W)),
                 ("num_tokens_per_expert", num_tokens_per_expert, (E,)),
             ):
-                if t is not None and tuple(t.shape) != shp:
+                if t is None:
+                    continue
+                if not isinstance(t, torch.Tensor):
+                    raise BadArgs(f"{nm} must be a tensor of shape {shp}, got {type(t).__name__}")
+                if tuple(t.shape) != shp:
                     raise BadArgs(f"{nm} must have shape {shp}, got {tuple(t.shape)}")
         except BadArgs as e:
             err = str(e)
@@ -342,7 +345,7 @@ class Buffer(Transport):
             cnt = _token_expert_counts(topk_idx, E) > 0
             in_rank = cnt.view(T, W, L).any(2)
         fields = [
-            E or 0,
+            E,
             H,
             DTYPES.get(getattr(x, "dtype", None), 0),
             Kk,
@@ -387,8 +390,7 @@ class Buffer(Transport):
             )
         recv_idx = recv_idx.long()
         per_expert = (_token_expert_counts(recv_idx, L) > 0).sum(0)
-        a = int(expert_alignment)
-        counts_list = [int((c + a - 1) // a * a) for c in per_expert.tolist()]
+        counts_list = [int((c + align - 1) // align * align) for c in per_expert.tolist()]
         return DispatchResult(recv_x, recv_idx, recv_w, counts_list, h)
 
     # --------------------------------------------------------------- combine

@@ -741,6 +741,66 @@ def test_cached_dispatch_bad_input_raises_everywhere(pool_factory):
     assert res[0]["ok"] and res[1]["ok"]
 
 
+ONE_RANK_BAD = {
+    # case: (rank 0's bad arguments, what its error says)
+    "num_experts_str": ({"num_experts": "4"}, "num_experts must be an int, got '4'"),
+    "num_experts_float": ({"num_experts": 4.0}, "num_experts must be an int, got 4.0"),
+    "expert_alignment": ({"expert_alignment": 2.5}, "expert_alignment must be an int, got 2.5"),
+    "layout_list": (
+        {"num_tokens_per_rank": [1, 2]},
+        "num_tokens_per_rank must be a tensor of shape (2,), got list",
+    ),
+    "cached_handle": ({"handle": "h"}, "handle must be a DispatchHandle, got str"),
+    "combine_x_list": ({"x": "list"}, "x must be a tensor, got list"),
+}
+
+
+def rank_one_rank_bad(rank, ws, case):
+    import mooncake_ep
+
+    buf = mooncake_ep.Buffer()
+    E, H, K = 2 * ws, 8, 2
+    x, idx, w = eputil.make_inputs(rank, 4, H, E, K)
+    bad = ONE_RANK_BAD[case][0] if rank == 0 else {}
+    try:
+        if case == "cached_handle":
+            r = buf.dispatch(x, topk_idx=idx, num_experts=E)
+            buf.dispatch(x, handle=bad.get("handle", r.handle))
+        elif case == "combine_x_list":
+            r = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+            buf.combine(r.recv_x.tolist() if bad else r.recv_x, r.handle)
+        else:
+            buf.dispatch(x, topk_idx=idx, topk_weights=w, **{"num_experts": E, **bad})
+        err = None
+    except ValueError as e:
+        err = str(e)
+    # the ranks stay in step: a good dispatch + combine right after is right
+    r = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+    y = eputil.scaled_experts_normal(
+        r.recv_x, r.recv_topk_idx, r.recv_topk_weights, rank, E // ws, times_e_plus_one
+    )
+    return {"err": err, "out": buf.combine(y, r.handle).combined_x}
+
+
+@pytest.mark.parametrize("case", sorted(ONE_RANK_BAD))
+def test_one_rank_bad_argument_raises_everywhere(pool_factory, case):
+    """Only rank 0 passes a bad argument to a normal-mode op (a non-int count, a layout
+    argument that is not a tensor, a wrong handle or x): rank 0 raises ValueError naming
+    it, rank 1 raises ValueError naming rank 0, both before anything is sent, and the
+    next dispatch + combine on both ranks equals the float64 reference."""
+    ws = 2
+    res = pool_factory(ws).run(rank_one_rank_bad, case, timeout=60)
+    op = "combine" if case == "combine_x_list" else "dispatch"
+    e0, e1 = res[0]["err"], res[1]["err"]
+    assert e0 is not None and f"mooncake_ep {op} (rank 0): {ONE_RANK_BAD[case][1]}" in e0, e0
+    assert e1 is not None and f"mooncake_ep {op} (rank 1): rank(s) [0] passed invalid" in e1, e1
+    assert "nothing was sent" in e0 and "nothing was sent" in e1
+    for r in range(ws):
+        x, idx, w = eputil.make_inputs(r, 4, 8, 2 * ws, 2)
+        exp = eputil.ref_scaled_moe(x, idx, w, times_e_plus_one)
+        torch.testing.assert_close(res[r]["out"].double(), exp, rtol=1e-6, atol=1e-5)
+
+
 def rank_buffers_not_reused_while_held(rank, ws):
     import mooncake_ep
 
