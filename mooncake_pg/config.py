@@ -10,7 +10,7 @@ variables take ``1/true/yes/on`` or ``0/false/no/off`` in any case (:func:`bool_
 | ``MOONCAKE_HOST_ID`` | overrides which ranks count as one host (equal ids share memory) | hostname + boot id |
 | ``MOONCAKE_SOCKET_IFNAME`` | network interface the TCP data plane listens on | interface routed to the rendezvous host |
 | ``MOONCAKE_DEBUG`` | ``1``: keep a trace of recent ops, dumped on timeout | off |
-| ``MOONCAKE_SHM_SLOT_BYTES`` | bytes per rank per pipeline stage of the shm engine | 1 MiB |
+| ``MOONCAKE_SHM_SLOT_BYTES`` | bytes per rank per pipeline stage of the shm engine, at least 4096 | 1 MiB |
 | ``MOONCAKE_ACTIVE_RANKS`` | comma-separated seats that found the default group; the others are extension seats (``mooncake-run`` sets it) | every seat |
 | ``MOONCAKE_IS_RECOVERY`` | ``1``: this process replaces a dead rank or fills an extension seat (``mooncake-run`` sets it on respawn) | off |
 | ``MOONCAKE_RDMA_DEVICE`` | transport ``rdma``: ``DEVICE[:PORT]`` (e.g. ``mlx5_0:1``) | the first device port in state ``PORT_ACTIVE`` |
@@ -31,6 +31,15 @@ from datetime import timedelta
 
 _TRANSPORTS = ("auto", "shm", "tcp", "rdma")
 _POLICIES = ("raise", "mask", "manual")
+# Op timeout bounds, seconds. The floor is a round number below any practical op timeout:
+# much shorter ones declare live peers failed over ordinary scheduling delays (1e-9 s does
+# so on an idle host). The ceiling keeps the backend's deadlines, int64 nanoseconds of the
+# monotonic clock (2**63 ns is about 9.2e9 s), from overflowing: there, 1e10 s or an
+# infinite timeout ends an op at once instead of never.
+MIN_TIMEOUT_S = 0.1
+MAX_TIMEOUT_S = 1e9
+# The shared-memory engine's smallest slot (MooncakeBackend::setup refuses less).
+MIN_SHM_SLOT_BYTES = 4096
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -39,7 +48,8 @@ class MooncakeOptions:
 
     Attributes:
         timeout: failure timeout of each op, seconds (or a ``timedelta``); a peer that
-            does not take part in an op within it makes the op raise. Default 30 s.
+            does not take part in an op within it makes the op raise. Default 30 s; at
+            least 0.1 s and at most 1e9 s (finite).
             ``init_process_group(timeout=...)`` only governs rendezvous.
         transport: ``"auto"`` (shared memory between ranks of one host, TCP between
             hosts), ``"shm"``, ``"tcp"`` (forced, also on one host) or ``"rdma"``
@@ -60,10 +70,10 @@ class MooncakeOptions:
             will call ``join_group`` (default: ``MOONCAKE_IS_RECOVERY``, set by
             ``mooncake-run`` on a respawned rank). Subgroups created while the default
             group is still joining are joined the same way; later ones are set up normally.
-        host_ip: address the TCP data plane listens on (default: the interface routed to
-            the rendezvous host, or ``MOONCAKE_SOCKET_IFNAME``).
+        host_ip: address (a string) the TCP data plane listens on (default: the interface
+            routed to the rendezvous host, or ``MOONCAKE_SOCKET_IFNAME``).
         shm_slot_bytes: bytes per rank per pipeline stage of the shared-memory engine
-            (``MOONCAKE_SHM_SLOT_BYTES``); must agree across ranks.
+            (``MOONCAKE_SHM_SLOT_BYTES``), at least 4096; must agree across ranks.
         debug: keep a trace of recent ops and dump it on timeout (``MOONCAKE_DEBUG``).
         cuda_ipc: CUDA builds: ``all_reduce``, ``broadcast``, ``all_gather_into_tensor`` and
             ``reduce_scatter_tensor`` of CUDA tensors through CUDA IPC when every rank is on
@@ -95,8 +105,17 @@ class MooncakeOptions:
             setattr(self, name, _opt_int(getattr(self, name), name))
         for name in ("is_recovery", "debug", "cuda_ipc"):
             setattr(self, name, _opt_bool(getattr(self, name), name))
-        if not (float(self.timeout) > 0):
-            raise ValueError(f"MooncakeOptions: timeout must be > 0 seconds, got {self.timeout}")
+        # written so that NaN fails too
+        if not (MIN_TIMEOUT_S <= float(self.timeout) <= MAX_TIMEOUT_S):
+            raise ValueError(
+                f"MooncakeOptions: timeout must be at least {MIN_TIMEOUT_S} s (and at most "
+                f"{MAX_TIMEOUT_S:g} s), got {self.timeout!r}"
+            )
+        if self.host_ip is not None and not isinstance(self.host_ip, str):
+            raise ValueError(
+                "MooncakeOptions: host_ip must be an address string (e.g. '10.0.0.5') or None, "
+                f"got {self.host_ip!r}"
+            )
         if self.transport is not None and self.transport not in _TRANSPORTS:
             raise ValueError(
                 f"MooncakeOptions: transport must be one of {_TRANSPORTS}, got {self.transport!r}"
@@ -130,9 +149,10 @@ class MooncakeOptions:
                     f"{self.max_group_size})"
                 )
             self.active_ranks = sorted(ranks)
-        if self.shm_slot_bytes is not None and self.shm_slot_bytes < 4096:
+        if self.shm_slot_bytes is not None and self.shm_slot_bytes < MIN_SHM_SLOT_BYTES:
             raise ValueError(
-                f"MooncakeOptions: shm_slot_bytes must be >= 4096, got {self.shm_slot_bytes}"
+                f"MooncakeOptions: shm_slot_bytes must be >= {MIN_SHM_SLOT_BYTES}, "
+                f"got {self.shm_slot_bytes}"
             )
 
 
@@ -144,14 +164,17 @@ def _boot_id() -> str:
         return ""
 
 
-def _int_env(env, name: str, default: int, what: str = "bytes") -> int:
+def _int_env(env, name: str, default: int, what: str = "bytes", minimum: int | None = None) -> int:
     raw = env.get(name)
     if raw in (None, ""):
         return default
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError:
         raise ValueError(f"{name} must be an integer ({what}), got {raw!r}") from None
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be at least {minimum} ({what}), got {raw!r}")
+    return value
 
 
 def _opt_bool(value, name: str) -> bool | None:
@@ -212,7 +235,9 @@ def env_defaults() -> dict:
         "host_id": env.get("MOONCAKE_HOST_ID") or f"{socket.gethostname()}/{_boot_id()}",
         "socket_ifname": env.get("MOONCAKE_SOCKET_IFNAME") or None,
         "debug": bool_env(env, "MOONCAKE_DEBUG", False),
-        "shm_slot_bytes": _int_env(env, "MOONCAKE_SHM_SLOT_BYTES", 1 << 20),
+        "shm_slot_bytes": _int_env(
+            env, "MOONCAKE_SHM_SLOT_BYTES", 1 << 20, minimum=MIN_SHM_SLOT_BYTES
+        ),
         "fault_inject": env.get("MOONCAKE_FAULT_INJECT") or None,
         "active_ranks": _ranks_env(env, "MOONCAKE_ACTIVE_RANKS"),
         "is_recovery": bool_env(env, "MOONCAKE_IS_RECOVERY", False),

@@ -692,6 +692,88 @@ def test_shm_slot_bytes_env_not_a_number_at_init():
         assert "MOONCAKE_SHM_SLOT_BYTES" in e.message, f"rank {r}: {e!r}"
 
 
+@O.mooncake_only
+@pytest.mark.parametrize("raw", ["0", "-5", "100", "4095"])
+def test_shm_slot_bytes_below_the_minimum(monkeypatch, raw):
+    """A slot size below 4096 bytes (what the shared-memory engine needs) raises
+    ValueError naming MOONCAKE_SHM_SLOT_BYTES, or the field, before any group is made;
+    4096 itself is taken."""
+    import mooncake_pg
+
+    monkeypatch.setenv("MOONCAKE_SHM_SLOT_BYTES", raw)
+    with pytest.raises(
+        ValueError, match=rf"MOONCAKE_SHM_SLOT_BYTES must be at least 4096.*'{raw}'"
+    ):
+        mooncake_pg.config.env_defaults()
+    monkeypatch.setenv("MOONCAKE_SHM_SLOT_BYTES", "4096")
+    assert mooncake_pg.config.env_defaults()["shm_slot_bytes"] == 4096
+    with pytest.raises(ValueError, match=rf"shm_slot_bytes must be >= 4096, got {raw}"):
+        mooncake_pg.MooncakeOptions(shm_slot_bytes=int(raw))
+    assert mooncake_pg.MooncakeOptions(shm_slot_bytes=4096).shm_slot_bytes == 4096
+
+
+# ========================================== MooncakeOptions values checked at construction
+
+
+@O.mooncake_only
+@pytest.mark.parametrize(
+    "kw, want",
+    [
+        (dict(host_ip=5), "host_ip must be an address string (e.g. '10.0.0.5') or None, got 5"),
+        (dict(host_ip=b"127.0.0.1"), "host_ip must be an address string"),
+        (dict(timeout=1e-9), "timeout must be at least 0.1 s (and at most 1e+09 s), got 1e-09"),
+        (dict(timeout=0.099), "timeout must be at least 0.1 s"),
+        (dict(timeout=0), "timeout must be at least 0.1 s"),
+        (dict(timeout=-1.0), "timeout must be at least 0.1 s"),
+        (dict(timeout=float("nan")), "timeout must be at least 0.1 s"),
+        (dict(timeout=float("inf")), "at most 1e+09 s), got inf"),
+        (dict(timeout=1e10), "at most 1e+09 s), got 10000000000.0"),
+    ],
+)
+def test_option_values_raise_at_construction(kw, want):
+    """A host_ip that is not a string and an op timeout outside [0.1 s, 1e9 s] raise
+    ValueError naming the field when MooncakeOptions is made, not at init or as a live
+    rank declared failed."""
+    import mooncake_pg
+
+    with pytest.raises(ValueError, match="MooncakeOptions: .*" + re.escape(want)):
+        mooncake_pg.MooncakeOptions(**kw)
+
+
+@O.mooncake_only
+def test_option_values_at_the_bounds_are_taken():
+    from datetime import timedelta
+
+    import mooncake_pg
+
+    assert mooncake_pg.MooncakeOptions(timeout=0.1).timeout == 0.1
+    assert mooncake_pg.MooncakeOptions(timeout=1e9).timeout == 1e9
+    assert mooncake_pg.MooncakeOptions(timeout=timedelta(milliseconds=100)).timeout == 0.1
+    assert mooncake_pg.MooncakeOptions(host_ip="127.0.0.1").host_ip == "127.0.0.1"
+
+
+def rank_slow_peer(rank, ws, delay_s):
+    if rank == 1:
+        time.sleep(delay_s)
+    t = torch.full((4,), float(rank + 1))
+    dist.all_reduce(t)
+    return t
+
+
+@O.mooncake_only
+@pytest.mark.timeout(90)
+def test_largest_timeout_waits_for_a_slow_peer():
+    """MooncakeOptions(timeout=1e9), the largest taken, is within the backend's deadline
+    range: it waits for a peer that comes 2 s late and the all_reduce sums right."""
+    pool = RankPool(2, "mooncake", "shm", op_timeout=10.0, options={"timeout": 1e9})
+    try:
+        res = pool.run(rank_slow_peer, 2.0, timeout=60)
+    finally:
+        pool.close(graceful=False)
+    for r in range(2):
+        assert torch.equal(res[r], torch.full((4,), 3.0)), (r, res[r])
+
+
 # ========================================== boolean MOONCAKE_* variables, one parser
 
 
