@@ -51,7 +51,7 @@ from .errors import (
     TransferError,
     from_code,
 )
-from .segment import SEG_HEADER, LocalSegment, SegmentCache, tune_malloc
+from .segment import LocalSegment, SegmentCache, tune_malloc
 
 if TYPE_CHECKING:
     import torch
@@ -132,7 +132,12 @@ class MooncakeStore(_LinkMixin, _ReadMixin, _WriteMixin):
     def __init__(self, config: StoreConfig | None = None, **kw: Any):
         if config is not None and kw:
             raise ValueError("pass either a StoreConfig or keyword options, not both")
-        cfg = (config or StoreConfig(**kw)).resolved()
+        if config is not None and not isinstance(config, StoreConfig):
+            raise ValueError(
+                "MooncakeStore: config must be a StoreConfig (or pass its fields as keywords), "
+                f"got {type(config).__name__}"
+            )
+        cfg = (config if config is not None else StoreConfig(**kw)).resolved()
         self.cfg = cfg
         self.name = cfg.name
         serve_tcp = cfg.serve_tcp
@@ -187,8 +192,6 @@ class MooncakeStore(_LinkMixin, _ReadMixin, _WriteMixin):
             cfg.master = self._embedded.address
         try:
             if cfg.segment_size:
-                if cfg.segment_size <= SEG_HEADER:
-                    raise ValueError(f"segment_size must be 0 or more than {SEG_HEADER} bytes")
                 phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
                 if (
                     cfg.prefault and cfg.segment_size > phys

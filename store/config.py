@@ -28,6 +28,8 @@ import dataclasses
 import os
 import socket
 
+from .segment import SEG_HEADER
+
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
@@ -219,8 +221,9 @@ class StoreConfig:
         secret: shared secret (must match the master's).
         name: this client's name, which is also its segment's name (what
             ``ReplicateConfig.preferred_segment`` names); default ``host-pid-random``.
-        segment_size: bytes of shared memory this client contributes (0: none; it then
-            only reads and writes other clients' segments). Default 256 MiB.
+        segment_size: bytes of shared memory this client contributes, more than 4096 (the
+            segment's header), or 0: none (it then only reads and writes other clients'
+            segments). Default 256 MiB.
         ssd_dir: directory this client contributes as SSD tier (created if missing);
             entries found there at start are registered again (persistence). Needs
             ``segment_size > 0``; one client per directory (a lock file ``.lock`` in it;
@@ -359,6 +362,11 @@ class StoreConfig:
         ):
             raise ValueError(
                 f"StoreConfig: segment_size must be a byte count >= 0, got {self.segment_size!r}"
+            )
+        if self.segment_size and self.segment_size <= SEG_HEADER:
+            raise ValueError(
+                f"StoreConfig: segment_size must be 0 (no segment) or more than {SEG_HEADER} "
+                f"bytes (the segment's header), got {self.segment_size}"
             )
         for n in ("serve_tcp", "prefault", "huge_pages", "tune_malloc"):
             if not isinstance(getattr(self, n), bool) and not (

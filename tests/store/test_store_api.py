@@ -1,6 +1,8 @@
 """API details of MooncakeStore with an embedded master (one process): dtypes through
 put_tensor, bad input rejected with ValueError before anything is sent, options."""
 
+import re
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -164,6 +166,39 @@ def test_option_validation():
         MooncakeStore(segment_size=100, serve_tcp=False)
     with pytest.raises(ValueError):
         MooncakeStore(StoreConfig(), segment_size=0)
+
+
+@pytest.mark.parametrize("size", [1, 100, 4096])
+def test_segment_size_too_small_names_where_it_came_from(monkeypatch, size):
+    """A segment no larger than its 4096-byte header raises ValueError from StoreConfig,
+    naming MOONCAKE_STORE_SEGMENT_SIZE when the value came from there; 0 (no segment) and
+    4097 are taken."""
+    monkeypatch.delenv("MOONCAKE_STORE_SEGMENT_SIZE", raising=False)
+    want = "StoreConfig: segment_size must be 0 (no segment) or more than 4096 bytes"
+    with pytest.raises(ValueError, match=rf"^{re.escape(want)}.*got {size}$"):
+        StoreConfig(segment_size=size).resolved()
+    with pytest.raises(ValueError, match=rf"^{re.escape(want)}.*got {size}$"):
+        MooncakeStore(segment_size=size, serve_tcp=False)
+    monkeypatch.setenv("MOONCAKE_STORE_SEGMENT_SIZE", str(size))
+    with pytest.raises(
+        ValueError, match=rf"^{re.escape(want)}.*got {size} \(from MOONCAKE_STORE_SEGMENT_SIZE\)$"
+    ):
+        StoreConfig().resolved()
+    for ok in ("0", "4097"):
+        monkeypatch.setenv("MOONCAKE_STORE_SEGMENT_SIZE", ok)
+        assert StoreConfig().resolved().segment_size == int(ok)
+
+
+@pytest.mark.parametrize("config", [{"segment_size": 16 << 20}, {}, "segment_size=1"])
+def test_config_of_the_wrong_type(config):
+    """MooncakeStore(config=...) takes a StoreConfig; a dict (even an empty one) or another
+    type raises ValueError naming the expected type instead of failing inside (or, for
+    {}, being taken as no config)."""
+    with pytest.raises(
+        ValueError,
+        match=rf"^MooncakeStore: config must be a StoreConfig .*got {type(config).__name__}$",
+    ):
+        MooncakeStore(config=config)
 
 
 def test_large_batches_are_split(store):
