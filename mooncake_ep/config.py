@@ -13,6 +13,7 @@ Every ``MOONCAKE_EP_*`` environment variable the package reads is read here, in
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 
 from mooncake_pg.config import bool_env
@@ -35,8 +36,8 @@ class EPConfig:
             (``MOONCAKE_EP_FP32_ACCUMULATE``, default ``True``); ``False`` sums in the data's
             own dtype (one rounding per partial sum, about 3x faster on CPU).
         max_membership_retries: how many times a normal-mode ``dispatch`` restarts when the
-            group's membership epoch changes while it runs (``on_failure="mask"``);
-            ``None`` means the world size.
+            group's membership epoch changes while it runs (``on_failure="mask"``): an int
+            >= 0, or ``None`` for the world size.
         low_latency_backend: how ``low_latency_dispatch``/``low_latency_combine`` (and their
             backward passes) move rows (``MOONCAKE_EP_LOW_LATENCY_BACKEND``, default
             ``"auto"``). ``"nvshmem"``: one-sided puts into NVSHMEM symmetric buffers
@@ -64,10 +65,13 @@ class EPConfig:
             raise ValueError(
                 f"EPConfig: fp32_accumulate must be a bool or None, got {self.fp32_accumulate!r}"
             )
-        if self.max_membership_retries is not None and self.max_membership_retries < 0:
-            raise ValueError(
-                f"EPConfig: max_membership_retries must be >= 0, got {self.max_membership_retries}"
-            )
+        n = self.max_membership_retries
+        if n is not None:
+            if isinstance(n, bool) or not hasattr(n, "__index__") or operator.index(n) < 0:
+                raise ValueError(
+                    f"EPConfig: max_membership_retries must be an int >= 0 or None, got {n!r}"
+                )
+            self.max_membership_retries = operator.index(n)
 
 
 def env_defaults() -> dict:
