@@ -70,11 +70,22 @@ class Transport:
     """Group, membership, header exchange and row transport of one
     :class:`mooncake_ep.Buffer` (its base class; the arguments are Buffer's).
 
-    Raises ``RuntimeError`` when ``torch.distributed`` is not initialised and
-    ``ValueError`` when this process is not a member of ``group``.
+    Raises ``TypeError`` when ``group`` is not a process group (or ``None``),
+    ``RuntimeError`` when ``torch.distributed`` is not initialised and ``ValueError`` when
+    this process is not a member of ``group``.
     """
 
     def __init__(self, group: dist.ProcessGroup | None, config: EPConfig | None) -> None:
+        # NON_GROUP_MEMBER is what new_group returns on a process outside the group
+        if not (
+            group is None
+            or group is dist.GroupMember.NON_GROUP_MEMBER
+            or isinstance(group, dist.ProcessGroup)
+        ):
+            raise TypeError(
+                "mooncake_ep.Buffer: group must be a torch.distributed.ProcessGroup or None "
+                f"(the default group), got {type(group).__name__}"
+            )
         if not dist.is_initialized():
             raise RuntimeError("mooncake_ep.Buffer: torch.distributed is not initialised")
         self.group = group if group is not None else dist.distributed_c10d._get_default_group()

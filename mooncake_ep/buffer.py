@@ -126,8 +126,9 @@ class Buffer(Transport):
         group: the process group; ``rank``: this process's rank in it; ``group_size``: W;
         low_latency_mode: as given (unused).
 
-    Raises ``RuntimeError`` when ``torch.distributed`` is not initialised and
-    ``ValueError`` when this process is not a member of ``group``.
+    Raises ``TypeError`` when ``group`` is not a process group (or ``None``),
+    ``RuntimeError`` when ``torch.distributed`` is not initialised and ``ValueError`` when
+    this process is not a member of ``group``.
 
     Collective calls: every rank of the group calls the same ops in the same order, and
     runs the backward of the same differentiable ops (backward passes move data too).
@@ -500,7 +501,9 @@ class Buffer(Transport):
         initialised over another group, its init or allocation failed), e.g.
         ``mooncake_ep low_latency_dispatch (rank 0): low_latency_backend='nvshmem' (EPConfig
         or MOONCAKE_EP_LOW_LATENCY_BACKEND) cannot be served: expected CUDA tensors, got x
-        on cpu; nothing was sent``.
+        on cpu; nothing was sent``. Exception: a ``num_experts`` that is not an int raises
+        only on the ranks that passed it (E sizes the header, so they cannot join the
+        exchange); the other ranks wait in it until the group's op timeout.
         """
         op = "low_latency_dispatch"
         W = self.group_size
@@ -508,11 +511,16 @@ class Buffer(Transport):
         T = H = Kk = 0
         try:
             E = check_int_arg("num_experts", num_experts)
-            Tm = check_int_arg("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
         except BadArgs as e:
+            # E sizes the header's counts, so without it this rank cannot take part in the
+            # exchange that would tell the others
             raise self._err(op, str(e)) from None
         dev = input_device(x)
+        Tm = 0
         try:
+            Tm = check_int_arg("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank)
+            if Tm < 1:
+                raise BadArgs(f"num_max_dispatch_tokens_per_rank must be >= 1, got {Tm}")
             if E <= 0 or E % W:
                 raise BadArgs(
                     f"num_experts ({E}) must be a positive multiple of the group size ({W})"
@@ -564,7 +572,7 @@ class Buffer(Transport):
             hdr, active, epoch = self._header(
                 op,
                 fields,
-                per_expert if per_expert is not None else torch.zeros(E),
+                per_expert if per_expert is not None else torch.zeros(max(E, 0)),
                 error=err,
                 names=names,
                 extra=nvs_ok | (LL_CODES[want] << 1),

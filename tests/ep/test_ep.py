@@ -577,6 +577,34 @@ def test_fp8_dequantize_checks_its_inputs():
         mooncake_ep.fp8_dequantize(q, sc.double())
 
 
+@pytest.mark.parametrize("bad", [1.5, "3", True, -1, [2]])
+def test_ep_config_max_membership_retries_must_be_an_int(bad):
+    """EPConfig(max_membership_retries=...) takes an int >= 0 (or None); a float, a string,
+    a bool, a negative number or another type raises ValueError naming the field."""
+    import mooncake_ep
+
+    with pytest.raises(
+        ValueError, match=r"^EPConfig: max_membership_retries must be an int >= 0 or None"
+    ):
+        mooncake_ep.EPConfig(max_membership_retries=bad)
+    assert mooncake_ep.EPConfig(max_membership_retries=0).max_membership_retries == 0
+    assert mooncake_ep.EPConfig(max_membership_retries=None).max_membership_retries is None
+
+
+@pytest.mark.parametrize("group", [{}, "default", 0])
+def test_buffer_group_of_the_wrong_type(group):
+    """Buffer(group) with something that is not a process group raises TypeError naming
+    the expected type, before torch.distributed looks at it."""
+    import mooncake_ep
+
+    with pytest.raises(
+        TypeError,
+        match=rf"^mooncake_ep.Buffer: group must be a torch.distributed.ProcessGroup or None "
+        rf"\(the default group\), got {type(group).__name__}$",
+    ):
+        mooncake_ep.Buffer(group)
+
+
 def rank_options(rank, ws):
     import torch.distributed as dist
 
@@ -752,6 +780,14 @@ ONE_RANK_BAD = {
     ),
     "cached_handle": ({"handle": "h"}, "handle must be a DispatchHandle, got str"),
     "combine_x_list": ({"x": "list"}, "x must be a tensor, got list"),
+    "ll_t_max_negative": (
+        {"num_max_dispatch_tokens_per_rank": -1},
+        "num_max_dispatch_tokens_per_rank must be >= 1, got -1",
+    ),
+    "ll_t_max_float": (
+        {"num_max_dispatch_tokens_per_rank": 4.0},
+        "num_max_dispatch_tokens_per_rank must be an int, got 4.0",
+    ),
 }
 
 
@@ -769,6 +805,10 @@ def rank_one_rank_bad(rank, ws, case):
         elif case == "combine_x_list":
             r = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
             buf.combine(r.recv_x.tolist() if bad else r.recv_x, r.handle)
+        elif case.startswith("ll_"):
+            buf.low_latency_dispatch(
+                x, idx, bad.get("num_max_dispatch_tokens_per_rank", x.shape[0]), E
+            )
         else:
             buf.dispatch(x, topk_idx=idx, topk_weights=w, **{"num_experts": E, **bad})
         err = None
@@ -784,13 +824,13 @@ def rank_one_rank_bad(rank, ws, case):
 
 @pytest.mark.parametrize("case", sorted(ONE_RANK_BAD))
 def test_one_rank_bad_argument_raises_everywhere(pool_factory, case):
-    """Only rank 0 passes a bad argument to a normal-mode op (a non-int count, a layout
-    argument that is not a tensor, a wrong handle or x): rank 0 raises ValueError naming
-    it, rank 1 raises ValueError naming rank 0, both before anything is sent, and the
-    next dispatch + combine on both ranks equals the float64 reference."""
+    """Only rank 0 passes a bad argument (a non-int count, a layout argument that is not a
+    tensor, a wrong handle or x, a T_max below 1): rank 0 raises ValueError naming it,
+    rank 1 raises ValueError naming rank 0, both before anything is sent, and the next
+    dispatch + combine on both ranks equals the float64 reference."""
     ws = 2
     res = pool_factory(ws).run(rank_one_rank_bad, case, timeout=60)
-    op = "combine" if case == "combine_x_list" else "dispatch"
+    op = {"combine": "combine", "ll": "low_latency_dispatch"}.get(case.split("_")[0], "dispatch")
     e0, e1 = res[0]["err"], res[1]["err"]
     assert e0 is not None and f"mooncake_ep {op} (rank 0): {ONE_RANK_BAD[case][1]}" in e0, e0
     assert e1 is not None and f"mooncake_ep {op} (rank 1): rank(s) [0] passed invalid" in e1, e1
