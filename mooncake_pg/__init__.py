@@ -12,6 +12,9 @@ Options go in ``pg_options=MooncakeOptions(...)``; groups made without options
 
 from __future__ import annotations
 
+import numbers
+import operator
+
 import torch  # noqa: F401  (must be imported before the extension)
 import torch.distributed as dist
 
@@ -70,14 +73,33 @@ def get_failed_ranks(work) -> list:
     return list(getattr(work, "failed_ranks", []))
 
 
+def _seat_list(op: str, ranks) -> list:
+    """``ranks`` as a list of ints; anything else (a float, a bool, a string, a
+    non-iterable) raises ``ValueError`` naming ``op``'s argument, before the backend is asked."""
+    try:
+        if isinstance(ranks, (str, bytes)):
+            raise TypeError
+        out = []
+        for r in ranks:
+            if isinstance(r, bool):
+                raise TypeError
+            out.append(operator.index(r))
+    except TypeError:
+        raise ValueError(
+            f"{op}: ranks must be a sequence of int seat numbers, got {ranks!r}"
+        ) from None
+    return out
+
+
 def deactivate_ranks(group, ranks) -> None:
     """Takes ``ranks`` out of ``group`` (epoch + 1). With ``on_failure="manual"`` every
     survivor calls this with the failed ranks before further ops; it is agreed through
     the control store, so survivors that pass the same ranks end in the same epoch.
     A rank that names only itself leaves the group (see :func:`leave_group`).
-    Raises ``ValueError`` for a rank outside ``[0, world_size)``, or for the caller's own
-    rank named together with others."""
-    backend_of(group).deactivate_ranks([int(r) for r in ranks])
+    Raises ``ValueError`` for a rank that is not an int or is outside ``[0, world_size)``,
+    or for the caller's own rank named together with others."""
+    seats = _seat_list("deactivate_ranks", ranks)
+    backend_of(group).deactivate_ranks(seats)
 
 
 def leave_group(group=None) -> None:
@@ -109,11 +131,12 @@ def recover_ranks(group, ranks) -> list:
     admitted (a no-op when empty), the epoch goes up by one and the group's transport is
     rebuilt over the new member set. Pending p2p ops fail. Returns the admitted ranks (the
     same list on every caller; ``[]`` when none), so callers know to run ``sync_state``.
-    Raises ``ValueError`` for a rank that is active, out of range, or has no replacement
-    waiting."""
+    Raises ``ValueError`` for a rank that is not an int, is active, out of range, or has
+    no replacement waiting."""
+    seats = _seat_list("recover_ranks", ranks)
     be = backend_of(group)
     before = be.epoch()
-    be.recover_ranks([int(r) for r in ranks])
+    be.recover_ranks(seats)
     return list(be.last_joined()) if be.epoch() != before else []
 
 
@@ -128,7 +151,19 @@ def is_joining(group=None) -> bool:
 def join_group(group=None, timeout: float = 300.0) -> None:
     """On a replacement rank (``is_recovery=True``): blocks until the survivors admitted it
     with ``recover_ranks`` (seconds; raises ``DistBackendError`` after ``timeout``). Recreate
-    subgroups in the order the survivors created them and join each one."""
+    subgroups in the order the survivors created them and join each one. Raises
+    ``ValueError`` for a ``timeout`` that is not a number in ``(0, 1e9]`` seconds."""
+    from .config import MAX_TIMEOUT_S
+
+    # the backend's deadline is int64 nanoseconds: past MAX_TIMEOUT_S it overflows
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, numbers.Real)
+        or not (0 < timeout <= MAX_TIMEOUT_S)
+    ):
+        raise ValueError(
+            f"join_group: timeout must be seconds in (0, {MAX_TIMEOUT_S:g}], got {timeout!r}"
+        )
     backend_of(group).join_group(float(timeout))
 
 

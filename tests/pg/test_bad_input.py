@@ -774,6 +774,35 @@ def test_largest_timeout_waits_for_a_slow_peer():
         assert torch.equal(res[r], torch.full((4,), 3.0)), (r, res[r])
 
 
+# ========================================== seats and timeouts of the membership calls
+
+
+@O.mooncake_only
+@pytest.mark.parametrize("op", ["recover_ranks", "deactivate_ranks"])
+@pytest.mark.parametrize("ranks", [[1.0], [True], "1", 1, [0, None]])
+def test_membership_calls_take_int_seats(op, ranks):
+    """recover_ranks / deactivate_ranks take a sequence of int seats; a float (which int()
+    would truncate to a seat), a bool, a string or a non-sequence raises ValueError naming
+    the call and its argument before any group is looked at (none exists here)."""
+    import mooncake_pg
+
+    with pytest.raises(
+        ValueError, match=rf"^{op}: ranks must be a sequence of int seat numbers, got "
+    ):
+        getattr(mooncake_pg, op)(None, ranks)
+
+
+@O.mooncake_only
+@pytest.mark.parametrize("timeout", [0, -1.0, float("inf"), float("nan"), 1e10, "60", True])
+def test_join_group_timeout_must_be_seconds(timeout):
+    """join_group(timeout=) must be a number of seconds in (0, 1e9]: an infinite or huge
+    one would overflow the backend's int64-nanosecond deadline."""
+    import mooncake_pg
+
+    with pytest.raises(ValueError, match=r"^join_group: timeout must be seconds in \(0, 1e\+09\]"):
+        mooncake_pg.join_group(None, timeout=timeout)
+
+
 # ========================================== boolean MOONCAKE_* variables, one parser
 
 
