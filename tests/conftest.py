@@ -8,6 +8,8 @@ Environment:
                            torch) or ``spawn`` (fresh interpreters)
   MOONCAKE_TEST_MAX_POOLS  pools alive at once (default 6)
   MOONCAKE_TEST_KEEP_LOGS  1: keep the rank logs' temporary directory
+  MOONCAKE_TORCH_SUITE_SPAWN  1: torch_suite/ spawns each rank as PyTorch's CI does (default:
+                           forked from a server that imported torch and the suite once)
 """
 
 import pytest
