@@ -64,6 +64,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("transport", &mooncake::BackendConfig::transport)
       .def_readwrite("host_id", &mooncake::BackendConfig::host_id)
       .def_readwrite("listen_host", &mooncake::BackendConfig::listen_host)
+      .def_readwrite("listen_host_explicit", &mooncake::BackendConfig::listen_host_explicit)
+      .def_readwrite("rendezvous_addr", &mooncake::BackendConfig::rendezvous_addr)
       .def_readwrite("shm_slot_bytes", &mooncake::BackendConfig::shm_slot_bytes)
       .def_readwrite("p2p_ring_bytes", &mooncake::BackendConfig::p2p_ring_bytes)
       .def_readwrite("debug", &mooncake::BackendConfig::debug)

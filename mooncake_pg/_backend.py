@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from . import _C
 from .config import MooncakeOptions, resolve
-from .transport_addr import listen_address
+from .transport_addr import listen_address, rendezvous_address
 
 _default_options: MooncakeOptions | None = None
 _pending_second = None  # (group prefix store, backend) awaiting the creator's call for "cuda"
@@ -88,7 +88,10 @@ def _create_backend(dist_opts, pg_options):
     cfg.timeout_s = settings["timeout"]
     cfg.transport = settings["transport"]
     cfg.host_id = settings["host_id"]
-    cfg.listen_host = listen_address(settings["host_ip"], settings["socket_ifname"])
+    cfg.rendezvous_addr = rendezvous_address(dist_opts.store)
+    cfg.listen_host, cfg.listen_host_explicit = listen_address(
+        settings["host_ip"], settings["socket_ifname"], cfg.rendezvous_addr
+    )
     cfg.shm_slot_bytes = int(settings["shm_slot_bytes"])
     cfg.debug = settings["debug"]
     cfg.group_name = str(getattr(dist_opts, "group_id", ""))

@@ -1,7 +1,17 @@
-"""Which local address the TCP data plane listens on."""
+"""Which local address the TCP data plane listens on, and the rendezvous store's address.
+
+The order (docs/process-group.md, "Addresses"): ``MooncakeOptions.host_ip``, else the address
+of ``MOONCAKE_SOCKET_IFNAME``, else the interface routed to the rendezvous store's host (the
+``TCPStore`` behind every init method: ``env://``, ``tcp://``, a store passed in,
+``mooncake-run``), else to ``MASTER_ADDR``, else 127.0.0.1. A rank that reaches the store
+over loopback is on the store's host; when the group turns out to span hosts, the backend
+then listens on the interface routed to an address that a rank of another host used for the
+store (see ``setup.cpp``), so no hint is needed there either.
+"""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 
@@ -41,16 +51,46 @@ def _ifname_address(ifname: str) -> str:
         s.close()
 
 
-def listen_address(host_ip: str | None, ifname: str | None) -> str:
-    """``host_ip`` if given, else ``ifname``'s address, else the interface routed to the
-    rendezvous host (``MASTER_ADDR``), else 127.0.0.1 (single host)."""
+def is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return addr == "localhost"
+
+
+def rendezvous_address(store) -> str:
+    """The IPv4 address of the host of the ``TCPStore`` under ``store`` (``PrefixStore``
+    layers unwrapped), else of ``MASTER_ADDR``; "" when neither is known (a ``FileStore``
+    or ``HashStore`` without ``MASTER_ADDR``)."""
+    import torch.distributed as dist
+
+    host = None
+    for _ in range(16):
+        if isinstance(store, dist.TCPStore):
+            host = store.host
+            break
+        store = getattr(store, "underlying_store", None)
+        if store is None:
+            break
+    host = host or os.environ.get("MASTER_ADDR")
+    if not host:
+        return ""
+    try:
+        return socket.getaddrinfo(host, 9, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+    except OSError:
+        return ""
+
+
+def listen_address(host_ip: str | None, ifname: str | None, rendezvous: str = "") -> tuple:
+    """(address, explicit): ``host_ip`` if given, else ``ifname``'s address (both explicit),
+    else the interface routed to ``rendezvous`` (see :func:`rendezvous_address`), else
+    127.0.0.1."""
     if host_ip:
-        return host_ip
+        return host_ip, True
     if ifname:
-        return _ifname_address(ifname)
-    master = os.environ.get("MASTER_ADDR")
-    if master and master not in ("localhost", "127.0.0.1", "::1"):
-        addr = _route_to(master)
+        return _ifname_address(ifname), True
+    if rendezvous and not is_loopback(rendezvous):
+        addr = _route_to(rendezvous)
         if addr:
-            return addr
-    return "127.0.0.1"
+            return addr, False
+    return "127.0.0.1", False

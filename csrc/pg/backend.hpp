@@ -151,6 +151,11 @@ struct BackendConfig {
   std::string transport = "auto";  // auto | shm | tcp | rdma
   std::string host_id;             // ranks with equal ids share memory
   std::string listen_host = "127.0.0.1";
+  // listen_host came from MooncakeOptions.host_ip or MOONCAKE_SOCKET_IFNAME: used as is
+  bool listen_host_explicit = false;
+  // IPv4 address of the rendezvous store's host as this rank reaches it ("" unknown); a
+  // rank on the store's host (loopback) listens towards another host's view of it
+  std::string rendezvous_addr;
   int64_t shm_slot_bytes = 1 << 20;
   int64_t p2p_ring_bytes = 1 << 20;
   bool debug = false;

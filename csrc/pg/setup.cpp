@@ -5,8 +5,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <optional>
 #include <random>
 #include <sstream>
+#include <thread>
 
 #include "pg/backend.hpp"
 #include "pg/collectives/op_header.hpp"
@@ -155,6 +157,23 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
     }
   };
 
+  // An error every member finds in the same published keys: each says it has seen it and
+  // waits (briefly) until all have, so that the rank hosting the store (whose store goes
+  // away when its init raises) does not leave the others with a broken pipe instead.
+  auto fail_together = [&](const std::string& msg) {
+    store_set_str(store, key("failed/" + std::to_string(rank_)), "1");
+    std::vector<std::string> keys;
+    for (int j : members) keys.push_back(key("failed/" + std::to_string(j)));
+    try {
+      store->wait(keys, std::chrono::milliseconds(5000));
+      // a store server that closes with a request unread resets the connection, and the
+      // answer to another rank's wait can be lost with it: give those answers time to arrive
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    } catch (const std::exception&) {
+    }
+    TORCH_CHECK(false, msg);
+  };
+
   // 1. who shares a host (and agree on the transport); a rank that cannot set up its
   // transport says so here ("!" + why) and raises, and so does every rank that reads it
   if (!setup_error_.empty()) {
@@ -163,6 +182,7 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
   }
   const std::string mine =
       cfg_.host_id + "|" + t + "|" + std::to_string(slot) + "|members=" + join_ranks(members);
+  store_set_str(store, key("rdv/" + std::to_string(rank_)), cfg_.rendezvous_addr);
   store_set_str(store, key("host/" + std::to_string(rank_)), mine);
   await_keys("host/", members);
   bool one_host = true;
@@ -243,15 +263,60 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
     coll = std::make_unique<ShmEngine>(rank_, W, seg, layout, spin);
     p2p = std::make_unique<ShmP2P>(rank_, W, seg, layout);
   } else {
-    TcpListener lc(cfg_.listen_host), lp(cfg_.listen_host);
+    // A rank that reached the store over loopback is on the store's host; when the group
+    // spans hosts it listens on the interface routed to the store's address as a rank of
+    // another host reaches it (that rank's route and ours lead to the same network).
+    std::string listen = cfg_.listen_host;
+    if (!one_host && !cfg_.listen_host_explicit && is_loopback_address(listen)) {
+      for (int j : members) {
+        if (hosts[j] == cfg_.host_id) continue;
+        const std::string seen = store_get_str(store, key("rdv/" + std::to_string(j)));
+        const std::string mine_towards = seen.empty() ? "" : local_address_towards(seen);
+        if (!mine_towards.empty() && !is_loopback_address(mine_towards)) {
+          listen = mine_towards;
+          break;
+        }
+      }
+    }
+    std::optional<TcpListener> lc, lp;
+    try {
+      lc.emplace(listen);
+      lp.emplace(listen);
+    } catch (const std::exception& e) {
+      const std::string why =
+          "rank " + std::to_string(rank_) + " cannot listen on " + listen + " (" + e.what() + "); " +
+          (cfg_.listen_host_explicit
+               ? "MooncakeOptions.host_ip / MOONCAKE_SOCKET_IFNAME must give an address of "
+                 "this host"
+               : "set MooncakeOptions.host_ip or MOONCAKE_SOCKET_IFNAME");
+      store_set_str(store, key("addr/" + std::to_string(rank_)), "!" + why);
+      fail_together("MooncakeBackend::setup: " + why);
+    }
     store_set_str(store, key("addr/" + std::to_string(rank_)),
-                  cfg_.listen_host + " " + std::to_string(lc.port()) + " " + std::to_string(lp.port()));
+                  listen + " " + std::to_string(lc->port()) + " " + std::to_string(lp->port()));
     std::vector<int> cfds(W, -1), pfds(W, -1);
     const int64_t connect_timeout_ms = wait_ms > 0 ? wait_ms : std::max<int64_t>(timeout_ms_.count(), 60000);
-    std::vector<int> lower;
-    for (int j : members)
-      if (j < rank_) lower.push_back(j);
-    await_keys("addr/", lower);
+    // every member's address before any connect: one that cannot work raises on every rank
+    await_keys("addr/", members);
+    std::vector<std::string> addr_host(W);
+    std::vector<int> addr_port_c(W, 0), addr_port_p(W, 0);
+    for (int j : members) {
+      const std::string v = store_get_str(store, key("addr/" + std::to_string(j)));
+      if (!v.empty() && v[0] == '!') fail_together("MooncakeBackend::setup: " + v.substr(1));
+      std::istringstream in(v);
+      in >> addr_host[j] >> addr_port_c[j] >> addr_port_p[j];
+    }
+    for (int j : members) {
+      if (!is_loopback_address(addr_host[j])) continue;
+      for (int k : members)
+        if (hosts[k] != hosts[j])
+          fail_together(
+              "MooncakeBackend::setup: rank " + std::to_string(j) + " listens on the loopback address " +
+              addr_host[j] + " but rank " + std::to_string(k) + " is on another host (MOONCAKE_HOST_ID '" +
+              hosts[k] + "', not '" + hosts[j] + "') and cannot reach it; give rank " + std::to_string(j) +
+              " an address the other hosts reach: MooncakeOptions(host_ip=...) or "
+              "MOONCAKE_SOCKET_IFNAME, or rendezvous through such an address (MASTER_ADDR / init_method)");
+    }
     int higher = 0;
     for (int j : members) {
       if (j > rank_) {
@@ -259,10 +324,8 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
         continue;
       }
       if (j == rank_) continue;
-      std::istringstream in(store_get_str(store, key("addr/" + std::to_string(j))));
-      std::string host;
-      int pc = 0, pp = 0;
-      in >> host >> pc >> pp;
+      const std::string& host = addr_host[j];
+      const int pc = addr_port_c[j], pp = addr_port_p[j];
       int32_t me = rank_;
       cfds[j] = tcp_connect(host, pc, connect_timeout_ms);
       send_all_blocking(cfds[j], &me, sizeof(me));
@@ -270,13 +333,13 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
       send_all_blocking(pfds[j], &me, sizeof(me));
     }
     for (int n = 0; n < higher; ++n) {
-      for (TcpListener* l : {&lc, &lp}) {
+      for (TcpListener* l : {&*lc, &*lp}) {
         int fd = l->accept_fd(connect_timeout_ms);
         int32_t who = -1;
         recv_all_blocking(fd, &who, sizeof(who), connect_timeout_ms);
         TORCH_CHECK(who > rank_ && who < W && std::binary_search(members.begin(), members.end(), who),
                     "MooncakeBackend::setup: bad handshake from rank ", who);
-        (l == &lc ? cfds : pfds)[who] = fd;
+        (l == &*lc ? cfds : pfds)[who] = fd;
       }
     }
     if (t == "rdma") {

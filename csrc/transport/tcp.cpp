@@ -37,6 +37,31 @@ static bool resolve(const std::string& host, int port, sockaddr_storage* out, so
   return true;
 }
 
+std::string local_address_towards(const std::string& ip) {
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(9);
+  if (inet_pton(AF_INET, ip.c_str(), &to.sin_addr) != 1) return "";
+  int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return "";
+  std::string out;
+  sockaddr_in me{};
+  socklen_t len = sizeof(me);
+  char buf[INET_ADDRSTRLEN] = {0};
+  if (connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof(to)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&me), &len) == 0 &&
+      inet_ntop(AF_INET, &me.sin_addr, buf, sizeof(buf)) != nullptr)
+    out = buf;
+  close(fd);
+  return out;
+}
+
+bool is_loopback_address(const std::string& host) {
+  if (host == "localhost" || host == "::1") return true;
+  in_addr a{};
+  return inet_pton(AF_INET, host.c_str(), &a) == 1 && (ntohl(a.s_addr) >> 24) == 127;
+}
+
 TcpListener::TcpListener(const std::string& host) : host_(host) {
   sockaddr_storage addr{};
   socklen_t len = 0;
@@ -45,7 +70,13 @@ TcpListener::TcpListener(const std::string& host) : host_(host) {
   if (fd_ < 0) throw sys_error("socket");
   int one = 1;
   setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  if (bind(fd_, reinterpret_cast<sockaddr*>(&addr), len) != 0) throw sys_error("bind " + host);
+  if (bind(fd_, reinterpret_cast<sockaddr*>(&addr), len) != 0) {
+    const int saved = errno;
+    close(fd_);
+    fd_ = -1;
+    errno = saved;
+    throw sys_error("bind " + host);
+  }
   if (listen(fd_, 256) != 0) throw sys_error("listen");
   sockaddr_storage bound{};
   socklen_t blen = sizeof(bound);

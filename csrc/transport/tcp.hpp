@@ -23,6 +23,11 @@ class TcpListener {
   std::string host_;
 };
 
+// The local IPv4 address the kernel routes towards `ip` ("" if none; no packet is sent).
+std::string local_address_towards(const std::string& ip);
+// True for 127.0.0.0/8, ::1 and "localhost".
+bool is_loopback_address(const std::string& host);
+
 // Connects to host:port, retrying until timeout_ms; returns a connected fd.
 int tcp_connect(const std::string& host, int port, int64_t timeout_ms);
 

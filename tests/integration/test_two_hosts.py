@@ -7,7 +7,7 @@ Expected: both sides detect the cut within a few op timeouts; a, which reaches t
 control store, agrees that 2 and 3 failed and goes on (all_reduce of [rank + 1] gives 3);
 b's ranks cannot reach the store, fence themselves with ``RankFencedError`` naming the
 unreachable store, and exit; nothing hangs. Traffic stays on 10.213.0.0/24 inside
-namespaces this test creates (tests/integration/netns.py), which are deleted afterwards.
+namespaces this test creates (tests/netns.py), which are deleted afterwards.
 Skipped where namespaces cannot be made (not root, no iproute2).
 """
 
@@ -21,9 +21,8 @@ import time
 
 import pytest
 
-from tests import REPO_ROOT
+from tests import REPO_ROOT, netns
 from tests.faults import kill_group
-from tests.integration import netns
 
 ROOT = REPO_ROOT
 OK, WHY = netns.available()

@@ -1,0 +1,120 @@
+"""Ranks on several emulated hosts: one process per rank inside the network namespace of its
+host (tests/netns.py), each host with a hostname of its own, rendezvous through
+``init_method="tcp://<host 0's address>:PORT"`` (rank 0 hosts the TCPStore), no interface
+hints unless a test passes them.
+
+    with netns.hosts(2) as t:
+        res = run_ranks(t, [2, 2], "every_op", {"dtype": "float32"}, timeout_s=120)
+        # res[rank] -> the dict the rank's scenario returned, or {"error": ..., ...}
+
+A scenario is a function ``name(rank, world_size, **args) -> dict`` in
+:mod:`tests.multihost_rank`, run after ``init_process_group``; its result travels back as one
+``RESULT <json>`` line on the rank's stdout. Every rank process is a session leader and is
+SIGKILLed as a group when it outlives ``timeout_s``; the namespaces' own clean-up kills
+anything left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from tests import REPO_ROOT, netns
+from tests.faults import kill_group
+
+PORT = 29400  # any port: the namespaces and their addresses belong to this run alone
+
+
+def rank_hosts(ranks_per_host: list) -> list:
+    """Host index of each rank: ranks fill host 0 first, then host 1, ..."""
+    return [h for h, g in enumerate(ranks_per_host) for _ in range(g)]
+
+
+def run_ranks(
+    t: netns.Topo,
+    ranks_per_host: list,
+    scenario: str,
+    args: dict | None = None,
+    *,
+    env: dict | None = None,
+    rank_env: dict | None = None,
+    timeout_s: float = 120.0,
+    backend: str = "mooncake",
+    argv: list | None = None,
+) -> dict:
+    """Runs ``scenario`` on ``sum(ranks_per_host)`` ranks; returns {rank: result dict}.
+
+    env: extra variables for every rank; rank_env: {rank: {var: value}} for single ranks.
+    argv: the rank program (default ``python -m tests.multihost_rank``); it gets MH_RANK,
+    MH_WORLD_SIZE, MH_HOST, MH_LOCAL_RANK, MH_RANKS_PER_HOST, MH_INIT, MH_BACKEND,
+    MH_SCENARIO and MH_ARGS (JSON) in its environment and prints one ``RESULT <json>`` line.
+    Each result carries the tail of the rank's output under "log"; a rank that exits without
+    a RESULT line gets {"error": "no result", "rc": ..., "log": ...}.
+    """
+    hosts = rank_hosts(ranks_per_host)
+    world_size = len(hosts)
+    init = f"tcp://{t.addr[t.hosts[0]]}:{PORT}"
+    procs = []
+    for rank, h in enumerate(hosts):
+        e = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("MOONCAKE_", "MASTER_", "GLOO_"))
+            and k not in ("RANK", "WORLD_SIZE")
+        }
+        e.update(
+            {
+                "PYTHONPATH": os.pathsep.join(
+                    filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH")])
+                ),
+                "OMP_NUM_THREADS": "1",
+                "MH_SCENARIO": scenario,
+                "MH_ARGS": json.dumps(args or {}),
+                "MH_INIT": init,
+                "MH_BACKEND": backend,
+                "MH_RANK": str(rank),
+                "MH_WORLD_SIZE": str(world_size),
+                "MH_HOST": str(h),
+                "MH_LOCAL_RANK": str(rank - hosts.index(h)),
+                "MH_RANKS_PER_HOST": ",".join(str(g) for g in ranks_per_host),
+            }
+        )
+        e.update(env or {})
+        e.update((rank_env or {}).get(rank, {}))
+        procs.append(
+            netns.run_in(
+                t.hosts[h],
+                argv or [sys.executable, "-m", "tests.multihost_rank"],
+                env=e,
+                hostname=f"host{h}",
+                cwd=REPO_ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    deadline = time.monotonic() + timeout_s
+    out = {}
+    try:
+        for rank, p in enumerate(procs):
+            try:
+                log, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                kill_group(p)
+                log, _ = p.communicate()
+                out[rank] = {"error": "timeout", "log": log[-3000:]}
+                continue
+            res = [ln[7:] for ln in log.splitlines() if ln.startswith("RESULT ")]
+            log = "\n".join(ln for ln in log.splitlines() if not ln.startswith("RESULT "))
+            out[rank] = (
+                {**json.loads(res[-1]), "log": log[-3000:]}
+                if res
+                else {"error": "no result", "rc": p.returncode, "log": log[-3000:]}
+            )
+    finally:
+        for p in procs:
+            kill_group(p)
+    return out
