@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch.distributed as dist
 
 from . import _C
@@ -127,3 +129,35 @@ def _register():
     # CUDA kernels); a CPU-only build serves CPU tensors only.
     devices = ["cpu", "cuda"] if getattr(_C, "WITH_CUDA", False) else ["cpu"]
     dist.Backend.register_backend("mooncake", _create_backend, extended_api=True, devices=devices)
+    _register_shrunk_groups_as_custom()
+
+
+def _register_shrunk_groups_as_custom():
+    """torch 2.13's ``shrink_group`` registers the new group's backend under
+    ``BackendType.GLOO`` (``NCCL`` on CUDA) whatever the backend is; DDP's logger then
+    treats a "gloo" group's backend as ``ProcessGroupGloo`` (a static cast) and crashes on
+    ours. The group ``_create_shrunk_process_group`` returns gets our backend registered
+    again as ``CUSTOM`` (as ``init_process_group`` / ``new_group`` register it)."""
+    c10d = dist.distributed_c10d
+    make = getattr(c10d, "_create_shrunk_process_group", None)
+    if make is None or getattr(make, "_mooncake_custom", False):
+        return
+
+    @functools.wraps(make)
+    def create_shrunk_process_group(*args, **kwargs):
+        import torch
+
+        pg = make(*args, **kwargs)
+        custom = dist.ProcessGroup.BackendType.CUSTOM
+        for dev in ("cpu", "cuda"):
+            try:
+                be = pg._get_backend(torch.device(dev))
+            except RuntimeError:  # no backend for that device
+                continue
+            if isinstance(be, _C.MooncakeBackend):
+                pg._register_backend(torch.device(dev), custom, be)
+                pg._set_default_backend(custom)
+        return pg
+
+    create_shrunk_process_group._mooncake_custom = True
+    c10d._create_shrunk_process_group = create_shrunk_process_group

@@ -76,7 +76,17 @@ def rank_planned_shrink(rank, ws, leaving):
     if rank == leaving:
         return "left"
     new = dist.shrink_group([leaving])
-    return run_collectives(new)
+    out = run_collectives(new)
+    # DDP on the shrunk group (torch registers it as a gloo group; DDP's logger used to
+    # take our backend for gloo's and crash): the gradient is the mean over the survivors
+    lin = torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        lin.weight.fill_(1.0)
+        lin.bias.zero_()
+    ddp = torch.nn.parallel.DistributedDataParallel(lin)
+    ddp(torch.full((1, 2), dist.get_rank() + 1.0)).sum().backward()
+    out["ddp_grad"] = lin.weight.grad.clone()
+    return out
 
 
 def rank_shrink_abort_in_flight(rank, ws, absent):
@@ -215,12 +225,14 @@ def test_shrink_group_after_a_death(fresh_pool, transport):
 
 
 def test_planned_shrink_without_a_failure(fresh_pool):
-    """A rank that leaves on purpose (still alive) is shrunk away by the others."""
+    """A rank that leaves on purpose (still alive) is shrunk away by the others; every
+    collective and DDP work on the shrunk group."""
     pool = fresh_pool(4, "shm")
     res = pool.run(rank_planned_shrink, 3, timeout=120)
     assert res[3] == "left"
     exp = expected_collectives(3)
     for r in range(3):
+        exp[r]["ddp_grad"] = torch.full((1, 2), (1.0 + 2.0 + 3.0) / 3)
         assert_collectives(res[r], exp[r], f"rank {r}")
 
 
