@@ -452,6 +452,7 @@ class MooncakeBackend : public c10d::Backend {
   std::deque<std::shared_ptr<P2POp>> p2p_posted_;
 
   bool coalescing_ = false;
+  uint32_t coalesced_ops_ = 0;  // collectives issued in the open coalescing block
   c10::intrusive_ptr<MooncakeWork> coalesce_parent_;
   std::deque<std::string> trace_;  // MOONCAKE_DEBUG: recent ops, dumped on timeout
   std::mutex trace_mu_;

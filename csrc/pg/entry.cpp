@@ -89,7 +89,10 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce_coalesced(
   return submit(
       c10d::OpType::ALLREDUCE_COALESCED, tensors, opts.asyncOp, opts.timeout,
       [this, work, rop, premul](int64_t deadline_ns) mutable {
-        for (auto& t : work) run_allreduce(t, rop, premul, -1, deadline_ns);
+        for (size_t i = 0; i < work.size(); ++i) {
+          BatchScope pos(static_cast<uint32_t>(i + 1), static_cast<uint32_t>(work.size()));
+          run_allreduce(work[i], rop, premul, -1, deadline_ns);
+        }
       },
       join_backs(backs), backup_for_retry(work));
 }
@@ -222,7 +225,10 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_coalesced(
   return submit(
       c10d::OpType::ALLGATHER_COALESCED, flat_outputs(outputs), opts.asyncOp, opts.timeout,
       [this, ins, ptrs, keep](int64_t deadline_ns) {
-        for (size_t i = 0; i < ins.size(); ++i) run_allgather(ins[i], ptrs[i], OP_ALLGATHER, -1, deadline_ns);
+        for (size_t i = 0; i < ins.size(); ++i) {
+          BatchScope pos(static_cast<uint32_t>(i + 1), static_cast<uint32_t>(ins.size()));
+          run_allgather(ins[i], ptrs[i], OP_ALLGATHER, -1, deadline_ns);
+        }
       },
       join_backs(backs), backup_for_retry(keep));
 }
@@ -254,7 +260,10 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_into_tensor_coalesced(
   return submit(
       c10d::OpType::COALESCED, outputs, opts.asyncOp, opts.timeout,
       [this, ins, outs, ptrs](int64_t deadline_ns) {
-        for (size_t i = 0; i < ins.size(); ++i) run_allgather(ins[i], ptrs[i], OP_ALLGATHER, -1, deadline_ns);
+        for (size_t i = 0; i < ins.size(); ++i) {
+          BatchScope pos(static_cast<uint32_t>(i + 1), static_cast<uint32_t>(ins.size()));
+          run_allgather(ins[i], ptrs[i], OP_ALLGATHER, -1, deadline_ns);
+        }
       },
       join_backs(backs), backup_for_retry(outs));
 }
@@ -423,8 +432,10 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter_tensor_coalesced(
   return submit(
       c10d::OpType::COALESCED, outputs, opts.asyncOp, opts.timeout,
       [this, ins, outs, ptrs, rop, premul](int64_t deadline_ns) mutable {
-        for (size_t i = 0; i < outs.size(); ++i)
+        for (size_t i = 0; i < outs.size(); ++i) {
+          BatchScope pos(static_cast<uint32_t>(i + 1), static_cast<uint32_t>(outs.size()));
           run_reduce_scatter(ptrs[i], outs[i], rop, premul, deadline_ns);
+        }
       },
       join_backs(backs));
 }

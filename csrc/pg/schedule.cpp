@@ -5,6 +5,7 @@
 #include <cstdio>
 
 #include "pg/backend.hpp"
+#include "pg/collectives/op_header.hpp"
 #include "pg/control_store.hpp"
 
 namespace mooncake {
@@ -84,12 +85,14 @@ c10::intrusive_ptr<MooncakeWork> MooncakeBackend::submit(c10d::OpType type, std:
   auto w = c10::make_intrusive<MooncakeWork>(rank_, type, outputs);
   w->after = std::move(after);
   attach_to_coalescing(w, outputs);
+  const uint32_t block_pos = coalescing_ ? ++coalesced_ops_ : 0;  // see OpHeader::batch_index
   ++seq_;
   ++seq_group_;
   if (cfg_.debug)
     trace("issued " + c10d::opTypeToString(type) + " #" + std::to_string(seq_) + (async_op ? " async" : ""));
-  auto run = [this, job, timeout, before_retry]() -> std::exception_ptr {
+  auto run = [this, job, timeout, before_retry, block_pos]() -> std::exception_ptr {
     std::lock_guard<std::mutex> g(engine_mu_);
+    BatchScope pos(block_pos, 0);
     for (int attempt = 0;; ++attempt) {
       try {
         if (!broken_.empty()) C10_THROW_ERROR(DistBackendError, broken_);
@@ -239,6 +242,7 @@ void MooncakeBackend::startCoalescing() {
     endCoalescing();
   }
   coalescing_ = true;
+  coalesced_ops_ = 0;
   coalesce_parent_ =
       c10::make_intrusive<MooncakeWork>(rank_, c10d::OpType::COALESCED, std::vector<at::Tensor>{});
   coalesce_parent_->add_child({});  // guard released by endCoalescing

@@ -385,6 +385,20 @@ def _mismatch_call(rank, ws, case, off):
             (out, out.clone()),
             (x, x.clone()),
         ]
+    if case == "all_reduce_coalesced_count":  # the offender passes one tensor more
+        xs = [torch.arange(float(N)) + 100 * rank for _ in range(3 if me else 2)]
+        return (lambda: dist.all_reduce_coalesced(xs)), [(x, x.clone()) for x in xs]
+    if case == "coalescing_block_count":  # one all_gather more in the offender's block
+        ins = [torch.arange(float(N)) + 100 * rank for _ in range(3 if me else 2)]
+        outs = [torch.full((ws * N,), SENTINEL) for _ in ins]
+
+        def block():
+            with dist._coalescing_manager(async_ops=True) as cm:
+                for o, i in zip(outs, ins):
+                    dist.all_gather_into_tensor(o, i)
+            cm.wait()
+
+        return block, [(o, o.clone()) for o in outs]
     raise ValueError(case)
 
 
@@ -398,6 +412,10 @@ MISMATCH_CASES = [
     "all_to_all_single_input_splits",
     "reduce_scatter_single_size",
     "reduce_scatter_single_op",
+    # calls that run one collective per tensor: the tensor counts must agree, else the
+    # later tensors would pair with the next calls of the other ranks
+    "all_reduce_coalesced_count",
+    "coalescing_block_count",
 ]
 
 

@@ -63,13 +63,24 @@ std::string describe(const OpHeader& h) {
   if (h.op == OP_ALLREDUCE_IPC || h.op == OP_BROADCAST_IPC || h.op == OP_ALLGATHER_IPC ||
       h.op == OP_REDUCE_SCATTER_IPC)
     o << " through CUDA IPC";
+  if (h.batch_index > 0 && h.batch_size > 0)
+    o << " (tensor " << h.batch_index << " of " << h.batch_size << " of one call)";
+  else if (h.batch_index > 0)
+    o << " (op " << h.batch_index << " of a coalescing block)";
   o << " [op #" << h.seq << "]";
   return o.str();
+}
+
+BatchPos& current_batch() {
+  thread_local BatchPos pos;
+  return pos;
 }
 
 void write_header(CollEngine* e, uint64_t k, OpHeader h, const std::vector<int64_t>& extra) {
   h.magic = kOpHeaderMagic;
   h.nextra = static_cast<uint32_t>(extra.size());
+  h.batch_index = current_batch().index;
+  h.batch_size = current_batch().size;
   std::memcpy(e->my_hdr(k), &h, sizeof(h));
   if (!extra.empty()) std::memcpy(e->my_hdr(k) + sizeof(h), extra.data(), extra.size() * 8);
 }
@@ -84,7 +95,8 @@ void check_headers(CollEngine* e, uint64_t k, int ref, const std::vector<int>& a
     OpHeader h;
     std::memcpy(&h, e->peer_hdr(j, k), sizeof(h));
     bool same = h.magic == kOpHeaderMagic && h.op == r.op && h.dtype == r.dtype && h.redop == r.redop &&
-                h.root == r.root && h.count == r.count && h.seq == r.seq && h.nextra == r.nextra;
+                h.root == r.root && h.count == r.count && h.seq == r.seq && h.nextra == r.nextra &&
+                h.batch_index == r.batch_index && h.batch_size == r.batch_size;
     if (same && r.op != OP_ALLTOALL && h.nextra > 0)
       same = std::memcmp(e->peer_hdr(j, k) + sizeof(h), e->peer_hdr(ref, k) + sizeof(h), h.nextra * 8) == 0;
     if (!same) {

@@ -51,9 +51,35 @@ struct OpHeader {
   int64_t count;    // elements (all_to_all: elements per row)
   uint64_t seq;     // collectives executed by the group (equal on every rank)
   uint32_t nextra;  // int64 values following the header
+  // Within a call that runs one collective per tensor (all_reduce_coalesced, ...): the
+  // tensor's 1-based position and the call's tensor count; within a coalescing block
+  // (startCoalescing .. endCoalescing): the op's 1-based position and 0; else 0 and 0.
+  // Ranks that pass different tensor counts, or put different ops in a block, then
+  // mismatch on every rank at the first op that differs, instead of the later tensors
+  // pairing with other calls.
+  uint32_t batch_index;
+  uint32_t batch_size;
   uint32_t pad;
 };
-static_assert(sizeof(OpHeader) == 48, "OpHeader layout");
+static_assert(sizeof(OpHeader) == 56, "OpHeader layout");
+
+// The batch position write_header puts into the headers of the collectives this thread
+// runs; BatchScope sets it for a scope (the thread that runs collectives is one thread).
+struct BatchPos {
+  uint32_t index = 0;
+  uint32_t size = 0;
+};
+BatchPos& current_batch();
+class BatchScope {
+ public:
+  BatchScope(uint32_t index, uint32_t size) : saved_(current_batch()) { current_batch() = {index, size}; }
+  ~BatchScope() { current_batch() = saved_; }
+  BatchScope(const BatchScope&) = delete;
+  BatchScope& operator=(const BatchScope&) = delete;
+
+ private:
+  BatchPos saved_;
+};
 
 // Header bytes per rank per round: the header and all_to_all's 2 x size split sizes,
 // rounded up to 64 bytes.
