@@ -36,7 +36,8 @@ link rate (S = size, H hosts, G ranks on the largest host):
 standard ones of a full-duplex link per host.) %bound = bound / time. "MB out" is the
 busiest host's counted bytes per call.
 
-Output: a table per topology on stdout, JSON (--json, default bench_out/multihost_bench.json).
+Output: a table per topology on stdout, JSON (--json, default bench_out/multihost_bench.json)
+and the same tables in markdown beside it (.md).
 Exit status 0 when every rank finished and every checked result was right (slower numbers
 never fail the run), else 1.
 """
@@ -238,7 +239,7 @@ def run_topology(ranks_per_host: list, args) -> dict:
     }
 
 
-def render(topo: dict, args) -> str:
+def render(topo: dict, args, md: bool = False) -> str:
     rph = topo["ranks_per_host"]
     h, g, n = len(rph), max(rph), sum(rph)
     rate = args.rate_bit / 8  # bytes/s
@@ -286,6 +287,10 @@ def render(topo: dict, args) -> str:
                 f(bb / 1e6, ".2f"),
             ]
         )
+    if md:
+        lines = [f"**{title}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+        return "\n".join(lines)
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     lines = [title, "  ".join(c.rjust(w) for c, w in zip(head, widths))]
     lines += ["  ".join(str(c).rjust(w) for c, w in zip(r, widths)) for r in rows]
@@ -353,6 +358,8 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
+    with open(os.path.splitext(args.json)[0] + ".md", "w") as f:
+        f.write("\n\n".join(render(t, args, md=True) for t in out["topologies"]) + "\n")
     print(f"\n{time.time() - t0:.0f} s; load after {out['load_after']:.1f}; JSON: {args.json}")
     return status
 

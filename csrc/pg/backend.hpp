@@ -452,7 +452,8 @@ class MooncakeBackend : public c10d::Backend {
   std::deque<std::shared_ptr<P2POp>> p2p_posted_;
 
   bool coalescing_ = false;
-  uint32_t coalesced_ops_ = 0;  // collectives issued in the open coalescing block
+  uint32_t coalesced_ops_ = 0;          // collectives issued in the open coalescing block
+  std::atomic<bool> left_self_{false};  // this rank left the group (leave): p2p raises too
   c10::intrusive_ptr<MooncakeWork> coalesce_parent_;
   std::deque<std::string> trace_;  // MOONCAKE_DEBUG: recent ops, dumped on timeout
   std::mutex trace_mu_;

@@ -45,6 +45,10 @@ void MooncakeBackend::check_peer_active(int peer, bool is_send) {
   if (joining_)
     C10_THROW_ERROR(DistBackendError, "MooncakeBackend (rank " + std::to_string(rank_) +
                                           "): this recovering rank must call join_group before any op");
+  if (left_self_)
+    C10_THROW_ERROR(DistBackendError, std::string("mooncake ") + (is_send ? "send" : "recv") + " (rank " +
+                                          std::to_string(rank_) +
+                                          "): this rank left the group (leave_group)");
   if (peer < 0) return;
   bool inactive;
   {

@@ -242,7 +242,9 @@ bool MooncakeBackend::only_leaves(const std::vector<int>& ranks) const {
 
 void MooncakeBackend::leave() {
   std::lock_guard<std::mutex> g(engine_mu_);
-  TORCH_CHECK(broken_.empty(), "mooncake deactivate_ranks (rank ", rank_, "): ", broken_);
+  if (!broken_.empty())
+    C10_THROW_ERROR(DistBackendError,
+                    "mooncake deactivate_ranks (rank " + std::to_string(rank_) + "): " + broken_);
   // propose "this rank left" for the next free epoch (a failure agreed meanwhile takes
   // that epoch first: read it, then propose for the one after)
   while (true) {
@@ -257,6 +259,15 @@ void MooncakeBackend::leave() {
   }
   broken_ = "MooncakeBackend: this rank left the group (deactivate_ranks of its own rank, epoch " +
             std::to_string(agreed_epoch_) + "); a new process may take its seat through recover_ranks";
+  left_self_ = true;
+  {
+    // the leaver's view of the membership (get_active_ranks, get_epoch) as the others see it;
+    // its transport is not used again
+    std::lock_guard<std::mutex> m(mem_mu_);
+    for (int j = 0; j < size_; ++j)
+      if (agreed_failed_[j]) active_[j] = 0;
+    epoch_ = agreed_epoch_;
+  }
   log_membership("left the group (epoch " + std::to_string(agreed_epoch_) + ")");
 }
 
@@ -270,6 +281,10 @@ void MooncakeBackend::apply_agreed() {
   }
   refresh_active_list();
   coll_->start_epoch(epoch_);
+  // op numbering restarts with the new member set, as after a join: a survivor whose op was
+  // under way when the failure struck counted it, one that learned of the failure from
+  // another group before its op ran did not
+  seq_exec_ = 0;
   log_membership("epoch " + std::to_string(epoch_) + " applied: active ranks " + join_ranks(act_));
 }
 
@@ -621,8 +636,15 @@ bool MooncakeBackend::members_all_dead(const std::string& ns, const std::vector<
 void MooncakeBackend::throw_failure(const std::string& what, const std::vector<int>& newly) {
   std::vector<int> failed = newly;
   if (failed.empty()) failed = failed_ranks();
-  std::string msg = "MooncakeBackend (rank " + std::to_string(rank_) + "): rank(s) " + join_ranks(failed) +
-                    " failed (" + what + "); membership epoch " + std::to_string(agreed_epoch_);
+  // ranks are this group's; a subgroup's message also gives the default group's numbers
+  std::vector<int> global;
+  for (int f : failed) global.push_back(global_rank(f));
+  const std::string in_default =
+      cfg_.global_ranks.empty() ? "" : " (rank(s) " + join_ranks(global) + " of the default group)";
+  const std::string which = cfg_.global_ranks.empty() ? "" : " of group '" + cfg_.group_name + "'";
+  std::string msg = "MooncakeBackend (rank " + std::to_string(rank_) + which + "): rank(s) " +
+                    join_ranks(failed) + in_default + " failed (" + what + "); membership epoch " +
+                    std::to_string(agreed_epoch_);
   if (policy_ == FailurePolicy::MANUAL)
     msg += "; on_failure='manual': later ops fail fast until every survivor calls deactivate_ranks";
   else

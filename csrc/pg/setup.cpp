@@ -153,7 +153,8 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
         if (!store->check({key(what + std::to_string(j))})) missing.push_back(j);
       TORCH_CHECK(false, "MooncakeBackend::build_transport: rank(s) [", join_ranks(missing),
                   "] did not publish '", what, "' within ", wait_ms,
-                  " ms (died or stopped during the rebuild)");
+                  " ms (died or stopped during the rebuild, or builds another group: shrink_group and "
+                  "split_group must be called alike on every member)");
     }
   };
 

@@ -385,6 +385,13 @@ def _mismatch_call(rank, ws, case, off):
             (out, out.clone()),
             (x, x.clone()),
         ]
+    if case in ("all_reduce_sparse_negative_index", "all_reduce_sparse_index_too_large"):
+        # torch does not check sparse indices unless asked; coalescing a bad one corrupts memory
+        bad = -1 if case.endswith("negative_index") else N
+        x = torch.sparse_coo_tensor(
+            torch.tensor([[bad if me else rank % N]]), torch.tensor([1.0]), (N,)
+        )
+        return (lambda: dist.all_reduce(x)), ([] if me else [(x, x.clone())])
     if case == "all_reduce_coalesced_count":  # the offender passes one tensor more
         xs = [torch.arange(float(N)) + 100 * rank for _ in range(3 if me else 2)]
         return (lambda: dist.all_reduce_coalesced(xs)), [(x, x.clone()) for x in xs]
@@ -416,6 +423,9 @@ MISMATCH_CASES = [
     # later tensors would pair with the next calls of the other ranks
     "all_reduce_coalesced_count",
     "coalescing_block_count",
+    # a sparse tensor's indices are checked by its rank and the verdict exchanged first
+    "all_reduce_sparse_negative_index",
+    "all_reduce_sparse_index_too_large",
 ]
 
 
@@ -433,7 +443,10 @@ def rank_mismatch(rank, ws, case, off):
             "message": str(e),
         }
     res["seconds"] = time.monotonic() - t0
-    res["unchanged"] = [bool(torch.equal(b, c)) for b, c in bufs]
+    res["unchanged"] = [
+        bool(torch.equal(b.to_dense(), c.to_dense()) if b.is_sparse else torch.equal(b, c))
+        for b, c in bufs
+    ]
     t = torch.tensor([rank + 1.0])
     dist.all_reduce(t)
     res["next_all_reduce"] = t.item()

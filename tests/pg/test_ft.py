@@ -1339,6 +1339,54 @@ def test_failure_applies_to_every_group_containing_the_rank(ft_pool, transport):
     assert (kind, failed) == ("raised", [2]) and seconds < FAST_BOUND, res[0]
 
 
+def rank_failure_seen_first_in_a_subgroup(rank, ws):
+    """Rank 2 dies while rank 0 is inside a default-group all_reduce and rank 1 inside an
+    all_reduce of the subgroup [1, 2]: rank 1 learns of the failure there, so its next
+    default-group op fails before it runs, while rank 0's was under way. Afterwards the
+    default group must pair their ops again."""
+    import mooncake_pg
+
+    sub = dist.new_group([1, 2])
+    dist.all_reduce(torch.ones(1))
+    if rank == 2:
+        time.sleep(0.3)
+        kill_self(rank, "while 0 is in a default-group op and 1 in a subgroup op")
+    sub_error = None
+    if rank == 1:
+        try:
+            dist.all_reduce(torch.ones(1), group=sub)
+        except mooncake_pg.RankFailureError as e:
+            sub_error = (sorted(e.failed_ranks), str(e).splitlines()[0])
+    out = [sub_error]
+    for _ in range(3):
+        t = torch.full((1,), float(rank + 1))
+        try:
+            dist.all_reduce(t)
+            out.append(t.item())
+        except mooncake_pg.RankFailureError as e:
+            out.append(("raised", sorted(e.failed_ranks)))
+    return out
+
+
+@pytest.mark.parametrize("policy", ["raise", "mask"])
+def test_failure_seen_first_in_a_subgroup_keeps_the_default_group_paired(ft_pool, policy):
+    pool = ft_pool(3, "shm", policy)
+    res, _ = run_killed(pool, rank_failure_seen_first_in_a_subgroup, victims=[2])
+    if policy == "raise":
+        # the subgroup's error counts in the subgroup's ranks and names the default group's
+        failed, msg = res[1][0]
+        assert failed == [1] and "(rank(s) 2 of the default group)" in msg, res[1][0]
+    for r in (0, 1):
+        res[r] = res[r][1:]
+        ok = [v for v in res[r] if not isinstance(v, tuple)]
+        raised = [v for v in res[r] if isinstance(v, tuple)]
+        assert all(v == ("raised", [2]) for v in raised) and len(raised) <= 1, res[r]
+        assert ok == [1.0 + 2.0] * len(ok) and len(ok) >= 2, res[r]
+        if policy == "mask":
+            assert not raised, res[r]
+    assert res[0] == res[1], res
+
+
 # ============================================================== control store in rank 0
 
 _STORE_IN_RANK0 = r'''

@@ -331,12 +331,23 @@ def rank_leave(rank, ws, leaver):
     dist.all_reduce(x)
     if rank == leaver:
         mooncake_pg.leave_group()
-        try:
-            dist.all_reduce(x)
-            after = "completed"
-        except Exception as e:
-            after = type(e).__name__
-        return {"left": True, "after": after}
+        after = {}
+        for name, call in (
+            ("all_reduce", lambda: dist.all_reduce(x)),
+            ("send", lambda: dist.send(torch.ones(1), dst=0)),
+            ("leave_group", mooncake_pg.leave_group),
+        ):
+            try:
+                call()
+                after[name] = "completed"
+            except Exception as e:
+                after[name] = type(e).__name__
+        return {
+            "left": True,
+            "after": after,
+            "active": mooncake_pg.get_active_ranks().tolist(),
+            "epoch": mooncake_pg.get_epoch(),
+        }
     t = torch.tensor([rank + 1.0])
     t0 = time.monotonic()
     dist.all_reduce(t)
@@ -378,7 +389,8 @@ def rank_refill(rank, ws):
 def test_leave_group_is_agreed_at_once_and_the_seat_refilled(transport, policy):
     """Rank 1 of 3 leaves (leave_group) between two ops: the others' next all_reduce runs over
     ranks 0 and 2 (sum 1 + 3) well under the 30 s op timeout, under every policy; the leaver's
-    later ops raise; the seat is listed failed, and a replacement takes it through
+    later ops (collectives, p2p, another leave) raise DistBackendError and it sees the
+    membership the others see; the seat is listed failed, and a replacement takes it through
     recover_ranks / join_group, after which all_reduce runs over 3 again."""
     from tests.pg.test_rejoin import RejoinPool, expect_ok
 
@@ -386,7 +398,12 @@ def test_leave_group_is_agreed_at_once_and_the_seat_refilled(transport, policy):
     try:
         res = rp.run(rank_leave, 1)
         expect_ok(rp, res, [0, 1, 2], "leave")
-        assert res[1] == {"left": True, "after": "DistBackendError"}, res[1]
+        assert res[1] == {
+            "left": True,
+            "after": dict.fromkeys(("all_reduce", "send", "leave_group"), "DistBackendError"),
+            "active": [1, 0, 1],
+            "epoch": 1,
+        }, res[1]
         for r in (0, 2):
             got = res[r]
             assert got["value"] == 1.0 + 3.0, got

@@ -15,7 +15,8 @@ namespace mooncake {
 namespace {
 
 constexpr int kMaxSparseDims = 32;
-// metadata per rank: [present, nnz, sparse_dim, dense_dim, dtype, ndim, sizes...]
+// metadata per rank: [1 (2: an index out of bounds), nnz, sparse_dim, dense_dim, dtype,
+// ndim, sizes...]
 constexpr int kMetaLen = 6 + kMaxSparseDims;
 
 std::vector<uint8_t*> slot_ptrs(std::vector<at::Tensor>& ts) {
@@ -49,12 +50,23 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce_sparse(std::vector<at:
 
 void MooncakeBackend::run_allreduce_sparse(at::Tensor& t, int64_t deadline_ns) {
   const char* op = "all_reduce (sparse)";
-  const at::Tensor in = t.coalesce();
+  // torch does not check a sparse tensor's indices by default, and coalesce() of one with
+  // an index outside its sizes corrupts memory: each rank checks its own and says so in
+  // its metadata, so that every rank raises naming it before anything else is sent
+  bool in_bounds = true;
+  {
+    const at::Tensor ix = t._indices();
+    for (int64_t d = 0; d < t.sparse_dim() && in_bounds && ix.size(1) > 0; ++d) {
+      const at::Tensor row = ix.select(0, d);
+      in_bounds = row.min().item<int64_t>() >= 0 && row.max().item<int64_t>() < t.size(d);
+    }
+  }
+  const at::Tensor in = in_bounds ? t.coalesce() : at::sparse_coo_tensor(t.sizes(), t.options());
   const int64_t nnz = in._nnz();
   const int64_t sdim = in.sparse_dim(), ddim = in.dense_dim();
   at::Tensor meta = at::zeros({kMetaLen}, at::kLong);
   auto m = meta.accessor<int64_t, 1>();
-  m[0] = 1;
+  m[0] = in_bounds ? 1 : 2;
   m[1] = nnz;
   m[2] = sdim;
   m[3] = ddim;
@@ -66,6 +78,10 @@ void MooncakeBackend::run_allreduce_sparse(at::Tensor& t, int64_t deadline_ns) {
   run_allgather(meta, slot_ptrs(metas), OP_ALLGATHER, -1, deadline_ns);
   // every rank sees every rank's metadata, so every rank takes the same decision here
   int64_t max_nnz = 0;
+  for (int j : act_)
+    TORCH_CHECK_VALUE(metas[j][0].item<int64_t>() != 2, "mooncake ", op, " (rank ", rank_, "): rank ", j,
+                      " passed a sparse tensor with an index outside its sizes (negative or >= the size "
+                      "of its dimension); no output was modified");
   for (int j : act_) {
     const at::Tensor mj = metas[j].narrow(0, 2, kMetaLen - 2);
     TORCH_CHECK_VALUE(at::equal(mj, meta.narrow(0, 2, kMetaLen - 2)), "mooncake ", op, " (rank ", rank_,
