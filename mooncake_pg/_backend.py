@@ -130,6 +130,34 @@ def _register():
     devices = ["cpu", "cuda"] if getattr(_C, "WITH_CUDA", False) else ["cpu"]
     dist.Backend.register_backend("mooncake", _create_backend, extended_api=True, devices=devices)
     _register_shrunk_groups_as_custom()
+    _exclude_global_ranks_when_shrinking_subgroups()
+
+
+def _exclude_global_ranks_when_shrinking_subgroups():
+    """torch 2.13's ``shrink_group(ranks_to_exclude, group)`` takes group ranks, but
+    ``_finalize_shrunk_group`` filters the group's *global* ranks with them when it records
+    the new group's members; for a subgroup (not the default group) that keeps the wrong
+    ranks, so ``get_rank``/``get_process_group_ranks`` and rooted ops of the shrunk group
+    address the wrong processes. For a ``mooncake`` subgroup the excluded ranks are handed
+    over as global ranks (the backend was already shrunk with the group ranks)."""
+    c10d = dist.distributed_c10d
+    finalize = getattr(c10d, "_finalize_shrunk_group", None)
+    if finalize is None or getattr(finalize, "_mooncake_global", False):
+        return
+
+    @functools.wraps(finalize)
+    def finalize_shrunk_group(group_info, excluded_ranks_set, new_backend, *args, **kwargs):
+        pg = group_info.get("process_group") if isinstance(group_info, dict) else None
+        if (
+            pg is not None
+            and not group_info.get("is_default_group", True)
+            and isinstance(new_backend, _C.MooncakeBackend)
+        ):
+            excluded_ranks_set = {c10d.get_global_rank(pg, r) for r in excluded_ranks_set}
+        return finalize(group_info, excluded_ranks_set, new_backend, *args, **kwargs)
+
+    finalize_shrunk_group._mooncake_global = True
+    c10d._finalize_shrunk_group = finalize_shrunk_group
 
 
 def _register_shrunk_groups_as_custom():

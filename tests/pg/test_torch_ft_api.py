@@ -89,6 +89,20 @@ def rank_planned_shrink(rank, ws, leaving):
     return out
 
 
+def rank_shrink_subgroup(rank, ws):
+    """Global rank 1 (rank 0 of the subgroup [1, 2, 3]) is dropped from the subgroup."""
+    sub = dist.new_group([1, 2, 3])
+    if rank not in (2, 3):
+        return None
+    new = dist.shrink_group([0], group=sub)  # group ranks, as torch documents
+    out = run_collectives(new)
+    out["global_ranks"] = dist.get_process_group_ranks(new)
+    t = torch.full((1,), float(rank))
+    dist.broadcast(t, src=3, group=new)  # a global rank, mapped by torch
+    out["broadcast_from_global_3"] = t
+    return out
+
+
 def rank_shrink_abort_in_flight(rank, ws, absent):
     if rank == absent:
         time.sleep(0.5)  # alive, but never joins the all_reduce below
@@ -234,6 +248,20 @@ def test_planned_shrink_without_a_failure(fresh_pool):
     for r in range(3):
         exp[r]["ddp_grad"] = torch.full((1, 2), (1.0 + 2.0 + 3.0) / 3)
         assert_collectives(res[r], exp[r], f"rank {r}")
+
+
+def test_shrink_group_of_a_subgroup_renumbers_its_members(fresh_pool):
+    """shrink_group([0], group=new_group([1, 2, 3])) on ranks 2 and 3: the new group is
+    global ranks [2, 3] renumbered 0 and 1 (torch 2.13 alone records [1, 2, 3] for it), and
+    every collective is right there."""
+    pool = fresh_pool(4, "shm")
+    res = pool.run(rank_shrink_subgroup, timeout=120)
+    assert res[0] is None and res[1] is None, res
+    exp = expected_collectives(2)
+    for g, r in ((2, 0), (3, 1)):
+        exp[r]["global_ranks"] = [2, 3]
+        exp[r]["broadcast_from_global_3"] = torch.tensor([3.0])
+        assert_collectives(res[g], exp[r], f"global rank {g}")
 
 
 def test_shrink_abort_fails_the_op_in_flight(fresh_pool):
