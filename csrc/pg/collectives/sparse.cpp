@@ -37,9 +37,12 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce_sparse(std::vector<at:
                     "): expected a sparse COO tensor, got layout ", t.layout());
   TORCH_CHECK_VALUE(t.device().is_cpu(), "mooncake ", op, " (rank ", rank_,
                     "): expected a CPU tensor, got one on ", t.device());
-  TORCH_CHECK_VALUE(opts.reduceOp == c10d::ReduceOp::SUM, "mooncake ", op, " (rank ", rank_,
-                    "): sparse tensors are reduced with ReduceOp.SUM only (as in gloo), got ",
-                    static_cast<int>(opts.reduceOp.op_));
+  if (opts.reduceOp != c10d::ReduceOp::SUM) {
+    double premul = 1.0;
+    TORCH_CHECK_VALUE(false, "mooncake ", op, " (rank ", rank_,
+                      "): sparse tensors are reduced with ReduceOp.SUM only (as in gloo), got ReduceOp.",
+                      red_op_name(to_redop(opts.reduceOp, &premul)));
+  }
   TORCH_CHECK_VALUE(t.dim() <= kMaxSparseDims, "mooncake ", op, " (rank ", rank_, "): at most ",
                     kMaxSparseDims, " dimensions, got ", t.dim());
   check_dense(t._values(), op, rank_);
