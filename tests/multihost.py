@@ -33,7 +33,47 @@ def rank_hosts(ranks_per_host: list) -> list:
     return [h for h, g in enumerate(ranks_per_host) for _ in range(g)]
 
 
-def run_ranks(
+class Ranks:
+    """Rank processes started by :func:`start_ranks`; :meth:`results` collects them."""
+
+    def __init__(self, procs: list):
+        self.procs = procs
+
+    def results(self, timeout_s: float, ranks=None) -> dict:
+        """{rank: result dict} for ``ranks`` (default: all), waiting at most ``timeout_s``
+        in all; then every rank process still running is SIGKILLed as a group."""
+        deadline = time.monotonic() + timeout_s
+        out = {}
+        try:
+            for rank, p in enumerate(self.procs):
+                if ranks is not None and rank not in ranks:
+                    continue
+                try:
+                    log, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    kill_group(p)
+                    log, _ = p.communicate()
+                    out[rank] = {"error": "timeout", "log": log[-3000:]}
+                    continue
+                res = [ln[7:] for ln in log.splitlines() if ln.startswith("RESULT ")]
+                log = "\n".join(ln for ln in log.splitlines() if not ln.startswith("RESULT "))
+                out[rank] = (
+                    {**json.loads(res[-1]), "log": log[-3000:]}
+                    if res
+                    else {"error": "no result", "rc": p.returncode, "log": log[-3000:]}
+                )
+        finally:
+            for p in self.procs:
+                kill_group(p)
+        return out
+
+
+def run_ranks(*args, timeout_s: float = 120.0, **kwargs) -> dict:
+    """:func:`start_ranks` and wait for every rank's result."""
+    return start_ranks(*args, **kwargs).results(timeout_s)
+
+
+def start_ranks(
     t: netns.Topo,
     ranks_per_host: list,
     scenario: str,
@@ -41,11 +81,10 @@ def run_ranks(
     *,
     env: dict | None = None,
     rank_env: dict | None = None,
-    timeout_s: float = 120.0,
     backend: str = "mooncake",
     argv: list | None = None,
-) -> dict:
-    """Runs ``scenario`` on ``sum(ranks_per_host)`` ranks; returns {rank: result dict}.
+) -> Ranks:
+    """Starts ``scenario`` on ``sum(ranks_per_host)`` ranks (each rank's stdout is piped).
 
     env: extra variables for every rank; rank_env: {rank: {var: value}} for single ranks.
     argv: the rank program (default ``python -m tests.multihost_rank``); it gets MH_RANK,
@@ -96,25 +135,4 @@ def run_ranks(
                 text=True,
             )
         )
-    deadline = time.monotonic() + timeout_s
-    out = {}
-    try:
-        for rank, p in enumerate(procs):
-            try:
-                log, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                kill_group(p)
-                log, _ = p.communicate()
-                out[rank] = {"error": "timeout", "log": log[-3000:]}
-                continue
-            res = [ln[7:] for ln in log.splitlines() if ln.startswith("RESULT ")]
-            log = "\n".join(ln for ln in log.splitlines() if not ln.startswith("RESULT "))
-            out[rank] = (
-                {**json.loads(res[-1]), "log": log[-3000:]}
-                if res
-                else {"error": "no result", "rc": p.returncode, "log": log[-3000:]}
-            )
-    finally:
-        for p in procs:
-            kill_group(p)
-    return out
+    return Ranks(procs)

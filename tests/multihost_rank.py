@@ -39,7 +39,74 @@ def every_op(rank, world_size):
     return run_collectives()
 
 
-SCENARIOS = {"every_op": every_op}
+def conformance(rank, world_size):
+    """every_op and the dtype/shape sweep on the default group, then on a subgroup that
+    spans hosts (the first and the last rank) and on one inside host 0 (its ranks)."""
+    from tests.pg.every_op import run_collectives, run_sweep
+
+    per_host = [int(g) for g in os.environ["MH_RANKS_PER_HOST"].split(",")]
+    out = {"world": {**run_collectives(), **run_sweep()}}
+    spanning = dist.new_group([0, world_size - 1])
+    inside = dist.new_group(list(range(per_host[0])))
+    if rank in (0, world_size - 1):
+        out["spanning"] = {**run_collectives(spanning), **run_sweep(spanning)}
+    if rank < per_host[0]:
+        out["inside"] = {**run_collectives(inside), **run_sweep(inside)}
+    return out
+
+
+def until_host_lost(rank, world_size, survivors_sum, progress_dir):
+    """all_reduce of [rank + 1] in a loop (on_failure="mask"), writing the number of ops done
+    to progress_dir/<rank>, until 10 results in a row equal survivors_sum (the other host
+    was cut off and agreed failed). Returns the longest op and the membership."""
+    import mooncake_pg
+
+    done, longest, tail = 0, 0.0, 0
+    path = os.path.join(progress_dir, str(rank))
+    while tail < 10:
+        t = torch.tensor([rank + 1.0])
+        t0 = time.monotonic()
+        dist.all_reduce(t)
+        longest = max(longest, time.monotonic() - t0) if done else 0.0
+        done += 1
+        tail = tail + 1 if t.item() == survivors_sum else 0
+        with open(path, "w") as f:
+            f.write(str(done))
+        time.sleep(0.01)
+    return {
+        "longest_op_s": longest,
+        "active": mooncake_pg.get_active_ranks().tolist(),
+        "epoch": mooncake_pg.get_epoch(),
+    }
+
+
+def busy_between_ops(rank, world_size, busy_rank, busy_s):
+    """Rank busy_rank computes (sleeps) busy_s between two all_reduces while the others wait
+    inside the second: nobody may be blamed (the op timeout is longer than busy_s)."""
+    import mooncake_pg
+
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    if rank == busy_rank:
+        time.sleep(busy_s)
+    t0 = time.monotonic()
+    u = torch.tensor([rank + 1.0])
+    dist.all_reduce(u)
+    return {
+        "first": t.item(),
+        "second": u.item(),
+        "waited_s": time.monotonic() - t0,
+        "active": mooncake_pg.get_active_ranks().tolist(),
+        "epoch": mooncake_pg.get_epoch(),
+    }
+
+
+SCENARIOS = {
+    "every_op": every_op,
+    "conformance": conformance,
+    "until_host_lost": until_host_lost,
+    "busy_between_ops": busy_between_ops,
+}
 
 
 def main() -> None:

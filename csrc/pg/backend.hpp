@@ -352,8 +352,25 @@ class MooncakeBackend : public c10d::Backend {
   std::vector<int> members_cache_;
   // A control-store call bounded by the op timeout (TCPStore calls block without bound
   // when the store's host is cut off: no RST, no keepalive); throws StoreTimeout.
+  // limit_ms > 0: that bound instead of the op timeout
   template <class T>
-  T bounded_store_call(const char* what, std::function<T(c10d::Store&)> fn);
+  T bounded_store_call(const char* what, std::function<T(c10d::Store&)> fn, int64_t limit_ms = 0);
+  // Heartbeats, in groups that span hosts: a detached thread adds 1 to "hb/<rank>" in the
+  // control store every kHeartbeatPeriodMs (through its own clone of the store); a rank
+  // blocked on peers of other hosts reads their counts and takes a peer whose count has not
+  // moved for kHeartbeatLostMs for dead. A cut link or a frozen host sends no RST or FIN,
+  // so without this only the op timeout would end the wait; a live rank that is busy
+  // between ops keeps beating (the thread does not need the GIL or the op).
+  static constexpr int64_t kHeartbeatPeriodMs = 200;
+  static constexpr int64_t kHeartbeatLostMs = 2000;
+  struct Heartbeat {
+    std::atomic<bool> stop{false};
+  };
+  std::shared_ptr<Heartbeat> heartbeat_;
+  std::vector<int64_t> hb_count_, hb_changed_ns_;
+  int64_t next_hb_check_ns_ = 0;
+  void start_heartbeat();
+  std::vector<int> heartbeat_lost(const std::vector<int>& ranks);
   void apply_join(const Record& rec, uint64_t epoch);
 
   // collective bodies (run with the engine held)

@@ -90,6 +90,10 @@ std::vector<int> MooncakeBackend::probe_dead(const std::vector<int>& ranks) {
     }
     if (!dead.empty()) return dead;
   }
+  if (!one_host_) {
+    dead = heartbeat_lost(ranks);
+    if (!dead.empty()) return dead;
+  }
   for (int j : ranks) {
     if (j < 0 || j >= size_ || j == rank_) continue;
     if (peer_pidfd_[j] >= 0) {
@@ -102,8 +106,68 @@ std::vector<int> MooncakeBackend::probe_dead(const std::vector<int>& ranks) {
   return dead;
 }
 
+void MooncakeBackend::start_heartbeat() {
+  if (heartbeat_) return;
+  heartbeat_ = std::make_shared<Heartbeat>();
+  hb_count_.assign(size_, -1);
+  hb_changed_ns_.assign(size_, 0);
+  c10::intrusive_ptr<c10d::Store> st;
+  try {
+    st = store_->clone();  // a connection of its own: never queued behind a blocked call
+  } catch (const std::exception&) {
+    st = store_;
+  }
+  const std::string key = store_ns_ + "hb/" + std::to_string(rank_);
+  // detached, owning what it touches: a beat blocked on an unreachable store outlives the
+  // backend harmlessly (that host has stopped beating, which is what the others must see)
+  std::thread([hb = heartbeat_, st, key]() {
+    while (!hb->stop.load()) {
+      try {
+        st->add(key, 1);
+      } catch (const std::exception&) {
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(kHeartbeatPeriodMs));
+    }
+  }).detach();
+}
+
+std::vector<int> MooncakeBackend::heartbeat_lost(const std::vector<int>& ranks) {
+  std::vector<int> lost;
+  const int64_t now = now_ns();
+  if (!heartbeat_ || now < next_hb_check_ns_) return lost;
+  next_hb_check_ns_ = now + kHeartbeatPeriodMs * 1000000;
+  std::vector<int> remote;  // peers of other hosts (no process handle)
+  for (int j : ranks)
+    if (j >= 0 && j < size_ && j != rank_ && peer_pidfd_[j] < 0 && peer_pid_[j] == 0) remote.push_back(j);
+  if (remote.empty()) return lost;
+  std::vector<int64_t> counts;
+  const std::string ns = store_ns_;
+  try {
+    counts = bounded_store_call<std::vector<int64_t>>(
+        "reading heartbeats",
+        [ns, remote](c10d::Store& st) {
+          std::vector<int64_t> v;
+          for (int j : remote) v.push_back(st.add(ns + "hb/" + std::to_string(j), 0));
+          return v;
+        },
+        kHeartbeatPeriodMs * 2);
+  } catch (const std::exception&) {  // an unreachable store is found out by agree()
+    return lost;
+  }
+  for (size_t i = 0; i < remote.size(); ++i) {
+    const int j = remote[i];
+    if (counts[i] != hb_count_[j] || hb_changed_ns_[j] == 0) {
+      hb_count_[j] = counts[i];
+      hb_changed_ns_[j] = now;
+    } else if (now - hb_changed_ns_[j] > kHeartbeatLostMs * 1000000) {
+      lost.push_back(j);
+    }
+  }
+  return lost;
+}
+
 template <class T>
-T MooncakeBackend::bounded_store_call(const char* what, std::function<T(c10d::Store&)> fn) {
+T MooncakeBackend::bounded_store_call(const char* what, std::function<T(c10d::Store&)> fn, int64_t limit_ms) {
   // The call runs on a detached thread that owns everything it touches (the store handle,
   // the function, the promise): if it outlives the deadline it finishes (or stays blocked)
   // harmlessly after this backend is gone.
@@ -117,7 +181,8 @@ T MooncakeBackend::bounded_store_call(const char* what, std::function<T(c10d::St
       prom->set_exception(std::current_exception());
     }
   }).detach();
-  const auto limit = std::max(timeout_ms_, std::chrono::milliseconds(1000));
+  const auto limit = limit_ms > 0 ? std::chrono::milliseconds(limit_ms)
+                                  : std::max(timeout_ms_, std::chrono::milliseconds(1000));
   if (fut.wait_for(limit) != std::future_status::ready) {
     std::ostringstream msg;
     msg << what << " got no answer within " << limit.count() / 1000.0

@@ -23,6 +23,7 @@ void MooncakeBackend::shutdown() {
     if (stop_) return;
     stop_ = true;
   }
+  if (heartbeat_) heartbeat_->stop = true;
   if (coll_) coll_->request_abort();
   qcv_.notify_all();
   ccv_.notify_all();

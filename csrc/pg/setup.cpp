@@ -378,6 +378,7 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
   coll->set_liveness([this](const std::vector<int>& ranks) { return probe_dead(ranks); });
   coll_ = std::move(coll);
   p2p_ = std::move(p2p);
+  if (!one_host) start_heartbeat();
 }
 
 }  // namespace mooncake

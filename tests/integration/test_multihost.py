@@ -8,13 +8,15 @@ cannot be made (not root, no iproute2).
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import pytest
 import torch
 
 from tests import netns
-from tests.multihost import rank_hosts, run_ranks
-from tests.pg.every_op import expected_collectives
+from tests.multihost import rank_hosts, run_ranks, start_ranks
+from tests.pg.every_op import expected_collectives, expected_sweep
 
 OK, WHY = netns.available()
 pytestmark = [
@@ -27,6 +29,17 @@ def _value(x):
     if isinstance(x, dict) and "tensor" in x:
         return torch.tensor(x["tensor"], dtype=getattr(torch, x["dtype"]))
     return x
+
+
+def _compare(got: dict, exp: dict, where: str):
+    for k, v in exp.items():
+        g = _value(got[k])
+        if isinstance(v, torch.Tensor):
+            assert isinstance(g, torch.Tensor) and g.dtype == v.dtype and torch.equal(g, v), (
+                f"{where}: {k} = {g}, expected {v}"
+            )
+        else:
+            assert g == v, f"{where}: {k} = {g!r}, expected {v!r}"
 
 
 def _check_every_op(res: dict, world_size: int):
@@ -81,3 +94,87 @@ def test_a_data_plane_address_that_cannot_work_raises_on_every_rank(host_ip, exp
         assert "host_ip" in got["message"] and "MOONCAKE_SOCKET_IFNAME" in got["message"], got[
             "message"
         ]
+
+
+@pytest.mark.parametrize(
+    "ranks_per_host", [[2, 2], [3, 1], [2, 2, 2, 2]], ids=["2x2", "3+1", "4x2"]
+)
+def test_every_collective_across_hosts(ranks_per_host):
+    """Every collective and p2p op, and all_reduce / all_gather / reduce_scatter / broadcast /
+    all_to_all (uneven splits) in one dtype of each class, a non-contiguous and a zero-element
+    all_reduce: on the default group, on a subgroup spanning hosts and on one inside host 0,
+    against values computed here."""
+    with netns.hosts(len(ranks_per_host), "mcmh") as t:
+        res = run_ranks(t, ranks_per_host, "conformance", timeout_s=200)
+    n = sum(ranks_per_host)
+    for r in range(n):
+        assert "error" not in res[r], (
+            f"rank {r}: {res[r].get('message')}\n{res[r].get('tb') or res[r].get('log')}"
+        )
+    groups = {
+        "world": list(range(n)),
+        "spanning": [0, n - 1],
+        "inside": list(range(ranks_per_host[0])),
+    }
+    for name, members in groups.items():
+        exp_ops = expected_collectives(len(members))
+        exp_sweep = expected_sweep(len(members))
+        for i, g in enumerate(members):
+            _compare(res[g][name], {**exp_ops[i], **exp_sweep[i]}, f"{name} rank {i} (global {g})")
+
+
+def test_a_silent_host_is_agreed_failed_within_seconds(tmp_path):
+    """Host 1 (ranks 2, 3) is cut off while the four ranks all_reduce in a loop with the
+    default op timeout (30 s) and on_failure="mask": the link drops every frame (no RST, no
+    FIN), so only the heartbeats between hosts can tell. Host 0's ranks agree that 2 and 3
+    failed and go on within 3 s of the cut (the longest op, which includes detection and
+    agreement, stays under 3 s; the op timeout would take 30)."""
+    progress = tmp_path / "progress"
+    progress.mkdir()
+    with netns.hosts(2, "mcmh") as t:
+        ranks = start_ranks(
+            t,
+            [2, 2],
+            "until_host_lost",
+            {
+                "survivors_sum": 1.0 + 2.0,
+                "progress_dir": str(progress),
+                "options": {"on_failure": "mask"},
+            },
+        )
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            done = [int((progress / f).read_text() or 0) for f in os.listdir(progress)]
+            if len(done) == 4 and min(done) >= 5:
+                break
+            time.sleep(0.05)
+        else:
+            res = ranks.results(1)
+            raise AssertionError(f"the ranks did not get going: {res}")
+        netns.cut(t, t.hosts[1])
+        t_cut = time.monotonic()
+        res = ranks.results(60, ranks=[0, 1])
+        took = time.monotonic() - t_cut
+    for r in (0, 1):
+        got = res[r]
+        assert "error" not in got, f"rank {r}: {got}"
+        assert got["active"] == [1, 1, 0, 0] and got["epoch"] in (1, 2), got
+        assert got["longest_op_s"] < 3.0, (got, took)
+    print(f"cut agreed: longest op {res[0]['longest_op_s']:.2f} / {res[1]['longest_op_s']:.2f} s")
+
+
+def test_a_rank_busy_between_ops_is_not_blamed():
+    """Rank 3 (host 1) computes for 20 s between two all_reduces while the others already
+    wait inside the second (op timeout 30 s): its heartbeats go on, nobody is declared
+    failed, the result is right."""
+    with netns.hosts(2, "mcmh") as t:
+        res = run_ranks(
+            t, [2, 2], "busy_between_ops", {"busy_rank": 3, "busy_s": 20.0}, timeout_s=120
+        )
+    for r in range(4):
+        got = res[r]
+        assert "error" not in got, f"rank {r}: {got}"
+        assert got["first"] == got["second"] == 10.0, got
+        assert got["active"] == [1, 1, 1, 1] and got["epoch"] == 0, got
+        if r != 3:
+            assert got["waited_s"] > 15.0, got  # they did wait for rank 3

@@ -93,3 +93,80 @@ def assert_collectives(got: dict, exp: dict, where: str):
             )
         else:
             assert g == v, f"{where}: {k} = {g!r}, expected {v!r}"
+
+
+# ------------------------------------------------------------------ dtypes and shapes
+
+# one dtype of each class (exact in every one of them: the inputs are small integers)
+SWEEP_DTYPES = ["float32", "float64", "bfloat16", "float16", "int64", "int32", "uint8", "bool"]
+
+
+def _sweep_input(r: int, count: int, dtype: str) -> torch.Tensor:
+    """Rank r's input: small integers (0/1 for bool) that every dtype holds exactly."""
+    base = torch.arange(count) % 5 + r
+    return (base % 2 if dtype == "bool" else base).to(getattr(torch, dtype))
+
+
+def run_sweep(group=None, count: int = 7) -> dict:
+    """all_reduce, all_gather_into_tensor, reduce_scatter_tensor, broadcast and
+    all_to_all_single (uneven splits) for each dtype of SWEEP_DTYPES; all_reduce of a
+    non-contiguous view and of zero elements."""
+    r, n = dist.get_rank(group), dist.get_world_size(group)
+    out = {}
+    for d in SWEEP_DTYPES:
+        dt = getattr(torch, d)
+        op = dist.ReduceOp.MAX if d == "bool" else dist.ReduceOp.SUM
+        t = _sweep_input(r, count, d)
+        dist.all_reduce(t, op=op, group=group)
+        out[f"all_reduce/{d}"] = t
+        ag = torch.empty(n * count, dtype=dt)
+        dist.all_gather_into_tensor(ag, _sweep_input(r, count, d), group=group)
+        out[f"all_gather_into_tensor/{d}"] = ag
+        rs = torch.empty(count, dtype=dt)
+        dist.reduce_scatter_tensor(rs, _sweep_input(r, n * count, d), op=op, group=group)
+        out[f"reduce_scatter_tensor/{d}"] = rs
+        b = _sweep_input(r, count, d)
+        dist.broadcast(b, group_src=0, group=group)
+        out[f"broadcast/{d}"] = b
+        # rank r sends j + 1 elements to rank j and receives r + 1 from each
+        send = [j + 1 for j in range(n)]
+        recv = [r + 1] * n
+        a_in = torch.cat([_sweep_input(r * 10 + j, j + 1, d) for j in range(n)])
+        a_out = torch.empty(sum(recv), dtype=dt)
+        dist.all_to_all_single(a_out, a_in, recv, send, group=group)
+        out[f"all_to_all_single/{d}"] = a_out
+    m = (torch.arange(12.0).reshape(3, 4) + r).t()  # a transposed view: not contiguous
+    dist.all_reduce(m, group=group)
+    out["all_reduce/non_contiguous"] = m
+    z = torch.empty(0)
+    dist.all_reduce(z, group=group)
+    out["all_reduce/zero_elements"] = z
+    return out
+
+
+def expected_sweep(n: int, count: int = 7) -> list:
+    """The outputs of :func:`run_sweep` for each rank of an ``n``-rank group."""
+    res = []
+    for r in range(n):
+        e = {}
+        for d in SWEEP_DTYPES:
+            ins = [_sweep_input(k, count, d).double() for k in range(n)]
+            red = torch.stack(ins).amax(0) if d == "bool" else torch.stack(ins).sum(0)
+            dt = getattr(torch, d)
+            e[f"all_reduce/{d}"] = red.to(dt)
+            e[f"all_gather_into_tensor/{d}"] = torch.cat(
+                [_sweep_input(k, count, d) for k in range(n)]
+            )
+            full = [_sweep_input(k, n * count, d).double() for k in range(n)]
+            fred = torch.stack(full).amax(0) if d == "bool" else torch.stack(full).sum(0)
+            e[f"reduce_scatter_tensor/{d}"] = fred[r * count : (r + 1) * count].to(dt)
+            e[f"broadcast/{d}"] = _sweep_input(0, count, d)
+            e[f"all_to_all_single/{d}"] = torch.cat(
+                [_sweep_input(k * 10 + r, r + 1, d) for k in range(n)]
+            )
+        e["all_reduce/non_contiguous"] = sum(
+            (torch.arange(12.0).reshape(3, 4) + k).t() for k in range(n)
+        )
+        e["all_reduce/zero_elements"] = torch.empty(0)
+        res.append(e)
+    return res

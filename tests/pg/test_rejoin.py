@@ -62,10 +62,17 @@ class RejoinPool:
     """A fresh RankPool plus :meth:`respawn` (replacement ranks started by the test)."""
 
     def __init__(
-        self, transport, policy="mask", op_timeout=OP_TIMEOUT, options=None, rank_options=None
+        self,
+        transport,
+        policy="mask",
+        op_timeout=OP_TIMEOUT,
+        options=None,
+        rank_options=None,
+        world_size=W,
     ):
+        self.world_size = world_size
         self.pool = RankPool(
-            W,
+            world_size,
             "mooncake",
             transport,
             op_timeout=op_timeout,
@@ -73,7 +80,7 @@ class RejoinPool:
             rank_options=rank_options,
         )
         self.extra_pids = []  # every pid this pool ever had (victims included)
-        self.generation = [0] * W
+        self.generation = [0] * world_size
         self.history = [(r, 0, pid) for r, pid in enumerate(self.pool.pids)]
 
     @property
@@ -166,7 +173,7 @@ class RejoinPool:
 
     def mooncake_lines(self):
         out = ["seat processes (rank, generation, pid): " + ", ".join(map(str, self.history))]
-        for r in range(W):
+        for r in range(self.world_size):
             paths = [
                 os.path.join(rankpool._get_session().tmpdir, f"pool{self.pool.id}-rank{r}.log")
             ]

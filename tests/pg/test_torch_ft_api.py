@@ -412,37 +412,43 @@ def rank_refill(rank, ws):
 
 
 @pytest.mark.parametrize(
-    "transport, policy", [("shm", "raise"), ("tcp", "mask"), ("shm", "manual")]
+    "transport, policy, world_size",
+    [("shm", "raise", 4), ("tcp", "mask", 3), ("shm", "manual", 3)],
 )
-def test_leave_group_is_agreed_at_once_and_the_seat_refilled(transport, policy):
-    """Rank 1 of 3 leaves (leave_group) between two ops: the others' next all_reduce runs over
-    ranks 0 and 2 (sum 1 + 3) well under the 30 s op timeout, under every policy; the leaver's
+def test_leave_group_is_agreed_at_once_and_the_seat_refilled(transport, policy, world_size):
+    """Rank 1 of 3 or 4 leaves (leave_group) between two ops: the others' next all_reduce runs
+    over the others (the sum of rank + 1 without rank 1's 2) well under the 30 s op timeout,
+    under every policy; the leaver's
     later ops (collectives, p2p, another leave) raise DistBackendError and it sees the
     membership the others see; the seat is listed failed, and a replacement takes it through
-    recover_ranks / join_group, after which all_reduce runs over 3 again."""
+    recover_ranks / join_group, after which all_reduce runs over every rank again."""
     from tests.pg.test_rejoin import RejoinPool, expect_ok
 
-    rp = RejoinPool(transport, policy=policy, op_timeout=OP_TIMEOUT)
+    rp = RejoinPool(transport, policy=policy, op_timeout=OP_TIMEOUT, world_size=world_size)
+    n = world_size
+    others = [r for r in range(n) if r != 1]
+    mask = [0 if r == 1 else 1 for r in range(n)]
     try:
         res = rp.run(rank_leave, 1)
-        expect_ok(rp, res, [0, 1, 2], "leave")
+        expect_ok(rp, res, range(n), "leave")
         assert res[1] == {
             "left": True,
             "after": dict.fromkeys(("all_reduce", "send", "leave_group"), "DistBackendError"),
-            "active": [1, 0, 1],
+            "active": mask,
             "epoch": 1,
         }, res[1]
-        for r in (0, 2):
+        for r in others:
             got = res[r]
-            assert got["value"] == 1.0 + 3.0, got
+            assert got["value"] == sum(k + 1.0 for k in others), got
             assert got["seconds"] < 3.0, got  # no op timeout (30 s), no death
-            assert got["failed"] == [1] and got["active"] == [1, 0, 1], got
+            assert got["failed"] == [1] and got["active"] == mask, got
         rp.run(rank_exit, 1)  # the leaver's process goes away; a new one takes the seat
         rp.respawn(1)
         res = rp.run(rank_refill)
-        expect_ok(rp, res, [0, 1, 2], "refill")
-        for r in range(3):
-            assert res[r]["value"] == 6.0, res[r]
-        assert res[0]["joined"] == [1] and res[2]["joined"] == [1], res
+        expect_ok(rp, res, range(n), "refill")
+        for r in range(n):
+            assert res[r]["value"] == n * (n + 1) / 2, res[r]
+        for r in others:
+            assert res[r]["joined"] == [1], res
     finally:
         rp.close()
