@@ -49,6 +49,10 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return _run(_IP, *args, check=check)
 
 
+def _tc(ns: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return _run(_TC, "-n", ns, *args, check=check)
+
+
 def available() -> tuple[bool, str]:
     """(True, "") if the fixture can run here, else (False, reason to skip)."""
     for tool in (_IP, _BRIDGE):
@@ -139,20 +143,7 @@ def delay_available() -> tuple[bool, str]:
     try:
         _ip("netns", "add", name)
         _ip("-n", name, "link", "add", "x0", "type", "veth", "peer", "name", "x1")
-        r = _run(
-            _TC,
-            "-n",
-            name,
-            "qdisc",
-            "add",
-            "dev",
-            "x0",
-            "root",
-            "netem",
-            "delay",
-            "1us",
-            check=False,
-        )
+        r = _tc(name, "qdisc", "add", "dev", "x0", "root", "netem", "delay", "1us", check=False)
         if r.returncode != 0:
             return False, f"tc netem unavailable in this kernel ({r.stderr.strip()})"
         return True, ""
@@ -167,47 +158,16 @@ def _shape(ns: str, dev: str, rate_bit: int | None, delay_us: int) -> None:
     veth passes without being split) and its queue 20 ms, enough for TCP to keep a
     rate-limited link full without building a standing queue of seconds.
     """
-    parent = ["root"]
+    parent = "root"
     if delay_us:
-        _run(
-            _TC,
-            "-n",
-            ns,
-            "qdisc",
-            "add",
-            "dev",
-            dev,
-            "root",
-            "handle",
-            "1:",
-            "netem",
-            "delay",
-            f"{delay_us}us",
-            "limit",
-            "100000",
+        _tc(
+            ns, *f"qdisc add dev {dev} root handle 1: netem delay {delay_us}us limit 100000".split()
         )
-        parent = ["parent", "1:1"]
+        parent = "parent 1:1"
     if rate_bit:
         burst = max(64 * 1024, rate_bit // 8 // 1000)
-        _run(
-            _TC,
-            "-n",
-            ns,
-            "qdisc",
-            "add",
-            "dev",
-            dev,
-            *parent,
-            "handle",
-            "2:",
-            "tbf",
-            "rate",
-            f"{rate_bit}bit",
-            "burst",
-            str(burst),
-            "latency",
-            "20ms",
-        )
+        tbf = f"tbf rate {rate_bit}bit burst {burst} latency 20ms"
+        _tc(ns, *f"qdisc add dev {dev} {parent} handle 2: {tbf}".split())
 
 
 def _kill_ns_pids(ns: str) -> None:

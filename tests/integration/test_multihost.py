@@ -16,7 +16,7 @@ import torch
 
 from tests import netns
 from tests.multihost import rank_hosts, run_ranks, start_ranks
-from tests.pg.every_op import expected_collectives, expected_sweep
+from tests.pg.every_op import assert_collectives, expected_collectives, expected_sweep
 
 OK, WHY = netns.available()
 pytestmark = [
@@ -25,36 +25,28 @@ pytestmark = [
 ]
 
 
-def _value(x):
-    if isinstance(x, dict) and "tensor" in x:
-        return torch.tensor(x["tensor"], dtype=getattr(torch, x["dtype"]))
-    return x
+def _decoded(got: dict) -> dict:
+    """A rank's JSON result with its tensors rebuilt (tests/multihost_rank.py's encoding)."""
+    return {
+        k: torch.tensor(v["tensor"], dtype=getattr(torch, v["dtype"]))
+        if isinstance(v, dict) and "tensor" in v
+        else v
+        for k, v in got.items()
+    }
 
 
-def _compare(got: dict, exp: dict, where: str):
-    for k, v in exp.items():
-        g = _value(got[k])
-        if isinstance(v, torch.Tensor):
-            assert isinstance(g, torch.Tensor) and g.dtype == v.dtype and torch.equal(g, v), (
-                f"{where}: {k} = {g}, expected {v}"
-            )
-        else:
-            assert g == v, f"{where}: {k} = {g!r}, expected {v!r}"
+def _no_error(res: dict, r: int):
+    got = res[r]
+    assert "error" not in got, (
+        f"rank {r}: {got.get('error')}: {got.get('message')}\n{got.get('tb') or got.get('log')}"
+    )
 
 
 def _check_every_op(res: dict, world_size: int):
     exp = expected_collectives(world_size)
     for r in range(world_size):
-        got = res[r]
-        assert "error" not in got, (
-            f"rank {r}: {got.get('error')}: {got.get('message')}\n{got.get('tb') or got.get('log')}"
-        )
-        for k, v in exp[r].items():
-            g = _value(got[k])
-            if isinstance(v, torch.Tensor):
-                assert torch.equal(g, v), f"rank {r}: {k} = {g}, expected {v}"
-            else:
-                assert g == v, f"rank {r}: {k} = {g!r}, expected {v!r}"
+        _no_error(res, r)
+        assert_collectives(_decoded(res[r]), exp[r], f"rank {r}")
 
 
 @pytest.mark.parametrize("ranks_per_host", [[2, 2], [3, 1]], ids=["2x2", "3+1"])
@@ -108,9 +100,7 @@ def test_every_collective_across_hosts(ranks_per_host):
         res = run_ranks(t, ranks_per_host, "conformance", timeout_s=200)
     n = sum(ranks_per_host)
     for r in range(n):
-        assert "error" not in res[r], (
-            f"rank {r}: {res[r].get('message')}\n{res[r].get('tb') or res[r].get('log')}"
-        )
+        _no_error(res, r)
     groups = {
         "world": list(range(n)),
         "spanning": [0, n - 1],
@@ -120,7 +110,11 @@ def test_every_collective_across_hosts(ranks_per_host):
         exp_ops = expected_collectives(len(members))
         exp_sweep = expected_sweep(len(members))
         for i, g in enumerate(members):
-            _compare(res[g][name], {**exp_ops[i], **exp_sweep[i]}, f"{name} rank {i} (global {g})")
+            assert_collectives(
+                _decoded(res[g][name]),
+                {**exp_ops[i], **exp_sweep[i]},
+                f"{name} rank {i} (global {g})",
+            )
 
 
 def test_a_silent_host_is_agreed_failed_within_seconds(tmp_path):

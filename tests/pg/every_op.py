@@ -88,7 +88,7 @@ def assert_collectives(got: dict, exp: dict, where: str):
     for k, v in exp.items():
         g = got[k]
         if isinstance(v, torch.Tensor):
-            assert isinstance(g, torch.Tensor) and torch.equal(g, v), (
+            assert isinstance(g, torch.Tensor) and g.dtype == v.dtype and torch.equal(g, v), (
                 f"{where}: {k} = {g}, expected {v}"
             )
         else:
