@@ -78,7 +78,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("is_recovery", &mooncake::BackendConfig::is_recovery)
       .def_readwrite("rdma_device", &mooncake::BackendConfig::rdma_device)
       .def_readwrite("rdma_gid_index", &mooncake::BackendConfig::rdma_gid_index)
-      .def_readwrite("cuda_ipc", &mooncake::BackendConfig::cuda_ipc);
+      .def_readwrite("cuda_ipc", &mooncake::BackendConfig::cuda_ipc)
+      .def_readwrite("hierarchical", &mooncake::BackendConfig::hierarchical);
 
   // CUDA parts (private helpers for GPU tests; without CUDA they raise)
 #ifdef MOONCAKE_WITH_CUDA

@@ -103,6 +103,7 @@ def _create_backend(dist_opts, pg_options):
     cfg.rdma_gid_index = int(settings["rdma_gid_index"])
     cfg.initial_active = initial_active
     cfg.cuda_ipc = bool(settings["cuda_ipc"])
+    cfg.hierarchical = bool(settings["hierarchical"])
     if settings["fault_inject"]:
         op, _, rnd = settings["fault_inject"].partition(":")
         cfg.inject_kill_op, cfg.inject_kill_round = int(op), int(rnd or 0)

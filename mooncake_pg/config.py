@@ -80,6 +80,11 @@ class MooncakeOptions:
             this host (default: ``MOONCAKE_CUDA_IPC``, on); ``False`` stages them through
             pinned host memory. Must agree across ranks (else the first such op raises
             ``ValueError`` on every rank).
+        hierarchical: in groups that span hosts with the same number of ranks on each, run
+            all_reduce, reduce, reduce_scatter, all_gather and broadcast in two levels (inside
+            each host, then between hosts; docs/process-group.md "Across hosts") so that each
+            host's link carries one copy per remote host, not per remote rank (default:
+            ``MOONCAKE_HIERARCHICAL``, on). Must agree across ranks.
     """
 
     timeout: float | timedelta = 30.0
@@ -92,6 +97,7 @@ class MooncakeOptions:
     shm_slot_bytes: int | None = None
     debug: bool | None = None
     cuda_ipc: bool | None = None
+    hierarchical: bool | None = None
 
     def __post_init__(self):
         if isinstance(self.timeout, timedelta):
@@ -103,7 +109,7 @@ class MooncakeOptions:
             )
         for name in ("max_group_size", "shm_slot_bytes"):
             setattr(self, name, _opt_int(getattr(self, name), name))
-        for name in ("is_recovery", "debug", "cuda_ipc"):
+        for name in ("is_recovery", "debug", "cuda_ipc", "hierarchical"):
             setattr(self, name, _opt_bool(getattr(self, name), name))
         # written so that NaN fails too
         if not (MIN_TIMEOUT_S <= float(self.timeout) <= MAX_TIMEOUT_S):
@@ -244,6 +250,7 @@ def env_defaults() -> dict:
         "rdma_device": env.get("MOONCAKE_RDMA_DEVICE") or "",
         "rdma_gid_index": _int_env(env, "MOONCAKE_RDMA_GID_INDEX", -1, "a GID index"),
         "cuda_ipc": bool_env(env, "MOONCAKE_CUDA_IPC", True),
+        "hierarchical": bool_env(env, "MOONCAKE_HIERARCHICAL", True),
     }
 
 
@@ -276,4 +283,7 @@ def resolve(opts: MooncakeOptions | None) -> dict:
         "cuda_ipc": env["cuda_ipc"]
         if opts.cuda_ipc is None
         else _opt_bool(opts.cuda_ipc, "cuda_ipc"),
+        "hierarchical": env["hierarchical"]
+        if opts.hierarchical is None
+        else _opt_bool(opts.hierarchical, "hierarchical"),
     }

@@ -101,7 +101,55 @@ def busy_between_ops(rank, world_size, busy_rank, busy_s):
     }
 
 
+def large_ops(rank, world_size, counts):
+    """The ops that run in two levels across hosts (all_reduce, reduce, reduce_scatter,
+    all_gather, broadcast) at the element counts given (above the one-round size; several
+    pieces with a small shm_slot_bytes), in several dtypes and ReduceOps, rooted ops with
+    roots on every host and at a local index other than 0; each checked here against the
+    value torch computes from every rank's input (tests.pg.every_op.large_cases)."""
+    from tests.pg.every_op import run_large
+
+    return run_large(counts)
+
+
+def bytes_out(rank, world_size, nbytes):
+    """Bytes that left this rank's host (its eth0) during one all_reduce, reduce_scatter,
+    all_gather_into_tensor and broadcast of about nbytes (float32), between barriers: the
+    traffic of the whole host, which the test compares with the link bound."""
+    per_host = [int(g) for g in os.environ["MH_RANKS_PER_HOST"].split(",")]
+
+    def tx():
+        with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
+            return int(f.read())
+
+    n = nbytes // 4
+    ops = {
+        "all_reduce": lambda: dist.all_reduce(torch.ones(n)),
+        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(
+            torch.empty(n // world_size), torch.ones(n // world_size * world_size)
+        ),
+        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(
+            torch.empty(n * world_size), torch.ones(n)
+        ),
+        "broadcast": lambda: dist.broadcast(torch.ones(n), src=world_size - 1),
+    }
+    out = {"hosts": len(per_host)}
+    for name, fn in ops.items():
+        fn()  # warm: connections and pages
+        dist.barrier()
+        time.sleep(0.2)
+        dist.barrier()
+        before = tx()
+        fn()
+        dist.barrier()
+        time.sleep(0.2)  # the host's other ranks finish sending too
+        out[name] = tx() - before
+    return out
+
+
 SCENARIOS = {
+    "large_ops": large_ops,
+    "bytes_out": bytes_out,
     "every_op": every_op,
     "conformance": conformance,
     "until_host_lost": until_host_lost,

@@ -76,6 +76,7 @@
 #include "pg/cuda_staging.hpp"
 #include "pg/engine.hpp"
 #include "pg/reduce.hpp"
+#include "pg/topology.hpp"
 #include "pg/work.hpp"
 
 namespace mooncake {
@@ -177,6 +178,9 @@ struct BackendConfig {
   // one tensor of CUDA tensors through CUDA IPC when every rank is on this host
   // (MOONCAKE_CUDA_IPC=0 / MooncakeOptions(cuda_ipc=False): pinned host staging always).
   bool cuda_ipc = true;
+  // Groups spanning hosts with the same number of ranks on each: collectives in two levels
+  // (inside each host, then between hosts; pg/collectives/hierarchical.cpp). Must agree.
+  bool hierarchical = true;
   // > 0: set-up waits at most this long for the other members' keys (groups derived by
   // shrink/split, whose members are alive processes already); 0: the store's own timeout.
   int64_t setup_wait_ms = 0;
@@ -386,6 +390,16 @@ class MooncakeBackend : public c10d::Backend {
                     const std::vector<int64_t>& in_rows, const std::vector<int64_t>& out_rows,
                     int64_t deadline_ns);
   void run_barrier(int64_t deadline_ns);
+  // Two-level versions (pg/collectives/hierarchical.cpp): `hl` uniform with H >= 2; `h` the
+  // op's header (seq taken). run_hierarchical() gives the layout when they apply.
+  bool run_hierarchical(size_t nbytes, HostLayout* hl) const;
+  void run_allreduce_hier(at::Tensor& t, RedOp rop, double premul, int root, const HostLayout& hl,
+                          const OpHeader& h, int64_t deadline_ns);
+  void run_broadcast_hier(at::Tensor& t, int root, const HostLayout& hl, const OpHeader& h, int64_t deadline_ns);
+  void run_allgather_hier(const at::Tensor& in, const std::vector<uint8_t*>& outs, const HostLayout& hl,
+                          const OpHeader& h, int64_t deadline_ns);
+  void run_reduce_scatter_hier(const std::vector<const uint8_t*>& ins, at::Tensor& out, RedOp rop, double premul,
+                               const HostLayout& hl, const OpHeader& h, int64_t deadline_ns);
   void exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadline_ns);
 
   // Inside start/endCoalescing: the batch's Work completes when `w` (and its peers) do.
@@ -443,6 +457,7 @@ class MooncakeBackend : public c10d::Backend {
   std::mutex mem_mu_;            // guards copies read from Python threads
   std::vector<int> peer_pidfd_;  // same-host peers: pidfd (or -1)
   std::vector<int64_t> peer_pid_;
+  std::vector<int> host_of_;  // per rank of the transport: index of its host (setup)
 
   BackendConfig cfg_;
   std::chrono::milliseconds timeout_ms_;  // op timeout (MooncakeOptions.timeout, setTimeout)

@@ -123,7 +123,7 @@ inline void apply(A* acc, const A* x, size_t m, F f) {
 }
 
 template <typename T, typename F>
-void reduce_typed(T* dst, const T* const* srcs, int ns, size_t n, F f, bool avg, T* dst2) {
+void reduce_typed(T* dst, const T* const* srcs, int ns, size_t n, F f, bool avg, T* dst2, int div) {
   using A = typename AccOf<T>::type;
   if constexpr (std::is_same_v<A, T>) {
     if (!avg) {
@@ -156,7 +156,7 @@ void reduce_typed(T* dst, const T* const* srcs, int ns, size_t n, F f, bool avg,
       apply(acc, tmp, m, f);
     }
     if (avg) {
-      for (size_t i = 0; i < m; ++i) acc[i] = acc[i] / static_cast<A>(ns);
+      for (size_t i = 0; i < m; ++i) acc[i] = acc[i] / static_cast<A>(div);
     }
     T* d = dst + b;
     for (size_t i = 0; i < m; ++i) d[i] = static_cast<T>(acc[i]);
@@ -168,7 +168,7 @@ void reduce_typed(T* dst, const T* const* srcs, int ns, size_t n, F f, bool avg,
 }
 
 template <typename T>
-void reduce_arith(void* dst, const void* const* srcs, int ns, size_t n, RedOp op, void* dst2v) {
+void reduce_arith(void* dst, const void* const* srcs, int ns, size_t n, RedOp op, void* dst2v, int div) {
   using A = typename AccOf<T>::type;
   T* d2 = static_cast<T*>(dst2v);
   T* d = static_cast<T*>(dst);
@@ -176,31 +176,31 @@ void reduce_arith(void* dst, const void* const* srcs, int ns, size_t n, RedOp op
   switch (op) {
     case RedOp::SUM:
     case RedOp::PREMUL_SUM:
-      return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return a + b; }, false, d2);
+      return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return a + b; }, false, d2, div);
     case RedOp::AVG:
-      return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return a + b; }, true, d2);
+      return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return a + b; }, true, d2, div);
     default:
       break;
   }
   if constexpr (!std::is_same_v<A, c10::complex<float>> && !std::is_same_v<A, c10::complex<double>>) {
     switch (op) {
       case RedOp::PRODUCT:
-        return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return a * b; }, false, d2);
+        return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return a * b; }, false, d2, div);
       case RedOp::MIN:
-        return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return b < a ? b : a; }, false, d2);
+        return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return b < a ? b : a; }, false, d2, div);
       case RedOp::MAX:
-        return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return b > a ? b : a; }, false, d2);
+        return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return b > a ? b : a; }, false, d2, div);
       default:
         break;
     }
     if constexpr (std::is_integral_v<A>) {
       switch (op) {
         case RedOp::BAND:
-          return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return A(a & b); }, false, d2);
+          return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return A(a & b); }, false, d2, div);
         case RedOp::BOR:
-          return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return A(a | b); }, false, d2);
+          return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return A(a | b); }, false, d2, div);
         case RedOp::BXOR:
-          return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return A(a ^ b); }, false, d2);
+          return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return A(a ^ b); }, false, d2, div);
         default:
           break;
       }
@@ -229,41 +229,42 @@ void reduce_bool(void* dst, const void* const* srcs, int ns, size_t n, RedOp op,
 }  // namespace
 
 void reduce_buffers(void* dst, const void* const* srcs, int ns, size_t n, c10::ScalarType dt, RedOp op,
-                    void* dst2) {
+                    void* dst2, int avg_div) {
   using ST = c10::ScalarType;
+  const int div = avg_div > 0 ? avg_div : ns;
   switch (dt) {
     case ST::Double:
-      return reduce_arith<double>(dst, srcs, ns, n, op, dst2);
+      return reduce_arith<double>(dst, srcs, ns, n, op, dst2, div);
     case ST::Float:
-      return reduce_arith<float>(dst, srcs, ns, n, op, dst2);
+      return reduce_arith<float>(dst, srcs, ns, n, op, dst2, div);
     case ST::Half:
-      return reduce_arith<c10::Half>(dst, srcs, ns, n, op, dst2);
+      return reduce_arith<c10::Half>(dst, srcs, ns, n, op, dst2, div);
     case ST::BFloat16:
-      return reduce_arith<c10::BFloat16>(dst, srcs, ns, n, op, dst2);
+      return reduce_arith<c10::BFloat16>(dst, srcs, ns, n, op, dst2, div);
     case ST::Float8_e4m3fn:
-      return reduce_arith<c10::Float8_e4m3fn>(dst, srcs, ns, n, op, dst2);
+      return reduce_arith<c10::Float8_e4m3fn>(dst, srcs, ns, n, op, dst2, div);
     case ST::Float8_e5m2:
-      return reduce_arith<c10::Float8_e5m2>(dst, srcs, ns, n, op, dst2);
+      return reduce_arith<c10::Float8_e5m2>(dst, srcs, ns, n, op, dst2, div);
     case ST::Char:
-      return reduce_arith<int8_t>(dst, srcs, ns, n, op, dst2);
+      return reduce_arith<int8_t>(dst, srcs, ns, n, op, dst2, div);
     case ST::Short:
-      return reduce_arith<int16_t>(dst, srcs, ns, n, op, dst2);
+      return reduce_arith<int16_t>(dst, srcs, ns, n, op, dst2, div);
     case ST::Int:
-      return reduce_arith<int32_t>(dst, srcs, ns, n, op, dst2);
+      return reduce_arith<int32_t>(dst, srcs, ns, n, op, dst2, div);
     case ST::Long:
-      return reduce_arith<int64_t>(dst, srcs, ns, n, op, dst2);
+      return reduce_arith<int64_t>(dst, srcs, ns, n, op, dst2, div);
     case ST::Byte:
-      return reduce_arith<uint8_t>(dst, srcs, ns, n, op, dst2);
+      return reduce_arith<uint8_t>(dst, srcs, ns, n, op, dst2, div);
     case ST::UInt16:
-      return reduce_arith<uint16_t>(dst, srcs, ns, n, op, dst2);
+      return reduce_arith<uint16_t>(dst, srcs, ns, n, op, dst2, div);
     case ST::UInt32:
-      return reduce_arith<uint32_t>(dst, srcs, ns, n, op, dst2);
+      return reduce_arith<uint32_t>(dst, srcs, ns, n, op, dst2, div);
     case ST::UInt64:
-      return reduce_arith<uint64_t>(dst, srcs, ns, n, op, dst2);
+      return reduce_arith<uint64_t>(dst, srcs, ns, n, op, dst2, div);
     case ST::ComplexFloat:
-      return reduce_arith<c10::complex<float>>(dst, srcs, ns, n, op, dst2);
+      return reduce_arith<c10::complex<float>>(dst, srcs, ns, n, op, dst2, div);
     case ST::ComplexDouble:
-      return reduce_arith<c10::complex<double>>(dst, srcs, ns, n, op, dst2);
+      return reduce_arith<c10::complex<double>>(dst, srcs, ns, n, op, dst2, div);
     case ST::Bool:
       return reduce_bool(dst, srcs, ns, n, op, dst2);
     default:

@@ -19,8 +19,10 @@ std::string check_reduce_supported(c10::ScalarType dt, RedOp op);
 // nsrc (integers: truncated toward zero). PREMUL_SUM is a SUM here (inputs are scaled
 // beforehand with scale_copy). dst may alias srcs[k].
 // dst2, when not null, receives the same result (it may alias a source too).
+// avg_div > 0: AVG divides by avg_div instead (the last level of a two-level reduction,
+// whose sources are sums of several ranks).
 void reduce_buffers(void* dst, const void* const* srcs, int nsrc, size_t n, c10::ScalarType dt, RedOp op,
-                    void* dst2 = nullptr);
+                    void* dst2 = nullptr, int avg_div = 0);
 
 // dst = src * factor (PREMUL_SUM's pre-multiplication), n elements.
 void scale_copy(void* dst, const void* src, size_t n, c10::ScalarType dt, double factor);

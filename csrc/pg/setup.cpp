@@ -182,7 +182,8 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
     TORCH_CHECK(false, setup_error_);
   }
   const std::string mine =
-      cfg_.host_id + "|" + t + "|" + std::to_string(slot) + "|members=" + join_ranks(members);
+      cfg_.host_id + "|" + t + "|" + std::to_string(slot) + "|hierarchical=" + (cfg_.hierarchical ? "1" : "0") +
+      "|members=" + join_ranks(members);
   store_set_str(store, key("rdv/" + std::to_string(rank_)), cfg_.rendezvous_addr);
   store_set_str(store, key("host/" + std::to_string(rank_)), mine);
   await_keys("host/", members);
@@ -196,9 +197,9 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
     hosts[j] = v.substr(0, v.find('|'));
     if (hosts[j] != cfg_.host_id) one_host = false;
     TORCH_CHECK_VALUE(v.substr(v.find('|')) == mine.substr(mine.find('|')), "MooncakeBackend::setup: rank ",
-                      j, " uses transport|slot|members '", v.substr(v.find('|') + 1), "' but rank ", rank_,
+                      j, " uses transport|slot|hierarchical|members '", v.substr(v.find('|') + 1), "' but rank ", rank_,
                       " uses '", mine.substr(mine.find('|') + 1),
-                      "'; MOONCAKE_TRANSPORT, shm_slot_bytes and active_ranks "
+                      "'; MOONCAKE_TRANSPORT, shm_slot_bytes, hierarchical and active_ranks "
                       "must agree across ranks");
   }
   // 2. process handles of same-host peers (failure detection)
@@ -217,6 +218,18 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
     peer_pid_[j] = pid;
   }
   one_host_ = one_host;
+  // hosts numbered in order of their lowest member; a seat outside `members` is a host of its own
+  host_of_.assign(W, -1);
+  {
+    std::vector<std::string> seen;
+    for (int j : members) {
+      auto it = std::find(seen.begin(), seen.end(), hosts[j]);
+      host_of_[j] = static_cast<int>(it - seen.begin());
+      if (it == seen.end()) seen.push_back(hosts[j]);
+    }
+    for (int j = 0; j < W; ++j)
+      if (host_of_[j] < 0) host_of_[j] = static_cast<int>(seen.size()) + j;
+  }
   const bool use_shm = (t == "shm") || (t == "auto" && one_host);
   TORCH_CHECK(
       !(t == "shm" && !one_host),

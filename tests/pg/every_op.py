@@ -170,3 +170,118 @@ def expected_sweep(n: int, count: int = 7) -> list:
         e["all_reduce/zero_elements"] = torch.empty(0)
         res.append(e)
     return res
+
+
+# ------------------------------------------------------------------ large messages
+
+
+def _large_input(r: int, count: int, dtype: str, salt: int = 0) -> torch.Tensor:
+    """Rank r's input: small integers, so that every sum, AVG over 2^k ranks and PREMUL_SUM
+    by 0.5 is exact in every dtype used."""
+    v = (torch.arange(count, dtype=torch.int64) * 7 + r * 13 + salt) % 11
+    return (v % 2 if dtype == "bool" else v).to(getattr(torch, dtype))
+
+
+def _reduced(stack: torch.Tensor, op: str, dtype: str) -> torch.Tensor:
+    """The reference reduction over dim 0 of every rank's input, computed by torch."""
+    dt = getattr(torch, dtype)
+    if op == "sum":
+        return stack.to(torch.float64).sum(0).to(dt) if dt.is_floating_point else stack.sum(0).to(dt)
+    if op == "max":
+        return stack.max(0).values
+    if op == "avg":
+        if dt.is_floating_point:
+            return (stack.to(torch.float64).sum(0) / stack.shape[0]).to(dt)
+        return torch.div(stack.sum(0), stack.shape[0], rounding_mode="trunc").to(dt)
+    if op == "premul_half":
+        return (stack.to(torch.float64).sum(0) * 0.5).to(dt)
+    raise ValueError(op)
+
+
+_OPS = {
+    "sum": lambda: dist.ReduceOp.SUM,
+    "max": lambda: dist.ReduceOp.MAX,
+    "avg": lambda: dist.ReduceOp.AVG,
+    "premul_half": lambda: dist._make_nccl_premul_sum(0.5),
+}
+
+# (dtype, op) pairs for the reducing ops
+LARGE_REDUCTIONS = [
+    ("float32", "sum"),
+    ("float64", "avg"),
+    ("int64", "avg"),
+    ("int32", "max"),
+    ("bfloat16", "sum"),
+    ("float16", "premul_half"),
+    ("uint8", "sum"),
+    ("bool", "max"),
+]
+
+
+def run_large(counts, group=None) -> dict:
+    """Large all_reduce, reduce, reduce_scatter_tensor, all_gather (list and into_tensor) and
+    broadcast at each of ``counts`` elements per rank, checked on the rank against torch's
+    reduction of every rank's input. Returns {"checked": [case], "bad": {case: why}}."""
+    r, n = dist.get_rank(group), dist.get_world_size(group)
+    checked, bad = [], {}
+
+    def check(case, got, want):
+        checked.append(case)
+        if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
+            diff = (got != want).nonzero()
+            first = diff[0].tolist() if diff.numel() else None
+            bad[case] = (
+                f"dtype {got.dtype}/{want.dtype} shape {tuple(got.shape)}/{tuple(want.shape)} "
+                f"{int((got != want).sum()) if got.shape == want.shape else '?'} elements differ, "
+                f"first at {first}"
+            )
+
+    for count in counts:
+        for d, op in LARGE_REDUCTIONS:
+            stack = torch.stack([_large_input(j, count, d) for j in range(n)])
+            t = _large_input(r, count, d)
+            dist.all_reduce(t, op=_OPS[op](), group=group)
+            check(f"all_reduce/{d}/{op}/{count}", t, _reduced(stack, op, d))
+            for root in sorted({n - 1, min(1, n - 1)}):
+                t = _large_input(r, count, d, salt=root)
+                want = (
+                    _reduced(torch.stack([_large_input(j, count, d, root) for j in range(n)]), op, d)
+                    if r == root
+                    else _large_input(r, count, d, salt=root)  # untouched on other ranks
+                )
+                dist.reduce(t, dst=root, op=_OPS[op](), group=group) if group is None else dist.reduce(
+                    t, group_dst=root, op=_OPS[op](), group=group
+                )
+                check(f"reduce/{d}/{op}/root{root}/{count}", t, want)
+            full = torch.stack([_large_input(j, count * n, d, salt=5) for j in range(n)])
+            rs = torch.empty(count, dtype=getattr(torch, d))
+            dist.reduce_scatter_tensor(rs, full[r].clone(), op=_OPS[op](), group=group)
+            check(
+                f"reduce_scatter_tensor/{d}/{op}/{count}",
+                rs,
+                _reduced(full[:, r * count : (r + 1) * count], op, d),
+            )
+        for d in ("float32", "uint8", "int64"):
+            dt = getattr(torch, d)
+            ag = torch.empty(n * count, dtype=dt)
+            dist.all_gather_into_tensor(ag, _large_input(r, count, d, salt=3), group=group)
+            check(
+                f"all_gather_into_tensor/{d}/{count}",
+                ag,
+                torch.cat([_large_input(j, count, d, salt=3) for j in range(n)]),
+            )
+            lst = [torch.empty(count, dtype=dt) for _ in range(n)]
+            dist.all_gather(lst, _large_input(r, count, d, salt=4), group=group)
+            check(
+                f"all_gather/{d}/{count}",
+                torch.cat(lst),
+                torch.cat([_large_input(j, count, d, salt=4) for j in range(n)]),
+            )
+            for root in sorted({0, n - 1, min(1, n - 1)}):
+                b = _large_input(r, count, d, salt=7 + root)
+                src = _large_input(root, count, d, salt=7 + root)
+                dist.broadcast(b, src=root) if group is None else dist.broadcast(
+                    b, group_src=root, group=group
+                )
+                check(f"broadcast/{d}/root{root}/{count}", b, src)
+    return {"checked": checked, "bad": bad}

@@ -25,6 +25,9 @@ void MooncakeBackend::run_allgather(const at::Tensor& in, const std::vector<uint
   h.count = in.numel();
   h.seq = seq_exec_++;
   const std::vector<int64_t> noextra;
+  HostLayout hl;
+  if (opcode == OP_ALLGATHER && run_hierarchical(nbytes * act_.size(), &hl) && hl.G >= 2)
+    return run_allgather_hier(in, outs, hl, h, deadline_ns);
   const size_t S = e->slot_bytes();
   const size_t npieces = std::max<size_t>(1, (nbytes + S - 1) / S);
   const bool receiver = opcode == OP_ALLGATHER || r == root;

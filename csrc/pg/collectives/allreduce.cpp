@@ -41,6 +41,9 @@ void MooncakeBackend::run_allreduce(at::Tensor& t, RedOp rop, double premul, int
   const bool writes_out = all || r == root;
   std::vector<const void*> srcs(A);
 
+  HostLayout hl;
+  if (n * E > std::min(kSmallAllreduce, S) && run_hierarchical(n * E, &hl) && hl.G >= 2)
+    return run_allreduce_hier(t, rop, premul, root, hl, h, deadline_ns);
   if (n * E <= std::min(kSmallAllreduce, S)) {
     // one round: every rank reduces the whole (small) tensor in rank order
     const uint64_t k = e->next_round();

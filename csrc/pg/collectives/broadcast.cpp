@@ -22,6 +22,8 @@ void MooncakeBackend::run_broadcast(at::Tensor& t, int root, int64_t deadline_ns
   h.count = t.numel();
   h.seq = seq_exec_++;
   const std::vector<int64_t> noextra;
+  HostLayout hl;
+  if (run_hierarchical(nbytes, &hl) && (hl.G >= 2 || hl.H >= 3)) return run_broadcast_hier(t, root, hl, h, deadline_ns);
   const size_t S = e->slot_bytes();
   const size_t npieces = std::max<size_t>(1, (nbytes + S - 1) / S);
   auto out_copy = nbytes >= kStreamThreshold ? copy_stream : copy_plain;

@@ -28,6 +28,9 @@ void MooncakeBackend::run_reduce_scatter(const std::vector<const uint8_t*>& ins,
   h.count = static_cast<int64_t>(n);
   h.seq = seq_exec_++;
   const std::vector<int64_t> noextra;
+  HostLayout hl;
+  if (run_hierarchical(n * E * act_.size(), &hl) && hl.G >= 2)
+    return run_reduce_scatter_hier(ins, out, rop, premul, hl, h, deadline_ns);
   const size_t S = e->slot_bytes();
   size_t q = S / W / 64 * 64 / E;  // elements per sub-slot (one per seat)
   if (q == 0) q = std::max<size_t>(1, S / W / E);
