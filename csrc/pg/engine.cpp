@@ -49,10 +49,18 @@ void ShmEngine::start_epoch(uint64_t e) {
 }
 
 void ShmEngine::exchange(const PeerRanges*, size_t, int64_t deadline_ns) {
-  const uint64_t k = round_ + 1;
-  arrived(rank_)->store(k, std::memory_order_seq_cst);
+  arrive();
+  wait_arrived(deadline_ns);
+}
+
+void ShmEngine::arrive() {
+  arrived(rank_)->store(round_ + 1, std::memory_order_seq_cst);
   bell()->fetch_add(1, std::memory_order_seq_cst);
   if (sleepers()->load(std::memory_order_seq_cst) > 0) futex_wake_all(bell());
+}
+
+void ShmEngine::wait_arrived(int64_t deadline_ns) {
+  const uint64_t k = round_ + 1;
 
   // A peer's counter in a later epoch means it agreed on a membership change we have
   // not seen yet.
@@ -214,9 +222,13 @@ struct TcpEngine::In {
   bool complete = false;  // the frame of round fh.round is fully received
 };
 
-TcpEngine::TcpEngine(int rank, int size, size_t slot_bytes, size_t hdr_cap, std::vector<int> fds)
-    : CollEngine(rank, size, slot_bytes, hdr_cap), fds_(std::move(fds)) {
-  mine_.assign(3, std::vector<uint8_t>(hdr_cap + slot_bytes));
+TcpEngine::TcpEngine(int rank, int size, size_t slot_bytes, size_t hdr_cap, std::vector<int> fds,
+                     std::vector<uint8_t*> mine)
+    : CollEngine(rank, size, slot_bytes, hdr_cap), fds_(std::move(fds)), mine_ptr_(std::move(mine)) {
+  if (mine_ptr_.empty()) {
+    mine_.assign(3, std::vector<uint8_t>(hdr_cap + slot_bytes));
+    for (auto& m : mine_) mine_ptr_.push_back(m.data());
+  }
   peers_.resize(size);
   in_.resize(size);
   for (int j = 0; j < size; ++j) {
@@ -261,7 +273,7 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
     std::memcpy(o.meta.data(), &fh, sizeof(fh));
     if (!o.ranges.empty())
       std::memcpy(o.meta.data() + sizeof(fh), o.ranges.data(), o.ranges.size() * sizeof(Range));
-    std::memcpy(o.meta.data() + sizeof(fh) + o.ranges.size() * sizeof(Range), mine_[b].data(), hdr_len);
+    std::memcpy(o.meta.data() + sizeof(fh) + o.ranges.size() * sizeof(Range), mine_ptr_[b], hdr_len);
   }
   while (true) {
     bool progress = false, all_done = true;
@@ -279,7 +291,7 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
             len = o.meta.size();
           } else {
             const Range& r = o.ranges[o.idx - 1];
-            p = mine_[b].data() + hdr_cap_ + r.off;
+            p = mine_ptr_[b] + hdr_cap_ + r.off;
             len = r.len;
           }
           size_t m = send_some(fds_[j], p + o.done, len - o.done);
@@ -392,6 +404,49 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
   for (int j = 0; j < size_; ++j)
     if (j != rank_ && active_[j]) *in_[j] = In{};
   round_ = k;
+}
+
+// ---- HybridEngine --------------------------------------------------------------------
+static std::vector<uint8_t*> shm_buffers(ShmEngine& shm) {
+  // my header + slot of rounds 0, 1, 2 (buffer k % 3), laid out as TcpEngine expects
+  return {shm.my_hdr(0), shm.my_hdr(1), shm.my_hdr(2)};
+}
+
+HybridEngine::HybridEngine(int rank, int size, std::shared_ptr<ShmSegment> seg, const ShmLayout& layout,
+                           bool spin, std::vector<char> local, std::vector<int> fds)
+    : CollEngine(rank, size, layout.slot, layout.hdr_cap),
+      shm_(rank, size, std::move(seg), layout, spin),
+      local_(std::move(local)) {
+  tcp_ = std::make_unique<TcpEngine>(rank, size, layout.slot, layout.hdr_cap, std::move(fds), shm_buffers(shm_));
+}
+
+void HybridEngine::set_active(const std::vector<char>& active) {
+  CollEngine::set_active(active);
+  std::vector<char> here(active), there(active);
+  for (int j = 0; j < size_; ++j) (local_[j] ? there : here)[j] = 0;
+  shm_.set_active(here);
+  tcp_->set_active(there);
+}
+
+void HybridEngine::set_liveness(LivenessProbe p) {
+  shm_.set_liveness(p);
+  tcp_->set_liveness(p);
+  CollEngine::set_liveness(std::move(p));
+}
+
+void HybridEngine::start_epoch(uint64_t e) {
+  CollEngine::start_epoch(e);
+  shm_.start_epoch(e);
+  tcp_->start_epoch(e);
+}
+
+void HybridEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadline_ns) {
+  // the ranks of this host may read my slot from now on; the other hosts' frames go and
+  // come meanwhile, then this host's stragglers are awaited
+  shm_.arrive();
+  tcp_->exchange(sends, hdr_len, deadline_ns);
+  shm_.wait_arrived(deadline_ns);
+  round_ = tcp_->next_round() - 1;
 }
 
 // ---- TcpP2P ------------------------------------------------------------------------

@@ -63,9 +63,9 @@ class CollEngine {
   uint64_t next_round() const { return round_ + 1; }
   uint64_t epoch() const { return round_ >> kEpochShift; }
   // Ranks taking part (others are neither waited for nor sent to).
-  void set_active(const std::vector<char>& active) { active_ = active; }
+  virtual void set_active(const std::vector<char>& active) { active_ = active; }
   bool is_active(int r) const { return active_[r] != 0; }
-  void set_liveness(LivenessProbe p) { probe_ = std::move(p); }
+  virtual void set_liveness(LivenessProbe p) { probe_ = std::move(p); }
   // Starts membership epoch `e` (rounds restart at epoch_base(e)).
   virtual void start_epoch(uint64_t e) { round_ = epoch_base(e); }
 
@@ -133,6 +133,10 @@ class ShmEngine : public CollEngine {
   void exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadline_ns) override;
   const char* name() const override { return "shm"; }
   void start_epoch(uint64_t e) override;
+  // exchange() in two halves (HybridEngine): tell the peers this rank arrived at
+  // next_round(), then wait until they all did (and complete the round).
+  void arrive();
+  void wait_arrived(int64_t deadline_ns);
 
  protected:
   void wake() override { futex_wake_all(bell()); }
@@ -185,11 +189,14 @@ class ShmP2P : public P2PChannel {
 // ---- TCP ----------------------------------------------------------------------------
 class TcpEngine : public CollEngine {
  public:
-  // fds[j]: connected socket to peer j (fds[rank] unused); takes ownership.
-  TcpEngine(int rank, int size, size_t slot_bytes, size_t hdr_cap, std::vector<int> fds);
+  // fds[j]: connected socket to peer j (fds[rank] unused, -1: no peer); takes ownership.
+  // mine: this rank's 3 buffers (header then slot each) when they live elsewhere (the
+  // shared segment of a HybridEngine); empty: its own.
+  TcpEngine(int rank, int size, size_t slot_bytes, size_t hdr_cap, std::vector<int> fds,
+            std::vector<uint8_t*> mine = {});
   ~TcpEngine() override;
-  uint8_t* my_slot(uint64_t k) override { return mine_[k % 3].data() + hdr_cap_; }
-  uint8_t* my_hdr(uint64_t k) override { return mine_[k % 3].data(); }
+  uint8_t* my_slot(uint64_t k) override { return mine_ptr_[k % 3] + hdr_cap_; }
+  uint8_t* my_hdr(uint64_t k) override { return mine_ptr_[k % 3]; }
   const uint8_t* peer_slot(int j, uint64_t k) override {
     return j == rank_ ? my_slot(k) : peers_[j][k % 3].data() + hdr_cap_;
   }
@@ -203,8 +210,45 @@ class TcpEngine : public CollEngine {
   struct In;
   std::vector<std::unique_ptr<In>> in_;  // per peer, kept across rounds (frames may run ahead)
   std::vector<int> fds_;
-  std::vector<std::vector<uint8_t>> mine_;                // 3 buffers
+  std::vector<std::vector<uint8_t>> mine_;                // 3 buffers (when not given)
+  std::vector<uint8_t*> mine_ptr_;                        // the 3 buffers in use
   std::vector<std::vector<std::vector<uint8_t>>> peers_;  // [peer][3]
+};
+
+// ---- shared memory inside a host, TCP between hosts ------------------------------------
+// A group that spans hosts: each rank's slots live in its host's shared segment, so the
+// ranks of a host read each other's slots in place (no socket, no copy), and a TCP frame
+// carries to a rank of another host the ranges it reads. A round is complete when every
+// active peer of this host arrived (shm) and every active peer elsewhere's frame is in.
+class HybridEngine : public CollEngine {
+ public:
+  // local[j]: rank j shares this host (and `seg`); fds[j]: socket to rank j (other hosts).
+  HybridEngine(int rank, int size, std::shared_ptr<ShmSegment> seg, const ShmLayout& layout, bool spin,
+               std::vector<char> local, std::vector<int> fds);
+  uint8_t* my_slot(uint64_t k) override { return shm_.my_slot(k); }
+  uint8_t* my_hdr(uint64_t k) override { return shm_.my_hdr(k); }
+  const uint8_t* peer_slot(int j, uint64_t k) override {
+    return local_[j] ? shm_.peer_slot(j, k) : tcp_->peer_slot(j, k);
+  }
+  const uint8_t* peer_hdr(int j, uint64_t k) override {
+    return local_[j] ? shm_.peer_hdr(j, k) : tcp_->peer_hdr(j, k);
+  }
+  void exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadline_ns) override;
+  const char* name() const override { return "shm+tcp"; }
+  void start_epoch(uint64_t e) override;
+  void set_active(const std::vector<char>& active) override;
+  void set_liveness(LivenessProbe p) override;
+
+ protected:
+  void wake() override {
+    shm_.request_abort();
+    tcp_->request_abort();
+  }
+
+ private:
+  ShmEngine shm_;
+  std::vector<char> local_;
+  std::unique_ptr<TcpEngine> tcp_;
 };
 
 class TcpP2P : public P2PChannel {

@@ -138,7 +138,6 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
   const size_t slot = static_cast<size_t>(cfg_.shm_slot_bytes) / 64 * 64;
   const size_t hcap = hdr_cap_for(W);
   auto key = [&](const std::string& k) { return ns + k; };
-  const int lead = members.front();
   // wait_ms > 0 (a rebuild): every wait for the members' keys is bounded, so a member that
   // died meanwhile makes this throw instead of blocking on the store
   auto await_keys = [&](const std::string& what, const std::vector<int>& who) {
@@ -237,34 +236,41 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
 
   std::unique_ptr<CollEngine> coll;
   std::unique_ptr<P2PChannel> p2p;
-  if (use_shm) {
-    ShmLayout layout(W, slot, hcap, static_cast<size_t>(cfg_.p2p_ring_bytes));
+  // The ranks of this host (members with my host id) map one shared segment, created by
+  // the lowest of them and unlinked once all have mapped it.
+  std::vector<int> mates;
+  for (int j : members)
+    if (hosts[j] == cfg_.host_id) mates.push_back(j);
+  ShmLayout layout(W, slot, hcap, static_cast<size_t>(cfg_.p2p_ring_bytes));
+  auto host_segment = [&]() {
+    const int host_lead = mates.front();
+    const std::string seg_key = key("shm/" + std::to_string(host_of_[rank_]));
     auto seg = std::make_shared<ShmSegment>();
-    if (rank_ == lead) {
+    if (rank_ == host_lead) {
       std::random_device rd;
       std::string name = "/mooncake-" + std::to_string(getpid()) + "-" + std::to_string(rd());
       seg->create(name, layout.total);
-      store_set_str(store, key("shm"), name);
+      store_set_str(store, seg_key, name);
     } else {
       if (wait_ms > 0) {
         try {
-          store->wait({key("shm")}, std::chrono::milliseconds(wait_ms));
+          store->wait({seg_key}, std::chrono::milliseconds(wait_ms));
         } catch (const std::exception&) {
-          TORCH_CHECK(false, "MooncakeBackend::build_transport: rank ", lead,
+          TORCH_CHECK(false, "MooncakeBackend::build_transport: rank ", host_lead,
                       " did not create the shared segment "
                       "within ",
                       wait_ms, " ms (died or stopped during the rebuild)");
         }
       }
-      seg->open(store_get_str(store, key("shm")), layout.total);
+      seg->open(store_get_str(store, seg_key), layout.total);
     }
     store_set_str(store, key("mapped/" + std::to_string(rank_)), "1");
-    if (rank_ == lead) {
+    if (rank_ == host_lead) {
       std::vector<std::string> keys;
-      for (int j : members) keys.push_back(key("mapped/" + std::to_string(j)));
+      for (int j : mates) keys.push_back(key("mapped/" + std::to_string(j)));
       try {
         if (wait_ms > 0)
-          await_keys("mapped/", members);
+          await_keys("mapped/", mates);
         else
           store->wait(keys);
       } catch (...) {
@@ -273,7 +279,11 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
       }
       seg->unlink();  // every member has it mapped: nothing is left behind if one dies
     }
-    bool spin = static_cast<int>(members.size()) <= available_cpus();
+    return seg;
+  };
+  const bool spin = static_cast<int>(mates.size()) <= available_cpus();
+  if (use_shm) {
+    auto seg = host_segment();
     coll = std::make_unique<ShmEngine>(rank_, W, seg, layout, spin);
     p2p = std::make_unique<ShmP2P>(rank_, W, seg, layout);
   } else {
@@ -383,6 +393,17 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
         TORCH_CHECK(false, "MooncakeBackend::build_transport: transport 'rdma': ", e.what());
       }
 #endif
+    } else if (t == "auto" && mates.size() > 1) {
+      // collectives: shared memory between the ranks of this host, TCP to the others
+      std::vector<char> local(W, 0);
+      for (int j : mates) {
+        local[j] = 1;
+        if (j != rank_ && cfds[j] >= 0) close(cfds[j]);
+        if (j != rank_) cfds[j] = -1;
+      }
+      ShmLayout hl(W, slot, hcap, 0);
+      layout = hl;
+      coll = std::make_unique<HybridEngine>(rank_, W, host_segment(), layout, spin, local, cfds);
     } else {
       coll = std::make_unique<TcpEngine>(rank_, W, slot, hcap, cfds);
     }

@@ -9,6 +9,10 @@
 
 namespace mooncake {
 
+namespace {
+constexpr size_t kHierBroadcastMinBytes = 256 << 10;
+}  // namespace
+
 void MooncakeBackend::run_broadcast(at::Tensor& t, int root, int64_t deadline_ns) {
   CollEngine* e = coll_.get();
   const int r = rank_;
@@ -23,7 +27,9 @@ void MooncakeBackend::run_broadcast(at::Tensor& t, int root, int64_t deadline_ns
   h.seq = seq_exec_++;
   const std::vector<int64_t> noextra;
   HostLayout hl;
-  if (run_hierarchical(nbytes, &hl) && (hl.G >= 2 || hl.H >= 3)) return run_broadcast_hier(t, root, hl, h, deadline_ns);
+  // the chain takes H + 1 rounds at least: below a few slots one round from the root is faster
+  if (nbytes >= kHierBroadcastMinBytes && run_hierarchical(nbytes, &hl) && (hl.G >= 2 || hl.H >= 3))
+    return run_broadcast_hier(t, root, hl, h, deadline_ns);
   const size_t S = e->slot_bytes();
   const size_t npieces = std::max<size_t>(1, (nbytes + S - 1) / S);
   auto out_copy = nbytes >= kStreamThreshold ? copy_stream : copy_plain;
