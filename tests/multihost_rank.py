@@ -147,7 +147,33 @@ def bytes_out(rank, world_size, nbytes):
     return out
 
 
+def loop_all_reduce(rank, world_size, ops, count, linger_s=3.0):
+    """ops all_reduces of count float32 elements equal to rank + 1; the first error ends the
+    loop. Returns each op's value (every element equal, else "uneven") or the error's type
+    name, and the membership afterwards (a rank may SIGKILL itself through
+    MOONCAKE_FAULT_INJECT). After an error the rank stays linger_s before it returns: rank 0
+    hosts the store, which the others still need to read the agreed outcome."""
+    import mooncake_pg
+
+    results = []
+    for _ in range(ops):
+        t = torch.full((count,), rank + 1.0)
+        try:
+            dist.all_reduce(t)
+        except Exception as e:  # the outcome is what is compared
+            results.append(type(e).__name__)
+            time.sleep(linger_s)
+            break
+        results.append(t[0].item() if bool((t == t[0]).all()) else "uneven")
+    return {
+        "results": results,
+        "active": mooncake_pg.get_active_ranks().tolist(),
+        "epoch": mooncake_pg.get_epoch(),
+    }
+
+
 SCENARIOS = {
+    "loop_all_reduce": loop_all_reduce,
     "large_ops": large_ops,
     "bytes_out": bytes_out,
     "every_op": every_op,

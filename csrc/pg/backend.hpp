@@ -395,11 +395,12 @@ class MooncakeBackend : public c10d::Backend {
   bool run_hierarchical(size_t nbytes, HostLayout* hl) const;
   void run_allreduce_hier(at::Tensor& t, RedOp rop, double premul, int root, const HostLayout& hl,
                           const OpHeader& h, int64_t deadline_ns);
-  void run_broadcast_hier(at::Tensor& t, int root, const HostLayout& hl, const OpHeader& h, int64_t deadline_ns);
+  void run_broadcast_hier(at::Tensor& t, int root, const HostLayout& hl, const OpHeader& h,
+                          int64_t deadline_ns);
   void run_allgather_hier(const at::Tensor& in, const std::vector<uint8_t*>& outs, const HostLayout& hl,
                           const OpHeader& h, int64_t deadline_ns);
-  void run_reduce_scatter_hier(const std::vector<const uint8_t*>& ins, at::Tensor& out, RedOp rop, double premul,
-                               const HostLayout& hl, const OpHeader& h, int64_t deadline_ns);
+  void run_reduce_scatter_hier(const std::vector<const uint8_t*>& ins, at::Tensor& out, RedOp rop,
+                               double premul, const HostLayout& hl, const OpHeader& h, int64_t deadline_ns);
   void exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadline_ns);
 
   // Inside start/endCoalescing: the batch's Work completes when `w` (and its peers) do.

@@ -417,7 +417,8 @@ HybridEngine::HybridEngine(int rank, int size, std::shared_ptr<ShmSegment> seg, 
     : CollEngine(rank, size, layout.slot, layout.hdr_cap),
       shm_(rank, size, std::move(seg), layout, spin),
       local_(std::move(local)) {
-  tcp_ = std::make_unique<TcpEngine>(rank, size, layout.slot, layout.hdr_cap, std::move(fds), shm_buffers(shm_));
+  tcp_ =
+      std::make_unique<TcpEngine>(rank, size, layout.slot, layout.hdr_cap, std::move(fds), shm_buffers(shm_));
 }
 
 void HybridEngine::set_active(const std::vector<char>& active) {

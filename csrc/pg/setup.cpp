@@ -180,9 +180,9 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
     store_set_str(store, key("host/" + std::to_string(rank_)), "!" + setup_error_);
     TORCH_CHECK(false, setup_error_);
   }
-  const std::string mine =
-      cfg_.host_id + "|" + t + "|" + std::to_string(slot) + "|hierarchical=" + (cfg_.hierarchical ? "1" : "0") +
-      "|members=" + join_ranks(members);
+  const std::string mine = cfg_.host_id + "|" + t + "|" + std::to_string(slot) +
+                           "|hierarchical=" + (cfg_.hierarchical ? "1" : "0") +
+                           "|members=" + join_ranks(members);
   store_set_str(store, key("rdv/" + std::to_string(rank_)), cfg_.rendezvous_addr);
   store_set_str(store, key("host/" + std::to_string(rank_)), mine);
   await_keys("host/", members);
@@ -196,8 +196,8 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
     hosts[j] = v.substr(0, v.find('|'));
     if (hosts[j] != cfg_.host_id) one_host = false;
     TORCH_CHECK_VALUE(v.substr(v.find('|')) == mine.substr(mine.find('|')), "MooncakeBackend::setup: rank ",
-                      j, " uses transport|slot|hierarchical|members '", v.substr(v.find('|') + 1), "' but rank ", rank_,
-                      " uses '", mine.substr(mine.find('|') + 1),
+                      j, " uses transport|slot|hierarchical|members '", v.substr(v.find('|') + 1),
+                      "' but rank ", rank_, " uses '", mine.substr(mine.find('|') + 1),
                       "'; MOONCAKE_TRANSPORT, shm_slot_bytes, hierarchical and active_ranks "
                       "must agree across ranks");
   }

@@ -8,10 +8,10 @@ namespace mooncake {
 struct HostLayout {
   // active ranks by host: hosts in the order of their lowest rank, ranks ascending
   std::vector<std::vector<int>> hosts;
-  int H = 0;              // hosts
-  int G = 0;              // ranks per host when uniform (else 0)
-  int h = -1, g = -1;     // this rank's host and local index
-  bool uniform = false;   // every host has G ranks
+  int H = 0;             // hosts
+  int G = 0;             // ranks per host when uniform (else 0)
+  int h = -1, g = -1;    // this rank's host and local index
+  bool uniform = false;  // every host has G ranks
   int at(int host, int local) const { return hosts[host][local]; }
   // host and local index of active rank r (false: r is not active)
   bool where(int r, int* host, int* local) const {

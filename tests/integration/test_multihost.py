@@ -226,3 +226,34 @@ def test_each_host_link_carries_one_copy_per_remote_host(ranks_per_host):
             assert sent <= 1.15 * b + (64 << 10), (
                 f"host {h}: {op} sent {sent / 2**20:.2f} MiB, bound {b / 2**20:.2f} MiB"
             )
+
+
+@pytest.mark.parametrize("policy", ["mask", "raise"])
+def test_sigkill_on_another_host_mid_all_reduce(policy):
+    """Rank 3 (host 1) SIGKILLs itself in the middle of the pipeline of its fourth 1 MiB
+    all_reduce (two levels: shared memory inside a host, TCP between hosts). mask: every
+    survivor gets 1 + 2 + 3 from that op on (the rerun over the survivors, now uneven hosts
+    and the flat schedule), 10 before; raise: every survivor raises at the same op."""
+    with netns.hosts(2, "mcmh") as t:
+        res = run_ranks(
+            t,
+            [2, 2],
+            "loop_all_reduce",
+            {"ops": 8, "count": 1 << 18, "options": {"on_failure": policy}},
+            rank_env={3: {"MOONCAKE_FAULT_INJECT": "3:2"}},
+            timeout_s=150,
+        )
+    assert "error" in res[3] or "results" not in res[3], res[3]  # it died
+    survivors = [res[r] for r in (0, 1, 2)]
+    for r, got in enumerate(survivors):
+        assert "results" in got, (r, got)
+    seqs = [got["results"] for got in survivors]
+    assert seqs[0] == seqs[1] == seqs[2], seqs
+    seq = seqs[0]
+    assert seq[:3] == [10.0, 10.0, 10.0], seq
+    if policy == "mask":
+        assert seq[3:] == [6.0] * 5, seq
+        for got in survivors:
+            assert got["active"] == [1, 1, 1, 0], got
+    else:
+        assert len(seq) == 4 and seq[3] in ("RankFailureError", "DistBackendError"), seq

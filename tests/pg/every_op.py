@@ -186,7 +186,9 @@ def _reduced(stack: torch.Tensor, op: str, dtype: str) -> torch.Tensor:
     """The reference reduction over dim 0 of every rank's input, computed by torch."""
     dt = getattr(torch, dtype)
     if op == "sum":
-        return stack.to(torch.float64).sum(0).to(dt) if dt.is_floating_point else stack.sum(0).to(dt)
+        return (
+            stack.to(torch.float64).sum(0).to(dt) if dt.is_floating_point else stack.sum(0).to(dt)
+        )
     if op == "max":
         return stack.max(0).values
     if op == "avg":
@@ -245,13 +247,16 @@ def run_large(counts, group=None) -> dict:
             for root in sorted({n - 1, min(1, n - 1)}):
                 t = _large_input(r, count, d, salt=root)
                 want = (
-                    _reduced(torch.stack([_large_input(j, count, d, root) for j in range(n)]), op, d)
+                    _reduced(
+                        torch.stack([_large_input(j, count, d, root) for j in range(n)]), op, d
+                    )
                     if r == root
                     else _large_input(r, count, d, salt=root)  # untouched on other ranks
                 )
-                dist.reduce(t, dst=root, op=_OPS[op](), group=group) if group is None else dist.reduce(
-                    t, group_dst=root, op=_OPS[op](), group=group
-                )
+                if group is None:
+                    dist.reduce(t, dst=root, op=_OPS[op]())
+                else:
+                    dist.reduce(t, group_dst=root, op=_OPS[op](), group=group)
                 check(f"reduce/{d}/{op}/root{root}/{count}", t, want)
             full = torch.stack([_large_input(j, count * n, d, salt=5) for j in range(n)])
             rs = torch.empty(count, dtype=getattr(torch, d))
@@ -280,8 +285,9 @@ def run_large(counts, group=None) -> dict:
             for root in sorted({0, n - 1, min(1, n - 1)}):
                 b = _large_input(r, count, d, salt=7 + root)
                 src = _large_input(root, count, d, salt=7 + root)
-                dist.broadcast(b, src=root) if group is None else dist.broadcast(
-                    b, group_src=root, group=group
-                )
+                if group is None:
+                    dist.broadcast(b, src=root)
+                else:
+                    dist.broadcast(b, group_src=root, group=group)
                 check(f"broadcast/{d}/root{root}/{count}", b, src)
     return {"checked": checked, "bad": bad}

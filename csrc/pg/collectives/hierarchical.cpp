@@ -54,8 +54,8 @@ bool MooncakeBackend::run_hierarchical(size_t nbytes, HostLayout* hl) const {
 // sub-stripe to (h', g) for every h'; 3 (h, g) sends the whole reduced stripe to its local
 // peers. Every element is reduced by one rank, so all ranks end bit-identical. For reduce,
 // stages 2 and 3 go to the root's host and the root only.
-void MooncakeBackend::run_allreduce_hier(at::Tensor& t, RedOp rop, double premul, int root, const HostLayout& hl,
-                                         const OpHeader& h, int64_t deadline_ns) {
+void MooncakeBackend::run_allreduce_hier(at::Tensor& t, RedOp rop, double premul, int root,
+                                         const HostLayout& hl, const OpHeader& h, int64_t deadline_ns) {
   CollEngine* e = coll_.get();
   const int H = hl.H, G = hl.G, hm = hl.h, gm = hl.g;
   const auto dt = t.scalar_type();
@@ -179,9 +179,9 @@ void MooncakeBackend::run_allreduce_hier(at::Tensor& t, RedOp rop, double premul
 // (h, g) receives from its local peers their chunks for ranks (x, g), every x, and reduces
 // them into the host's partials; stage 1: it sends the partial for (x, g) to (x, g), which
 // reduces the H partials into its output.
-void MooncakeBackend::run_reduce_scatter_hier(const std::vector<const uint8_t*>& ins, at::Tensor& out, RedOp rop,
-                                              double premul, const HostLayout& hl, const OpHeader& h,
-                                              int64_t deadline_ns) {
+void MooncakeBackend::run_reduce_scatter_hier(const std::vector<const uint8_t*>& ins, at::Tensor& out,
+                                              RedOp rop, double premul, const HostLayout& hl,
+                                              const OpHeader& h, int64_t deadline_ns) {
   CollEngine* e = coll_.get();
   const int H = hl.H, G = hl.G, hm = hl.h, gm = hl.g;
   const auto dt = out.scalar_type();
