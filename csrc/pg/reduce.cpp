@@ -186,10 +186,14 @@ void reduce_arith(void* dst, const void* const* srcs, int ns, size_t n, RedOp op
     switch (op) {
       case RedOp::PRODUCT:
         return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return a * b; }, false, d2, div);
+      // floating point: a NaN wins (torch.minimum / torch.maximum propagate it); a != a
+      // is false for every integer, so the same code serves both
       case RedOp::MIN:
-        return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return b < a ? b : a; }, false, d2, div);
+        return reduce_typed<T>(
+            d, s, ns, n, [](A a, A b) { return (b < a || b != b) && a == a ? b : a; }, false, d2, div);
       case RedOp::MAX:
-        return reduce_typed<T>(d, s, ns, n, [](A a, A b) { return b > a ? b : a; }, false, d2, div);
+        return reduce_typed<T>(
+            d, s, ns, n, [](A a, A b) { return (b > a || b != b) && a == a ? b : a; }, false, d2, div);
       default:
         break;
     }

@@ -160,7 +160,7 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
   // An error every member finds in the same published keys: each says it has seen it and
   // waits (briefly) until all have, so that the rank hosting the store (whose store goes
   // away when its init raises) does not leave the others with a broken pipe instead.
-  auto fail_together = [&](const std::string& msg) {
+  auto fail_together = [&](const std::string& msg, bool value_error = false) {
     store_set_str(store, key("failed/" + std::to_string(rank_)), "1");
     std::vector<std::string> keys;
     for (int j : members) keys.push_back(key("failed/" + std::to_string(j)));
@@ -171,6 +171,7 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
       std::this_thread::sleep_for(std::chrono::milliseconds(500));
     } catch (const std::exception&) {
     }
+    TORCH_CHECK_VALUE(!value_error, msg);
     TORCH_CHECK(false, msg);
   };
 
@@ -195,11 +196,16 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
                 ")");
     hosts[j] = v.substr(0, v.find('|'));
     if (hosts[j] != cfg_.host_id) one_host = false;
-    TORCH_CHECK_VALUE(v.substr(v.find('|')) == mine.substr(mine.find('|')), "MooncakeBackend::setup: rank ",
-                      j, " uses transport|slot|hierarchical|members '", v.substr(v.find('|') + 1),
-                      "' but rank ", rank_, " uses '", mine.substr(mine.find('|') + 1),
-                      "'; MOONCAKE_TRANSPORT, shm_slot_bytes, hierarchical and active_ranks "
-                      "must agree across ranks");
+    if (v.substr(v.find('|')) != mine.substr(mine.find('|')))
+      // every rank sees a difference (it is symmetric); all raise together, so that rank 0,
+      // which may host the store, does not take it away while another still reads it
+      fail_together(
+          "MooncakeBackend::setup: rank " + std::to_string(j) +
+              " uses transport|slot|hierarchical|members '" + v.substr(v.find('|') + 1) + "' but rank " +
+              std::to_string(rank_) + " uses '" + mine.substr(mine.find('|') + 1) +
+              "'; MOONCAKE_TRANSPORT, shm_slot_bytes, hierarchical and active_ranks must agree across "
+              "ranks",
+          /*value_error=*/true);
   }
   // 2. process handles of same-host peers (failure detection)
   store_set_str(store, key("pid/" + std::to_string(rank_)), std::to_string(getpid()));

@@ -257,3 +257,20 @@ def test_sigkill_on_another_host_mid_all_reduce(policy):
             assert got["active"] == [1, 1, 1, 0], got
     else:
         assert len(seq) == 4 and seq[3] in ("RankFailureError", "DistBackendError"), seq
+
+
+def test_options_that_must_agree_raise_value_error_on_every_rank():
+    """Rank 1 alone turns the two levels off: every rank raises ValueError naming the
+    option at init_process_group (rank 0, which hosts the store, waits until all have
+    seen it, so nobody gets a closed connection instead)."""
+    with netns.hosts(2, "mcmh") as t:
+        res = run_ranks(
+            t,
+            [2, 2],
+            "every_op",
+            rank_env={1: {"MH_OPTIONS": json.dumps({"hierarchical": False})}},
+            timeout_s=120,
+        )
+    for r in range(4):
+        assert res[r].get("error") == "ValueError", (r, res[r])
+        assert "hierarchical" in res[r]["message"], (r, res[r]["message"])

@@ -458,3 +458,39 @@ def test_pg7_dtype_and_op_matrix():
             f"PG-7 rank {r}: the backend reduced complex MAX instead of raising: {o['c64_max_direct']}"
         )
         assert o["after"] == 10.0
+
+
+def rank_nan_min_max(rank, ws):
+    torch.set_num_threads(1)
+    out = {}
+    for name in ("float32", "float64", "bfloat16", "float16"):
+        d = getattr(torch, name)
+        for op in ("MIN", "MAX"):
+            for n in (8, 40000):  # the one-round path and the pipelined one
+                t = ((torch.arange(n) * 7 + rank * 13) % 101).to(d)
+                t[rank] = float("nan")  # each rank's NaN at its own position
+                dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+                out[(name, op, n)] = t
+    return out
+
+
+def test_min_max_propagate_nan():
+    """MIN and MAX with a NaN in one rank's element give NaN there, as torch.minimum /
+    torch.maximum over the ranks' tensors do (each rank has its NaN at another position);
+    every other element is the exact minimum / maximum."""
+    ws = 4
+    res = pool(ws).run(rank_nan_min_max, timeout=60)
+    for (name, op, n), got in res[0].items():
+        d = getattr(torch, name)
+        ins = []
+        for r in range(ws):
+            t = ((torch.arange(n) * 7 + r * 13) % 101).to(d)
+            t[r] = float("nan")
+            ins.append(t)
+        want = ins[0]
+        for t in ins[1:]:
+            want = torch.minimum(want, t) if op == "MIN" else torch.maximum(want, t)
+        assert torch.equal(got.isnan(), want.isnan()), (name, op, n)
+        assert torch.equal(got[~want.isnan()], want[~want.isnan()]), (name, op, n)
+        for r in range(1, ws):
+            assert torch.equal(res[r][(name, op, n)].isnan(), want.isnan()), (r, name, op, n)
