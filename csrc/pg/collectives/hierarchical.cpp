@@ -194,8 +194,8 @@ void MooncakeBackend::run_reduce_scatter_hier(const std::vector<const uint8_t*>&
   // slot, for a piece of len elements per chunk: [A: my chunks for (x, g) at (g * H + x) * len |
   // B: the host's partials for (x, gm) at x * len] (one contiguous range per peer and stage)
   const size_t S = e->slot_bytes();
-  size_t q = S / (static_cast<size_t>(H) * (G + 1)) / 64 * 64 / E;
-  if (q == 0) q = std::max<size_t>(1, S / (static_cast<size_t>(H) * (G + 1)) / E);
+  // >= 4: run_hierarchical() asks for 64 bytes per (host, local index + 1), E <= 16
+  const size_t q = S / (static_cast<size_t>(H) * (G + 1)) / 64 * 64 / E;
   const size_t npieces = (n + q - 1) / q;
   auto valid = [&](int64_t p) { return p >= 0 && p < static_cast<int64_t>(npieces); };
   auto len_of = [&](int64_t p) { return std::min(q, n - p * q); };
