@@ -100,7 +100,9 @@ def test_no_space_when_nothing_evictable(procs):
 def test_eviction_skips_leased_objects(procs):
     """LRU eviction passes over the least recently used object while a reader holds a
     lease on it and takes the next one."""
-    m = sa.start_master(lease_ttl=30.0)
+    # high watermark 1.0: only the put's own eviction runs (the background one, above the
+    # high watermark, would go on to the next object whenever its tick came first)
+    m = sa.start_master(lease_ttl=30.0, high_watermark=1.0)
     sa.start_agent({"master": m.address, "segment_size": 4 * MiB + 4096})
     with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0) as s:
         s.put("o0", bytes([0]) * MiB)
