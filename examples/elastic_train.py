@@ -73,6 +73,12 @@ def main() -> int:
         "seconds to start, so it rejoins mid-run)",
     )
     ap.add_argument(
+        "--hidden",
+        type=int,
+        default=64,
+        help="width of the hidden layer (the gradient all_reduce carries about 40*hidden floats)",
+    )
+    ap.add_argument(
         "--rejoin-timeout",
         type=float,
         default=120.0,
@@ -85,7 +91,9 @@ def main() -> int:
     )
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, args.hidden), torch.nn.Tanh(), torch.nn.Linear(args.hidden, 8)
+    )
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     step, recoveries, t0 = 0, 0, time.monotonic()
     first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"  # set by mooncake-run

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import sys
 import time
 
@@ -77,72 +78,75 @@ def _results(log_dir):
     return out
 
 
+def _launch_nodes(t, tmp_path, argv, extra_env=None):
+    """One ``mooncake-run --nnodes 2 --nproc-per-node 2`` per host (node 0 on t.a hosts the
+    control store), ranks' output under tmp_path/ranks<node>, the launcher's in
+    tmp_path/node<node>.log. Returns {node: (Popen, log file)}."""
+    port = random.randint(20000, 60000)  # any port: the namespace and its addresses are ours alone
+    launchers = {}
+    for node, ns in ((0, t.a), (1, t.b)):
+        env = dict(os.environ)
+        env.update(
+            {
+                "MOONCAKE_HOST_ID": f"host-{node}",
+                "MOONCAKE_SOCKET_IFNAME": "eth0",
+                "GLOO_SOCKET_IFNAME": "eth0",
+                "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+                **(extra_env or {}),
+            }
+        )
+        log = open(tmp_path / f"node{node}.log", "w")
+        launchers[node] = (
+            netns.run_in(
+                ns,
+                [
+                    sys.executable,
+                    "-m",
+                    "mooncake_pg.run",
+                    "--nnodes",
+                    "2",
+                    "--node-rank",
+                    str(node),
+                    "--master-addr",
+                    t.addr[t.a],
+                    "--master-port",
+                    str(port),
+                    "--nproc-per-node",
+                    "2",
+                    "--log-dir",
+                    str(tmp_path / f"ranks{node}"),
+                    *argv,
+                ],
+                env=env,
+                cwd=ROOT,
+                stdout=log,
+                stderr=log,
+            ),
+            log,
+        )
+    return launchers
+
+
+def _logs(tmp_path):
+    text = []
+    for n in (0, 1):
+        text.append(f"--- launcher {n}:\n" + (tmp_path / f"node{n}.log").read_text()[-3000:])
+        d = tmp_path / f"ranks{n}"
+        for name in sorted(os.listdir(d)) if d.exists() else []:
+            text.append(f"--- {name}:\n" + (d / name).read_text()[-2000:])
+    return "\n".join(text)
+
+
 def test_cut_off_host_fences_itself_and_the_store_side_goes_on(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT % {"timeout": OP_TIMEOUT})
     progress = tmp_path / "progress"
     progress.mkdir()
     with netns.two_hosts("mctest") as t:
-        port = random.randint(
-            20000, 60000
-        )  # any port: the namespace and its addresses are ours alone
-        launchers = {}
-        for node, ns in ((0, t.a), (1, t.b)):
-            env = dict(os.environ)
-            env.update(
-                {
-                    "MOONCAKE_HOST_ID": f"host-{node}",
-                    "MOONCAKE_SOCKET_IFNAME": "eth0",
-                    "GLOO_SOCKET_IFNAME": "eth0",
-                    "PROGRESS_DIR": str(progress),
-                    "OMP_NUM_THREADS": "1",
-                    "PYTHONPATH": os.pathsep.join(
-                        filter(None, [ROOT, os.environ.get("PYTHONPATH")])
-                    ),
-                }
-            )
-            log = open(tmp_path / f"node{node}.log", "w")
-            launchers[node] = (
-                netns.run_in(
-                    ns,
-                    [
-                        sys.executable,
-                        "-m",
-                        "mooncake_pg.run",
-                        "--nnodes",
-                        "2",
-                        "--node-rank",
-                        str(node),
-                        "--master-addr",
-                        t.addr[t.a],
-                        "--master-port",
-                        str(port),
-                        "--nproc-per-node",
-                        "2",
-                        "--max-restarts",
-                        "0",
-                        "--log-dir",
-                        str(tmp_path / f"ranks{node}"),
-                        str(script),
-                    ],
-                    env=env,
-                    cwd=ROOT,
-                    stdout=log,
-                    stderr=log,
-                ),
-                log,
-            )
-
-        def logs():
-            text = []
-            for n in (0, 1):
-                text.append(
-                    f"--- launcher {n}:\n" + (tmp_path / f"node{n}.log").read_text()[-3000:]
-                )
-                d = tmp_path / f"ranks{n}"
-                for name in sorted(os.listdir(d)) if d.exists() else []:
-                    text.append(f"--- {name}:\n" + (d / name).read_text()[-2000:])
-            return "\n".join(text)
+        launchers = _launch_nodes(
+            t, tmp_path, ["--max-restarts", "0", str(script)], {"PROGRESS_DIR": str(progress)}
+        )
 
         try:
             deadline = time.monotonic() + 120
@@ -151,11 +155,11 @@ def test_cut_off_host_fences_itself_and_the_store_side_goes_on(tmp_path):
                 if len(done) == 4 and min(done) >= 10:
                     break
                 assert all(p.poll() is None for p, _ in launchers.values()), (
-                    f"a launcher exited early\n{logs()}"
+                    f"a launcher exited early\n{_logs(tmp_path)}"
                 )
                 time.sleep(0.1)
             else:
-                raise AssertionError(f"the 4 ranks did not get going\n{logs()}")
+                raise AssertionError(f"the 4 ranks did not get going\n{_logs(tmp_path)}")
             t_cut = time.monotonic()
             netns.cut(t, t.b)
             rcs = {}
@@ -170,16 +174,16 @@ def test_cut_off_host_fences_itself_and_the_store_side_goes_on(tmp_path):
                 kill_group(p, wait_s=10)
                 log.close()
     assert rcs == {0: 0, 1: 1}, (
-        f"launcher exit codes {rcs} (a should finish, b's ranks fail)\n{logs()}"
+        f"launcher exit codes {rcs} (a should finish, b's ranks fail)\n{_logs(tmp_path)}"
     )
-    assert took < 60, f"took {took:.1f} s\n{logs()}"
+    assert took < 60, f"took {took:.1f} s\n{_logs(tmp_path)}"
     res = {}
     for n in (0, 1):
         res.update(_results(tmp_path / f"ranks{n}"))
-    assert sorted(res) == [0, 1, 2, 3], f"results {res}\n{logs()}"
+    assert sorted(res) == [0, 1, 2, 3], f"results {res}\n{_logs(tmp_path)}"
     for r in (0, 1):
         o = res[r]
-        assert o["ok"] and o["first"] == 10.0, f"rank {r}: {o}\n{logs()}"
+        assert o["ok"] and o["first"] == 10.0, f"rank {r}: {o}\n{_logs(tmp_path)}"
         # 2 and 3 are agreed failed together (epoch 1) or one after the other (epoch 2)
         assert o["active"] == [1, 1, 0, 0] and o["epoch"] in (1, 2), f"rank {r}: {o}"
         assert o["epoch"] == res[0]["epoch"], f"ranks 0 and 1 end in different epochs: {res[0]} {o}"
@@ -190,9 +194,56 @@ def test_cut_off_host_fences_itself_and_the_store_side_goes_on(tmp_path):
     for r in (2, 3):
         o = res[r]
         assert not o["ok"] and o["type"] == "RankFencedError" and o["is_dist_error"], (
-            f"rank {r}: {o}\n{logs()}"
+            f"rank {r}: {o}\n{_logs(tmp_path)}"
         )
         assert "control store is unreachable" in o["msg"] and "fences itself" in o["msg"], (
             f"rank {r}: {o['msg']}"
         )
     print(f"cut detected and settled in {took:.1f} s; a's stall {res[0]['stall']:.2f} s")
+
+
+@pytest.mark.parametrize("victim", [2, 1])
+def test_a_rank_respawned_on_its_host_rejoins_its_seat(tmp_path, victim):
+    """``examples/elastic_train.py`` over two hosts of two ranks, one ``mooncake-run`` per
+    host: the victim (on host b, or on host a beside the control store) SIGKILLs itself at
+    step 20; the other three go on over the flat path (2 + 1 ranks), its host's launcher
+    respawns it there, it rejoins its seat with ``sync_state``, and the two-level path
+    (the 41 KiB gradient of ``--hidden 256``) carries the rest. The run ends with 4 active
+    ranks and bit-identical parameters, loss down."""
+    argv = ["--max-restarts", "1", os.path.join(ROOT, "examples", "elastic_train.py")]
+    argv += ["--steps", "90", "--kill-rank", str(victim), "--kill-at", "20"]
+    argv += ["--step-time", "0.03", "--hidden", "256"]
+    with netns.two_hosts("mctest") as t:
+        launchers = _launch_nodes(t, tmp_path, argv)
+        rcs = {}
+        try:
+            for node, (p, _) in launchers.items():
+                try:
+                    rcs[node] = p.wait(180)
+                except Exception:
+                    rcs[node] = None
+        finally:
+            for p, log in launchers.values():
+                kill_group(p, wait_s=10)
+                log.close()
+    ctx = _logs(tmp_path)
+    assert rcs == {0: 0, 1: 0}, f"launcher exit codes {rcs}\n{ctx}"
+    node = victim // 2
+    launcher = (tmp_path / f"node{node}.log").read_text()
+    assert f"rank {victim} died (signal SIGKILL); respawning it alone" in launcher, ctx
+    assert "finished: all 2 ranks exited 0 (1 restarts)" in launcher, ctx
+    ranks = {
+        n: "".join(p.read_text() for p in sorted((tmp_path / f"ranks{n}").glob("*.out")))
+        for n in (0, 1)
+    }
+    assert f"[rank {victim}] respawned: waiting to be admitted" in ranks[node], ctx
+    done = re.search(
+        r"done: (\d+) steps .* loss ([\d.]+) -> ([\d.]+), (\d+) recoveries, epoch (\d+), "
+        r"active \[1, 1, 1, 1\], parameters identical on all ranks: True",
+        ranks[0],
+    )
+    assert done, ctx
+    steps, first, last, recov, epoch = done.groups()
+    assert int(steps) == 90 and float(last) < 0.5 * float(first), ctx
+    assert int(recov) == 1 and int(epoch) == 2, ctx
+    assert "over 3 ranks" in ranks[0], ctx
