@@ -304,7 +304,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--topologies", default="2x2,4x2", help="HxG or uneven A+B+..., comma-separated")
     p.add_argument("--sizes", default="8,1M,4M,16M,64M")
-    p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument("--ops", default=",".join(OPS), help="comma-separated, of: " + ", ".join(OPS))
     p.add_argument("--backends", default="mooncake,gloo")
     p.add_argument(
         "--link-rate", default="2G", help="each host link's rate per direction (bit/s; K/M/G)"
@@ -322,6 +322,9 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="CI: 2x2, 8 B and 1 MiB, 3 calls")
     p.add_argument("--json", default=os.path.join("bench_out", "multihost_bench.json"))
     args = p.parse_args(argv)
+    unknown = sorted(set(args.ops.split(",")) - set(OPS))
+    if unknown:
+        p.error(f"--ops: unknown {', '.join(unknown)} (known: {', '.join(OPS)})")
     if args.smoke:
         args.topologies, args.sizes, args.min_iters, args.max_iters = "2x2", "8,1M", 3, 3
     args.rate_bit = parse_rate(args.link_rate)
