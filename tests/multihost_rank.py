@@ -112,17 +112,18 @@ def large_ops(rank, world_size, counts):
     return run_large(counts)
 
 
-def bytes_out(rank, world_size, nbytes):
+def bytes_out(rank, world_size, nbytes, ops=None, broadcast_src=None):
     """Bytes that left this rank's host (its eth0) during one all_reduce, reduce_scatter,
-    all_gather_into_tensor and broadcast of about nbytes (float32), between barriers: the
-    traffic of the whole host, which the test compares with the link bound."""
+    all_gather_into_tensor and broadcast (from broadcast_src, default the last rank) of
+    about nbytes (float32), between barriers: the traffic of the whole host, which the test
+    compares with the link bound. ops: the names to run (default all)."""
 
     def tx():
         with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
             return int(f.read())
 
     n = nbytes // 4
-    ops = {
+    table = {
         "all_reduce": lambda: dist.all_reduce(torch.ones(n)),
         "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(
             torch.empty(n // world_size), torch.ones(n // world_size * world_size)
@@ -130,10 +131,14 @@ def bytes_out(rank, world_size, nbytes):
         "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(
             torch.empty(n * world_size), torch.ones(n)
         ),
-        "broadcast": lambda: dist.broadcast(torch.ones(n), src=world_size - 1),
+        "broadcast": lambda: dist.broadcast(
+            torch.ones(n), src=world_size - 1 if broadcast_src is None else broadcast_src
+        ),
     }
+    if ops is not None:
+        table = {k: table[k] for k in ops}
     out = {}
-    for name, fn in ops.items():
+    for name, fn in table.items():
         fn()  # warm: connections and pages
         dist.barrier()
         time.sleep(0.2)

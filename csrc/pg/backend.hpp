@@ -390,9 +390,10 @@ class MooncakeBackend : public c10d::Backend {
                     const std::vector<int64_t>& in_rows, const std::vector<int64_t>& out_rows,
                     int64_t deadline_ns);
   void run_barrier(int64_t deadline_ns);
-  // Two-level versions (pg/collectives/hierarchical.cpp): `hl` uniform with H >= 2; `h` the
-  // op's header (seq taken). run_hierarchical() gives the layout when they apply.
-  bool run_hierarchical(size_t nbytes, HostLayout* hl) const;
+  // Two-level versions (pg/collectives/hierarchical.cpp): H >= 2 hosts, uniform except for
+  // broadcast; `h` the op's header (seq taken). run_hierarchical() gives the layout when
+  // they apply (uneven: hosts of any sizes allowed).
+  bool run_hierarchical(size_t nbytes, HostLayout* hl, bool uneven = false) const;
   void run_allreduce_hier(at::Tensor& t, RedOp rop, double premul, int root, const HostLayout& hl,
                           const OpHeader& h, int64_t deadline_ns);
   void run_broadcast_hier(at::Tensor& t, int root, const HostLayout& hl, const OpHeader& h,

@@ -10,6 +10,7 @@ struct HostLayout {
   std::vector<std::vector<int>> hosts;
   int H = 0;             // hosts
   int G = 0;             // ranks per host when uniform (else 0)
+  int min_G = 0;         // fewest ranks on one host
   int h = -1, g = -1;    // this rank's host and local index
   bool uniform = false;  // every host has G ranks
   int at(int host, int local) const { return hosts[host][local]; }
@@ -49,6 +50,8 @@ inline HostLayout host_layout(const std::vector<int>& act, const std::vector<int
   for (auto& mates : L.hosts)
     if (mates.size() != L.hosts[0].size()) L.uniform = false;
   L.G = L.uniform ? static_cast<int>(L.hosts[0].size()) : 0;
+  for (auto& mates : L.hosts)
+    if (L.min_G == 0 || static_cast<int>(mates.size()) < L.min_G) L.min_G = static_cast<int>(mates.size());
   return L;
 }
 

@@ -180,13 +180,14 @@ def test_a_rank_busy_between_ops_is_not_blamed():
         ([2, 2], None, [5003, 300007]),
         ([2, 2], 8192, [4099, 20011]),
         ([2, 2, 2, 2], 8192, [4099, 20011]),
-        ([3, 1], 8192, [4099, 20011]),
+        ([3, 1], 8192, [4099, 70001]),
+        ([1, 2, 2], 8192, [4099, 70001]),
     ],
-    ids=["2x2", "2x2-small-slot", "4x2-small-slot", "3+1-small-slot"],
+    ids=["2x2", "2x2-small-slot", "4x2-small-slot", "3+1-small-slot", "1+2+2-small-slot"],
 )
 def test_large_messages_across_hosts_match_torch(ranks_per_host, slot, counts):
     """The two-level collectives (all_reduce, reduce, reduce_scatter, all_gather, broadcast;
-    uniform hosts) and the flat ones (3+1) at sizes above the one-round path, with pieces
+    uniform hosts; broadcast also on uneven ones) and the flat ones (3+1) at sizes above the one-round path, with pieces
     ending mid-stripe (a small shm_slot_bytes cuts them into many pieces): float, integer,
     bfloat16/float16, uint8 and bool with SUM, AVG, MAX and PREMUL_SUM, roots on every host,
     each result equal to torch's reduction of every rank's input."""
@@ -226,6 +227,27 @@ def test_each_host_link_carries_one_copy_per_remote_host(ranks_per_host):
             assert sent <= 1.15 * b + (64 << 10), (
                 f"host {h}: {op} sent {sent / 2**20:.2f} MiB, bound {b / 2**20:.2f} MiB"
             )
+
+
+def test_broadcast_from_a_lone_trainer_host_sends_one_copy_per_link():
+    """Weight sync's shape: the root alone on its host, three hosts of two readers. A 4 MiB
+    broadcast goes along the chain of hosts, each host's first rank passing it on and its
+    mate reading it in place: every host sends at most one copy (the last none), where
+    rank to rank the root's link would carry six."""
+    S = 4 << 20
+    with netns.hosts(4, "mcmh") as t:
+        res = run_ranks(
+            t,
+            [1, 2, 2, 2],
+            "bytes_out",
+            {"nbytes": S, "ops": ["broadcast"], "broadcast_src": 0},
+            timeout_s=150,
+        )
+    for r in range(7):
+        _no_error(res, r)
+    for h, ranks in enumerate([[0], [1, 2], [3, 4], [5, 6]]):
+        sent = min(res[r]["broadcast"] for r in ranks)
+        assert sent <= 1.15 * S + (64 << 10), f"host {h}: sent {sent / 2**20:.2f} MiB"
 
 
 @pytest.mark.parametrize("policy", ["mask", "raise"])

@@ -27,9 +27,15 @@ void MooncakeBackend::run_broadcast(at::Tensor& t, int root, int64_t deadline_ns
   h.seq = seq_exec_++;
   const std::vector<int64_t> noextra;
   HostLayout hl;
-  // the chain takes H + 1 rounds at least: below a few slots one round from the root is faster
-  if (nbytes >= kHierBroadcastMinBytes && run_hierarchical(nbytes, &hl) && (hl.G >= 2 || hl.H >= 3))
-    return run_broadcast_hier(t, root, hl, h, deadline_ns);
+  // The chain takes H + 1 rounds at least: below a few slots one round from the root is
+  // faster. It pays where the root's link would carry more than one copy: more ranks
+  // outside the root's host than one.
+  if (nbytes >= kHierBroadcastMinBytes && run_hierarchical(nbytes, &hl, /*uneven=*/true)) {
+    int hr = 0, gr = 0;
+    hl.where(root, &hr, &gr);
+    if (static_cast<int>(act_.size() - hl.hosts[hr].size()) >= 2)
+      return run_broadcast_hier(t, root, hl, h, deadline_ns);
+  }
   const size_t S = e->slot_bytes();
   const size_t npieces = std::max<size_t>(1, (nbytes + S - 1) / S);
   auto out_copy = nbytes >= kStreamThreshold ? copy_stream : copy_plain;

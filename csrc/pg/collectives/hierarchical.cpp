@@ -40,11 +40,13 @@ void part(size_t L, int parts, int i, size_t* off, size_t* len) {
 }
 }  // namespace
 
-bool MooncakeBackend::run_hierarchical(size_t nbytes, HostLayout* hl) const {
+bool MooncakeBackend::run_hierarchical(size_t nbytes, HostLayout* hl, bool uneven) const {
   if (!cfg_.hierarchical || one_host_ || nbytes < kHierMinBytes) return false;
   *hl = host_layout(act_, host_of_, rank_);
   // every scheme's slot layout needs at least 64 bytes per (host, local index + 1)
-  return hl->uniform && hl->H >= 2 && static_cast<size_t>(hl->H) * (hl->G + 1) * 64 <= coll_->slot_bytes();
+  const int G = hl->uniform ? hl->G : hl->min_G;
+  return (hl->uniform || uneven) && hl->H >= 2 &&
+         static_cast<size_t>(hl->H) * (G + 1) * 64 <= coll_->slot_bytes();
 }
 
 // all_reduce (root < 0) and reduce. A piece of P elements is cut into G stripes; stripe g
@@ -307,11 +309,16 @@ void MooncakeBackend::run_allgather_hier(const at::Tensor& in, const std::vector
 // broadcast: the root (hr, gr) sends each piece to its local peers; then stripe g of the
 // piece travels along the hosts hr, hr + 1, ... (mod H) through the ranks (., g), each of
 // which also hands it to its local peers. Host i of the chain holds piece p after round
-// p + i; the last one shares it in round p + H.
+// p + i; the last one shares it in round p + H. Hosts of different sizes: as many stripes
+// as the smallest host has ranks (a trainer host of 1 rank and rollout hosts of 8: one
+// stripe, carried by local index 0, read in place by the other 7).
 void MooncakeBackend::run_broadcast_hier(at::Tensor& t, int root, const HostLayout& hl, const OpHeader& h,
                                          int64_t deadline_ns) {
   CollEngine* e = coll_.get();
-  const int H = hl.H, G = hl.G, hm = hl.h, gm = hl.g;
+  const int H = hl.H, hm = hl.h, gm = hl.g;
+  const int Gs = hl.min_G;                               // stripes, carried by local indices < Gs
+  const int Gh = static_cast<int>(hl.hosts[hm].size());  // ranks on my host
+  const bool carrier = gm < Gs;
   int hr = 0, gr = 0;
   hl.where(root, &hr, &gr);
   const int pos = (hm - hr + H) % H;  // my host's place in the chain
@@ -319,15 +326,15 @@ void MooncakeBackend::run_broadcast_hier(at::Tensor& t, int root, const HostLayo
   const size_t nbytes = t.numel() * t.element_size();
   uint8_t* data = static_cast<uint8_t*>(t.data_ptr());
   const std::vector<int64_t> noextra;
-  // slot: [A: the root's piece | F: my stripe of the piece I pass on]
+  // slot: [A: the root's piece | F: my stripe of the piece I pass on (carriers)]
   const size_t S = e->slot_bytes();
-  const size_t P = std::max<size_t>(64, S * G / (G + 1) / 64 * 64 - 64 * G);
+  const size_t P = std::max<size_t>(64, S * Gs / (Gs + 1) / 64 * 64 - 64 * Gs);
   const size_t oF = P;
   const size_t npieces = std::max<size_t>(1, (nbytes + P - 1) / P);
   auto valid = [&](int64_t p) { return p >= 0 && p < static_cast<int64_t>(npieces); };
   auto len_of = [&](int64_t p) { return std::min(P, nbytes - std::min(nbytes, static_cast<size_t>(p) * P)); };
   auto stripe = [&](int64_t p, int g, size_t* off, size_t* len) {
-    const size_t L = len_of(p), c = up64((L + G - 1) / G);
+    const size_t L = len_of(p), c = up64((L + Gs - 1) / Gs);
     *off = std::min(L, c * g);
     *len = std::min(L, c * (g + 1)) - *off;
   };
@@ -337,50 +344,49 @@ void MooncakeBackend::run_broadcast_hier(at::Tensor& t, int root, const HostLayo
     uint8_t* slot = e->my_slot(k);
     PeerRanges sends(size_);
     const int64_t pa = tt;            // the root's piece this round
-    const int64_t pf = tt - pos - 1;  // the piece my F holds this round
+    const int64_t pf = tt - pos - 1;  // the piece my host's carriers' F hold this round
     if (rank_ == root && valid(pa)) {
       const size_t len = len_of(pa);
       if (len) std::memcpy(slot, data + pa * P, len);
-      for (int g = 0; g < G; ++g)
+      for (int g = 0; g < Gh; ++g)
         if (g != gm) sends[hl.at(hm, g)].push_back({0, len});
     }
-    if (valid(pf)) {
+    if (carrier && valid(pf)) {
       size_t so, sl;
       stripe(pf, gm, &so, &sl);
       if (pos + 1 < H) sends[hl.at(host_at(pos + 1), gm)].push_back({oF, sl});
       if (pos > 0)
-        for (int g = 0; g < G; ++g)
+        for (int g = 0; g < Gh; ++g)
           if (g != gm) sends[hl.at(hm, g)].push_back({oF, sl});
     }
     if (tt == 0) write_header(e, k, h, noextra);
     exchange(&sends, tt == 0 ? header_len(noextra) : 0, deadline_ns);
     if (tt == 0) check_headers(e, k, root, act_);
     uint8_t* next = e->my_slot(k + 1);
-    if (pos > 0 && valid(pf)) {  // my local peers' stripes of piece pf
-      for (int g = 0; g < G; ++g) {
+    if (pos > 0 && valid(pf)) {  // the stripes of piece pf that my host's other carriers hold
+      for (int g = 0; g < Gs; ++g) {
         if (g == gm) continue;
         size_t so, sl;
         stripe(pf, g, &so, &sl);
         if (sl) out_copy(data + pf * P + so, e->peer_slot(hl.at(hm, g), k) + oF, sl);
       }
     }
-    // the piece that reached me this round: my stripe goes into the next round's F
+    // the piece that reached my host this round: a carrier's stripe goes into the next
+    // round's F
     const int64_t pin = tt - pos;
     if (!valid(pin)) continue;
-    size_t so, sl;
-    stripe(pin, gm, &so, &sl);
+    size_t so = 0, sl = 0;
+    if (carrier) stripe(pin, gm, &so, &sl);
     if (pos == 0) {
       if (rank_ != root) {
         const size_t len = len_of(pin);
         if (len) out_copy(data + pin * P, e->peer_slot(root, k), len);
       }
-      if (H > 1 && sl) std::memcpy(next + oF, data + pin * P + so, sl);
-    } else {
+      if (sl) std::memcpy(next + oF, data + pin * P + so, sl);
+    } else if (sl) {
       const uint8_t* src = e->peer_slot(hl.at(host_at(pos - 1), gm), k) + oF;
-      if (sl) {
-        std::memcpy(next + oF, src, sl);
-        out_copy(data + pin * P + so, src, sl);
-      }
+      std::memcpy(next + oF, src, sl);
+      out_copy(data + pin * P + so, src, sl);
     }
   }
 }
