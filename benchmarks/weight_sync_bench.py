@@ -26,6 +26,16 @@ exit; a store master on 127.0.0.1; one torch thread per rank.
     .venv/bin/python benchmarks/weight_sync_bench.py --smoke       # 64 MiB, 1 rep (CI)
     .venv/bin/python benchmarks/weight_sync_bench.py --markdown out.md --gate
 
+Across hosts (``--hosts 1+2+2+2``: the trainer, rank 0, alone on host 0 and three rollout
+hosts of two readers, network namespaces whose links ``tc`` limits to ``--link-rate``,
+tests/netns.py): the ``pg`` and ``gloo`` ways only, each timed the same way, against the
+link bound (the state's bytes over one host link: the least time in which the trainer's
+host can send them once) and with the bytes that left the trainer's host per version
+(kernel counters). The store ways read every piece from the trainer's segment, one copy per
+reader over the trainer's link, until hosts relay pieces to each other (not built yet).
+
+    .venv/bin/python benchmarks/weight_sync_bench.py --hosts 1+2+2+2 --mib 256
+
 Gate (``--gate`` exits 1 when it fails): the store path (``store-view``, the fastest
 store configuration for rollout workers on the trainer's host) at least 3x faster than
 the gloo broadcast.
@@ -167,6 +177,153 @@ def _worker(a):
     dist.destroy_process_group()
 
 
+def _tx_bytes() -> int:
+    with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
+        return int(f.read())
+
+
+HOST_WAYS = ("pg", "gloo")
+
+
+def _hosts_worker() -> None:
+    """One rank of the ``--hosts`` run (started by tests.multihost.run_ranks: MH_* set)."""
+    from datetime import timedelta
+
+    import torch
+
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    import mooncake_pg
+    from mooncake_store import GroupWeightSync, tensor_digest
+
+    a = json.loads(os.environ["MH_ARGS"])
+    rank, world = int(os.environ["MH_RANK"]), int(os.environ["MH_WORLD_SIZE"])
+    timeout = timedelta(seconds=300)
+    # the default group (gloo) is the control plane: barriers and the gloo way
+    dist.init_process_group(
+        "gloo", init_method=os.environ["MH_INIT"], rank=rank, world_size=world, timeout=timeout
+    )
+    mc = dist.new_group(
+        backend="mooncake",
+        pg_options=mooncake_pg.MooncakeOptions(timeout=300.0),
+        timeout=timeout,
+    )
+    gs = GroupWeightSync(group=mc, src=0, bucket_bytes=a["bucket_mib"] * MiB)
+    model = _model(a["mib"], a["tensor_mib"], 0 if rank == 0 else 1)
+    if rank > 0:
+        with torch.no_grad():
+            for t in model.parameters():
+                t.zero_()
+    times = {way: [] for way in HOST_WAYS}
+    tx = {way: [] for way in HOST_WAYS}
+    digests = {}
+    version = 0
+    for rep in range(a["reps"]):
+        for way in HOST_WAYS:
+            version += 1
+            if rank == 0:
+                with torch.no_grad():
+                    for t in model.parameters():  # a new version each time
+                        t.view(-1)[rep] += 1
+            dist.barrier()
+            tx0 = _tx_bytes()
+            t0 = time.perf_counter()
+            if way == "pg":
+                gs.sync(model, version if rank == 0 else None)
+            else:
+                for t in model.parameters():
+                    dist.broadcast(t.data, src=0)
+            dist.barrier()
+            times[way].append(time.perf_counter() - t0)
+            tx[way].append(_tx_bytes() - tx0)
+            digests[way] = {k: tensor_digest(v) for k, v in model.state_dict().items()}
+    res = {"times": times, "tx": tx, "digests": digests}
+    print("RESULT " + json.dumps(res), flush=True)
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def _run_hosts(a) -> int:
+    """The ``--hosts`` run: launch, collect, print the table."""
+    sys.path.insert(0, REPO)  # the test helpers' package (tests.netns, tests.multihost)
+    from multihost_bench import parse_rate, parse_topology
+
+    from tests import netns
+    from tests.multihost import run_ranks
+
+    ok, why = netns.available()
+    if not ok:
+        print(f"weight_sync_bench --hosts: skipped: network namespaces: {why}")
+        return 0
+    rph = parse_topology(a.hosts)
+    rate_bit = parse_rate(a.link_rate)
+    plan = {"mib": a.mib, "tensor_mib": a.tensor_mib, "bucket_mib": a.bucket_mib, "reps": a.reps}
+    load0 = os.getloadavg()[0]
+    with netns.hosts(len(rph), "mcwsb", rate_bit=rate_bit) as t:
+        res = run_ranks(
+            t,
+            rph,
+            "weight_sync",
+            plan,
+            env={"GLOO_SOCKET_IFNAME": "eth0"},
+            timeout_s=a.timeout,
+            argv=[sys.executable, os.path.abspath(__file__), "--hosts-worker"],
+        )
+    bad = {r: v for r, v in res.items() if "times" not in v}
+    if bad:
+        for r, v in bad.items():
+            print(f"--- rank {r}: {v.get('error')}\n{v.get('log', '')[-3000:]}", file=sys.stderr)
+        return 1
+    world = sum(rph)
+    ok_bytes = all(
+        res[r]["digests"][way] == res[0]["digests"][way]
+        for r in range(1, world)
+        for way in HOST_WAYS
+    )
+    nbytes = max(1, a.mib // a.tensor_mib) * a.tensor_mib * MiB
+    bound_s = nbytes / (rate_bit / 8)
+    rows = {}
+    for way in HOST_WAYS:
+        # a version's time: the slowest rank's, between the barriers around it
+        per = [max(res[r]["times"][way][i] for r in range(world)) for i in range(a.reps)]
+        s = statistics.median(per)
+        rows[way] = {
+            "s": s,
+            "gbs": nbytes / s / 1e9,
+            "bound_pct": 100 * bound_s / s,
+            "mb_out_trainer_host": statistics.median(res[0]["tx"][way]) / 1e6,
+        }
+    names = {
+        "pg": "process group (`GroupWeightSync`, mooncake)",
+        "gloo": "`torch.distributed.broadcast` over gloo",
+    }
+    lines = [
+        f"1 trainer host (1 rank) -> {len(rph) - 1} rollout hosts ({'+'.join(map(str, rph[1:]))} "
+        f"readers), {nbytes / MiB:.0f} MiB bf16 in {a.tensor_mib} MiB tensors, buckets "
+        f"{a.bucket_mib} MiB, links {rate_bit / 1e9:g} Gbit/s, median of {a.reps}, "
+        f"{time.strftime('%Y-%m-%d %H:%M')}, load {load0:.1f} before",
+        "",
+        "| path | seconds | GB/s | vs gloo | link bound s | % of bound | MB out of the trainer's host |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for way, r in rows.items():
+        lines.append(
+            f"| {names[way]} | {r['s']:.3f} | {r['gbs']:.3f} | {rows['gloo']['s'] / r['s']:.2f}x "
+            f"| {bound_s:.3f} | {r['bound_pct']:.0f}% | {r['mb_out_trainer_host']:.1f} |"
+        )
+    lines += ["", f"readers hold the trainer's tensors (digests): {ok_bytes}"]
+    text = "\n".join(lines)
+    print(text)
+    if a.markdown:
+        with open(a.markdown, "w") as f:
+            f.write(text + "\n")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"rows": rows, "bytes": nbytes, "bound_s": bound_s, "bytes_ok": ok_bytes}, f)
+    return 0 if ok_bytes else 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -185,7 +342,16 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--gate", action="store_true")
     ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument(
+        "--hosts",
+        default=None,
+        help="ranks per emulated host, trainer's host first, e.g. 1+2+2+2 (pg and gloo ways)",
+    )
+    ap.add_argument(
+        "--link-rate", default="2G", help="with --hosts: each host link's rate (bit/s; K/M/G)"
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--hosts-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=-1, help=argparse.SUPPRESS)
     ap.add_argument("--rdzv", default="", help=argparse.SUPPRESS)
     ap.add_argument("--master", default="", help=argparse.SUPPRESS)
@@ -196,6 +362,13 @@ def main(argv=None) -> int:
     if a.worker:
         _worker(a)
         return 0
+    if a.hosts_worker:
+        _hosts_worker()
+        return 0
+    if a.hosts:
+        if a.gate:
+            ap.error("--gate applies to the single-host run, not --hosts")
+        return _run_hosts(a)
     atexit.register(_kill_children)
     tmp = tempfile.mkdtemp(prefix="ws-bench-")
     port_file = os.path.join(tmp, "port")
