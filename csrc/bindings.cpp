@@ -222,6 +222,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("transport", &mooncake::MooncakeBackend::transport_name)
       .def_property_readonly("ops_issued", &mooncake::MooncakeBackend::ops_issued)
       .def("_cuda_ipc_status", &mooncake::MooncakeBackend::cuda_ipc_status)
+      .def("rank_hosts", &mooncake::MooncakeBackend::rank_hosts)
       .def("active_ranks", &mooncake::MooncakeBackend::active_ranks)
       .def("epoch", &mooncake::MooncakeBackend::epoch)
       .def("failed_ranks", &mooncake::MooncakeBackend::failed_ranks)

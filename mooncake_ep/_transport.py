@@ -108,8 +108,19 @@ class Transport:
             self._mooncake = mooncake_pg
         except (ImportError, ValueError, RuntimeError):
             self._mooncake = None
+        self._hosts = None  # see _host_of_rank
+        if self._mooncake is not None:
+            raw = self._mooncake.get_rank_hosts(self.group).tolist()
+            dense = {h: i for i, h in enumerate(dict.fromkeys(raw))}
+            if len(dense) > 1:
+                self._hosts = torch.tensor([dense[h] for h in raw], dtype=torch.int64)
 
     # ----------------------------------------------------------- membership
+
+    def _host_of_rank(self) -> torch.Tensor | None:
+        """int64 [W]: each rank's host, numbered 0.. in the order of the lowest rank (the
+        process group's grouping); ``None`` on one host or without a ``mooncake`` group."""
+        return self._hosts
 
     def _takes_device(self, device: torch.device) -> bool:
         """Whether the group's backend serves tensors of ``device``'s type (asked once per type)."""

@@ -219,7 +219,14 @@ class Buffer(Transport):
         cnt = _token_expert_counts(topk_idx, num_experts) > 0
         per_expert = cnt.sum(0, dtype=torch.int32)
         in_rank = cnt.view(T, self.group_size, num_experts // self.group_size).any(2)
-        return DispatchLayout(in_rank.sum(0, dtype=torch.int32), per_expert, in_rank)
+        per_host = None
+        hosts = self._host_of_rank()
+        if hosts is not None:
+            num_hosts = int(hosts.max()) + 1
+            hits = torch.zeros(T, num_hosts, dtype=torch.int32, device=in_rank.device)
+            hits.index_add_(1, hosts.to(in_rank.device), in_rank.to(torch.int32))
+            per_host = (hits > 0).sum(0, dtype=torch.int32)
+        return DispatchLayout(in_rank.sum(0, dtype=torch.int32), per_host, per_expert, in_rank)
 
     # -------------------------------------------------------------- dispatch
 

@@ -67,6 +67,17 @@ def get_epoch(group=None) -> int:
     return int(backend_of(group).epoch())
 
 
+def get_rank_hosts(group=None):
+    """``torch.int32`` tensor of shape ``[world_size]``: the host of each seat of ``group``,
+    as the backend groups ranks (``MOONCAKE_HOST_ID``, default hostname + boot id; the
+    grouping the two-level collectives use). Equal values mean one host; hosts are numbered
+    in the order of their lowest rank, and a seat that was not a member when the group was
+    set up (an extension seat) counts as a host of its own. The same on every rank."""
+    import torch as _torch
+
+    return _torch.tensor(backend_of(group).rank_hosts(), dtype=_torch.int32)
+
+
 def get_failed_ranks(work) -> list:
     """The ranks whose failure made ``work`` fail (``[]`` if it did not fail that way).
     For ops issued with ``async_op=False`` catch :class:`RankFailureError` instead."""
@@ -116,7 +127,14 @@ def leave_group(group=None) -> None:
     be.deactivate_ranks([be.rank()])
 
 
-__all__ += ["deactivate_ranks", "get_active_ranks", "get_epoch", "get_failed_ranks", "leave_group"]
+__all__ += [
+    "deactivate_ranks",
+    "get_active_ranks",
+    "get_epoch",
+    "get_failed_ranks",
+    "get_rank_hosts",
+    "leave_group",
+]
 
 
 def get_pending_ranks(group=None) -> list:

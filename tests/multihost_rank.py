@@ -151,6 +151,19 @@ def bytes_out(rank, world_size, nbytes, ops=None, broadcast_src=None):
     return out
 
 
+def ep_layout(rank, world_size, topk_idx, num_experts):
+    """mooncake_pg.get_rank_hosts and mooncake_ep's get_dispatch_layout of topk_idx (rows of
+    expert ids, -1 = none) on the default group."""
+    import mooncake_ep
+    import mooncake_pg
+
+    layout = mooncake_ep.Buffer().get_dispatch_layout(torch.tensor(topk_idx), num_experts)
+    return {
+        "rank_hosts": mooncake_pg.get_rank_hosts().tolist(),
+        "layout": {k: None if v is None else v.tolist() for k, v in layout._asdict().items()},
+    }
+
+
 def loop_all_reduce(rank, world_size, ops, count, linger_s=3.0):
     """ops all_reduces of count float32 elements equal to rank + 1; the first error ends the
     loop. Returns each op's value (every element equal, else "uneven") or the error's type
@@ -184,6 +197,7 @@ SCENARIOS = {
     "conformance": conformance,
     "until_host_lost": until_host_lost,
     "busy_between_ops": busy_between_ops,
+    "ep_layout": ep_layout,
 }
 
 

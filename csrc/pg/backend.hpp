@@ -282,6 +282,10 @@ class MooncakeBackend : public c10d::Backend {
   // CUDA).
   std::string cuda_ipc_status() const;
 
+  // Host of each seat (equal = one host; hosts numbered in the order of their lowest
+  // member, a seat that was not a member at set-up counts as a host of its own).
+  std::vector<int> rank_hosts() const { return host_of_; }
+
   // Membership (docs/design.md "Membership and fault tolerance").
   std::vector<int32_t> active_ranks();
   int64_t epoch();

@@ -250,6 +250,33 @@ def test_broadcast_from_a_lone_trainer_host_sends_one_copy_per_link():
         assert sent <= 1.15 * S + (64 << 10), f"host {h}: sent {sent / 2**20:.2f} MiB"
 
 
+@pytest.mark.parametrize("ranks_per_host", [[2, 2], [3, 1]], ids=["2x2", "3+1"])
+def test_rank_hosts_and_the_per_host_token_counts_of_ep(ranks_per_host):
+    """mooncake_pg.get_rank_hosts gives each rank's host on every rank; mooncake_ep's
+    get_dispatch_layout counts the tokens that go to each host (once per host, however many
+    of its ranks or experts they reach) under DeepEP's name num_tokens_per_rdma_rank,
+    against a count made here from the routing and the host map."""
+    W, E = sum(ranks_per_host), 16
+    L = E // W
+    idx = [[0, 1, -1], [0, E - 1, 5], [-1, -1, -1], [E - 1, E - 2, E - 1], [4, 9, 13], [7, 7, 8]]
+    hosts = rank_hosts(ranks_per_host)
+    with netns.hosts(len(ranks_per_host), "mcmh") as t:
+        res = run_ranks(
+            t, ranks_per_host, "ep_layout", {"topk_idx": idx, "num_experts": E}, timeout_s=120
+        )
+    want_hosts = [0] * len(ranks_per_host)
+    for row in idx:
+        for h in {hosts[e // L] for e in row if e >= 0}:
+            want_hosts[h] += 1
+    want_ranks = [sum(any(e >= 0 and e // L == r for e in row) for row in idx) for r in range(W)]
+    for r in range(W):
+        _no_error(res, r)
+        assert res[r]["rank_hosts"] == hosts, res[r]
+        lay = res[r]["layout"]
+        assert lay["num_tokens_per_rdma_rank"] == want_hosts, lay
+        assert lay["num_tokens_per_rank"] == want_ranks, lay
+
+
 @pytest.mark.parametrize("policy", ["mask", "raise"])
 def test_sigkill_on_another_host_mid_all_reduce(policy):
     """Rank 3 (host 1) SIGKILLs itself in the middle of the pipeline of its fourth 1 MiB
