@@ -29,6 +29,16 @@ effective speed); "moved/rank" is the bytes each rank actually sent per round tr
     .venv/bin/python benchmarks/ep_bench.py            # full run (about 1-2 minutes on 2 cores)
     .venv/bin/python benchmarks/ep_bench.py --smoke    # CI: small sizes, W=2, seconds
     .venv/bin/python benchmarks/ep_bench.py --gate     # also checks: mooncake >= 3x plain-gloo at W=2
+    .venv/bin/python benchmarks/ep_bench.py --hosts 2x2 --link-rate 1G   # across emulated hosts
+
+Across hosts (``--hosts 2x2``, ``4x2``, ``3+1``): the ranks live in network namespaces
+(tests/netns.py) whose links ``tc`` limits to ``--link-rate`` (each direction), and
+rendezvous through ``init_method="tcp://..."``; the same three implementations and method,
+plus the bytes that left the busiest host per round trip (its interface counters around the
+checked round trip) and the **link bound**: the bytes that must leave the busiest host when
+a token crosses to each remote host it needs once and comes back as one row per (token,
+host) (DeepEP's internode scheme), over the link rate. Each rank counts its tokens per
+destination host with ``get_dispatch_layout``'s ``num_tokens_per_rdma_rank``.
 
 Output: a table on stdout, JSON (``--json``, default bench_out/ep_bench.json) and the
 table in markdown beside it (.md). Exit status 0 when every checked result was right
@@ -108,7 +118,15 @@ def mooncake_ll_round_trip(buf, x, idx, w, E):
     return out, moved
 
 
-def rank_bench(rank, ws, cfg):
+def _tx_bytes() -> int:
+    with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
+        return int(f.read())
+
+
+def rank_bench(rank, ws, cfg, count_host_tx=False):
+    """The round trips of every implementation on this rank. count_host_tx: the checked
+    round trip runs between barriers and records the bytes that left this rank's host
+    (its eth0) meanwhile ("host_tx"), and "per_host" gets this rank's tokens per host."""
     import torch.distributed as dist
 
     import mooncake_ep
@@ -127,10 +145,21 @@ def rank_bench(rank, ws, cfg):
     ref = x.double() * w.double().sum(1, keepdim=True)
     res = {}
     for name in impls:
+        if count_host_tx:
+            dist.barrier(group=gloo)
+            tx0 = _tx_bytes()
         out, moved = calls[name]()
         err = float((out.double() - ref).abs().max()) if out.numel() else 0.0
         tol = float(ref.abs().max()) * 2**-7 + 1e-6 if out.numel() else 0.0  # one bf16 rounding
         res[name] = {"ok": err <= tol, "max_err": err, "moved_bytes": moved, "times": []}
+        if count_host_tx:
+            dist.barrier(group=gloo)
+            time.sleep(0.2)  # the host's other ranks' last segments leave too
+            res[name]["host_tx"] = _tx_bytes() - tx0
+            dist.barrier(group=gloo)
+    if count_host_tx:
+        per_host = buf.get_dispatch_layout(idx, E).num_tokens_per_rdma_rank
+        res["per_host"] = per_host.tolist() if per_host is not None else None
     # 2. warm-up, 3. timed blocks alternating between the implementations
     for name in impls:
         for _ in range(cfg["warmup"]):
@@ -181,6 +210,124 @@ def measure(ws, cfg, timeout):
             "max_err": max(per_rank[r][name]["max_err"] for r in range(ws)),
         }
     return out
+
+
+def hosts_worker() -> None:
+    """One rank of a ``--hosts`` run (tests.multihost.run_ranks sets MH_*)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    import mooncake_pg
+
+    torch.set_num_threads(1)
+    cfg = json.loads(os.environ["MH_ARGS"])
+    rank, ws = int(os.environ["MH_RANK"]), int(os.environ["MH_WORLD_SIZE"])
+    dist.init_process_group(
+        "mooncake",
+        init_method=os.environ["MH_INIT"],
+        rank=rank,
+        world_size=ws,
+        pg_options=mooncake_pg.MooncakeOptions(timeout=300.0),
+        timeout=timedelta(seconds=300),
+    )
+    res = rank_bench(rank, ws, cfg, count_host_tx=True)
+    print("RESULT " + json.dumps(res), flush=True)
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def measure_hosts(rph, cfg, rate_bit, timeout):
+    """The implementations on hosts of rph[h] ranks (network namespaces, links of rate_bit)."""
+    from tests import netns
+    from tests.multihost import rank_hosts, run_ranks
+
+    ws = sum(rph)
+    with netns.hosts(len(rph), "mcepb", rate_bit=rate_bit) as t:
+        per_rank = run_ranks(
+            t,
+            rph,
+            "ep_bench",
+            cfg,
+            env={"GLOO_SOCKET_IFNAME": "eth0"},
+            timeout_s=timeout,
+            argv=[sys.executable, os.path.abspath(__file__), "--hosts-worker"],
+        )
+    bad = {r: v for r, v in per_rank.items() if "per_host" not in v}
+    if bad:
+        for r, v in bad.items():
+            print(f"--- rank {r}: {v.get('error')}\n{v.get('log', '')[-3000:]}", file=sys.stderr)
+        raise RuntimeError(f"ep_bench --hosts: ranks {sorted(bad)} failed")
+    host = rank_hosts(rph)
+    H = len(rph)
+    row_bytes = cfg["H"] * 2  # bf16
+    # bytes that must leave host h: its tokens once to each remote host they need, and one
+    # row per (token of another host, h) back
+    need = [0] * H
+    for r in range(ws):
+        counts = per_rank[r]["per_host"]
+        for h in range(H):
+            if h == host[r]:
+                need[h] += sum(c for j, c in enumerate(counts) if j != h) * row_bytes
+            else:
+                need[h] += counts[h] * row_bytes
+    bound_s = max(need) / (rate_bit / 8)
+    out = {}
+    for name in cfg["impls"]:
+        times = [
+            max(per_rank[r][name]["times"][i] for r in range(ws))
+            for i in range(len(per_rank[0][name]["times"]))
+        ]
+        t = statistics.median(times)
+        # a host's counter holds all its ranks' traffic: the tightest window of its ranks
+        host_tx = max(
+            min(per_rank[r][name]["host_tx"] for r in range(ws) if host[r] == h) for h in range(H)
+        )
+        out[name] = {
+            "impl": name,
+            "time_ms": t * 1e3,
+            "calls": len(times),
+            "mb_out_busiest_host": host_tx / 1e6,
+            "bound_mb": max(need) / 1e6,
+            "bound_ms": bound_s * 1e3,
+            "pct_bound": 100 * bound_s / t,
+            "ok": all(per_rank[r][name]["ok"] for r in range(ws)),
+            "max_err": max(per_rank[r][name]["max_err"] for r in range(ws)),
+        }
+    return out
+
+
+def render_hosts(topo, per, cfg, rate_bit, md=False):
+    head = ["implementation", "round trip (ms)", "vs plain-gloo", "MB out (busiest host)"]
+    head += ["bound MB", "bound ms", "% of bound", "check"]
+    base = per.get("plain-gloo")
+    rows = [
+        [
+            name,
+            f"{r['time_ms']:.0f}",
+            f"{base['time_ms'] / r['time_ms']:.2f}x" if base else "-",
+            f"{r['mb_out_busiest_host']:.1f}",
+            f"{r['bound_mb']:.1f}",
+            f"{r['bound_ms']:.0f}",
+            f"{r['pct_bound']:.0f}%",
+            "ok" if r["ok"] else "WRONG",
+        ]
+        for name, r in per.items()
+    ]
+    title = (
+        f"{topo} hosts, links {rate_bit / 1e9:g} Gbit/s: T={cfg['T']} tokens/rank, H={cfg['H']}, "
+        f"top-{cfg['K']} of {cfg['E']} experts, bf16; median of {cfg['rounds'] * cfg['block']} "
+        "round trips (slowest rank)"
+    )
+    if md:
+        lines = [f"**{title}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    else:
+        widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+        fmt = lambda cells: "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+        lines = [title, fmt(head)] + [fmt(r) for r in rows]
+    return "\n".join(lines)
 
 
 def render(results, cfg, md=False):
@@ -261,6 +408,13 @@ def main(argv=None):
         "--gate", action="store_true", help="print the gate line (mooncake >= 3x plain-gloo at W=2)"
     )
     ap.add_argument("--gate-strict", action="store_true", help="like --gate; exit 1 when it fails")
+    ap.add_argument(
+        "--hosts", default=None, help="emulated hosts: HxG or uneven A+B+... (e.g. 2x2, 4x2, 3+1)"
+    )
+    ap.add_argument(
+        "--link-rate", default="1G", help="with --hosts: each host link's rate (bit/s; K/M/G)"
+    )
+    ap.add_argument("--hosts-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", default=os.path.join("bench_out", "ep_bench.json"))
     ap.add_argument(
         "--timeout",
@@ -269,6 +423,9 @@ def main(argv=None):
         help="seconds per world size (default 900; smoke 120)",
     )
     args = ap.parse_args(argv)
+    if args.hosts_worker:
+        hosts_worker()
+        return 0
     s = args.smoke
     cfg = {
         "T": args.tokens or (256 if s else 4096),
@@ -283,6 +440,8 @@ def main(argv=None):
     }
     world_sizes = [int(w) for w in (args.world_sizes or ("2" if s else "2,4")).split(",")]
     timeout = args.timeout or (120 if s else 900)
+    if args.hosts:
+        return main_hosts(args, cfg, timeout)
     results = {}
     t0 = time.monotonic()
     try:
@@ -318,6 +477,39 @@ def main(argv=None):
     if args.gate_strict and ok_gate is False:
         return 1
     return 0
+
+
+def main_hosts(args, cfg, timeout) -> int:
+    from multihost_bench import parse_rate, parse_topology
+
+    from tests import netns
+
+    ok, why = netns.available()
+    if not ok:
+        print(f"ep_bench --hosts: skipped: network namespaces: {why}")
+        return 0
+    rph = parse_topology(args.hosts)
+    rate_bit = parse_rate(args.link_rate)
+    if cfg["E"] % sum(rph):
+        print(f"ep_bench --hosts: --experts {cfg['E']} must be a multiple of {sum(rph)} ranks")
+        return 2
+    t0, load0 = time.monotonic(), os.getloadavg()[0]
+    per = measure_hosts(rph, cfg, rate_bit, timeout)
+    text = render_hosts(args.hosts, per, cfg, rate_bit)
+    print(text)
+    print(
+        f"[ep_bench] {time.monotonic() - t0:.1f} s, load {load0:.1f} before, "
+        f"{time.strftime('%Y-%m-%d %H:%M')}"
+    )
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"config": cfg, "hosts": args.hosts, "results": per}, f, indent=1)
+        md = os.path.splitext(args.json)[0] + ".md"
+        with open(md, "w") as f:
+            f.write(render_hosts(args.hosts, per, cfg, rate_bit, md=True) + "\n")
+        print(f"[ep_bench] wrote {args.json} and {md}")
+    return 0 if all(r["ok"] for r in per.values()) else 1
 
 
 if __name__ == "__main__":
