@@ -180,6 +180,12 @@ def rank_bench(rank, ws, cfg, count_host_tx=False):
 # --------------------------------------------------------------- orchestrator
 
 
+def _slowest(per_rank, name, ws) -> list:
+    """Each timed round trip's time: the slowest rank's."""
+    n = len(per_rank[0][name]["times"])
+    return [max(per_rank[r][name]["times"][i] for r in range(ws)) for i in range(n)]
+
+
 def measure(ws, cfg, timeout):
     pool = rankpool.get_pool(ws, "mooncake", None, timeout=120)
     try:
@@ -188,10 +194,7 @@ def measure(ws, cfg, timeout):
         pool.close()
     out = {}
     for name in cfg["impls"]:
-        times = [
-            max(per_rank[r][name]["times"][i] for r in range(ws))
-            for i in range(len(per_rank[0][name]["times"]))
-        ]
+        times = _slowest(per_rank, name, ws)
         t = statistics.median(times)
         payload = ws * cfg["T"] * cfg["K"] * cfg["H"] * 2 * 2
         out[name] = {
@@ -240,20 +243,11 @@ def hosts_worker() -> None:
 
 def measure_hosts(rph, cfg, rate_bit, timeout):
     """The implementations on hosts of rph[h] ranks (network namespaces, links of rate_bit)."""
-    from tests import netns
-    from tests.multihost import rank_hosts, run_ranks
+    from tests.multihost import rank_hosts, run_bench
 
     ws = sum(rph)
-    with netns.hosts(len(rph), "mcepb", rate_bit=rate_bit) as t:
-        per_rank = run_ranks(
-            t,
-            rph,
-            "ep_bench",
-            cfg,
-            env={"GLOO_SOCKET_IFNAME": "eth0"},
-            timeout_s=timeout,
-            argv=[sys.executable, os.path.abspath(__file__), "--hosts-worker"],
-        )
+    argv = [sys.executable, os.path.abspath(__file__), "--hosts-worker"]
+    per_rank = run_bench(rph, argv, cfg, prefix="mcepb", rate_bit=rate_bit, timeout_s=timeout)
     bad = {r: v for r, v in per_rank.items() if "per_host" not in v}
     if bad:
         for r, v in bad.items():
@@ -275,10 +269,7 @@ def measure_hosts(rph, cfg, rate_bit, timeout):
     bound_s = max(need) / (rate_bit / 8)
     out = {}
     for name in cfg["impls"]:
-        times = [
-            max(per_rank[r][name]["times"][i] for r in range(ws))
-            for i in range(len(per_rank[0][name]["times"]))
-        ]
+        times = _slowest(per_rank, name, ws)
         t = statistics.median(times)
         # a host's counter holds all its ranks' traffic: the tightest window of its ranks
         host_tx = max(
@@ -296,6 +287,18 @@ def measure_hosts(rph, cfg, rate_bit, timeout):
             "max_err": max(per_rank[r][name]["max_err"] for r in range(ws)),
         }
     return out
+
+
+def _table(title, head, rows, md) -> str:
+    """Markdown (md) or an aligned text table under its title."""
+    if md:
+        lines = [f"**{title}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    else:
+        widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+        fmt = lambda cells: "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+        lines = [title, fmt(head), "-" * (sum(widths) + 2 * len(widths))] + [fmt(r) for r in rows]
+    return "\n".join(lines)
 
 
 def render_hosts(topo, per, cfg, rate_bit, md=False):
@@ -320,14 +323,7 @@ def render_hosts(topo, per, cfg, rate_bit, md=False):
         f"top-{cfg['K']} of {cfg['E']} experts, bf16; median of {cfg['rounds'] * cfg['block']} "
         "round trips (slowest rank)"
     )
-    if md:
-        lines = [f"**{title}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    else:
-        widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-        fmt = lambda cells: "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))  # noqa: E731
-        lines = [title, fmt(head)] + [fmt(r) for r in rows]
-    return "\n".join(lines)
+    return _table(title, head, rows, md)
 
 
 def render(results, cfg, md=False):
@@ -362,14 +358,7 @@ def render(results, cfg, md=False):
         f"T={cfg['T']} tokens/rank, H={cfg['H']}, top-{cfg['K']} of {cfg['E']} experts, bf16, CPU, "
         f"one torch thread per rank; median of {cfg['rounds'] * cfg['block']} round trips (slowest rank)"
     )
-    if md:
-        lines = [f"**{title}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    else:
-        widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-        fmt = lambda cells: "  ".join(str(c).rjust(w) for c, w in zip(cells, widths))  # noqa: E731
-        lines = [title, fmt(head), "-" * (sum(widths) + 2 * len(widths))] + [fmt(r) for r in rows]
-    return "\n".join(lines)
+    return _table(title, head, rows, md)
 
 
 def gate(results):

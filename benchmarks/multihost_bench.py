@@ -207,8 +207,7 @@ def worker() -> None:
 
 
 def run_topology(ranks_per_host: list, args) -> dict:
-    from tests import netns
-    from tests.multihost import run_ranks
+    from tests.multihost import run_bench
 
     plan = {
         "backends": args.backends.split(","),
@@ -219,18 +218,15 @@ def run_topology(ranks_per_host: list, args) -> dict:
         "max_iters": args.max_iters,
         "budget_s": args.budget,
     }
-    with netns.hosts(
-        len(ranks_per_host), "mcbench", rate_bit=args.rate_bit, delay_us=args.delay_us
-    ) as t:
-        res = run_ranks(
-            t,
-            ranks_per_host,
-            "bench",
-            plan,
-            env={"GLOO_SOCKET_IFNAME": "eth0"},
-            timeout_s=args.timeout,
-            argv=[sys.executable, os.path.abspath(__file__), "--worker"],
-        )
+    res = run_bench(
+        ranks_per_host,
+        [sys.executable, os.path.abspath(__file__), "--worker"],
+        plan,
+        prefix="mcbench",
+        rate_bit=args.rate_bit,
+        delay_us=args.delay_us,
+        timeout_s=args.timeout,
+    )
     bad = {r: v for r, v in res.items() if "error" in v or not v.get("ok")}
     return {
         "ranks_per_host": ranks_per_host,

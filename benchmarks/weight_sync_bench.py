@@ -177,6 +177,18 @@ def _worker(a):
     dist.destroy_process_group()
 
 
+def _report(a, lines: list, payload: dict) -> None:
+    """The table to stdout, and to --markdown / --json when given."""
+    text = "\n".join(lines)
+    print(text)
+    if a.markdown:
+        with open(a.markdown, "w") as f:
+            f.write(text + "\n")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(payload, f)
+
+
 def _tx_bytes() -> int:
     with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
         return int(f.read())
@@ -250,7 +262,7 @@ def _run_hosts(a) -> int:
     from multihost_bench import parse_rate, parse_topology
 
     from tests import netns
-    from tests.multihost import run_ranks
+    from tests.multihost import run_bench
 
     ok, why = netns.available()
     if not ok:
@@ -260,16 +272,8 @@ def _run_hosts(a) -> int:
     rate_bit = parse_rate(a.link_rate)
     plan = {"mib": a.mib, "tensor_mib": a.tensor_mib, "bucket_mib": a.bucket_mib, "reps": a.reps}
     load0 = os.getloadavg()[0]
-    with netns.hosts(len(rph), "mcwsb", rate_bit=rate_bit) as t:
-        res = run_ranks(
-            t,
-            rph,
-            "weight_sync",
-            plan,
-            env={"GLOO_SOCKET_IFNAME": "eth0"},
-            timeout_s=a.timeout,
-            argv=[sys.executable, os.path.abspath(__file__), "--hosts-worker"],
-        )
+    argv = [sys.executable, os.path.abspath(__file__), "--hosts-worker"]
+    res = run_bench(rph, argv, plan, prefix="mcwsb", rate_bit=rate_bit, timeout_s=a.timeout)
     bad = {r: v for r, v in res.items() if "times" not in v}
     if bad:
         for r, v in bad.items():
@@ -313,14 +317,7 @@ def _run_hosts(a) -> int:
             f"| {bound_s:.3f} | {r['bound_pct']:.0f}% | {r['mb_out_trainer_host']:.1f} |"
         )
     lines += ["", f"readers hold the trainer's tensors (digests): {ok_bytes}"]
-    text = "\n".join(lines)
-    print(text)
-    if a.markdown:
-        with open(a.markdown, "w") as f:
-            f.write(text + "\n")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"rows": rows, "bytes": nbytes, "bound_s": bound_s, "bytes_ok": ok_bytes}, f)
+    _report(a, lines, {"rows": rows, "bytes": nbytes, "bound_s": bound_s, "bytes_ok": ok_bytes})
     return 0 if ok_bytes else 1
 
 
@@ -468,16 +465,9 @@ def main(argv=None) -> int:
         f"workers hold the trainer's tensors (digests): {ok_bytes}",
         f"gate: store path (view install) >= 3x gloo broadcast: {'PASS' if speed >= 3 else 'FAIL'} ({speed:.2f}x)",
     ]
-    text = "\n".join(lines)
-    print(text)
-    if a.markdown:
-        with open(a.markdown, "w") as f:
-            f.write(text + "\n")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(
-                {"rows": rows, "bytes": nbytes, "speedup_vs_gloo": speed, "bytes_ok": ok_bytes}, f
-            )
+    _report(
+        a, lines, {"rows": rows, "bytes": nbytes, "speedup_vs_gloo": speed, "bytes_ok": ok_bytes}
+    )
     _kill_children()
     shutil.rmtree(tmp, ignore_errors=True)
     if not ok_bytes:

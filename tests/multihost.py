@@ -73,6 +73,31 @@ def run_ranks(*args, timeout_s: float = 120.0, **kwargs) -> dict:
     return start_ranks(*args, **kwargs).results(timeout_s)
 
 
+def run_bench(
+    ranks_per_host: list,
+    argv: list,
+    plan: dict,
+    *,
+    prefix: str,
+    rate_bit: int | None,
+    timeout_s: float,
+    delay_us: int = 0,
+) -> dict:
+    """A benchmark's rank program (argv, reading MH_ARGS = plan) on fresh hosts whose links
+    are limited to rate_bit (and delayed by delay_us); gloo is pointed at eth0 (the
+    namespaces' hostnames do not resolve). Returns {rank: result} as :func:`run_ranks`."""
+    with netns.hosts(len(ranks_per_host), prefix, rate_bit=rate_bit, delay_us=delay_us) as t:
+        return run_ranks(
+            t,
+            ranks_per_host,
+            "bench",
+            plan,
+            env={"GLOO_SOCKET_IFNAME": "eth0"},
+            timeout_s=timeout_s,
+            argv=argv,
+        )
+
+
 def start_ranks(
     t: netns.Topo,
     ranks_per_host: list,
