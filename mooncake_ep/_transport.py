@@ -119,7 +119,9 @@ class Transport:
 
     def _host_of_rank(self) -> torch.Tensor | None:
         """int64 [W]: each rank's host, numbered 0.. in the order of the lowest rank (the
-        process group's grouping); ``None`` on one host or without a ``mooncake`` group."""
+        process group's grouping when this Buffer was made, so the number of hosts stays
+        fixed while ranks die and rejoin); ``None`` on one host or without a ``mooncake``
+        group."""
         return self._hosts
 
     def _takes_device(self, device: torch.device) -> bool:

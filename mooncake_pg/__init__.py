@@ -71,8 +71,9 @@ def get_rank_hosts(group=None):
     """``torch.int32`` tensor of shape ``[world_size]``: the host of each seat of ``group``,
     as the backend groups ranks (``MOONCAKE_HOST_ID``, default hostname + boot id; the
     grouping the two-level collectives use). Equal values mean one host; hosts are numbered
-    in the order of their lowest rank, and a seat that was not a member when the group was
-    set up (an extension seat) counts as a host of its own. The same on every rank."""
+    in the order of their lowest active rank, and a seat that is not active (failed, or an
+    empty extension seat) counts as a host of its own. Recomputed at every membership
+    change; the same on every rank of one epoch."""
     import torch as _torch
 
     return _torch.tensor(backend_of(group).rank_hosts(), dtype=_torch.int32)

@@ -283,8 +283,9 @@ class MooncakeBackend : public c10d::Backend {
   std::string cuda_ipc_status() const;
 
   // Host of each seat (equal = one host; hosts numbered in the order of their lowest
-  // member, a seat that was not a member at set-up counts as a host of its own).
-  std::vector<int> rank_hosts() const { return host_of_; }
+  // active member, an inactive seat counts as a host of its own). Rebuilt with the
+  // transport at every membership change.
+  std::vector<int> rank_hosts();
 
   // Membership (docs/design.md "Membership and fault tolerance").
   std::vector<int32_t> active_ranks();
@@ -463,7 +464,7 @@ class MooncakeBackend : public c10d::Backend {
   std::mutex mem_mu_;            // guards copies read from Python threads
   std::vector<int> peer_pidfd_;  // same-host peers: pidfd (or -1)
   std::vector<int64_t> peer_pid_;
-  std::vector<int> host_of_;  // per rank of the transport: index of its host (setup)
+  std::vector<int> host_of_;  // per rank of the transport: index of its host (setup; written under mem_mu_)
 
   BackendConfig cfg_;
   std::chrono::milliseconds timeout_ms_;  // op timeout (MooncakeOptions.timeout, setTimeout)

@@ -366,6 +366,11 @@ std::vector<int32_t> MooncakeBackend::active_ranks() {
   return std::vector<int32_t>(active_.begin(), active_.end());
 }
 
+std::vector<int> MooncakeBackend::rank_hosts() {
+  std::lock_guard<std::mutex> g(mem_mu_);
+  return host_of_;
+}
+
 int64_t MooncakeBackend::epoch() {
   std::lock_guard<std::mutex> g(mem_mu_);
   return static_cast<int64_t>(epoch_);

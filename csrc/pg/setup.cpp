@@ -224,16 +224,18 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
   }
   one_host_ = one_host;
   // hosts numbered in order of their lowest member; a seat outside `members` is a host of its own
-  host_of_.assign(W, -1);
   {
+    std::vector<int> host_of(W, -1);
     std::vector<std::string> seen;
     for (int j : members) {
       auto it = std::find(seen.begin(), seen.end(), hosts[j]);
-      host_of_[j] = static_cast<int>(it - seen.begin());
+      host_of[j] = static_cast<int>(it - seen.begin());
       if (it == seen.end()) seen.push_back(hosts[j]);
     }
     for (int j = 0; j < W; ++j)
-      if (host_of_[j] < 0) host_of_[j] = static_cast<int>(seen.size()) + j;
+      if (host_of[j] < 0) host_of[j] = static_cast<int>(seen.size()) + j;
+    std::lock_guard<std::mutex> g(mem_mu_);  // rank_hosts() reads it from Python threads
+    host_of_ = std::move(host_of);
   }
   const bool use_shm = (t == "shm") || (t == "auto" && one_host);
   TORCH_CHECK(
