@@ -249,7 +249,8 @@ def _hosts_worker() -> None:
             dist.barrier()
             times[way].append(time.perf_counter() - t0)
             tx[way].append(_tx_bytes() - tx0)
-            digests[way] = {k: tensor_digest(v) for k, v in model.state_dict().items()}
+            if rep == a["reps"] - 1:  # what this way's last version left in the model
+                digests[way] = {k: tensor_digest(v) for k, v in model.state_dict().items()}
     res = {"times": times, "tx": tx, "digests": digests}
     print("RESULT " + json.dumps(res), flush=True)
     dist.destroy_process_group()

@@ -108,7 +108,10 @@ class Transport:
             self._mooncake = mooncake_pg
         except (ImportError, ValueError, RuntimeError):
             self._mooncake = None
-        self._hosts = None  # see _host_of_rank
+        # int64 [W]: each rank's host, numbered 0.. in the order of the lowest rank, as the
+        # group saw it when this Buffer was made (the number of hosts stays fixed while
+        # ranks die and rejoin); None on one host or without a mooncake group
+        self._hosts = None
         if self._mooncake is not None:
             raw = self._mooncake.get_rank_hosts(self.group).tolist()
             dense = {h: i for i, h in enumerate(dict.fromkeys(raw))}
@@ -116,13 +119,6 @@ class Transport:
                 self._hosts = torch.tensor([dense[h] for h in raw], dtype=torch.int64)
 
     # ----------------------------------------------------------- membership
-
-    def _host_of_rank(self) -> torch.Tensor | None:
-        """int64 [W]: each rank's host, numbered 0.. in the order of the lowest rank (the
-        process group's grouping when this Buffer was made, so the number of hosts stays
-        fixed while ranks die and rejoin); ``None`` on one host or without a ``mooncake``
-        group."""
-        return self._hosts
 
     def _takes_device(self, device: torch.device) -> bool:
         """Whether the group's backend serves tensors of ``device``'s type (asked once per type)."""

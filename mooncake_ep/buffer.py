@@ -220,7 +220,7 @@ class Buffer(Transport):
         per_expert = cnt.sum(0, dtype=torch.int32)
         in_rank = cnt.view(T, self.group_size, num_experts // self.group_size).any(2)
         per_host = None
-        hosts = self._host_of_rank()
+        hosts = self._hosts
         if hosts is not None:
             num_hosts = int(hosts.max()) + 1
             hits = torch.zeros(T, num_hosts, dtype=torch.int32, device=in_rank.device)
