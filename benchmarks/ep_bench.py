@@ -7,9 +7,12 @@ uniformly at random per token (rank-dependent seed), float32 weights, identity e
 world sizes 2 and 4. A round trip delivers ``out[t] = sum_k w[t,k] * x[t]`` to the
 token's rank (the expert outputs of identity experts):
 
-* ``mooncake``: ``Buffer.dispatch`` (one row per token and destination rank) -> the caller
-  weights each received row by its local weights (DeepEP's normal mode) ->
-  ``Buffer.combine``; over a ``mooncake`` group.
+* ``mooncake``: ``Buffer.dispatch`` (one row per token and destination rank; across hosts
+  one per token and remote host, forwarded inside the host) -> the caller weights each
+  received row by its local weights (DeepEP's normal mode) -> ``Buffer.combine``; over a
+  ``mooncake`` group.
+* ``mooncake-flat`` (``--hosts`` only): the same with ``EPConfig(hierarchical=False)``: one
+  row per token and destination rank across hosts too.
 * ``mooncake-ll``: ``low_latency_dispatch`` (one row per (token, expert), packed per
   expert) -> ``low_latency_combine`` (applies the weights); over the same group.
 * ``plain-gloo``: the textbook version: sort the T*K (token, slot) rows by expert, counts
@@ -33,7 +36,7 @@ effective speed); "moved/rank" is the bytes each rank actually sent per round tr
 
 Across hosts (``--hosts 2x2``, ``4x2``, ``3+1``): the ranks live in network namespaces
 (tests/netns.py) whose links ``tc`` limits to ``--link-rate`` (each direction), and
-rendezvous through ``init_method="tcp://..."``; the same three implementations and method,
+rendezvous through ``init_method="tcp://..."``; the same implementations and method,
 plus the bytes that left the busiest host per round trip (its interface counters around the
 checked round trip) and the **link bound**: the bytes that must leave the busiest host when
 a token crosses to each remote host it needs once and comes back as one row per (token,
@@ -60,6 +63,8 @@ sys.path.insert(0, os.path.dirname(HERE))  # the repository root: the test helpe
 from tests import rankpool  # noqa: E402
 
 IMPLS = ["mooncake", "mooncake-ll", "plain-gloo"]
+# --hosts also runs the normal mode rank to rank (EPConfig(hierarchical=False))
+HOST_IMPLS = ["mooncake", "mooncake-flat", "mooncake-ll", "plain-gloo"]
 GATE_X = 3.0
 
 
@@ -134,9 +139,11 @@ def rank_bench(rank, ws, cfg, count_host_tx=False):
     T, H, E, K = cfg["T"], cfg["H"], cfg["E"], cfg["K"]
     gloo = dist.new_group(list(range(ws)), backend="gloo")
     buf = mooncake_ep.Buffer()
+    flat = mooncake_ep.Buffer(config=mooncake_ep.EPConfig(hierarchical=False))
     x, idx, w = _inputs(rank, T, H, E, K, cfg["seed"])
     calls = {
         "mooncake": lambda: mooncake_round_trip(buf, x, idx, w, E),
+        "mooncake-flat": lambda: mooncake_round_trip(flat, x, idx, w, E),
         "mooncake-ll": lambda: mooncake_ll_round_trip(buf, x, idx, w, E),
         "plain-gloo": lambda: plain_round_trip(x, idx, w, E, gloo, ws),
     }
@@ -383,7 +390,11 @@ def main(argv=None):
     ap.add_argument("--hidden", type=int, default=None, help="H (default 2048; smoke 256)")
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument(
+        "--impls",
+        default=None,
+        help=f"comma list (default {','.join(IMPLS)}; with --hosts {','.join(HOST_IMPLS)})",
+    )
     ap.add_argument(
         "--rounds", type=int, default=None, help="blocks per implementation (default 5; smoke 2)"
     )
@@ -422,7 +433,9 @@ def main(argv=None):
         "E": args.experts,
         "K": args.topk,
         "seed": args.seed,
-        "impls": [i for i in args.impls.split(",") if i],
+        "impls": [
+            i for i in (args.impls or ",".join(HOST_IMPLS if args.hosts else IMPLS)).split(",") if i
+        ],
         "rounds": args.rounds or (2 if s else 5),
         "block": args.block or (2 if s else 3),
         "warmup": args.warmup if args.warmup is not None else (1 if s else 2),

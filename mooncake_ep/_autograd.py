@@ -18,8 +18,7 @@ class DispatchFn(torch.autograd.Function):
     def forward(ctx, buf, handle, local_idx, x, w):
         ctx.buf, ctx.handle = buf, handle
         ctx.x_dtype = x.dtype
-        kern = buf._cfg["kernels"]
-        recv_x = buf._fwd(handle, K_.gather_rows(x.detach(), handle.send_token_idx, kern))
+        recv_x = buf._fwd_tokens(handle, x.detach())
         recv_w = recv_idx = None
         if local_idx is not None:
             if w is not None:
@@ -54,15 +53,7 @@ class DispatchFn(torch.autograd.Function):
                 g_x = torch.zeros(
                     (sum(h.recv_counts), h.hidden), dtype=ctx.x_dtype, device=h.device
                 )
-            rows = buf._bwd(h, g_x.contiguous())
-            gx = K_.scatter_add_rows(
-                rows,
-                h.send_token_idx,
-                h.num_tokens,
-                max_per_row=h.max_ranks_per_token,
-                fp32_accumulate=buf._cfg["fp32_accumulate"],
-                out_dtype=rows.dtype,
-            )
+            gx = buf._bwd_tokens(h, g_x.contiguous(), g_x.dtype)
         if ctx.needs_input_grad[4]:
             n = sum(h.recv_counts)
             if g_w is None:
@@ -80,27 +71,7 @@ class CombineFn(torch.autograd.Function):
     def forward(ctx, buf, handle, x, w):
         ctx.buf, ctx.handle = buf, handle
         ctx.x_dtype = x.dtype
-        rows = buf._bwd(handle, x.detach())
-        out = None
-        if K_._use_triton(rows, buf._cfg["kernels"]):
-            # Triton: each token sums its rows in rank order, as index_add_ does on CPU
-            out = K_.sum_rows_by_table(
-                rows.contiguous(),
-                handle.row_table(),
-                kernels=buf._cfg["kernels"],
-                fp32_accumulate=buf._cfg["fp32_accumulate"],
-                max_per_row=handle.max_ranks_per_token,
-            )
-        if out is None:
-            out = K_.scatter_add_rows(
-                rows,
-                handle.send_token_idx,
-                handle.num_tokens,
-                max_per_row=handle.max_ranks_per_token,
-                alloc=buf._recycler.empty,
-                fp32_accumulate=buf._cfg["fp32_accumulate"],
-                out_dtype=x.dtype,
-            )
+        out = buf._bwd_tokens(handle, x.detach(), x.dtype)
         out_w = None
         if w is not None:
             wr = buf._bwd(handle, w.detach())
@@ -117,7 +88,7 @@ class CombineFn(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             if g_out is None:
                 g_out = torch.zeros((h.num_tokens, h.hidden), dtype=ctx.x_dtype, device=h.device)
-            gx = buf._fwd(h, K_.gather_rows(g_out.contiguous(), h.send_token_idx, kern))
+            gx = buf._fwd_tokens(h, g_out.contiguous())
         if ctx.needs_input_grad[3]:
             if g_w is None:
                 g_w = torch.zeros((h.num_tokens, h.num_topk), device=h.device)

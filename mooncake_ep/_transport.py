@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import _nvshmem
+from . import _hosts, _nvshmem
+from . import kernels as K_
 from ._checks import DTYPE_NAMES, BadArgs
 from ._comm import all_gather_single
 from .config import EPConfig, resolve
@@ -108,15 +109,18 @@ class Transport:
             self._mooncake = mooncake_pg
         except (ImportError, ValueError, RuntimeError):
             self._mooncake = None
-        # int64 [W]: each rank's host, numbered 0.. in the order of the lowest rank, as the
-        # group saw it when this Buffer was made (the number of hosts stays fixed while
-        # ranks die and rejoin); None on one host or without a mooncake group
-        self._hosts = None
+        # each rank's host, numbered 0.. in the order of the lowest rank, as the group saw
+        # it when this Buffer was made (the number of hosts stays fixed while ranks die and
+        # rejoin); None on one host or without a mooncake group
+        self._topo = None
         if self._mooncake is not None:
             raw = self._mooncake.get_rank_hosts(self.group).tolist()
             dense = {h: i for i, h in enumerate(dict.fromkeys(raw))}
             if len(dense) > 1:
-                self._hosts = torch.tensor([dense[h] for h in raw], dtype=torch.int64)
+                hosts = torch.tensor([dense[h] for h in raw], dtype=torch.int64)
+                self._topo = _hosts.Topology(hosts)
+        # whether normal-mode dispatches take the two-level route across hosts
+        self._hierarchical = self._topo is not None and bool(self._cfg["hierarchical"])
 
     # ----------------------------------------------------------- membership
 
@@ -244,6 +248,62 @@ class Transport:
         if getattr(handle, "backend", "group") == "nvshmem":
             return self._nvshmem_a2a(handle, recv, handle.recv_counts, handle.send_counts)
         return self._a2a(recv, handle.recv_counts, handle.send_counts)
+
+    def _route(self, handle):
+        """The handle's two-level route while the group's membership is the one it was
+        planned for (``None``: move rows rank to rank)."""
+        route = handle.route
+        if route is None or tuple(self._membership()[0]) != route.active:
+            return None
+        return route
+
+    def _fwd_tokens(self, handle, x):
+        """A normal-mode dispatch's rows of tokens ``x`` [T, H] to its destinations:
+        [N_recv, H], by source rank then token (two-level across hosts when the handle
+        has a route; a membership change during it reruns the op rank to rank)."""
+        kern = self._cfg["kernels"]
+        route = self._route(handle)
+        if route is not None:
+            epoch = self._membership()[1]
+            out = _hosts.forward(self._a2a, route, x, kern, self._recycler.empty)
+            if self._membership()[1] == epoch:
+                return out
+        rows = K_.gather_rows(x, handle.send_token_idx, kern, self._recycler.empty)
+        return self._fwd(handle, rows)
+
+    def _bwd_tokens(self, handle, rows, out_dtype):
+        """The reverse of :meth:`_fwd_tokens`: ``rows`` [N_recv, H] -> [T, H] of
+        ``out_dtype``, each token's rows summed (float32 with ``fp32_accumulate``)."""
+        fp32 = self._cfg["fp32_accumulate"]
+        route = self._route(handle)
+        if route is not None:
+            epoch = self._membership()[1]
+            out = _hosts.backward(
+                self._a2a, route, rows, handle.num_tokens, fp32, out_dtype, self._recycler.empty
+            )
+            if self._membership()[1] == epoch:
+                return out
+        back = self._bwd(handle, rows)
+        if K_._use_triton(back, self._cfg["kernels"]):
+            # Triton: each token sums its rows in rank order, as index_add_ does on CPU
+            out = K_.sum_rows_by_table(
+                back.contiguous(),
+                handle.row_table(),
+                kernels=self._cfg["kernels"],
+                fp32_accumulate=fp32,
+                max_per_row=handle.max_ranks_per_token,
+            )
+            if out is not None:
+                return out.to(out_dtype)
+        return K_.scatter_add_rows(
+            back,
+            handle.send_token_idx,
+            handle.num_tokens,
+            max_per_row=handle.max_ranks_per_token,
+            alloc=self._recycler.empty,
+            fp32_accumulate=fp32,
+            out_dtype=out_dtype,
+        )
 
     # ------------------------------------------------- low-latency backend
 

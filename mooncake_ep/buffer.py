@@ -58,6 +58,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import _hosts
 from . import kernels as K_
 from ._autograd import CombineFn, DispatchFn, LowLatencyCombineFn, LowLatencyDispatchFn
 from ._checks import (
@@ -220,12 +221,8 @@ class Buffer(Transport):
         per_expert = cnt.sum(0, dtype=torch.int32)
         in_rank = cnt.view(T, self.group_size, num_experts // self.group_size).any(2)
         per_host = None
-        hosts = self._hosts
-        if hosts is not None:
-            num_hosts = int(hosts.max()) + 1
-            hits = torch.zeros(T, num_hosts, dtype=torch.int32, device=in_rank.device)
-            hits.index_add_(1, hosts.to(in_rank.device), in_rank.to(torch.int32))
-            per_host = (hits > 0).sum(0, dtype=torch.int32)
+        if self._topo is not None:
+            per_host = self._topo.tokens_per_host(in_rank).to(torch.int32)
         return DispatchLayout(in_rank.sum(0, dtype=torch.int32), per_host, per_expert, in_rank)
 
     # -------------------------------------------------------------- dispatch
@@ -352,24 +349,29 @@ class Buffer(Transport):
             L = E // W
             cnt = _token_expert_counts(topk_idx, E) > 0
             in_rank = cnt.view(T, W, L).any(2)
+        topo = self._topo
+        n_hosts = topo.num_hosts if topo is not None else 0  # the same on every rank
         fields = [
             E,
             H,
             DTYPES.get(getattr(x, "dtype", None), 0),
             Kk,
             int(topk_weights is not None),
+            int(self._hierarchical),
         ]
-        names = ("num_experts", "hidden", "dtype", "num_topk", "has_weights")
+        names = ("num_experts", "hidden", "dtype", "num_topk", "has_weights", "hierarchical")
         tries = self._cfg["max_membership_retries"]
         for attempt in range(tries + 1):
-            active0, _ = self._membership()
-            counts = None
+            active0, epoch0 = self._membership()
+            # rows per rank, tokens per host (for the relays), and the epoch these counts saw
+            counts = torch.zeros(W + n_hosts + 1, dtype=torch.int64)
+            counts[-1] = epoch0
             if err is None:
                 mask = torch.tensor(active0, dtype=torch.bool, device=dev)
-                counts = (in_rank & mask).sum(0)
-            hdr, active, epoch = self._header(
-                op, fields, counts if counts is not None else torch.zeros(W), error=err, names=names
-            )
+                counts[:W] = (in_rank & mask).sum(0).cpu()
+                if topo is not None:
+                    counts[W:-1] = topo.tokens_per_host(in_rank & mask).cpu()
+            hdr, active, epoch = self._header(op, fields, counts, error=err, names=names)
             act = torch.tensor(
                 [int(a and b) for a, b in zip(active, active0)], dtype=torch.bool, device=dev
             )
@@ -379,7 +381,15 @@ class Buffer(Transport):
             nz = sent.t().nonzero()
             send_tok = nz[:, 1].contiguous()
             mx = int(sent.sum(1).max()) if T else 0
-            h = DispatchHandle(T, H, E, Kk, send_tok, send_counts, recv_counts, sent, epoch, mx)
+            route = None
+            live = [r for r in range(W) if active[r]]
+            # two levels only when every rank counted with the membership the header agreed
+            # on (the relays' counts come from those counts)
+            if self._hierarchical and all(int(hdr[r, -1]) == epoch for r in live):
+                route = self._plan_route(topo, active, sent, hdr, recv_counts, epoch)
+            h = DispatchHandle(
+                T, H, E, Kk, send_tok, send_counts, recv_counts, sent, epoch, mx, route
+            )
             # local ids of each sent row at its destination (-1: that slot's expert is elsewhere)
             dest = nz[:, 0]
             rows_idx = topk_idx.long().index_select(0, send_tok)
@@ -400,6 +410,18 @@ class Buffer(Transport):
         per_expert = (_token_expert_counts(recv_idx, L) > 0).sum(0)
         counts_list = [int((c + align - 1) // align * align) for c in per_expert.tolist()]
         return DispatchResult(recv_x, recv_idx, recv_w, counts_list, h)
+
+    def _plan_route(self, topo, active, sent, hdr, recv_counts, epoch):
+        """Collective: the two-level route of a dispatch (:mod:`mooncake_ep._hosts`), for
+        which each rank sends the masks its relays forward by; ``None`` on every survivor
+        when the membership changed meanwhile (the dispatch then restarts)."""
+        W = self.group_size
+        host_counts = hdr[:, HDR + W : HDR + W + topo.num_hosts].tolist()
+        partial, masks = _hosts.plan(topo, self.rank, active, sent, host_counts, recv_counts)
+        recv_masks = self._a2a(masks, partial[2], partial[3])
+        if self._membership()[1] != epoch:
+            return None
+        return _hosts.finish(topo, self.rank, active, partial, recv_masks, recv_counts)
 
     # --------------------------------------------------------------- combine
 

@@ -7,6 +7,7 @@ Every ``MOONCAKE_EP_*`` environment variable the package reads is read here, in
 |---|---|---|
 | ``MOONCAKE_EP_KERNELS`` | ``auto`` (Triton for CUDA tensors when importable, torch ops otherwise) / ``torch`` / ``triton`` (Triton for CUDA tensors, and for CPU tensors under ``TRITON_INTERPRET=1``) | ``auto`` |
 | ``MOONCAKE_EP_FP32_ACCUMULATE`` | ``1``: 16-bit combines accumulate in float32 and round once; ``0``: accumulate in the data's dtype (faster on CPU) | ``1`` |
+| ``MOONCAKE_EP_HIERARCHICAL`` | ``1``: in a group that spans hosts, a normal-mode dispatch sends a token over a host link once per remote host and forwards it inside the host (combine sums inside the host first); ``0``: rank to rank | ``1`` |
 | ``MOONCAKE_EP_LOW_LATENCY_BACKEND`` | how the low-latency ops move rows: ``auto`` (NVSHMEM when usable on every rank, else the process group) / ``nvshmem`` (NVSHMEM or ``ValueError``) / ``group`` (the process group's ``all_to_all_single``) | ``auto`` |
 """
 
@@ -35,6 +36,15 @@ class EPConfig:
         fp32_accumulate: combines of bfloat16/float16 data sum in float32 and round once
             (``MOONCAKE_EP_FP32_ACCUMULATE``, default ``True``); ``False`` sums in the data's
             own dtype (one rounding per partial sum, about 3x faster on CPU).
+        hierarchical: in a group that spans hosts (a ``mooncake`` group whose ranks
+            :func:`mooncake_pg.get_rank_hosts` puts on several hosts), normal-mode
+            ``dispatch``, ``combine``, cached dispatches and their backward passes move
+            a token's rows over a host link at most once per remote host: to one relay
+            rank there, which forwards them to the host's ranks that need them, and
+            combine sums a token's rows inside each host before one row per (token,
+            host) goes back (:mod:`mooncake_ep._hosts`; ``MOONCAKE_EP_HIERARCHICAL``,
+            default ``True``). ``False``: one row per (token, rank) rank to rank. Must
+            agree across ranks (the dispatch header checks it).
         max_membership_retries: how many times a normal-mode ``dispatch`` restarts when the
             group's membership epoch changes while it runs (``on_failure="mask"``): an int
             >= 0, or ``None`` for the world size.
@@ -50,6 +60,7 @@ class EPConfig:
 
     kernels: str | None = None
     fp32_accumulate: bool | None = None
+    hierarchical: bool | None = None
     max_membership_retries: int | None = None
     low_latency_backend: str | None = None
 
@@ -61,10 +72,10 @@ class EPConfig:
                 f"EPConfig: low_latency_backend must be one of {_LL_BACKENDS}, "
                 f"got {self.low_latency_backend!r}"
             )
-        if self.fp32_accumulate is not None and not isinstance(self.fp32_accumulate, bool):
-            raise ValueError(
-                f"EPConfig: fp32_accumulate must be a bool or None, got {self.fp32_accumulate!r}"
-            )
+        for name in ("fp32_accumulate", "hierarchical"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise ValueError(f"EPConfig: {name} must be a bool or None, got {v!r}")
         n = self.max_membership_retries
         if n is not None:
             if isinstance(n, bool) or not hasattr(n, "__index__") or operator.index(n) < 0:
@@ -89,6 +100,7 @@ def env_defaults() -> dict:
     return {
         "kernels": kernels,
         "fp32_accumulate": bool_env(env, "MOONCAKE_EP_FP32_ACCUMULATE", True),
+        "hierarchical": bool_env(env, "MOONCAKE_EP_HIERARCHICAL", True),
         "low_latency_backend": ll,
     }
 
@@ -106,6 +118,7 @@ def resolve(cfg: EPConfig | None, world_size: int) -> dict:
         "fp32_accumulate": env["fp32_accumulate"]
         if cfg.fp32_accumulate is None
         else bool(cfg.fp32_accumulate),
+        "hierarchical": env["hierarchical"] if cfg.hierarchical is None else cfg.hierarchical,
         "max_membership_retries": world_size
         if cfg.max_membership_retries is None
         else int(cfg.max_membership_retries),

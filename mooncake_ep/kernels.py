@@ -47,13 +47,22 @@ def _use_triton(t: torch.Tensor, kernels: str) -> bool:
     return True
 
 
-def gather_rows(x: torch.Tensor, idx: torch.Tensor, kernels: str = "auto") -> torch.Tensor:
-    """``out[n] = x[idx[n]]``: ``x`` [T, H], ``idx`` int64 [N] -> [N, H] (x's dtype)."""
+def gather_rows(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    kernels: str = "auto",
+    alloc: Callable[..., torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """``out[n] = x[idx[n]]``: ``x`` [T, H], ``idx`` int64 [N] -> [N, H] (x's dtype).
+    ``alloc(shape, dtype, device)`` supplies the output (torch path)."""
     if _use_triton(x, kernels):
         from .triton_kernels import permute
 
         return permute(x, idx)
-    return torch.index_select(x, 0, idx)
+    if alloc is None:
+        return torch.index_select(x, 0, idx)
+    out = alloc((idx.numel(),) + tuple(x.shape[1:]), x.dtype, x.device)
+    return torch.index_select(x, 0, idx, out=out)
 
 
 def scatter_add_rows(
@@ -88,7 +97,12 @@ def scatter_add_rows(
     else:
         out = alloc((num_out, H), acc_dtype, rows.device).zero_()
     if rows.shape[0]:
-        src = rows if rows.dtype == acc_dtype else rows.to(acc_dtype)
+        if rows.dtype == acc_dtype:
+            src = rows
+        elif alloc is None:
+            src = rows.to(acc_dtype)
+        else:  # a recycled buffer: a fresh one costs a page fault per 4 KiB on first touch
+            src = alloc(tuple(rows.shape), acc_dtype, rows.device).copy_(rows)
         if weights is not None:
             src = src * weights.to(acc_dtype).unsqueeze(1)
         out.index_add_(0, idx, src)

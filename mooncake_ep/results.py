@@ -114,7 +114,9 @@ class DispatchHandle:
     """Communication layout of one normal-mode dispatch (opaque; pass it to ``combine``).
 
     ``send_token_idx`` (int64 [N_send]) lists the token of each row sent, ordered by
-    destination rank then token; ``send_counts``/``recv_counts`` are rows per rank.
+    destination rank then token; ``send_counts``/``recv_counts`` are rows per rank (rank
+    to rank). ``route``: in a group that spans hosts, how the rows travel in two levels
+    (:class:`mooncake_ep._hosts.HostRoute`), ``None`` rank to rank.
     """
 
     num_tokens: int
@@ -127,6 +129,7 @@ class DispatchHandle:
     is_token_in_rank: torch.Tensor
     epoch: int
     max_ranks_per_token: int = 0
+    route: object | None = None
 
     @property
     def device(self) -> torch.device:

@@ -49,14 +49,16 @@ class Ranks:
                 if ranks is not None and rank not in ranks:
                     continue
                 try:
-                    log, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+                    stdout, stderr = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     kill_group(p)
-                    log, _ = p.communicate()
-                    out[rank] = {"error": "timeout", "log": log[-3000:]}
+                    stdout, stderr = p.communicate()
+                    out[rank] = {"error": "timeout", "log": (stdout + stderr)[-3000:]}
                     continue
-                res = [ln[7:] for ln in log.splitlines() if ln.startswith("RESULT ")]
-                log = "\n".join(ln for ln in log.splitlines() if not ln.startswith("RESULT "))
+                # stderr apart: a library's log line cannot land inside a long RESULT line
+                res = [ln[7:] for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+                log = "\n".join(ln for ln in stdout.splitlines() if not ln.startswith("RESULT "))
+                log += "\n" + stderr
                 out[rank] = (
                     {**json.loads(res[-1]), "log": log[-3000:]}
                     if res
@@ -156,7 +158,7 @@ def start_ranks(
                 hostname=f"host{h}",
                 cwd=REPO_ROOT,
                 stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
+                stderr=subprocess.PIPE,
                 text=True,
             )
         )

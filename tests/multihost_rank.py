@@ -164,6 +164,145 @@ def ep_layout(rank, world_size, topk_idx, num_experts):
     }
 
 
+def ep_routing(rank, world_size, ranks_per_host, mode, T, H, E, K, dtype="float32", seed=0):
+    """One rank's EP inputs (tests.ep.eputil.make_inputs) with its routing made ``mode``:
+    random, masked (-1 slots), dup (slot 1 repeats slot 0), skew (every token to experts
+    0..K-1), last_host (every token to experts of the last host's ranks)."""
+    from tests.ep.eputil import make_inputs
+
+    x, idx, w = make_inputs(
+        rank, T, H, E, K, getattr(torch, dtype), seed=seed, masked=0.3 if mode == "masked" else 0.0
+    )
+    if mode == "dup" and K > 1:
+        idx[:, 1] = idx[:, 0]
+    elif mode == "skew":
+        idx[:] = torch.arange(K)
+    elif mode == "last_host":
+        L = E // world_size
+        first = (world_size - ranks_per_host[-1]) * L
+        g = torch.Generator().manual_seed(seed * 7 + rank)
+        n = min(K, E - first)  # slots beyond the host's experts stay -1
+        idx = torch.full((T, K), -1, dtype=torch.int64)
+        for t in range(T):
+            idx[t, :n] = first + torch.randperm(E - first, generator=g)[:n]
+    return x, idx, w
+
+
+def ep_round_trip(
+    rank,
+    world_size,
+    ranks_per_host,
+    modes,
+    T,
+    H,
+    E,
+    K,
+    dtype="float32",
+    values=True,
+    hierarchical=True,
+):
+    """For each routing mode (ep_routing): a normal-mode dispatch, the scaled experts of
+    tests.ep.eputil (expert e scales by 1 + e / 8, weighted by recv_topk_weights), combine,
+    and the backward of sum(combined * g) (g: tokens of seed 1); a cached dispatch of the
+    seed-2 tokens through the same experts; a low-latency round trip. Returns the results
+    and gradients for the test's reference, and the bytes that left this rank's host
+    during the plain round trip (between barriers); values=False: only the bytes."""
+    import mooncake_ep
+    from tests.ep.eputil import make_inputs, scaled_experts_ll, scaled_experts_normal
+
+    buf = mooncake_ep.Buffer(config=mooncake_ep.EPConfig(hierarchical=hierarchical))
+    L = E // world_size
+
+    def scale(e):
+        return 1.0 + e / 8
+
+    def tx():
+        with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
+            return int(f.read())
+
+    out = {}
+    for mode in modes:
+        x, idx, w = ep_routing(rank, world_size, ranks_per_host, mode, T, H, E, K, dtype)
+        g = make_inputs(rank, T, H, E, K, x.dtype, seed=1)[0]
+        x2 = make_inputs(rank, T, H, E, K, x.dtype, seed=2)[0]
+        # the bytes of a plain round trip, without autograd
+        dist.barrier()
+        time.sleep(0.2)
+        dist.barrier()
+        before = tx()
+        r = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+        y = scaled_experts_normal(r.recv_x, r.recv_topk_idx, r.recv_topk_weights, rank, L, scale)
+        buf.combine(y, r.handle)
+        dist.barrier()
+        time.sleep(0.2)
+        dist.barrier()
+        host_tx = tx() - before
+        out[mode] = {
+            "host_tx": host_tx,
+            "per_host": buf.get_dispatch_layout(idx, E).num_tokens_per_rdma_rank.tolist(),
+            "two_level": r.handle.route is not None,
+        }
+        if not values:
+            continue
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        r = buf.dispatch(xg, topk_idx=idx, topk_weights=wg, num_experts=E)
+        y = scaled_experts_normal(r.recv_x, r.recv_topk_idx, r.recv_topk_weights, rank, L, scale)
+        combined = buf.combine(y, r.handle).combined_x
+        (combined.float() * g.float()).sum().backward()
+        r2 = buf.dispatch(x2, handle=r.handle)
+        y2 = scaled_experts_normal(r2.recv_x, r.recv_topk_idx, r.recv_topk_weights, rank, L, scale)
+        cached = buf.combine(y2, r.handle).combined_x
+        ll = buf.low_latency_dispatch(x, idx, T, E)
+        ll_out = buf.low_latency_combine(
+            scaled_experts_ll(ll.recv_x, rank, L, scale), idx, w, ll.handle
+        ).combined_x
+        out[mode].update(
+            combined=combined.detach().double().tolist(),
+            grad_x=xg.grad.double().tolist(),
+            grad_w=wg.grad.double().tolist(),
+            cached=cached.double().tolist(),
+            low_latency=ll_out.double().tolist(),
+        )
+    return out
+
+
+def ep_kill_relay(rank, world_size, ranks_per_host, victim, T, H, E, K):
+    """A normal-mode dispatch across hosts (two levels), then the victim SIGKILLs itself
+    before the combine (it relays the tokens of the ranks of its local index elsewhere);
+    the survivors combine, then run a second round trip over the survivors. Expert e
+    scales by 1 + e / 8 (tests.ep.eputil). Returns both results, the membership after,
+    and whether the second round trip went in two levels."""
+    import signal
+
+    import mooncake_ep
+    import mooncake_pg
+    from tests.ep.eputil import scaled_experts_normal
+
+    buf = mooncake_ep.Buffer()
+    L = E // world_size
+
+    def scale(e):
+        return 1.0 + e / 8
+
+    x, idx, w = ep_routing(rank, world_size, ranks_per_host, "random", T, H, E, K)
+    r = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+    y = scaled_experts_normal(r.recv_x, r.recv_topk_idx, r.recv_topk_weights, rank, L, scale)
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    first = buf.combine(y, r.handle).combined_x
+    r2 = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+    y2 = scaled_experts_normal(r2.recv_x, r2.recv_topk_idx, r2.recv_topk_weights, rank, L, scale)
+    second = buf.combine(y2, r2.handle).combined_x
+    return {
+        "first": first.double().tolist(),
+        "second": second.double().tolist(),
+        "two_level_after": r2.handle.route is not None,
+        "active": mooncake_pg.get_active_ranks().tolist(),
+        "epoch": mooncake_pg.get_epoch(),
+        "first_epoch": r.handle.epoch,
+    }
+
+
 def loop_all_reduce(rank, world_size, ops, count, linger_s=3.0):
     """ops all_reduces of count float32 elements equal to rank + 1; the first error ends the
     loop. Returns each op's value (every element equal, else "uneven") or the error's type
@@ -198,6 +337,8 @@ SCENARIOS = {
     "until_host_lost": until_host_lost,
     "busy_between_ops": busy_between_ops,
     "ep_layout": ep_layout,
+    "ep_round_trip": ep_round_trip,
+    "ep_kill_relay": ep_kill_relay,
 }
 
 

@@ -323,3 +323,181 @@ def test_options_that_must_agree_raise_value_error_on_every_rank():
     for r in range(4):
         assert res[r].get("error") == "ValueError", (r, res[r])
         assert "hierarchical" in res[r]["message"], (r, res[r]["message"])
+
+
+EP_MODES = ["random", "masked", "dup", "skew", "last_host"]
+
+
+def _ep_reference(rph, mode, T, H, E, K, dtype):
+    """Per rank: the round trip's, the gradients' and the cached dispatch's values from
+    tests.ep.eputil's float64 loops (expert e scales by 1 + e / 8)."""
+    from tests.ep.eputil import make_inputs, ref_scaled_moe
+    from tests.multihost_rank import ep_routing
+
+    W = sum(rph)
+
+    def scale(e):
+        return 1.0 + e / 8
+
+    out = []
+    for r in range(W):
+        x, idx, w = ep_routing(r, W, rph, mode, T, H, E, K, dtype)
+        g = make_inputs(r, T, H, E, K, x.dtype, seed=1)[0]
+        x2 = make_inputs(r, T, H, E, K, x.dtype, seed=2)[0]
+        f = torch.tensor([[scale(int(e)) if e >= 0 else 0.0 for e in row] for row in idx.tolist()])
+        dots = (g.double() * x.double()).sum(1, keepdim=True)
+        out.append(
+            {
+                "combined": ref_scaled_moe(x, idx, w, scale),
+                "grad_x": ref_scaled_moe(g, idx, w, scale),
+                "grad_w": f.double() * dots,
+                "cached": ref_scaled_moe(x2, idx, w, scale),
+                "low_latency": ref_scaled_moe(x, idx, w, scale),
+            }
+        )
+    return out
+
+
+@pytest.mark.parametrize(
+    "ranks_per_host, dtype",
+    [([2, 2], "float32"), ([3, 1], "float32"), ([4, 4], "bfloat16"), ([2, 2, 2, 2], "float32")],
+    ids=["2x2", "3+1", "2x4-bf16", "4x2"],
+)
+def test_ep_across_hosts_equals_the_reference(ranks_per_host, dtype):
+    """mooncake_ep across hosts, two levels (a token crosses to each remote host once, to a
+    relay that forwards it inside the host; combine sums inside the host first): dispatch,
+    combine, autograd (input and router-weight gradients), a cached dispatch and the
+    low-latency round trip equal float64 references for random, -1, duplicate, skewed and
+    all-on-the-last-host routing."""
+    rph = ranks_per_host
+    W = sum(rph)
+    T, H, E, K = 24, 16, 2 * W, 4
+    with netns.hosts(len(rph), "mcmh") as t:
+        res = run_ranks(
+            t,
+            rph,
+            "ep_round_trip",
+            {
+                "ranks_per_host": rph,
+                "modes": EP_MODES,
+                "T": T,
+                "H": H,
+                "E": E,
+                "K": K,
+                "dtype": dtype,
+            },
+            timeout_s=200,
+        )
+    # 16-bit: the relay rounds a host's sum once, the source once more
+    rel = 2**-6 if dtype == "bfloat16" else 1e-6
+    for r in range(W):
+        _no_error(res, r)
+    for mode in EP_MODES:
+        ref = _ep_reference(rph, mode, T, H, E, K, dtype)
+        for r in range(W):
+            got = res[r][mode]
+            assert got["two_level"], (r, mode)
+            for key, want in ref[r].items():
+                have = torch.tensor(got[key], dtype=torch.float64)
+                tol = rel * (float(want.abs().max()) + 1)
+                err = float((have - want).abs().max()) if want.numel() else 0.0
+                assert err <= tol, f"rank {r} {mode} {key}: max error {err} > {tol}"
+
+
+@pytest.mark.parametrize("ranks_per_host", [[2, 2], [2, 2, 2, 2]], ids=["2x2", "4x2"])
+def test_ep_round_trip_sends_one_row_per_token_and_remote_host(ranks_per_host):
+    """The bytes that leave each host during a dispatch + combine are the rows of one per
+    (token, remote host) each way (T x remote hosts touched x H x element size, counted
+    from the routing), not one per (token, remote rank) as rank to rank."""
+    rph = ranks_per_host
+    W, hosts = sum(rph), rank_hosts(rph)
+    T, H, E, K = 64, 512, 2 * W, 4
+    with netns.hosts(len(rph), "mcmh") as t:
+        res = run_ranks(
+            t,
+            rph,
+            "ep_round_trip",
+            {
+                "ranks_per_host": rph,
+                "modes": ["random"],
+                "T": T,
+                "H": H,
+                "E": E,
+                "K": K,
+                "values": False,
+            },
+            timeout_s=150,
+        )
+    for r in range(W):
+        _no_error(res, r)
+    from tests.multihost_rank import ep_routing
+
+    row = H * 4
+    L = E // W
+    exact = [0] * len(rph)  # bytes out of each host, one row per (token, remote host)
+    flat = [0] * len(rph)  # rank to rank: one row per (token, remote rank)
+    for r in range(W):
+        idx = ep_routing(r, W, rph, "random", T, H, E, K)[1]
+        for row_ids in idx.tolist():
+            ranks = {e // L for e in row_ids if e >= 0}
+            for h in {hosts[d] for d in ranks} - {hosts[r]}:
+                exact[hosts[r]] += row  # there
+                exact[h] += row  # and back
+            for d in ranks:
+                if hosts[d] != hosts[r]:
+                    flat[hosts[r]] += row
+                    flat[hosts[d]] += row
+    assert res[0]["random"]["per_host"] is not None
+    for h in range(len(rph)):
+        sent = min(res[r]["random"]["host_tx"] for r in range(W) if hosts[r] == h)
+        # frames' headers and the small metadata (local ids, weights, relay masks) on top
+        assert exact[h] <= sent <= 1.12 * exact[h] + (32 << 10), (h, sent, exact[h], flat[h])
+        assert exact[h] < 0.9 * flat[h], (h, exact[h], flat[h])  # the test tells them apart
+
+
+@pytest.mark.parametrize("ranks_per_host", [[2, 2], [2, 2, 2, 2]], ids=["2x2", "4x2"])
+def test_ep_relay_killed_between_dispatch_and_combine(ranks_per_host):
+    """on_failure="mask": the last rank (a relay: the tokens of its local index on the
+    other hosts reach its host through it) SIGKILLs itself after a two-level dispatch.
+    Every survivor's combine equals the reference without the dead rank's experts, and so
+    does the next round trip (its host's remaining rank now relays every token); all
+    survivors agree on the mask and the epoch."""
+    from tests.ep.eputil import ref_scaled_moe
+    from tests.multihost_rank import ep_routing
+
+    rph = ranks_per_host
+    W = sum(rph)
+    victim = W - 1
+    T, H, E, K = 24, 16, 2 * W, 4
+    with netns.hosts(len(rph), "mcmh") as t:
+        res = run_ranks(
+            t,
+            rph,
+            "ep_kill_relay",
+            {
+                "ranks_per_host": rph,
+                "victim": victim,
+                "T": T,
+                "H": H,
+                "E": E,
+                "K": K,
+                "options": {"on_failure": "mask"},
+            },
+            timeout_s=150,
+        )
+    L = E // W
+    dead_experts = set(range(victim * L, (victim + 1) * L))
+    want_active = [1] * W
+    want_active[victim] = 0
+    survivors = [r for r in range(W) if r != victim]
+    for r in survivors:
+        _no_error(res, r)
+        got = res[r]
+        assert got["active"] == want_active, got["active"]
+        assert got["epoch"] == res[survivors[0]]["epoch"] > got["first_epoch"]
+        assert got["two_level_after"]
+        x, idx, w = ep_routing(r, W, rph, "random", T, H, E, K)
+        want = ref_scaled_moe(x, idx, w, lambda e: 1.0 + e / 8, excluded=dead_experts)
+        for key in ("first", "second"):
+            err = float((torch.tensor(got[key], dtype=torch.float64) - want).abs().max())
+            assert err <= 1e-5 * (float(want.abs().max()) + 1), (r, key, err)

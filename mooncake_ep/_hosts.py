@@ -1,0 +1,273 @@
+"""Token rows across hosts in two stages: each token crosses a host link at most once per
+remote host it needs, and is forwarded inside that host (DeepEP's internode scheme, its
+"RDMA then NVLink" forwarding, here over the process group's TCP links and shared memory).
+
+A normal-mode dispatch in a group that spans hosts plans a :class:`HostRoute` (kept in its
+:class:`mooncake_ep.DispatchHandle`); the rows of x (dispatch, the combine's backward) move
+with :func:`forward`, the rows summed back per token (combine, the dispatch's backward)
+with :func:`backward`:
+
+- stage 1 (``all_to_all_single`` over the group): a source sends a token once to every
+  rank of its own host that needs it, and once to the *relay* of every other host that
+  needs it: the live rank of that host whose local index is the source's local index
+  (modulo the host's live ranks, so uneven hosts and dead ranks have a relay too). With
+  each relayed row goes a bit mask of the host's ranks that want it (local indices).
+- stage 2 (the group again, rows only between ranks of one host): each relay forwards the
+  rows it received to the ranks of its host in its masks (itself included).
+- each rank then lays its rows out as a flat dispatch would: by source rank, then token.
+
+``backward`` runs the stages in reverse: each rank sends a remote token's rows to the
+relay that brought it, the relay sums a token's rows (in float32 with
+``fp32_accumulate``) and rounds once to the rows' dtype, one row per (token, host) goes
+back and the source sums its token's rows from its own host's ranks and the relays. A
+16-bit sum across hosts thus rounds once per host and once more at the source, as
+DeepEP's internode combine does.
+
+Planning uses the group's agreed membership of the dispatch: a route whose membership is
+no longer the group's is not used (the handle's rank-to-rank counts serve instead), and a
+membership change during a route's stages reruns the op rank to rank on every survivor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import kernels as K_
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class HostRoute:
+    """One rank's plan of the two stages (indices on the dispatch's device).
+
+    ``send_token_idx`` int64 [N1]: the token of each stage-1 row, grouped by destination
+    rank then token; ``relay_rows`` int64 [N2]: the stage-1 received row that each stage-2
+    row forwards, grouped by destination then source then token; ``segments``: per source
+    rank in order, ``(stage, offset, rows)`` of its final rows in that stage's received
+    rows (stage 1: a source of this host; stage 2: a remote source via its relay).
+    """
+
+    active: tuple[int, ...]
+    send_token_idx: torch.Tensor
+    send_counts: tuple[int, ...]
+    recv_counts: tuple[int, ...]
+    relay_rows: torch.Tensor
+    relay_send_counts: tuple[int, ...]
+    relay_recv_counts: tuple[int, ...]
+    segments: tuple[tuple[int, int, int], ...]
+    num_recv: int
+    max_rows_per_token: int
+    ranks_on_host: int
+
+
+class Topology:
+    """The group's hosts: ``hosts`` int64 [W], each rank's host numbered ``0..num_hosts-1``."""
+
+    def __init__(self, hosts: torch.Tensor):
+        self.hosts = hosts
+        self.host_of = [int(h) for h in hosts.tolist()]
+        self.num_hosts = max(self.host_of) + 1
+        self.members = [[] for _ in range(self.num_hosts)]
+        for r, h in enumerate(self.host_of):
+            self.members[h].append(r)
+        self.local_index = [self.members[h].index(r) for r, h in enumerate(self.host_of)]
+        self.max_ranks_per_host = max(len(m) for m in self.members)
+
+    def relays(self, active) -> list[list[int | None]]:
+        """``[s][h]``: the rank of host ``h`` that relays source ``s``'s tokens (``None``
+        when no rank of ``h`` is active; ``s`` itself on its own host)."""
+        live = [[r for r in m if active[r]] for m in self.members]
+        out = []
+        for s in range(len(self.host_of)):
+            row = []
+            for h in range(self.num_hosts):
+                if h == self.host_of[s]:
+                    row.append(s)
+                elif live[h]:
+                    row.append(live[h][self.local_index[s] % len(live[h])])
+                else:
+                    row.append(None)
+            out.append(row)
+        return out
+
+    def tokens_per_host(self, sent: torch.Tensor) -> torch.Tensor:
+        """int64 [num_hosts]: tokens of ``sent`` (bool [T, W]) that go to each host."""
+        return self.token_bits(sent).ne(0).sum(0)
+
+    def token_bits(self, sent: torch.Tensor) -> torch.Tensor:
+        """int64 [T, num_hosts]: per token and host, the bit mask of the host's ranks (by
+        local index) that ``sent`` (bool [T, W]) sends the token to."""
+        bits = torch.tensor([1 << i for i in self.local_index], dtype=torch.int64)
+        bits = bits.to(sent.device)
+        out = torch.zeros((sent.shape[0], self.num_hosts), dtype=torch.int64, device=sent.device)
+        out.index_add_(1, self.hosts.to(sent.device), sent.to(torch.int64) * bits)
+        return out
+
+
+def plan(topo: Topology, rank: int, active, sent: torch.Tensor, host_counts, recv_counts):
+    """This rank's stage-1 sends and what it can say of its receives, before the masks.
+
+    ``sent`` bool [T, W]: where each token goes (active ranks only); ``host_counts`` [W]
+    lists of [num_hosts]: each source's tokens per host (from the header);
+    ``recv_counts`` [W]: the rows each source sends this rank in a flat dispatch.
+    Returns ``(partial, masks)``: the route's stage-1 part and int64 [N1] bit masks to send
+    with the stage-1 rows (:func:`finish` completes the route from the masks received).
+    """
+    W = len(topo.host_of)
+    me, hm = rank, topo.host_of[rank]
+    relay = topo.relays(active)
+    bits = topo.token_bits(sent)  # [T, num_hosts]
+    dest = torch.zeros_like(sent)
+    for d in topo.members[hm]:
+        dest[:, d] = sent[:, d]
+    for h in range(topo.num_hosts):
+        r = relay[me][h]
+        if h != hm and r is not None:
+            dest[:, r] = bits[:, h] != 0
+    nz = dest.t().nonzero()  # (destination, token)
+    send_tok = nz[:, 1].contiguous()
+    masks = bits[send_tok, topo.hosts.to(sent.device)[nz[:, 0]]]
+    send_counts = tuple(int(c) for c in dest.sum(0))
+    recv = []
+    for s in range(W):
+        if topo.host_of[s] == hm:
+            recv.append(int(recv_counts[s]))
+        elif relay[s][hm] == me:
+            recv.append(int(host_counts[s][hm]) if active[s] else 0)
+        else:
+            recv.append(0)
+    max_rows = int(dest.sum(1).max()) if sent.shape[0] else 0
+    return (relay, send_tok, send_counts, tuple(recv), max_rows), masks
+
+
+def finish(topo: Topology, rank: int, active, partial, recv_masks, recv_counts) -> HostRoute:
+    """The whole route from :func:`plan`'s part and the stage-1 masks this rank received
+    (int64 [N1_recv], zero on rows from sources of its own host)."""
+    relay, send_tok, send_counts, recv1, max_rows = partial
+    W = len(topo.host_of)
+    hm = topo.host_of[rank]
+    local = topo.members[hm]
+    dev = send_tok.device
+    # stage 2, sending: the rows this rank relays, per local destination
+    keep = torch.zeros(len(recv_masks), dtype=torch.bool, device=dev)
+    start = 0
+    for s, c in enumerate(recv1):
+        if c and topo.host_of[s] != hm:
+            keep[start : start + c] = True
+        start += c
+    m = torch.where(keep, recv_masks.to(dev), torch.zeros_like(recv_masks, device=dev))
+    shifts = torch.tensor([topo.local_index[d] for d in local], dtype=torch.int64, device=dev)
+    want = (m.unsqueeze(1) >> shifts).bitwise_and(1).bool()  # [N1_recv, G]
+    nz = want.t().nonzero()  # (local destination, row) in row order per destination
+    relay_rows = nz[:, 1].contiguous()
+    per_local = want.sum(0).tolist()
+    relay_send = [0] * W
+    for j, d in enumerate(local):
+        relay_send[d] = int(per_local[j])
+    # stage 2, receiving: from each relay of this host, the rows of the remote sources it
+    # relays here, by source
+    relay_recv = [0] * W
+    for s in range(W):
+        if topo.host_of[s] != hm and relay[s][hm] is not None:
+            relay_recv[relay[s][hm]] += int(recv_counts[s])
+    off1 = [0] * W
+    off2 = [0] * W
+    acc1 = acc2 = 0
+    for r in range(W):
+        off1[r], off2[r] = acc1, acc2
+        acc1 += recv1[r]
+        acc2 += relay_recv[r]
+    segments = []
+    for s in range(W):
+        n = int(recv_counts[s])
+        if topo.host_of[s] == hm:
+            segments.append((1, off1[s], n))
+        else:
+            r = relay[s][hm]
+            segments.append((2, off2[r] if r is not None else 0, n))
+            if r is not None:
+                off2[r] += n
+    return HostRoute(
+        tuple(int(a) for a in active),
+        send_tok,
+        send_counts,
+        recv1,
+        relay_rows,
+        tuple(relay_send),
+        tuple(relay_recv),
+        tuple(segments),
+        sum(int(c) for c in recv_counts),
+        max_rows,
+        len(local),
+    )
+
+
+def forward(a2a, route: HostRoute, x: torch.Tensor, kernels: str, alloc) -> torch.Tensor:
+    """Rows of tokens ``x`` [T, H] to the ranks the dispatch sends them to; returns
+    [N_recv, H] by source rank, then token (a flat dispatch's layout). ``a2a(rows,
+    send_counts, recv_counts)`` is the group's row all-to-all."""
+    r1 = a2a(
+        K_.gather_rows(x, route.send_token_idx, kernels, alloc),
+        route.send_counts,
+        route.recv_counts,
+    )
+    r2 = a2a(
+        K_.gather_rows(r1, route.relay_rows, kernels, alloc),
+        route.relay_send_counts,
+        route.relay_recv_counts,
+    )
+    out = alloc((route.num_recv,) + tuple(x.shape[1:]), x.dtype, x.device)
+    at = 0
+    for stage, off, n in route.segments:
+        if n:
+            out[at : at + n] = (r1 if stage == 1 else r2)[off : off + n]
+        at += n
+    return out
+
+
+def backward(
+    a2a,
+    route: HostRoute,
+    rows: torch.Tensor,
+    num_tokens: int,
+    fp32_accumulate: bool,
+    out_dtype,
+    alloc,
+) -> torch.Tensor:
+    """The reverse of :func:`forward`: ``rows`` [N_recv, H] in its layout -> [T, H] of
+    ``out_dtype``, each token's rows summed (per host at its relay, then at the source)."""
+    H = tuple(rows.shape[1:])
+    back = alloc((sum(route.relay_recv_counts),) + H, rows.dtype, rows.device)
+    direct = []
+    at = 0
+    for stage, off, n in route.segments:
+        if n:
+            if stage == 2:
+                back[off : off + n] = rows[at : at + n]
+            else:
+                direct.append((off, at, n))
+        at += n
+    at_relay = a2a(back, route.relay_recv_counts, route.relay_send_counts)
+    n1 = sum(route.recv_counts)
+    summed = K_.scatter_add_rows(
+        at_relay,
+        route.relay_rows,
+        n1,
+        max_per_row=route.ranks_on_host,
+        fp32_accumulate=fp32_accumulate,
+        out_dtype=rows.dtype,
+        alloc=alloc,
+    )
+    for off, at, n in direct:
+        summed[off : off + n] = rows[at : at + n]
+    at_source = a2a(summed, route.recv_counts, route.send_counts)
+    return K_.scatter_add_rows(
+        at_source,
+        route.send_token_idx,
+        num_tokens,
+        max_per_row=route.max_rows_per_token,
+        fp32_accumulate=fp32_accumulate,
+        out_dtype=out_dtype,
+        alloc=alloc,
+    )
