@@ -204,7 +204,8 @@ def ep_round_trip(
     """For each routing mode (ep_routing): a normal-mode dispatch, the scaled experts of
     tests.ep.eputil (expert e scales by 1 + e / 8, weighted by recv_topk_weights), combine,
     and the backward of sum(combined * g) (g: tokens of seed 1); a cached dispatch of the
-    seed-2 tokens through the same experts; a low-latency round trip. Returns the results
+    seed-2 tokens through the same experts; a low-latency round trip, plain and with fp8
+    rows (dequantized before the experts). Returns the results
     and gradients for the test's reference, and the bytes that left this rank's host
     during the plain round trip (between barriers); values=False: only the bytes."""
     import mooncake_ep
@@ -256,7 +257,13 @@ def ep_round_trip(
         ll_out = buf.low_latency_combine(
             scaled_experts_ll(ll.recv_x, rank, L, scale), idx, w, ll.handle
         ).combined_x
+        q = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)
+        deq = mooncake_ep.fp8_dequantize(*q.recv_x).to(x.dtype)
+        fp8_out = buf.low_latency_combine(
+            scaled_experts_ll(deq, rank, L, scale), idx, w, q.handle
+        ).combined_x
         out[mode].update(
+            low_latency_fp8=fp8_out.double().tolist(),
             combined=combined.detach().double().tolist(),
             grad_x=xg.grad.double().tolist(),
             grad_w=wg.grad.double().tolist(),
