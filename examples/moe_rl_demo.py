@@ -3,7 +3,7 @@
 
 Run it (the README's first command does the set-up, then this)::
 
-    .venv/bin/mooncake-demo [--steps 160] [--kill-rank 1 --kill-at 80] [--corpus PATH]
+    .venv/bin/mooncake-demo [--steps 160] [--kill-rank 1 --kill-at 80] [--corpus PATH] [--hosts N]
 
 ``mooncake-demo`` is this file's driver: it runs ``mooncake-run``'s launcher in-process
 (the control store lives there, so any rank may die, rank 0 included) with 4 training
@@ -30,6 +30,15 @@ Each training rank:
   (``ExpertParallelMoE.restore_experts``; snapshots every ``--snapshot-every`` steps);
 * at the end every rank checks that the group is full and the dense parameters are
   bit-identical everywhere (expert shards live on their owners).
+
+``--hosts N`` (N > 1) runs the same over N emulated hosts on this machine (network
+namespaces joined by a bridge, each process with its host's hostname, so the backend
+groups ranks by host: shared memory inside a host, TCP and the two-level collectives and
+EP between hosts): ``--nproc / N`` training ranks per host, a ``mooncake-run`` node per
+host (host 0's in this driver, run again inside host 0, with the control store and the
+store master bound to host 0's address), the rollout workers on the last host, and by
+default the first rank of the last host killed and respawned there. It needs root and
+iproute2 (a clear message otherwise); the namespaces are deleted at the end.
 
 Exit status 0 when the launcher succeeded and loss went down, the failure (if any) was
 recovered and the dense parameters are equal on every rank.
@@ -405,7 +414,8 @@ def train(args) -> int:
             p.grad.copy_(flat[off : off + p.numel()].view_as(p) / n)
             off += p.numel()
         for p in expert_params:  # each rank's loss is a mean over its tokens: average over ranks
-            p.grad.div_(n)
+            if p.grad is not None:  # None: no token reached that expert since this process began
+                p.grad.div_(n)
         opt_dense.step()
         opt_experts.step()
         mean_loss = flat[-2].item() / n
@@ -622,40 +632,131 @@ def plot(rows, events, path):
     plt.close(fig)
 
 
-def drive(args, rest) -> int:
+def launcher_argv(args, rest, node_rank) -> list:
+    """``mooncake-run``'s arguments for the node (host) ``node_rank`` of ``args.hosts``: its
+    ``--nproc / --hosts`` training ranks, and the rollout workers on the last host."""
     import shlex
 
-    from tqdm import tqdm
-
-    from mooncake_pg import run as mrun
-
     script = os.path.abspath(__file__)
-    embedded = None
-    if args.rollouts > 0 and not args.store:
-        from mooncake_store import MooncakeStore
-
-        # the store master (and a segment for weights and K/V) lives in this process
-        embedded = MooncakeStore(segment_size=args.store_segment_mib << 20)
-        args.store = embedded.master_address
-    if args.store:
-        rest = [*rest, "--store", args.store]
-    train_args = ["--role", "train", *rest]
     largv = [
         "--nproc-per-node",
-        str(args.nproc),
+        str(args.nproc // args.hosts),
         "--max-restarts",
         "2",
         "--monitor-interval",
         "0.2",
     ]
+    if args.hosts > 1:
+        largv += ["--nnodes", str(args.hosts), "--node-rank", str(node_rank)]
+        largv += ["--master-addr", args.master_addr, "--master-port", str(args.master_port)]
     if args.log_dir:
-        largv += ["--log-dir", args.log_dir]
-    for _ in range(args.rollouts):
-        largv += [
-            "--sidecar",
-            shlex.join([sys.executable, "-u", script, "--role", "rollout", *rest]),
-        ]
-    largv += [script, *train_args]
+        d = os.path.join(args.log_dir, f"host{node_rank}") if args.hosts > 1 else args.log_dir
+        largv += ["--log-dir", d]
+    if node_rank == args.hosts - 1:
+        for _ in range(args.rollouts):
+            largv += [
+                "--sidecar",
+                shlex.join([sys.executable, "-u", script, "--role", "rollout", *rest]),
+            ]
+    return [*largv, script, "--role", "train", *rest]
+
+
+HOSTS_PORT = 29500  # the namespaces and their addresses belong to this run alone
+
+
+def drive_hosts(args, rest) -> int:
+    """``--hosts N``: the same run over N emulated hosts (network namespaces on one bridge,
+    each process with its host's hostname, so the backend groups ranks by host): this
+    driver again in host 0 (the launcher's control store and the store master there,
+    bound to host 0's address), a ``mooncake-run`` node on each other host, the rollout
+    workers on the last one. The namespaces are deleted at the end, also on errors."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, root)
+    from tests import netns
+    from tests.faults import kill_group
+
+    ok, why = netns.available()
+    if not ok:
+        print(
+            f"[demo] --hosts {args.hosts} emulates hosts with network namespaces, which this "
+            f"machine does not allow ({why}); run it as root with iproute2, or without --hosts",
+            flush=True,
+        )
+        return 2
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+        "GLOO_SOCKET_IFNAME": "eth0",
+        "OMP_NUM_THREADS": "1",
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with netns.hosts(args.hosts, "mcdemo") as t:
+        args.master_addr, args.master_port = t.addr[t.hosts[0]], HOSTS_PORT
+        rest = [*rest, "--master-addr", args.master_addr, "--master-port", str(HOSTS_PORT)]
+        if args.rollouts > 0 and not args.store:
+            rest += ["--store", f"{args.master_addr}:{HOSTS_PORT + 1}", "--serve-store"]
+        print(
+            f"[demo] {args.hosts} emulated hosts (network namespaces), "
+            f"{args.nproc // args.hosts} training ranks each, "
+            f"{args.rollouts} rollout worker(s) on host{args.hosts - 1}; "
+            f"other hosts' launchers log to {args.out}/host<i>.log",
+            flush=True,
+        )
+        script = os.path.abspath(__file__)
+        driver = netns.run_in(
+            t.hosts[0], [sys.executable, script, *rest], env=env, hostname="host0"
+        )
+        nodes, logs = [], []
+        try:
+            for i in range(1, args.hosts):
+                log = open(os.path.join(args.out, f"host{i}.log"), "w")
+                logs.append(log)
+                argv = [sys.executable, "-m", "mooncake_pg.run", *launcher_argv(args, rest, i)]
+                nodes.append(
+                    netns.run_in(
+                        t.hosts[i], argv, env=env, hostname=f"host{i}", stdout=log, stderr=log
+                    )
+                )
+            rc = driver.wait()
+            failed = []
+            for i, p in enumerate(nodes, 1):
+                try:
+                    if p.wait(timeout=30):
+                        failed.append(i)
+                except Exception:
+                    failed.append(i)
+            if failed:
+                print(f"[demo] the launcher of host(s) {failed} failed: see their logs", flush=True)
+            return rc or int(bool(failed))
+        finally:
+            for p in [driver, *nodes]:
+                kill_group(p)
+            for log in logs:
+                log.close()
+
+
+def drive(args, rest) -> int:
+    from tqdm import tqdm
+
+    from mooncake_pg import run as mrun
+
+    if args.hosts > 1 and args.master_addr is None:
+        return drive_hosts(args, rest)
+    embedded = None
+    if args.rollouts > 0 and (args.serve_store or not args.store):
+        from mooncake_store import MasterConfig, MooncakeStore
+
+        # the store master (and a segment for weights and K/V) lives in this process: on
+        # 127.0.0.1, or (--hosts) on host 0's address for the other hosts
+        master = None
+        if args.serve_store:
+            host, _, port = args.store.rpartition(":")
+            master = MasterConfig(host=host, port=int(port))
+        embedded = MooncakeStore(segment_size=args.store_segment_mib << 20, master_config=master)
+        args.store = embedded.master_address
+    if args.store:
+        rest = [*rest, "--store", args.store]
+    largv = launcher_argv(args, rest, 0)
     os.makedirs(args.out, exist_ok=True)
     raw, root = read_corpus(args.corpus, args.corpus_bytes)
     print(
@@ -793,7 +894,13 @@ def parse_args(argv=None):
     p.add_argument("--role", choices=["driver", "train", "rollout"], default="driver")
     p.add_argument("--nproc", type=int, default=4, help="training ranks (default 4)")
     p.add_argument("--steps", type=int, default=160)
-    p.add_argument("--kill-rank", type=int, default=1, help="rank that SIGKILLs itself (-1: none)")
+    p.add_argument(
+        "--kill-rank",
+        type=int,
+        default=None,
+        help="rank that SIGKILLs itself (-1: none; default 1, with --hosts the first rank of "
+        "the last host)",
+    )
     p.add_argument("--kill-at", type=int, default=None, help="its step (default: the middle)")
     p.add_argument(
         "--corpus", default=None, help="text file or directory (default: Python's stdlib source)"
@@ -830,11 +937,25 @@ def parse_args(argv=None):
     )
     p.add_argument("--chunk-tokens", type=int, default=16, help="K/V chunk size of the cache")
     p.add_argument("--gen-tokens", type=int, default=24, help="tokens generated per prompt")
+    p.add_argument(
+        "--hosts",
+        type=int,
+        default=1,
+        help="spread the training ranks (and put the rollout workers on the last) over this "
+        "many emulated hosts: network namespaces joined by a bridge (root, iproute2)",
+    )
+    p.add_argument("--master-addr", default=None, help=argparse.SUPPRESS)  # --hosts: host 0's
+    p.add_argument("--master-port", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--serve-store", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default="demo_out", help="directory for the loss plot")
     p.add_argument("--log-dir", default=None, help="per-rank logs (default: this terminal)")
     args = p.parse_args(argv)
     if args.kill_at is None:
         args.kill_at = args.steps // 2
+    if args.hosts < 1 or args.nproc % args.hosts:
+        p.error(f"--nproc ({args.nproc}) must be a multiple of --hosts ({args.hosts})")
+    if args.kill_rank is None:
+        args.kill_rank = args.nproc - args.nproc // args.hosts if args.hosts > 1 else 1
     if args.experts % args.nproc:
         p.error(f"--experts ({args.experts}) must be a multiple of --nproc ({args.nproc})")
     if args.kill_rank >= args.nproc:

@@ -109,18 +109,7 @@ class Transport:
             self._mooncake = mooncake_pg
         except (ImportError, ValueError, RuntimeError):
             self._mooncake = None
-        # each rank's host, numbered 0.. in the order of the lowest rank, as the group saw
-        # it when this Buffer was made (the number of hosts stays fixed while ranks die and
-        # rejoin); None on one host or without a mooncake group
-        self._topo = None
-        if self._mooncake is not None:
-            raw = self._mooncake.get_rank_hosts(self.group).tolist()
-            dense = {h: i for i, h in enumerate(dict.fromkeys(raw))}
-            if len(dense) > 1:
-                hosts = torch.tensor([dense[h] for h in raw], dtype=torch.int64)
-                self._topo = _hosts.Topology(hosts)
-        # whether normal-mode dispatches take the two-level route across hosts
-        self._hierarchical = self._topo is not None and bool(self._cfg["hierarchical"])
+        self._topo_cache = (None, None)  # (get_rank_hosts, its Topology)
 
     # ----------------------------------------------------------- membership
 
@@ -156,6 +145,30 @@ class Transport:
             f"{what} is on {dev}, expected a device the group's backend "
             f"({dist.get_backend(self.group)}) serves: {' or '.join(served) or 'none'}{hint}"
         )
+
+    def _topology(self):
+        """The group's hosts now (:class:`mooncake_ep._hosts.Topology`, hosts numbered as
+        :func:`mooncake_pg.get_rank_hosts` numbers them: the same on every rank of one
+        epoch), or ``None`` on one host or without a ``mooncake`` group."""
+        if self._mooncake is None:
+            return None
+        raw = tuple(self._mooncake.get_rank_hosts(self.group).tolist())
+        if raw != self._topo_cache[0]:
+            dense = {h: i for i, h in enumerate(dict.fromkeys(raw))}
+            topo = None
+            if len(dense) > 1:
+                topo = _hosts.Topology(torch.tensor([dense[h] for h in raw], dtype=torch.int64))
+            self._topo_cache = (raw, topo)
+        return self._topo_cache[1]
+
+    def _membership_and_topology(self):
+        """``(active, epoch, topology)`` of one epoch (the host map is recomputed at every
+        membership change: read again if the epoch moved meanwhile)."""
+        while True:
+            active, epoch = self._membership()
+            topo = self._topology()
+            if self._membership()[1] == epoch:
+                return active, epoch, topo
 
     def _membership(self):
         if self._mooncake is None:

@@ -221,8 +221,9 @@ class Buffer(Transport):
         per_expert = cnt.sum(0, dtype=torch.int32)
         in_rank = cnt.view(T, self.group_size, num_experts // self.group_size).any(2)
         per_host = None
-        if self._topo is not None:
-            per_host = self._topo.tokens_per_host(in_rank).to(torch.int32)
+        topo = self._topology()
+        if topo is not None:
+            per_host = topo.tokens_per_host(in_rank).to(torch.int32)
         return DispatchLayout(in_rank.sum(0, dtype=torch.int32), per_host, per_expert, in_rank)
 
     # -------------------------------------------------------------- dispatch
@@ -349,28 +350,28 @@ class Buffer(Transport):
             L = E // W
             cnt = _token_expert_counts(topk_idx, E) > 0
             in_rank = cnt.view(T, W, L).any(2)
-        topo = self._topo
-        n_hosts = topo.num_hosts if topo is not None else 0  # the same on every rank
+        hierarchical = bool(self._cfg["hierarchical"])
         fields = [
             E,
             H,
             DTYPES.get(getattr(x, "dtype", None), 0),
             Kk,
             int(topk_weights is not None),
-            int(self._hierarchical),
+            int(hierarchical),
         ]
         names = ("num_experts", "hidden", "dtype", "num_topk", "has_weights", "hierarchical")
         tries = self._cfg["max_membership_retries"]
         for attempt in range(tries + 1):
-            active0, epoch0 = self._membership()
-            # rows per rank, tokens per host (for the relays), and the epoch these counts saw
-            counts = torch.zeros(W + n_hosts + 1, dtype=torch.int64)
+            active0, epoch0, topo = self._membership_and_topology()
+            # rows per rank, tokens per host (at most W hosts; for the relays), and the
+            # epoch these counts saw
+            counts = torch.zeros(2 * W + 1, dtype=torch.int64)
             counts[-1] = epoch0
             if err is None:
                 mask = torch.tensor(active0, dtype=torch.bool, device=dev)
                 counts[:W] = (in_rank & mask).sum(0).cpu()
                 if topo is not None:
-                    counts[W:-1] = topo.tokens_per_host(in_rank & mask).cpu()
+                    counts[W : W + topo.num_hosts] = topo.tokens_per_host(in_rank & mask).cpu()
             hdr, active, epoch = self._header(op, fields, counts, error=err, names=names)
             act = torch.tensor(
                 [int(a and b) for a, b in zip(active, active0)], dtype=torch.bool, device=dev
@@ -385,7 +386,7 @@ class Buffer(Transport):
             live = [r for r in range(W) if active[r]]
             # two levels only when every rank counted with the membership the header agreed
             # on (the relays' counts come from those counts)
-            if self._hierarchical and all(int(hdr[r, -1]) == epoch for r in live):
+            if hierarchical and topo is not None and all(int(hdr[r, -1]) == epoch for r in live):
                 route = self._plan_route(topo, active, sent, hdr, recv_counts, epoch)
             h = DispatchHandle(
                 T, H, E, Kk, send_tok, send_counts, recv_counts, sent, epoch, mx, route

@@ -24,10 +24,11 @@ class DispatchLayout(NamedTuple):
             per rank however many of its experts live there).
         num_tokens_per_rdma_rank: int32 [num_hosts], tokens that go to each host (once per
             host however many of its ranks they reach), hosts as
-            :func:`mooncake_pg.get_rank_hosts` numbered them when the Buffer was made;
-            DeepEP's name, where an "RDMA rank" is a node. ``None`` when the group lives
-            on one host or its backend is not ``mooncake`` (no host topology), as DeepEP
-            gives ``None`` inside a node.
+            :func:`mooncake_pg.get_rank_hosts` numbers them now (recomputed at every
+            membership change; an inactive seat counts as a host of its own); DeepEP's
+            name, where an "RDMA rank" is a node. ``None`` when the group lives on one
+            host or its backend is not ``mooncake`` (no host topology), as DeepEP gives
+            ``None`` inside a node.
         num_tokens_per_expert: int32 [E], tokens routed to each expert (a token naming an
             expert twice counts once).
         is_token_in_rank: bool [T, W], whether token ``t`` goes to rank ``r``.
