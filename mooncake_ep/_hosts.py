@@ -74,6 +74,11 @@ class Topology:
         self.local_index = [self.members[h].index(r) for r, h in enumerate(self.host_of)]
         self.max_ranks_per_host = max(len(m) for m in self.members)
 
+    def spans_hosts(self, ranks) -> bool:
+        """Whether ``ranks`` live on more than one host, and the route can serve them (a
+        relay's mask has one bit per rank of its host: at most 62)."""
+        return self.max_ranks_per_host <= 62 and len({self.host_of[r] for r in ranks}) > 1
+
     def relays(self, active) -> list[list[int | None]]:
         """``[s][h]``: the rank of host ``h`` that relays source ``s``'s tokens (``None``
         when no rank of ``h`` is active; ``s`` itself on its own host)."""

@@ -386,7 +386,12 @@ class Buffer(Transport):
             live = [r for r in range(W) if active[r]]
             # two levels only when every rank counted with the membership the header agreed
             # on (the relays' counts come from those counts)
-            if hierarchical and topo is not None and all(int(hdr[r, -1]) == epoch for r in live):
+            if (
+                hierarchical
+                and topo is not None
+                and topo.spans_hosts(live)
+                and all(int(hdr[r, -1]) == epoch for r in live)
+            ):
                 route = self._plan_route(topo, active, sent, hdr, recv_counts, epoch)
             h = DispatchHandle(
                 T, H, E, Kk, send_tok, send_counts, recv_counts, sent, epoch, mx, route
