@@ -41,7 +41,10 @@ plus the bytes that left the busiest host per round trip (its interface counters
 checked round trip) and the **link bound**: the bytes that must leave the busiest host when
 a token crosses to each remote host it needs once and comes back as one row per (token,
 host) (DeepEP's internode scheme), over the link rate. Each rank counts its tokens per
-destination host with ``get_dispatch_layout``'s ``num_tokens_per_rdma_rank``.
+destination host with ``get_dispatch_layout``'s ``num_tokens_per_rdma_rank``. "CPU s" is
+the processor time of a round trip (user + system, every thread, summed over the ranks;
+median), and "CPU / cores" that over the machine's cores: a floor the round trip cannot
+beat here however fast the links.
 
 Output: a table on stdout, JSON (``--json``, default bench_out/ep_bench.json) and the
 table in markdown beside it (.md). Exit status 0 when every checked result was right
@@ -158,7 +161,13 @@ def rank_bench(rank, ws, cfg, count_host_tx=False):
         out, moved = calls[name]()
         err = float((out.double() - ref).abs().max()) if out.numel() else 0.0
         tol = float(ref.abs().max()) * 2**-7 + 1e-6 if out.numel() else 0.0  # one bf16 rounding
-        res[name] = {"ok": err <= tol, "max_err": err, "moved_bytes": moved, "times": []}
+        res[name] = {
+            "ok": err <= tol,
+            "max_err": err,
+            "moved_bytes": moved,
+            "times": [],
+            "cpu": [],
+        }
         if count_host_tx:
             dist.barrier(group=gloo)
             time.sleep(0.2)  # the host's other ranks' last segments leave too
@@ -176,9 +185,10 @@ def rank_bench(rank, ws, cfg, count_host_tx=False):
         for name in impls[k:] + impls[:k]:
             dist.barrier(group=gloo)
             for _ in range(cfg["block"]):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 calls[name]()
                 res[name]["times"].append(time.perf_counter() - t0)
+                res[name]["cpu"].append(time.process_time() - c0)  # all threads, user + sys
     dist.barrier(group=gloo)
     dist.destroy_process_group(gloo)
     return res
@@ -282,10 +292,18 @@ def measure_hosts(rph, cfg, rate_bit, timeout):
         host_tx = max(
             min(per_rank[r][name]["host_tx"] for r in range(ws) if host[r] == h) for h in range(H)
         )
+        n = len(times)
+        cpu_s = statistics.median(
+            sum(per_rank[r][name]["cpu"][i] for r in range(ws)) for i in range(n)
+        )
         out[name] = {
             "impl": name,
             "time_ms": t * 1e3,
             "calls": len(times),
+            # the CPU time of a round trip, all ranks together, over the machine's cores: a
+            # floor the round trip cannot beat on this machine whatever the links
+            "cpu_s": cpu_s,
+            "cpu_bound_ms": cpu_s / (os.cpu_count() or 1) * 1e3,
             "mb_out_busiest_host": host_tx / 1e6,
             "bound_mb": max(need) / 1e6,
             "bound_ms": bound_s * 1e3,
@@ -310,7 +328,7 @@ def _table(title, head, rows, md) -> str:
 
 def render_hosts(topo, per, cfg, rate_bit, md=False):
     head = ["implementation", "round trip (ms)", "vs plain-gloo", "MB out (busiest host)"]
-    head += ["bound MB", "bound ms", "% of bound", "check"]
+    head += ["bound MB", "bound ms", "% of bound", "CPU s (all ranks)", "CPU / cores ms", "check"]
     base = per.get("plain-gloo")
     rows = [
         [
@@ -321,6 +339,8 @@ def render_hosts(topo, per, cfg, rate_bit, md=False):
             f"{r['bound_mb']:.1f}",
             f"{r['bound_ms']:.0f}",
             f"{r['pct_bound']:.0f}%",
+            f"{r['cpu_s']:.2f}",
+            f"{r['cpu_bound_ms']:.0f}",
             "ok" if r["ok"] else "WRONG",
         ]
         for name, r in per.items()
