@@ -328,6 +328,12 @@ def test_options_that_must_agree_raise_value_error_on_every_rank():
 EP_MODES = ["random", "masked", "dup", "skew", "last_host"]
 
 
+def _run_ep(rph, scenario, timeout_s=200, **args):
+    """An EP scenario of tests.multihost_rank on fresh hosts of rph[h] ranks."""
+    with netns.hosts(len(rph), "mcmh") as t:
+        return run_ranks(t, rph, scenario, {"ranks_per_host": rph, **args}, timeout_s=timeout_s)
+
+
 def _ep_reference(rph, mode, T, H, E, K, dtype):
     """Per rank: the round trip's, the gradients' and the cached dispatch's values from
     tests.ep.eputil's float64 loops (expert e scales by 1 + e / 8)."""
@@ -373,22 +379,7 @@ def test_ep_across_hosts_equals_the_reference(ranks_per_host, dtype):
     rph = ranks_per_host
     W = sum(rph)
     T, H, E, K = 24, 16, 2 * W, 4
-    with netns.hosts(len(rph), "mcmh") as t:
-        res = run_ranks(
-            t,
-            rph,
-            "ep_round_trip",
-            {
-                "ranks_per_host": rph,
-                "modes": EP_MODES,
-                "T": T,
-                "H": H,
-                "E": E,
-                "K": K,
-                "dtype": dtype,
-            },
-            timeout_s=200,
-        )
+    res = _run_ep(rph, "ep_round_trip", modes=EP_MODES, T=T, H=H, E=E, K=K, dtype=dtype)
     # 16-bit: the relay rounds a host's sum once, the source once more
     rel = 2**-6 if dtype == "bfloat16" else 1e-6
     for r in range(W):
@@ -414,22 +405,7 @@ def test_ep_round_trip_sends_one_row_per_token_and_remote_host(ranks_per_host):
     rph = ranks_per_host
     W, hosts = sum(rph), rank_hosts(rph)
     T, H, E, K = 64, 512, 2 * W, 4
-    with netns.hosts(len(rph), "mcmh") as t:
-        res = run_ranks(
-            t,
-            rph,
-            "ep_round_trip",
-            {
-                "ranks_per_host": rph,
-                "modes": ["random"],
-                "T": T,
-                "H": H,
-                "E": E,
-                "K": K,
-                "values": False,
-            },
-            timeout_s=150,
-        )
+    res = _run_ep(rph, "ep_round_trip", 150, modes=["random"], T=T, H=H, E=E, K=K, values=False)
     for r in range(W):
         _no_error(res, r)
     from tests.multihost_rank import ep_routing
@@ -471,22 +447,17 @@ def test_ep_relay_killed_between_dispatch_and_combine(ranks_per_host):
     W = sum(rph)
     victim = W - 1
     T, H, E, K = 24, 16, 2 * W, 4
-    with netns.hosts(len(rph), "mcmh") as t:
-        res = run_ranks(
-            t,
-            rph,
-            "ep_kill_relay",
-            {
-                "ranks_per_host": rph,
-                "victim": victim,
-                "T": T,
-                "H": H,
-                "E": E,
-                "K": K,
-                "options": {"on_failure": "mask"},
-            },
-            timeout_s=150,
-        )
+    res = _run_ep(
+        rph,
+        "ep_kill_relay",
+        150,
+        victim=victim,
+        T=T,
+        H=H,
+        E=E,
+        K=K,
+        options={"on_failure": "mask"},
+    )
     L = E // W
     dead_experts = set(range(victim * L, (victim + 1) * L))
     want_active = [1] * W
