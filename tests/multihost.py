@@ -8,18 +8,21 @@ hints unless a test passes them.
         # res[rank] -> the dict the rank's scenario returned, or {"error": ..., ...}
 
 A scenario is a function ``name(rank, world_size, **args) -> dict`` in
-:mod:`tests.multihost_rank`, run after ``init_process_group``; its result travels back as one
-``RESULT <json>`` line on the rank's stdout. Every rank process is a session leader and is
+:mod:`tests.multihost_rank`, run after ``init_process_group``; its result travels back as JSON
+in a file per rank (a benchmark's rank program prints one ``RESULT <json>`` line instead).
+Every rank process is a session leader and is
 SIGKILLed as a group when it outlives ``timeout_s``; the namespaces' own clean-up kills
 anything left.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 from tests import REPO_ROOT, netns
@@ -36,8 +39,9 @@ def rank_hosts(ranks_per_host: list) -> list:
 class Ranks:
     """Rank processes started by :func:`start_ranks`; :meth:`results` collects them."""
 
-    def __init__(self, procs: list):
+    def __init__(self, procs: list, result_files: list | None = None):
         self.procs = procs
+        self.result_files = result_files or [None] * len(procs)
 
     def results(self, timeout_s: float, ranks=None) -> dict:
         """{rank: result dict} for ``ranks`` (default: all), waiting at most ``timeout_s``
@@ -57,6 +61,13 @@ class Ranks:
                     continue
                 # stderr apart: a library's log line cannot land inside a long RESULT line
                 res = [ln[7:] for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+                path = self.result_files[rank]
+                if path and os.path.exists(path):
+                    with open(path) as f:
+                        res = [f.read()]
+                    os.unlink(path)
+                    with contextlib.suppress(OSError):  # the last rank's file: the folder too
+                        os.rmdir(os.path.dirname(path))
                 log = "\n".join(ln for ln in stdout.splitlines() if not ln.startswith("RESULT "))
                 log += "\n" + stderr
                 out[rank] = (
@@ -116,14 +127,19 @@ def start_ranks(
     env: extra variables for every rank; rank_env: {rank: {var: value}} for single ranks.
     argv: the rank program (default ``python -m tests.multihost_rank``); it gets MH_RANK,
     MH_WORLD_SIZE, MH_HOST, MH_LOCAL_RANK, MH_RANKS_PER_HOST, MH_INIT, MH_BACKEND,
-    MH_SCENARIO and MH_ARGS (JSON) in its environment and prints one ``RESULT <json>`` line.
+    MH_SCENARIO, MH_ARGS (JSON) and MH_RESULT_FILE in its environment and writes its JSON
+    result to that file (or prints one ``RESULT <json>`` line, as the benchmarks' do).
     Each result carries the tail of the rank's output under "log"; a rank that exits without
-    a RESULT line gets {"error": "no result", "rc": ..., "log": ...}.
+    a result gets {"error": "no result", "rc": ..., "log": ...}.
     """
     hosts = rank_hosts(ranks_per_host)
     world_size = len(hosts)
     init = f"tcp://{t.addr[t.hosts[0]]}:{PORT}"
     procs = []
+    # results of tests.multihost_rank go through a file: a long RESULT line on a pipe could
+    # be split by another writer when the pipe is full (seen at 64 KiB)
+    result_dir = tempfile.mkdtemp(prefix="mh-results-")
+    files = [os.path.join(result_dir, f"rank{r}.json") for r in range(world_size)]
     for rank, h in enumerate(hosts):
         e = {
             k: v
@@ -146,6 +162,7 @@ def start_ranks(
                 "MH_HOST": str(h),
                 "MH_LOCAL_RANK": str(rank - hosts.index(h)),
                 "MH_RANKS_PER_HOST": ",".join(str(g) for g in ranks_per_host),
+                "MH_RESULT_FILE": files[rank],
             }
         )
         e.update(env or {})
@@ -162,4 +179,4 @@ def start_ranks(
                 text=True,
             )
         )
-    return Ranks(procs)
+    return Ranks(procs, files)

@@ -1,7 +1,8 @@
 """The rank side of :mod:`tests.multihost`: ``python -m tests.multihost_rank`` with MH_* set.
 
 Joins the group (``init_process_group(MH_BACKEND, init_method=MH_INIT, ...)``), runs the
-scenario named by MH_SCENARIO with the JSON arguments of MH_ARGS, prints ``RESULT <json>``.
+scenario named by MH_SCENARIO with the JSON arguments of MH_ARGS, writes its JSON result
+to MH_RESULT_FILE (or prints ``RESULT <json>`` without it).
 ``MooncakeOptions`` come from MH_ARGS' "options" and, per rank, MH_OPTIONS (JSON).
 An exception becomes ``{"error": type name, "message": ...}`` (still a RESULT line).
 """
@@ -378,7 +379,14 @@ def main() -> None:
             "tb": traceback.format_exc()[-3000:],
             "unix_s": time.time(),
         }
-    print("RESULT " + json.dumps(_jsonable(res)), flush=True)
+    text = json.dumps(_jsonable(res))
+    path = os.environ.get("MH_RESULT_FILE")
+    if path:  # whole, or not at all: written aside, then renamed
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+    else:
+        print("RESULT " + text, flush=True)
     sys.stdout.flush()
     os._exit(0)
 
