@@ -17,9 +17,9 @@ anything left.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -66,8 +66,6 @@ class Ranks:
                     with open(path) as f:
                         res = [f.read()]
                     os.unlink(path)
-                    with contextlib.suppress(OSError):  # the last rank's file: the folder too
-                        os.rmdir(os.path.dirname(path))
                 log = "\n".join(ln for ln in stdout.splitlines() if not ln.startswith("RESULT "))
                 log += "\n" + stderr
                 out[rank] = (
@@ -78,6 +76,9 @@ class Ranks:
         finally:
             for p in self.procs:
                 kill_group(p)
+            # every rank process is gone now: their results' folder goes too
+            for d in {os.path.dirname(f) for f in self.result_files if f}:
+                shutil.rmtree(d, ignore_errors=True)
         return out
 
 

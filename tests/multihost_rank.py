@@ -311,6 +311,43 @@ def ep_kill_relay(rank, world_size, ranks_per_host, victim, T, H, E, K):
     }
 
 
+def ws_group_kill(rank, world_size, victim, tensors, tensor_mib):
+    """GroupWeightSync from rank 0 (alone on its host) in buckets of one tensor: version 1
+    reaches every rank; during version 2 the victim (a rank that passes the buckets on to
+    its host) SIGKILLs itself after its second bucket arrived. Returns the version each
+    survivor holds, whether version 2 raised, and SHA-256 digests of its tensors."""
+    import hashlib
+    import signal
+
+    from mooncake_store import GroupWeightSync, WeightSyncAbortedError
+
+    def state(version):
+        g = torch.Generator().manual_seed(version)
+        n = tensor_mib << 18  # float32 elements
+        return {f"w{i}": torch.randn(n, generator=g) for i in range(tensors)}
+
+    gs = GroupWeightSync(src=0, bucket_bytes=tensor_mib << 20)
+    model = state(1) if rank == 0 else state(0)
+    gs.sync(model, 1 if rank == 0 else None)
+
+    def hook(i):
+        if rank == victim and i == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    if rank == 0:
+        model = state(2)
+    error = None
+    try:
+        gs.sync(model, 2 if rank == 0 else None, stage_hook=hook)
+    except WeightSyncAbortedError as e:
+        error = str(e)[:300]
+    return {
+        "version": gs.version,
+        "error": error,
+        "digests": {k: hashlib.sha256(v.numpy().tobytes()).hexdigest() for k, v in model.items()},
+    }
+
+
 def loop_all_reduce(rank, world_size, ops, count, linger_s=3.0):
     """ops all_reduces of count float32 elements equal to rank + 1; the first error ends the
     loop. Returns each op's value (every element equal, else "uneven") or the error's type
@@ -347,6 +384,7 @@ SCENARIOS = {
     "ep_layout": ep_layout,
     "ep_round_trip": ep_round_trip,
     "ep_kill_relay": ep_kill_relay,
+    "ws_group_kill": ws_group_kill,
 }
 
 
@@ -381,11 +419,13 @@ def main() -> None:
         }
     text = json.dumps(_jsonable(res))
     path = os.environ.get("MH_RESULT_FILE")
-    if path:  # whole, or not at all: written aside, then renamed
-        with open(path + ".tmp", "w") as f:
+    try:
+        if not path:
+            raise OSError("no MH_RESULT_FILE")
+        with open(path + ".tmp", "w") as f:  # whole, or not at all: written aside, renamed
             f.write(text)
         os.replace(path + ".tmp", path)
-    else:
+    except OSError:
         print("RESULT " + text, flush=True)
     sys.stdout.flush()
     os._exit(0)

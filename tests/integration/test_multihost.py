@@ -474,3 +474,49 @@ def test_ep_relay_killed_between_dispatch_and_combine(ranks_per_host):
         for key in ("first", "second"):
             err = float((torch.tensor(got[key], dtype=torch.float64) - want).abs().max())
             assert err <= 1e-5 * (float(want.abs().max()) + 1), (r, key, err)
+
+
+@pytest.mark.parametrize("policy", ["mask", "raise"])
+def test_weight_sync_relay_killed_mid_sync_leaves_no_mix(policy):
+    """GroupWeightSync from a trainer alone on its host to 3 hosts of 2 readers: the rank
+    that passes the broadcast on inside its host (the first of host 1) dies after its second
+    bucket of version 2. Every survivor holds all of version 1 or all of version 2 (its
+    digests, computed here from the same seeds), with the version it reports; under
+    "raise" every survivor keeps version 1 and says why."""
+    import hashlib
+
+    tensors, tensor_mib, victim = 4, 1, 1
+    with netns.hosts(4, "mcmh") as t:
+        res = run_ranks(
+            t,
+            [1, 2, 2, 2],
+            "ws_group_kill",
+            {
+                "victim": victim,
+                "tensors": tensors,
+                "tensor_mib": tensor_mib,
+                "options": {"on_failure": policy},
+            },
+            timeout_s=150,
+        )
+
+    def digests(version):
+        g = torch.Generator().manual_seed(version)
+        n = tensor_mib << 18
+        return {
+            f"w{i}": hashlib.sha256(torch.randn(n, generator=g).numpy().tobytes()).hexdigest()
+            for i in range(tensors)
+        }
+
+    want = {1: digests(1), 2: digests(2)}
+    versions = set()
+    for r in [0, 2, 3, 4, 5, 6]:
+        got = res[r]
+        assert "version" in got, (r, got)
+        assert got["version"] in (1, 2), (r, got["version"])
+        if r:
+            assert got["digests"] == want[got["version"]], (r, got["version"], got["error"])
+            versions.add(got["version"])
+        if policy == "raise":
+            assert got["version"] == 1 and "aborted" in (got["error"] or ""), (r, got)
+    assert len(versions) == 1, versions  # one outcome for every survivor
