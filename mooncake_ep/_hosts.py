@@ -73,6 +73,8 @@ class Topology:
             self.members[h].append(r)
         self.local_index = [self.members[h].index(r) for r, h in enumerate(self.host_of)]
         self.max_ranks_per_host = max(len(m) for m in self.members)
+        # int64 [W]: each rank's bit in its host's masks (1 << local index)
+        self.bits = torch.tensor([1 << i for i in self.local_index], dtype=torch.int64)
 
     def spans_hosts(self, ranks) -> bool:
         """Whether ``ranks`` live on more than one host, and the route can serve them (a
@@ -103,28 +105,29 @@ class Topology:
     def token_bits(self, sent: torch.Tensor) -> torch.Tensor:
         """int64 [T, num_hosts]: per token and host, the bit mask of the host's ranks (by
         local index) that ``sent`` (bool [T, W]) sends the token to."""
-        bits = torch.tensor([1 << i for i in self.local_index], dtype=torch.int64)
-        bits = bits.to(sent.device)
-        out = torch.zeros((sent.shape[0], self.num_hosts), dtype=torch.int64, device=sent.device)
-        out.index_add_(1, self.hosts.to(sent.device), sent.to(torch.int64) * bits)
+        dev = sent.device
+        out = torch.zeros((sent.shape[0], self.num_hosts), dtype=torch.int64, device=dev)
+        out.index_add_(1, self.hosts.to(dev), sent.to(torch.int64) * self.bits.to(dev))
         return out
 
 
-def plan(topo: Topology, rank: int, active, sent: torch.Tensor, host_counts, recv_counts):
-    """This rank's stage-1 sends and what it can say of its receives, before the masks.
-
-    ``sent`` bool [T, W]: where each token goes (active ranks only); ``host_counts`` [W]
-    lists of [num_hosts]: each source's tokens per host (from the header);
-    ``recv_counts`` [W]: the rows each source sends this rank in a flat dispatch.
-    Returns ``(partial, masks)``: the route's stage-1 part and int64 [N1] bit masks to send
-    with the stage-1 rows (:func:`finish` completes the route from the masks received).
-    """
+def plan_route(
+    topo: Topology, rank: int, active, sent: torch.Tensor, host_counts, recv_counts, a2a
+) -> HostRoute:
+    """Collective: this rank's :class:`HostRoute`. ``sent`` bool [T, W]: where each token
+    goes (active ranks only); ``host_counts`` [W] lists of [num_hosts]: each source's tokens
+    per host (from the header); ``recv_counts`` [W]: the rows each source sends this rank in
+    a flat dispatch; ``a2a(rows, send_counts, recv_counts)``: the group's row all-to-all,
+    which carries each stage-1 row's bit mask of the ranks that want it to its relay."""
     W = len(topo.host_of)
     me, hm = rank, topo.host_of[rank]
+    local = topo.members[hm]
     relay = topo.relays(active)
+    # stage 1, sending: a token to each rank of this host that wants it, and once to the
+    # relay of every other host that wants it
     bits = topo.token_bits(sent)  # [T, num_hosts]
     dest = torch.zeros_like(sent)
-    for d in topo.members[hm]:
+    for d in local:
         dest[:, d] = sent[:, d]
     for h in range(topo.num_hosts):
         r = relay[me][h]
@@ -132,40 +135,29 @@ def plan(topo: Topology, rank: int, active, sent: torch.Tensor, host_counts, rec
             dest[:, r] = bits[:, h] != 0
     nz = dest.t().nonzero()  # (destination, token)
     send_tok = nz[:, 1].contiguous()
-    masks = bits[send_tok, topo.hosts.to(sent.device)[nz[:, 0]]]
     send_counts = tuple(int(c) for c in dest.sum(0))
-    recv = []
-    for s in range(W):
-        if topo.host_of[s] == hm:
-            recv.append(int(recv_counts[s]))
-        elif relay[s][hm] == me:
-            recv.append(int(host_counts[s][hm]) if active[s] else 0)
-        else:
-            recv.append(0)
-    max_rows = int(dest.sum(1).max()) if sent.shape[0] else 0
-    return (relay, send_tok, send_counts, tuple(recv), max_rows), masks
-
-
-def finish(topo: Topology, rank: int, active, partial, recv_masks, recv_counts) -> HostRoute:
-    """The whole route from :func:`plan`'s part and the stage-1 masks this rank received
-    (int64 [N1_recv], zero on rows from sources of its own host)."""
-    relay, send_tok, send_counts, recv1, max_rows = partial
-    W = len(topo.host_of)
-    hm = topo.host_of[rank]
-    local = topo.members[hm]
+    # stage 1, receiving: a flat dispatch's rows from this host's sources, and one row per
+    # token from the remote sources this rank relays
+    recv1 = tuple(
+        int(recv_counts[s])
+        if topo.host_of[s] == hm
+        else (int(host_counts[s][hm]) if relay[s][hm] == me and active[s] else 0)
+        for s in range(W)
+    )
     dev = send_tok.device
-    # stage 2, sending: the rows this rank relays, per local destination
+    recv_masks = a2a(bits[send_tok, topo.hosts.to(dev)[nz[:, 0]]], send_counts, recv1).to(dev)
+    # stage 2, sending: the rows this rank relays (those of remote sources), per local
+    # destination in its masks
     keep = torch.zeros(len(recv_masks), dtype=torch.bool, device=dev)
     start = 0
     for s, c in enumerate(recv1):
         if c and topo.host_of[s] != hm:
             keep[start : start + c] = True
         start += c
-    m = torch.where(keep, recv_masks.to(dev), torch.zeros_like(recv_masks, device=dev))
+    m = torch.where(keep, recv_masks, torch.zeros_like(recv_masks))
     shifts = torch.tensor([topo.local_index[d] for d in local], dtype=torch.int64, device=dev)
     want = (m.unsqueeze(1) >> shifts).bitwise_and(1).bool()  # [N1_recv, G]
-    nz = want.t().nonzero()  # (local destination, row) in row order per destination
-    relay_rows = nz[:, 1].contiguous()
+    relay_rows = want.t().nonzero()[:, 1].contiguous()  # by local destination, then row
     per_local = want.sum(0).tolist()
     relay_send = [0] * W
     for j, d in enumerate(local):
@@ -203,7 +195,7 @@ def finish(topo: Topology, rank: int, active, partial, recv_masks, recv_counts) 
         tuple(relay_recv),
         tuple(segments),
         sum(int(c) for c in recv_counts),
-        max_rows,
+        int(dest.sum(1).max()) if sent.shape[0] else 0,
         len(local),
     )
 

@@ -423,11 +423,10 @@ class Buffer(Transport):
         when the membership changed meanwhile (the dispatch then restarts)."""
         W = self.group_size
         host_counts = hdr[:, HDR + W : HDR + W + topo.num_hosts].tolist()
-        partial, masks = _hosts.plan(topo, self.rank, active, sent, host_counts, recv_counts)
-        recv_masks = self._a2a(masks, partial[2], partial[3])
-        if self._membership()[1] != epoch:
-            return None
-        return _hosts.finish(topo, self.rank, active, partial, recv_masks, recv_counts)
+        route = _hosts.plan_route(
+            topo, self.rank, active, sent, host_counts, recv_counts, self._a2a
+        )
+        return route if self._membership()[1] == epoch else None
 
     # --------------------------------------------------------------- combine
 
