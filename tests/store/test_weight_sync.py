@@ -265,6 +265,53 @@ def test_ws2_process_group_path_all_or_nothing():
         assert r[w]["version"] == 2 and r[w]["digests"] == want[2]
 
 
+def _mixed_sd(version):
+    """Several tensors per 16 KiB bucket, of mixed dtypes and odd sizes (a bf16 tensor of
+    an odd count leaves the next float32 misaligned in the bucket), some non-contiguous."""
+    import torch
+
+    g = torch.Generator().manual_seed(300 + version)
+    sd = {}
+    for i in range(12):
+        if i % 3 == 0:
+            sd[f"f{i}"] = torch.randn(1001 + i, generator=g)
+        elif i % 3 == 1:
+            sd[f"b{i}"] = torch.randn(777 + i, generator=g).to(torch.bfloat16)
+        else:
+            sd[f"i{i}"] = torch.randint(-(2**40), 2**40, (33, 17), generator=g).t()
+    return sd
+
+
+def _mixed_pg_rank(rank, world):
+    """Versions 1 then 2 of _mixed_sd over GroupWeightSync (16 KiB buckets, kept between
+    the versions); the receivers' digests after each."""
+    import torch
+
+    from mooncake_store import GroupWeightSync
+
+    gs = GroupWeightSync(src=0, bucket_bytes=16384)
+    target = {k: torch.zeros_like(v).contiguous() for k, v in _mixed_sd(0).items()}
+    out = {}
+    for v in (1, 2):
+        model = _mixed_sd(v) if rank == 0 else target
+        res = gs.sync(model, v if rank == 0 else None)
+        out[v] = {"buckets": res.buckets, "digests": _digests(model)}
+    return out
+
+
+def test_group_sync_of_several_tensors_per_bucket_mixed_dtypes():
+    """GroupWeightSync stages a bucket of several tensors as views of a buffer it keeps
+    between versions (a copy where a tensor sits misaligned in it): two versions in a row
+    leave every receiver with each version's tensors, against digests of the source's."""
+    pool = get_pool(3)
+    r = pool.run(_mixed_pg_rank, timeout=120)
+    for v in (1, 2):
+        want = _digests({k: t.contiguous() for k, t in _mixed_sd(v).items()})
+        for w in (1, 2):
+            assert r[w][v]["buckets"] > 1, r[w][v]["buckets"]
+            assert r[w][v]["digests"] == want, (w, v)
+
+
 # ---------------------------------------------------------------- WS-4
 def _ws4_sd():
     import torch
