@@ -36,6 +36,9 @@ class PullResult(NamedTuple):
     installed: bool  #: False when it already held the newest (or asked) version
     bytes: int  #: tensor bytes read
     state_dict: dict | None  #: the installed tensors when ``into`` was None
+    #: this reader's place in the version's chain of relay hosts (0: reads from the
+    #: publisher's host), None when it was no relay (``WeightSyncConfig.relay``)
+    relay_position: int | None = None
 
 
 class GroupSyncResult(NamedTuple):

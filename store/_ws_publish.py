@@ -27,6 +27,7 @@ from ._ws_common import (
     _piece_digest,
     _torch,
 )
+from ._ws_relay import copy_key, position_keys
 from .errors import (
     NoSpaceError,
     ObjectExistsError,
@@ -213,14 +214,21 @@ class _PublishMixin:
 
     def _sweep(self, vp: str, keep_pid: str | None) -> None:
         """Removes the pieces of every publish attempt at ``vp`` except ``keep_pid``'s
-        (``None``: all of them, and the attempt records too)."""
+        (``None``: all of them, the attempt records, and the relays' records and copies)."""
         keys = []
+        relays = []  # (position, host tag) of the version's live relays (_ws_relay.py)
+        if keep_pid is None:
+            recs = self._get_records(position_keys(vp, self.cfg.max_readers))
+            relays = [(k, r.get("host")) for k, r in enumerate(recs) if isinstance(r, dict)]
+            keys += [f"{vp}relay/c{k}" for k, _ in relays] + [f"{vp}relay/h{h}" for _, h in relays]
         for key, rec in self._attempts(vp):
             if rec is not None and rec.get("pid") == keep_pid:
                 continue
             if rec is not None:
                 pp, s = f"{vp}{rec['pid']}/", int(rec["shard"])
-                keys += [f"{pp}b{s}.{i}" for i in range(int(rec["n"]))] + [f"{pp}m{s}"]
+                pieces = [f"{pp}b{s}.{i}" for i in range(int(rec["n"]))]
+                keys += pieces + [f"{pp}m{s}"]
+                keys += [copy_key(pp, k, b) for k, _ in relays for b in pieces]
             if keep_pid is None:
                 keys.append(key)
         if keys:

@@ -29,6 +29,7 @@ from ._ws_common import (
     _torch,
     _unref,
 )
+from ._ws_relay import RelayPull
 from .errors import (
     LeaseExpiredError,
     ObjectExistsError,
@@ -118,6 +119,9 @@ class _PullMixin:
         first; tensors the caller kept or detached from views are not protected after
         this (a warning says so): publishers may reuse that memory."""
         self._stop.set()
+        if self._relay is not None:  # the copies this reader relayed go with it
+            self._relay.resign()
+            self._relay = None
         torch = _torch()
         with torch.no_grad():
             for ref, ptr in self._view_targets.values():  # installed views become private copies
@@ -288,7 +292,8 @@ class _PullMixin:
             self._refresher.start()
         self.version = max(v, prev)
         self.lapsed_versions = [x for x in self.lapsed_versions if x in self._held_versions()]
-        return PullResult(v, prev, True, nbytes, staged)
+        position = None if self._relay is None else self._relay.position
+        return PullResult(v, prev, True, nbytes, staged, position)
 
     def _stage(
         self, v: int, targets: dict, dtype, strict: bool, stage_hook, view_mode: bool = False
@@ -418,6 +423,14 @@ class _PullMixin:
                 staged[name] = torch.empty(gshape, dtype=_dtype_of(dt))
         fetched = [b for b in buckets if any(p["name"] not in views for p in b[2])]
         total = sum(b[1] for b in buckets if b not in fetched)  # bytes viewed in place
+        if self._relay is not None:  # this reader's copies of the version it relayed last
+            self._relay.resign()
+            self._relay = None
+        sized = [b[0] for b in fetched if b[1]]
+        if self.cfg.relay and sized:
+            self._relay = RelayPull.start(self, vp, pp, sized[0])
+        relay = self._relay
+        get_into = self.store.get_into if relay is None else relay.read_into
 
         def fetch(b):
             for attempt in range(
@@ -434,13 +447,33 @@ class _PullMixin:
             # a bucket that is one whole tensor is read straight into the staged tensor
             if len(pieces) == 1 and pieces[0]["shape"] == pieces[0]["gshape"] and nb:
                 dst = _byte_view(staged[pieces[0]["name"]])
-                self.store.get_into(key, dst)
+                get_into(key, dst)
                 return dst
             buf = torch.empty(nb, dtype=torch.uint8)
             if nb:
-                self.store.get_into(key, buf)
+                get_into(key, buf)
             return buf
 
+        try:
+            self._fetch_all(v, fetched, fetch, staged, views, stage_hook)
+            if relay is not None:
+                relay.finish()
+        except BaseException:
+            if relay is not None:  # the chain goes on without this reader
+                relay.resign()
+            raise
+        total += sum(b[1] for b in fetched)
+        raw = staged
+        if dtype is not None:
+            staged = {
+                k: (t.to(dtype) if t.is_floating_point() and k not in views else t)
+                for k, t in staged.items()
+            }
+        return staged, raw, total, set(views)
+
+    def _fetch_all(self, v, fetched, fetch, staged, views, stage_hook) -> None:
+        """Reads the buckets (the next one while this one is checked and copied into the
+        staged tensors) and checks every piece's digest."""
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ws-get") as ex:
             nxt = ex.submit(fetch, fetched[0]) if fetched else None
             for i, b in enumerate(fetched):
@@ -471,11 +504,3 @@ class _PullMixin:
                         dst[tuple(slice(o, o + s) for o, s in zip(p["offset"], p["shape"]))].copy_(
                             src
                         )
-                total += b[1]
-        raw = staged
-        if dtype is not None:
-            staged = {
-                k: (t.to(dtype) if t.is_floating_point() and k not in views else t)
-                for k, t in staged.items()
-            }
-        return staged, raw, total, set(views)

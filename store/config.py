@@ -496,6 +496,21 @@ class WeightSyncConfig:
             readers; needs ``pin=True`` and ``into`` an ``nn.Module`` or ``None``); the
             reader holds the version (refreshed every ``hold_ttl_s / 4``) until its next
             pull or ``release()``. The rest is copied.
+        relay: readers on a host other than the one holding a version's pieces share one
+            pull per host, and the hosts pass the pieces on to each other in a chain,
+            bucket by bucket, so the publisher host's link carries each byte about once
+            however many hosts read (``docs/weight-sync.md`` "Across hosts"). The first
+            reader of a version on a host is its relay: it reads each bucket from the host
+            before it in the chain (the publisher's for the first) and keeps a copy in its
+            own segment (``StoreConfig.segment_size`` must hold one version; it frees its
+            copies of older versions when it starts the next), which the other readers of
+            its host map and the next host reads. A relay that dies or stalls costs the
+            readers after it a wait (up to ``relay_wait_s``) and a read from the next
+            source up the chain; every reader still checks the whole version before it
+            installs anything. ``False``: every reader reads every bucket from where it
+            was published.
+        relay_wait_s: seconds a reader waits for the host before it in the chain to have
+            a bucket before it reads that bucket (and the rest) from the next source up.
     """
 
     bucket_bytes: int = 64 * MiB
@@ -506,6 +521,8 @@ class WeightSyncConfig:
     max_readers: int = 64
     pin: bool = True
     install: str = "copy"
+    relay: bool = True
+    relay_wait_s: float = 10.0
 
     def __post_init__(self):
         if self.install not in ("copy", "view"):
@@ -528,7 +545,9 @@ class WeightSyncConfig:
             raise ValueError(
                 f"WeightSyncConfig: max_readers must be an int >= 1, got {self.max_readers!r}"
             )
-        for f in ("commit_timeout_s", "hold_ttl_s"):
+        if not isinstance(self.relay, bool):
+            raise ValueError(f"WeightSyncConfig: relay must be a bool, got {self.relay!r}")
+        for f in ("commit_timeout_s", "hold_ttl_s", "relay_wait_s"):
             if not isinstance(getattr(self, f), (int, float)) or getattr(self, f) <= 0:
                 raise ValueError(f"WeightSyncConfig: {f} must be a positive number")
 

@@ -58,8 +58,12 @@ dimensions; plain tensors: only shard 0) with their global offsets; shard 0 comm
 all manifests exist. Readers assemble full tensors from the pieces and check that the
 pieces cover every element.
 
-Code: :class:`WeightSync` here, with its publish side in ``_ws_publish.py`` and its pull
-side in ``_ws_pull.py``; :class:`GroupWeightSync` in ``_ws_group.py``; the result records,
+Across hosts (``WeightSyncConfig.relay``): one pull per host, hosts passing buckets on
+along a chain; its records ``ws/M/v<v>/relay/h<host>`` and ``relay/c<k>`` and the copies
+``ws/M/v<v>/<pid>/r<k>/b<s>.<i>`` live in the relays' own segments (``_ws_relay.py``).
+
+Code: :class:`WeightSync` here, with its publish side in ``_ws_publish.py``, its pull
+side in ``_ws_pull.py`` and its relays across hosts in ``_ws_relay.py``; :class:`GroupWeightSync` in ``_ws_group.py``; the result records,
 ``tensor_digest`` and shared helpers in ``_ws_common.py``.
 """
 
@@ -123,7 +127,10 @@ class WeightSync(_PublishMixin, _PullMixin):
                 f"WeightSync: config must be a WeightSyncConfig, got {type(self.cfg).__name__}"
             )
         self._p = f"ws/{model}/"
-        self._rc = ReplicateConfig(pin=self.cfg.pin)
+        # a publisher's pieces go to its own segment when it has one (readers on other
+        # hosts may contribute segments too, to relay: _ws_relay.py)
+        own = store.name if getattr(store, "_segment", None) is not None else None
+        self._rc = ReplicateConfig(pin=self.cfg.pin, preferred_segment=own)
         self.version = -1
         self._slot: int | None = None
         self._spare: dict = {}  # staging tensors of the last pull, reused by the next one
@@ -135,6 +142,7 @@ class WeightSync(_PublishMixin, _PullMixin):
         self._view_targets: dict = {}  # id(target tensor) -> (weakref to it, data_ptr of its view)
         self._into = None  # (id, weakref or None) of the last `into`, or "none" (into=None)
         self._refresher: threading.Thread | None = None
+        self._relay = None  # the relay role of the last pull (_ws_relay.RelayPull), or None
         self._stop = threading.Event()
         # viewed versions found dropped while this reader still had views of them (its hold
         # lapsed: the process was stopped or starved past hold_ttl_s); see _refresh_main

@@ -177,6 +177,7 @@ def _agent_main():
     from mooncake_store import MooncakeStore, ReplicateConfig
 
     store = None
+    weight_syncs: dict = {}  # model name -> WeightSync (a reader keeps its version between pulls)
     out = sys.stdout
 
     def rc(kw):
@@ -221,6 +222,8 @@ def _agent_main():
                 import dataclasses
 
                 res = dataclasses.asdict(store.stats())
+            elif op in ("ws_publish", "ws_pull"):
+                res = _weight_sync(store, weight_syncs, op, req)
             elif op == "close":
                 store.close()
                 res = None
@@ -234,6 +237,53 @@ def _agent_main():
         except BaseException as e:
             out.write(json.dumps({"err": type(e).__name__, "msg": str(e)}) + "\n")
         out.flush()
+
+
+def ws_state(version: int, tensors: int, kib: int) -> dict:
+    """The state dict of a weight-sync test's ``version``: float32 tensors of ``kib`` KiB."""
+    import torch
+
+    g = torch.Generator().manual_seed(version)
+    return {f"w{i}": torch.randn(kib * 256, generator=g) for i in range(tensors)}
+
+
+def _weight_sync(store, weight_syncs: dict, op: str, req: dict):
+    """``ws_publish``: publishes ``ws_state(version, tensors, kib)``. ``ws_pull``: pulls the
+    latest version into zeros and answers which version's state the result equals (the
+    digests are the agent's own, of the state it generates), its relay position and the
+    error, if any; ``kill_relay_at``: the relay at chain position 0 SIGKILLs itself before it
+    stages that bucket."""
+    from mooncake_store import WeightSync, WeightSyncConfig, tensor_digest
+
+    ws = weight_syncs.get(req["model"])
+    if ws is None:
+        ws = WeightSync(store, req["model"], config=WeightSyncConfig(**req.get("config", {})))
+        weight_syncs[req["model"]] = ws
+    if op == "ws_publish":
+        state = ws_state(req["version"], req["tensors"], req["kib"])
+        return ws.publish(state, req["version"]).buckets
+    import torch
+
+    model = {k: torch.zeros_like(t) for k, t in ws_state(0, req["tensors"], req["kib"]).items()}
+    kill_at = req.get("kill_relay_at")
+
+    def hook(i):
+        if i == kill_at and ws._relay is not None and ws._relay.position == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    out = {"error": None, "position": None}
+    try:
+        out["position"] = ws.pull(model, stage_hook=hook).relay_position
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    got = {k: tensor_digest(t) for k, t in model.items()}
+    out["version"] = ws.version
+    out["equals"] = [
+        v
+        for v in range(ws.version + 1)
+        if got == {k: tensor_digest(t) for k, t in ws_state(v, req["tensors"], req["kib"]).items()}
+    ]
+    return out
 
 
 if __name__ == "__main__":

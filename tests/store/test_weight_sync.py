@@ -1315,3 +1315,79 @@ def test_view_in_the_owning_process_is_read_only():
     )
     assert "viewed [[1.0, 1.0, 1.0, 1.0]]" in p.stdout, (p.stdout, p.stderr)
     assert "wrote" not in p.stdout and p.returncode == -11, (p.returncode, p.stdout, p.stderr)
+
+
+# ---------------------------------------------------------------- across hosts: relays
+_RELAY_STATE = {"tensors": 8, "kib": 1024}  # 8 MiB in buckets of one 1 MiB tensor
+
+
+def _hosts(procs, master, readers_per_host, config):
+    """A trainer agent on host "h0" (it holds the published pieces) and reader agents on
+    hosts "h1", "h2", ...: processes that count as different hosts (``host_id``) on one
+    machine, so the readers reach the trainer and each other over TCP."""
+    seg = 16 * MiB
+
+    def agent(host, size):
+        cfg = {"master": master.address, "segment_size": size, "host_id": host}
+        return procs.start_agent(cfg, serve_tcp=True)
+
+    trainer = agent("h0", 4 * seg)
+    readers = [agent(f"h{h + 1}", seg) for h, g in enumerate(readers_per_host) for _ in range(g)]
+    return trainer, readers
+
+
+def _pull_all(readers, model, config, **kw):
+    for a in readers:
+        a.send("ws_pull", model=model, config=config, **_RELAY_STATE, **kw)
+    return [a.reply(timeout=120) for a in readers]
+
+
+def test_store_pull_across_hosts_one_relay_per_host_in_a_chain(procs):
+    """Three hosts of two readers: one reader per host relays (chain positions 0, 1, 2),
+    the other reads its relay's copies; every reader holds the trainer's bytes (digests
+    of the state it generates itself). A version the trainer drops takes the relays'
+    records and copies with it."""
+    master = procs.start_master()
+    config = {"bucket_bytes": MiB, "keep_versions": 0}
+    trainer, readers = _hosts(procs, master, [2, 2, 2], config)
+    trainer.cmd("ws_publish", model="m", config=config, version=1, **_RELAY_STATE)
+    got = _pull_all(readers, "m", config)
+    for g in got:
+        assert g["error"] is None and g["version"] == 1 and g["equals"] == [1], g
+    positions = [g["position"] for g in got]
+    for h in range(3):  # one relay per host
+        pair = positions[2 * h : 2 * h + 2]
+        assert pair.count(None) == 1, positions
+    assert sorted(p for p in positions if p is not None) == [0, 1, 2]
+    keys = [f"ws/m/v1/relay/c{k}" for k in range(3)]
+    assert all(trainer.cmd("exists", key=k) for k in keys)
+    # versions 2 and 3 with no reader pulling: version 1 goes, its relays' keys too
+    trainer.cmd("ws_publish", model="m", config=config, version=2, **_RELAY_STATE)
+    trainer.cmd("ws_publish", model="m", config=config, version=3, **_RELAY_STATE)
+    assert not any(trainer.cmd("exists", key=k) for k in keys)
+
+
+def test_store_pull_across_hosts_survives_a_relay_killed_mid_pull(procs):
+    """The relay that reads from the trainer's host (position 0) is SIGKILLed before it
+    stages its third bucket: the readers after it in the chain and its own host's other
+    reader move up the chain and end with the whole new version; no reader ever holds a
+    mix of versions."""
+    master = procs.start_master(client_ttl=1.0)
+    config = {"bucket_bytes": MiB, "relay_wait_s": 5.0}
+    trainer, readers = _hosts(procs, master, [2, 2, 2], config)
+    trainer.cmd("ws_publish", model="k", config=config, version=1, **_RELAY_STATE)
+    for g in _pull_all(readers, "k", config):
+        assert g["error"] is None and g["equals"] == [1], g
+    trainer.cmd("ws_publish", model="k", config=config, version=2, **_RELAY_STATE)
+    for a in readers:
+        a.send("ws_pull", model="k", config=config, kill_relay_at=2, **_RELAY_STATE)
+    dead, survivors = [], []
+    for a in readers:
+        try:
+            survivors.append(a.reply(timeout=120))
+        except RuntimeError:  # exited: the killed relay
+            dead.append(a)
+    assert len(dead) == 1, (len(dead), survivors)
+    for g in survivors:
+        assert g["equals"] == [g["version"]], g  # one whole version
+        assert g["error"] is None and g["version"] == 2, g

@@ -1,0 +1,212 @@
+"""Weight sync across hosts: one pull per host, and hosts that pass the buckets on to each
+other in a chain (``WeightSyncConfig.relay``; docs/weight-sync.md "Across hosts").
+
+A reader whose version's pieces lie on another host takes a role per pull:
+
+* **relay** of its host: the first reader of the version there. It claims the host (a
+  plain put of ``ws/M/v<v>/relay/h<host>``) and then the first free chain position
+  ``relay/c<k>``; both are one-byte objects in its own segment, so they go away with it
+  (the master drops a dead client's segment after ``client_ttl_s``). It reads each bucket
+  from the relay at position k-1 as soon as that one has it (position 0 from the
+  publisher's pieces) and puts a copy, ``<pid>/r<k>/b<s>.<i>``, into its own segment.
+* **follower**: another reader of a host that has a relay. It reads the relay's copies,
+  which lie in memory on its host (a mapped segment: no network).
+* **plain**: no relay on its host and none possible (no segment of its own, no transfer
+  engine, or copies that land in another segment): it reads from the newest relay.
+
+Each reader reads from positions below its own only (a follower from its relay's), so the
+chain has no cycle. A source whose position record is gone (dead, or resigned after a
+failure), whose copy cannot be read, or that has not had a bucket for ``relay_wait_s``
+is left for the next one up, for that bucket and the rest; the publisher's pieces come
+last. The bytes' checks are the reader's own (``_ws_pull.py``: every piece's digest from
+the publisher's manifest, before anything is installed), so a relay never changes what a
+reader installs, only where its bytes come from.
+
+This follows checkpoint-engine's bucketed pipeline through a broadcast (each host link
+carries the weights about once); the chain is its store-side form: a relay needs no
+other reader to be alive, and readers may come at different times.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import msgpack
+
+from .config import ReplicateConfig
+from .errors import ObjectExistsError, ObjectNotFoundError, StoreError, TransferError
+
+if TYPE_CHECKING:
+    import torch
+
+_ONE_BYTE = memoryview(b"\0")
+
+
+class _NotLocal(Exception):
+    """A put meant for this client's segment landed elsewhere (no room here)."""
+
+
+def host_tag(host_id: str) -> str:
+    """The part of a relay record's key naming a host (``StoreConfig.host_id`` may hold
+    any character)."""
+    return hashlib.sha1(host_id.encode()).hexdigest()[:16]
+
+
+def position_keys(vp: str, n: int) -> list:
+    """Keys of chain positions 0..n-1 of the version whose keys start with ``vp``."""
+    return [f"{vp}relay/c{k}" for k in range(n)]
+
+
+def copy_key(pp: str, position: int, bucket_key: str) -> str:
+    """The key of relay ``position``'s copy of ``bucket_key`` (``<pp>b<s>.<i>``)."""
+    return f"{pp}r{position}/{bucket_key[len(pp) :]}"
+
+
+class RelayPull:
+    """The relay side of one pull of one version (see the module docstring)."""
+
+    def __init__(self, ws, vp: str, pp: str):
+        self.ws, self.store = ws, ws.store
+        self.vp, self.pp = vp, pp
+        self.position: int | None = None  # this reader's chain position, as a relay
+        self.sources: list = []  # positions to read from, nearest first; then the publisher
+        self.own: list = []  # keys this reader put for this version
+        self._local_rc = ReplicateConfig(preferred_segment=self.store.name, pin=True)
+        self._lock = threading.Lock()  # `own` and `position`: the copy thread changes them too
+        # copies are put on a thread of their own, so the next bucket's read starts at once
+        self._copier: concurrent.futures.ThreadPoolExecutor | None = None
+
+    @classmethod
+    def start(cls, ws, vp: str, pp: str, first_key: str) -> RelayPull | None:
+        """The role of this reader for the version at ``vp`` (publish ``pp``), or None
+        when the publisher's pieces lie on this host (read in place, no relay)."""
+        store = ws.store
+        (obj,), segs, _ = store._get_meta([first_key])
+        if obj is None or not obj.replicas or obj.replicas[0][0] != "m":
+            return None
+        if store._is_local(segs[obj.replicas[0][1]]):
+            return None
+        self = cls(ws, vp, pp)
+        tag = host_tag(store.cfg.host_id)
+        n = ws.cfg.max_readers
+        if store._segment is not None and store._te_desc() is not None:
+            try:
+                self._put_here(f"{vp}relay/h{tag}", _ONE_BYTE, {"rid": ws._rid})
+                for k in range(n):
+                    try:
+                        self._put_here(f"{vp}relay/c{k}", _ONE_BYTE, {"host": tag, "rid": ws._rid})
+                        self.position = k
+                        break
+                    except ObjectExistsError:
+                        continue
+                else:
+                    self.resign()  # every position taken (max_readers hosts): follow
+            except ObjectExistsError:
+                pass  # the host has a relay: follow it
+            except (_NotLocal, StoreError):
+                self.resign()  # no room here: read from the others
+        recs = ws._get_records(position_keys(vp, n))
+        if self.position is not None:
+            self.sources = [j for j in range(self.position - 1, -1, -1) if recs[j] is not None]
+            return self
+        mine = [k for k, r in enumerate(recs) if isinstance(r, dict) and r.get("host") == tag]
+        if not mine:
+            # the host's relay may hold the host claim without its position yet
+            deadline = time.monotonic() + 1.0
+            while not mine and time.monotonic() < deadline:
+                if store._exists_meta([f"{vp}relay/h{tag}"])[0] is None:
+                    break
+                time.sleep(0.005)
+                recs = ws._get_records(position_keys(vp, n))
+                mine = [
+                    k for k, r in enumerate(recs) if isinstance(r, dict) and r.get("host") == tag
+                ]
+        top = mine[0] if mine else len(recs) - 1
+        self.sources = [j for j in range(top, -1, -1) if recs[j] is not None]
+        return self
+
+    def _put_here(self, key: str, value: memoryview, record: dict | None = None) -> None:
+        """Puts ``value`` into this client's own segment: a plain put with ``record`` as
+        its metadata (a claim), or an upsert without (a copy). Raises ``_NotLocal`` when it
+        landed in another segment (it is removed with the rest on ``resign``)."""
+        self.store._put_many(
+            [key],
+            [value],
+            [b"" if record is None else msgpack.packb(record)],
+            self._local_rc,
+            record is None,
+            False,
+        )
+        with self._lock:
+            self.own.append(key)
+        if self.store.name not in self.store.where(key).memory:
+            raise _NotLocal(key)
+
+    def _wait(self, j: int, key: str) -> bool:
+        """Whether relay ``j``'s copy of ``key`` exists within ``relay_wait_s`` (False at
+        once when the relay is gone)."""
+        ck, ok = copy_key(self.pp, j, key), f"{self.vp}relay/c{j}"
+        deadline = time.monotonic() + self.ws.cfg.relay_wait_s
+        pause = 0.001
+        while True:
+            have, alive = self.store._exists_meta([ck, ok])
+            if have is not None:
+                return True
+            if alive is None or time.monotonic() > deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 0.004)
+
+    def read_into(self, key: str, dst: torch.Tensor) -> None:
+        """Reads bucket ``key`` (non-empty) into the uint8 tensor ``dst`` from the nearest
+        source that has it; as a relay, then puts the copy the next host reads."""
+        while self.sources:
+            j = self.sources[0]
+            if self._wait(j, key):
+                try:
+                    self.store.get_into(copy_key(self.pp, j, key), dst)
+                    break
+                except (ObjectNotFoundError, TransferError):
+                    pass
+            self.sources.pop(0)  # gone, unreadable or stalled: the next one up
+        else:
+            self.store.get_into(key, dst)
+        if self.position is not None:
+            if self._copier is None:
+                self._copier = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="ws-relay"
+                )
+            self._copier.submit(self._copy, key, dst)
+
+    def _copy(self, key: str, dst: torch.Tensor) -> None:
+        position = self.position
+        if position is None:
+            return
+        try:
+            self._put_here(copy_key(self.pp, position, key), memoryview(dst.numpy()))
+        except (_NotLocal, StoreError):
+            self._remove_own()  # the hosts after this one read from the ones before it
+
+    def finish(self) -> None:
+        """Waits for the copies still being put (the pull's bytes are all read)."""
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+            self._copier = None
+
+    def resign(self) -> None:
+        """Stops relaying this version: removes what this reader put for it (its position
+        record goes with the rest: readers after it move up the chain)."""
+        self.position = None
+        self.finish()
+        self._remove_own()
+
+    def _remove_own(self) -> None:
+        with self._lock:
+            self.position = None
+            own, self.own = self.own, []
+        if own:
+            self.store.remove_batch(own, force=True, return_exceptions=True)
