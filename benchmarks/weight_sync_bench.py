@@ -28,11 +28,21 @@ exit; a store master on 127.0.0.1; one torch thread per rank.
 
 Across hosts (``--hosts 1+2+2+2``: the trainer, rank 0, alone on host 0 and three rollout
 hosts of two readers, network namespaces whose links ``tc`` limits to ``--link-rate``,
-tests/netns.py): the ``pg`` and ``gloo`` ways only, each timed the same way, against the
-link bound (the state's bytes over one host link: the least time in which the trainer's
-host can send them once) and with the bytes that left the trainer's host per version
-(kernel counters). The store ways read every piece from the trainer's segment, one copy per
-reader over the trainer's link, until hosts relay pieces to each other (not built yet).
+tests/netns.py): four ways (``--ways``, a comma list, picks some), each timed the same way,
+against the link bound (the state's bytes over one host link: the least time in which the
+trainer's host can send them once) and with the bytes that left the trainer's host per
+version (kernel counters):
+
+* ``store-relay``: ``WeightSync.publish`` on the trainer, then ``pull`` on every reader at
+  once with ``WeightSyncConfig(relay=True)``: the readers of a host share one pull (its
+  relay keeps a copy in its segment, which the host's other readers map) and the hosts
+  pass the buckets along a chain, so the trainer's link carries each byte about once;
+* ``store-direct``: the same with ``relay=False``: every reader reads every bucket from
+  the trainer's segment, one copy per reader over the trainer's link;
+* ``pg`` and ``gloo`` as above.
+
+The store master runs in rank 0 on host 0's address; every rank has a client (the
+trainer's segment holds the store ways' versions, a reader's one relayed version).
 
     .venv/bin/python benchmarks/weight_sync_bench.py --hosts 1+2+2+2 --mib 256
 
@@ -194,7 +204,9 @@ def _tx_bytes() -> int:
         return int(f.read())
 
 
-HOST_WAYS = ("pg", "gloo")
+HOST_WAYS = ("store-relay", "store-direct", "pg", "gloo")
+# the store ways' models: one per way, so that their versions do not mix
+_STORE_MODELS = {"store-relay": "relay", "store-direct": "direct"}
 
 
 def _hosts_worker() -> None:
@@ -210,8 +222,10 @@ def _hosts_worker() -> None:
     from mooncake_store import GroupWeightSync, tensor_digest
 
     a = json.loads(os.environ["MH_ARGS"])
+    ways = a["ways"]
     rank, world = int(os.environ["MH_RANK"]), int(os.environ["MH_WORLD_SIZE"])
     timeout = timedelta(seconds=300)
+    bucket = a["bucket_mib"] * MiB
     # the default group (gloo) is the control plane: barriers and the gloo way
     dist.init_process_group(
         "gloo", init_method=os.environ["MH_INIT"], rank=rank, world_size=world, timeout=timeout
@@ -221,18 +235,53 @@ def _hosts_worker() -> None:
         pg_options=mooncake_pg.MooncakeOptions(timeout=300.0),
         timeout=timeout,
     )
-    gs = GroupWeightSync(group=mc, src=0, bucket_bytes=a["bucket_mib"] * MiB)
+    store_ways = [w for w in ways if w in _STORE_MODELS]
+    master = store = None
+    ws: dict = {}
+    if store_ways:
+        from mooncake_store import Master, MasterConfig, MooncakeStore, WeightSync, WeightSyncConfig
+
+        # the store master: in rank 0, on host 0's address (the rendezvous' host), another port
+        host0, _, port0 = os.environ["MH_INIT"].removeprefix("tcp://").rpartition(":")
+        host0, mport = host0.strip("[]"), int(port0) + 7
+        if rank == 0:
+            master = Master(MasterConfig(host=host0, port=mport)).start()
+    dist.barrier()  # the master is up
+    if store_ways:
+        # a reader's segment: two versions (a relay's copies of the version it relays, and
+        # those of the one before until the read leases on them end). The trainer's: per
+        # store way keep_versions + 2 = 2 versions, one for the space of a dropped version
+        # until its read leases end and one against fragmentation (docs/weight-sync.md
+        # "Sizing the trainer's segment"); a publisher's pieces go to its own segment
+        model_mib = max(1, a["mib"] // a["tensor_mib"]) * a["tensor_mib"]  # as _model makes it
+        reader_seg = (2 * model_mib + 64) * MiB
+        seg = (4 * len(store_ways) * model_mib + 64) * MiB
+        seg = seg if rank == 0 else reader_seg
+        store = MooncakeStore(master=f"{host0}:{mport}", segment_size=seg)
+        ws = {
+            way: WeightSync(
+                store,
+                "bench-" + _STORE_MODELS[way],
+                config=WeightSyncConfig(
+                    relay=way == "store-relay", pin=True, bucket_bytes=bucket, keep_versions=0
+                ),
+            )
+            for way in store_ways
+        }
+    gs = GroupWeightSync(group=mc, src=0, bucket_bytes=bucket) if "pg" in ways else None
     model = _model(a["mib"], a["tensor_mib"], 0 if rank == 0 else 1)
     if rank > 0:
         with torch.no_grad():
             for t in model.parameters():
                 t.zero_()
-    times = {way: [] for way in HOST_WAYS}
-    tx = {way: [] for way in HOST_WAYS}
+    times: dict = {way: [] for way in ways}
+    tx: dict = {way: [] for way in ways}
+    relay: dict = {way: [] for way in store_ways}  # PullResult.relay_position per rep
+    publish_s: dict = {way: [] for way in store_ways}  # the trainer's publish alone
     digests = {}
     version = 0
     for rep in range(a["reps"]):
-        for way in HOST_WAYS:
+        for way in ways:
             version += 1
             if rank == 0:
                 with torch.no_grad():
@@ -241,7 +290,14 @@ def _hosts_worker() -> None:
             dist.barrier()
             tx0 = _tx_bytes()
             t0 = time.perf_counter()
-            if way == "pg":
+            if way in ws:
+                if rank == 0:
+                    ws[way].publish(model, version)
+                    publish_s[way].append(time.perf_counter() - t0)
+                dist.barrier()  # published: every reader pulls at once
+                if rank > 0:
+                    relay[way].append(ws[way].pull(into=model, version=version).relay_position)
+            elif way == "pg":
                 gs.sync(model, version if rank == 0 else None)
             else:
                 for t in model.parameters():
@@ -251,8 +307,13 @@ def _hosts_worker() -> None:
             tx[way].append(_tx_bytes() - tx0)
             if rep == a["reps"] - 1:  # what this way's last version left in the model
                 digests[way] = {k: tensor_digest(v) for k, v in model.state_dict().items()}
-    res = {"times": times, "tx": tx, "digests": digests}
+    res = {"times": times, "tx": tx, "digests": digests, "relay": relay, "publish_s": publish_s}
     print("RESULT " + json.dumps(res), flush=True)
+    if store is not None:
+        store.close()
+    dist.barrier()  # every client closed before the master goes
+    if master is not None:
+        master.stop()
     dist.destroy_process_group()
     os._exit(0)
 
@@ -263,7 +324,7 @@ def _run_hosts(a) -> int:
     from multihost_bench import parse_rate, parse_topology
 
     from tests import netns
-    from tests.multihost import run_bench
+    from tests.multihost import rank_hosts, run_bench
 
     ok, why = netns.available()
     if not ok:
@@ -271,7 +332,14 @@ def _run_hosts(a) -> int:
         return 0
     rph = parse_topology(a.hosts)
     rate_bit = parse_rate(a.link_rate)
-    plan = {"mib": a.mib, "tensor_mib": a.tensor_mib, "bucket_mib": a.bucket_mib, "reps": a.reps}
+    ways = a.ways
+    plan = {
+        "mib": a.mib,
+        "tensor_mib": a.tensor_mib,
+        "bucket_mib": a.bucket_mib,
+        "reps": a.reps,
+        "ways": ways,
+    }
     load0 = os.getloadavg()[0]
     argv = [sys.executable, os.path.abspath(__file__), "--hosts-worker"]
     res = run_bench(rph, argv, plan, prefix="mcwsb", rate_bit=rate_bit, timeout_s=a.timeout)
@@ -282,14 +350,12 @@ def _run_hosts(a) -> int:
         return 1
     world = sum(rph)
     ok_bytes = all(
-        res[r]["digests"][way] == res[0]["digests"][way]
-        for r in range(1, world)
-        for way in HOST_WAYS
+        res[r]["digests"][way] == res[0]["digests"][way] for r in range(1, world) for way in ways
     )
     nbytes = max(1, a.mib // a.tensor_mib) * a.tensor_mib * MiB
     bound_s = nbytes / (rate_bit / 8)
     rows = {}
-    for way in HOST_WAYS:
+    for way in ways:
         # a version's time: the slowest rank's, between the barriers around it
         per = [max(res[r]["times"][way][i] for r in range(world)) for i in range(a.reps)]
         s = statistics.median(per)
@@ -300,6 +366,8 @@ def _run_hosts(a) -> int:
             "mb_out_trainer_host": statistics.median(res[0]["tx"][way]) / 1e6,
         }
     names = {
+        "store-relay": "store (`WeightSync` publish + pull, `relay=True`)",
+        "store-direct": "store (`WeightSync` publish + pull, `relay=False`)",
         "pg": "process group (`GroupWeightSync`, mooncake)",
         "gloo": "`torch.distributed.broadcast` over gloo",
     }
@@ -313,12 +381,44 @@ def _run_hosts(a) -> int:
         "|---|---|---|---|---|---|---|",
     ]
     for way, r in rows.items():
+        vs = f"{rows['gloo']['s'] / r['s']:.2f}x" if "gloo" in rows else "-"
         lines.append(
-            f"| {names[way]} | {r['s']:.3f} | {r['gbs']:.3f} | {rows['gloo']['s'] / r['s']:.2f}x "
+            f"| {names[way]} | {r['s']:.3f} | {r['gbs']:.3f} | {vs} "
             f"| {bound_s:.3f} | {r['bound_pct']:.0f}% | {r['mb_out_trainer_host']:.1f} |"
         )
     lines += ["", f"readers hold the trainer's tensors (digests): {ok_bytes}"]
-    _report(a, lines, {"rows": rows, "bytes": nbytes, "bound_s": bound_s, "bytes_ok": ok_bytes})
+    for way in ways:
+        if res[0].get("publish_s", {}).get(way):
+            lines.append(
+                f"{way}: of which the trainer's publish {statistics.median(res[0]['publish_s'][way]):.3f} s"
+            )
+    relays = {}  # store-relay: the readers that relayed the last version, by chain position
+    if "store-relay" in ways:
+        hosts = rank_hosts(rph)
+        relays = {
+            r: res[r]["relay"]["store-relay"][-1]
+            for r in range(1, world)
+            if res[r]["relay"]["store-relay"][-1] is not None
+        }
+        chain = ", ".join(
+            f"{p}: host {hosts[r]} (rank {r})"
+            for r, p in sorted(relays.items(), key=lambda kv: kv[1])
+        )
+        lines.append(
+            f"store-relay, last version: {len(relays)} of {world - 1} readers relayed"
+            + (f" (chain position: host) {chain}" if chain else "")
+        )
+    _report(
+        a,
+        lines,
+        {
+            "rows": rows,
+            "bytes": nbytes,
+            "bound_s": bound_s,
+            "bytes_ok": ok_bytes,
+            "relay_positions": relays,
+        },
+    )
     return 0 if ok_bytes else 1
 
 
@@ -343,7 +443,12 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--hosts",
         default=None,
-        help="ranks per emulated host, trainer's host first, e.g. 1+2+2+2 (pg and gloo ways)",
+        help="ranks per emulated host, trainer's host first, e.g. 1+2+2+2",
+    )
+    ap.add_argument(
+        "--ways",
+        default=",".join(HOST_WAYS),
+        help=f"with --hosts: the ways to time, a comma list of {', '.join(HOST_WAYS)} (default all)",
     )
     ap.add_argument(
         "--link-rate", default="2G", help="with --hosts: each host link's rate (bit/s; K/M/G)"
@@ -364,6 +469,10 @@ def main(argv=None) -> int:
         _hosts_worker()
         return 0
     if a.hosts:
+        a.ways = [w for w in a.ways.split(",") if w]
+        unknown = sorted(set(a.ways) - set(HOST_WAYS))
+        if unknown or not a.ways or len(set(a.ways)) != len(a.ways):
+            ap.error(f"--ways: a comma list of distinct ways from {', '.join(HOST_WAYS)}")
         if a.gate:
             ap.error("--gate applies to the single-host run, not --hosts")
         return _run_hosts(a)
