@@ -255,6 +255,33 @@ class _ReadMixin:
             raise TransferError(f"{obj.key!r} has no replica left")
         raise TransferError(f"no replica of {obj.key!r} could be read: " + "; ".join(errors))
 
+    def _get_into_scratch(self, key: str, out: memoryview) -> None:
+        """:meth:`get_into` for a buffer the caller throws away on any error (a staging
+        buffer): a read from another host's segment goes straight into ``out``, without
+        the temporary that keeps ``get_into``'s buffer untouched on a failed transfer (one
+        copy less per byte). Raises as ``get_into`` does; ``out`` holds any bytes then."""
+        (obj,), segs, deadline = self._get_meta([key])
+        if obj is None:
+            raise ObjectNotFoundError(f"key {key!r} not found")
+        if obj.size > len(out):
+            raise ValueError(f"{key!r} has {obj.size} bytes, the buffer {len(out)}")
+        rep = obj.replicas[0] if obj.size and obj.replicas else None
+        if (
+            rep is None
+            or rep[0] != "m"
+            or rep[1] in self._skipped()
+            or self._is_local(segs[rep[1]])
+        ):
+            self.get_into(key, out)
+            return
+        try:
+            host, port, region = self._te_for(segs[rep[1]])
+            self._te.batch_read(host, port, region, [rep[2]], [out[: obj.size]])
+        except (TransferError, RuntimeError):
+            self.get_into(key, out)  # its other replicas, and the unreachable bookkeeping
+            return
+        self._check_lease(deadline, key)
+
     def _get_meta(self, keys: list):
         parts = list(_chunks(keys))
         if len(parts) > 1:

@@ -430,7 +430,13 @@ class _PullMixin:
         if self.cfg.relay and sized:
             self._relay = RelayPull.start(self, vp, pp, sized[0])
         relay = self._relay
-        get_into = self.store.get_into if relay is None else relay.read_into
+        if relay is None:
+
+            def get_into(key, dst):  # staging memory: a failed read only costs this pull
+                self.store._get_into_scratch(key, memoryview(dst.numpy()))
+
+        else:
+            get_into = relay.read_into
 
         def fetch(b):
             for attempt in range(

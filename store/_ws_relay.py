@@ -168,13 +168,13 @@ class RelayPull:
             j = self.sources[0]
             if self._wait(j, key):
                 try:
-                    self.store.get_into(copy_key(self.pp, j, key), dst)
+                    self.store._get_into_scratch(copy_key(self.pp, j, key), memoryview(dst.numpy()))
                     break
                 except (ObjectNotFoundError, TransferError):
                     pass
             self.sources.pop(0)  # gone, unreadable or stalled: the next one up
         else:
-            self.store.get_into(key, dst)
+            self.store._get_into_scratch(key, memoryview(dst.numpy()))
         if self.position is not None:
             if self._copier is None:
                 self._copier = concurrent.futures.ThreadPoolExecutor(

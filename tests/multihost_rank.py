@@ -348,6 +348,54 @@ def ws_group_kill(rank, world_size, victim, tensors, tensor_mib):
     }
 
 
+def ws_store_relay(rank, world_size, tensors, tensor_mib):
+    """``WeightSync`` publish on rank 0 (alone on its host, which also runs the store
+    master) and a pull of that version on every other rank at once, relays on. Returns
+    the bytes that left rank 0's host during the pulls, each reader's relay position and
+    the SHA-256 digests of the tensors it installed."""
+    import hashlib
+
+    from mooncake_store import MooncakeStore, WeightSync, WeightSyncConfig
+    from mooncake_store.master import Master, MasterConfig
+
+    def tx():
+        with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
+            return int(f.read())
+
+    def state(version):
+        g = torch.Generator().manual_seed(version)
+        return {f"w{i}": torch.randn(tensor_mib << 18, generator=g) for i in range(tensors)}
+
+    host0, _, port = os.environ["MH_INIT"].removeprefix("tcp://").rpartition(":")
+    master_addr = f"{host0}:{int(port) + 7}"
+    master = None
+    if rank == 0:
+        master = Master(MasterConfig(host=host0, port=int(port) + 7)).start()
+    dist.barrier()
+    nbytes = tensors * tensor_mib << 20
+    store = MooncakeStore(
+        master=master_addr, segment_size=(4 if rank == 0 else 2) * nbytes + (16 << 20)
+    )
+    ws = WeightSync(store, "mh", config=WeightSyncConfig(bucket_bytes=tensor_mib << 20))
+    model = state(1) if rank == 0 else {k: torch.zeros_like(t) for k, t in state(0).items()}
+    if rank == 0:
+        ws.publish(model, 1)
+    dist.barrier()
+    before = tx()
+    position = ws.pull(model).relay_position if rank else None
+    dist.barrier()
+    out = {
+        "tx": tx() - before,
+        "position": position,
+        "digests": {k: hashlib.sha256(v.numpy().tobytes()).hexdigest() for k, v in model.items()},
+    }
+    store.close()
+    dist.barrier()  # every client closed before the master goes
+    if master is not None:
+        master.stop()
+    return out
+
+
 def loop_all_reduce(rank, world_size, ops, count, linger_s=3.0):
     """ops all_reduces of count float32 elements equal to rank + 1; the first error ends the
     loop. Returns each op's value (every element equal, else "uneven") or the error's type
@@ -385,6 +433,7 @@ SCENARIOS = {
     "ep_round_trip": ep_round_trip,
     "ep_kill_relay": ep_kill_relay,
     "ws_group_kill": ws_group_kill,
+    "ws_store_relay": ws_store_relay,
 }
 
 

@@ -477,6 +477,32 @@ def test_ep_relay_killed_between_dispatch_and_combine(ranks_per_host):
             assert err <= 1e-5 * (float(want.abs().max()) + 1), (r, key, err)
 
 
+def test_weight_sync_store_pull_crosses_the_trainers_link_once():
+    """WeightSync across 1+2+2+2 hosts: one reader per rollout host relays (positions 0-2),
+    every reader holds the trainer's tensors, and the bytes that left the trainer's host
+    during the pulls (kernel counters) are about one copy of the state, where reading
+    from the trainer's segment would send six."""
+    tensors, tensor_mib = 8, 1
+    with netns.hosts(4, "mcmh") as t:
+        res = run_ranks(
+            t,
+            [1, 2, 2, 2],
+            "ws_store_relay",
+            {"tensors": tensors, "tensor_mib": tensor_mib},
+            timeout_s=150,
+        )
+    for r in range(7):
+        assert "digests" in res[r], (r, res[r])
+    for r in range(1, 7):
+        assert res[r]["digests"] == res[0]["digests"], r
+    positions = [res[r]["position"] for r in range(1, 7)]
+    assert sorted(p for p in positions if p is not None) == [0, 1, 2], positions
+    for h in range(3):
+        assert positions[2 * h : 2 * h + 2].count(None) == 1, positions
+    state_bytes = tensors * tensor_mib << 20
+    assert state_bytes <= res[0]["tx"] <= 1.15 * state_bytes, res[0]["tx"]
+
+
 @pytest.mark.parametrize("policy", ["mask", "raise"])
 def test_weight_sync_relay_killed_mid_sync_leaves_no_mix(policy):
     """GroupWeightSync from a trainer alone on its host to 3 hosts of 2 readers: the rank
