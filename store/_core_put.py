@@ -70,7 +70,9 @@ class _PutMixin:
         for key, size, meta in checked:
             try:
                 self._check_new(key, upsert)
-                repl = self._place(key, size, r, pref, require_all, set(avoid))
+                repl = self._place(
+                    key, size, r, pref, require_all, set(avoid), only_pref=bool(a.get("only"))
+                )
                 obj = Obj(key, size, self._next_version(), meta, pin)
                 obj.repl = repl
                 obj.want = len(repl) if size else max(1, min(r, len(self.segments)))

@@ -19,9 +19,12 @@ from .errors import (
 class _SpaceMixin:
     """Placement of replicas, and eviction."""
 
-    def _place(self, key, size, r, pref, require_all, avoid: set = frozenset()) -> list:
+    def _place(
+        self, key, size, r, pref, require_all, avoid: set = frozenset(), only_pref: bool = False
+    ) -> list:
         """Allocates up to ``r`` replicas in distinct segments (not those in ``avoid``:
-        segments a writer could not reach), evicting as needed."""
+        segments a writer could not reach; ``only_pref``: in segment ``pref`` alone),
+        evicting as needed."""
         n = aligned(size) if size else 0
         if n == 0:
             # nothing to store: an empty object lives in the master alone (its metadata is
@@ -29,7 +32,11 @@ class _SpaceMixin:
             # its version records so, which a restarted trainer must see even when its
             # segment held them
             return []
-        live = [s for s in self.segments.values() if s.alloc.size >= n and s.name not in avoid]
+        live = [
+            s
+            for s in self.segments.values()
+            if s.alloc.size >= n and s.name not in avoid and (not only_pref or s.name == pref)
+        ]
         if not live:
             if not self.segments:
                 raise NoSpaceError("no segment is registered (no client contributes memory)")

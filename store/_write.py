@@ -197,6 +197,8 @@ class _WriteMixin:
         }
         if _avoid:
             args["x"] = list(_avoid)
+        if getattr(cfg, "only_preferred", False):
+            args["only"] = True
         deadline = time.monotonic() + _NOSPACE_RETRY_S
         results: list = [None] * len(keys)
         todo = list(range(len(keys)))

@@ -27,7 +27,7 @@ from ._ws_common import (
     _piece_digest,
     _torch,
 )
-from ._ws_relay import copy_key, position_keys
+from ._ws_relay import MAX_POSITIONS, copy_key, position_keys
 from .errors import (
     NoSpaceError,
     ObjectExistsError,
@@ -218,7 +218,7 @@ class _PublishMixin:
         keys = []
         relays = []  # (position, host tag) of the version's live relays (_ws_relay.py)
         if keep_pid is None:
-            recs = self._get_records(position_keys(vp, self.cfg.max_readers))
+            recs = self._get_records(position_keys(vp, MAX_POSITIONS))
             relays = [(k, r.get("host")) for k, r in enumerate(recs) if isinstance(r, dict)]
             keys += [f"{vp}relay/c{k}" for k, _ in relays] + [f"{vp}relay/h{h}" for _, h in relays]
         for key, rec in self._attempts(vp):

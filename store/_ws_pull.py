@@ -428,7 +428,7 @@ class _PullMixin:
             self._relay = None
         sized = [b[0] for b in fetched if b[1]]
         if self.cfg.relay and sized:
-            self._relay = RelayPull.start(self, vp, pp, sized[0])
+            self._relay = RelayPull.start(self, vp, pp, sized[0], sum(b[1] for b in fetched))
         relay = self._relay
         if relay is None:
 

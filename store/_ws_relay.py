@@ -11,8 +11,9 @@ A reader whose version's pieces lie on another host takes a role per pull:
   publisher's pieces) and puts a copy, ``<pid>/r<k>/b<s>.<i>``, into its own segment.
 * **follower**: another reader of a host that has a relay. It reads the relay's copies,
   which lie in memory on its host (a mapped segment: no network).
-* **plain**: no relay on its host and none possible (no segment of its own, no transfer
-  engine, or copies that land in another segment): it reads from the newest relay.
+* **plain**: no relay on its host and none possible (no transfer engine serving its
+  segment, a segment smaller than the version, or one without room for a copy: copies go
+  to its own segment only): it reads from the newest relay.
 
 Each reader reads from positions below its own only (a follower from its relay's), so the
 chain has no cycle. A source whose position record is gone (dead, or resigned after a
@@ -46,8 +47,16 @@ if TYPE_CHECKING:
 _ONE_BYTE = memoryview(b"\0")
 
 
-class _NotLocal(Exception):
-    """A put meant for this client's segment landed elsewhere (no room here)."""
+# chain positions a version may have (hosts reading it); the records of all are read at
+# once (metadata from the master, one request)
+MAX_POSITIONS = 256
+
+
+class _OwnSegment(ReplicateConfig):
+    """Placement in ``preferred_segment`` alone: ``NoSpaceError`` when it has no room
+    (a relay's copy in another host's segment would help nobody and take its space)."""
+
+    only_preferred = True
 
 
 def host_tag(host_id: str) -> str:
@@ -75,15 +84,16 @@ class RelayPull:
         self.position: int | None = None  # this reader's chain position, as a relay
         self.sources: list = []  # positions to read from, nearest first; then the publisher
         self.own: list = []  # keys this reader put for this version
-        self._local_rc = ReplicateConfig(preferred_segment=self.store.name, pin=True)
+        self._here = _OwnSegment(preferred_segment=self.store.name, pin=True)
         self._lock = threading.Lock()  # `own` and `position`: the copy thread changes them too
         # copies are put on a thread of their own, so the next bucket's read starts at once
         self._copier: concurrent.futures.ThreadPoolExecutor | None = None
 
     @classmethod
-    def start(cls, ws, vp: str, pp: str, first_key: str) -> RelayPull | None:
-        """The role of this reader for the version at ``vp`` (publish ``pp``), or None
-        when the publisher's pieces lie on this host (read in place, no relay)."""
+    def start(cls, ws, vp: str, pp: str, first_key: str, nbytes: int) -> RelayPull | None:
+        """The role of this reader for the version at ``vp`` (publish ``pp``, ``nbytes``
+        in its buckets), or None when the publisher's pieces lie on this host (read in
+        place, no relay)."""
         store = ws.store
         (obj,), segs, _ = store._get_meta([first_key])
         if obj is None or not obj.replicas or obj.replicas[0][0] != "m":
@@ -92,8 +102,8 @@ class RelayPull:
             return None
         self = cls(ws, vp, pp)
         tag = host_tag(store.cfg.host_id)
-        n = ws.cfg.max_readers
-        if store._segment is not None and store._te_desc() is not None:
+        n = MAX_POSITIONS
+        if store._te_desc() is not None and store.cfg.segment_size >= nbytes:
             try:
                 self._put_here(f"{vp}relay/h{tag}", _ONE_BYTE, {"rid": ws._rid})
                 for k in range(n):
@@ -104,10 +114,10 @@ class RelayPull:
                     except ObjectExistsError:
                         continue
                 else:
-                    self.resign()  # every position taken (max_readers hosts): follow
+                    self.resign()  # every position taken: follow
             except ObjectExistsError:
                 pass  # the host has a relay: follow it
-            except (_NotLocal, StoreError):
+            except StoreError:
                 self.resign()  # no room here: read from the others
         recs = ws._get_records(position_keys(vp, n))
         if self.position is not None:
@@ -131,20 +141,18 @@ class RelayPull:
 
     def _put_here(self, key: str, value: memoryview, record: dict | None = None) -> None:
         """Puts ``value`` into this client's own segment: a plain put with ``record`` as
-        its metadata (a claim), or an upsert without (a copy). Raises ``_NotLocal`` when it
-        landed in another segment (it is removed with the rest on ``resign``)."""
+        its metadata (a claim), or an upsert without (a copy). Raises ``NoSpaceError``
+        when the segment has no room for it."""
         self.store._put_many(
             [key],
             [value],
             [b"" if record is None else msgpack.packb(record)],
-            self._local_rc,
+            self._here,
             record is None,
             False,
         )
         with self._lock:
             self.own.append(key)
-        if self.store.name not in self.store.where(key).memory:
-            raise _NotLocal(key)
 
     def _wait(self, j: int, key: str) -> bool:
         """Whether relay ``j``'s copy of ``key`` exists within ``relay_wait_s`` (False at
@@ -188,7 +196,7 @@ class RelayPull:
             return
         try:
             self._put_here(copy_key(self.pp, position, key), memoryview(dst.numpy()))
-        except (_NotLocal, StoreError):
+        except StoreError:
             self._remove_own()  # the hosts after this one read from the ones before it
 
     def finish(self) -> None:

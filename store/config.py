@@ -502,9 +502,10 @@ class WeightSyncConfig:
             however many hosts read (``docs/weight-sync.md`` "Across hosts"). The first
             reader of a version on a host is its relay: it reads each bucket from the host
             before it in the chain (the publisher's for the first) and keeps a copy in its
-            own segment (``StoreConfig.segment_size`` must hold one version; it frees its
-            copies of older versions when it starts the next), which the other readers of
-            its host map and the next host reads. A relay that dies or stalls costs the
+            own segment, which the other readers of its host map and the next host reads
+            (``StoreConfig.segment_size``: one version per version published within the
+            master's ``lease_ttl_s``, plus one; it frees its copies of a version when it
+            starts its next pull; a smaller segment only relays less). A relay that dies or stalls costs the
             readers after it a wait (up to ``relay_wait_s``) and a read from the next
             source up the chain; every reader still checks the whole version before it
             installs anything. ``False``: every reader reads every bucket from where it

@@ -9,6 +9,7 @@ torch = pytest.importorskip("torch")
 from mooncake_store import (  # noqa: E402
     MasterConfig,
     MooncakeStore,
+    NoSpaceError,
     ObjectNotFoundError,
     ReplicateConfig,
     StoreConfig,
@@ -311,3 +312,21 @@ def test_preferred_segment_is_a_preference(store):
     assert store.where("pref-bogus").memory == [store.name] and store.get("pref-bogus") == b"x"
     assert store.put("pref-own", b"y", ReplicateConfig(preferred_segment=store.name)) == 1
     assert store.where("pref-own").memory == [store.name]
+
+
+def test_a_relays_copy_goes_to_its_own_segment_or_nowhere():
+    """A weight-sync relay's copies (``_ws_relay._OwnSegment``) are placed in the preferred
+    segment alone: with no room there, the put fails with ``NoSpaceError`` and no other
+    segment (another host's, the trainer's) takes the copy."""
+    from mooncake_store._ws_relay import _OwnSegment
+
+    with (
+        MooncakeStore(segment_size=8 << 20, serve_tcp=False) as big,
+        MooncakeStore(master=big.master_address, segment_size=1 << 20, serve_tcp=False) as small,
+    ):
+        here = _OwnSegment(preferred_segment=small.name, pin=True)
+        small.put("fits", b"x" * (512 << 10), here)
+        assert small.where("fits").memory == [small.name]
+        with pytest.raises(NoSpaceError):
+            small.put("too-big", b"x" * (2 << 20), here)
+        assert not small.exists("too-big") and big.stats().objects == 1
