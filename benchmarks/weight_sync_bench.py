@@ -42,9 +42,9 @@ version (kernel counters):
 * ``pg`` and ``gloo`` as above.
 
 The store master runs in rank 0 on host 0's address; every rank has a client (the
-trainer's segment holds the store ways' versions, a reader's one relayed version).
+trainer's segment holds the store ways' versions, a reader's two relayed versions).
 
-    .venv/bin/python benchmarks/weight_sync_bench.py --hosts 1+2+2+2 --mib 256
+    .venv/bin/python benchmarks/weight_sync_bench.py --hosts 1+2+2+2 --mib 256 --tensor-mib 16 --bucket-mib 16
 
 Gate (``--gate`` exits 1 when it fails): the store path (``store-view``, the fastest
 store configuration for rollout workers on the trainer's host) at least 3x faster than
