@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 # logs under the name of the module WeightSync lives in
 log = logging.getLogger("mooncake_store.weight_sync")
 
+_READS_IN_FLIGHT = 2  # buckets read at once: the link stays busy between two reads
+
 
 class _PullMixin:
     """``pull``, holds on versions, ``release``."""
@@ -478,20 +480,26 @@ class _PullMixin:
         return staged, raw, total, set(views)
 
     def _fetch_all(self, v, fetched, fetch, staged, views, stage_hook) -> None:
-        """Reads the buckets (the next one while this one is checked and copied into the
+        """Reads the buckets (the next ones while this one is checked and copied into the
         staged tensors) and checks every piece's digest."""
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ws-get") as ex:
-            nxt = ex.submit(fetch, fetched[0]) if fetched else None
+        # a relay's reads stay one at a time: its copies then come in the order that the
+        # next host waits for them (two at once did not make the 1+2+2+2 chain faster in
+        # weight_sync_bench: four runs 1.77-2.44 s against 1.84-1.92 s)
+        depth = _READS_IN_FLIGHT if self._relay is None else 1
+        with concurrent.futures.ThreadPoolExecutor(depth, thread_name_prefix="ws-get") as ex:
+            futs = [ex.submit(fetch, b) for b in fetched[:depth]]
             for i, b in enumerate(fetched):
                 try:
-                    buf = nxt.result()
+                    buf = futs[i].result()
                 except ObjectNotFoundError as e:
                     raise WeightSyncAbortedError(
                         f"{self.model} v{v}: {e} (dropped meanwhile?); kept version {self.version}"
                     ) from None
                 if stage_hook is not None:
                     stage_hook(i)
-                nxt = ex.submit(fetch, fetched[i + 1]) if i + 1 < len(fetched) else None
+                if i + depth < len(fetched):
+                    futs.append(ex.submit(fetch, fetched[i + depth]))
+                futs[i] = None  # its buffer goes once staged
                 for p in b[2]:
                     if p["name"] in views:
                         continue

@@ -180,7 +180,9 @@ class RelayPull:
                     break
                 except (ObjectNotFoundError, TransferError):
                     pass
-            self.sources.pop(0)  # gone, unreadable or stalled: the next one up
+            with self._lock:  # gone, unreadable or stalled: the next one up
+                if self.sources and self.sources[0] == j:
+                    self.sources.pop(0)
         else:
             self.store._get_into_scratch(key, memoryview(dst.numpy()))
         if self.position is not None:
