@@ -242,8 +242,9 @@ def _hosts_worker() -> None:
         from mooncake_store import Master, MasterConfig, MooncakeStore, WeightSync, WeightSyncConfig
 
         # the store master: in rank 0, on host 0's address (the rendezvous' host), another port
-        host0, _, port0 = os.environ["MH_INIT"].removeprefix("tcp://").rpartition(":")
-        host0, mport = host0.strip("[]"), int(port0) + 7
+        from tests.multihost import store_master_address
+
+        host0, mport = store_master_address()
         if rank == 0:
             master = Master(MasterConfig(host=host0, port=mport)).start()
     dist.barrier()  # the master is up

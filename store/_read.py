@@ -85,10 +85,13 @@ class _ReadMixin:
         off = obj.replicas[0][2]
         return view[off : off + obj.size]
 
-    def _read_many(self, objs: list, segs: dict, outs: list | None = None) -> list:
+    def _read_many(
+        self, objs: list, segs: dict, outs: list | None = None, scratch: bool = False
+    ) -> list:
         """Reads every object (None entries skipped) with one parallel copy for those in
         mapped segments; returns bytes (``outs`` None) or None per object, or the
-        ``TransferError`` in its place."""
+        ``TransferError`` in its place. ``scratch``: the caller throws ``outs`` away on any
+        error, so reads from other hosts land in them directly (no temporary)."""
         res: list = [None] * len(objs)
         local_i, local_src = [], []
         remote: dict = {}  # segment name -> indexes of objects whose first replica is there
@@ -110,7 +113,9 @@ class _ReadMixin:
                 remote.setdefault(obj.replicas[0][1], []).append(i)
             else:
                 try:
-                    res[i] = self._read_one(obj, segs, None if outs is None else outs[i], skipped)
+                    res[i] = self._read_one(
+                        obj, segs, None if outs is None else outs[i], skipped, scratch
+                    )
                 except TransferError as e:
                     res[i] = e
         for name, idx in remote.items():
@@ -143,7 +148,7 @@ class _ReadMixin:
                 try:
                     if got is None:
                         res[i] = self._read_one(
-                            objs[i], segs, None if outs is None else outs[i], skip
+                            objs[i], segs, None if outs is None else outs[i], skip, scratch
                         )
                     elif outs is None:
                         res[i] = got[j]
@@ -195,11 +200,17 @@ class _ReadMixin:
         return res
 
     def _read_one(
-        self, obj: _Obj, segs: dict, out: memoryview | None = None, skip: frozenset = frozenset()
+        self,
+        obj: _Obj,
+        segs: dict,
+        out: memoryview | None = None,
+        skip: frozenset = frozenset(),
+        scratch: bool = False,
     ):
         """Copies ``obj`` into ``out`` from the first replica that works (none in a segment
         named in ``skip``: found unreachable just before); with ``out=None`` returns a new
-        ``bytes`` (one copy)."""
+        ``bytes`` (one copy). ``scratch``: a read from another host goes into ``out``
+        directly (it may hold part of the bytes after a failed transfer)."""
         if obj.size == 0:  # empty objects have no replica (they live in the master alone)
             return b"" if out is None else None
         errors = []
@@ -223,6 +234,9 @@ class _ReadMixin:
                         return None
                     host, port, region = self._te_for(desc)
                     try:
+                        if scratch and out is not None:
+                            self._te.batch_read(host, port, region, [off], [out[: obj.size]])
+                            return None
                         data = self._te.batch_read_bytes(host, port, region, [off], [obj.size])[0]
                         if out is None:
                             return data
@@ -254,33 +268,6 @@ class _ReadMixin:
         if not obj.replicas:
             raise TransferError(f"{obj.key!r} has no replica left")
         raise TransferError(f"no replica of {obj.key!r} could be read: " + "; ".join(errors))
-
-    def _get_into_scratch(self, key: str, out: memoryview) -> None:
-        """:meth:`get_into` for a buffer the caller throws away on any error (a staging
-        buffer): a read from another host's segment goes straight into ``out``, without
-        the temporary that keeps ``get_into``'s buffer untouched on a failed transfer (one
-        copy less per byte). Raises as ``get_into`` does; ``out`` holds any bytes then."""
-        (obj,), segs, deadline = self._get_meta([key])
-        if obj is None:
-            raise ObjectNotFoundError(f"key {key!r} not found")
-        if obj.size > len(out):
-            raise ValueError(f"{key!r} has {obj.size} bytes, the buffer {len(out)}")
-        rep = obj.replicas[0] if obj.size and obj.replicas else None
-        if (
-            rep is None
-            or rep[0] != "m"
-            or rep[1] in self._skipped()
-            or self._is_local(segs[rep[1]])
-        ):
-            self.get_into(key, out)
-            return
-        try:
-            host, port, region = self._te_for(segs[rep[1]])
-            self._te.batch_read(host, port, region, [rep[2]], [out[: obj.size]])
-        except (TransferError, RuntimeError):
-            self.get_into(key, out)  # its other replicas, and the unreachable bookkeeping
-            return
-        self._check_lease(deadline, key)
 
     def _get_meta(self, keys: list):
         parts = list(_chunks(keys))

@@ -435,7 +435,7 @@ class _PullMixin:
         if relay is None:
 
             def get_into(key, dst):  # staging memory: a failed read only costs this pull
-                self.store._get_into_scratch(key, memoryview(dst.numpy()))
+                self.store._get_into(key, memoryview(dst.numpy()), scratch=True)
 
         else:
             get_into = relay.read_into

@@ -88,6 +88,7 @@ class RelayPull:
         self._lock = threading.Lock()  # `own` and `position`: the copy thread changes them too
         # copies are put on a thread of their own, so the next bucket's read starts at once
         self._copier: concurrent.futures.ThreadPoolExecutor | None = None
+        self._copies: list = []  # their futures: a bug in a copy is raised by finish()
 
     @classmethod
     def start(cls, ws, vp: str, pp: str, first_key: str, nbytes: int) -> RelayPull | None:
@@ -123,19 +124,23 @@ class RelayPull:
         if self.position is not None:
             self.sources = [j for j in range(self.position - 1, -1, -1) if recs[j] is not None]
             return self
-        mine = [k for k, r in enumerate(recs) if isinstance(r, dict) and r.get("host") == tag]
-        if not mine:
-            # the host's relay may hold the host claim without its position yet
-            deadline = time.monotonic() + 1.0
-            while not mine and time.monotonic() < deadline:
-                if store._exists_meta([f"{vp}relay/h{tag}"])[0] is None:
-                    break
-                time.sleep(0.005)
-                recs = ws._get_records(position_keys(vp, n))
-                mine = [
-                    k for k, r in enumerate(recs) if isinstance(r, dict) and r.get("host") == tag
-                ]
-        top = mine[0] if mine else len(recs) - 1
+
+        def ours(recs):  # this host's relay position, or None
+            return next(
+                (k for k, r in enumerate(recs) if isinstance(r, dict) and r.get("host") == tag),
+                None,
+            )
+
+        top = ours(recs)
+        # the host's relay may hold the host claim without its position yet
+        deadline = time.monotonic() + 1.0
+        while top is None and time.monotonic() < deadline:
+            if store._exists_meta([f"{vp}relay/h{tag}"])[0] is None:
+                break
+            time.sleep(0.005)
+            recs = ws._get_records(position_keys(vp, n))
+            top = ours(recs)
+        top = len(recs) - 1 if top is None else top
         self.sources = [j for j in range(top, -1, -1) if recs[j] is not None]
         return self
 
@@ -176,7 +181,9 @@ class RelayPull:
             j = self.sources[0]
             if self._wait(j, key):
                 try:
-                    self.store._get_into_scratch(copy_key(self.pp, j, key), memoryview(dst.numpy()))
+                    self.store._get_into(
+                        copy_key(self.pp, j, key), memoryview(dst.numpy()), scratch=True
+                    )
                     break
                 except (ObjectNotFoundError, TransferError):
                     pass
@@ -184,13 +191,13 @@ class RelayPull:
                 if self.sources and self.sources[0] == j:
                     self.sources.pop(0)
         else:
-            self.store._get_into_scratch(key, memoryview(dst.numpy()))
+            self.store._get_into(key, memoryview(dst.numpy()), scratch=True)
         if self.position is not None:
             if self._copier is None:
                 self._copier = concurrent.futures.ThreadPoolExecutor(
                     1, thread_name_prefix="ws-relay"
                 )
-            self._copier.submit(self._copy, key, dst)
+            self._copies.append(self._copier.submit(self._copy, key, dst))
 
     def _copy(self, key: str, dst: torch.Tensor) -> None:
         position = self.position
@@ -203,15 +210,22 @@ class RelayPull:
 
     def finish(self) -> None:
         """Waits for the copies still being put (the pull's bytes are all read)."""
+        for f in self._stop_copier():
+            f.result()  # StoreErrors were handled in _copy; anything else is a bug
+
+    def _stop_copier(self) -> list:
+        """Waits for the copy thread's last put; returns the copies' futures."""
         if self._copier is not None:
             self._copier.shutdown(wait=True)
             self._copier = None
+        copies, self._copies = self._copies, []
+        return copies
 
     def resign(self) -> None:
         """Stops relaying this version: removes what this reader put for it (its position
         record goes with the rest: readers after it move up the chain)."""
         self.position = None
-        self.finish()
+        self._stop_copier()  # a failed copy does not matter any more: all of them go
         self._remove_own()
 
     def _remove_own(self) -> None:

@@ -435,8 +435,13 @@ class MooncakeStore(_LinkMixin, _ReadMixin, _WriteMixin):
         host lands in a temporary first), ``LeaseExpiredError`` (the copy outlasted the
         lease: the buffer holds bytes that may have been evicted meanwhile and must not be
         used)."""
-        key = _check_key(key, "get_into")
-        mv = _writable_view(buffer, "get_into")
+        return self._get_into(_check_key(key, "get_into"), _writable_view(buffer, "get_into"))
+
+    def _get_into(self, key: str, mv: memoryview, scratch: bool = False) -> int:
+        """:meth:`get_into` of a checked key and buffer. ``scratch``: the caller throws the
+        buffer away on any error (a staging buffer), so a read from another host's segment
+        lands in it directly, without the temporary that keeps it untouched on a failed
+        transfer (one copy less per byte)."""
 
         def read():
             (obj,), segs, deadline = self._get_meta([key])
@@ -447,7 +452,7 @@ class MooncakeStore(_LinkMixin, _ReadMixin, _WriteMixin):
                     f"get_into: buffer of {len(mv)} bytes is too small for {key!r} "
                     f"({obj.size} bytes; nothing written)"
                 )
-            (err,) = self._read_many([obj], segs, [mv[: obj.size]])
+            (err,) = self._read_many([obj], segs, [mv[: obj.size]], scratch)
             return obj.size, err, deadline
 
         size, err, deadline = self._leased(read)

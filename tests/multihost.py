@@ -31,6 +31,13 @@ from tests.faults import kill_group
 PORT = 29400  # any port: the namespaces and their addresses belong to this run alone
 
 
+def store_master_address() -> tuple:
+    """(host, port) for a store master in rank 0 of a multi-host run: host 0's address
+    (the rendezvous' host, from MH_INIT) and the rendezvous port + 7."""
+    host, _, port = os.environ["MH_INIT"].removeprefix("tcp://").rpartition(":")
+    return host.strip("[]"), int(port) + 7
+
+
 def rank_hosts(ranks_per_host: list) -> list:
     """Host index of each rank: ranks fill host 0 first, then host 1, ..."""
     return [h for h, g in enumerate(ranks_per_host) for _ in range(g)]

@@ -366,11 +366,13 @@ def ws_store_relay(rank, world_size, tensors, tensor_mib):
         g = torch.Generator().manual_seed(version)
         return {f"w{i}": torch.randn(tensor_mib << 18, generator=g) for i in range(tensors)}
 
-    host0, _, port = os.environ["MH_INIT"].removeprefix("tcp://").rpartition(":")
-    master_addr = f"{host0}:{int(port) + 7}"
+    from tests.multihost import store_master_address
+
+    host0, mport = store_master_address()
+    master_addr = f"{host0}:{mport}"
     master = None
     if rank == 0:
-        master = Master(MasterConfig(host=host0, port=int(port) + 7)).start()
+        master = Master(MasterConfig(host=host0, port=mport)).start()
     dist.barrier()
     nbytes = tensors * tensor_mib << 20
     store = MooncakeStore(

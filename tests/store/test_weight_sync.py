@@ -1351,7 +1351,11 @@ def test_store_pull_across_hosts_one_relay_per_host_in_a_chain(procs):
     config = {"bucket_bytes": MiB, "keep_versions": 0}
     trainer, readers = _hosts(procs, master, [2, 2, 2], config)
     trainer.cmd("ws_publish", model="m", config=config, version=1, **_RELAY_STATE)
+    used = trainer.cmd("stats")["used_bytes"]
     got = _pull_all(readers, "m", config)
+    # the three relays' copies (a relay that made none would still end with position k)
+    state_bytes = _RELAY_STATE["tensors"] * _RELAY_STATE["kib"] << 10
+    assert trainer.cmd("stats")["used_bytes"] - used >= 3 * state_bytes
     for g in got:
         assert g["error"] is None and g["version"] == 1 and g["equals"] == [1], g
     positions = [g["position"] for g in got]
