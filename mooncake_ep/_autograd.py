@@ -97,27 +97,38 @@ class CombineFn(torch.autograd.Function):
 
 
 class LowLatencyDispatchFn(torch.autograd.Function):
-    """x [T, H] -> packed [L, W * T_max, H]."""
+    """x [T, H] -> packed [L, W * T_max, H]: one row per (token, expert) pair moves to the
+    expert's rank. Two levels (``handle.rows``): the input is the rows that arrived one
+    per (token, rank) [N_rows, H] instead, each copied into the slot of every local expert
+    its token chose; the backward sums a row's slots there."""
 
     @staticmethod
     def forward(ctx, buf, handle, x):
-        ctx.buf, ctx.handle = buf, handle
+        ctx.buf, ctx.handle, ctx.num_rows = buf, handle, x.shape[0]
         L = handle.num_experts // buf.group_size
         WT = buf.group_size * handle.num_max_dispatch_tokens_per_rank
-        rows = buf._fwd(handle, K_.gather_rows(x.detach(), handle.pair_token, buf._cfg["kernels"]))
+        kern = buf._cfg["kernels"]
+        if handle.rows is None:
+            pairs = buf._fwd(handle, K_.gather_rows(x.detach(), handle.pair_token, kern))
+        else:
+            pairs = K_.gather_rows(x.detach(), handle.pair_row, kern)
         packed = buf._recycler.empty((L * WT, handle.hidden), x.dtype, x.device)
-        K_.scatter_rows(rows, handle.recv_dst, packed)
+        K_.scatter_rows(pairs, handle.recv_dst, packed)
         return packed.view(L, WT, handle.hidden)
 
     @staticmethod
     def backward(ctx, g):
         buf, h = ctx.buf, ctx.handle
-        flat = g.reshape(-1, h.hidden)
-        rows = buf._bwd(h, K_.gather_rows(flat.contiguous(), h.recv_dst, buf._cfg["kernels"]))
+        flat = g.reshape(-1, h.hidden).contiguous()
+        pairs = K_.gather_rows(flat, h.recv_dst, buf._cfg["kernels"])
+        if h.rows is None:
+            pairs, idx = buf._bwd(h, pairs), h.pair_token
+        else:
+            idx = h.pair_row
         gx = K_.scatter_add_rows(
-            rows,
-            h.pair_token,
-            h.num_tokens,
+            pairs,
+            idx,
+            ctx.num_rows,
             fp32_accumulate=buf._cfg["fp32_accumulate"],
             out_dtype=g.dtype,
         )
@@ -134,12 +145,25 @@ def _pair_weights(handle, topk_weights):
     return wp
 
 
+def _slots(handle):
+    """Two levels: (row, k, flat slot) of every received row's top-k slot whose expert is
+    on this rank, each int64 [S]."""
+    n, k = (handle.slot_dst >= 0).nonzero().unbind(1)
+    return n, k, handle.slot_dst[n, k]
+
+
 class LowLatencyCombineFn(torch.autograd.Function):
-    """(packed x [L, W * T_max, H], topk_weights [T, K]) -> combined [T, H]."""
+    """(packed x [L, W * T_max, H], topk_weights [T, K]) -> combined [T, H].
+
+    Two levels (``handle.rows``): each row's weights travel to its destination, which sums
+    its experts' outputs of the row's token (float32, rounded once to x's dtype); the row
+    then goes back as a normal combine's does (summed per host, then at the source)."""
 
     @staticmethod
     def forward(ctx, buf, handle, x, w):
         ctx.buf, ctx.handle = buf, handle
+        if handle.rows is not None:
+            return LowLatencyCombineFn._two_level(ctx, buf, handle, x.detach(), w.detach())
         flat = x.detach().reshape(-1, handle.hidden)
         rows = buf._bwd(handle, K_.gather_rows(flat, handle.recv_dst, buf._cfg["kernels"]))
         wp = _pair_weights(handle, w.detach())
@@ -156,7 +180,52 @@ class LowLatencyCombineFn(torch.autograd.Function):
         return out
 
     @staticmethod
+    def _two_level(ctx, buf, h, x, w):
+        rh = h.rows
+        w_rows = w.float().index_select(0, rh.send_token_idx)
+        w_rows = torch.where(h.send_local >= 0, w_rows, torch.zeros_like(w_rows))
+        w_recv = buf._fwd(rh, w_rows)  # [N_rows, K]; zero from inactive sources
+        n, k, dst = _slots(h)
+        flat = x.reshape(-1, h.hidden)
+        y = K_.scatter_add_rows(
+            K_.gather_rows(flat, dst, buf._cfg["kernels"]),
+            n,
+            sum(rh.recv_counts),
+            weights=w_recv[n, k],
+            out_dtype=x.dtype,
+        )
+        ctx.save_for_backward(flat, w_recv)
+        ctx.x_dtype = x.dtype
+        return buf._bwd_tokens(rh, y, x.dtype)
+
+    @staticmethod
+    def _two_level_backward(ctx, g):
+        buf, h = ctx.buf, ctx.handle
+        rh = h.rows
+        flat, w_recv = ctx.saved_tensors
+        kern = buf._cfg["kernels"]
+        g_rows = buf._fwd_tokens(rh, g.contiguous())  # [N_rows, H]
+        n, k, dst = _slots(h)
+        g_slots = K_.gather_rows(g_rows, n, kern)
+        gx = gw = None
+        if ctx.needs_input_grad[2]:
+            L = h.num_experts // buf.group_size
+            WT = buf.group_size * h.num_max_dispatch_tokens_per_rank
+            gx = K_.scatter_add_rows(
+                g_slots, dst, L * WT, weights=w_recv[n, k], out_dtype=ctx.x_dtype
+            ).view(L, WT, h.hidden)
+        if ctx.needs_input_grad[3]:
+            dots = (g_slots.float() * K_.gather_rows(flat, dst, kern).float()).sum(1)
+            g_recv = torch.zeros_like(w_recv)
+            g_recv[n, k] = dots
+            back = buf._bwd(rh, g_recv)  # [N_send, K]: a slot is nonzero at one rank only
+            gw = K_.scatter_add_rows(back, rh.send_token_idx, h.num_tokens, out_dtype=torch.float32)
+        return None, None, gx, gw
+
+    @staticmethod
     def backward(ctx, g):
+        if ctx.handle.rows is not None:
+            return LowLatencyCombineFn._two_level_backward(ctx, g)
         buf, h = ctx.buf, ctx.handle
         rows, wp = ctx.saved_tensors
         gx = gw = None

@@ -268,3 +268,28 @@ def backward(
         out_dtype=out_dtype,
         alloc=alloc,
     )
+
+
+def ll_pairs(recv_idx: torch.Tensor, num_local_experts: int, slots_per_expert: int):
+    """Where a low-latency dispatch's rows go at their destination when they arrive one per
+    (token, rank) (two levels) rather than one per (token, expert): ``recv_idx`` int64
+    [N, K] local expert ids of each received row (-1: elsewhere) -> ``(pair_row, recv_dst,
+    slot_dst)``: int64 [P] the row of each distinct (row, local expert) pair, [P] its flat
+    slot ``l * slots_per_expert + j`` (``j``: its place among expert ``l``'s pairs, by
+    source rank then token, as the rank-to-rank path packs them) and [N, K] each top-k
+    slot's flat slot (-1 where its expert is elsewhere; a duplicate id shares its pair's)."""
+    N, L = recv_idx.shape[0], num_local_experts
+    dev = recv_idx.device
+    ids = torch.where(recv_idx < 0, torch.full_like(recv_idx, L), recv_idx)
+    bits = torch.zeros((N, L + 1), dtype=torch.bool, device=dev)
+    bits.scatter_(1, ids, True)
+    nz = bits[:, :L].t().nonzero()  # (expert, row): by expert, then row
+    lid, pair_row = nz[:, 0], nz[:, 1].contiguous()
+    per_expert = torch.bincount(lid, minlength=L)
+    start = torch.cumsum(per_expert, 0) - per_expert
+    q = torch.arange(lid.numel(), device=dev) - start[lid]
+    recv_dst = (lid * slots_per_expert + q).contiguous()
+    table = torch.full((N, L + 1), -1, dtype=torch.int64, device=dev)
+    table[pair_row, lid] = recv_dst
+    slot_dst = table.gather(1, ids).contiguous()
+    return pair_row, recv_dst, slot_dst

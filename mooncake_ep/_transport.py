@@ -21,7 +21,9 @@ from .kernels import FP8_DTYPES
 
 # header codes (one int64 each): op ids, status, the low-latency backend wanted
 _OPS = {"dispatch": 1, "combine": 2, "low_latency_dispatch": 3, "low_latency_combine": 4}
-HDR = 8  # status, op, then 6 op-specific fields every rank must agree on
+HDR = (
+    9  # status, op, then 7 op-specific fields every rank must agree on (or 6 and a per-rank value)
+)
 LL_CODES = {"auto": 0, "nvshmem": 1, "group": 2}
 FORCED = "low_latency_backend='nvshmem' (EPConfig or MOONCAKE_EP_LOW_LATENCY_BACKEND)"
 _OK, _BAD = 1, 2

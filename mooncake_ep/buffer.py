@@ -55,12 +55,19 @@ functions in :mod:`mooncake_ep._autograd`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
 from . import _hosts
 from . import kernels as K_
-from ._autograd import CombineFn, DispatchFn, LowLatencyCombineFn, LowLatencyDispatchFn
+from ._autograd import (
+    CombineFn,
+    DispatchFn,
+    LowLatencyCombineFn,
+    LowLatencyDispatchFn,
+)
 from ._checks import (
     DTYPES,
     BadArgs,
@@ -363,49 +370,15 @@ class Buffer(Transport):
         tries = self._cfg["max_membership_retries"]
         for attempt in range(tries + 1):
             active0, epoch0, topo = self._membership_and_topology()
-            # rows per rank, tokens per host (at most W hosts; for the relays), and the
-            # epoch these counts saw
-            counts = torch.zeros(2 * W + 1, dtype=torch.int64)
-            counts[-1] = epoch0
-            if err is None:
-                mask = torch.tensor(active0, dtype=torch.bool, device=dev)
-                counts[:W] = (in_rank & mask).sum(0).cpu()
-                if topo is not None:
-                    counts[W : W + topo.num_hosts] = topo.tokens_per_host(in_rank & mask).cpu()
+            counts = self._row_counts(in_rank, active0, epoch0, topo)
             hdr, active, epoch = self._header(op, fields, counts, error=err, names=names)
             act = torch.tensor(
                 [int(a and b) for a, b in zip(active, active0)], dtype=torch.bool, device=dev
             )
-            sent = in_rank & act
-            send_counts = tuple(int(c) for c in sent.sum(0))
-            recv_counts = tuple(int(hdr[s, HDR + self.rank]) if active[s] else 0 for s in range(W))
-            nz = sent.t().nonzero()
-            send_tok = nz[:, 1].contiguous()
-            mx = int(sent.sum(1).max()) if T else 0
-            route = None
-            live = [r for r in range(W) if active[r]]
-            # two levels only when every rank counted with the membership the header agreed
-            # on (the relays' counts come from those counts)
-            if (
-                hierarchical
-                and topo is not None
-                and topo.spans_hosts(live)
-                and all(int(hdr[r, -1]) == epoch for r in live)
-            ):
-                route = self._plan_route(topo, active, sent, hdr, recv_counts, epoch)
-            h = DispatchHandle(
-                T, H, E, Kk, send_tok, send_counts, recv_counts, sent, epoch, mx, route
+            h, local = self._rows_handle(
+                (T, H, E, Kk), topk_idx, in_rank & act, active, epoch, hdr[:, HDR:], topo
             )
-            # local ids of each sent row at its destination (-1: that slot's expert is elsewhere)
-            dest = nz[:, 0]
-            rows_idx = topk_idx.long().index_select(0, send_tok)
-            local = rows_idx - (dest * L).unsqueeze(1)
-            local = torch.where(
-                (rows_idx >= 0) & (local >= 0) & (local < L), local, torch.full_like(local, -1)
-            )
-            recv_x, recv_w, recv_idx = DispatchFn.apply(
-                self, h, local.to(torch.int32), x, topk_weights
-            )
+            recv_x, recv_w, recv_idx = DispatchFn.apply(self, h, local, x, topk_weights)
             if self._membership()[1] == epoch or attempt == tries:
                 break
         if self._membership()[1] != epoch:
@@ -417,16 +390,59 @@ class Buffer(Transport):
         counts_list = [int((c + align - 1) // align * align) for c in per_expert.tolist()]
         return DispatchResult(recv_x, recv_idx, recv_w, counts_list, h)
 
-    def _plan_route(self, topo, active, sent, hdr, recv_counts, epoch):
-        """Collective: the two-level route of a dispatch (:mod:`mooncake_ep._hosts`), for
-        which each rank sends the masks its relays forward by; ``None`` on every survivor
-        when the membership changed meanwhile (the dispatch then restarts)."""
-        W = self.group_size
-        host_counts = hdr[:, HDR + W : HDR + W + topo.num_hosts].tolist()
-        route = _hosts.plan_route(
-            topo, self.rank, active, sent, host_counts, recv_counts, self._a2a
+    def _rows_handle(self, dims, topk_idx, sent, active, epoch, counts, topo):
+        """Collective when the rows go in two levels: the :class:`DispatchHandle` of one row
+        per (token, destination rank) and the local expert ids of each row sent (int32
+        [N_send, K], -1 where that slot's expert is on another rank).
+
+        ``dims`` (T, H, E, K); ``sent`` bool [T, W]: where each token goes (active ranks
+        only); ``counts`` int64 [W, >= 2 W + 1]: per source rank, as :meth:`_row_counts`
+        lays them out, from the header the ranks exchanged."""
+        T, H, E, Kk = dims
+        W, L = self.group_size, E // self.group_size
+        send_counts = tuple(int(c) for c in sent.sum(0))
+        recv_counts = tuple(int(counts[s, self.rank]) if active[s] else 0 for s in range(W))
+        nz = sent.t().nonzero()
+        send_tok = nz[:, 1].contiguous()
+        mx = int(sent.sum(1).max()) if T else 0
+        route = None
+        live = [r for r in range(W) if active[r]]
+        # two levels only when every rank counted with the membership the header agreed
+        # on (the relays' counts come from those counts)
+        if (
+            self._cfg["hierarchical"]
+            and topo is not None
+            and topo.spans_hosts(live)
+            and all(int(counts[r, 2 * W]) == epoch for r in live)
+        ):
+            host_counts = counts[:, W : W + topo.num_hosts].tolist()
+            route = _hosts.plan_route(
+                topo, self.rank, active, sent, host_counts, recv_counts, self._a2a
+            )
+            if self._membership()[1] != epoch:
+                route = None  # on every survivor: the op restarts
+        h = DispatchHandle(T, H, E, Kk, send_tok, send_counts, recv_counts, sent, epoch, mx, route)
+        dest = nz[:, 0]
+        rows_idx = topk_idx.long().index_select(0, send_tok)
+        local = rows_idx - (dest * L).unsqueeze(1)
+        local = torch.where(
+            (rows_idx >= 0) & (local >= 0) & (local < L), local, torch.full_like(local, -1)
         )
-        return route if self._membership()[1] == epoch else None
+        return h, local.to(torch.int32)
+
+    def _row_counts(self, in_rank, active, epoch, topo) -> torch.Tensor:
+        """int64 [2 W + 1], this rank's part of a header for :meth:`_rows_handle`: its rows
+        per destination rank, its tokens per host (at most W hosts; for the relays) and the
+        epoch these counts saw. ``in_rank`` bool [T, W] (``None``: bad arguments, zeros)."""
+        W = self.group_size
+        counts = torch.zeros(2 * W + 1, dtype=torch.int64)
+        counts[-1] = epoch
+        if in_rank is not None:
+            mask = torch.tensor(active, dtype=torch.bool, device=in_rank.device)
+            counts[:W] = (in_rank & mask).sum(0).cpu()
+            if topo is not None:
+                counts[W : W + topo.num_hosts] = topo.tokens_per_host(in_rank & mask).cpu()
+        return counts
 
     # --------------------------------------------------------------- combine
 
@@ -591,31 +607,61 @@ class Buffer(Transport):
             if local_why is not None and want == "nvshmem":
                 err = f"{FORCED} cannot be served: {local_why}"
         L = E // W if E > 0 and E % W == 0 else 1
-        cnt = None
+        cnt = in_rank = None
         if err is None:
             cnt = _token_expert_counts(topk_idx, E) > 0  # [T, E]
-        fields = [E, H, DTYPES.get(getattr(x, "dtype", None), 0), Tm, int(bool(use_fp8))]
-        names = ("num_experts", "hidden", "dtype", "num_max_dispatch_tokens_per_rank", "use_fp8")
+            in_rank = cnt.view(T, W, L).any(2)
+        hierarchical = bool(self._cfg["hierarchical"])
+        fields = [
+            E,
+            H,
+            DTYPES.get(getattr(x, "dtype", None), 0),
+            Tm,
+            int(bool(use_fp8)),
+            int(hierarchical),
+        ]
+        names = (
+            "num_experts",
+            "hidden",
+            "dtype",
+            "num_max_dispatch_tokens_per_rank",
+            "use_fp8",
+            "hierarchical",
+        )
         tries = self._cfg["max_membership_retries"]
         for attempt in range(tries + 1):
-            active0, _ = self._membership()
-            per_expert = None
+            active0, epoch0, topo = self._membership_and_topology()
+            # pairs per expert, then the counts of the two-level route (one row per token
+            # and destination rank)
+            counts = torch.zeros(max(E, 0) + 2 * W + 1, dtype=torch.int64)
+            counts[E:] = self._row_counts(in_rank, active0, epoch0, topo)
             if err is None:
                 emask = torch.tensor(active0, dtype=torch.bool, device=dev).repeat_interleave(L)
-                per_expert = (cnt & emask).sum(0)
+                counts[:E] = (cnt & emask).sum(0).cpu()
             hdr, active, epoch = self._header(
-                op,
-                fields,
-                per_expert if per_expert is not None else torch.zeros(max(E, 0)),
-                error=err,
-                names=names,
-                extra=nvs_ok | (LL_CODES[want] << 1),
+                op, fields, counts, error=err, names=names, extra=nvs_ok | (LL_CODES[want] << 1)
             )
             backend, why = self._choose_ll_backend(
                 op, want, hdr, active, dev, Tm * L * H * max(4, x.element_size()), local_why
             )
             self._ll_backend, self._ll_why = backend, why
             act = [int(a and b) for a, b in zip(active, active0)]
+            live = [r for r in range(W) if active[r]]
+            rows = local = None
+            if backend == "group" and hierarchical and topo is not None and topo.spans_hosts(live):
+                # across hosts: a token crosses to each remote host once and the host's
+                # ranks place it in their experts' slots (the normal mode's route)
+                rows, local = self._rows_handle(
+                    (T, H, E, Kk),
+                    topk_idx,
+                    in_rank & torch.tensor(act, dtype=torch.bool, device=dev),
+                    active,
+                    epoch,
+                    hdr[:, HDR + E :],
+                    topo,
+                )
+                if rows.route is None:
+                    rows = local = None
             emask = torch.tensor(act, dtype=torch.bool, device=dev).repeat_interleave(L)
             pairs = (cnt & emask).t().nonzero()  # [P, 2] (expert, token)
             pair_e, pair_t = pairs[:, 0].contiguous(), pairs[:, 1].contiguous()
@@ -670,7 +716,9 @@ class Buffer(Transport):
                 epoch,
                 backend,
             )
-            if use_fp8:
+            if rows is not None:
+                recv_x, h = self._ll_dispatch_two_level(h, rows, local, x)
+            elif use_fp8:
                 with torch.no_grad():
                     send = K_.gather_rows(x, pair_t, self._cfg["kernels"])
                     qx, sc = K_.fp8_quantize(send, self._cfg["kernels"])
@@ -692,6 +740,36 @@ class Buffer(Transport):
         if cumulative_local_expert_recv_stats is not None:
             cumulative_local_expert_recv_stats += recv_count
         return LowLatencyDispatchResult(recv_x, recv_count.clone(), h)
+
+    def _ll_dispatch_two_level(self, h, rows, local, x):
+        """A low-latency dispatch across hosts: each token's row goes once to every rank
+        that holds one of its experts, on ``rows``' two-level route (one row per (token,
+        remote host) crosses a link), with its local expert ids (``local`` int32
+        [N_send, K]); each rank then copies a row into the slot of every local expert it
+        chose. Returns ``recv_x`` (as the rank-to-rank path lays it out) and ``h`` with
+        the route's tables. fp8 rows are quantized once per token at the source."""
+        L = h.num_experts // self.group_size
+        WT = self.group_size * h.num_max_dispatch_tokens_per_rank
+        H = h.hidden
+        if h.use_fp8:
+            with torch.no_grad():
+                qx, sc = K_.fp8_quantize(x, self._cfg["kernels"])
+                rq, _, recv_idx = DispatchFn.apply(self, rows, local, qx.view(torch.uint8), None)
+                rs = self._fwd_tokens(rows, sc)
+        else:
+            rx, _, recv_idx = DispatchFn.apply(self, rows, local, x, None)
+        pair_row, recv_dst, slot_dst = _hosts.ll_pairs(recv_idx.long(), L, WT)
+        h = dataclasses.replace(
+            h, recv_dst=recv_dst, rows=rows, pair_row=pair_row, slot_dst=slot_dst, send_local=local
+        )
+        if not h.use_fp8:
+            return LowLatencyDispatchFn.apply(self, h, rx), h
+        px = self._recycler.empty((L * WT, H), torch.uint8, rq.device)
+        ps = self._recycler.empty((L * WT, rs.shape[1]), torch.float32, rs.device)
+        kern = self._cfg["kernels"]
+        K_.scatter_rows(K_.gather_rows(rq, pair_row, kern), recv_dst, px)
+        K_.scatter_rows(K_.gather_rows(rs, pair_row, kern), recv_dst, ps)
+        return (px.view(K_.FP8_DTYPE).view(L, WT, H), ps.view(L, WT, -1)), h
 
     def low_latency_combine(
         self,

@@ -157,6 +157,14 @@ class LowLatencyHandle:
     inactive rank); ``recv_dst`` int64 [N_recv] is the flat row (``l * W * T_max + j``) of
     ``recv_x`` that each received row went to. ``backend`` is how its rows move
     (``"nvshmem"`` or ``"group"``): the combine and the backward passes use the same.
+
+    Across hosts (two levels) one row per (token, destination rank) moves instead, on
+    ``rows``' route (a :class:`DispatchHandle`); then ``pair_row`` int64 [P_recv] is the
+    received row of each received pair and ``recv_dst`` [P_recv] its flat row of
+    ``recv_x``; ``slot_dst`` int64 [N_rows, K] the flat row of each received row's top-k
+    slot (-1: that slot's expert is elsewhere); ``send_local`` int32 [N_send, K] the local
+    expert ids of the rows sent (-1 likewise), by which ``low_latency_combine`` sends
+    each row's weights along.
     """
 
     num_tokens: int
@@ -173,6 +181,10 @@ class LowLatencyHandle:
     use_fp8: bool
     epoch: int
     backend: str = "group"
+    rows: DispatchHandle | None = None
+    pair_row: torch.Tensor | None = None
+    slot_dst: torch.Tensor | None = None
+    send_local: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:

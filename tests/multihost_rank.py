@@ -205,10 +205,10 @@ def ep_round_trip(
     """For each routing mode (ep_routing): a normal-mode dispatch, the scaled experts of
     tests.ep.eputil (expert e scales by 1 + e / 8, weighted by recv_topk_weights), combine,
     and the backward of sum(combined * g) (g: tokens of seed 1); a cached dispatch of the
-    seed-2 tokens through the same experts; a low-latency round trip, plain and with fp8
-    rows (dequantized before the experts). Returns the results
+    seed-2 tokens through the same experts; a low-latency round trip with the backward of
+    the same sum, and one with fp8 rows (dequantized before the experts). Returns the results
     and gradients for the test's reference, and the bytes that left this rank's host
-    during the plain round trip (between barriers); values=False: only the bytes."""
+    during the plain round trip and a low-latency one (between barriers); values=False: only the bytes."""
     import mooncake_ep
     from tests.ep.eputil import make_inputs, scaled_experts_ll, scaled_experts_normal
 
@@ -239,8 +239,16 @@ def ep_round_trip(
         time.sleep(0.2)
         dist.barrier()
         host_tx = tx() - before
+        before = tx()
+        ll = buf.low_latency_dispatch(x, idx, T, E)
+        buf.low_latency_combine(scaled_experts_ll(ll.recv_x, rank, L, scale), idx, w, ll.handle)
+        dist.barrier()
+        time.sleep(0.2)
+        dist.barrier()
+        ll_host_tx = tx() - before
         out[mode] = {
             "host_tx": host_tx,
+            "ll_host_tx": ll_host_tx,
             "per_host": buf.get_dispatch_layout(idx, E).num_tokens_per_rdma_rank.tolist(),
             "two_level": r.handle.route is not None,
         }
@@ -254,10 +262,12 @@ def ep_round_trip(
         r2 = buf.dispatch(x2, handle=r.handle)
         y2 = scaled_experts_normal(r2.recv_x, r.recv_topk_idx, r.recv_topk_weights, rank, L, scale)
         cached = buf.combine(y2, r.handle).combined_x
-        ll = buf.low_latency_dispatch(x, idx, T, E)
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        ll = buf.low_latency_dispatch(xl, idx, T, E)
         ll_out = buf.low_latency_combine(
-            scaled_experts_ll(ll.recv_x, rank, L, scale), idx, w, ll.handle
+            scaled_experts_ll(ll.recv_x, rank, L, scale), idx, wl, ll.handle
         ).combined_x
+        (ll_out.float() * g.float()).sum().backward()
         q = buf.low_latency_dispatch(x, idx, T, E, use_fp8=True)
         deq = mooncake_ep.fp8_dequantize(*q.recv_x).to(x.dtype)
         fp8_out = buf.low_latency_combine(
@@ -269,22 +279,25 @@ def ep_round_trip(
             grad_x=xg.grad.double().tolist(),
             grad_w=wg.grad.double().tolist(),
             cached=cached.double().tolist(),
-            low_latency=ll_out.double().tolist(),
+            low_latency=ll_out.detach().double().tolist(),
+            low_latency_grad_x=xl.grad.double().tolist(),
+            low_latency_grad_w=wl.grad.double().tolist(),
+            low_latency_two_level=ll.handle.rows is not None and q.handle.rows is not None,
         )
     return out
 
 
 def ep_kill_relay(rank, world_size, ranks_per_host, victim, T, H, E, K):
-    """A normal-mode dispatch across hosts (two levels), then the victim SIGKILLs itself
-    before the combine (it relays the tokens of the ranks of its local index elsewhere);
-    the survivors combine, then run a second round trip over the survivors. Expert e
-    scales by 1 + e / 8 (tests.ep.eputil). Returns both results, the membership after,
-    and whether the second round trip went in two levels."""
+    """A normal-mode and a low-latency dispatch across hosts (two levels), then the victim
+    SIGKILLs itself before the combines (it relays the tokens of the ranks of its local
+    index elsewhere); the survivors combine both, then run a second normal round trip over
+    the survivors. Expert e scales by 1 + e / 8 (tests.ep.eputil). Returns the results,
+    the membership after, and whether the round trips went in two levels."""
     import signal
 
     import mooncake_ep
     import mooncake_pg
-    from tests.ep.eputil import scaled_experts_normal
+    from tests.ep.eputil import scaled_experts_ll, scaled_experts_normal
 
     buf = mooncake_ep.Buffer()
     L = E // world_size
@@ -295,16 +308,21 @@ def ep_kill_relay(rank, world_size, ranks_per_host, victim, T, H, E, K):
     x, idx, w = ep_routing(rank, world_size, ranks_per_host, "random", T, H, E, K)
     r = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
     y = scaled_experts_normal(r.recv_x, r.recv_topk_idx, r.recv_topk_weights, rank, L, scale)
+    ll = buf.low_latency_dispatch(x, idx, T, E)
+    ll_y = scaled_experts_ll(ll.recv_x, rank, L, scale)
     if rank == victim:
         os.kill(os.getpid(), signal.SIGKILL)
     first = buf.combine(y, r.handle).combined_x
+    ll_first = buf.low_latency_combine(ll_y, idx, w, ll.handle).combined_x
     r2 = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
     y2 = scaled_experts_normal(r2.recv_x, r2.recv_topk_idx, r2.recv_topk_weights, rank, L, scale)
     second = buf.combine(y2, r2.handle).combined_x
     return {
         "first": first.double().tolist(),
+        "low_latency_first": ll_first.double().tolist(),
         "second": second.double().tolist(),
         "two_level_after": r2.handle.route is not None,
+        "low_latency_two_level": ll.handle.rows is not None,
         "active": mooncake_pg.get_active_ranks().tolist(),
         "epoch": mooncake_pg.get_epoch(),
         "first_epoch": r.handle.epoch,

@@ -361,6 +361,8 @@ def _ep_reference(rph, mode, T, H, E, K, dtype):
                 "cached": ref_scaled_moe(x2, idx, w, scale),
                 "low_latency": ref,
                 "low_latency_fp8": ref,
+                "low_latency_grad_x": ref_scaled_moe(g, idx, w, scale),
+                "low_latency_grad_w": f.double() * dots,
             }
         )
     return out
@@ -375,8 +377,9 @@ def test_ep_across_hosts_equals_the_reference(ranks_per_host, dtype):
     """mooncake_ep across hosts, two levels (a token crosses to each remote host once, to a
     relay that forwards it inside the host; combine sums inside the host first): dispatch,
     combine, autograd (input and router-weight gradients), a cached dispatch and the
-    low-latency round trip (also with fp8 rows) equal float64 references for random, -1,
-    duplicate, skewed and all-on-the-last-host routing."""
+    low-latency round trip (also in two levels, with its gradients, and with fp8 rows)
+    equal float64 references for random, -1, duplicate, skewed and all-on-the-last-host
+    routing."""
     rph = ranks_per_host
     W = sum(rph)
     T, H, E, K = 24, 16, 2 * W, 4
@@ -389,7 +392,7 @@ def test_ep_across_hosts_equals_the_reference(ranks_per_host, dtype):
         ref = _ep_reference(rph, mode, T, H, E, K, dtype)
         for r in range(W):
             got = res[r][mode]
-            assert got["two_level"], (r, mode)
+            assert got["two_level"] and got["low_latency_two_level"], (r, mode)
             for key, want in ref[r].items():
                 have = torch.tensor(got[key], dtype=torch.float64)
                 # e4m3 keeps 3 mantissa bits: 2^-4 relative per element
@@ -400,8 +403,8 @@ def test_ep_across_hosts_equals_the_reference(ranks_per_host, dtype):
 
 @pytest.mark.parametrize("ranks_per_host", [[2, 2], [2, 2, 2, 2]], ids=["2x2", "4x2"])
 def test_ep_round_trip_sends_one_row_per_token_and_remote_host(ranks_per_host):
-    """The bytes that leave each host during a dispatch + combine are the rows of one per
-    (token, remote host) each way (T x remote hosts touched x H x element size, counted
+    """The bytes that leave each host during a dispatch + combine, normal or low-latency,
+    are the rows of one per (token, remote host) each way (T x remote hosts touched x H x element size, counted
     from the routing), not one per (token, remote rank) as rank to rank."""
     rph = ranks_per_host
     W, hosts = sum(rph), rank_hosts(rph)
@@ -411,7 +414,7 @@ def test_ep_round_trip_sends_one_row_per_token_and_remote_host(ranks_per_host):
         _no_error(res, r)
     from tests.multihost_rank import ep_routing
 
-    row = H * 4
+    row = H * 4  # float32
     L = E // W
     exact = [0] * len(rph)  # bytes out of each host, one row per (token, remote host)
     flat = [0] * len(rph)  # rank to rank: one row per (token, remote rank)
@@ -428,18 +431,19 @@ def test_ep_round_trip_sends_one_row_per_token_and_remote_host(ranks_per_host):
                     flat[hosts[d]] += row
     assert res[0]["random"]["per_host"] is not None
     for h in range(len(rph)):
-        sent = min(res[r]["random"]["host_tx"] for r in range(W) if hosts[r] == h)
-        # frames' headers and the small metadata (local ids, weights, relay masks) on top
-        assert exact[h] <= sent <= 1.12 * exact[h] + (32 << 10), (h, sent, exact[h], flat[h])
+        for mode in ("host_tx", "ll_host_tx"):  # the normal and the low-latency round trip
+            sent = min(res[r]["random"][mode] for r in range(W) if hosts[r] == h)
+            # frames' headers and the small metadata (local ids, weights, relay masks) on top
+            assert exact[h] <= sent <= 1.12 * exact[h] + (32 << 10), (mode, h, sent, exact[h])
         assert exact[h] < 0.9 * flat[h], (h, exact[h], flat[h])  # the test tells them apart
 
 
 @pytest.mark.parametrize("ranks_per_host", [[2, 2], [2, 2, 2, 2]], ids=["2x2", "4x2"])
 def test_ep_relay_killed_between_dispatch_and_combine(ranks_per_host):
     """on_failure="mask": the last rank (a relay: the tokens of its local index on the
-    other hosts reach its host through it) SIGKILLs itself after a two-level dispatch.
-    Every survivor's combine equals the reference without the dead rank's experts, and so
-    does the next round trip (its host's remaining rank now relays every token); all
+    other hosts reach its host through it) SIGKILLs itself after a two-level dispatch and
+    a two-level low-latency dispatch. Every survivor's combines equal the reference without
+    the dead rank's experts, and so does the next round trip (its host's remaining rank now relays every token); all
     survivors agree on the mask and the epoch."""
     from tests.ep.eputil import ref_scaled_moe
     from tests.multihost_rank import ep_routing
@@ -469,10 +473,10 @@ def test_ep_relay_killed_between_dispatch_and_combine(ranks_per_host):
         got = res[r]
         assert got["active"] == want_active, got["active"]
         assert got["epoch"] == res[survivors[0]]["epoch"] > got["first_epoch"]
-        assert got["two_level_after"]
+        assert got["two_level_after"] and got["low_latency_two_level"]
         x, idx, w = ep_routing(r, W, rph, "random", T, H, E, K)
         want = ref_scaled_moe(x, idx, w, lambda e: 1.0 + e / 8, excluded=dead_experts)
-        for key in ("first", "second"):
+        for key in ("first", "low_latency_first", "second"):
             err = float((torch.tensor(got[key], dtype=torch.float64) - want).abs().max())
             assert err <= 1e-5 * (float(want.abs().max()) + 1), (r, key, err)
 
