@@ -36,6 +36,16 @@ import torch
 
 from . import kernels as K_
 
+PIECE_BYTES = 8 << 20  # a combine's last stage moves in pieces of about this much ...
+MAX_PIECES = 4  # ... and at most this many (each piece is one more collective)
+
+
+def pieces(most_bytes: int) -> int:
+    """How many pieces a combine's last stage moves in when the rank that sends the most
+    rows in a dispatch sends ``most_bytes`` (1 below 2 x PIECE_BYTES: a small op pays a
+    collective's latency per piece and has little to overlap)."""
+    return max(1, min(MAX_PIECES, most_bytes // PIECE_BYTES))
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class HostRoute:
@@ -46,6 +56,9 @@ class HostRoute:
     row forwards, grouped by destination then source then token; ``segments``: per source
     rank in order, ``(stage, offset, rows)`` of its final rows in that stage's received
     rows (stage 1: a source of this host; stage 2: a remote source via its relay).
+    ``chunks``: how many pieces :func:`backward`'s last stage moves in (the same on every
+    rank); a token's piece is ``token * chunks // T`` at its source. ``send_chunk`` int64
+    [N1]: the piece of each stage-1 row sent, ``recv_chunk`` [N1_recv] of each received.
     """
 
     active: tuple[int, ...]
@@ -59,6 +72,9 @@ class HostRoute:
     num_recv: int
     max_rows_per_token: int
     ranks_on_host: int
+    chunks: int = 1
+    send_chunk: torch.Tensor | None = None
+    recv_chunk: torch.Tensor | None = None
 
 
 class Topology:
@@ -112,13 +128,21 @@ class Topology:
 
 
 def plan_route(
-    topo: Topology, rank: int, active, sent: torch.Tensor, host_counts, recv_counts, a2a
+    topo: Topology,
+    rank: int,
+    active,
+    sent: torch.Tensor,
+    host_counts,
+    recv_counts,
+    a2a,
+    chunks: int = 1,
 ) -> HostRoute:
     """Collective: this rank's :class:`HostRoute`. ``sent`` bool [T, W]: where each token
     goes (active ranks only); ``host_counts`` [W] lists of [num_hosts]: each source's tokens
     per host (from the header); ``recv_counts`` [W]: the rows each source sends this rank in
     a flat dispatch; ``a2a(rows, send_counts, recv_counts)``: the group's row all-to-all,
-    which carries each stage-1 row's bit mask of the ranks that want it to its relay."""
+    which carries each stage-1 row's bit mask of the ranks that want it to its relay, and
+    the row's piece of :func:`backward`'s last stage (``chunks``, the same on every rank)."""
     W = len(topo.host_of)
     me, hm = rank, topo.host_of[rank]
     local = topo.members[hm]
@@ -145,7 +169,10 @@ def plan_route(
         for s in range(W)
     )
     dev = send_tok.device
-    recv_masks = a2a(bits[send_tok, topo.hosts.to(dev)[nz[:, 0]]], send_counts, recv1).to(dev)
+    send_chunk = send_tok * chunks // max(sent.shape[0], 1)
+    meta = torch.stack([bits[send_tok, topo.hosts.to(dev)[nz[:, 0]]], send_chunk], 1)
+    recv_meta = a2a(meta, send_counts, recv1).to(dev)
+    recv_masks, recv_chunk = recv_meta[:, 0].contiguous(), recv_meta[:, 1].contiguous()
     # stage 2, sending: the rows this rank relays (those of remote sources), per local
     # destination in its masks
     keep = torch.zeros(len(recv_masks), dtype=torch.bool, device=dev)
@@ -197,6 +224,9 @@ def plan_route(
         sum(int(c) for c in recv_counts),
         int(dest.sum(1).max()) if sent.shape[0] else 0,
         len(local),
+        chunks,
+        send_chunk,
+        recv_chunk,
     )
 
 
@@ -231,9 +261,16 @@ def backward(
     fp32_accumulate: bool,
     out_dtype,
     alloc,
+    a2a_start=None,
 ) -> torch.Tensor:
     """The reverse of :func:`forward`: ``rows`` [N_recv, H] in its layout -> [T, H] of
-    ``out_dtype``, each token's rows summed (per host at its relay, then at the source)."""
+    ``out_dtype``, each token's rows summed (per host at its relay, then at the source).
+
+    With ``route.chunks > 1`` and ``a2a_start`` (``a2a_start(rows, send_counts,
+    recv_counts)`` starts the group's all-to-all and returns a function that waits for
+    its result) the last stage moves in pieces of tokens: a relay sums the next piece
+    while the last one crosses the link, and the source sums a piece while the next one
+    crosses (a piece is a range of the source's tokens, summed on its own)."""
     H = tuple(rows.shape[1:])
     back = alloc((sum(route.relay_recv_counts),) + H, rows.dtype, rows.device)
     direct = []
@@ -246,11 +283,14 @@ def backward(
                 direct.append((off, at, n))
         at += n
     at_relay = a2a(back, route.relay_recv_counts, route.relay_send_counts)
-    n1 = sum(route.recv_counts)
+    if route.chunks > 1 and a2a_start is not None:
+        return _backward_in_pieces(
+            route, rows, at_relay, direct, num_tokens, fp32_accumulate, out_dtype, alloc, a2a_start
+        )
     summed = K_.scatter_add_rows(
         at_relay,
         route.relay_rows,
-        n1,
+        sum(route.recv_counts),
         max_per_row=route.ranks_on_host,
         fp32_accumulate=fp32_accumulate,
         out_dtype=rows.dtype,
@@ -268,6 +308,62 @@ def backward(
         out_dtype=out_dtype,
         alloc=alloc,
     )
+
+
+def _backward_in_pieces(
+    route, rows, at_relay, direct, num_tokens, fp32_accumulate, out_dtype, alloc, a2a_start
+):
+    """:func:`backward`'s last stage in ``route.chunks`` pieces (see there)."""
+    W, C, dev = len(route.recv_counts), route.chunks, rows.device
+    H = tuple(rows.shape[1:])
+    n1 = sum(route.recv_counts)
+    ranks = torch.arange(W, device=dev)
+    src_of = torch.repeat_interleave(ranks, torch.tensor(route.recv_counts, device=dev))
+    dst_of = torch.repeat_interleave(ranks, torch.tensor(route.send_counts, device=dev))
+    # per stage-1 received row: the input row that answers it (a source of this host), or
+    # -1 (a relayed row: the sum of the host's rows for it)
+    direct_row = torch.full((n1,), -1, dtype=torch.int64, device=dev)
+    for off, at, n in direct:
+        direct_row[off : off + n] = torch.arange(at, at + n, device=dev)
+    relay_chunk = route.recv_chunk.index_select(0, route.relay_rows)
+    started = []
+    for c in range(C):
+        mine = (route.recv_chunk == c).nonzero()[:, 0]  # by source, then token
+        pos = torch.full((n1,), -1, dtype=torch.int64, device=dev)
+        pos[mine] = torch.arange(mine.numel(), device=dev)
+        p = (relay_chunk == c).nonzero()[:, 0]
+        piece = K_.scatter_add_rows(
+            K_.gather_rows(at_relay, p, "torch", alloc),
+            pos.index_select(0, route.relay_rows.index_select(0, p)),
+            mine.numel(),
+            max_per_row=route.ranks_on_host,
+            fp32_accumulate=fp32_accumulate,
+            out_dtype=rows.dtype,
+            alloc=alloc,
+        )
+        d = mine[direct_row.index_select(0, mine) >= 0]
+        if d.numel():
+            piece.index_copy_(0, pos.index_select(0, d), rows.index_select(0, direct_row[d]))
+        back_idx = (route.send_chunk == c).nonzero()[:, 0]  # by relay, then token
+        wait = a2a_start(
+            piece,
+            torch.bincount(src_of.index_select(0, mine), minlength=W).tolist(),
+            torch.bincount(dst_of.index_select(0, back_idx), minlength=W).tolist(),
+        )
+        started.append((wait, back_idx))
+    out = alloc((num_tokens,) + H, out_dtype, dev)
+    for c, (wait, back_idx) in enumerate(started):
+        t0, t1 = (c * num_tokens + C - 1) // C, ((c + 1) * num_tokens + C - 1) // C
+        out[t0:t1] = K_.scatter_add_rows(
+            wait(),
+            route.send_token_idx.index_select(0, back_idx) - t0,
+            t1 - t0,
+            max_per_row=route.max_rows_per_token,
+            fp32_accumulate=fp32_accumulate,
+            out_dtype=out_dtype,
+            alloc=alloc,
+        )
+    return out
 
 
 def ll_pairs(recv_idx: torch.Tensor, num_local_experts: int, slots_per_expert: int):

@@ -236,6 +236,12 @@ class Transport:
     def _a2a(self, send, send_counts, recv_counts):
         """Rows of ``send`` (grouped by destination) to every rank; returns the received rows
         grouped by source. Rows an inactive rank did not send are zero."""
+        return self._a2a_start(send, send_counts, recv_counts, async_op=False)()
+
+    def _a2a_start(self, send, send_counts, recv_counts, async_op=True):
+        """:meth:`_a2a` started on the group's progress thread (``async_op``); returns the
+        function that waits for it and returns its rows (every rank must start the same
+        all-to-alls in the same order, as for any collective)."""
         send = send.contiguous()
         row_dtype = send.dtype
         if row_dtype in FP8_DTYPES:  # moved as bytes: gloo has no float8 all_to_all
@@ -243,16 +249,24 @@ class Transport:
         out = self._recycler.empty(
             (sum(recv_counts),) + tuple(send.shape[1:]), send.dtype, send.device
         )
-        dist.all_to_all_single(out, send, list(recv_counts), list(send_counts), group=self.group)
-        out = out.view(row_dtype)
-        if self._mooncake is not None and out.numel():
-            active, _ = self._membership()
-            start = 0
-            for s, c in enumerate(recv_counts):
-                if c and not active[s]:
-                    out[start : start + c].zero_()
-                start += c
-        return out
+        work = dist.all_to_all_single(
+            out, send, list(recv_counts), list(send_counts), group=self.group, async_op=async_op
+        )
+
+        def wait(_moving=send):  # the rows to send stay alive until they have moved
+            if work is not None:
+                work.wait()
+            rows = out.view(row_dtype)
+            if self._mooncake is not None and rows.numel():
+                active, _ = self._membership()
+                start = 0
+                for s, c in enumerate(recv_counts):
+                    if c and not active[s]:
+                        rows[start : start + c].zero_()
+                    start += c
+            return rows
+
+        return wait
 
     def _fwd(self, handle, send):
         if getattr(handle, "backend", "group") == "nvshmem":
@@ -294,7 +308,14 @@ class Transport:
         if route is not None:
             epoch = self._membership()[1]
             out = _hosts.backward(
-                self._a2a, route, rows, handle.num_tokens, fp32, out_dtype, self._recycler.empty
+                self._a2a,
+                route,
+                rows,
+                handle.num_tokens,
+                fp32,
+                out_dtype,
+                self._recycler.empty,
+                self._a2a_start,
             )
             if self._membership()[1] == epoch:
                 return out

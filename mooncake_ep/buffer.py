@@ -376,7 +376,14 @@ class Buffer(Transport):
                 [int(a and b) for a, b in zip(active, active0)], dtype=torch.bool, device=dev
             )
             h, local = self._rows_handle(
-                (T, H, E, Kk), topk_idx, in_rank & act, active, epoch, hdr[:, HDR:], topo
+                (T, H, E, Kk),
+                topk_idx,
+                in_rank & act,
+                active,
+                epoch,
+                hdr[:, HDR:],
+                topo,
+                x.element_size(),
             )
             recv_x, recv_w, recv_idx = DispatchFn.apply(self, h, local, x, topk_weights)
             if self._membership()[1] == epoch or attempt == tries:
@@ -390,14 +397,15 @@ class Buffer(Transport):
         counts_list = [int((c + align - 1) // align * align) for c in per_expert.tolist()]
         return DispatchResult(recv_x, recv_idx, recv_w, counts_list, h)
 
-    def _rows_handle(self, dims, topk_idx, sent, active, epoch, counts, topo):
+    def _rows_handle(self, dims, topk_idx, sent, active, epoch, counts, topo, row_bytes):
         """Collective when the rows go in two levels: the :class:`DispatchHandle` of one row
         per (token, destination rank) and the local expert ids of each row sent (int32
         [N_send, K], -1 where that slot's expert is on another rank).
 
         ``dims`` (T, H, E, K); ``sent`` bool [T, W]: where each token goes (active ranks
         only); ``counts`` int64 [W, >= 2 W + 1]: per source rank, as :meth:`_row_counts`
-        lays them out, from the header the ranks exchanged."""
+        lays them out, from the header the ranks exchanged; ``row_bytes``: bytes per
+        element of the rows (agreed), which with the counts sizes the combine's pieces."""
         T, H, E, Kk = dims
         W, L = self.group_size, E // self.group_size
         send_counts = tuple(int(c) for c in sent.sum(0))
@@ -416,8 +424,16 @@ class Buffer(Transport):
             and all(int(counts[r, 2 * W]) == epoch for r in live)
         ):
             host_counts = counts[:, W : W + topo.num_hosts].tolist()
+            most = max(int(counts[r, :W].sum()) for r in live) * H * row_bytes
             route = _hosts.plan_route(
-                topo, self.rank, active, sent, host_counts, recv_counts, self._a2a
+                topo,
+                self.rank,
+                active,
+                sent,
+                host_counts,
+                recv_counts,
+                self._a2a,
+                _hosts.pieces(most),
             )
             if self._membership()[1] != epoch:
                 route = None  # on every survivor: the op restarts
@@ -659,6 +675,7 @@ class Buffer(Transport):
                     epoch,
                     hdr[:, HDR + E :],
                     topo,
+                    x.element_size(),
                 )
                 if rows.route is None:
                     rows = local = None

@@ -201,6 +201,7 @@ def ep_round_trip(
     dtype="float32",
     values=True,
     hierarchical=True,
+    piece_bytes=None,
 ):
     """For each routing mode (ep_routing): a normal-mode dispatch, the scaled experts of
     tests.ep.eputil (expert e scales by 1 + e / 8, weighted by recv_topk_weights), combine,
@@ -208,10 +209,15 @@ def ep_round_trip(
     seed-2 tokens through the same experts; a low-latency round trip with the backward of
     the same sum, and one with fp8 rows (dequantized before the experts). Returns the results
     and gradients for the test's reference, and the bytes that left this rank's host
-    during the plain round trip and a low-latency one (between barriers); values=False: only the bytes."""
+    during the plain round trip and a low-latency one (between barriers); values=False: only
+    the bytes. ``piece_bytes`` sets mooncake_ep._hosts.PIECE_BYTES (combines in pieces)."""
     import mooncake_ep
     from tests.ep.eputil import make_inputs, scaled_experts_ll, scaled_experts_normal
 
+    if piece_bytes is not None:  # small pieces: combines of test-sized rows in several
+        from mooncake_ep import _hosts
+
+        _hosts.PIECE_BYTES = piece_bytes
     buf = mooncake_ep.Buffer(config=mooncake_ep.EPConfig(hierarchical=hierarchical))
     L = E // world_size
 
@@ -251,6 +257,7 @@ def ep_round_trip(
             "ll_host_tx": ll_host_tx,
             "per_host": buf.get_dispatch_layout(idx, E).num_tokens_per_rdma_rank.tolist(),
             "two_level": r.handle.route is not None,
+            "pieces": r.handle.route.chunks if r.handle.route is not None else 0,
         }
         if not values:
             continue
