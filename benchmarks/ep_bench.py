@@ -14,7 +14,10 @@ token's rank (the expert outputs of identity experts):
 * ``mooncake-flat`` (``--hosts`` only): the same with ``EPConfig(hierarchical=False)``: one
   row per token and destination rank across hosts too.
 * ``mooncake-ll``: ``low_latency_dispatch`` (one row per (token, expert), packed per
-  expert) -> ``low_latency_combine`` (applies the weights); over the same group.
+  expert; across hosts one per token and destination rank on the normal mode's route)
+  -> ``low_latency_combine`` (applies the weights); over the same group.
+* ``mooncake-ll-flat`` (``--hosts`` only): the same with ``EPConfig(hierarchical=False)``:
+  one row per (token, expert) across hosts too.
 * ``plain-gloo``: the textbook version: sort the T*K (token, slot) rows by expert, counts
   with ``all_to_all_single``, rows with ``all_to_all_single``, back again, then
   ``index_add_`` of the weighted rows into the output (float32, rounded once); over gloo.
@@ -66,8 +69,8 @@ sys.path.insert(0, os.path.dirname(HERE))  # the repository root: the test helpe
 from tests import rankpool  # noqa: E402
 
 IMPLS = ["mooncake", "mooncake-ll", "plain-gloo"]
-# --hosts also runs the normal mode rank to rank (EPConfig(hierarchical=False))
-HOST_IMPLS = ["mooncake", "mooncake-flat", "mooncake-ll", "plain-gloo"]
+# --hosts also runs both modes rank to rank (EPConfig(hierarchical=False))
+HOST_IMPLS = ["mooncake", "mooncake-flat", "mooncake-ll", "mooncake-ll-flat", "plain-gloo"]
 GATE_X = 3.0
 
 
@@ -148,6 +151,7 @@ def rank_bench(rank, ws, cfg, count_host_tx=False):
         "mooncake": lambda: mooncake_round_trip(buf, x, idx, w, E),
         "mooncake-flat": lambda: mooncake_round_trip(flat, x, idx, w, E),
         "mooncake-ll": lambda: mooncake_ll_round_trip(buf, x, idx, w, E),
+        "mooncake-ll-flat": lambda: mooncake_ll_round_trip(flat, x, idx, w, E),
         "plain-gloo": lambda: plain_round_trip(x, idx, w, E, gloo, ws),
     }
     impls = [i for i in cfg["impls"] if i in calls]
