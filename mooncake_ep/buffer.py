@@ -558,10 +558,13 @@ class Buffer(Transport):
         ``self.low_latency_backend`` then says which, and the handle keeps it for the
         combine and the backward passes. On the NVSHMEM path the first call (per process,
         then per Buffer) initialises NVSHMEM over the group and allocates the symmetric
-        buffers (collective).
+        buffers (collective). Over a group that spans hosts (``EPConfig(hierarchical=True)``,
+        the default) the group path moves one row per (token, destination rank) on the
+        normal mode's two-level route and each rank fills its experts' slots; the layout
+        of ``recv_x`` is the same.
 
         Raises: ``ValueError`` on every rank before any token moves for bad arguments or
-        disagreeing T_max/E/H/dtype/use_fp8/low_latency_backend, and, with
+        disagreeing T_max/E/H/dtype/use_fp8/low_latency_backend/hierarchical, and, with
         ``low_latency_backend="nvshmem"``, when NVSHMEM cannot serve the op on some rank
         (tensors not on CUDA, ``nvshmem.core`` not importable, an inactive rank, NVSHMEM
         initialised over another group, its init or allocation failed), e.g.
