@@ -111,7 +111,7 @@ class LowLatencyDispatchFn(torch.autograd.Function):
         if handle.rows is None:
             pairs = buf._fwd(handle, K_.gather_rows(x.detach(), handle.pair_token, kern))
         else:
-            pairs = K_.gather_rows(x.detach(), handle.pair_row, kern)
+            pairs = K_.gather_rows(x.detach(), handle.pair_row, kern, buf._recycler.empty)
         packed = buf._recycler.empty((L * WT, handle.hidden), x.dtype, x.device)
         K_.scatter_rows(pairs, handle.recv_dst, packed)
         return packed.view(L, WT, handle.hidden)
@@ -187,12 +187,14 @@ class LowLatencyCombineFn(torch.autograd.Function):
         w_recv = buf._fwd(rh, w_rows)  # [N_rows, K]; zero from inactive sources
         n, k, dst = _slots(h)
         flat = x.reshape(-1, h.hidden)
+        alloc = buf._recycler.empty
         y = K_.scatter_add_rows(
-            K_.gather_rows(flat, dst, buf._cfg["kernels"]),
+            K_.gather_rows(flat, dst, buf._cfg["kernels"], alloc),
             n,
             sum(rh.recv_counts),
             weights=w_recv[n, k],
             out_dtype=x.dtype,
+            alloc=alloc,
         )
         ctx.save_for_backward(flat, w_recv)
         ctx.x_dtype = x.dtype
@@ -206,7 +208,8 @@ class LowLatencyCombineFn(torch.autograd.Function):
         kern = buf._cfg["kernels"]
         g_rows = buf._fwd_tokens(rh, g.contiguous())  # [N_rows, H]
         n, k, dst = _slots(h)
-        g_slots = K_.gather_rows(g_rows, n, kern)
+        alloc = buf._recycler.empty
+        g_slots = K_.gather_rows(g_rows, n, kern, alloc)
         gx = gw = None
         if ctx.needs_input_grad[2]:
             L = h.num_experts // buf.group_size

@@ -104,7 +104,8 @@ def scatter_add_rows(
         else:  # a recycled buffer: a fresh one costs a page fault per 4 KiB on first touch
             src = alloc(tuple(rows.shape), acc_dtype, rows.device).copy_(rows)
         if weights is not None:
-            src = src * weights.to(acc_dtype).unsqueeze(1)
+            w = weights.to(acc_dtype).unsqueeze(1)
+            src = src * w if src is rows else src.mul_(w)  # a copy of its own: in place
         out.index_add_(0, idx, src)
     if acc_dtype == out_dtype:
         return out
