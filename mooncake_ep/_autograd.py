@@ -109,7 +109,8 @@ class LowLatencyDispatchFn(torch.autograd.Function):
         WT = buf.group_size * handle.num_max_dispatch_tokens_per_rank
         kern = buf._cfg["kernels"]
         if handle.rows is None:
-            pairs = buf._fwd(handle, K_.gather_rows(x.detach(), handle.pair_token, kern))
+            pairs = K_.gather_rows(x.detach(), handle.pair_token, kern, buf._recycler.empty)
+            pairs = buf._fwd(handle, pairs)
         else:
             pairs = K_.gather_rows(x.detach(), handle.pair_row, kern, buf._recycler.empty)
         packed = buf._recycler.empty((L * WT, handle.hidden), x.dtype, x.device)
@@ -120,7 +121,7 @@ class LowLatencyDispatchFn(torch.autograd.Function):
     def backward(ctx, g):
         buf, h = ctx.buf, ctx.handle
         flat = g.reshape(-1, h.hidden).contiguous()
-        pairs = K_.gather_rows(flat, h.recv_dst, buf._cfg["kernels"])
+        pairs = K_.gather_rows(flat, h.recv_dst, buf._cfg["kernels"], buf._recycler.empty)
         if h.rows is None:
             pairs, idx = buf._bwd(h, pairs), h.pair_token
         else:
@@ -165,7 +166,8 @@ class LowLatencyCombineFn(torch.autograd.Function):
         if handle.rows is not None:
             return LowLatencyCombineFn._two_level(ctx, buf, handle, x.detach(), w.detach())
         flat = x.detach().reshape(-1, handle.hidden)
-        rows = buf._bwd(handle, K_.gather_rows(flat, handle.recv_dst, buf._cfg["kernels"]))
+        alloc = buf._recycler.empty
+        rows = buf._bwd(handle, K_.gather_rows(flat, handle.recv_dst, buf._cfg["kernels"], alloc))
         wp = _pair_weights(handle, w.detach())
         out = K_.scatter_add_rows(
             rows,
