@@ -407,8 +407,10 @@ def ws_store_relay(rank, world_size, tensors, tensor_mib):
     model = state(1) if rank == 0 else {k: torch.zeros_like(t) for k, t in state(0).items()}
     if rank == 0:
         ws.publish(model, 1)
-    dist.barrier()
+    # counted before the barrier: the readers may start pulling from rank 0's segment (its
+    # background threads serve them) before rank 0's own thread returns from it
     before = tx()
+    dist.barrier()
     position = ws.pull(model).relay_position if rank else None
     dist.barrier()
     out = {
