@@ -62,12 +62,7 @@ import torch.distributed as dist
 
 from . import _hosts
 from . import kernels as K_
-from ._autograd import (
-    CombineFn,
-    DispatchFn,
-    LowLatencyCombineFn,
-    LowLatencyDispatchFn,
-)
+from ._autograd import CombineFn, DispatchFn, LowLatencyCombineFn, LowLatencyDispatchFn
 from ._checks import (
     DTYPES,
     BadArgs,
@@ -665,11 +660,11 @@ class Buffer(Transport):
             )
             self._ll_backend, self._ll_why = backend, why
             act = [int(a and b) for a, b in zip(active, active0)]
-            live = [r for r in range(W) if active[r]]
             rows = local = None
-            if backend == "group" and hierarchical and topo is not None and topo.spans_hosts(live):
+            if backend == "group" and topo is not None:
                 # across hosts: a token crosses to each remote host once and the host's
-                # ranks place it in their experts' slots (the normal mode's route)
+                # ranks place it in their experts' slots (the normal mode's route, when
+                # _rows_handle plans one)
                 rows, local = self._rows_handle(
                     (T, H, E, Kk),
                     topk_idx,
@@ -697,14 +692,16 @@ class Buffer(Transport):
                     c[s] = 0
             recv_counts = tuple(int(v) for v in c.sum(1))
             WT = W * Tm
-            off = torch.cumsum(c, 0) - c  # [W, L] start of (s, l) within expert l
-            sizes = c.reshape(-1)
-            gid = torch.repeat_interleave(torch.arange(W * L), sizes)
-            starts = torch.cumsum(sizes, 0) - sizes
-            q = torch.arange(int(sizes.sum())) - starts[gid]
-            lid = gid % L
-            # computed from the (CPU) header, then moved to the data's device
-            recv_dst = (lid * WT + off.reshape(-1)[gid] + q).contiguous().to(dev)
+            recv_dst = None  # two levels: _ll_dispatch_two_level lays the pairs out
+            if rows is None:
+                off = torch.cumsum(c, 0) - c  # [W, L] start of (s, l) within expert l
+                sizes = c.reshape(-1)
+                gid = torch.repeat_interleave(torch.arange(W * L), sizes)
+                starts = torch.cumsum(sizes, 0) - sizes
+                q = torch.arange(int(sizes.sum())) - starts[gid]
+                lid = gid % L
+                # computed from the (CPU) header, then moved to the data's device
+                recv_dst = (lid * WT + off.reshape(-1)[gid] + q).contiguous().to(dev)
             recv_count = c.sum(0).to(device=dev, dtype=torch.int32)
             # slot -> pair (pairs are sorted by expert, then token)
             keys = pair_e * max(T, 1) + pair_t
