@@ -221,8 +221,8 @@ LARGE_REDUCTIONS = [
 
 
 def run_large(counts, group=None) -> dict:
-    """Large all_reduce, reduce, reduce_scatter_tensor, all_gather (list and into_tensor) and
-    broadcast at each of ``counts`` elements per rank, checked on the rank against torch's
+    """Large all_reduce, reduce, reduce_scatter_tensor, all_gather (list and into_tensor),
+    broadcast and all_to_all_single (skewed splits) at each of ``counts`` elements per rank, checked on the rank against torch's
     reduction of every rank's input. Returns {"checked": [case], "bad": {case: why}}."""
     r, n = dist.get_rank(group), dist.get_world_size(group)
     checked, bad = [], {}
@@ -290,4 +290,30 @@ def run_large(counts, group=None) -> dict:
                 else:
                     dist.broadcast(b, group_src=root, group=group)
                 check(f"broadcast/{d}/root{root}/{count}", b, src)
+        # all_to_all_single with skewed splits: per sender, one peer gets 3 x count rows,
+        # one count, one a single row, one none (each sender's slot is cut in proportion)
+        pattern = (0, 1, 3 * count, count)
+
+        def splits(s):
+            return [pattern[(d - s) % 4] if d != s else 2 for d in range(n)]
+
+        for d in ("float64", "int32"):
+            # every element distinct: a row delivered to the wrong place shows
+            send = [
+                (torch.arange(sum(splits(s)), dtype=torch.int64) + s * 10**7).to(getattr(torch, d))
+                for s in range(n)
+            ]
+            out = torch.empty(sum(splits(s)[r] for s in range(n)), dtype=getattr(torch, d))
+            dist.all_to_all_single(
+                out,
+                send[r],
+                [splits(s)[r] for s in range(n)],
+                splits(r),
+                group=group,
+            )
+            want = []
+            for s in range(n):
+                start = sum(splits(s)[:r])
+                want.append(send[s][start : start + splits(s)[r]])
+            check(f"all_to_all_single/skewed/{d}/{count}", out, torch.cat(want))
     return {"checked": checked, "bad": bad}
