@@ -40,9 +40,12 @@ class _Recycler:
     kernel zeroes it), which on this path costs as much as the copy itself. A cached flat
     tensor is handed out again (as a view) only when its storage has no other user: no
     result the caller still holds, no tensor saved for backward, no view. Results stay
-    valid as long as they are referenced."""
+    valid as long as they are referenced. Up to ``per_dtype`` buffers per dtype stay
+    cached: a round trip across hosts has about that many large ones alive at once (the
+    two stages' rows, the layout, the combine's pieces), and with fewer the largest ones
+    were allocated afresh every call."""
 
-    def __init__(self, per_dtype: int = 3, min_bytes: int = 1 << 20):
+    def __init__(self, per_dtype: int = 8, min_bytes: int = 1 << 20):
         self.per_dtype, self.min_bytes = per_dtype, min_bytes
         self._cache = {}
 
@@ -55,10 +58,17 @@ class _Recycler:
         if n * torch.empty((), dtype=dtype).element_size() < self.min_bytes:
             return torch.empty(shape, dtype=dtype, device=device)
         lst = self._cache.setdefault((dtype, device), [])
-        for i, (flat, base) in enumerate(lst):
-            if flat.numel() >= n and _storage_uses(flat) == base:
-                lst.append(lst.pop(i))  # most recently used last
-                return flat[:n].view(shape)
+        # the smallest free buffer that fits: a big one stays for the big requests
+        fits = [
+            (f.numel(), i)
+            for i, (f, base) in enumerate(lst)
+            if f.numel() >= n and _storage_uses(f) == base
+        ]
+        if fits:
+            i = min(fits)[1]
+            flat = lst[i][0]
+            lst.append(lst.pop(i))  # most recently used last
+            return flat[:n].view(shape)
         flat = torch.empty(n, dtype=dtype, device=device)
         out = flat[:n].view(shape)
         # "free" = no user but the cache (out is one now)
