@@ -18,7 +18,6 @@ class DispatchFn(torch.autograd.Function):
     def forward(ctx, buf, handle, local_idx, x, w):
         ctx.buf, ctx.handle = buf, handle
         ctx.x_dtype = x.dtype
-        recv_x = buf._fwd_tokens(handle, x.detach())
         recv_w = recv_idx = None
         if local_idx is not None:
             if w is not None:
@@ -27,7 +26,11 @@ class DispatchFn(torch.autograd.Function):
                 meta = torch.cat([local_idx, w_rows.view(torch.int32)], 1)
             else:
                 meta = local_idx
-            recv_meta = buf._fwd(handle, meta)
+            # started first: its latency hides behind the rows' gathers and stages
+            meta_wait = buf._fwd_start(handle, meta)
+        recv_x = buf._fwd_tokens(handle, x.detach())
+        if local_idx is not None:
+            recv_meta = meta_wait()
             k = local_idx.shape[1]
             recv_idx = recv_meta[:, :k].contiguous()
             # rows an inactive source did not send are zero: make their slots "no expert"

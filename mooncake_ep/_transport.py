@@ -279,9 +279,15 @@ class Transport:
         return wait
 
     def _fwd(self, handle, send):
+        return self._fwd_start(handle, send)()
+
+    def _fwd_start(self, handle, send):
+        """:meth:`_fwd` started (on the group: asynchronously); returns the function that
+        waits for its rows."""
         if getattr(handle, "backend", "group") == "nvshmem":
-            return self._nvshmem_a2a(handle, send, handle.send_counts, handle.recv_counts)
-        return self._a2a(send, handle.send_counts, handle.recv_counts)
+            rows = self._nvshmem_a2a(handle, send, handle.send_counts, handle.recv_counts)
+            return lambda: rows
+        return self._a2a_start(send, handle.send_counts, handle.recv_counts)
 
     def _bwd(self, handle, recv):
         if getattr(handle, "backend", "group") == "nvshmem":
