@@ -114,9 +114,9 @@ def plain_round_trip(x, idx, w, E, group, W):
 
 def mooncake_round_trip(buf, x, idx, w, E):
     r = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
-    y = r.recv_x * r.recv_topk_weights.sum(1, keepdim=True).to(
-        x.dtype
-    )  # the caller's weighting, in bf16
+    # the caller's weighting, in bf16 and in place: recv_x is the caller's (an out-of-place
+    # product is a fresh [N_recv, H] tensor, whose first touch costs a page fault per 4 KiB)
+    y = r.recv_x.mul_(r.recv_topk_weights.sum(1, keepdim=True).to(x.dtype))
     out = buf.combine(y, r.handle).combined_x
     moved = sum(r.handle.send_counts) * x.shape[1] * x.element_size() * 2
     return out, moved

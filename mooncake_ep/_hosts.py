@@ -16,7 +16,8 @@ with :func:`backward`:
   rows it received to the ranks of its host in its masks (itself included).
 - each rank then lays its rows out as a flat dispatch would: by source rank, then token.
 
-``backward`` runs the stages in reverse: each rank sends a remote token's rows to the
+Both move in pieces of tokens, pipelined (:class:`_Pieces`). ``backward`` runs the
+stages in reverse: each rank sends a remote token's rows to the
 relay that brought it, the relay sums a token's rows (in float32 with
 ``fp32_accumulate``) and rounds once to the rows' dtype, one row per (token, host) goes
 back and the source sums its token's rows from its own host's ranks and the relays. A
@@ -31,20 +32,40 @@ membership change during a route's stages reruns the op rank to rank on every su
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 
 from . import kernels as K_
 
-PIECE_BYTES = 8 << 20  # a combine's last stage moves in pieces of about this much ...
-MAX_PIECES = 4  # ... and at most this many (each piece is one more collective)
+PIECE_BYTES = 4 << 20  # the stages crossing hosts move in pieces of about this much ...
+# ... and at most this many (each piece is one more collective). A power of two: the
+# header counts each source's rows per destination in MAX_PIECES ranges of its tokens,
+# and a route's pieces are unions of those ranges.
+MAX_PIECES = 8
 
 
 def pieces(most_bytes: int) -> int:
-    """How many pieces a combine's last stage moves in when the rank that sends the most
-    rows in a dispatch sends ``most_bytes`` (1 below 2 x PIECE_BYTES: a small op pays a
-    collective's latency per piece and has little to overlap)."""
-    return max(1, min(MAX_PIECES, most_bytes // PIECE_BYTES))
+    """How many pieces (1, 2, 4, ... up to MAX_PIECES) a two-level dispatch and combine
+    move in when the rank that sends the most rows sends ``most_bytes`` (1 below 2 x
+    PIECE_BYTES: a small op pays a collective's latency per piece and has little to
+    overlap)."""
+    n = 1
+    while 2 * n <= min(MAX_PIECES, most_bytes // PIECE_BYTES):
+        n *= 2
+    return n
+
+
+def piece_bounds(num_tokens: int, chunks: int) -> list[int]:
+    """Token ``t`` is in piece ``t * chunks // num_tokens``: the ``chunks + 1`` bounds."""
+    return [(c * num_tokens + chunks - 1) // chunks for c in range(chunks + 1)]
+
+
+def piece_counts(sent: torch.Tensor) -> torch.Tensor:
+    """int64 [W, MAX_PIECES] (CPU): rows per destination rank in each of MAX_PIECES
+    token ranges of ``sent`` (bool [T, W]), for the header."""
+    b = piece_bounds(sent.shape[0], MAX_PIECES)
+    return torch.stack([sent[b[p] : b[p + 1]].sum(0) for p in range(MAX_PIECES)], 1).cpu()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -56,9 +77,12 @@ class HostRoute:
     row forwards, grouped by destination then source then token; ``segments``: per source
     rank in order, ``(stage, offset, rows)`` of its final rows in that stage's received
     rows (stage 1: a source of this host; stage 2: a remote source via its relay).
-    ``chunks``: how many pieces :func:`backward`'s last stage moves in (the same on every
-    rank); a token's piece is ``token * chunks // T`` at its source. ``send_chunk`` int64
-    [N1]: the piece of each stage-1 row sent, ``recv_chunk`` [N1_recv] of each received.
+    ``chunks``: how many pieces :func:`forward` and :func:`backward` move in (the same
+    on every rank); a token's piece is ``token * chunks // T`` at its source.
+    ``send_chunk`` int64 [N1]: the piece of each stage-1 row sent, ``recv_chunk``
+    [N1_recv] of each received. ``piece_rows`` [W][chunks]: the rows each source sends
+    this rank per piece in a flat dispatch; ``delivered_by`` [W]: the rank whose stage
+    brings them (the source itself on this host, else its relay here; ``None``: none).
     """
 
     active: tuple[int, ...]
@@ -72,9 +96,11 @@ class HostRoute:
     num_recv: int
     max_rows_per_token: int
     ranks_on_host: int
-    chunks: int = 1
-    send_chunk: torch.Tensor | None = None
-    recv_chunk: torch.Tensor | None = None
+    chunks: int
+    send_chunk: torch.Tensor
+    recv_chunk: torch.Tensor
+    piece_rows: tuple[tuple[int, ...], ...]
+    delivered_by: tuple[int | None, ...]
 
 
 class Topology:
@@ -135,14 +161,17 @@ def plan_route(
     host_counts,
     recv_counts,
     a2a,
-    chunks: int = 1,
+    chunks: int,
+    fine_rows,
 ) -> HostRoute:
     """Collective: this rank's :class:`HostRoute`. ``sent`` bool [T, W]: where each token
     goes (active ranks only); ``host_counts`` [W] lists of [num_hosts]: each source's tokens
     per host (from the header); ``recv_counts`` [W]: the rows each source sends this rank in
-    a flat dispatch; ``a2a(rows, send_counts, recv_counts)``: the group's row all-to-all,
-    which carries each stage-1 row's bit mask of the ranks that want it to its relay, and
-    the row's piece of :func:`backward`'s last stage (``chunks``, the same on every rank)."""
+    a flat dispatch, ``fine_rows`` [W] lists of [MAX_PIECES]: the same per token range
+    (:func:`piece_counts`, from the header; zeros for an inactive source);
+    ``a2a(rows, send_counts, recv_counts)``: the group's row all-to-all, which carries
+    each stage-1 row's bit mask of the ranks that want it to its relay, and the row's
+    piece (``chunks``, a power of two up to MAX_PIECES, the same on every rank)."""
     W = len(topo.host_of)
     me, hm = rank, topo.host_of[rank]
     local = topo.members[hm]
@@ -212,6 +241,12 @@ def plan_route(
             segments.append((2, off2[r] if r is not None else 0, n))
             if r is not None:
                 off2[r] += n
+    per = MAX_PIECES // chunks
+    piece_rows = tuple(
+        tuple(sum(int(v) for v in fine_rows[s][c * per : (c + 1) * per]) for c in range(chunks))
+        for s in range(W)
+    )
+    delivered_by = tuple(s if topo.host_of[s] == hm else relay[s][hm] for s in range(W))
     return HostRoute(
         tuple(int(a) for a in active),
         send_tok,
@@ -227,142 +262,300 @@ def plan_route(
         chunks,
         send_chunk,
         recv_chunk,
+        piece_rows,
+        delivered_by,
     )
 
 
-def forward(a2a, route: HostRoute, x: torch.Tensor, kernels: str, alloc) -> torch.Tensor:
-    """Rows of tokens ``x`` [T, H] to the ranks the dispatch sends them to; returns
-    [N_recv, H] by source rank, then token (a flat dispatch's layout). ``a2a(rows,
-    send_counts, recv_counts)`` is the group's row all-to-all."""
-    r1 = a2a(
-        K_.gather_rows(x, route.send_token_idx, kernels, alloc),
-        route.send_counts,
-        route.recv_counts,
-    )
-    r2 = a2a(
-        K_.gather_rows(r1, route.relay_rows, kernels, alloc),
-        route.relay_send_counts,
-        route.relay_recv_counts,
-    )
-    out = alloc((route.num_recv,) + tuple(x.shape[1:]), x.dtype, x.device)
+class _Pieces:
+    """Where the rows of each piece are, for :func:`forward` and :func:`backward` (counts
+    per rank and piece are ``[W][C]`` lists; "key order" is by rank, then piece).
+
+    ``n1``: stage-1 rows sent per (destination, piece), blocks of ``send_token_idx`` at
+    ``at1``; ``r1``: stage-1 rows received per (source, piece), blocks of the stage-1
+    received rows at ``full``, ``key1`` the (source, piece) key of each; ``n2``: stage-2
+    rows sent per (rank of this host, piece), the stage-1 received rows ``fwd_rows`` at
+    ``at2``; ``r2``: stage-2 rows received per (relay, piece); ``out_at[s][c]``: where
+    source ``s``'s rows of piece ``c`` start in the flat layout."""
+
+    def __init__(self, route: HostRoute, dev):
+        W, C = len(route.send_counts), route.chunks
+        self.W, self.C, self.route = W, C, route
+        # all-to-all k carries piece k's first stage and piece k - lag's second: with lag
+        # 2 the second stage of a piece needs an all-to-all that ended before the one in
+        # flight began, so the next one is started while one is in flight (the links
+        # never wait for a host's forwarding or sums)
+        self.lag = 2 if C > 1 else 1
+        self.ops = C + self.lag
+        ranks = torch.arange(W, device=dev)
+
+        def per_rank_piece(counts, chunk):  # rows grouped by rank -> keys, [W][C] counts
+            key = torch.repeat_interleave(ranks, torch.tensor(counts, device=dev)) * C + chunk
+            return key, torch.bincount(key, minlength=W * C).view(W, C).tolist()
+
+        _, self.n1 = per_rank_piece(route.send_counts, route.send_chunk)
+        self.at1 = _starts(self.n1)
+        self.key1, self.r1 = per_rank_piece(route.recv_counts, route.recv_chunk)
+        self.full = _starts(self.r1)
+        # stage 2 by (rank of this host, piece), by source then token within a piece
+        k2, self.n2 = per_rank_piece(route.relay_send_counts, route.recv_chunk[route.relay_rows])
+        self.fwd_rows = route.relay_rows[torch.sort(k2, stable=True).indices]
+        self.at2 = _starts(self.n2)
+        self.r2 = [[0] * C for _ in range(W)]
+        for s, r in enumerate(route.delivered_by):
+            if self.relayed(s):
+                for c in range(C):
+                    self.r2[r][c] += route.piece_rows[s][c]
+        at = _starts(route.piece_rows)
+        self.out_at = [at[s * C : (s + 1) * C] for s in range(W)]
+
+    def relayed(self, s) -> bool:
+        """Whether source ``s``'s rows reach this rank through a relay (a remote source)."""
+        r = self.route.delivered_by[s]
+        return r is not None and r != s
+
+    def first(self, k) -> int | None:
+        """The piece whose first stage all-to-all ``k`` carries (``None``: none)."""
+        return k if k < self.C else None
+
+    def second(self, k) -> int | None:
+        """The piece whose second stage all-to-all ``k`` carries (``None``: none)."""
+        return k - self.lag if 0 <= k - self.lag < self.C else None
+
+    def counts(self, k, a, b) -> list[int]:
+        """All-to-all ``k``'s rows per rank: ``a``'s of piece :meth:`first`, then ``b``'s of
+        piece :meth:`second`."""
+        f, g = self.first(k), self.second(k)
+        return [
+            (a[r][f] if f is not None else 0) + (b[r][g] if g is not None else 0)
+            for r in range(self.W)
+        ]
+
+    def where(self, bases, c, dev) -> torch.Tensor:
+        """int64 per stage-1 received row (meaningful for those of piece ``c``): its place
+        in rows where source ``s``'s rows of piece ``c`` start at ``bases[s]``."""
+        W, C = self.W, self.C
+        delta = [0] * (W * C)
+        for s in range(W):
+            delta[s * C + c] = bases[s] - self.full[s * C + c]
+        delta = torch.tensor(delta, dtype=torch.int64, device=dev)
+        return torch.arange(len(self.key1), device=dev) + delta[self.key1]
+
+
+def _starts(n) -> list[int]:
+    """[W][C] counts -> the start of each (rank, piece) block in key order."""
+    return list(itertools.accumulate((v for row in n for v in row), initial=0))
+
+
+def _bases(counts) -> list[int]:
+    return list(itertools.accumulate(counts, initial=0))
+
+
+def _take(rows, spans, alloc) -> torch.Tensor:
+    """The rows of ``(start, n)`` spans of ``rows``, in order, in one tensor."""
+    spans = [(a, n) for a, n in spans if n]
+    out = alloc((sum(n for _, n in spans),) + tuple(rows.shape[1:]), rows.dtype, rows.device)
     at = 0
-    for stage, off, n in route.segments:
-        if n:
-            out[at : at + n] = (r1 if stage == 1 else r2)[off : off + n]
+    for a, n in spans:
+        out[at : at + n] = rows[a : a + n]
         at += n
     return out
 
 
+def forward(a2a_start, route: HostRoute, x: torch.Tensor, alloc) -> torch.Tensor:
+    """Rows of tokens ``x`` [T, H] to the ranks the dispatch sends them to; returns
+    [N_recv, H] by source rank, then token (a flat dispatch's layout).
+
+    The stages move in ``route.chunks`` pieces, pipelined: an all-to-all carries one
+    piece's stage-1 rows and an earlier piece's stage-2 rows (:class:`_Pieces`), so a
+    host's forwarding rides along with the next piece crossing the links; the next
+    all-to-all is started while one is in flight, and the rows of one that ended are
+    laid out meanwhile. ``a2a_start(rows, send_counts, recv_counts)`` starts the group's
+    row all-to-all and returns the function that waits for its rows (by source)."""
+    dev, H = x.device, tuple(x.shape[1:])
+    P = _Pieces(route, dev)
+    W, C = P.W, P.C
+    recv = [P.counts(k, P.r1, P.r2) for k in range(P.ops)]
+    base = [_bases(rc) for rc in recv]
+    out = alloc((route.num_recv,) + H, x.dtype, dev)
+
+    def stage1(k, send):  # x's rows of piece k, by destination (runs of blocks: one gather)
+        f, g = P.first(k), P.second(k)
+        if f is None:
+            return
+        at, run_at, run = 0, 0, []
+        for d in range(W):
+            n = P.n1[d][f]
+            if n:
+                run.append(route.send_token_idx[P.at1[d * C + f] : P.at1[d * C + f] + n])
+            at += n
+            if g is not None and P.n2[d][g]:  # the stage-2 rows follow: the run ends
+                if run:
+                    torch.index_select(x, 0, torch.cat(run), out=send[run_at:at])
+                at += P.n2[d][g]
+                run_at, run = at, []
+        if run:
+            torch.index_select(x, 0, torch.cat(run), out=send[run_at:at])
+
+    def stage2(k, send, prev):  # piece g's rows, received in all-to-all g, forwarded
+        f, g = P.first(k), P.second(k)
+        pos = P.where(base[g], g, dev)
+        at = 0
+        for d in range(W):
+            at += P.n1[d][f] if f is not None else 0
+            n = P.n2[d][g]
+            if n:
+                o = P.at2[d * C + g]
+                torch.index_select(prev, 0, pos[P.fwd_rows[o : o + n]], out=send[at : at + n])
+            at += n
+
+    def lay_out(k, rows):  # all-to-all k's rows into the flat layout
+        f, g = P.first(k), P.second(k)
+        for s in range(W):
+            n = P.r1[s][f] if f is not None and route.delivered_by[s] == s else 0
+            if n:  # a source of this host, directly
+                out[P.out_at[s][f] : P.out_at[s][f] + n] = rows[base[k][s] : base[k][s] + n]
+        if g is None:
+            return
+        at = [base[k][r] + (P.r1[r][f] if f is not None else 0) for r in range(W)]
+        for s in range(W):
+            r, n = route.delivered_by[s], route.piece_rows[s][g]
+            if P.relayed(s) and n:  # a remote source, through relay r
+                out[P.out_at[s][g] : P.out_at[s][g] + n] = rows[at[r] : at[r] + n]
+                at[r] += n
+
+    waits = []
+    for k in range(P.ops):
+        send_counts = P.counts(k, P.n1, P.n2)
+        send = alloc((sum(send_counts),) + H, x.dtype, dev)
+        stage1(k, send)
+        prev = None
+        if P.second(k) is not None:
+            prev = waits[k - P.lag]()
+            stage2(k, send, prev)
+        waits.append(a2a_start(send, send_counts, recv[k]))
+        del send  # held by the all-to-all until it has moved
+        if prev is not None:
+            waits[k - P.lag] = None
+            lay_out(k - P.lag, prev)
+    for k in range(P.ops - P.lag, P.ops):
+        lay_out(k, waits[k]())
+        waits[k] = None
+    return out
+
+
 def backward(
-    a2a,
+    a2a_start,
     route: HostRoute,
     rows: torch.Tensor,
     num_tokens: int,
     fp32_accumulate: bool,
     out_dtype,
     alloc,
-    a2a_start=None,
 ) -> torch.Tensor:
     """The reverse of :func:`forward`: ``rows`` [N_recv, H] in its layout -> [T, H] of
     ``out_dtype``, each token's rows summed (per host at its relay, then at the source).
 
-    With ``route.chunks > 1`` and ``a2a_start`` (``a2a_start(rows, send_counts,
-    recv_counts)`` starts the group's all-to-all and returns a function that waits for
-    its result) the last stage moves in pieces of tokens: a relay sums the next piece
-    while the last one crosses the link, and the source sums a piece while the next one
-    crosses (a piece is a range of the source's tokens, summed on its own)."""
-    H = tuple(rows.shape[1:])
-    back = alloc((sum(route.relay_recv_counts),) + H, rows.dtype, rows.device)
-    direct = []
-    at = 0
-    for stage, off, n in route.segments:
-        if n:
-            if stage == 2:
-                back[off : off + n] = rows[at : at + n]
-            else:
-                direct.append((off, at, n))
-        at += n
-    at_relay = a2a(back, route.relay_recv_counts, route.relay_send_counts)
-    if route.chunks > 1 and a2a_start is not None:
-        return _backward_in_pieces(
-            route, rows, at_relay, direct, num_tokens, fp32_accumulate, out_dtype, alloc, a2a_start
+    Pipelined as :func:`forward`, reversed: an all-to-all carries one piece's rows of
+    remote sources to their relays and an earlier piece's answers to the sources (a
+    relay's sums of its host's rows, a row of this host as it is); a relay sums a piece
+    and a source sums a piece's answers while the next ones move."""
+    dev, H = rows.device, tuple(rows.shape[1:])
+    P = _Pieces(route, dev)
+    W, C = P.W, P.C
+    recv = [P.counts(k, P.n2, P.n1) for k in range(P.ops)]
+    base = [_bases(rc) for rc in recv]
+    out = alloc((num_tokens,) + H, out_dtype, dev)
+    bounds = piece_bounds(num_tokens, C)
+    # the dense index of each relayed stage-1 row within its piece's relayed rows
+    dense = [_bases([P.r1[s][c] if P.relayed(s) else 0 for s in range(W)]) for c in range(C)]
+
+    def to_relays(k, send, send_base):  # this rank's rows of remote sources, piece f
+        f = P.first(k)
+        if f is None:
+            return
+        at = list(send_base)
+        for s in range(W):
+            n = route.piece_rows[s][f]
+            if P.relayed(s) and n:
+                r = route.delivered_by[s]
+                send[at[r] : at[r] + n] = rows[P.out_at[s][f] : P.out_at[s][f] + n]
+                at[r] += n
+
+    def direct(g, send, send_base, heads):  # answers of this host's sources, piece g
+        for s in range(W):
+            n = P.r1[s][g] if route.delivered_by[s] == s else 0
+            if n:
+                a = send_base[s] + heads[s]
+                send[a : a + n] = rows[P.out_at[s][g] : P.out_at[s][g] + n]
+
+    def relay_sums(g, send, send_base, heads, prev):  # piece g summed, as answers
+        m = dense[g][W]
+        if not m:
+            return
+        got = _take(prev, [(base[g][d], P.n2[d][g]) for d in range(W)], alloc)
+        rows_of = torch.cat(
+            [P.fwd_rows[P.at2[d * C + g] : P.at2[d * C + g] + P.n2[d][g]] for d in range(W)]
         )
-    summed = K_.scatter_add_rows(
-        at_relay,
-        route.relay_rows,
-        sum(route.recv_counts),
-        max_per_row=route.ranks_on_host,
-        fp32_accumulate=fp32_accumulate,
-        out_dtype=rows.dtype,
-        alloc=alloc,
-    )
-    for off, at, n in direct:
-        summed[off : off + n] = rows[at : at + n]
-    at_source = a2a(summed, route.recv_counts, route.send_counts)
-    return K_.scatter_add_rows(
-        at_source,
-        route.send_token_idx,
-        num_tokens,
-        max_per_row=route.max_rows_per_token,
-        fp32_accumulate=fp32_accumulate,
-        out_dtype=out_dtype,
-        alloc=alloc,
-    )
-
-
-def _backward_in_pieces(
-    route, rows, at_relay, direct, num_tokens, fp32_accumulate, out_dtype, alloc, a2a_start
-):
-    """:func:`backward`'s last stage in ``route.chunks`` pieces (see there)."""
-    W, C, dev = len(route.recv_counts), route.chunks, rows.device
-    H = tuple(rows.shape[1:])
-    n1 = sum(route.recv_counts)
-    ranks = torch.arange(W, device=dev)
-    src_of = torch.repeat_interleave(ranks, torch.tensor(route.recv_counts, device=dev))
-    dst_of = torch.repeat_interleave(ranks, torch.tensor(route.send_counts, device=dev))
-    # per stage-1 received row: the input row that answers it (a source of this host), or
-    # -1 (a relayed row: the sum of the host's rows for it)
-    direct_row = torch.full((n1,), -1, dtype=torch.int64, device=dev)
-    for off, at, n in direct:
-        direct_row[off : off + n] = torch.arange(at, at + n, device=dev)
-    relay_chunk = route.recv_chunk.index_select(0, route.relay_rows)
-    started = []
-    for c in range(C):
-        mine = (route.recv_chunk == c).nonzero()[:, 0]  # by source, then token
-        pos = torch.full((n1,), -1, dtype=torch.int64, device=dev)
-        pos[mine] = torch.arange(mine.numel(), device=dev)
-        p = (relay_chunk == c).nonzero()[:, 0]
-        piece = K_.scatter_add_rows(
-            K_.gather_rows(at_relay, p, "torch", alloc),
-            pos.index_select(0, route.relay_rows.index_select(0, p)),
-            mine.numel(),
+        summed = K_.scatter_add_rows(
+            got,
+            P.where(dense[g], g, dev)[rows_of],
+            m,
             max_per_row=route.ranks_on_host,
             fp32_accumulate=fp32_accumulate,
             out_dtype=rows.dtype,
             alloc=alloc,
         )
-        d = mine[direct_row.index_select(0, mine) >= 0]
-        if d.numel():
-            piece.index_copy_(0, pos.index_select(0, d), rows.index_select(0, direct_row[d]))
-        back_idx = (route.send_chunk == c).nonzero()[:, 0]  # by relay, then token
-        wait = a2a_start(
-            piece,
-            torch.bincount(src_of.index_select(0, mine), minlength=W).tolist(),
-            torch.bincount(dst_of.index_select(0, back_idx), minlength=W).tolist(),
+        for s in range(W):
+            n = dense[g][s + 1] - dense[g][s]
+            if n:
+                a = send_base[s] + heads[s]
+                send[a : a + n] = summed[dense[g][s] : dense[g][s] + n]
+
+    def answers(k, got):  # all-to-all k's answers (piece g) summed into out
+        f, g = P.first(k), P.second(k)
+        if g is None:
+            return
+        t0, t1 = bounds[g], bounds[g + 1]
+        heads = [P.n2[d][f] if f is not None else 0 for d in range(W)]
+        part = _take(got, [(base[k][d] + heads[d], P.n1[d][g]) for d in range(W)], alloc)
+        tok = torch.cat(
+            [
+                route.send_token_idx[P.at1[d * C + g] : P.at1[d * C + g] + P.n1[d][g]]
+                for d in range(W)
+            ]
         )
-        started.append((wait, back_idx))
-    out = alloc((num_tokens,) + H, out_dtype, dev)
-    for c, (wait, back_idx) in enumerate(started):
-        t0, t1 = (c * num_tokens + C - 1) // C, ((c + 1) * num_tokens + C - 1) // C
         out[t0:t1] = K_.scatter_add_rows(
-            wait(),
-            route.send_token_idx.index_select(0, back_idx) - t0,
+            part,
+            tok - t0,
             t1 - t0,
             max_per_row=route.max_rows_per_token,
             fp32_accumulate=fp32_accumulate,
             out_dtype=out_dtype,
             alloc=alloc,
         )
+
+    waits = []
+    for k in range(P.ops):
+        f, g = P.first(k), P.second(k)
+        send_counts = P.counts(k, P.r2, P.r1)
+        send_base = _bases(send_counts)
+        heads = [P.r2[d][f] if f is not None else 0 for d in range(W)]
+        send = alloc((sum(send_counts),) + H, rows.dtype, dev)
+        to_relays(k, send, send_base)
+        prev = None
+        if g is not None:
+            direct(g, send, send_base, heads)
+            prev = waits[g]()  # all-to-all g brought piece g's rows to this relay
+            relay_sums(g, send, send_base, heads, prev)
+        waits.append(a2a_start(send, send_counts, recv[k]))
+        del send  # held by the all-to-all until it has moved
+        if prev is not None:
+            waits[g] = None
+            answers(g, prev)
+    for k in range(P.ops - P.lag, P.ops):
+        answers(k, waits[k]())
+        waits[k] = None
     return out
 
 

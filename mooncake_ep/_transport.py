@@ -41,11 +41,11 @@ class _Recycler:
     tensor is handed out again (as a view) only when its storage has no other user: no
     result the caller still holds, no tensor saved for backward, no view. Results stay
     valid as long as they are referenced. Up to ``per_dtype`` buffers per dtype stay
-    cached: a round trip across hosts has about that many large ones alive at once (the
-    two stages' rows, the layout, the combine's pieces), and with fewer the largest ones
-    were allocated afresh every call."""
+    cached: a round trip across hosts has about 10 large ones alive at once (the result,
+    up to three pieces' rows in flight each way, the pieces being summed); with a smaller
+    cap some of them would be allocated afresh every call."""
 
-    def __init__(self, per_dtype: int = 8, min_bytes: int = 1 << 20):
+    def __init__(self, per_dtype: int = 16, min_bytes: int = 1 << 20):
         self.per_dtype, self.min_bytes = per_dtype, min_bytes
         self._cache = {}
 
@@ -310,7 +310,7 @@ class Transport:
         route = self._route(handle)
         if route is not None:
             epoch = self._membership()[1]
-            out = _hosts.forward(self._a2a, route, x, kern, self._recycler.empty)
+            out = _hosts.forward(self._a2a_start, route, x, self._recycler.empty)
             if self._membership()[1] == epoch:
                 return out
         rows = K_.gather_rows(x, handle.send_token_idx, kern, self._recycler.empty)
@@ -324,14 +324,13 @@ class Transport:
         if route is not None:
             epoch = self._membership()[1]
             out = _hosts.backward(
-                self._a2a,
+                self._a2a_start,
                 route,
                 rows,
                 handle.num_tokens,
                 fp32,
                 out_dtype,
                 self._recycler.empty,
-                self._a2a_start,
             )
             if self._membership()[1] == epoch:
                 return out

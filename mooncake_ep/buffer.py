@@ -400,7 +400,7 @@ class Buffer(Transport):
         ``dims`` (T, H, E, K); ``sent`` bool [T, W]: where each token goes (active ranks
         only); ``counts`` int64 [W, >= 2 W + 1]: per source rank, as :meth:`_row_counts`
         lays them out, from the header the ranks exchanged; ``row_bytes``: bytes per
-        element of the rows (agreed), which with the counts sizes the combine's pieces."""
+        element of the rows (agreed), which with the counts sizes the route's pieces."""
         T, H, E, Kk = dims
         W, L = self.group_size, E // self.group_size
         send_counts = tuple(int(c) for c in sent.sum(0))
@@ -420,6 +420,8 @@ class Buffer(Transport):
         ):
             host_counts = counts[:, W : W + topo.num_hosts].tolist()
             most = max(int(counts[r, :W].sum()) for r in live) * H * row_bytes
+            P = _hosts.MAX_PIECES
+            fine = counts[:, 2 * W + 1 + self.rank * P : 2 * W + 1 + (self.rank + 1) * P]
             route = _hosts.plan_route(
                 topo,
                 self.rank,
@@ -429,6 +431,7 @@ class Buffer(Transport):
                 recv_counts,
                 self._a2a,
                 _hosts.pieces(most),
+                [fine[s].tolist() if active[s] else [0] * P for s in range(W)],
             )
             if self._membership()[1] != epoch:
                 route = None  # on every survivor: the op restarts
@@ -442,17 +445,23 @@ class Buffer(Transport):
         return h, local.to(torch.int32)
 
     def _row_counts(self, in_rank, active, epoch, topo) -> torch.Tensor:
-        """int64 [2 W + 1], this rank's part of a header for :meth:`_rows_handle`: its rows
-        per destination rank, its tokens per host (at most W hosts; for the relays) and the
-        epoch these counts saw. ``in_rank`` bool [T, W] (``None``: bad arguments, zeros)."""
+        """int64 [2 W + 1] on one host, [2 W + 1 + W x MAX_PIECES] across hosts: this rank's
+        part of a header for :meth:`_rows_handle`: its rows per destination rank, its
+        tokens per host (at most W hosts; for the relays), the epoch these counts saw and,
+        across hosts, its rows per destination and token range (the route's pieces).
+        ``in_rank`` bool [T, W] (``None``: bad arguments, zeros)."""
         W = self.group_size
-        counts = torch.zeros(2 * W + 1, dtype=torch.int64)
-        counts[-1] = epoch
+        n = 2 * W + 1
+        counts = torch.zeros(
+            n + (W * _hosts.MAX_PIECES if topo is not None else 0), dtype=torch.int64
+        )
+        counts[2 * W] = epoch
         if in_rank is not None:
             mask = torch.tensor(active, dtype=torch.bool, device=in_rank.device)
             counts[:W] = (in_rank & mask).sum(0).cpu()
             if topo is not None:
                 counts[W : W + topo.num_hosts] = topo.tokens_per_host(in_rank & mask).cpu()
+                counts[n:] = _hosts.piece_counts(in_rank & mask).reshape(-1)
         return counts
 
     # --------------------------------------------------------------- combine
@@ -647,8 +656,8 @@ class Buffer(Transport):
             active0, epoch0, topo = self._membership_and_topology()
             # pairs per expert, then the counts of the two-level route (one row per token
             # and destination rank)
-            counts = torch.zeros(max(E, 0) + 2 * W + 1, dtype=torch.int64)
-            counts[E:] = self._row_counts(in_rank, active0, epoch0, topo)
+            rc = self._row_counts(in_rank, active0, epoch0, topo)
+            counts = torch.cat([torch.zeros(max(E, 0), dtype=torch.int64), rc])
             if err is None:
                 emask = torch.tensor(active0, dtype=torch.bool, device=dev).repeat_interleave(L)
                 counts[:E] = (cnt & emask).sum(0).cpu()
