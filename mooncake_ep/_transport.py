@@ -40,10 +40,12 @@ class _Recycler:
     kernel zeroes it), which on this path costs as much as the copy itself. A cached flat
     tensor is handed out again (as a view) only when its storage has no other user: no
     result the caller still holds, no tensor saved for backward, no view. Results stay
-    valid as long as they are referenced. Up to ``per_dtype`` buffers per dtype stay
-    cached: a round trip across hosts has about 10 large ones alive at once (the result,
-    up to three pieces' rows in flight each way, the pieces being summed); with a smaller
-    cap some of them would be allocated afresh every call."""
+    valid as long as they are referenced. A request gets the smallest free buffer that
+    holds it but is at most twice its size (so a small request never takes a big buffer
+    that the next big request would then allocate again: cached bytes stay within about
+    twice what one call had alive). Up to ``per_dtype`` buffers per dtype stay cached: a
+    round trip across hosts has about 10 large ones alive at once (the result, up to
+    three pieces' rows in flight each way, the pieces being summed)."""
 
     def __init__(self, per_dtype: int = 16, min_bytes: int = 1 << 20):
         self.per_dtype, self.min_bytes = per_dtype, min_bytes
@@ -58,11 +60,10 @@ class _Recycler:
         if n * torch.empty((), dtype=dtype).element_size() < self.min_bytes:
             return torch.empty(shape, dtype=dtype, device=device)
         lst = self._cache.setdefault((dtype, device), [])
-        # the smallest free buffer that fits: a big one stays for the big requests
         fits = [
             (f.numel(), i)
             for i, (f, base) in enumerate(lst)
-            if f.numel() >= n and _storage_uses(f) == base
+            if n <= f.numel() <= 2 * n and _storage_uses(f) == base
         ]
         if fits:
             i = min(fits)[1]

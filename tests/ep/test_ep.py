@@ -869,6 +869,23 @@ def rank_buffers_not_reused_while_held(rank, ws):
     return {"ok": ok, "ok_ll": ok_ll, "cached": cached}
 
 
+def test_recycler_keeps_big_buffers_for_big_requests():
+    """A small request never takes a cached buffer more than twice its size: a round trip
+    whose pieces are small and whose result is big reuses the same few buffers every
+    call instead of handing the big one to a piece and allocating another big one."""
+    from mooncake_ep._transport import _Recycler
+
+    rec = _Recycler()
+    for i in range(20):
+        # 3 or 4 pieces of 1 MiB, then an 8 MiB result, all alive at once
+        pieces = [rec.empty((8, 1 << 16), torch.bfloat16) for _ in range(3 + i % 2)]
+        big = rec.empty((64, 1 << 16), torch.bfloat16)
+        del big, pieces
+    cached = rec._cache[(torch.bfloat16, torch.device("cpu"))]
+    # 4 pieces and one result (a piece taking a free result would make it 3 + 2 x 8 MiB)
+    assert sum(f.numel() * 2 for f, _ in cached) == (4 + 8) << 20
+
+
 def test_results_are_not_overwritten_while_held(pool_factory):
     """Receive buffers are recycled only when nothing refers to them: results of earlier
     dispatches that the caller still holds keep their values."""
