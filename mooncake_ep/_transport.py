@@ -45,9 +45,11 @@ class _Recycler:
     that the next big request would then allocate again: cached bytes stay within about
     twice what one call had alive). Up to ``per_dtype`` buffers per dtype stay cached: a
     round trip across hosts has about 10 large ones alive at once (the result, up to
-    three pieces' rows in flight each way, the pieces being summed)."""
+    three pieces' rows in flight each way, the pieces being summed) in several sizes, and
+    a low-latency one adds its slot buffers; with a smaller cap the least recently used,
+    the largest, went first and were allocated afresh every call."""
 
-    def __init__(self, per_dtype: int = 16, min_bytes: int = 1 << 20):
+    def __init__(self, per_dtype: int = 32, min_bytes: int = 1 << 20):
         self.per_dtype, self.min_bytes = per_dtype, min_bytes
         self._cache = {}
 
