@@ -47,9 +47,9 @@ MAX_PIECES = 8
 
 def pieces(most_bytes: int) -> int:
     """How many pieces (1, 2, 4, ... up to MAX_PIECES) a two-level dispatch and combine
-    move in when the rank that sends the most rows sends ``most_bytes`` (1 below 2 x
-    PIECE_BYTES: a small op pays a collective's latency per piece and has little to
-    overlap)."""
+    move in when the rank that sends or receives the most rows moves ``most_bytes`` (1
+    below 2 x PIECE_BYTES: a small op pays a collective's latency per piece and has
+    little to overlap)."""
     n = 1
     while 2 * n <= min(MAX_PIECES, most_bytes // PIECE_BYTES):
         n *= 2

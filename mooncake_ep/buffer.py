@@ -419,7 +419,9 @@ class Buffer(Transport):
             and all(int(counts[r, 2 * W]) == epoch for r in live)
         ):
             host_counts = counts[:, W : W + topo.num_hosts].tolist()
-            most = max(int(counts[r, :W].sum()) for r in live) * H * row_bytes
+            # the busiest rank's rows, sent or received (a host that many send to pipelines too)
+            flat = counts[live][:, live]
+            most = int(max(flat.sum(1).max(), flat.sum(0).max())) * H * row_bytes
             P = _hosts.MAX_PIECES
             fine = counts[:, 2 * W + 1 + self.rank * P : 2 * W + 1 + (self.rank + 1) * P]
             route = _hosts.plan_route(
