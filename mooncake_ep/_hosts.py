@@ -32,6 +32,7 @@ membership change during a route's stages reruns the op rank to rank on every su
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 import torch
@@ -74,15 +75,13 @@ class HostRoute:
 
     ``send_token_idx`` int64 [N1]: the token of each stage-1 row, grouped by destination
     rank then token; ``relay_rows`` int64 [N2]: the stage-1 received row that each stage-2
-    row forwards, grouped by destination then source then token; ``segments``: per source
-    rank in order, ``(stage, offset, rows)`` of its final rows in that stage's received
-    rows (stage 1: a source of this host; stage 2: a remote source via its relay).
-    ``chunks``: how many pieces :func:`forward` and :func:`backward` move in (the same
+    row forwards, grouped by destination then source then token. ``chunks``: how many pieces :func:`forward` and :func:`backward` move in (the same
     on every rank); a token's piece is ``token * chunks // T`` at its source.
     ``send_chunk`` int64 [N1]: the piece of each stage-1 row sent, ``recv_chunk``
     [N1_recv] of each received. ``piece_rows`` [W][chunks]: the rows each source sends
     this rank per piece in a flat dispatch; ``delivered_by`` [W]: the rank whose stage
     brings them (the source itself on this host, else its relay here; ``None``: none).
+    ``pieces``: where each piece's rows are (:class:`_Pieces`, computed once per route).
     """
 
     active: tuple[int, ...]
@@ -91,8 +90,6 @@ class HostRoute:
     recv_counts: tuple[int, ...]
     relay_rows: torch.Tensor
     relay_send_counts: tuple[int, ...]
-    relay_recv_counts: tuple[int, ...]
-    segments: tuple[tuple[int, int, int], ...]
     num_recv: int
     max_rows_per_token: int
     ranks_on_host: int
@@ -101,6 +98,10 @@ class HostRoute:
     recv_chunk: torch.Tensor
     piece_rows: tuple[tuple[int, ...], ...]
     delivered_by: tuple[int | None, ...]
+
+    @functools.cached_property
+    def pieces(self) -> _Pieces:
+        return _Pieces(self)
 
 
 class Topology:
@@ -218,29 +219,8 @@ def plan_route(
     relay_send = [0] * W
     for j, d in enumerate(local):
         relay_send[d] = int(per_local[j])
-    # stage 2, receiving: from each relay of this host, the rows of the remote sources it
-    # relays here, by source
-    relay_recv = [0] * W
-    for s in range(W):
-        if topo.host_of[s] != hm and relay[s][hm] is not None:
-            relay_recv[relay[s][hm]] += int(recv_counts[s])
-    off1 = [0] * W
-    off2 = [0] * W
-    acc1 = acc2 = 0
-    for r in range(W):
-        off1[r], off2[r] = acc1, acc2
-        acc1 += recv1[r]
-        acc2 += relay_recv[r]
-    segments = []
-    for s in range(W):
-        n = int(recv_counts[s])
-        if topo.host_of[s] == hm:
-            segments.append((1, off1[s], n))
-        else:
-            r = relay[s][hm]
-            segments.append((2, off2[r] if r is not None else 0, n))
-            if r is not None:
-                off2[r] += n
+    # stage 2, receiving, and the layout: per source and piece, from the source itself
+    # (this host) or its relay here
     per = MAX_PIECES // chunks
     piece_rows = tuple(
         tuple(sum(int(v) for v in fine_rows[s][c * per : (c + 1) * per]) for c in range(chunks))
@@ -254,8 +234,6 @@ def plan_route(
         recv1,
         relay_rows,
         tuple(relay_send),
-        tuple(relay_recv),
-        tuple(segments),
         sum(int(c) for c in recv_counts),
         int(dest.sum(1).max()) if sent.shape[0] else 0,
         len(local),
@@ -271,20 +249,27 @@ class _Pieces:
     """Where the rows of each piece are, for :func:`forward` and :func:`backward` (counts
     per rank and piece are ``[W][C]`` lists; "key order" is by rank, then piece).
 
-    ``n1``: stage-1 rows sent per (destination, piece), blocks of ``send_token_idx`` at
-    ``at1``; ``r1``: stage-1 rows received per (source, piece), blocks of the stage-1
-    received rows at ``full``, ``key1`` the (source, piece) key of each; ``n2``: stage-2
-    rows sent per (rank of this host, piece), the stage-1 received rows ``fwd_rows`` at
-    ``at2``; ``r2``: stage-2 rows received per (relay, piece); ``out_at[s][c]``: where
-    source ``s``'s rows of piece ``c`` start in the flat layout."""
+    All-to-all ``k`` (of ``ops``) carries piece :meth:`first` of ``k``'s first stage and
+    piece :meth:`second`'s second stage, in each rank's block in that order.
 
-    def __init__(self, route: HostRoute, dev):
-        W, C = len(route.send_counts), route.chunks
+    ``n1``: stage-1 rows sent per (destination, piece), blocks of ``send_token_idx`` at
+    ``at1``; ``r1``: stage-1 rows received per (source, piece); ``n2``: stage-2 rows sent
+    per (rank of this host, piece), blocks at ``at2`` of the stage-1 received rows they
+    forward (by source then token within a piece); ``r2``: stage-2 rows received per
+    (relay, piece); ``out_at[s][c]``: where source ``s``'s rows of piece ``c`` start in
+    the flat layout. ``recv_fwd``/``recv_bwd``: each all-to-all's rows per rank received
+    by :func:`forward`/:func:`backward`, ``base_fwd``/``base_bwd`` where each rank's block
+    starts. For those forwarded rows, int64 [N2] in ``at2``'s order: ``fwd_pos``, where
+    each arrived in :func:`forward`'s all-to-alls, and ``fwd_dense``, its place among its
+    piece's relayed rows (:func:`backward`'s relay sums), where remote source ``s``'s
+    rows of piece ``c`` start at ``dense[c][s]``."""
+
+    def __init__(self, route: HostRoute):
+        W, C, dev = len(route.send_counts), route.chunks, route.send_token_idx.device
         self.W, self.C, self.route = W, C, route
-        # all-to-all k carries piece k's first stage and piece k - lag's second: with lag
-        # 2 the second stage of a piece needs an all-to-all that ended before the one in
-        # flight began, so the next one is started while one is in flight (the links
-        # never wait for a host's forwarding or sums)
+        # with lag 2 the second stage of a piece needs an all-to-all that ended before the
+        # one in flight began, so the next one is started while one is in flight (the
+        # links never wait for a host's forwarding or sums)
         self.lag = 2 if C > 1 else 1
         self.ops = C + self.lag
         ranks = torch.arange(W, device=dev)
@@ -295,11 +280,10 @@ class _Pieces:
 
         _, self.n1 = per_rank_piece(route.send_counts, route.send_chunk)
         self.at1 = _starts(self.n1)
-        self.key1, self.r1 = per_rank_piece(route.recv_counts, route.recv_chunk)
-        self.full = _starts(self.r1)
+        key1, self.r1 = per_rank_piece(route.recv_counts, route.recv_chunk)
         # stage 2 by (rank of this host, piece), by source then token within a piece
         k2, self.n2 = per_rank_piece(route.relay_send_counts, route.recv_chunk[route.relay_rows])
-        self.fwd_rows = route.relay_rows[torch.sort(k2, stable=True).indices]
+        fwd_rows = route.relay_rows[torch.sort(k2, stable=True).indices]
         self.at2 = _starts(self.n2)
         self.r2 = [[0] * C for _ in range(W)]
         for s, r in enumerate(route.delivered_by):
@@ -308,6 +292,24 @@ class _Pieces:
                     self.r2[r][c] += route.piece_rows[s][c]
         at = _starts(route.piece_rows)
         self.out_at = [at[s * C : (s + 1) * C] for s in range(W)]
+        self.recv_fwd = [self.counts(k, self.r1, self.r2) for k in range(self.ops)]
+        self.recv_bwd = [self.counts(k, self.n2, self.n1) for k in range(self.ops)]
+        self.base_fwd = [_bases(rc) for rc in self.recv_fwd]
+        self.base_bwd = [_bases(rc) for rc in self.recv_bwd]
+        self.dense = [
+            _bases([self.r1[s][c] if self.relayed(s) else 0 for s in range(W)]) for c in range(C)
+        ]
+        # per stage-1 received row (of source s, piece c): its place in rows where
+        # (s, c) starts at bases[c][s]; each piece's stage-1 rows lead its all-to-all
+        full = _starts(self.r1)
+
+        def place(bases):
+            delta = [bases[c][s] - full[s * C + c] for s in range(W) for c in range(C)]
+            delta = torch.tensor(delta, dtype=torch.int64, device=dev)
+            return (torch.arange(len(key1), device=dev) + delta[key1])[fwd_rows]
+
+        self.fwd_pos = place(self.base_fwd[:C])
+        self.fwd_dense = place(self.dense)
 
     def relayed(self, s) -> bool:
         """Whether source ``s``'s rows reach this rank through a relay (a remote source)."""
@@ -331,24 +333,15 @@ class _Pieces:
             for r in range(self.W)
         ]
 
-    def where(self, bases, c, dev) -> torch.Tensor:
-        """int64 per stage-1 received row (meaningful for those of piece ``c``): its place
-        in rows where source ``s``'s rows of piece ``c`` start at ``bases[s]``."""
-        W, C = self.W, self.C
-        delta = [0] * (W * C)
-        for s in range(W):
-            delta[s * C + c] = bases[s] - self.full[s * C + c]
-        delta = torch.tensor(delta, dtype=torch.int64, device=dev)
-        return torch.arange(len(self.key1), device=dev) + delta[self.key1]
+
+def _bases(counts) -> list[int]:
+    """Where each block starts (and, last, the total) for blocks of ``counts`` rows."""
+    return list(itertools.accumulate(counts, initial=0))
 
 
 def _starts(n) -> list[int]:
     """[W][C] counts -> the start of each (rank, piece) block in key order."""
-    return list(itertools.accumulate((v for row in n for v in row), initial=0))
-
-
-def _bases(counts) -> list[int]:
-    return list(itertools.accumulate(counts, initial=0))
+    return _bases(v for row in n for v in row)
 
 
 def _take(rows, spans, alloc) -> torch.Tensor:
@@ -373,10 +366,9 @@ def forward(a2a_start, route: HostRoute, x: torch.Tensor, alloc) -> torch.Tensor
     laid out meanwhile. ``a2a_start(rows, send_counts, recv_counts)`` starts the group's
     row all-to-all and returns the function that waits for its rows (by source)."""
     dev, H = x.device, tuple(x.shape[1:])
-    P = _Pieces(route, dev)
+    P = route.pieces
     W, C = P.W, P.C
-    recv = [P.counts(k, P.r1, P.r2) for k in range(P.ops)]
-    base = [_bases(rc) for rc in recv]
+    base = P.base_fwd
     out = alloc((route.num_recv,) + H, x.dtype, dev)
 
     def stage1(k, send):  # x's rows of piece k, by destination (runs of blocks: one gather)
@@ -399,14 +391,13 @@ def forward(a2a_start, route: HostRoute, x: torch.Tensor, alloc) -> torch.Tensor
 
     def stage2(k, send, prev):  # piece g's rows, received in all-to-all g, forwarded
         f, g = P.first(k), P.second(k)
-        pos = P.where(base[g], g, dev)
         at = 0
         for d in range(W):
             at += P.n1[d][f] if f is not None else 0
             n = P.n2[d][g]
             if n:
                 o = P.at2[d * C + g]
-                torch.index_select(prev, 0, pos[P.fwd_rows[o : o + n]], out=send[at : at + n])
+                torch.index_select(prev, 0, P.fwd_pos[o : o + n], out=send[at : at + n])
             at += n
 
     def lay_out(k, rows):  # all-to-all k's rows into the flat layout
@@ -433,7 +424,7 @@ def forward(a2a_start, route: HostRoute, x: torch.Tensor, alloc) -> torch.Tensor
         if P.second(k) is not None:
             prev = waits[k - P.lag]()
             stage2(k, send, prev)
-        waits.append(a2a_start(send, send_counts, recv[k]))
+        waits.append(a2a_start(send, send_counts, P.recv_fwd[k]))
         del send  # held by the all-to-all until it has moved
         if prev is not None:
             waits[k - P.lag] = None
@@ -461,14 +452,11 @@ def backward(
     relay's sums of its host's rows, a row of this host as it is); a relay sums a piece
     and a source sums a piece's answers while the next ones move."""
     dev, H = rows.device, tuple(rows.shape[1:])
-    P = _Pieces(route, dev)
+    P = route.pieces
     W, C = P.W, P.C
-    recv = [P.counts(k, P.n2, P.n1) for k in range(P.ops)]
-    base = [_bases(rc) for rc in recv]
+    base, dense = P.base_bwd, P.dense
     out = alloc((num_tokens,) + H, out_dtype, dev)
     bounds = piece_bounds(num_tokens, C)
-    # the dense index of each relayed stage-1 row within its piece's relayed rows
-    dense = [_bases([P.r1[s][c] if P.relayed(s) else 0 for s in range(W)]) for c in range(C)]
 
     def to_relays(k, send, send_base):  # this rank's rows of remote sources, piece f
         f = P.first(k)
@@ -494,12 +482,12 @@ def backward(
         if not m:
             return
         got = _take(prev, [(base[g][d], P.n2[d][g]) for d in range(W)], alloc)
-        rows_of = torch.cat(
-            [P.fwd_rows[P.at2[d * C + g] : P.at2[d * C + g] + P.n2[d][g]] for d in range(W)]
+        into = torch.cat(
+            [P.fwd_dense[P.at2[d * C + g] : P.at2[d * C + g] + P.n2[d][g]] for d in range(W)]
         )
         summed = K_.scatter_add_rows(
             got,
-            P.where(dense[g], g, dev)[rows_of],
+            into,
             m,
             max_per_row=route.ranks_on_host,
             fp32_accumulate=fp32_accumulate,
@@ -548,7 +536,7 @@ def backward(
             direct(g, send, send_base, heads)
             prev = waits[g]()  # all-to-all g brought piece g's rows to this relay
             relay_sums(g, send, send_base, heads, prev)
-        waits.append(a2a_start(send, send_counts, recv[k]))
+        waits.append(a2a_start(send, send_counts, P.recv_bwd[k]))
         del send  # held by the all-to-all until it has moved
         if prev is not None:
             waits[g] = None
