@@ -215,8 +215,8 @@ constexpr int kMaxRanges = 4;
 // later epoch may already have sent the frame of a round this rank has not reached.
 struct TcpEngine::In {
   uint8_t fixed[sizeof(FrameHead) + kMaxRanges * sizeof(Range)];
-  int stage =
-      0;  // 0 head, 1 ranges, 2 header, 3.. data ranges, then direct bytes; 100: discarding a stale frame
+  // 0 head, 1 ranges, 2 header, 3.. data ranges, then direct bytes; 100: discarding a stale frame
+  int stage = 0;
   size_t done = 0;
   FrameHead fh{};
   Range rg[kMaxRanges];
