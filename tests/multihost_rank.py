@@ -450,8 +450,46 @@ def loop_all_reduce(rank, world_size, ops, count, linger_s=3.0):
     }
 
 
+def loop_all_to_all(rank, world_size, ops, count, local_count, linger_s=3.0):
+    """ops all_to_all_singles (float32) of count elements to every rank of another host
+    and local_count to those of this host, the block for rank j equal to 100 x rank + j,
+    into an output of -1; the first error ends the loop. Returns per op each source's
+    block value (-1: untouched, "uneven": mixed) or the error's type name, and the
+    membership afterwards (see loop_all_reduce)."""
+    import mooncake_pg
+
+    g = int(os.environ["MH_RANKS_PER_HOST"].split(",")[0])  # hosts of g ranks each
+
+    def n(s, d):
+        return local_count if s // g == d // g else count
+
+    results = []
+    for _ in range(ops):
+        x = torch.cat([torch.full((n(rank, j),), 100.0 * rank + j) for j in range(world_size)])
+        y = torch.full((sum(n(s, rank) for s in range(world_size)),), -1.0)
+        try:
+            dist.all_to_all_single(
+                y,
+                x,
+                [n(s, rank) for s in range(world_size)],
+                [n(rank, j) for j in range(world_size)],
+            )
+        except Exception as e:  # the outcome is what is compared
+            results.append(type(e).__name__)
+            time.sleep(linger_s)
+            break
+        blocks = torch.split(y, [n(s, rank) for s in range(world_size)])
+        results.append([b[0].item() if bool((b == b[0]).all()) else "uneven" for b in blocks])
+    return {
+        "results": results,
+        "active": mooncake_pg.get_active_ranks().tolist(),
+        "epoch": mooncake_pg.get_epoch(),
+    }
+
+
 SCENARIOS = {
     "loop_all_reduce": loop_all_reduce,
+    "loop_all_to_all": loop_all_to_all,
     "large_ops": large_ops,
     "bytes_out": bytes_out,
     "every_op": every_op,

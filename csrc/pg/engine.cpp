@@ -206,6 +206,7 @@ struct FrameHead {
   uint64_t round;  // epoch_base(epoch) + round within the epoch
   uint32_t hdr_len;
   uint32_t nranges;
+  uint64_t direct_len;  // direct bytes after the ranges' (CollEngine::set_direct_src)
 };
 constexpr int kMaxRanges = 4;
 }  // namespace
@@ -214,7 +215,8 @@ constexpr int kMaxRanges = 4;
 // later epoch may already have sent the frame of a round this rank has not reached.
 struct TcpEngine::In {
   uint8_t fixed[sizeof(FrameHead) + kMaxRanges * sizeof(Range)];
-  int stage = 0;  // 0 head, 1 ranges, 2 header, 3.. data ranges, 100: discarding a stale frame
+  // 0 head, 1 ranges, 2 header, 3.. data ranges, then direct bytes; 100: discarding a stale frame
+  int stage = 0;
   size_t done = 0;
   FrameHead fh{};
   Range rg[kMaxRanges];
@@ -231,6 +233,8 @@ TcpEngine::TcpEngine(int rank, int size, size_t slot_bytes, size_t hdr_cap, std:
   }
   peers_.resize(size);
   in_.resize(size);
+  direct_at_.assign(size, 0);
+  owe_.assign(size, 0);
   for (int j = 0; j < size; ++j) {
     if (j == rank) continue;
     in_[j] = std::make_unique<In>();
@@ -252,10 +256,28 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
   struct Out {
     std::vector<uint8_t> meta;  // FrameHead + ranges + header
     std::vector<Range> ranges;
-    size_t idx = 0, done = 0;  // idx: 0 = meta, 1.. = range idx-1
+    DirectSrc direct;
+    size_t idx = 0, done = 0;    // idx: 0 = meta, 1.. = range idx-1, then the direct bytes
+    size_t total = 0, sent = 0;  // the frame's bytes, and those sent so far
     bool finished = false;
   };
   std::vector<Out> out(size_);
+  std::vector<DirectSrc> direct_src;
+  direct_src.swap(direct_src_);  // this round's only
+  // A frame left half-sent by an exception (a peer died mid-round) is finished with zeros
+  // by the next exchange() (owe_), so the stream to a live peer stays aligned on frames:
+  // that peer, in a later epoch by then, drops the frame as stale. Its bytes do not come
+  // from the caller's buffers, which may be gone.
+  struct Owe {
+    std::vector<Out>& out;
+    std::vector<size_t>& owe;
+    bool ok = false;
+    ~Owe() {
+      if (ok) return;
+      for (size_t j = 0; j < out.size(); ++j)
+        if (out[j].sent > 0) owe[j] += out[j].total - out[j].sent;
+    }
+  } owe_guard{out, owe_};
   std::vector<uint8_t> scratch;
   int64_t next_probe = now_ns() + 20000000;  // liveness of missing peers every 20 ms
   for (int j = 0; j < size_; ++j) {
@@ -268,12 +290,15 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
       o.ranges.push_back(Range{0, slot_});
     }
     if (o.ranges.size() > kMaxRanges) throw std::logic_error("TcpEngine: too many ranges");
-    FrameHead fh{k, static_cast<uint32_t>(hdr_len), static_cast<uint32_t>(o.ranges.size())};
+    if (j < static_cast<int>(direct_src.size())) o.direct = direct_src[j];
+    FrameHead fh{k, static_cast<uint32_t>(hdr_len), static_cast<uint32_t>(o.ranges.size()), o.direct.len};
     o.meta.resize(sizeof(fh) + o.ranges.size() * sizeof(Range) + hdr_len);
     std::memcpy(o.meta.data(), &fh, sizeof(fh));
     if (!o.ranges.empty())
       std::memcpy(o.meta.data() + sizeof(fh), o.ranges.data(), o.ranges.size() * sizeof(Range));
     std::memcpy(o.meta.data() + sizeof(fh) + o.ranges.size() * sizeof(Range), mine_ptr_[b], hdr_len);
+    o.total = o.meta.size() + o.direct.len;
+    for (const Range& r : o.ranges) o.total += r.len;
   }
   while (true) {
     bool progress = false, all_done = true;
@@ -284,23 +309,35 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
         // send side
         Out& o = out[j];
         while (!o.finished) {
+          if (owe_[j] > 0) {  // the rest of a frame an earlier exchange() left half-sent
+            static const uint8_t zeros[64 << 10] = {};
+            const size_t m = send_some(fds_[j], zeros, std::min(owe_[j], sizeof(zeros)));
+            if (m > 0) progress = true;
+            owe_[j] -= m;
+            if (owe_[j] > 0) break;
+            continue;
+          }
           const uint8_t* p;
           size_t len;
           if (o.idx == 0) {
             p = o.meta.data();
             len = o.meta.size();
-          } else {
+          } else if (o.idx <= o.ranges.size()) {
             const Range& r = o.ranges[o.idx - 1];
             p = mine_ptr_[b] + hdr_cap_ + r.off;
             len = r.len;
+          } else {
+            p = o.direct.ptr;
+            len = o.direct.len;
           }
           size_t m = send_some(fds_[j], p + o.done, len - o.done);
           if (m > 0) progress = true;
           o.done += m;
+          o.sent += m;
           if (o.done < len) break;
           o.idx++;
           o.done = 0;
-          if (o.idx > o.ranges.size()) o.finished = true;
+          if (o.idx > o.ranges.size() + (o.direct.len > 0 ? 1 : 0)) o.finished = true;
         }
         if (!o.finished) wr.push_back(fds_[j]);
         // receive side
@@ -329,10 +366,32 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
           } else if (i.stage == 2) {
             dst = peers_[j][i.fh.round % 3].data();
             len = i.fh.hdr_len;
-          } else {
+          } else if (i.stage < 3 + static_cast<int>(i.fh.nranges)) {
             const Range& r = i.rg[i.stage - 3];
             dst = peers_[j][i.fh.round % 3].data() + hdr_cap_ + r.off;
             len = r.len;
+          } else {
+            // direct bytes: for the caller's buffer of this round only (a frame of a later
+            // epoch waits here until this rank gets there and sets its buffer)
+            if (i.fh.round < k) {  // begun in an earlier epoch's round: stale, dropped
+              i.stage = 100;
+              i.discard_left = i.fh.direct_len - i.done;
+              i.done = 0;
+              if (i.discard_left == 0) i = In{};
+              continue;
+            }
+            if (i.fh.round > k) {
+              if (i.fh.round > next_epoch_base) throw EpochAhead();
+              throw std::runtime_error("TcpEngine: direct bytes of a later round from rank " +
+                                       std::to_string(j));
+            }
+            const size_t at = j < static_cast<int>(direct_dst_.size()) ? direct_at_[j] : 0;
+            if (j >= static_cast<int>(direct_dst_.size()) || direct_dst_[j].ptr == nullptr ||
+                i.fh.direct_len > direct_dst_[j].cap - std::min(direct_dst_[j].cap, at))
+              throw std::runtime_error("TcpEngine: " + std::to_string(i.fh.direct_len) +
+                                       " unexpected direct bytes from rank " + std::to_string(j));
+            dst = direct_dst_[j].ptr + at;
+            len = i.fh.direct_len;
           }
           size_t m =
               recv_some(fds_[j], dst + (i.stage == 100 ? 0 : i.done), len - (i.stage == 100 ? 0 : i.done));
@@ -352,7 +411,7 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
               throw std::runtime_error("TcpEngine: malformed frame from rank " + std::to_string(j));
           } else if (i.stage == 1) {
             std::memcpy(i.rg, i.fixed + sizeof(FrameHead), i.fh.nranges * sizeof(Range));
-            size_t total = i.fh.hdr_len;
+            size_t total = i.fh.hdr_len + i.fh.direct_len;
             for (uint32_t q = 0; q < i.fh.nranges; ++q) {
               if (i.rg[q].off + i.rg[q].len > slot_)
                 throw std::runtime_error("TcpEngine: bad range from rank " + std::to_string(j));
@@ -367,8 +426,9 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
               continue;
             }
           }
+          if (i.stage == 3 + static_cast<int>(i.fh.nranges)) direct_at_[j] += i.fh.direct_len;
           i.stage++;
-          if (i.stage >= 3 + static_cast<int>(i.fh.nranges)) {
+          if (i.stage >= 3 + static_cast<int>(i.fh.nranges) + (i.fh.direct_len > 0 ? 1 : 0)) {
             i.stage = -1;
             i.complete = true;
           }
@@ -401,6 +461,7 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
       poll_fds(rd, wr, -1, static_cast<int>(std::min<int64_t>(left / 1000000 + 1, 100)));
     }
   }
+  owe_guard.ok = true;
   for (int j = 0; j < size_; ++j)
     if (j != rank_ && active_[j]) *in_[j] = In{};
   round_ = k;

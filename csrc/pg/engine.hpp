@@ -29,6 +29,18 @@ struct Range {
 };
 using PeerRanges = std::vector<std::vector<Range>>;  // per peer, ranges of my slot it reads
 
+// Direct bytes (TCP peers): after its slot ranges a frame may carry bytes that go from
+// the sender's buffer straight into the receiver's, through no slot, so one round may
+// move more than a slot (fewer rounds, each a barrier, and two copies fewer per byte).
+struct DirectSrc {
+  const uint8_t* ptr = nullptr;
+  size_t len = 0;
+};
+struct DirectDst {
+  uint8_t* ptr = nullptr;
+  size_t cap = 0;
+};
+
 // Peers that died (process gone, connection lost) or did not take part within the op
 // timeout (timed_out: they may be alive).
 struct PeerFailure : std::runtime_error {
@@ -77,6 +89,17 @@ class CollEngine {
   // lists per peer which ranges of my slot it reads; shm ignores it.
   virtual void exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadline_ns) = 0;
   virtual const char* name() const = 0;
+  // Whether this engine moves direct bytes at all (its kind: the same on every rank of a
+  // group), and to peer j.
+  virtual bool direct() const { return false; }
+  virtual bool direct_to(int) const { return false; }
+  // Per peer: the direct bytes this rank sends it in the next exchange() (which consumes
+  // them). Only for peers with direct_to().
+  virtual void set_direct_src(std::vector<DirectSrc>) {}
+  // Per peer: where its direct bytes land, each frame's after the last, until the next
+  // call (empty: none; direct bytes then make the frame malformed). Set before the
+  // exchange() whose frames carry them: a peer never runs a round ahead within an epoch.
+  virtual void set_direct_dst(std::vector<DirectDst>) {}
   // Makes a blocked or later exchange() throw promptly (shutdown / abort).
   void request_abort() {
     abort_.store(true);
@@ -205,9 +228,20 @@ class TcpEngine : public CollEngine {
   }
   void exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadline_ns) override;
   const char* name() const override { return "tcp"; }
+  bool direct() const override { return true; }
+  bool direct_to(int j) const override { return j != rank_; }
+  void set_direct_src(std::vector<DirectSrc> src) override { direct_src_ = std::move(src); }
+  void set_direct_dst(std::vector<DirectDst> dst) override {
+    direct_dst_ = std::move(dst);
+    direct_at_.assign(size_, 0);
+  }
 
  private:
   struct In;
+  std::vector<DirectSrc> direct_src_;  // for the next exchange()
+  std::vector<DirectDst> direct_dst_;
+  std::vector<size_t> direct_at_;        // per peer: direct bytes received since set_direct_dst()
+  std::vector<size_t> owe_;              // per peer: bytes of a half-sent frame still to send (as zeros)
   std::vector<std::unique_ptr<In>> in_;  // per peer, kept across rounds (frames may run ahead)
   std::vector<int> fds_;
   std::vector<std::vector<uint8_t>> mine_;                // 3 buffers (when not given)
@@ -235,6 +269,10 @@ class HybridEngine : public CollEngine {
   }
   void exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadline_ns) override;
   const char* name() const override { return "shm+tcp"; }
+  bool direct() const override { return true; }
+  bool direct_to(int j) const override { return j != rank_ && !local_[j]; }
+  void set_direct_src(std::vector<DirectSrc> src) override { tcp_->set_direct_src(std::move(src)); }
+  void set_direct_dst(std::vector<DirectDst> dst) override { tcp_->set_direct_dst(std::move(dst)); }
   void start_epoch(uint64_t e) override;
   void set_active(const std::vector<char>& active) override;
   void set_liveness(LivenessProbe p) override;

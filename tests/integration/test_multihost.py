@@ -308,6 +308,43 @@ def test_sigkill_on_another_host_mid_all_reduce(policy):
         assert len(seq) == 4 and seq[3] in ("RankFailureError", "DistBackendError"), seq
 
 
+@pytest.mark.parametrize("policy", ["mask", "raise"])
+def test_sigkill_on_another_host_mid_all_to_all(policy):
+    """Rank 3 (host 1) SIGKILLs itself before round 1 (the last) of its fourth all_to_all_single
+    (16 MiB to each rank of the other host, 64 KiB to its mate), when the bytes crossing
+    hosts move as direct bytes: frames larger than a socket's buffers that the live ranks
+    are in the middle of sending each other when they find it dead. mask:
+    every survivor's blocks from ranks 0-2 hold their values from that op on and the block
+    from rank 3 is -1 after it; raise: every survivor raises at the same op. Either way the
+    ops after it find the streams between live ranks still aligned on frames."""
+    with netns.hosts(2, "mcmh") as t:
+        res = run_ranks(
+            t,
+            [2, 2],
+            "loop_all_to_all",
+            {"ops": 7, "count": 1 << 22, "local_count": 1 << 14, "options": {"on_failure": policy}},
+            rank_env={3: {"MOONCAKE_FAULT_INJECT": "3:1"}},
+            timeout_s=150,
+        )
+    assert "error" in res[3] or "results" not in res[3], res[3]  # it died
+    survivors = {r: res[r] for r in (0, 1, 2)}
+    for r, got in survivors.items():
+        assert "results" in got, (r, got)
+        seq = got["results"]
+        full = [[100.0 * s + r for s in range(4)]] * 3
+        assert seq[:3] == full, (r, seq)
+        if policy == "mask":
+            # the rerun over the survivors leaves the dead rank's block alone: untouched, or
+            # holding what its first round had delivered before it died
+            assert seq[3][:3] == [100.0 * s + r for s in range(3)], (r, seq)
+            assert seq[3][3] in (-1.0, "uneven"), (r, seq)
+            assert seq[4:] == [[100.0 * s + r for s in range(3)] + [-1.0]] * 3, (r, seq)
+            assert got["active"] == [1, 1, 1, 0], got
+        else:
+            assert len(seq) == 4 and seq[3] in ("RankFailureError", "DistBackendError"), seq
+    assert len({got["epoch"] for got in survivors.values()}) == 1, survivors
+
+
 def test_options_that_must_agree_raise_value_error_on_every_rank():
     """Rank 1 alone turns the two levels off: every rank raises ValueError naming the
     option at init_process_group (rank 0, which hosts the store, waits until all have

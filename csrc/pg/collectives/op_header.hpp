@@ -81,10 +81,10 @@ class BatchScope {
   BatchPos saved_;
 };
 
-// Header bytes per rank per round: the header and all_to_all's 2 x size split sizes,
-// rounded up to 64 bytes.
+// Header bytes per rank per round: the header, all_to_all's 2 x size split sizes and the
+// rounds it needs after the first (one int64), rounded up to 64 bytes.
 inline size_t hdr_cap_for(int size) {
-  return (sizeof(OpHeader) + 16 * static_cast<size_t>(size) + 63) / 64 * 64;
+  return (sizeof(OpHeader) + 16 * static_cast<size_t>(size) + 8 + 63) / 64 * 64;
 }
 
 // "all_reduce of 4 element(s) of dtype Float with ReduceOp SUM [op #3]"
