@@ -215,8 +215,10 @@ constexpr int kMaxRanges = 4;
 // later epoch may already have sent the frame of a round this rank has not reached.
 struct TcpEngine::In {
   uint8_t fixed[sizeof(FrameHead) + kMaxRanges * sizeof(Range)];
-  // 0 head, 1 ranges, 2 header, 3.. data ranges, then direct bytes; 100: discarding a stale frame
+  // 0 head, 1 ranges, 2 header, 3.. data ranges, then direct bytes, then the trailer;
+  // 100: discarding a stale frame
   int stage = 0;
+  uint64_t trailer = 0;
   size_t done = 0;
   FrameHead fh{};
   Range rg[kMaxRanges];
@@ -257,7 +259,8 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
     std::vector<uint8_t> meta;  // FrameHead + ranges + header
     std::vector<Range> ranges;
     DirectSrc direct;
-    size_t idx = 0, done = 0;    // idx: 0 = meta, 1.. = range idx-1, then the direct bytes
+    uint64_t trailer = 0;        // the frame's round: a frame finished with zeros has 0
+    size_t idx = 0, done = 0;    // idx: 0 = meta, 1.. = range idx-1, then direct bytes, trailer
     size_t total = 0, sent = 0;  // the frame's bytes, and those sent so far
     bool finished = false;
   };
@@ -266,8 +269,9 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
   direct_src.swap(direct_src_);  // this round's only
   // A frame left half-sent by an exception (a peer died mid-round) is finished with zeros
   // by the next exchange() (owe_), so the stream to a live peer stays aligned on frames:
-  // that peer, in a later epoch by then, drops the frame as stale. Its bytes do not come
-  // from the caller's buffers, which may be gone.
+  // that peer drops the frame, as stale when it is in a later epoch by then, or by its
+  // zero trailer when it is still in that round (and catches up with the epoch). The
+  // zeros do not come from the caller's buffers, which may be gone.
   struct Owe {
     std::vector<Out>& out;
     std::vector<size_t>& owe;
@@ -297,7 +301,8 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
     if (!o.ranges.empty())
       std::memcpy(o.meta.data() + sizeof(fh), o.ranges.data(), o.ranges.size() * sizeof(Range));
     std::memcpy(o.meta.data() + sizeof(fh) + o.ranges.size() * sizeof(Range), mine_ptr_[b], hdr_len);
-    o.total = o.meta.size() + o.direct.len;
+    o.trailer = k;
+    o.total = o.meta.size() + o.direct.len + sizeof(o.trailer);
     for (const Range& r : o.ranges) o.total += r.len;
   }
   while (true) {
@@ -326,9 +331,12 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
             const Range& r = o.ranges[o.idx - 1];
             p = mine_ptr_[b] + hdr_cap_ + r.off;
             len = r.len;
-          } else {
+          } else if (o.idx == o.ranges.size() + 1 && o.direct.len > 0) {
             p = o.direct.ptr;
             len = o.direct.len;
+          } else {
+            p = reinterpret_cast<const uint8_t*>(&o.trailer);
+            len = sizeof(o.trailer);
           }
           size_t m = send_some(fds_[j], p + o.done, len - o.done);
           if (m > 0) progress = true;
@@ -337,7 +345,7 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
           if (o.done < len) break;
           o.idx++;
           o.done = 0;
-          if (o.idx > o.ranges.size() + (o.direct.len > 0 ? 1 : 0)) o.finished = true;
+          if (o.idx > o.ranges.size() + (o.direct.len > 0 ? 1 : 0) + 1) o.finished = true;
         }
         if (!o.finished) wr.push_back(fds_[j]);
         // receive side
@@ -370,12 +378,15 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
             const Range& r = i.rg[i.stage - 3];
             dst = peers_[j][i.fh.round % 3].data() + hdr_cap_ + r.off;
             len = r.len;
+          } else if (i.stage > 3 + static_cast<int>(i.fh.nranges) || i.fh.direct_len == 0) {
+            dst = reinterpret_cast<uint8_t*>(&i.trailer);
+            len = sizeof(i.trailer);
           } else {
             // direct bytes: for the caller's buffer of this round only (a frame of a later
             // epoch waits here until this rank gets there and sets its buffer)
             if (i.fh.round < k) {  // begun in an earlier epoch's round: stale, dropped
               i.stage = 100;
-              i.discard_left = i.fh.direct_len - i.done;
+              i.discard_left = i.fh.direct_len - i.done + sizeof(i.trailer);
               i.done = 0;
               if (i.discard_left == 0) i = In{};
               continue;
@@ -411,7 +422,7 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
               throw std::runtime_error("TcpEngine: malformed frame from rank " + std::to_string(j));
           } else if (i.stage == 1) {
             std::memcpy(i.rg, i.fixed + sizeof(FrameHead), i.fh.nranges * sizeof(Range));
-            size_t total = i.fh.hdr_len + i.fh.direct_len;
+            size_t total = i.fh.hdr_len + i.fh.direct_len + sizeof(i.trailer);
             for (uint32_t q = 0; q < i.fh.nranges; ++q) {
               if (i.rg[q].off + i.rg[q].len > slot_)
                 throw std::runtime_error("TcpEngine: bad range from rank " + std::to_string(j));
@@ -426,9 +437,19 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
               continue;
             }
           }
-          if (i.stage == 3 + static_cast<int>(i.fh.nranges)) direct_at_[j] += i.fh.direct_len;
+          const int direct_stage = 3 + static_cast<int>(i.fh.nranges);
+          const int trailer_stage = direct_stage + (i.fh.direct_len > 0 ? 1 : 0);
+          if (i.stage == direct_stage && i.fh.direct_len > 0) direct_at_[j] += i.fh.direct_len;
+          if (i.stage == trailer_stage && i.trailer != i.fh.round) {
+            // finished with zeros: its sender left this round when a peer failed and is in a
+            // later epoch (whose record it has agreed) already; never this round's data
+            const uint64_t round = i.fh.round;
+            i = In{};
+            if (round < k) continue;  // stale anyway
+            throw EpochAhead();
+          }
           i.stage++;
-          if (i.stage >= 3 + static_cast<int>(i.fh.nranges) + (i.fh.direct_len > 0 ? 1 : 0)) {
+          if (i.stage > trailer_stage) {
             i.stage = -1;
             i.complete = true;
           }
