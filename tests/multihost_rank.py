@@ -425,24 +425,21 @@ def ws_store_relay(rank, world_size, tensors, tensor_mib):
     return out
 
 
-def loop_all_reduce(rank, world_size, ops, count, linger_s=3.0):
-    """ops all_reduces of count float32 elements equal to rank + 1; the first error ends the
-    loop. Returns each op's value (every element equal, else "uneven") or the error's type
-    name, and the membership afterwards (a rank may SIGKILL itself through
-    MOONCAKE_FAULT_INJECT). After an error the rank stays linger_s before it returns: rank 0
-    hosts the store, which the others still need to read the agreed outcome."""
+def _loop(ops, one, linger_s):
+    """Runs ``one()`` (an op, returning its checked result) ops times; the first error ends
+    the loop with its type name. Returns the results and the membership afterwards. After
+    an error the rank stays linger_s before it returns: rank 0 hosts the store, which the
+    others still need to read the agreed outcome."""
     import mooncake_pg
 
     results = []
     for _ in range(ops):
-        t = torch.full((count,), rank + 1.0)
         try:
-            dist.all_reduce(t)
+            results.append(one())
         except Exception as e:  # the outcome is what is compared
             results.append(type(e).__name__)
             time.sleep(linger_s)
             break
-        results.append(t[0].item() if bool((t == t[0]).all()) else "uneven")
     return {
         "results": results,
         "active": mooncake_pg.get_active_ranks().tolist(),
@@ -450,41 +447,49 @@ def loop_all_reduce(rank, world_size, ops, count, linger_s=3.0):
     }
 
 
-def loop_all_to_all(rank, world_size, ops, count, local_count, linger_s=3.0):
+def loop_all_reduce(rank, world_size, ops, count, linger_s=3.0):
+    """ops all_reduces of count float32 elements equal to rank + 1 (see _loop); each op's
+    value (every element equal, else "uneven"). A rank may SIGKILL itself through
+    MOONCAKE_FAULT_INJECT."""
+
+    def one():
+        t = torch.full((count,), rank + 1.0)
+        dist.all_reduce(t)
+        return t[0].item() if bool((t == t[0]).all()) else "uneven"
+
+    return _loop(ops, one, linger_s)
+
+
+def loop_all_to_all(
+    rank, world_size, ops, count, local_count, kill_at=None, kill_after_s=0.0, linger_s=3.0
+):
     """ops all_to_all_singles (float32) of count elements to every rank of another host
     and local_count to those of this host, the block for rank j equal to 100 x rank + j,
-    into an output of -1; the first error ends the loop. Returns per op each source's
-    block value (-1: untouched, "uneven": mixed) or the error's type name, and the
-    membership afterwards (see loop_all_reduce)."""
-    import mooncake_pg
+    into an output of -1 (see _loop); per op each source's block value (-1: untouched,
+    "uneven": mixed). kill_at=(rank, op): that rank SIGKILLs itself kill_after_s into
+    that op (a timer thread: while frames are in flight, not at a round's edge)."""
+    import signal
+    import threading
 
     g = int(os.environ["MH_RANKS_PER_HOST"].split(",")[0])  # hosts of g ranks each
+    done = [0]
 
     def n(s, d):
         return local_count if s // g == d // g else count
 
-    results = []
-    for _ in range(ops):
+    def one():
+        if kill_at is not None and tuple(kill_at) == (rank, done[0]):
+            threading.Timer(kill_after_s, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        done[0] += 1
         x = torch.cat([torch.full((n(rank, j),), 100.0 * rank + j) for j in range(world_size)])
         y = torch.full((sum(n(s, rank) for s in range(world_size)),), -1.0)
-        try:
-            dist.all_to_all_single(
-                y,
-                x,
-                [n(s, rank) for s in range(world_size)],
-                [n(rank, j) for j in range(world_size)],
-            )
-        except Exception as e:  # the outcome is what is compared
-            results.append(type(e).__name__)
-            time.sleep(linger_s)
-            break
+        dist.all_to_all_single(
+            y, x, [n(s, rank) for s in range(world_size)], [n(rank, j) for j in range(world_size)]
+        )
         blocks = torch.split(y, [n(s, rank) for s in range(world_size)])
-        results.append([b[0].item() if bool((b == b[0]).all()) else "uneven" for b in blocks])
-    return {
-        "results": results,
-        "active": mooncake_pg.get_active_ranks().tolist(),
-        "epoch": mooncake_pg.get_epoch(),
-    }
+        return [b[0].item() if bool((b == b[0]).all()) else "uneven" for b in blocks]
+
+    return _loop(ops, one, linger_s)
 
 
 SCENARIOS = {

@@ -202,6 +202,7 @@ void ShmP2P::wait(uint32_t token, int64_t timeout_ns, const std::vector<char>&) 
 
 // ---- TcpEngine ---------------------------------------------------------------------
 namespace {
+const uint8_t kZeros[64 << 10] = {};  // what finishes a half-sent frame (owe_)
 struct FrameHead {
   uint64_t round;  // epoch_base(epoch) + round within the epoch
   uint32_t hdr_len;
@@ -268,20 +269,25 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
   std::vector<DirectSrc> direct_src;
   direct_src.swap(direct_src_);  // this round's only
   // A frame left half-sent by an exception (a peer died mid-round) is finished with zeros
-  // by the next exchange() (owe_), so the stream to a live peer stays aligned on frames:
-  // that peer drops the frame, as stale when it is in a later epoch by then, or by its
-  // zero trailer when it is still in that round (and catches up with the epoch). The
-  // zeros do not come from the caller's buffers, which may be gone.
+  // (owe_) at once while the peer reads, else by the next exchange(), so the stream to a
+  // live peer stays aligned on frames: that peer drops the frame, as stale when it is in
+  // a later epoch by then, or by its zero trailer when it is still in that round (and
+  // catches up with the epoch). The zeros do not come from the caller's buffers, which
+  // may be gone.
   struct Owe {
+    TcpEngine* t;
     std::vector<Out>& out;
-    std::vector<size_t>& owe;
     bool ok = false;
     ~Owe() {
       if (ok) return;
       for (size_t j = 0; j < out.size(); ++j)
-        if (out[j].sent > 0) owe[j] += out[j].total - out[j].sent;
+        if (out[j].sent > 0) t->owe_[j] += out[j].total - out[j].sent;
+      try {
+        t->flush_owed();
+      } catch (...) {  // the next exchange() sends what is left
+      }
     }
-  } owe_guard{out, owe_};
+  } owe_guard{this, out};
   std::vector<uint8_t> scratch;
   int64_t next_probe = now_ns() + 20000000;  // liveness of missing peers every 20 ms
   for (int j = 0; j < size_; ++j) {
@@ -315,8 +321,7 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
         Out& o = out[j];
         while (!o.finished) {
           if (owe_[j] > 0) {  // the rest of a frame an earlier exchange() left half-sent
-            static const uint8_t zeros[64 << 10] = {};
-            const size_t m = send_some(fds_[j], zeros, std::min(owe_[j], sizeof(zeros)));
+            const size_t m = send_some(fds_[j], kZeros, std::min(owe_[j], sizeof(kZeros)));
             if (m > 0) progress = true;
             owe_[j] -= m;
             if (owe_[j] > 0) break;
@@ -486,6 +491,28 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
   for (int j = 0; j < size_; ++j)
     if (j != rank_ && active_[j]) *in_[j] = In{};
   round_ = k;
+}
+
+void TcpEngine::flush_owed() {
+  int64_t last_progress = now_ns();
+  while (true) {
+    std::vector<int> wr;
+    for (int j = 0; j < size_; ++j) {
+      if (j == rank_ || !active_[j] || fds_[j] < 0 || owe_[j] == 0) continue;
+      try {
+        const size_t m = send_some(fds_[j], kZeros, std::min(owe_[j], sizeof(kZeros)));
+        owe_[j] -= m;
+        if (m > 0) last_progress = now_ns();
+      } catch (const std::exception&) {
+        owe_[j] = 0;  // the connection is gone: no stream left to align
+      }
+      if (owe_[j] > 0) wr.push_back(fds_[j]);
+    }
+    // a peer that reads takes a round's rest at the link's rate; one that does not (it
+    // left the op too) gets the rest with its next frame
+    if (wr.empty() || now_ns() - last_progress > 200000000) return;
+    poll_fds({}, wr, -1, 20);
+  }
 }
 
 // ---- HybridEngine --------------------------------------------------------------------

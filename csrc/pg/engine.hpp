@@ -240,8 +240,11 @@ class TcpEngine : public CollEngine {
   struct In;
   std::vector<DirectSrc> direct_src_;  // for the next exchange()
   std::vector<DirectDst> direct_dst_;
-  std::vector<size_t> direct_at_;        // per peer: direct bytes received since set_direct_dst()
-  std::vector<size_t> owe_;              // per peer: bytes of a half-sent frame still to send (as zeros)
+  std::vector<size_t> direct_at_;  // per peer: direct bytes received since set_direct_dst()
+  std::vector<size_t> owe_;        // per peer: bytes of a half-sent frame still to send (as zeros)
+  // Sends owe_'s zeros while the peers read them (a peer still in that round waits for
+  // them); stops when none moved for a while and leaves the rest to the next exchange().
+  void flush_owed();
   std::vector<std::unique_ptr<In>> in_;  // per peer, kept across rounds (frames may run ahead)
   std::vector<int> fds_;
   std::vector<std::vector<uint8_t>> mine_;                // 3 buffers (when not given)
