@@ -69,6 +69,14 @@ void MooncakeBackend::run_alltoall(const uint8_t* in, uint8_t* out, c10::ScalarT
   // Round 0 moves everything through slots: no output is written before the headers
   // agree.
   const bool direct = e->direct();
+  // sender i's bytes after round 0 that go by slot (to this host's ranks, from i's
+  // splits `bytes` and round-0 sub-slots `q`): i and every rank of its host compute it
+  auto slot_rest = [&](int i, const std::vector<size_t>& bytes, const std::vector<size_t>& q) {
+    std::vector<size_t> rest(W, 0);
+    for (int j = 0; j < W; ++j)
+      if (j != i && !e->direct_to(j) && bytes[j] > q[j]) rest[j] = bytes[j] - q[j];
+    return rest;
+  };
   std::vector<int64_t> extra(in_rows);
   extra.insert(extra.end(), out_rows.begin(), out_rows.end());
   OpHeader h{};
@@ -88,14 +96,9 @@ void MooncakeBackend::run_alltoall(const uint8_t* in, uint8_t* out, c10::ScalarT
   std::vector<size_t> my_rest_off, my_rest_q;
   if (direct) {
     int64_t need = 0;
-    std::vector<size_t> rest(W, 0);
-    for (int j : act_) {
-      if (j == r || mine[j] <= my_q[j]) continue;
-      if (e->direct_to(j))
-        need = std::max<int64_t>(need, 1);
-      else
-        rest[j] = mine[j] - my_q[j];
-    }
+    for (int j = 0; j < W; ++j)
+      if (e->direct_to(j) && mine[j] > my_q[j]) need = 1;
+    const std::vector<size_t> rest = slot_rest(r, mine, my_q);
     sub_slots(rest, S, &my_rest_off, &my_rest_q);
     for (int j = 0; j < W; ++j)
       if (rest[j])
@@ -148,10 +151,8 @@ void MooncakeBackend::run_alltoall(const uint8_t* in, uint8_t* out, c10::ScalarT
         if (direct) {
           rounds = std::max(rounds, 1 + static_cast<size_t>(xi[2 * W]));
           if (i != r && !e->direct_to(i)) {  // i's rest by slot, to this host's ranks
-            std::vector<size_t> rest(W, 0), ro, rq;
-            for (int j = 0; j < W; ++j)
-              if (j != i && !e->direct_to(j) && bytes[j] > q[j]) rest[j] = bytes[j] - q[j];
-            sub_slots(rest, S, &ro, &rq);
+            std::vector<size_t> ro, rq;
+            sub_slots(slot_rest(i, bytes, q), S, &ro, &rq);
             rest_off[i] = ro[r];
             rest_q[i] = rq[r];
           }
