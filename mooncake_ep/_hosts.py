@@ -75,8 +75,9 @@ class HostRoute:
 
     ``send_token_idx`` int64 [N1]: the token of each stage-1 row, grouped by destination
     rank then token; ``relay_rows`` int64 [N2]: the stage-1 received row that each stage-2
-    row forwards, grouped by destination then source then token. ``chunks``: how many pieces :func:`forward` and :func:`backward` move in (the same
-    on every rank); a token's piece is ``token * chunks // T`` at its source.
+    row forwards, grouped by destination then source then token. ``chunks``: how many
+    pieces :func:`forward` and :func:`backward` move in (the same on every rank); a
+    token's piece is ``token * chunks // T`` at its source.
     ``send_chunk`` int64 [N1]: the piece of each stage-1 row sent, ``recv_chunk``
     [N1_recv] of each received. ``piece_rows`` [W][chunks]: the rows each source sends
     this rank per piece in a flat dispatch; ``delivered_by`` [W]: the rank whose stage
