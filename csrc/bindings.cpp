@@ -5,6 +5,7 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/python.h>
 
+#include "ep/rows.hpp"
 #include "pg/backend.hpp"
 #include "transport/copy.hpp"
 #include "transport/shm.hpp"
@@ -80,6 +81,17 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("rdma_gid_index", &mooncake::BackendConfig::rdma_gid_index)
       .def_readwrite("cuda_ipc", &mooncake::BackendConfig::cuda_ipc)
       .def_readwrite("hierarchical", &mooncake::BackendConfig::hierarchical);
+
+  // mooncake_ep's CPU row kernel (mooncake_ep/kernels.py)
+  m.def(
+      "_ep_scatter_add_rows",
+      [](const at::Tensor& rows, const at::Tensor& idx, const std::optional<at::Tensor>& src,
+         const std::optional<at::Tensor>& weights, at::Tensor out) {
+        mooncake::ep::scatter_add_rows(rows, idx, src.value_or(at::Tensor()), weights.value_or(at::Tensor()),
+                                       out);
+      },
+      py::arg("rows"), py::arg("idx"), py::arg("src"), py::arg("weights"), py::arg("out"),
+      py::call_guard<py::gil_scoped_release>());
 
   // CUDA parts (private helpers for GPU tests; without CUDA they raise)
 #ifdef MOONCAKE_WITH_CUDA

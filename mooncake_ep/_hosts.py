@@ -345,15 +345,12 @@ def _starts(n) -> list[int]:
     return _bases(v for row in n for v in row)
 
 
-def _take(rows, spans, alloc) -> torch.Tensor:
-    """The rows of ``(start, n)`` spans of ``rows``, in order, in one tensor."""
-    spans = [(a, n) for a, n in spans if n]
-    out = alloc((sum(n for _, n in spans),) + tuple(rows.shape[1:]), rows.dtype, rows.device)
-    at = 0
-    for a, n in spans:
-        out[at : at + n] = rows[a : a + n]
-        at += n
-    return out
+def _positions(spans, dev) -> torch.Tensor:
+    """int64 [sum of n]: the row numbers of ``(start, n)`` spans, in order."""
+    return torch.cat(
+        [torch.arange(a, a + n, device=dev) for a, n in spans if n]
+        or [torch.zeros(0, dtype=torch.int64, device=dev)]
+    )
 
 
 def forward(a2a_start, route: HostRoute, x: torch.Tensor, alloc) -> torch.Tensor:
@@ -482,14 +479,15 @@ def backward(
         m = dense[g][W]
         if not m:
             return
-        got = _take(prev, [(base[g][d], P.n2[d][g]) for d in range(W)], alloc)
+        spans = [(base[g][d], P.n2[d][g]) for d in range(W)]
         into = torch.cat(
             [P.fwd_dense[P.at2[d * C + g] : P.at2[d * C + g] + P.n2[d][g]] for d in range(W)]
         )
         summed = K_.scatter_add_rows(
-            got,
+            prev,
             into,
             m,
+            src=_positions(spans, dev),
             max_per_row=route.ranks_on_host,
             fp32_accumulate=fp32_accumulate,
             out_dtype=rows.dtype,
@@ -507,7 +505,7 @@ def backward(
             return
         t0, t1 = bounds[g], bounds[g + 1]
         heads = [P.n2[d][f] if f is not None else 0 for d in range(W)]
-        part = _take(got, [(base[k][d] + heads[d], P.n1[d][g]) for d in range(W)], alloc)
+        spans = [(base[k][d] + heads[d], P.n1[d][g]) for d in range(W)]
         tok = torch.cat(
             [
                 route.send_token_idx[P.at1[d * C + g] : P.at1[d * C + g] + P.n1[d][g]]
@@ -515,9 +513,10 @@ def backward(
             ]
         )
         out[t0:t1] = K_.scatter_add_rows(
-            part,
+            got,
             tok - t0,
             t1 - t0,
+            src=_positions(spans, dev),
             max_per_row=route.max_rows_per_token,
             fp32_accumulate=fp32_accumulate,
             out_dtype=out_dtype,

@@ -35,7 +35,8 @@ class EPConfig:
             imported); otherwise CPU tensors use torch ops.
         fp32_accumulate: combines of bfloat16/float16 data sum in float32 and round once
             (``MOONCAKE_EP_FP32_ACCUMULATE``, default ``True``); ``False`` sums in the data's
-            own dtype (one rounding per partial sum, about 3x faster on CPU).
+            own dtype (one rounding per partial sum; on CPU no faster than the C++ kernel
+            that sums in float32).
         hierarchical: in a group that spans hosts (a ``mooncake`` group whose ranks
             :func:`mooncake_pg.get_rank_hosts` puts on several hosts), normal-mode
             ``dispatch``, ``combine``, cached dispatches and their backward passes move

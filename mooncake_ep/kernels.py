@@ -26,6 +26,16 @@ FP8_BLOCK = 128  # channels per scale
 FP8_MIN_AMAX = 1e-4  # a block of zeros gets scale FP8_MIN_AMAX / FP8_MAX
 
 
+_CPU_SUM_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _cpu_kernels():
+    """The extension holding the CPU row kernels (imported on first use: torch first)."""
+    from mooncake_pg import _C
+
+    return _C
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
 
@@ -70,17 +80,21 @@ def scatter_add_rows(
     idx: torch.Tensor,
     num_out: int,
     *,
+    src: torch.Tensor | None = None,
     weights: torch.Tensor | None = None,
     fp32_accumulate: bool = True,
     out_dtype: torch.dtype | None = None,
     max_per_row: int | None = None,
     alloc: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``out[t] = sum over n with idx[n] == t of weights[n] * rows[n]`` (weights 1 when
-    ``None``): ``rows`` [N, H], ``idx`` int64 [N] in ``[0, num_out)``, ``weights`` float [N]
-    -> [num_out, H] of ``out_dtype`` (default rows' dtype), on rows' device. On CPU rows
-    add in index order (the result is deterministic); on CUDA ``index_add_`` adds them in
-    no fixed order (identical results only where at most two rows meet); 16-bit rows accumulate in float32 when ``fp32_accumulate``
+    """``out[t] = sum over n with idx[n] == t of weights[n] * rows[src[n]]`` (weights 1 when
+    ``None``, ``src[n] = n`` when ``None``): ``rows`` [R, H], ``idx`` int64 [N] in
+    ``[0, num_out)``, ``src`` int64 [N] in ``[0, R)``, ``weights`` float [N] -> [num_out, H]
+    of ``out_dtype`` (default rows' dtype), on rows' device. On CPU rows add in index order
+    (the result is deterministic; the C++ kernel ``mooncake_pg._C._ep_scatter_add_rows``
+    sums each output row in one pass when the dtypes allow); on CUDA ``index_add_`` adds
+    them in no fixed order (identical results only where at most two rows meet); 16-bit
+    rows accumulate in float32 when ``fp32_accumulate``
     (or when weighted) and round once. ``max_per_row``: at most this many rows add into
     one output row; with 2 or fewer, unweighted sums in the data's own dtype already round
     exactly once (0 + a is exact, a + b rounds once), so the float32 detour is skipped.
@@ -92,6 +106,34 @@ def scatter_add_rows(
     if out_dtype in (torch.bfloat16, torch.float16) and (fp32_accumulate or weights is not None):
         if weights is not None or rows.dtype != out_dtype or max_per_row is None or max_per_row > 2:
             acc_dtype = torch.float32
+    if (
+        rows.device.type == "cpu"
+        and rows.dim() == 2
+        and rows.dtype == out_dtype
+        and rows.dtype in _CPU_SUM_DTYPES
+        # the kernel sums 16-bit rows in float32 and rounds once: 16-bit sums that round at
+        # every add stay with torch, unless at most two rows meet (the same result then)
+        and (
+            rows.dtype in (torch.float32, torch.float64)
+            or acc_dtype == torch.float32
+            or (weights is None and max_per_row is not None and max_per_row <= 2)
+        )
+    ):
+        shape = (num_out, H)
+        out = (
+            torch.empty(shape, dtype=out_dtype)
+            if alloc is None
+            else alloc(shape, out_dtype, rows.device)
+        )
+        w = None if weights is None else weights.to(torch.float32).contiguous()
+        if src is not None:
+            src = src.to(torch.int64).contiguous()
+        _cpu_kernels()._ep_scatter_add_rows(
+            rows.contiguous(), idx.to(torch.int64).contiguous(), src, w, out
+        )
+        return out
+    if src is not None:
+        rows = rows.index_select(0, src)
     if alloc is None:
         out = torch.zeros((num_out, H), dtype=acc_dtype, device=rows.device)
     else:

@@ -201,7 +201,7 @@ def ep_round_trip(
     dtype="float32",
     values=True,
     hierarchical=True,
-    piece_bytes=None,
+    pieces=None,
 ):
     """For each routing mode (ep_routing): a normal-mode dispatch, the scaled experts of
     tests.ep.eputil (expert e scales by 1 + e / 8, weighted by recv_topk_weights), combine,
@@ -210,14 +210,15 @@ def ep_round_trip(
     the same sum, and one with fp8 rows (dequantized before the experts). Returns the results
     and gradients for the test's reference, and the bytes that left this rank's host
     during the plain round trip and a low-latency one (between barriers); values=False: only
-    the bytes. ``piece_bytes`` sets mooncake_ep._hosts.PIECE_BYTES (combines in pieces)."""
+    the bytes. ``pieces``: the dispatches and combines move in that many pieces (a power of two
+    up to 8: mooncake_ep._hosts.MAX_PIECES, with pieces of test-sized rows)."""
     import mooncake_ep
     from tests.ep.eputil import make_inputs, scaled_experts_ll, scaled_experts_normal
 
-    if piece_bytes is not None:  # small pieces: combines of test-sized rows in several
+    if pieces is not None:  # every rank the same: the header's ranges follow MAX_PIECES
         from mooncake_ep import _hosts
 
-        _hosts.PIECE_BYTES = piece_bytes
+        _hosts.PIECE_BYTES, _hosts.MAX_PIECES = 64, pieces
     buf = mooncake_ep.Buffer(config=mooncake_ep.EPConfig(hierarchical=hierarchical))
     L = E // world_size
 

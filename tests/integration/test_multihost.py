@@ -409,24 +409,26 @@ def _ep_reference(rph, mode, T, H, E, K, dtype):
 
 
 @pytest.mark.parametrize(
-    "ranks_per_host, dtype, piece_bytes",
+    "ranks_per_host, dtype, pieces",
     [
         ([2, 2], "float32", None),
         ([3, 1], "float32", None),
         ([4, 4], "bfloat16", None),
         ([2, 2, 2, 2], "float32", None),
-        ([2, 2], "bfloat16", 64),
-        ([3, 1], "float32", 64),
+        ([2, 2], "bfloat16", 8),
+        ([3, 1], "float32", 2),
+        ([2, 2], "float32", 4),
     ],
-    ids=["2x2", "3+1", "2x4-bf16", "4x2", "2x2-bf16-pieces", "3+1-pieces"],
+    ids=["2x2", "3+1", "2x4-bf16", "4x2", "2x2-bf16-8pieces", "3+1-2pieces", "2x2-4pieces"],
 )
-def test_ep_across_hosts_equals_the_reference(ranks_per_host, dtype, piece_bytes):
+def test_ep_across_hosts_equals_the_reference(ranks_per_host, dtype, pieces):
     """mooncake_ep across hosts, two levels (a token crosses to each remote host once, to a
     relay that forwards it inside the host; combine sums inside the host first): dispatch,
     combine, autograd (input and router-weight gradients), a cached dispatch and the
     low-latency round trip (also in two levels, with its gradients, and with fp8 rows)
     equal float64 references for random, -1, duplicate, skewed and all-on-the-last-host
-    routing; also with the combines' last stage in pieces (small ``PIECE_BYTES``)."""
+    routing; also with the stages in 2, 4 and 8 pipelined pieces (small ``PIECE_BYTES``, the
+    schedules of mooncake_ep._hosts._schedule)."""
     rph = ranks_per_host
     W = sum(rph)
     T, H, E, K = 24, 16, 2 * W, 4
@@ -439,7 +441,7 @@ def test_ep_across_hosts_equals_the_reference(ranks_per_host, dtype, piece_bytes
         E=E,
         K=K,
         dtype=dtype,
-        piece_bytes=piece_bytes,
+        pieces=pieces,
     )
     # 16-bit: the relay rounds a host's sum once, the source once more
     rel = 2**-6 if dtype == "bfloat16" else 1e-6
@@ -450,7 +452,7 @@ def test_ep_across_hosts_equals_the_reference(ranks_per_host, dtype, piece_bytes
         for r in range(W):
             got = res[r][mode]
             assert got["two_level"] and got["low_latency_two_level"], (r, mode)
-            assert (got["pieces"] > 1) == (piece_bytes is not None), (r, mode, got["pieces"])
+            assert got["pieces"] == (pieces or 1), (r, mode, got["pieces"])
             for key, want in ref[r].items():
                 have = torch.tensor(got[key], dtype=torch.float64)
                 # e4m3 keeps 3 mantissa bits: 2^-4 relative per element
