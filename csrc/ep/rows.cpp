@@ -5,6 +5,7 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -13,6 +14,77 @@ namespace {
 
 template <typename T>
 using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+// The loops over a row, also compiled for AVX2 and picked when the process starts by the
+// CPU it runs on (an IFUNC, as torch's own kernels dispatch): the build's baseline is
+// x86-64 (SSE2), at which the bfloat16 sum runs at about half the speed.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MOONCAKE_ROW_LOOP __attribute__((target_clones("avx2", "default")))
+#else
+#define MOONCAKE_ROW_LOOP
+#endif
+
+inline float bf16_bits_to_float(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// c10::BFloat16's rounding (round to nearest even, NaN to the quiet NaN 0x7FC0), written
+// so that the loop vectorizes
+inline uint16_t float_to_bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return f != f ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
+}
+
+MOONCAKE_ROW_LOOP void add_bf16(float* __restrict acc, const uint16_t* __restrict r, float w, bool weighted,
+                                int64_t H) {
+  if (weighted) {
+    for (int64_t h = 0; h < H; ++h) acc[h] += w * bf16_bits_to_float(r[h]);
+  } else {
+    for (int64_t h = 0; h < H; ++h) acc[h] += bf16_bits_to_float(r[h]);
+  }
+}
+
+MOONCAKE_ROW_LOOP void store_bf16(uint16_t* __restrict o, const float* __restrict acc, int64_t H) {
+  for (int64_t h = 0; h < H; ++h) o[h] = float_to_bf16_bits(acc[h]);
+}
+
+MOONCAKE_ROW_LOOP void add_f32(float* __restrict acc, const float* __restrict r, float w, bool weighted,
+                               int64_t H) {
+  if (weighted) {
+    for (int64_t h = 0; h < H; ++h) acc[h] += w * r[h];
+  } else {
+    for (int64_t h = 0; h < H; ++h) acc[h] += r[h];
+  }
+}
+
+// one row into the accumulator, and the accumulator out: generic, then the fast ones
+template <typename T>
+void add_row(acc_t<T>* acc, const T* r, float w, bool weighted, int64_t H) {
+  const acc_t<T> f = w;
+  for (int64_t h = 0; h < H; ++h) acc[h] += (weighted ? f : acc_t<T>(1)) * static_cast<acc_t<T>>(r[h]);
+}
+template <>
+void add_row<c10::BFloat16>(float* acc, const c10::BFloat16* r, float w, bool weighted, int64_t H) {
+  add_bf16(acc, reinterpret_cast<const uint16_t*>(r), w, weighted, H);
+}
+template <>
+void add_row<float>(float* acc, const float* r, float w, bool weighted, int64_t H) {
+  add_f32(acc, r, w, weighted, H);
+}
+
+template <typename T>
+void store_row(T* o, const acc_t<T>* acc, int64_t H) {
+  for (int64_t h = 0; h < H; ++h) o[h] = static_cast<T>(acc[h]);
+}
+template <>
+void store_row<c10::BFloat16>(c10::BFloat16* o, const float* acc, int64_t H) {
+  store_bf16(reinterpret_cast<uint16_t*>(o), acc, H);
+}
 
 template <typename T>
 void sum_rows(const T* rows, const int64_t* order, const int64_t* start, const int64_t* src, const float* w,
@@ -25,16 +97,9 @@ void sum_rows(const T* rows, const int64_t* order, const int64_t* start, const i
       std::fill(acc.begin(), acc.end(), acc_t<T>(0));
       for (int64_t j = start[t]; j < start[t + 1]; ++j) {
         const int64_t n = order[j];
-        const T* r = rows + (src ? src[n] : n) * H;
-        if (w) {
-          const acc_t<T> f = w[n];
-          for (int64_t h = 0; h < H; ++h) acc[h] += f * static_cast<acc_t<T>>(r[h]);
-        } else {
-          for (int64_t h = 0; h < H; ++h) acc[h] += static_cast<acc_t<T>>(r[h]);
-        }
+        add_row<T>(acc.data(), rows + (src ? src[n] : n) * H, w ? w[n] : 1.0f, w != nullptr, H);
       }
-      T* o = out + t * H;
-      for (int64_t h = 0; h < H; ++h) o[h] = static_cast<T>(acc[h]);
+      store_row<T>(out + t * H, acc.data(), H);
     }
   });
 }
