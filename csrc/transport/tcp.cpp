@@ -203,6 +203,81 @@ size_t recv_some(int fd, void* buf, size_t n) {
   return static_cast<size_t>(k);
 }
 
+TcpStreams::TcpStreams(std::vector<int> fds) : fds_(std::move(fds)) {
+  for (int fd : fds_) set_nonblocking(fd);
+}
+
+TcpStreams::~TcpStreams() { close_all(); }
+
+TcpStreams::TcpStreams(TcpStreams&& o) noexcept
+    : fds_(std::move(o.fds_)), sent_(o.sent_), received_(o.received_) {
+  o.fds_.clear();
+}
+
+TcpStreams& TcpStreams::operator=(TcpStreams&& o) noexcept {
+  if (this != &o) {
+    close_all();
+    fds_ = std::move(o.fds_);
+    o.fds_.clear();
+    sent_ = o.sent_;
+    received_ = o.received_;
+  }
+  return *this;
+}
+
+void TcpStreams::close_all() {
+  for (int fd : fds_) close(fd);
+  fds_.clear();
+}
+
+size_t TcpStreams::send_some(const void* buf, size_t n) {
+  if (fds_.size() == 1) {
+    const size_t m = mooncake::send_some(fds_[0], buf, n);
+    sent_ += m;
+    return m;
+  }
+  const uint8_t* p = static_cast<const uint8_t*>(buf);
+  size_t done = 0;
+  while (done < n) {
+    const size_t want = std::min<size_t>(n - done, kStripeChunkBytes - sent_ % kStripeChunkBytes);
+    size_t m;
+    try {
+      m = mooncake::send_some(send_fd(), p + done, want);
+    } catch (const std::exception&) {
+      if (done == 0) throw;
+      break;  // report what moved, as one socket would; the next call throws
+    }
+    sent_ += m;
+    done += m;
+    if (m < want) break;  // that socket is full: the caller polls send_fd()
+  }
+  return done;
+}
+
+size_t TcpStreams::recv_some(void* buf, size_t n) {
+  if (fds_.size() == 1) {
+    const size_t m = mooncake::recv_some(fds_[0], buf, n);
+    received_ += m;
+    return m;
+  }
+  uint8_t* p = static_cast<uint8_t*>(buf);
+  size_t done = 0;
+  while (done < n) {
+    const size_t want = std::min<size_t>(n - done, kStripeChunkBytes - received_ % kStripeChunkBytes);
+    size_t m;
+    try {
+      m = mooncake::recv_some(recv_fd(), p + done, want);
+    } catch (const std::exception&) {
+      if (done == 0) throw;
+      break;  // report what moved, as one socket would; the next call throws
+    }
+    received_ += m;
+    done += m;
+    if (m < want) break;  // the rest of this chunk is not in yet: the caller polls recv_fd()
+  }
+  return done;
+}
+
 void poll_fds(const std::vector<int>& rd, const std::vector<int>& wr, int wake_fd, int timeout_ms) {
   std::vector<pollfd> fds;
   fds.reserve(rd.size() + wr.size() + 1);
