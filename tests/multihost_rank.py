@@ -493,7 +493,96 @@ def loop_all_to_all(
     return _loop(ops, one, linger_s)
 
 
+def streams_inputs(rank, world_size, n):
+    """Rank ``rank``'s inputs to :func:`tcp_streams_ops` for ``n`` elements: ``x`` (int64
+    [n], the input of all_reduce, all_gather, broadcast and send) and the all_to_all_single
+    input with its uneven splits (``splits[d]`` elements to rank d; none from rank 0 to
+    rank 1). Integers, so that a reduction's result does not depend on its order."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    x = torch.randint(-(2**40), 2**40, (n,), generator=g, dtype=torch.int64)
+    splits = [
+        0 if (rank, d) == (0, 1) else n * (1 + (rank + 2 * d) % 3) // 4 for d in range(world_size)
+    ]
+    a2a = torch.randint(-(2**40), 2**40, (sum(splits),), generator=g, dtype=torch.int64)
+    return x, a2a, splits
+
+
+def _sockets_bytes():
+    """{fd: bytes sent + received} of this process' established TCP sockets, from the
+    kernel's counters (``ss -tinp``, in this rank's network namespace)."""
+    import re
+    import shutil
+    import subprocess
+
+    out = subprocess.run(
+        [shutil.which("ss") or "/usr/sbin/ss", "-tinpH", "state", "established"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=10,
+    ).stdout
+    me = f"pid={os.getpid()},"
+    res, fds = {}, []
+    for line in out.splitlines():
+        if not line[:1].isspace():  # a socket's line; its counters follow on the next
+            fds = [int(f) for f in re.findall(re.escape(me) + r"fd=(\d+)", line)]
+            continue
+        sent = re.search(r"bytes_sent:(\d+)", line) or re.search(r"bytes_acked:(\d+)", line)
+        got = re.search(r"bytes_received:(\d+)", line)
+        for fd in fds:
+            res[fd] = (int(sent.group(1)) if sent else 0) + (int(got.group(1)) if got else 0)
+    return res
+
+
+def tcp_streams_ops(rank, world_size, counts, src=None):
+    """For each count n: all_reduce, all_gather_into_tensor, broadcast (from ``src``,
+    default the last rank), all_to_all_single with uneven splits and a send/recv with the
+    rank at the same local index of the next host, of :func:`streams_inputs`. Returns the
+    SHA-256 digest of each result (the test computes the references' own), and per peer
+    the bytes that each of its TCP streams carried (kernel counters; collectives and
+    p2p apart)."""
+    import hashlib
+
+    def digest(t):
+        return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
+
+    per_host = [int(g) for g in os.environ["MH_RANKS_PER_HOST"].split(",")]
+    peer = (rank + per_host[0]) % world_size
+    src = world_size - 1 if src is None else src
+    out = {}
+    for n in counts:
+        x, a2a, splits = streams_inputs(rank, world_size, n)
+        t = x.clone()
+        dist.all_reduce(t)
+        out[f"all_reduce/{n}"] = digest(t)
+        g = torch.empty(n * world_size, dtype=torch.int64)
+        dist.all_gather_into_tensor(g, x)
+        out[f"all_gather_into_tensor/{n}"] = digest(g)
+        b = x.clone()
+        dist.broadcast(b, src=src)
+        out[f"broadcast/{n}"] = digest(b)
+        recv_splits = [streams_inputs(r, world_size, n)[2][rank] for r in range(world_size)]
+        o = torch.empty(sum(recv_splits), dtype=torch.int64)
+        dist.all_to_all_single(o, a2a, recv_splits, splits)
+        out[f"all_to_all_single/{n}"] = digest(o)
+        r = torch.empty(n, dtype=torch.int64)
+        req = dist.isend(x, peer)
+        dist.recv(r, peer)
+        req.wait()
+        out[f"recv/{n}"] = digest(r)
+    import mooncake_pg
+
+    be = mooncake_pg.backend_of()
+    dist.barrier()
+    counters = _sockets_bytes()
+    dist.barrier()  # no rank closes its sockets before every rank has read its counters
+    for kind, p2p in (("coll", False), ("p2p", True)):
+        out[kind] = [[counters.get(fd) for fd in fds] for fds in be._tcp_stream_fds(p2p)]
+    return out
+
+
 SCENARIOS = {
+    "tcp_streams_ops": tcp_streams_ops,
     "loop_all_reduce": loop_all_reduce,
     "loop_all_to_all": loop_all_to_all,
     "large_ops": large_ops,

@@ -62,3 +62,42 @@ def test_forced_tcp_transport_is_used():
     if rankpool.default_backend()[0] != "mooncake":
         pytest.skip("mooncake-specific")
     assert rankpool.get_pool(2, "mooncake", "tcp").run(_transport, timeout=60) == ["tcp", "tcp"]
+
+
+def _streams_per_peer(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    import mooncake_pg
+
+    be = mooncake_pg.backend_of()
+    t = torch.arange(300007, dtype=torch.int64) * (rank + 1)
+    dist.all_reduce(t)  # striped over the streams (2.4 MB, not a multiple of the chunks)
+    want = torch.arange(300007, dtype=torch.int64) * (world_size * (world_size + 1) // 2)
+    return (
+        [len(fds) for fds in be._tcp_stream_fds(False)],
+        [len(fds) for fds in be._tcp_stream_fds(True)],
+        bool(torch.equal(t, want)),
+    )
+
+
+@pytest.mark.parametrize(
+    "env, options, want",
+    [
+        ({"MOONCAKE_TCP_STREAMS": "3"}, None, 3),
+        ({"MOONCAKE_TCP_STREAMS": "3"}, {"tcp_streams": 2}, 2),
+    ],
+    ids=["env", "option-wins"],
+)
+def test_tcp_streams_from_the_environment_and_the_option(env, options, want):
+    """MOONCAKE_TCP_STREAMS sets the TCP connections per pair of ranks, and
+    MooncakeOptions.tcp_streams wins over it: with transport="tcp" on one host every pair
+    has that many sockets for collectives and as many for p2p, and a striped all_reduce
+    sums right."""
+    if rankpool.default_backend()[0] != "mooncake":
+        pytest.skip("mooncake-specific")
+    pool = rankpool.get_pool(3, "mooncake", "tcp", options=options, env=env)
+    for rank, (coll, p2p, summed) in enumerate(pool.run(_streams_per_peer, timeout=60)):
+        expect = [0 if j == rank else want for j in range(3)]
+        assert coll == expect and p2p == expect, (rank, coll, p2p)
+        assert summed, rank
