@@ -230,46 +230,52 @@ void TcpStreams::close_all() {
   fds_.clear();
 }
 
-namespace {
-// n bytes of a stream striped over `fds` from stream position `pos` (chunk c on socket
-// c mod fds.size()), chunk by chunk with io(fd, ptr, len), advancing pos. Stops where a
-// socket moves less than asked (the caller polls that socket: the one of the new pos) and
-// reports what moved when a socket fails after some bytes, as one socket would (the next
-// call throws).
-template <typename Byte, typename Io>
-size_t striped(const std::vector<int>& fds, uint64_t& pos, Byte* p, size_t n, Io io) {
-  const size_t chunk = TcpStreams::kStripeChunkBytes;
-  if (fds.size() == 1) {
-    const size_t m = io(fds[0], p, n);
-    pos += m;
+size_t TcpStreams::send_some(const void* buf, size_t n) {
+  if (fds_.size() == 1) {
+    const size_t m = mooncake::send_some(fds_[0], buf, n);
+    sent_ += m;
     return m;
   }
+  const uint8_t* p = static_cast<const uint8_t*>(buf);
   size_t done = 0;
   while (done < n) {
-    const size_t want = std::min<size_t>(n - done, chunk - pos % chunk);
+    const size_t want = std::min<size_t>(n - done, kStripeChunkBytes - sent_ % kStripeChunkBytes);
     size_t m;
     try {
-      m = io(fds[(pos / chunk) % fds.size()], p + done, want);
+      m = mooncake::send_some(send_fd(), p + done, want);
     } catch (const std::exception&) {
       if (done == 0) throw;
-      break;
+      break;  // report what moved, as one socket would; the next call throws
     }
-    pos += m;
+    sent_ += m;
     done += m;
-    if (m < want) break;
+    if (m < want) break;  // that socket is full: the caller polls send_fd()
   }
   return done;
 }
-}  // namespace
-
-size_t TcpStreams::send_some(const void* buf, size_t n) {
-  return striped(fds_, sent_, static_cast<const uint8_t*>(buf), n,
-                 [](int fd, const uint8_t* p, size_t len) { return mooncake::send_some(fd, p, len); });
-}
 
 size_t TcpStreams::recv_some(void* buf, size_t n) {
-  return striped(fds_, received_, static_cast<uint8_t*>(buf), n,
-                 [](int fd, uint8_t* p, size_t len) { return mooncake::recv_some(fd, p, len); });
+  if (fds_.size() == 1) {
+    const size_t m = mooncake::recv_some(fds_[0], buf, n);
+    received_ += m;
+    return m;
+  }
+  uint8_t* p = static_cast<uint8_t*>(buf);
+  size_t done = 0;
+  while (done < n) {
+    const size_t want = std::min<size_t>(n - done, kStripeChunkBytes - received_ % kStripeChunkBytes);
+    size_t m;
+    try {
+      m = mooncake::recv_some(recv_fd(), p + done, want);
+    } catch (const std::exception&) {
+      if (done == 0) throw;
+      break;  // report what moved, as one socket would; the next call throws
+    }
+    received_ += m;
+    done += m;
+    if (m < want) break;  // the rest of this chunk is not in yet: the caller polls recv_fd()
+  }
+  return done;
 }
 
 void poll_fds(const std::vector<int>& rd, const std::vector<int>& wr, int wake_fd, int timeout_ms) {
