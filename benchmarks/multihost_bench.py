@@ -11,7 +11,6 @@ resolve).
     python benchmarks/multihost_bench.py                         # 2x2 and 4x2, 2 Gbit/s
     python benchmarks/multihost_bench.py --topologies 2x4 --sizes 4M,16M --link-rate 1G
     python benchmarks/multihost_bench.py --smoke                 # CI: 2x2, small sizes
-    python benchmarks/multihost_bench.py --topologies 2x2 --tcp-streams 4   # 4 TCP connections per pair
 
 Method. One set of rank processes per topology runs both backends. The default group is
 gloo and only the control plane (barriers, iteration counts, collecting times); each
@@ -130,9 +129,7 @@ def worker() -> None:
     groups = {}
     for b in plan["backends"]:
         opts = (
-            mooncake_pg.MooncakeOptions(
-                timeout=float(plan["op_timeout"]), tcp_streams=plan["tcp_streams"]
-            )
+            mooncake_pg.MooncakeOptions(timeout=float(plan["op_timeout"]))
             if b == "mooncake"
             else None
         )
@@ -220,7 +217,6 @@ def run_topology(ranks_per_host: list, args) -> dict:
         "min_iters": args.min_iters,
         "max_iters": args.max_iters,
         "budget_s": args.budget,
-        "tcp_streams": args.tcp_streams,
     }
     res = run_bench(
         ranks_per_host,
@@ -246,8 +242,6 @@ def render(topo: dict, args, md: bool = False) -> str:
     title = f"{h} hosts x {'+'.join(map(str, rph)) if len(set(rph)) > 1 else g} ranks, link {args.rate_bit / 1e9:g} Gbit/s"
     if args.delay_us:
         title += f", delay {args.delay_us} us"
-    if args.tcp_streams != 1:
-        title += f", {args.tcp_streams} TCP streams per pair"
     head = [
         "op",
         "size",
@@ -317,12 +311,6 @@ def main(argv=None) -> int:
     p.add_argument(
         "--budget", type=float, default=1.5, help="seconds of timed calls per cell and backend"
     )
-    p.add_argument(
-        "--tcp-streams",
-        type=int,
-        default=1,
-        help="mooncake: TCP connections per pair of ranks (MooncakeOptions.tcp_streams)",
-    )
     p.add_argument("--min-iters", type=int, default=3)
     p.add_argument("--max-iters", type=int, default=30)
     p.add_argument("--op-timeout", type=float, default=60.0)
@@ -345,7 +333,6 @@ def main(argv=None) -> int:
     t0 = time.time()
     print(
         f"multihost_bench: {args.topologies}, link {args.rate_bit / 1e9:g} Gbit/s, sizes {args.sizes}, "
-        f"tcp_streams {args.tcp_streams}, "
         f"load {os.getloadavg()[0]:.1f}, {time.strftime('%Y-%m-%d %H:%M')}",
         flush=True,
     )
