@@ -743,64 +743,6 @@ def test_shm_slot_bytes_below_the_minimum(monkeypatch, raw):
     assert mooncake_pg.MooncakeOptions(shm_slot_bytes=4096).shm_slot_bytes == 4096
 
 
-# ========================================== tcp_streams and MOONCAKE_TCP_STREAMS
-
-
-@O.mooncake_only
-@pytest.mark.parametrize(
-    "value, want",
-    [
-        (0, "tcp_streams must be in [1, 64], got 0"),
-        (-2, "tcp_streams must be in [1, 64], got -2"),
-        (65, "tcp_streams must be in [1, 64], got 65"),
-        (10**6, "tcp_streams must be in [1, 64], got 1000000"),
-        (True, "tcp_streams must be an int, got True"),
-        (2.0, "tcp_streams must be an int, got 2.0"),
-        ("4", "tcp_streams must be an int, got '4'"),
-    ],
-)
-def test_tcp_streams_option_out_of_range_or_not_an_int(value, want):
-    """MooncakeOptions(tcp_streams=) takes an int from 1 to 64; anything else raises
-    ValueError naming the field when the options are made, before any group exists."""
-    import mooncake_pg
-
-    with pytest.raises(ValueError, match="MooncakeOptions: " + re.escape(want)):
-        mooncake_pg.MooncakeOptions(tcp_streams=value)
-    assert mooncake_pg.MooncakeOptions(tcp_streams=1).tcp_streams == 1
-    assert mooncake_pg.MooncakeOptions(tcp_streams=64).tcp_streams == 64
-
-
-@O.mooncake_only
-@pytest.mark.parametrize(
-    "raw, want",
-    [
-        ("0", "must be at least 1"),
-        ("-1", "must be at least 1"),
-        ("65", "must be at most 64"),
-        ("abc", "must be an integer"),
-        ("1.5", "must be an integer"),
-        ("true", "must be an integer"),
-    ],
-)
-def test_tcp_streams_env_malformed(monkeypatch, raw, want):
-    """A malformed MOONCAKE_TCP_STREAMS raises ValueError naming it and the value; unset or
-    empty means 1, and an explicit tcp_streams wins over a valid one."""
-    import mooncake_pg
-
-    monkeypatch.setenv("MOONCAKE_TCP_STREAMS", raw)
-    with pytest.raises(ValueError, match=f"MOONCAKE_TCP_STREAMS {want} .*'{re.escape(raw)}'"):
-        mooncake_pg.config.resolve(mooncake_pg.MooncakeOptions())
-    monkeypatch.setenv("MOONCAKE_TCP_STREAMS", "")
-    assert mooncake_pg.config.resolve(None)["tcp_streams"] == 1
-    monkeypatch.setenv("MOONCAKE_TCP_STREAMS", "8")
-    assert mooncake_pg.config.resolve(None)["tcp_streams"] == 8
-    assert (
-        mooncake_pg.config.resolve(mooncake_pg.MooncakeOptions(tcp_streams=2))["tcp_streams"] == 2
-    )
-    monkeypatch.delenv("MOONCAKE_TCP_STREAMS")
-    assert mooncake_pg.config.resolve(None)["tcp_streams"] == 1
-
-
 # ========================================== MooncakeOptions values checked at construction
 
 
