@@ -80,8 +80,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("rdma_device", &mooncake::BackendConfig::rdma_device)
       .def_readwrite("rdma_gid_index", &mooncake::BackendConfig::rdma_gid_index)
       .def_readwrite("cuda_ipc", &mooncake::BackendConfig::cuda_ipc)
-      .def_readwrite("hierarchical", &mooncake::BackendConfig::hierarchical)
-      .def_readwrite("tcp_streams", &mooncake::BackendConfig::tcp_streams);
+      .def_readwrite("hierarchical", &mooncake::BackendConfig::hierarchical);
 
   // mooncake_ep's CPU row kernel (mooncake_ep/kernels.py)
   m.def(
@@ -235,7 +234,6 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("transport", &mooncake::MooncakeBackend::transport_name)
       .def_property_readonly("ops_issued", &mooncake::MooncakeBackend::ops_issued)
       .def("_cuda_ipc_status", &mooncake::MooncakeBackend::cuda_ipc_status)
-      .def("_tcp_stream_fds", &mooncake::MooncakeBackend::tcp_stream_fds, py::arg("p2p") = false)
       .def("rank_hosts", &mooncake::MooncakeBackend::rank_hosts)
       .def("active_ranks", &mooncake::MooncakeBackend::active_ranks)
       .def("epoch", &mooncake::MooncakeBackend::epoch)

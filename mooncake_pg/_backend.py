@@ -104,7 +104,6 @@ def _create_backend(dist_opts, pg_options):
     cfg.initial_active = initial_active
     cfg.cuda_ipc = bool(settings["cuda_ipc"])
     cfg.hierarchical = bool(settings["hierarchical"])
-    cfg.tcp_streams = int(settings["tcp_streams"])
     if settings["fault_inject"]:
         op, _, rnd = settings["fault_inject"].partition(":")
         cfg.inject_kill_op, cfg.inject_kill_round = int(op), int(rnd or 0)

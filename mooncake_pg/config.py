@@ -15,7 +15,6 @@ variables take ``1/true/yes/on`` or ``0/false/no/off`` in any case (:func:`bool_
 | ``MOONCAKE_IS_RECOVERY`` | ``1``: this process replaces a dead rank or fills an extension seat (``mooncake-run`` sets it on respawn) | off |
 | ``MOONCAKE_RDMA_DEVICE`` | transport ``rdma``: ``DEVICE[:PORT]`` (e.g. ``mlx5_0:1``) | the first device port in state ``PORT_ACTIVE`` |
 | ``MOONCAKE_RDMA_GID_INDEX`` | transport ``rdma``: GID index | RoCE: the first RoCE v2 IPv4-mapped GID; InfiniBand: none (LID routing) |
-| ``MOONCAKE_TCP_STREAMS`` | TCP connections per pair of ranks that talk over TCP (large messages striped over them), 1 to 64; must agree across ranks | ``1`` |
 | ``MOONCAKE_CUDA_IPC`` | CUDA builds: ``0`` stages CUDA tensors through pinned host memory even when every rank is on one host (default: ``all_reduce``, ``broadcast``, ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` of CUDA tensors go through CUDA IPC there) | ``1`` |
 | ``MOONCAKE_FAULT_INJECT`` | tests only: ``OP:ROUND`` makes the process SIGKILL itself on collective number ``OP`` (0-based, per group) just before round ``ROUND`` | off |
 """
@@ -41,8 +40,6 @@ MIN_TIMEOUT_S = 0.1
 MAX_TIMEOUT_S = 1e9
 # The shared-memory engine's smallest slot (MooncakeBackend::setup refuses less).
 MIN_SHM_SLOT_BYTES = 4096
-# Most TCP connections per pair of ranks (kMaxTcpStreams; MooncakeBackend::setup refuses more).
-MAX_TCP_STREAMS = 64
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -88,13 +85,6 @@ class MooncakeOptions:
             each host, then between hosts; docs/process-group.md "Across hosts") so that each
             host's link carries one copy per remote host, not per remote rank (default:
             ``MOONCAKE_HIERARCHICAL``, on). Must agree across ranks.
-        tcp_streams: TCP connections per pair of ranks that talk over TCP (collectives
-            between hosts, or between every pair under ``transport="tcp"``; p2p between
-            every pair unless all ranks share a host), 1 to 64 (default:
-            ``MOONCAKE_TCP_STREAMS``, 1). A large message is striped over them in chunks of
-            128 KiB; a small one goes on one. More than one helps where one TCP connection
-            cannot fill the link (a long round trip, a NIC faster than one flow). Must agree
-            across ranks (else init raises ``ValueError`` on every rank).
     """
 
     timeout: float | timedelta = 30.0
@@ -108,7 +98,6 @@ class MooncakeOptions:
     debug: bool | None = None
     cuda_ipc: bool | None = None
     hierarchical: bool | None = None
-    tcp_streams: int | None = None
 
     def __post_init__(self):
         if isinstance(self.timeout, timedelta):
@@ -118,7 +107,7 @@ class MooncakeOptions:
                 "MooncakeOptions: timeout must be seconds (a number) or a timedelta, "
                 f"got {self.timeout!r}"
             )
-        for name in ("max_group_size", "shm_slot_bytes", "tcp_streams"):
+        for name in ("max_group_size", "shm_slot_bytes"):
             setattr(self, name, _opt_int(getattr(self, name), name))
         for name in ("is_recovery", "debug", "cuda_ipc", "hierarchical"):
             setattr(self, name, _opt_bool(getattr(self, name), name))
@@ -166,11 +155,6 @@ class MooncakeOptions:
                     f"{self.max_group_size})"
                 )
             self.active_ranks = sorted(ranks)
-        if self.tcp_streams is not None and not 1 <= self.tcp_streams <= MAX_TCP_STREAMS:
-            raise ValueError(
-                f"MooncakeOptions: tcp_streams must be in [1, {MAX_TCP_STREAMS}], "
-                f"got {self.tcp_streams}"
-            )
         if self.shm_slot_bytes is not None and self.shm_slot_bytes < MIN_SHM_SLOT_BYTES:
             raise ValueError(
                 f"MooncakeOptions: shm_slot_bytes must be >= {MIN_SHM_SLOT_BYTES}, "
@@ -186,14 +170,7 @@ def _boot_id() -> str:
         return ""
 
 
-def _int_env(
-    env,
-    name: str,
-    default: int,
-    what: str = "bytes",
-    minimum: int | None = None,
-    maximum: int | None = None,
-) -> int:
+def _int_env(env, name: str, default: int, what: str = "bytes", minimum: int | None = None) -> int:
     raw = env.get(name)
     if raw in (None, ""):
         return default
@@ -203,8 +180,6 @@ def _int_env(
         raise ValueError(f"{name} must be an integer ({what}), got {raw!r}") from None
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be at least {minimum} ({what}), got {raw!r}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{name} must be at most {maximum} ({what}), got {raw!r}")
     return value
 
 
@@ -276,9 +251,6 @@ def env_defaults() -> dict:
         "rdma_gid_index": _int_env(env, "MOONCAKE_RDMA_GID_INDEX", -1, "a GID index"),
         "cuda_ipc": bool_env(env, "MOONCAKE_CUDA_IPC", True),
         "hierarchical": bool_env(env, "MOONCAKE_HIERARCHICAL", True),
-        "tcp_streams": _int_env(
-            env, "MOONCAKE_TCP_STREAMS", 1, "connections", minimum=1, maximum=MAX_TCP_STREAMS
-        ),
     }
 
 
@@ -314,5 +286,4 @@ def resolve(opts: MooncakeOptions | None) -> dict:
         "hierarchical": env["hierarchical"]
         if opts.hierarchical is None
         else _opt_bool(opts.hierarchical, "hierarchical"),
-        "tcp_streams": env["tcp_streams"] if opts.tcp_streams is None else opts.tcp_streams,
     }

@@ -147,10 +147,6 @@ class RankFailure : public c10::DistBackendError {
 
 enum class FailurePolicy : int { RAISE = 0, MASK = 1, MANUAL = 2 };
 
-// Most TCP connections per pair of ranks (BackendConfig::tcp_streams): NCCL's socket
-// transport has the same cap on sockets per connection (MAX_SOCKETS, net_socket.cc).
-constexpr int64_t kMaxTcpStreams = 64;
-
 struct BackendConfig {
   double timeout_s = 30.0;
   std::string transport = "auto";  // auto | shm | tcp | rdma
@@ -185,9 +181,6 @@ struct BackendConfig {
   // Groups spanning hosts with the same number of ranks on each: collectives in two levels
   // (inside each host, then between hosts; pg/collectives/hierarchical.cpp). Must agree.
   bool hierarchical = true;
-  // TCP connections per pair of ranks that talk over TCP, each large message striped over
-  // them (TcpStreams); in [1, kMaxTcpStreams]. Must agree.
-  int64_t tcp_streams = 1;
   // > 0: set-up waits at most this long for the other members' keys (groups derived by
   // shrink/split, whose members are alive processes already); 0: the store's own timeout.
   int64_t setup_wait_ms = 0;
@@ -284,13 +277,6 @@ class MooncakeBackend : public c10d::Backend {
   // Introspection for tests and benchmarks.
   std::string transport_name() const { return coll_ ? coll_->name() : "none"; }
   uint64_t ops_issued() const { return seq_; }
-  // Per peer, the sockets of the TCP streams of the collectives (p2p=false) or of p2p
-  // (empty where none): tests read the kernel's counters of each. Read while no
-  // membership change rebuilds the transport.
-  std::vector<std::vector<int>> tcp_stream_fds(bool p2p) const {
-    if (p2p) return p2p_ ? p2p_->tcp_stream_fds() : std::vector<std::vector<int>>{};
-    return coll_ ? coll_->tcp_stream_fds() : std::vector<std::vector<int>>{};
-  }
   // How all_reduce, broadcast, all_gather_single and reduce_scatter_single move CUDA tensors
   // in this group: "ipc", or "staging: <why>" (or "unavailable: <why>" on a build without
   // CUDA).

@@ -227,9 +227,9 @@ struct TcpEngine::In {
   bool complete = false;  // the frame of round fh.round is fully received
 };
 
-TcpEngine::TcpEngine(int rank, int size, size_t slot_bytes, size_t hdr_cap, std::vector<TcpStreams> conns,
+TcpEngine::TcpEngine(int rank, int size, size_t slot_bytes, size_t hdr_cap, std::vector<int> fds,
                      std::vector<uint8_t*> mine)
-    : CollEngine(rank, size, slot_bytes, hdr_cap), conns_(std::move(conns)), mine_ptr_(std::move(mine)) {
+    : CollEngine(rank, size, slot_bytes, hdr_cap), fds_(std::move(fds)), mine_ptr_(std::move(mine)) {
   if (mine_ptr_.empty()) {
     mine_.assign(3, std::vector<uint8_t>(hdr_cap + slot_bytes));
     for (auto& m : mine_) mine_ptr_.push_back(m.data());
@@ -241,17 +241,15 @@ TcpEngine::TcpEngine(int rank, int size, size_t slot_bytes, size_t hdr_cap, std:
   for (int j = 0; j < size; ++j) {
     if (j == rank) continue;
     in_[j] = std::make_unique<In>();
-    if (!conns_[j].connected()) continue;  // a seat that is not a member
+    if (fds_[j] < 0) continue;  // a seat that is not a member
     peers_[j].assign(3, std::vector<uint8_t>(hdr_cap + slot_bytes));
+    set_nonblocking(fds_[j]);
   }
 }
 
-TcpEngine::~TcpEngine() = default;
-
-std::vector<std::vector<int>> TcpEngine::tcp_stream_fds() const {
-  std::vector<std::vector<int>> out;
-  for (const TcpStreams& c : conns_) out.push_back(c.fds());
-  return out;
+TcpEngine::~TcpEngine() {
+  for (int j = 0; j < size_; ++j)
+    if (j != rank_ && fds_[j] >= 0) close(fds_[j]);
 }
 
 void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadline_ns) {
@@ -274,9 +272,8 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
   // (owe_) at once while the peer reads, else by the next exchange(), so the stream to a
   // live peer stays aligned on frames: that peer drops the frame, as stale when it is in
   // a later epoch by then, or by its zero trailer when it is still in that round (and
-  // catches up with the epoch). The zeros take the frame's place in the peer's
-  // TcpStreams, striped over its sockets as the frame would have been. They do not come
-  // from the caller's buffers, which may be gone.
+  // catches up with the epoch). The zeros do not come from the caller's buffers, which
+  // may be gone.
   struct Owe {
     TcpEngine* t;
     std::vector<Out>& out;
@@ -324,11 +321,10 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
         Out& o = out[j];
         while (!o.finished) {
           if (owe_[j] > 0) {  // the rest of a frame an earlier exchange() left half-sent
-            const size_t want = std::min(owe_[j], sizeof(kZeros));
-            const size_t m = conns_[j].send_some(kZeros, want);
+            const size_t m = send_some(fds_[j], kZeros, std::min(owe_[j], sizeof(kZeros)));
             if (m > 0) progress = true;
             owe_[j] -= m;
-            if (m < want) break;  // send_fd() is full: polled below
+            if (owe_[j] > 0) break;
             continue;
           }
           const uint8_t* p;
@@ -347,7 +343,7 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
             p = reinterpret_cast<const uint8_t*>(&o.trailer);
             len = sizeof(o.trailer);
           }
-          size_t m = conns_[j].send_some(p + o.done, len - o.done);
+          size_t m = send_some(fds_[j], p + o.done, len - o.done);
           if (m > 0) progress = true;
           o.done += m;
           o.sent += m;
@@ -356,7 +352,7 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
           o.done = 0;
           if (o.idx > o.ranges.size() + (o.direct.len > 0 ? 1 : 0) + 1) o.finished = true;
         }
-        if (!o.finished) wr.push_back(conns_[j].send_fd());
+        if (!o.finished) wr.push_back(fds_[j]);
         // receive side
         In& i = *in_[j];
         while (!(i.complete && i.fh.round == k)) {
@@ -414,7 +410,7 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
             len = i.fh.direct_len;
           }
           size_t m =
-              conns_[j].recv_some(dst + (i.stage == 100 ? 0 : i.done), len - (i.stage == 100 ? 0 : i.done));
+              recv_some(fds_[j], dst + (i.stage == 100 ? 0 : i.done), len - (i.stage == 100 ? 0 : i.done));
           if (m > 0) progress = true;
           if (i.stage == 100) {
             i.discard_left -= m;
@@ -463,7 +459,7 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
             i.complete = true;
           }
         }
-        if (!(i.complete && i.fh.round == k)) rd.push_back(conns_[j].recv_fd());
+        if (!(i.complete && i.fh.round == k)) rd.push_back(fds_[j]);
         if (!o.finished || !(i.complete && i.fh.round == k)) all_done = false;
       } catch (const EpochAhead&) {
         throw;
@@ -502,16 +498,15 @@ void TcpEngine::flush_owed() {
   while (true) {
     std::vector<int> wr;
     for (int j = 0; j < size_; ++j) {
-      if (j == rank_ || !active_[j] || !conns_[j].connected() || owe_[j] == 0) continue;
+      if (j == rank_ || !active_[j] || fds_[j] < 0 || owe_[j] == 0) continue;
       try {
-        // through the peer's TcpStreams, as the rest of the frame would have gone
-        const size_t m = conns_[j].send_some(kZeros, std::min(owe_[j], sizeof(kZeros)));
+        const size_t m = send_some(fds_[j], kZeros, std::min(owe_[j], sizeof(kZeros)));
         owe_[j] -= m;
         if (m > 0) last_progress = now_ns();
       } catch (const std::exception&) {
         owe_[j] = 0;  // the connection is gone: no stream left to align
       }
-      if (owe_[j] > 0) wr.push_back(conns_[j].send_fd());
+      if (owe_[j] > 0) wr.push_back(fds_[j]);
     }
     // a peer that reads takes a round's rest at the link's rate; one that does not (it
     // left the op too) gets the rest with its next frame
@@ -527,12 +522,12 @@ static std::vector<uint8_t*> shm_buffers(ShmEngine& shm) {
 }
 
 HybridEngine::HybridEngine(int rank, int size, std::shared_ptr<ShmSegment> seg, const ShmLayout& layout,
-                           bool spin, std::vector<char> local, std::vector<TcpStreams> conns)
+                           bool spin, std::vector<char> local, std::vector<int> fds)
     : CollEngine(rank, size, layout.slot, layout.hdr_cap),
       shm_(rank, size, std::move(seg), layout, spin),
       local_(std::move(local)) {
-  tcp_ = std::make_unique<TcpEngine>(rank, size, layout.slot, layout.hdr_cap, std::move(conns),
-                                     shm_buffers(shm_));
+  tcp_ =
+      std::make_unique<TcpEngine>(rank, size, layout.slot, layout.hdr_cap, std::move(fds), shm_buffers(shm_));
 }
 
 void HybridEngine::set_active(const std::vector<char>& active) {
@@ -565,35 +560,33 @@ void HybridEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t dea
 }
 
 // ---- TcpP2P ------------------------------------------------------------------------
-TcpP2P::TcpP2P(int rank, int size, std::vector<TcpStreams> conns)
-    : rank_(rank), size_(size), conns_(std::move(conns)), want_write_(size, 0) {
+TcpP2P::TcpP2P(int rank, int size, std::vector<int> fds)
+    : rank_(rank), size_(size), fds_(std::move(fds)), want_write_(size, 0) {
+  for (int j = 0; j < size; ++j)
+    if (j != rank && fds_[j] >= 0) set_nonblocking(fds_[j]);
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
 }
 
 TcpP2P::~TcpP2P() {
+  for (int j = 0; j < size_; ++j)
+    if (j != rank_ && fds_[j] >= 0) close(fds_[j]);
   if (wake_fd_ >= 0) close(wake_fd_);
 }
 
-std::vector<std::vector<int>> TcpP2P::tcp_stream_fds() const {
-  std::vector<std::vector<int>> out;
-  for (const TcpStreams& c : conns_) out.push_back(c.fds());
-  return out;
-}
-
 size_t TcpP2P::write_some(int peer, const void* buf, size_t n) {
-  size_t m = conns_[peer].send_some(buf, n);
+  size_t m = send_some(fds_[peer], buf, n);
   want_write_[peer] = m < n;
   return m;
 }
 
-size_t TcpP2P::read_some(int peer, void* buf, size_t n) { return conns_[peer].recv_some(buf, n); }
+size_t TcpP2P::read_some(int peer, void* buf, size_t n) { return recv_some(fds_[peer], buf, n); }
 
 void TcpP2P::wait(uint32_t, int64_t timeout_ns, const std::vector<char>& want_read) {
   std::vector<int> rd, wr;
   for (int j = 0; j < size_; ++j) {
-    if (j == rank_ || !conns_[j].connected()) continue;
-    if (want_read[j]) rd.push_back(conns_[j].recv_fd());
-    if (want_write_[j]) wr.push_back(conns_[j].send_fd());
+    if (j == rank_ || fds_[j] < 0) continue;
+    if (want_read[j]) rd.push_back(fds_[j]);
+    if (want_write_[j]) wr.push_back(fds_[j]);
   }
   poll_fds(rd, wr, wake_fd_, static_cast<int>(timeout_ns / 1000000 + 1));
   uint64_t v;

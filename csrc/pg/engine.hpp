@@ -20,7 +20,6 @@
 #include <vector>
 
 #include "transport/shm.hpp"
-#include "transport/tcp.hpp"
 
 namespace mooncake {
 
@@ -101,9 +100,6 @@ class CollEngine {
   // call (empty: none; direct bytes then make the frame malformed). Set before the
   // exchange() whose frames carry them: a peer never runs a round ahead within an epoch.
   virtual void set_direct_dst(std::vector<DirectDst>) {}
-  // Per peer, the sockets of its TCP streams (empty where none); tests read the kernel's
-  // per-socket byte counters through them.
-  virtual std::vector<std::vector<int>> tcp_stream_fds() const { return {}; }
   // Makes a blocked or later exchange() throw promptly (shutdown / abort).
   void request_abort() {
     abort_.store(true);
@@ -138,8 +134,6 @@ class P2PChannel {
   // something waits for bytes from peer j (tcp polls only those sockets).
   virtual void wait(uint32_t token, int64_t timeout_ns, const std::vector<char>& want_read) = 0;
   virtual void notify() = 0;
-  // As CollEngine::tcp_stream_fds.
-  virtual std::vector<std::vector<int>> tcp_stream_fds() const { return {}; }
 };
 
 // ---- shared memory ----------------------------------------------------------------
@@ -218,12 +212,12 @@ class ShmP2P : public P2PChannel {
 // ---- TCP ----------------------------------------------------------------------------
 class TcpEngine : public CollEngine {
  public:
-  // conns[j]: the streams to peer j (conns[rank] unused; not connected: no peer).
+  // fds[j]: connected socket to peer j (fds[rank] unused, -1: no peer); takes ownership.
   // mine: this rank's 3 buffers (header then slot each) when they live elsewhere (the
   // shared segment of a HybridEngine); empty: its own.
-  TcpEngine(int rank, int size, size_t slot_bytes, size_t hdr_cap, std::vector<TcpStreams> conns,
+  TcpEngine(int rank, int size, size_t slot_bytes, size_t hdr_cap, std::vector<int> fds,
             std::vector<uint8_t*> mine = {});
-  ~TcpEngine() override;  // out of line: In is complete only in engine.cpp
+  ~TcpEngine() override;
   uint8_t* my_slot(uint64_t k) override { return mine_ptr_[k % 3] + hdr_cap_; }
   uint8_t* my_hdr(uint64_t k) override { return mine_ptr_[k % 3]; }
   const uint8_t* peer_slot(int j, uint64_t k) override {
@@ -241,7 +235,6 @@ class TcpEngine : public CollEngine {
     direct_dst_ = std::move(dst);
     direct_at_.assign(size_, 0);
   }
-  std::vector<std::vector<int>> tcp_stream_fds() const override;
 
  private:
   struct In;
@@ -253,7 +246,7 @@ class TcpEngine : public CollEngine {
   // them); stops when none moved for a while and leaves the rest to the next exchange().
   void flush_owed();
   std::vector<std::unique_ptr<In>> in_;  // per peer, kept across rounds (frames may run ahead)
-  std::vector<TcpStreams> conns_;
+  std::vector<int> fds_;
   std::vector<std::vector<uint8_t>> mine_;                // 3 buffers (when not given)
   std::vector<uint8_t*> mine_ptr_;                        // the 3 buffers in use
   std::vector<std::vector<std::vector<uint8_t>>> peers_;  // [peer][3]
@@ -266,9 +259,9 @@ class TcpEngine : public CollEngine {
 // active peer of this host arrived (shm) and every active peer elsewhere's frame is in.
 class HybridEngine : public CollEngine {
  public:
-  // local[j]: rank j shares this host (and `seg`); conns[j]: streams to rank j (other hosts).
+  // local[j]: rank j shares this host (and `seg`); fds[j]: socket to rank j (other hosts).
   HybridEngine(int rank, int size, std::shared_ptr<ShmSegment> seg, const ShmLayout& layout, bool spin,
-               std::vector<char> local, std::vector<TcpStreams> conns);
+               std::vector<char> local, std::vector<int> fds);
   uint8_t* my_slot(uint64_t k) override { return shm_.my_slot(k); }
   uint8_t* my_hdr(uint64_t k) override { return shm_.my_hdr(k); }
   const uint8_t* peer_slot(int j, uint64_t k) override {
@@ -283,7 +276,6 @@ class HybridEngine : public CollEngine {
   bool direct_to(int j) const override { return j != rank_ && !local_[j]; }
   void set_direct_src(std::vector<DirectSrc> src) override { tcp_->set_direct_src(std::move(src)); }
   void set_direct_dst(std::vector<DirectDst> dst) override { tcp_->set_direct_dst(std::move(dst)); }
-  std::vector<std::vector<int>> tcp_stream_fds() const override { return tcp_->tcp_stream_fds(); }
   void start_epoch(uint64_t e) override;
   void set_active(const std::vector<char>& active) override;
   void set_liveness(LivenessProbe p) override;
@@ -302,18 +294,17 @@ class HybridEngine : public CollEngine {
 
 class TcpP2P : public P2PChannel {
  public:
-  TcpP2P(int rank, int size, std::vector<TcpStreams> conns);
+  TcpP2P(int rank, int size, std::vector<int> fds);
   ~TcpP2P() override;
   size_t write_some(int peer, const void* buf, size_t n) override;
   size_t read_some(int peer, void* buf, size_t n) override;
   uint32_t wait_token() override { return 0; }
   void wait(uint32_t token, int64_t timeout_ns, const std::vector<char>& want_read) override;
   void notify() override;
-  std::vector<std::vector<int>> tcp_stream_fds() const override;
 
  private:
   int rank_, size_;
-  std::vector<TcpStreams> conns_;
+  std::vector<int> fds_;
   std::vector<char> want_write_;
   int wake_fd_ = -1;
 };

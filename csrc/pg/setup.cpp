@@ -64,9 +64,6 @@ void MooncakeBackend::setup(const c10::intrusive_ptr<c10d::Store>& store) {
   }
 #endif
   TORCH_CHECK_VALUE(cfg_.shm_slot_bytes >= 4096, "MooncakeBackend::setup: shm_slot_bytes must be >= 4096");
-  TORCH_CHECK_VALUE(cfg_.tcp_streams >= 1 && cfg_.tcp_streams <= kMaxTcpStreams,
-                    "MooncakeBackend::setup: tcp_streams must be in [1, ", kMaxTcpStreams, "], got ",
-                    cfg_.tcp_streams);
   TORCH_CHECK_VALUE(cfg_.on_failure == "raise" || cfg_.on_failure == "mask" || cfg_.on_failure == "manual",
                     "MooncakeBackend::setup: on_failure must be raise, mask or manual, got '",
                     cfg_.on_failure, "'");
@@ -89,7 +86,7 @@ void MooncakeBackend::setup(const c10::intrusive_ptr<c10d::Store>& store) {
       const std::string mine = group_cfg_string();
       TORCH_CHECK_VALUE(want == mine, "MooncakeBackend::setup: recovering rank ", rank_,
                         " does not match the group "
-                        "it joins: the group has world_size|transport|shm_slot_bytes|tcp_streams = '",
+                        "it joins: the group has world_size|transport|shm_slot_bytes = '",
                         want, "', this process '", mine,
                         "' (start it with the founders' world size and settings)");
     }
@@ -128,8 +125,7 @@ void MooncakeBackend::setup(const c10::intrusive_ptr<c10d::Store>& store) {
 }
 
 std::string MooncakeBackend::group_cfg_string() const {
-  return std::to_string(size_) + "|" + cfg_.transport + "|" + std::to_string(cfg_.shm_slot_bytes / 64 * 64) +
-         "|" + std::to_string(cfg_.tcp_streams);
+  return std::to_string(size_) + "|" + cfg_.transport + "|" + std::to_string(cfg_.shm_slot_bytes / 64 * 64);
 }
 
 void MooncakeBackend::build_transport(const std::string& ns, const std::vector<int>& members,
@@ -187,39 +183,17 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
   }
   const std::string mine = cfg_.host_id + "|" + t + "|" + std::to_string(slot) +
                            "|hierarchical=" + (cfg_.hierarchical ? "1" : "0") +
-                           "|members=" + join_ranks(members) +
-                           "|tcp_streams=" + std::to_string(cfg_.tcp_streams);
+                           "|members=" + join_ranks(members);
   store_set_str(store, key("rdv/" + std::to_string(rank_)), cfg_.rendezvous_addr);
   store_set_str(store, key("host/" + std::to_string(rank_)), mine);
   await_keys("host/", members);
   bool one_host = true;
-  std::vector<std::string> hosts(W), records(W);
+  std::vector<std::string> hosts(W);
   for (int j : members) {
-    records[j] = store_get_str(store, key("host/" + std::to_string(j)));
-    const std::string& v = records[j];
+    std::string v = store_get_str(store, key("host/" + std::to_string(j)));
     TORCH_CHECK(v.empty() || v[0] != '!', "MooncakeBackend::setup: rank ", j,
                 " could not set up its transport, so this group cannot start (", v.substr(v.empty() ? 0 : 1),
                 ")");
-  }
-  {
-    // named on its own, against the lowest member's, so every rank raises the same message
-    auto streams_of = [&](int j) {
-      const size_t at = records[j].rfind("|tcp_streams=");
-      return at == std::string::npos ? std::string("?") : records[j].substr(at + 13);
-    };
-    const int lead = members.front();
-    std::string got;
-    for (int j : members)
-      if (streams_of(j) != streams_of(lead))
-        got += (got.empty() ? "" : ", ") + streams_of(j) + " on rank " + std::to_string(j);
-    if (!got.empty())
-      fail_together("MooncakeBackend::setup: tcp_streams must agree across ranks: expected " +
-                        streams_of(lead) + " (rank " + std::to_string(lead) + "'s), got " + got +
-                        " (MooncakeOptions.tcp_streams / MOONCAKE_TCP_STREAMS)",
-                    /*value_error=*/true);
-  }
-  for (int j : members) {
-    const std::string& v = records[j];
     hosts[j] = v.substr(0, v.find('|'));
     if (hosts[j] != cfg_.host_id) one_host = false;
     if (v.substr(v.find('|')) != mine.substr(mine.find('|')))
@@ -352,20 +326,7 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
     }
     store_set_str(store, key("addr/" + std::to_string(rank_)),
                   listen + " " + std::to_string(lc->port()) + " " + std::to_string(lp->port()));
-    // cfds[j][s] / pfds[j][s]: socket s of the n_streams to rank j for collectives / p2p
-    const int n_streams = static_cast<int>(cfg_.tcp_streams);
-    std::vector<std::vector<int>> cfds(W, std::vector<int>(n_streams, -1)), pfds = cfds;
-    // sockets not yet handed to a TcpStreams are closed when set-up throws (a rebuild may
-    // retry, and each try would leave its sockets open)
-    struct CloseLeft {
-      std::vector<std::vector<int>>* fds[2];
-      ~CloseLeft() {
-        for (auto* f : fds)
-          for (auto& v : *f)
-            for (int fd : v)
-              if (fd >= 0) close(fd);
-      }
-    } close_left{{&cfds, &pfds}};
+    std::vector<int> cfds(W, -1), pfds(W, -1);
     const int64_t connect_timeout_ms = wait_ms > 0 ? wait_ms : std::max<int64_t>(timeout_ms_.count(), 60000);
     // every member's address before any connect: one that cannot work raises on every rank
     await_keys("addr/", members);
@@ -397,40 +358,27 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
       if (j == rank_) continue;
       const std::string& host = addr_host[j];
       const int pc = addr_port_c[j], pp = addr_port_p[j];
-      for (int32_t s = 0; s < n_streams; ++s) {
-        const int32_t hello[2] = {rank_, s};  // who connects, and which of its streams this is
-        cfds[j][s] = tcp_connect(host, pc, connect_timeout_ms);
-        send_all_blocking(cfds[j][s], hello, sizeof(hello));
-        pfds[j][s] = tcp_connect(host, pp, connect_timeout_ms);
-        send_all_blocking(pfds[j][s], hello, sizeof(hello));
-      }
+      int32_t me = rank_;
+      cfds[j] = tcp_connect(host, pc, connect_timeout_ms);
+      send_all_blocking(cfds[j], &me, sizeof(me));
+      pfds[j] = tcp_connect(host, pp, connect_timeout_ms);
+      send_all_blocking(pfds[j], &me, sizeof(me));
     }
-    for (int n = 0; n < higher * n_streams; ++n) {
+    for (int n = 0; n < higher; ++n) {
       for (TcpListener* l : {&*lc, &*lp}) {
         int fd = l->accept_fd(connect_timeout_ms);
-        int32_t hello[2] = {-1, -1};
-        recv_all_blocking(fd, hello, sizeof(hello), connect_timeout_ms);
-        const int32_t who = hello[0], s = hello[1];
-        auto& slot_of = l == &*lc ? cfds : pfds;
-        TORCH_CHECK(who > rank_ && who < W && std::binary_search(members.begin(), members.end(), who) &&
-                        s >= 0 && s < n_streams && slot_of[who][s] < 0,
-                    "MooncakeBackend::setup: bad handshake from rank ", who, " stream ", s);
-        slot_of[who][s] = fd;
+        int32_t who = -1;
+        recv_all_blocking(fd, &who, sizeof(who), connect_timeout_ms);
+        TORCH_CHECK(who > rank_ && who < W && std::binary_search(members.begin(), members.end(), who),
+                    "MooncakeBackend::setup: bad handshake from rank ", who);
+        (l == &*lc ? cfds : pfds)[who] = fd;
       }
     }
-    // every peer's sockets are in: each peer's become one TcpStreams (which closes them;
-    // not connected: this rank and the seats that are not members)
-    auto streams = [&](std::vector<std::vector<int>>& fds) {
-      std::vector<TcpStreams> out;
-      out.reserve(W);
-      for (int j = 0; j < W; ++j) out.emplace_back(fds[j][0] >= 0 ? std::move(fds[j]) : std::vector<int>{});
-      return out;
-    };
-    std::vector<TcpStreams> cconns = streams(cfds), pconns = streams(pfds);
     if (t == "rdma") {
 #ifdef MOONCAKE_WITH_RDMA
       // collectives over RDMA queue pairs; p2p byte streams stay on TCP
-      cconns.clear();
+      for (int& fd : cfds)
+        if (fd >= 0) close(fd);
       auto publish = [&](const std::string& k, const std::string& v) {
         store_set_str(store, key("rdma/" + k), v);
       };
@@ -458,15 +406,16 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
       std::vector<char> local(W, 0);
       for (int j : mates) {
         local[j] = 1;
-        cconns[j] = TcpStreams();  // closes them
+        if (j != rank_ && cfds[j] >= 0) close(cfds[j]);
+        if (j != rank_) cfds[j] = -1;
       }
       ShmLayout hl(W, slot, hcap, 0);
       layout = hl;
-      coll = std::make_unique<HybridEngine>(rank_, W, host_segment(), layout, spin, local, std::move(cconns));
+      coll = std::make_unique<HybridEngine>(rank_, W, host_segment(), layout, spin, local, cfds);
     } else {
-      coll = std::make_unique<TcpEngine>(rank_, W, slot, hcap, std::move(cconns));
+      coll = std::make_unique<TcpEngine>(rank_, W, slot, hcap, cfds);
     }
-    p2p = std::make_unique<TcpP2P>(rank_, W, std::move(pconns));
+    p2p = std::make_unique<TcpP2P>(rank_, W, pfds);
   }
   coll->set_liveness([this](const std::vector<int>& ranks) { return probe_dead(ranks); });
   coll_ = std::move(coll);
