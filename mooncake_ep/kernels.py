@@ -140,15 +140,15 @@ def scatter_add_rows(
         out = alloc((num_out, H), acc_dtype, rows.device).zero_()
     if rows.shape[0]:
         if rows.dtype == acc_dtype:
-            src = rows
+            terms = rows
         elif alloc is None:
-            src = rows.to(acc_dtype)
+            terms = rows.to(acc_dtype)
         else:  # a recycled buffer: a fresh one costs a page fault per 4 KiB on first touch
-            src = alloc(tuple(rows.shape), acc_dtype, rows.device).copy_(rows)
+            terms = alloc(tuple(rows.shape), acc_dtype, rows.device).copy_(rows)
         if weights is not None:
             w = weights.to(acc_dtype).unsqueeze(1)
-            src = src * w if src is rows else src.mul_(w)  # a copy of its own: in place
-        out.index_add_(0, idx, src)
+            terms = terms * w if terms is rows else terms.mul_(w)  # a copy of its own: in place
+        out.index_add_(0, idx, terms)
     if acc_dtype == out_dtype:
         return out
     if alloc is None:

@@ -40,41 +40,32 @@ inline uint16_t float_to_bf16_bits(float f) {
   return f != f ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
 }
 
-MOONCAKE_ROW_LOOP void add_bf16(float* __restrict acc, const uint16_t* __restrict r, float w, bool weighted,
-                                int64_t H) {
-  if (weighted) {
-    for (int64_t h = 0; h < H; ++h) acc[h] += w * bf16_bits_to_float(r[h]);
-  } else {
-    for (int64_t h = 0; h < H; ++h) acc[h] += bf16_bits_to_float(r[h]);
-  }
+// acc += w * row (w is 1 for an unweighted sum: 1 * x is exact, so one loop serves both)
+MOONCAKE_ROW_LOOP void add_bf16(float* __restrict acc, const uint16_t* __restrict r, float w, int64_t H) {
+  for (int64_t h = 0; h < H; ++h) acc[h] += w * bf16_bits_to_float(r[h]);
 }
 
 MOONCAKE_ROW_LOOP void store_bf16(uint16_t* __restrict o, const float* __restrict acc, int64_t H) {
   for (int64_t h = 0; h < H; ++h) o[h] = float_to_bf16_bits(acc[h]);
 }
 
-MOONCAKE_ROW_LOOP void add_f32(float* __restrict acc, const float* __restrict r, float w, bool weighted,
-                               int64_t H) {
-  if (weighted) {
-    for (int64_t h = 0; h < H; ++h) acc[h] += w * r[h];
-  } else {
-    for (int64_t h = 0; h < H; ++h) acc[h] += r[h];
-  }
+MOONCAKE_ROW_LOOP void add_f32(float* __restrict acc, const float* __restrict r, float w, int64_t H) {
+  for (int64_t h = 0; h < H; ++h) acc[h] += w * r[h];
 }
 
 // one row into the accumulator, and the accumulator out: generic, then the fast ones
 template <typename T>
-void add_row(acc_t<T>* acc, const T* r, float w, bool weighted, int64_t H) {
+void add_row(acc_t<T>* acc, const T* r, float w, int64_t H) {
   const acc_t<T> f = w;
-  for (int64_t h = 0; h < H; ++h) acc[h] += (weighted ? f : acc_t<T>(1)) * static_cast<acc_t<T>>(r[h]);
+  for (int64_t h = 0; h < H; ++h) acc[h] += f * static_cast<acc_t<T>>(r[h]);
 }
 template <>
-void add_row<c10::BFloat16>(float* acc, const c10::BFloat16* r, float w, bool weighted, int64_t H) {
-  add_bf16(acc, reinterpret_cast<const uint16_t*>(r), w, weighted, H);
+void add_row<c10::BFloat16>(float* acc, const c10::BFloat16* r, float w, int64_t H) {
+  add_bf16(acc, reinterpret_cast<const uint16_t*>(r), w, H);
 }
 template <>
-void add_row<float>(float* acc, const float* r, float w, bool weighted, int64_t H) {
-  add_f32(acc, r, w, weighted, H);
+void add_row<float>(float* acc, const float* r, float w, int64_t H) {
+  add_f32(acc, r, w, H);
 }
 
 template <typename T>
@@ -97,7 +88,7 @@ void sum_rows(const T* rows, const int64_t* order, const int64_t* start, const i
       std::fill(acc.begin(), acc.end(), acc_t<T>(0));
       for (int64_t j = start[t]; j < start[t + 1]; ++j) {
         const int64_t n = order[j];
-        add_row<T>(acc.data(), rows + (src ? src[n] : n) * H, w ? w[n] : 1.0f, w != nullptr, H);
+        add_row<T>(acc.data(), rows + (src ? src[n] : n) * H, w ? w[n] : 1.0f, H);
       }
       store_row<T>(out + t * H, acc.data(), H);
     }
