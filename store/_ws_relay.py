@@ -132,8 +132,10 @@ class RelayPull:
             )
 
         top = ours(recs)
-        # the host's relay may hold the host claim without its position yet
-        deadline = time.monotonic() + 1.0
+        # the host's relay may hold the host claim without its position yet (a loaded host
+        # takes a while to put its claims: reading elsewhere meanwhile would cost the
+        # publisher's link a copy)
+        deadline = time.monotonic() + self.ws.cfg.relay_wait_s
         while top is None and time.monotonic() < deadline:
             if store._exists_meta([f"{vp}relay/h{tag}"])[0] is None:
                 break

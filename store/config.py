@@ -511,7 +511,9 @@ class WeightSyncConfig:
             installs anything. ``False``: every reader reads every bucket from where it
             was published.
         relay_wait_s: seconds a reader waits for the host before it in the chain to have
-            a bucket before it reads that bucket (and the rest) from the next source up.
+            a bucket before it reads that bucket (and the rest) from the next source up,
+            and a follower for its host's relay to take a chain position (it then reads
+            from the relays there are).
     """
 
     bucket_bytes: int = 64 * MiB
