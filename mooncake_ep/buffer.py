@@ -86,16 +86,7 @@ from .results import (
     LowLatencyHandle,
 )
 
-__all__ = [
-    "Buffer",
-    "CombineResult",
-    "DispatchHandle",
-    "DispatchLayout",
-    "DispatchResult",
-    "LowLatencyCombineResult",
-    "LowLatencyDispatchResult",
-    "LowLatencyHandle",
-]
+__all__ = ["Buffer"]
 
 
 def _token_expert_counts(topk_idx, num_experts):

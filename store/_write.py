@@ -134,22 +134,24 @@ class _WriteMixin:
             rest = [i for i in wave if isinstance(results[i], NoSpaceError)]
             if not rest or len(rest) == len(wave):
                 break
-            again = self._put_part(
-                [keys[i] for i in rest],
-                [views[i] for i in rest],
-                [metas[i] for i in rest],
-                cfg,
-                upsert,
-                True,
-                _retry,
-                _avoid,
+            self._redo(
+                self._put_part, rest, results, keys, views, metas, cfg, upsert, True, _retry, _avoid
             )
-            for i, r in zip(rest, again):
-                results[i] = r
             wave = rest
         if not return_exceptions:
             _raise_first(results)
         return results
+
+    @staticmethod
+    def _redo(put, idx: list, results: list, keys: list, views: list, metas: list, *args, **kw):
+        """Puts the keys at positions ``idx`` again with ``put`` (``_put_part`` or
+        ``_put_many``; ``args``/``kw``: its arguments after the metadata) and writes each
+        outcome into ``results`` at its position."""
+        again = put(
+            [keys[i] for i in idx], [views[i] for i in idx], [metas[i] for i in idx], *args, **kw
+        )
+        for i, r in zip(idx, again):
+            results[i] = r
 
     def _put_part(
         self,
@@ -171,17 +173,9 @@ class _WriteMixin:
                 )
             lost = [i for i, r in enumerate(fast or ()) if isinstance(r, PutLostError)]
             if lost:  # lost in a leader change: the two-request way, once
-                again = self._put_many(
-                    [keys[i] for i in lost],
-                    [views[i] for i in lost],
-                    [metas[i] for i in lost],
-                    cfg,
-                    upsert,
-                    True,
-                    _retry=False,
+                self._redo(
+                    self._put_many, lost, fast, keys, views, metas, cfg, upsert, True, _retry=False
                 )
-                for i, r in zip(lost, again):
-                    fast[i] = r
             if fast is not None:
                 if not return_exceptions:
                     _raise_first(fast)
@@ -277,17 +271,9 @@ class _WriteMixin:
                 else:
                     results[i] = from_code(item[1], item[2])
             if lost:  # the master lost the put (leader change, writer declared dead): redo once
-                again = self._put_many(
-                    [keys[i] for i in lost],
-                    [views[i] for i in lost],
-                    [metas[i] for i in lost],
-                    cfg,
-                    True,
-                    True,
-                    _retry=False,
+                self._redo(
+                    self._put_many, lost, results, keys, views, metas, cfg, True, True, _retry=False
                 )
-                for i, r in zip(lost, again):
-                    results[i] = r
         if not return_exceptions:
             _raise_first(results)
         return results
