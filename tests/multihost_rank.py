@@ -102,6 +102,42 @@ def busy_between_ops(rank, world_size, busy_rank, busy_s):
     }
 
 
+def late_host(rank, world_size, late_ranks, late_s):
+    """An all_reduce of [rank + 1] on every rank, then a second one that late_ranks (a whole
+    host) enter late_s after the others (longer than the op timeout): returns both sums and
+    the membership; a late rank whose second op raises returns the error's type and that of
+    a third op. The others stay alive until the late ones are done (a process that exits
+    would be a reason of its own to fail the op)."""
+    import mooncake_pg
+
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    if rank in late_ranks:
+        time.sleep(late_s)
+    u = torch.tensor([rank + 1.0])
+    try:
+        dist.all_reduce(u)
+    except Exception as e:
+        if rank not in late_ranks:
+            raise
+        errors = [type(e).__name__]
+        try:
+            dist.all_reduce(u)
+            errors.append(None)
+        except Exception as e3:
+            errors.append(type(e3).__name__)
+        return {"errors": errors}
+    finally:
+        if rank not in late_ranks:
+            time.sleep(late_s + 2.0)
+    return {
+        "first": t.item(),
+        "second": u.item(),
+        "active": mooncake_pg.get_active_ranks().tolist(),
+        "epoch": mooncake_pg.get_epoch(),
+    }
+
+
 def large_ops(rank, world_size, counts):
     """The ops that run in two levels across hosts (all_reduce, reduce, reduce_scatter,
     all_gather, broadcast) at the element counts given (above the one-round size; several
@@ -502,6 +538,7 @@ SCENARIOS = {
     "conformance": conformance,
     "until_host_lost": until_host_lost,
     "busy_between_ops": busy_between_ops,
+    "late_host": late_host,
     "ep_layout": ep_layout,
     "ep_round_trip": ep_round_trip,
     "ep_kill_relay": ep_kill_relay,

@@ -370,16 +370,24 @@ class MooncakeBackend : public c10d::Backend {
   // moved for kHeartbeatLostMs for dead. A cut link or a frozen host sends no RST or FIN,
   // so without this only the op timeout would end the wait; a live rank that is busy
   // between ops keeps beating (the thread does not need the GIL or the op).
+  // The thread also looks for a membership record newer than `epoch` (the agreed epoch as
+  // of this rank's last op) and notes its epoch in `newer` (see fence_if_declared_failed).
   static constexpr int64_t kHeartbeatPeriodMs = 200;
   static constexpr int64_t kHeartbeatLostMs = 2000;
   struct Heartbeat {
     std::atomic<bool> stop{false};
+    std::atomic<uint64_t> epoch{0};
+    std::atomic<uint64_t> newer{0};
   };
   std::shared_ptr<Heartbeat> heartbeat_;
   std::vector<int64_t> hb_count_, hb_changed_ns_;
   int64_t next_hb_check_ns_ = 0;
   void start_heartbeat();
   std::vector<int> heartbeat_lost(const std::vector<int>& ranks);
+  // After an op that succeeded here: raises RankFencedError when the others have declared
+  // this rank failed meanwhile (a rank late to an op by more than the timeout can still
+  // find every frame it needs, sent before the others gave up on it, in its sockets).
+  void fence_if_declared_failed();
   void apply_join(const Record& rec, uint64_t epoch);
 
   // collective bodies (run with the engine held)
@@ -470,7 +478,8 @@ class MooncakeBackend : public c10d::Backend {
   std::chrono::milliseconds timeout_ms_;  // op timeout (MooncakeOptions.timeout, setTimeout)
   std::unique_ptr<CollEngine> coll_;
   std::unique_ptr<P2PChannel> p2p_;
-  std::string broken_;  // non-empty: the group is unusable (fenced, store lost, shut down)
+  std::string broken_;   // non-empty: the group is unusable (fenced, store lost, shut down)
+  bool fenced_ = false;  // broken_ because this rank fenced itself: every later op raises RankFencedError
 
   std::mutex engine_mu_;
   std::mutex qmu_;

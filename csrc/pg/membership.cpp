@@ -118,17 +118,37 @@ void MooncakeBackend::start_heartbeat() {
     st = store_;
   }
   const std::string key = store_ns_ + "hb/" + std::to_string(rank_);
+  const std::string records = store_ns_ + "epoch/";
   // detached, owning what it touches: a beat blocked on an unreachable store outlives the
   // backend harmlessly (that host has stopped beating, which is what the others must see)
-  std::thread([hb = heartbeat_, st, key]() {
+  std::thread([hb = heartbeat_, st, key, records]() {
     while (!hb->stop.load()) {
       try {
         st->add(key, 1);
+        const uint64_t next = hb->epoch.load() + 1;
+        if (hb->newer.load() < next && st->check({records + std::to_string(next)})) hb->newer.store(next);
       } catch (const std::exception&) {
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(kHeartbeatPeriodMs));
     }
   }).detach();
+}
+
+void MooncakeBackend::fence_if_declared_failed() {
+  // Across hosts only: on one host the late rank's slots no longer match the others' and
+  // it fails inside the op. A rank that finishes before the heartbeat saw the record (up
+  // to kHeartbeatPeriodMs after the agreement) learns of it at its next op.
+  if (!heartbeat_) return;
+  heartbeat_->epoch.store(agreed_epoch_);
+  if (heartbeat_->newer.load() <= agreed_epoch_) return;
+  Record rec;
+  try {
+    if (!read_record_full(agreed_epoch_ + 1, &rec) || rec.join) return;  // a join: the survivors' call
+  } catch (const std::exception&) {  // an unreachable store is found out by the next op
+    return;
+  }
+  if (std::find(rec.ranks.begin(), rec.ranks.end(), rank_) == rec.ranks.end()) return;
+  agree({}, "catch up");  // catches up with that record, which lists this rank: raises
 }
 
 std::vector<int> MooncakeBackend::heartbeat_lost(const std::vector<int>& ranks) {
@@ -283,6 +303,7 @@ std::vector<int> MooncakeBackend::agree(const std::vector<int>& suspects, const 
         why +
         "); this rank fences itself: the others may have declared it failed. This is fatal for the group on "
         "this rank (if the store lived in rank 0, rank 0 is gone); it may rejoin as a recovering rank";
+    fenced_ = true;
     log_membership("fenced: " + broken_);
     throw RankFailure("MooncakeBackend (rank " + std::to_string(rank_) + "): " + broken_, {rank_},
                       static_cast<int64_t>(agreed_epoch_), true);
@@ -290,6 +311,7 @@ std::vector<int> MooncakeBackend::agree(const std::vector<int>& suspects, const 
   if (agreed_failed_[rank_]) {
     broken_ = "MooncakeBackend: this rank was declared failed by its peers (epoch " +
               std::to_string(agreed_epoch_) + ") and has fenced itself; it may rejoin as a recovering rank";
+    fenced_ = true;
     throw RankFailure("MooncakeBackend (rank " + std::to_string(rank_) + "): " + broken_, {rank_},
                       static_cast<int64_t>(agreed_epoch_), true);
   }
@@ -546,6 +568,7 @@ void MooncakeBackend::apply_join(const Record& rec, uint64_t epoch) {
           "MooncakeBackend: this rank did not finish the transport rebuild in time and was declared failed "
           "(epoch " +
           std::to_string(e) + "); it has fenced itself and may rejoin as a recovering rank";
+      fenced_ = true;
       throw RankFailure("MooncakeBackend (rank " + std::to_string(rank_) + "): " + broken_, {rank_},
                         static_cast<int64_t>(e), true);
     }

@@ -96,6 +96,9 @@ c10::intrusive_ptr<MooncakeWork> MooncakeBackend::submit(c10d::OpType type, std:
     BatchScope pos(block_pos, 0);
     for (int attempt = 0;; ++attempt) {
       try {
+        if (fenced_)
+          throw RankFailure("MooncakeBackend (rank " + std::to_string(rank_) + "): " + broken_, {rank_},
+                            static_cast<int64_t>(agreed_epoch_), true);
         if (!broken_.empty()) C10_THROW_ERROR(DistBackendError, broken_);
         if (joining_)
           C10_THROW_ERROR(DistBackendError, "MooncakeBackend (rank " + std::to_string(rank_) +
@@ -113,6 +116,11 @@ c10::intrusive_ptr<MooncakeWork> MooncakeBackend::submit(c10d::OpType type, std:
         if (!elsewhere.empty())
           throw PeerFailure("rank(s) agreed failed by another group of this process", elsewhere, false);
         job(deadline_ns_for(timeout));
+        try {
+          fence_if_declared_failed();
+        } catch (...) {
+          return std::current_exception();
+        }
         return nullptr;
       } catch (const PeerFailure& e) {
         try {

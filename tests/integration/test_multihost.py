@@ -174,6 +174,37 @@ def test_a_rank_busy_between_ops_is_not_blamed():
             assert got["waited_s"] > 15.0, got  # they did wait for rank 3
 
 
+@pytest.mark.parametrize("policy", ["mask", "raise"])
+def test_a_host_later_than_the_timeout_is_fenced_not_given_a_result(policy):
+    """Both ranks of host 0 enter an all_reduce 8 s after the others (op timeout 4 s). The
+    others declare them failed: under "mask" they return the sum over host 1, under "raise"
+    they raise RankFailureError. The late ranks find the frames host 1 sent before it gave
+    up in their sockets, yet must not return the sum of all four: they raise
+    RankFencedError, and so does their next op."""
+    with netns.hosts(2, "mcmh") as t:
+        res = run_ranks(
+            t,
+            [2, 2],
+            "late_host",
+            {
+                "late_ranks": [0, 1],
+                "late_s": 8.0,
+                "options": {"timeout": 4.0, "on_failure": policy},
+            },
+            timeout_s=120,
+        )
+    for r in (0, 1):
+        assert res[r].get("errors") == ["RankFencedError"] * 2, (r, res[r])
+    for r in (2, 3):
+        got = res[r]
+        if policy == "mask":
+            assert "error" not in got, (r, got)
+            assert got["first"] == 10.0 and got["second"] == 3.0 + 4.0, (r, got)
+            assert got["active"] == [0, 0, 1, 1] and got["epoch"] == 1, (r, got)
+        else:
+            assert got.get("error") == "RankFailureError", (r, got)
+
+
 @pytest.mark.parametrize(
     "ranks_per_host, slot, counts",
     [
