@@ -65,7 +65,9 @@ class MooncakeOptions:
             them, so rendezvous must not either: use ``mooncake-run``, ``file://`` or an
             external store (a ``tcp://`` store hosted by rank 0 waits for every seat).
             Must agree across founders.
-        on_failure: ``"raise"`` / ``"mask"`` / ``"manual"`` (see docs/fault-tolerance.md).
+        on_failure: ``"raise"`` / ``"mask"`` / ``"manual"`` (see docs/fault-tolerance.md);
+            must agree across ranks (``init_process_group`` raises ``ValueError`` on every
+            rank otherwise).
         is_recovery: this process replaces a dead rank (or fills an extension seat) and
             will call ``join_group`` (default: ``MOONCAKE_IS_RECOVERY``, set by
             ``mooncake-run`` on a respawned rank). Subgroups created while the default

@@ -183,7 +183,7 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
   }
   const std::string mine = cfg_.host_id + "|" + t + "|" + std::to_string(slot) +
                            "|hierarchical=" + (cfg_.hierarchical ? "1" : "0") +
-                           "|members=" + join_ranks(members);
+                           "|on_failure=" + cfg_.on_failure + "|members=" + join_ranks(members);
   store_set_str(store, key("rdv/" + std::to_string(rank_)), cfg_.rendezvous_addr);
   store_set_str(store, key("host/" + std::to_string(rank_)), mine);
   await_keys("host/", members);
@@ -201,10 +201,10 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
       // which may host the store, does not take it away while another still reads it
       fail_together(
           "MooncakeBackend::setup: rank " + std::to_string(j) +
-              " uses transport|slot|hierarchical|members '" + v.substr(v.find('|') + 1) + "' but rank " +
-              std::to_string(rank_) + " uses '" + mine.substr(mine.find('|') + 1) +
-              "'; MOONCAKE_TRANSPORT, shm_slot_bytes, hierarchical and active_ranks must agree across "
-              "ranks",
+              " uses transport|slot|hierarchical|on_failure|members '" + v.substr(v.find('|') + 1) +
+              "' but rank " + std::to_string(rank_) + " uses '" + mine.substr(mine.find('|') + 1) +
+              "'; MOONCAKE_TRANSPORT, shm_slot_bytes, hierarchical, on_failure and active_ranks must agree "
+              "across ranks",
           /*value_error=*/true);
   }
   // 2. process handles of same-host peers (failure detection)

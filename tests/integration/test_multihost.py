@@ -88,6 +88,24 @@ def test_a_data_plane_address_that_cannot_work_raises_on_every_rank(host_ip, exp
         ]
 
 
+def test_a_failure_policy_that_differs_raises_on_every_rank():
+    """Rank 3 asks for on_failure="mask", the others for "raise": a rank that dies would
+    leave the two sides with different members and results, so every rank's
+    init_process_group raises ValueError naming on_failure and a rank that differs."""
+    with netns.hosts(2, "mcmh") as t:
+        res = run_ranks(
+            t,
+            [2, 2],
+            "every_op",
+            rank_env={3: {"MH_OPTIONS": json.dumps({"on_failure": "mask"})}},
+            timeout_s=150,
+        )
+    for r in range(4):
+        got = res[r]
+        assert got.get("error") == "ValueError", (r, got)
+        assert "on_failure" in got["message"] and "rank 3" in got["message"], (r, got["message"])
+
+
 @pytest.mark.parametrize(
     "ranks_per_host", [[2, 2], [3, 1], [2, 2, 2, 2]], ids=["2x2", "3+1", "4x2"]
 )
