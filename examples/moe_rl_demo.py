@@ -953,7 +953,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.kill_at is None:
         args.kill_at = args.steps // 2
-    if args.hosts < 1 or args.nproc % args.hosts:
+    if args.hosts < 1:
+        p.error(f"--hosts must be at least 1, got {args.hosts}")
+    if args.nproc % args.hosts:
         p.error(f"--nproc ({args.nproc}) must be a multiple of --hosts ({args.hosts})")
     if args.kill_rank is None:
         args.kill_rank = args.nproc - args.nproc // args.hosts if args.hosts > 1 else 1
@@ -961,6 +963,8 @@ def parse_args(argv=None):
         p.error(f"--experts ({args.experts}) must be a multiple of --nproc ({args.nproc})")
     if args.kill_rank >= args.nproc:
         p.error(f"--kill-rank must be < --nproc ({args.nproc}) or -1")
+    if args.kill_rank >= 0 and not 0 <= args.kill_at < args.steps:
+        p.error(f"--kill-at must be a step in [0, --steps ({args.steps})), got {args.kill_at}")
     return args
 
 
