@@ -388,6 +388,9 @@ class MooncakeBackend : public c10d::Backend {
   // this rank failed meanwhile (a rank late to an op by more than the timeout can still
   // find every frame it needs, sent before the others gave up on it, in its sockets).
   void fence_if_declared_failed();
+  // This rank fences itself: broken_ = why, and raises RankFailure with fenced set
+  // (RankFencedError) for membership epoch `epoch`.
+  [[noreturn]] void fence(const std::string& why, int64_t epoch);
   void apply_join(const Record& rec, uint64_t epoch);
 
   // collective bodies (run with the engine held)

@@ -134,6 +134,12 @@ void MooncakeBackend::start_heartbeat() {
   }).detach();
 }
 
+void MooncakeBackend::fence(const std::string& why, int64_t epoch) {
+  broken_ = why;
+  fenced_ = true;
+  throw RankFailure("MooncakeBackend (rank " + std::to_string(rank_) + "): " + why, {rank_}, epoch, true);
+}
+
 void MooncakeBackend::fence_if_declared_failed() {
   // Across hosts only: on one host the late rank's slots no longer match the others' and
   // it fails inside the op. A rank that finishes before the heartbeat saw the record (up
@@ -298,23 +304,18 @@ std::vector<int> MooncakeBackend::agree(const std::vector<int>& suspects, const 
     const auto* ce = dynamic_cast<const c10::Error*>(&e);
     std::string why = ce ? ce->what_without_backtrace() : e.what();
     why = why.substr(0, why.find('\n'));
-    broken_ =
+    const std::string msg =
         std::string("MooncakeBackend: the control store is unreachable, so membership cannot be agreed (") +
         why +
         "); this rank fences itself: the others may have declared it failed. This is fatal for the group on "
         "this rank (if the store lived in rank 0, rank 0 is gone); it may rejoin as a recovering rank";
-    fenced_ = true;
-    log_membership("fenced: " + broken_);
-    throw RankFailure("MooncakeBackend (rank " + std::to_string(rank_) + "): " + broken_, {rank_},
-                      static_cast<int64_t>(agreed_epoch_), true);
+    log_membership("fenced: " + msg);
+    fence(msg, static_cast<int64_t>(agreed_epoch_));
   }
-  if (agreed_failed_[rank_]) {
-    broken_ = "MooncakeBackend: this rank was declared failed by its peers (epoch " +
-              std::to_string(agreed_epoch_) + ") and has fenced itself; it may rejoin as a recovering rank";
-    fenced_ = true;
-    throw RankFailure("MooncakeBackend (rank " + std::to_string(rank_) + "): " + broken_, {rank_},
-                      static_cast<int64_t>(agreed_epoch_), true);
-  }
+  if (agreed_failed_[rank_])
+    fence("MooncakeBackend: this rank was declared failed by its peers (epoch " +
+              std::to_string(agreed_epoch_) + ") and has fenced itself; it may rejoin as a recovering rank",
+          static_cast<int64_t>(agreed_epoch_));
   // a leave needs no decision of the user: applied under on_failure="manual" too
   if (policy_ != FailurePolicy::MANUAL || only_leaves(pending_failed())) apply_agreed();
   return newly;
@@ -563,15 +564,12 @@ void MooncakeBackend::apply_join(const Record& rec, uint64_t epoch) {
       last_joined_ = still;
     }
     for (int f : frec.ranks) note_failed_global(global_rank(f));
-    if (agreed_failed_[rank_]) {
-      broken_ =
+    if (agreed_failed_[rank_])
+      fence(
           "MooncakeBackend: this rank did not finish the transport rebuild in time and was declared failed "
           "(epoch " +
-          std::to_string(e) + "); it has fenced itself and may rejoin as a recovering rank";
-      fenced_ = true;
-      throw RankFailure("MooncakeBackend (rank " + std::to_string(rank_) + "): " + broken_, {rank_},
-                        static_cast<int64_t>(e), true);
-    }
+              std::to_string(e) + "); it has fenced itself and may rejoin as a recovering rank",
+          static_cast<int64_t>(e));
   }
   refresh_active_list();
   coll_->start_epoch(epoch_);

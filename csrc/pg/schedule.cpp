@@ -96,9 +96,7 @@ c10::intrusive_ptr<MooncakeWork> MooncakeBackend::submit(c10d::OpType type, std:
     BatchScope pos(block_pos, 0);
     for (int attempt = 0;; ++attempt) {
       try {
-        if (fenced_)
-          throw RankFailure("MooncakeBackend (rank " + std::to_string(rank_) + "): " + broken_, {rank_},
-                            static_cast<int64_t>(agreed_epoch_), true);
+        if (fenced_) fence(broken_, static_cast<int64_t>(agreed_epoch_));  // every later op raises it too
         if (!broken_.empty()) C10_THROW_ERROR(DistBackendError, broken_);
         if (joining_)
           C10_THROW_ERROR(DistBackendError, "MooncakeBackend (rank " + std::to_string(rank_) +
