@@ -135,11 +135,15 @@ class RelayPull:
         # the host's relay may hold the host claim without its position yet (a loaded host
         # takes a while to put its claims: reading elsewhere meanwhile would cost the
         # publisher's link a copy)
+        # (two master requests a try, the second for every position's record: the pause
+        # grows, as the wait can last up to relay_wait_s)
         deadline = time.monotonic() + self.ws.cfg.relay_wait_s
+        pause = 0.005
         while top is None and time.monotonic() < deadline:
             if store._exists_meta([f"{vp}relay/h{tag}"])[0] is None:
                 break
-            time.sleep(0.005)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
             recs = ws._get_records(position_keys(vp, n))
             top = ours(recs)
         top = len(recs) - 1 if top is None else top
