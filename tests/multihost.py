@@ -80,6 +80,8 @@ class Ranks:
                     if res
                     else {"error": "no result", "rc": p.returncode, "log": log[-3000:]}
                 )
+                # C++ stack traces in the whole output (torch prints one per failed store call)
+                out[rank]["stack_traces"] = log.count("Exception raised from")
         finally:
             for p in self.procs:
                 kill_group(p)

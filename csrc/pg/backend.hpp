@@ -434,7 +434,7 @@ class MooncakeBackend : public c10d::Backend {
   // membership
   void require_active_root(int root, const char* op);
   std::function<void()> backup_for_retry(const std::vector<at::Tensor>& ts);
-  std::vector<int> probe_dead(const std::vector<int>& ranks);
+  PeersGone probe_dead(const std::vector<int>& ranks);
   // deactivate_ranks of this rank itself: agreed like a failure, marked as a leave
   void leave();
   // every rank of `ranks` (non-empty) left the group of its own accord (a leave record)

@@ -61,9 +61,11 @@ void MooncakeBackend::check_peer_active(int peer, bool is_send) {
                           " is not active (failed or not joined)",
                       {peer}, epoch());
   // a peer already gone must not take a buffered send as if it were alive
-  if (!probe_dead({peer}).empty())
+  PeersGone gone = probe_dead({peer});
+  if (!gone.empty())
     throw RankFailure(std::string("mooncake ") + (is_send ? "send" : "recv") + " (rank " +
-                          std::to_string(rank_) + "): peer rank " + std::to_string(peer) + " has died",
+                          std::to_string(rank_) + "): peer rank " + std::to_string(peer) + " is gone (" +
+                          gone.reason + ")",
                       {peer}, epoch());
 }
 
@@ -344,7 +346,8 @@ void MooncakeBackend::p2p_loop() {
       std::vector<int> busy;
       for (int j = 0; j < W; ++j)
         if (j != rank_ && !dead[j] && (!sendq[j].empty() || !recvq[j].empty() || in[j].op)) busy.push_back(j);
-      for (int j : probe_dead(busy)) mark_dead(j, "process died");
+      PeersGone gone = probe_dead(busy);
+      for (int j : gone.ranks) mark_dead(j, gone.reason);
       auto expire = [&](std::deque<std::shared_ptr<P2POp>>& q, int peer) {
         for (auto it = q.begin(); it != q.end();) {
           if ((*it)->deadline_ns < now && (*it)->started && peer >= 0) {

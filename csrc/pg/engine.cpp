@@ -31,6 +31,12 @@ static std::string missing_msg(const char* what, const std::vector<int>& missing
   return s;
 }
 
+std::string gone_msg(const char* engine, const PeersGone& gone) {
+  std::string s = std::string(engine) + ": rank(s)";
+  for (int r : gone.ranks) s += " " + std::to_string(r);
+  return s + " gone (" + gone.reason + ")";
+}
+
 // ---- ShmEngine ---------------------------------------------------------------------
 ShmEngine::ShmEngine(int rank, int size, std::shared_ptr<ShmSegment> seg, const ShmLayout& layout, bool spin)
     : CollEngine(rank, size, layout.slot, layout.hdr_cap),
@@ -123,10 +129,10 @@ void ShmEngine::wait_arrived(int64_t deadline_ns) {
       }
       if (probe_ && now >= next_probe) {
         next_probe = now + 20000000;
-        std::vector<int> dead = probe_(missing());
-        if (!dead.empty()) {
+        PeersGone gone = probe_(missing());
+        if (!gone.empty()) {
           sleepers()->fetch_sub(1);
-          throw PeerFailure(missing_msg("shm exchange: peer process(es) died:", dead), dead, false);
+          throw PeerFailure(gone_msg("shm exchange", gone), gone.ranks, false, gone.reason);
         }
       }
       if (left <= 0) {
@@ -468,7 +474,8 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
       }
     }
     if (!dead.empty())
-      throw PeerFailure(missing_msg("tcp exchange: lost the connection to", dead), dead, false);
+      throw PeerFailure(missing_msg("tcp exchange: lost the connection to:", dead), dead, false,
+                        "connection lost");
     if (all_done) break;
     if (!progress) {
       if (aborted()) throw EngineAborted();
@@ -481,8 +488,8 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
         if (left <= 0) throw PeerFailure(missing_msg("tcp exchange", missing), missing, true);
         // a peer that left the group (or died on this host) while we wait for it
         next_probe = now + 20000000;
-        std::vector<int> gone = probe_(missing);
-        if (!gone.empty()) throw PeerFailure(missing_msg("tcp exchange: peer(s) gone:", gone), gone, false);
+        PeersGone gone = probe_(missing);
+        if (!gone.empty()) throw PeerFailure(gone_msg("tcp exchange", gone), gone.ranks, false, gone.reason);
       }
       poll_fds(rd, wr, -1, static_cast<int>(std::min<int64_t>(left / 1000000 + 1, 100)));
     }

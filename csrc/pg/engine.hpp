@@ -41,13 +41,20 @@ struct DirectDst {
   size_t cap = 0;
 };
 
-// Peers that died (process gone, connection lost) or did not take part within the op
-// timeout (timed_out: they may be alive).
+// Peers that died (process gone, connection lost, heartbeats stopped) or did not take part
+// within the op timeout (timed_out: they may be alive). `reason` goes into the membership
+// record that declares them failed.
 struct PeerFailure : std::runtime_error {
   std::vector<int> ranks;
   bool timed_out;
-  PeerFailure(const std::string& msg, std::vector<int> r, bool t)
-      : std::runtime_error(msg), ranks(std::move(r)), timed_out(t) {}
+  std::string reason;
+  PeerFailure(const std::string& msg, std::vector<int> r, bool t, std::string why = "")
+      : std::runtime_error(msg),
+        ranks(std::move(r)),
+        timed_out(t),
+        reason(!why.empty() ? std::move(why)
+               : t          ? "op timeout"
+                            : "process died") {}
 };
 
 // A peer is already in a later membership epoch: this rank must catch up (read the
@@ -60,8 +67,16 @@ struct EpochAhead : std::runtime_error {
 constexpr int kEpochShift = 40;
 inline uint64_t epoch_base(uint64_t epoch) { return epoch << kEpochShift; }
 
-// Returns which of `missing` are known dead (used while waiting).
-using LivenessProbe = std::function<std::vector<int>(const std::vector<int>& missing)>;
+// Which of the peers waited for are known gone, and why (a short phrase, no ';').
+struct PeersGone {
+  std::vector<int> ranks;
+  std::string reason;
+  bool empty() const { return ranks.empty(); }
+};
+// "<engine>: rank(s) 2 3 gone (<reason>)"
+std::string gone_msg(const char* engine, const PeersGone& gone);
+// Returns which of `missing` are known gone (used while waiting).
+using LivenessProbe = std::function<PeersGone(const std::vector<int>& missing)>;
 
 class CollEngine {
  public:

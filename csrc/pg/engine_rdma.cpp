@@ -137,16 +137,16 @@ void RdmaEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadl
     }
     if (!failed_.empty()) {
       std::vector<int> f = failed_;
-      throw PeerFailure("rdma exchange: lost the queue pair to rank(s)" + ranks_str(f), f, false);
+      throw PeerFailure("rdma exchange: lost the queue pair to rank(s)" + ranks_str(f), f, false,
+                        "connection lost");
     }
     if (here && sends_left == 0) break;
     const int64_t now = now_ns();
     if (aborted()) throw EngineAborted();
     if (probe_ && now >= next_probe) {
       next_probe = now + 20000000;
-      std::vector<int> dead = probe_(missing());
-      if (!dead.empty())
-        throw PeerFailure("rdma exchange: peer process(es) died:" + ranks_str(dead), dead, false);
+      PeersGone gone = probe_(missing());
+      if (!gone.empty()) throw PeerFailure(gone_msg("rdma exchange", gone), gone.ranks, false, gone.reason);
     }
     if (now >= deadline_ns) {
       std::vector<int> m = missing();

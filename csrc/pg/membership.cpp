@@ -73,7 +73,7 @@ namespace {
 constexpr const char* kLeaveReason = ";reason=left the group";
 }  // namespace
 
-std::vector<int> MooncakeBackend::probe_dead(const std::vector<int>& ranks) {
+PeersGone MooncakeBackend::probe_dead(const std::vector<int>& ranks) {
   std::vector<int> dead;
   // A rank that left is alive and sends nothing more: a newer record that names a missing
   // rank (its leave, or another survivor's verdict) ends the wait at once. Looked up at most
@@ -88,11 +88,12 @@ std::vector<int> MooncakeBackend::probe_dead(const std::vector<int>& ranks) {
           if (std::find(ranks.begin(), ranks.end(), j) != ranks.end()) dead.push_back(j);
     } catch (const std::exception&) {  // an unreachable store is found out by agree()
     }
-    if (!dead.empty()) return dead;
+    if (!dead.empty()) return {dead, "named in a newer membership record"};
   }
   if (!one_host_) {
     dead = heartbeat_lost(ranks);
-    if (!dead.empty()) return dead;
+    if (!dead.empty())
+      return {dead, "no heartbeat for " + std::to_string(kHeartbeatLostMs) + " ms: host cut off or frozen"};
   }
   for (int j : ranks) {
     if (j < 0 || j >= size_ || j == rank_) continue;
@@ -103,7 +104,7 @@ std::vector<int> MooncakeBackend::probe_dead(const std::vector<int>& ranks) {
       if (kill(static_cast<pid_t>(peer_pid_[j]), 0) != 0 && errno == ESRCH) dead.push_back(j);
     }
   }
-  return dead;
+  return {dead, "process exited"};
 }
 
 void MooncakeBackend::start_heartbeat() {
@@ -121,13 +122,21 @@ void MooncakeBackend::start_heartbeat() {
   const std::string records = store_ns_ + "epoch/";
   // detached, owning what it touches: a beat blocked on an unreachable store outlives the
   // backend harmlessly (that host has stopped beating, which is what the others must see)
-  std::thread([hb = heartbeat_, st, key, records]() {
+  const std::string who = "[mooncake] rank " + std::to_string(rank_) + " group '" + cfg_.group_name + "'";
+  std::thread([hb = heartbeat_, st, key, records, who]() {
     while (!hb->stop.load()) {
       try {
         st->add(key, 1);
         const uint64_t next = hb->epoch.load() + 1;
         if (hb->newer.load() < next && st->check({records + std::to_string(next)})) hb->newer.store(next);
-      } catch (const std::exception&) {
+      } catch (const c10::DistNetworkError&) {
+        // A TCPStore client does not reconnect: every later call would fail too (and torch
+        // logs a stack trace for each). The others see this rank's beats stop, and its own
+        // next op finds the store unreachable and fences it.
+        if (!hb->stop.load())
+          fprintf(stderr, "%s: lost the control store; heartbeats stop, the next op raises\n", who.c_str());
+        return;
+      } catch (const std::exception&) {  // a slow store: beat again
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(kHeartbeatPeriodMs));
     }

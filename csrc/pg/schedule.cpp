@@ -122,7 +122,7 @@ c10::intrusive_ptr<MooncakeWork> MooncakeBackend::submit(c10d::OpType type, std:
         return nullptr;
       } catch (const PeerFailure& e) {
         try {
-          std::vector<int> newly = agree(e.ranks, e.timed_out ? "op timeout" : "process died");
+          std::vector<int> newly = agree(e.ranks, e.reason);
           if (cfg_.debug)
             fprintf(stderr, "%s\nrecent ops (MOONCAKE_DEBUG):\n%s", e.what(), dump_trace().c_str());
           if (policy_ == FailurePolicy::MASK && attempt < size_) continue;  // rerun over survivors

@@ -357,6 +357,27 @@ def test_sigkill_on_another_host_mid_all_reduce(policy):
         assert len(seq) == 4 and seq[3] in ("RankFailureError", "DistBackendError"), seq
 
 
+def test_ranks_that_lost_the_store_with_rank_0_fence_and_stay_quiet():
+    """Rank 0, which hosts the control store, SIGKILLs itself in its fourth all_reduce: the
+    others cannot agree on anything without the store, so each raises RankFencedError; in
+    the 3 s they stay afterwards their heartbeat threads stop calling the dead store
+    instead of printing a C++ stack trace every 200 ms."""
+    with netns.hosts(2, "mcmh") as t:
+        res = run_ranks(
+            t,
+            [2, 2],
+            "loop_all_reduce",
+            {"ops": 8, "count": 1 << 10, "options": {"on_failure": "mask"}},
+            rank_env={0: {"MOONCAKE_FAULT_INJECT": "3:0"}},
+            timeout_s=150,
+        )
+    for r in (1, 2, 3):
+        got = res[r]
+        assert got.get("results", [None])[:3] == [10.0, 10.0, 10.0], (r, got)
+        assert got["results"][3:] == ["RankFencedError"], (r, got)
+        assert got["stack_traces"] <= 4, (r, got["stack_traces"], got["log"])
+
+
 @pytest.mark.parametrize("policy", ["mask", "raise"])
 @pytest.mark.parametrize("how", ["round1", "in_flight"])
 def test_sigkill_on_another_host_mid_all_to_all(policy, how):
