@@ -186,16 +186,10 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
                            "|on_failure=" + cfg_.on_failure + "|members=" + join_ranks(members);
   store_set_str(store, key("rdv/" + std::to_string(rank_)), cfg_.rendezvous_addr);
   store_set_str(store, key("host/" + std::to_string(rank_)), mine);
-  await_keys("host/", members);
-  bool one_host = true;
-  std::vector<std::string> hosts(W);
-  for (int j : members) {
-    std::string v = store_get_str(store, key("host/" + std::to_string(j)));
+  auto check_host = [&](int j, const std::string& v) {
     TORCH_CHECK(v.empty() || v[0] != '!', "MooncakeBackend::setup: rank ", j,
                 " could not set up its transport, so this group cannot start (", v.substr(v.empty() ? 0 : 1),
                 ")");
-    hosts[j] = v.substr(0, v.find('|'));
-    if (hosts[j] != cfg_.host_id) one_host = false;
     if (v.substr(v.find('|')) != mine.substr(mine.find('|')))
       // every rank sees a difference (it is symmetric); all raise together, so that rank 0,
       // which may host the store, does not take it away while another still reads it
@@ -206,6 +200,46 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
               "'; MOONCAKE_TRANSPORT, shm_slot_bytes, hierarchical, on_failure and active_ranks must agree "
               "across ranks",
           /*value_error=*/true);
+  };
+  {
+    // Waited for in slices, comparing the keys published so far: with active_ranks that
+    // differ, a member that only this rank names may never come, and the difference shows
+    // in the keys of those that did. Each key is compared once.
+    std::vector<std::string> keys;
+    for (int j : members) keys.push_back(key("host/" + std::to_string(j)));
+    std::vector<char> compared(W, 0);
+    const auto limit = std::chrono::milliseconds(wait_ms > 0 ? wait_ms : store->getTimeout().count());
+    const auto give_up = std::chrono::steady_clock::now() + limit;
+    for (int64_t slice_ms = 200;; slice_ms = std::min<int64_t>(slice_ms * 2, 2000)) {
+      try {
+        store->wait(keys, std::chrono::milliseconds(slice_ms));
+        break;
+      } catch (const std::exception&) {
+      }
+      std::vector<int> missing;
+      for (int j : members) {
+        if (compared[j]) continue;
+        const std::string k = key("host/" + std::to_string(j));
+        if (!store->check({k})) {
+          missing.push_back(j);
+          continue;
+        }
+        check_host(j, store_get_str(store, k));
+        compared[j] = 1;
+      }
+      TORCH_CHECK(std::chrono::steady_clock::now() < give_up, "MooncakeBackend::setup (rank ", rank_,
+                  "): rank(s) [", join_ranks(missing), "] did not join within ", limit.count(),
+                  " ms (not started, died, or given other active_ranks: every member must create the group "
+                  "alike)");
+    }
+  }
+  bool one_host = true;
+  std::vector<std::string> hosts(W);
+  for (int j : members) {
+    std::string v = store_get_str(store, key("host/" + std::to_string(j)));
+    check_host(j, v);
+    hosts[j] = v.substr(0, v.find('|'));
+    if (hosts[j] != cfg_.host_id) one_host = false;
   }
   // 2. process handles of same-host peers (failure detection)
   store_set_str(store, key("pid/" + std::to_string(rank_)), std::to_string(getpid()));

@@ -1219,3 +1219,29 @@ def test_extension_seat_misuse_raises_at_init(case):
     assert sorted(errs) == ranks, f"{case}: {ei.value}"
     for r, e in errs.items():
         assert e.isinstance_of("ValueError") and want in e.message, f"rank {r}: {e!r}"
+
+
+@pytest.mark.timeout(60)
+def test_active_ranks_that_differ_raise_at_init_without_waiting_for_the_store_timeout():
+    """Seat 0 is a recovering process; rank 1 founds the group with active_ranks [0, 1, 2]
+    (so it waits for seat 0, which never comes), rank 2 with [1, 2]. Both founders raise
+    ValueError naming active_ranks within seconds, not after the 60 s store timeout."""
+    t0 = time.monotonic()
+    with pytest.raises(PoolStartError) as ei:
+        pool = RankPool(
+            3,
+            "mooncake",
+            "shm",
+            op_timeout=60.0,
+            options={"max_group_size": 3, "active_ranks": [1, 2]},
+            rank_options={0: {"is_recovery": True}, 1: {"active_ranks": [0, 1, 2]}},
+        )
+        pool.close(graceful=False)
+    errs = ei.value.errors
+    for r in (1, 2):
+        e = errs[r]
+        assert e.isinstance_of("ValueError") and "active_ranks must agree" in e.message, (
+            f"rank {r}: {e!r}"
+        )
+        assert "members=0,1,2" in e.message and "members=1,2" in e.message, e.message
+    assert time.monotonic() - t0 < 45, f"took {time.monotonic() - t0:.1f} s"
