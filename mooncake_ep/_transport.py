@@ -109,6 +109,14 @@ class Transport:
             raise ValueError("mooncake_ep.Buffer: this process is not a member of the group")
         self.rank = dist.get_rank(self.group)
         self.group_size = dist.get_world_size(self.group)
+        # errors name group ranks: on a subgroup, say so and map them to global ranks
+        global_ranks = dist.get_process_group_ranks(self.group)
+        self.where = f"rank {self.rank}"
+        if global_ranks != list(range(dist.get_world_size())):
+            self.where = (
+                f"group rank {self.rank}; ranks named here are ranks of the EP group, whose "
+                f"global ranks are {global_ranks}"
+            )
         self._cfg = resolve(config, self.group_size)
         self._recycler = _Recycler()
         self._device_types = {}
@@ -194,7 +202,7 @@ class Transport:
     # ------------------------------------------------------------- transport
 
     def _err(self, op, msg):
-        return ValueError(f"mooncake_ep {op} (rank {self.rank}): {msg}")
+        return ValueError(f"mooncake_ep {op} ({self.where}): {msg}")
 
     def _header(self, op, fields, counts=None, error=None, names=(), extra=None):
         """Collective header exchange; returns (headers int64 [W, n], active mask, epoch).
@@ -430,7 +438,7 @@ class Transport:
         active, _ = self._membership()
         if not all(active):
             raise RuntimeError(
-                f"mooncake_ep low-latency (rank {self.rank}): rank(s) "
+                f"mooncake_ep low-latency ({self.where}): rank(s) "
                 f"{[r for r, a in enumerate(active) if not a]} left the group since the "
                 "dispatch; the NVSHMEM path needs every rank (dispatch again: it falls "
                 "back to the group with low_latency_backend='auto')"

@@ -218,7 +218,7 @@ class ExpertParallelMoE(nn.Module):
     def _check_membership(self):
         if self._joining():
             raise RuntimeError(
-                f"ExpertParallelMoE (rank {self.buffer.rank}): this process replaces a dead rank and has not "
+                f"ExpertParallelMoE ({self.buffer.where}): this process replaces a dead rank and has not "
                 "joined the group yet; call mooncake_pg.join_group(), then restore_experts() on every rank"
             )
         self._note_fresh()
@@ -229,7 +229,7 @@ class ExpertParallelMoE(nn.Module):
         live = {r for r in self._unrestored if active[r]}
         if live:
             raise RuntimeError(
-                f"ExpertParallelMoE (rank {self.buffer.rank}): rank(s) {sorted(live)} rejoined and their "
+                f"ExpertParallelMoE ({self.buffer.where}): rank(s) {sorted(live)} rejoined and their "
                 "experts' weights are not restored yet; every rank calls restore_experts() first"
             )
 
@@ -305,7 +305,7 @@ class ExpertParallelMoE(nn.Module):
             hs = [r for r in live if r != j and int(tables[r, j])]
             if not hs:
                 raise RuntimeError(
-                    f"ExpertParallelMoE (rank {rank}): no copy of rank {j}'s experts exists "
+                    f"ExpertParallelMoE ({self.buffer.where}): no copy of rank {j}'s experts exists "
                     "(snapshot_experts was not called while it was alive)"
                 )
             holder[j] = hs[0]

@@ -916,12 +916,18 @@ def rank_subgroup(rank, ws):
         r.recv_x, r.recv_topk_idx, r.recv_topk_weights, gr, E // 2, times_e_plus_one
     )
     out = buf.combine(y, r.handle).combined_x
-    return {"group_rank": gr, "size": buf.group_size, "out": out}
+    try:  # group rank 1 (global rank 3) alone passes a bad argument
+        buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts="4" if gr == 1 else E)
+        err = None
+    except ValueError as e:
+        err = str(e)
+    return {"group_rank": gr, "size": buf.group_size, "out": out, "err": err}
 
 
 def test_subgroup(pool_factory):
     """A Buffer over a subgroup (global ranks 1 and 3 of 4) uses group ranks (rank 3 holds
-    experts 2-3); a process outside the group gets ValueError."""
+    experts 2-3), and its errors say that the ranks they name are group ranks; a process
+    outside the group gets ValueError."""
     res = pool_factory(4).run(rank_subgroup, timeout=60)
     for r in (0, 2):
         assert res[r]["err"] and "not a member" in res[r]["err"], res[r]
@@ -931,3 +937,7 @@ def test_subgroup(pool_factory):
         x, idx, w = eputil.make_inputs(r, 7, 24, 4, 2, torch.float32, 12, 0.2)
         exp = eputil.ref_scaled_moe(x, idx, w, times_e_plus_one).float()
         torch.testing.assert_close(o["out"], exp, rtol=1e-6, atol=1e-5)
+        # errors name group ranks and say so, with the group's global ranks
+        want = "ranks named here are ranks of the EP group, whose global ranks are [1, 3]"
+        assert f"mooncake_ep dispatch (group rank {gr}; {want})" in o["err"], o["err"]
+    assert "rank(s) [1] passed invalid arguments" in res[1]["err"], res[1]["err"]
