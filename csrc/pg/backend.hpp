@@ -346,6 +346,9 @@ class MooncakeBackend : public c10d::Backend {
 
   void setup(const c10::intrusive_ptr<c10d::Store>& store);
   void build_transport(const std::string& ns, const std::vector<int>& members, int64_t wait_ms = 0);
+  // A recovering process that finds no group yet: waits for one, raising ValueError when
+  // its founders count its seat as one of theirs.
+  void await_group(const c10::intrusive_ptr<c10d::Store>& store);
   void stop_p2p_thread();
   struct Record {
     bool join = false;
@@ -464,6 +467,9 @@ class MooncakeBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Store> store_;
   std::string store_ns_;     // key prefix of this incarnation of the group in the store
   std::string setup_error_;  // why this rank cannot set up its transport (told to the founders, then raised)
+  // While founders build a new incarnation: the count of "mc/setups" adds before its own.
+  // A recovering process that recorded a count at least this waits for this incarnation.
+  int64_t founding_adds_ = -1;
   FailurePolicy policy_ = FailurePolicy::RAISE;
   std::vector<char> active_;
   std::vector<int> act_;       // active ranks, ascending

@@ -79,6 +79,7 @@ void MooncakeBackend::setup(const c10::intrusive_ptr<c10d::Store>& store) {
   if (cfg_.is_recovery) {
     // A replacement for a failed rank: find the group's current incarnation and ask to be
     // admitted; the transport is built in join_group() once the survivors recover us.
+    if (!store->check({"mc/current"})) await_group(store);
     store_ns_ = store_get_str(store, "mc/current");
     // a replacement must match the group it joins (checked here, before it asks to join)
     if (store->check({store_ns_ + "cfg"})) {
@@ -118,10 +119,35 @@ void MooncakeBackend::setup(const c10::intrusive_ptr<c10d::Store>& store) {
   // of each set-up live under their own incarnation number (every founder adds 1 once).
   const int64_t inc = (store->add("mc/setups", 1) - 1) / static_cast<int64_t>(founders.size());
   store_ns_ = "mc/" + std::to_string(inc) + "/";
+  founding_adds_ = inc * static_cast<int64_t>(founders.size());
   build_transport(store_ns_ + "t0/", founders, cfg_.setup_wait_ms);
+  founding_adds_ = -1;
   refresh_active_list();
   store_set_str(store, store_ns_ + "cfg", group_cfg_string());
   store_set_str(store, "mc/current", store_ns_);
+}
+
+void MooncakeBackend::await_group(const c10::intrusive_ptr<c10d::Store>& store) {
+  // No incarnation of the group is up yet (a replacement started with the founders). Waited
+  // for in slices: founders that count this seat as one of theirs would wait for its
+  // records, which a recovering process never writes; they find this key and refuse both.
+  const std::string ticket = std::to_string(store->add("mc/setups", 0)) + " " + cfg_.host_id + ":" +
+                             std::to_string(getpid()) + ":" + std::to_string(now_ns());
+  const std::string refused = "mc/refused/" + ticket.substr(ticket.find(' ') + 1);
+  store_set_str(store, "mc/recovering/" + std::to_string(rank_), ticket);
+  const auto limit = store->getTimeout();
+  const auto give_up = std::chrono::steady_clock::now() + limit;
+  for (int64_t slice_ms = 200;; slice_ms = std::min<int64_t>(slice_ms * 2, 2000)) {
+    try {
+      store->wait({"mc/current"}, std::chrono::milliseconds(slice_ms));
+      return;
+    } catch (const std::exception&) {
+    }
+    if (store->check({refused})) TORCH_CHECK_VALUE(false, store_get_str(store, refused));
+    TORCH_CHECK(std::chrono::steady_clock::now() < give_up, "MooncakeBackend::setup: recovering rank ", rank_,
+                " found no group to join within ", limit.count(),
+                " ms (its founders did not start, or did not finish their init_process_group)");
+  }
 }
 
 std::string MooncakeBackend::group_cfg_string() const {
@@ -160,10 +186,13 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
   // An error every member finds in the same published keys: each says it has seen it and
   // waits (briefly) until all have, so that the rank hosting the store (whose store goes
   // away when its init raises) does not leave the others with a broken pipe instead.
-  auto fail_together = [&](const std::string& msg, bool value_error = false) {
+  auto fail_together = [&](const std::string& msg, bool value_error = false,
+                           const std::vector<int>& absent = {}) {
     store_set_str(store, key("failed/" + std::to_string(rank_)), "1");
     std::vector<std::string> keys;
-    for (int j : members) keys.push_back(key("failed/" + std::to_string(j)));
+    for (int j : members)
+      if (std::find(absent.begin(), absent.end(), j) == absent.end())
+        keys.push_back(key("failed/" + std::to_string(j)));
     try {
       store->wait(keys, std::chrono::milliseconds(5000));
       // a store server that closes with a request unread resets the connection, and the
@@ -226,6 +255,21 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
         }
         check_host(j, store_get_str(store, k));
         compared[j] = 1;
+      }
+      // a missing member that is a recovering process waiting for this incarnation
+      for (int j : founding_adds_ >= 0 ? missing : std::vector<int>{}) {
+        const std::string rk = "mc/recovering/" + std::to_string(j);
+        if (!store->check({rk})) continue;
+        const std::string ticket = store_get_str(store, rk);
+        if (std::stoll(ticket.substr(0, ticket.find(' '))) < founding_adds_)
+          continue;  // waited for an older one
+        const std::string msg =
+            "MooncakeBackend::setup: rank " + std::to_string(j) +
+            " started with is_recovery=True, but the founders [" + join_ranks(members) +
+            "] count it as one of theirs: start it as a founder (is_recovery=False), or leave "
+            "it out of the founders' active_ranks so that it joins an extension seat";
+        store_set_str(store, "mc/refused/" + ticket.substr(ticket.find(' ') + 1), msg);
+        fail_together(msg, /*value_error=*/true, missing);
       }
       TORCH_CHECK(std::chrono::steady_clock::now() < give_up, "MooncakeBackend::setup (rank ", rank_,
                   "): rank(s) [", join_ranks(missing), "] did not join within ", limit.count(),

@@ -1245,3 +1245,28 @@ def test_active_ranks_that_differ_raise_at_init_without_waiting_for_the_store_ti
         )
         assert "members=0,1,2" in e.message and "members=1,2" in e.message, e.message
     assert time.monotonic() - t0 < 45, f"took {time.monotonic() - t0:.1f} s"
+
+
+@pytest.mark.timeout(60)
+def test_a_recovering_process_in_a_founders_seat_is_refused_on_both_sides():
+    """Seat 0 starts with is_recovery=True while ranks 1 and 2 found the group with every
+    seat active (so they wait for seat 0's records, and seat 0 waits for a group to join).
+    All three raise ValueError naming the misuse within seconds, not after the 60 s store
+    timeout."""
+    t0 = time.monotonic()
+    with pytest.raises(PoolStartError) as ei:
+        pool = RankPool(
+            3,
+            "mooncake",
+            "shm",
+            op_timeout=60.0,
+            options={"max_group_size": 3},
+            rank_options={0: {"is_recovery": True}},
+        )
+        pool.close(graceful=False)
+    errs = ei.value.errors
+    assert sorted(errs) == [0, 1, 2], f"{ei.value}"
+    for r, e in errs.items():
+        assert e.isinstance_of("ValueError"), f"rank {r}: {e!r}"
+        assert "rank 0 started with is_recovery=True" in e.message, f"rank {r}: {e.message}"
+    assert time.monotonic() - t0 < 30, f"took {time.monotonic() - t0:.1f} s"
