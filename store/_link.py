@@ -64,19 +64,19 @@ class _LinkMixin:
     def _resolve(self) -> str | None:
         if self.cfg.etcd is None:
             return self.cfg.master
-        from .ha import Etcd
+        from .ha import Etcd, describe
 
         if self._etcd is None:
             self._etcd = Etcd(self.cfg.etcd, self.cfg.etcd_prefix)
         try:
             rec = self._etcd.leader()
         except Exception as e:  # etcd unreachable: said in the error the caller sees
-            self._etcd_error = f"etcd {self.cfg.etcd} unreachable: {type(e).__name__}: {e}"
+            self._etcd_error = f"etcd {self.cfg.etcd} unreachable: {describe(e)}"
             return None
         self._etcd_error = None
         return rec["addr"] if rec else None
 
-    def _connect(self) -> protocol.Connection:
+    def _connect(self, timeout: float | None = None) -> protocol.Connection:
         addr = self._resolve()
         if addr is None:
             raise ConnectionError(
@@ -87,15 +87,18 @@ class _LinkMixin:
             host,
             port,
             secret=self.cfg.secret,
-            timeout=self.cfg.rpc_timeout_s,
+            timeout=self.cfg.rpc_timeout_s if timeout is None else timeout,
             busy_poll_us=self.cfg.rpc_busy_poll_us,
         )
 
     def _call(self, method: str, args: dict, register=True, sent_at: list | None = None):
         """One metadata request; follows leader changes for ``failover_timeout_s`` from the
         first failure (a request that waited out ``rpc_timeout_s`` on a stopped leader then
-        still goes to its successor). ``sent_at``: a list that gets the ``time.monotonic()``
-        at which the request that answered was sent (a lease runs from then)."""
+        still goes to its successor), each retry bounded by what is left of that: at most
+        ``rpc_timeout_s + failover_timeout_s`` in all. ``sent_at``: a list that gets the
+        ``time.monotonic()`` at which the request that answered was sent (a lease runs from
+        then)."""
+        start = time.monotonic()
         deadline = None
         reregistered = False
         if self._exiting:  # interpreter exit: one short try, never a wait for a failover
@@ -109,19 +112,31 @@ class _LinkMixin:
                 raise StoreError(f"{method} at exit: {e}") from None
             finally:
                 self._lock.release()
+        bound = start + self.cfg.rpc_timeout_s + self.cfg.failover_timeout_s
         while True:
             try:
-                with self._lock:
+                # another thread's call may hold the connection: waiting for it counts too
+                if not self._lock.acquire(timeout=max(0.0, bound - time.monotonic())):
+                    raise StoreError(
+                        f"no store master answered {method} within {time.monotonic() - start:.1f} s"
+                        " (another call of this client held the connection meanwhile, waiting for the master)"
+                    )
+                try:
                     if self._closed and method != "unregister":
                         raise StoreError("the store client is closed")
+                    end = bound if deadline is None else deadline
+                    left = max(0.1, min(self.cfg.rpc_timeout_s, end - time.monotonic()))
                     if self._conn is None:
-                        self._conn = self._connect()
+                        self._conn = self._connect(left)
+                        self._conn.timeout = self.cfg.rpc_timeout_s  # later calls' own bound
                         self._session += 1
                     t = time.monotonic()
-                    res = self._conn.call(method, args)
+                    res = self._conn.call(method, args, timeout=left)
                     if sent_at is not None:
                         sent_at.append(t)
                     return res
+                finally:
+                    self._lock.release()
             except UnknownClientError:
                 if not register or reregistered:
                     raise
@@ -135,9 +150,11 @@ class _LinkMixin:
                         self._conn = None
                 if deadline is None:
                     deadline = time.monotonic() + self.cfg.failover_timeout_s
-                elif time.monotonic() > deadline:
+                elif time.monotonic() >= deadline:
                     raise StoreError(
-                        f"no store master answered {method} within {self.cfg.failover_timeout_s} s: {e}"
+                        f"no store master answered {method} within {time.monotonic() - start:.1f} s"
+                        f" (rpc_timeout_s={self.cfg.rpc_timeout_s:g}, then failover_timeout_s="
+                        f"{self.cfg.failover_timeout_s:g} of retries): {e}"
                     ) from None
                 time.sleep(0.1)
 

@@ -132,9 +132,7 @@ class Connection:
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(
-                        f"no answer from master {self.host}:{self.port} within {self.timeout} s"
-                    )
+                    raise TimeoutError(f"no answer from master {self.host}:{self.port} in time")
                 if self._poller.poll(max(1, int(left * 1000 + 0.999))):
                     return
         finally:

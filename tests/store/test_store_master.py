@@ -429,6 +429,47 @@ def test_a_stalled_master_does_not_declare_its_clients_dead(procs):
             time.sleep(0.1)
 
 
+def test_calls_to_a_stopped_master_give_up_within_rpc_plus_failover_timeout(procs):
+    """Found by new-user trials: with the master stopped, a call took rpc_timeout_s, then
+    failover_timeout_s of retries, then one more whole rpc_timeout_s (3x the 10 s its error
+    said), and a second thread waiting for the connection added its own on top. Now every
+    call, the waiting included, gives up by rpc_timeout_s + failover_timeout_s and says how
+    long it waited."""
+    import concurrent.futures
+    import signal
+
+    from mooncake_store import StoreError
+
+    m = sa.start_master()
+    with MooncakeStore(
+        serve_tcp=False,
+        master=m.address,
+        segment_size=4 << 20,
+        rpc_timeout_s=2.0,
+        failover_timeout_s=2.0,
+    ) as s:
+        s.put("k", b"v")
+        os.kill(m.pid, signal.SIGSTOP)
+        try:
+
+            def call(op):
+                t0 = time.monotonic()
+                with pytest.raises(
+                    StoreError, match=r"no store master answered \w+ within [\d.]+ s"
+                ) as ei:
+                    op()
+                return time.monotonic() - t0, str(ei.value)
+
+            with concurrent.futures.ThreadPoolExecutor(2) as ex:
+                futs = [ex.submit(call, lambda: s.get("k")), ex.submit(call, lambda: s.exists("k"))]
+                took = [f.result(timeout=60) for f in futs]
+        finally:
+            os.kill(m.pid, signal.SIGCONT)
+        for secs, msg in took:
+            assert secs < 4.0 + 2.0, (secs, msg)  # 4 s bound; 2 s for a loaded machine
+        assert s.get("k") == b"v"  # the master answers again
+
+
 def test_a_put_given_up_in_a_stall_does_not_block_its_retry(procs):
     """Found by a new-user trial: a two-request put that timed out while the master was
     stopped was started when the master ran again (its request was still queued), and the
