@@ -110,10 +110,17 @@ class _PublishMixin:
             )
         pieces = _local_pieces(state_dict, shard, num_shards, f"{self.model}: publish")
         latest = self.latest_version()
-        if version <= latest:
+        if version <= max(latest, self._published):
+            floor = max(latest, self._published)
+            why = (
+                ""
+                if latest >= self._published
+                else f" (committed by this publisher; the store now knows {latest}: its master "
+                "restarted without etcd and forgot the versions)"
+            )
             raise StaleVersionError(
                 f"{self.model}: version {version} is not above the latest committed version "
-                f"{latest}; publish {latest + 1} or higher"
+                f"{floor}{why}; publish {floor + 1} or higher"
             )
         vp = f"{self._p}v{version}/"
         if self.store.exists(vp + "commit"):
@@ -348,8 +355,9 @@ class _PublishMixin:
         # writing, a publisher that died) are never read; give their space back
         self._sweep(vp, pid)
         versions = sorted(set(self.committed_versions()) | {version})
+        self._published = max(self._published, version)
         if version > self.latest_version():
-            self._put_record(self._p + "latest", {"version": version})
+            self._put_record(self._p + "latest", {"version": version, "pid": pid})
         dropped = self._drop_old(versions)
         self._put_record(self._p + "versions", [v for v in versions if v not in dropped])
         return PublishResult(version, 0, True, len(plan), total, dropped)

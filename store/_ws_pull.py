@@ -204,8 +204,22 @@ class _PullMixin:
                 and (self._into[1] is None or self._into[1]() is into)
             )
         if version == "latest":
-            v = self.latest_version()
-            if v < 0 or v < prev or (v == prev and same_into):  # v < 0: nothing published yet
+            v, pid = self._latest()
+            if 0 <= v < prev and not self._warned_behind:
+                self._warned_behind = True
+                log.warning(
+                    "%s: the store's latest version %d is below the held %d (its master "
+                    "restarted without etcd and lost the versions?); keeping %d until a "
+                    "version above it is published",
+                    self.model,
+                    v,
+                    prev,
+                    prev,
+                )
+            # the held number committed again by another publish (a master restart forgot
+            # it): install that one, so that every reader's v holds the same bytes
+            again = v == prev and None not in (pid, self._held_pid) and pid != self._held_pid
+            if v < 0 or v < prev or (v == prev and same_into and not again):
                 return PullResult(prev, prev, False, 0, None)
         elif isinstance(version, int) and not isinstance(version, bool) and version >= 0:
             v = version
@@ -292,7 +306,8 @@ class _PullMixin:
                 target=self._refresh_main, name="ws-hold", daemon=True
             )
             self._refresher.start()
-        self.version = max(v, prev)
+        if v >= prev:
+            self.version, self._held_pid = v, self._staged_pid
         self.lapsed_versions = [x for x in self.lapsed_versions if x in self._held_versions()]
         position = None if self._relay is None else self._relay.position
         return PullResult(v, prev, True, nbytes, staged, position)
@@ -309,6 +324,7 @@ class _PullMixin:
                 f"{self.model}: version {v} is not committed (or was dropped)"
             ) from None
         n = int(commit["num_shards"])
+        self._staged_pid = commit.get("pid")
         pp = vp + (
             f"{commit['pid']}/" if commit.get("pid") else ""
         )  # the committed publish's pieces only

@@ -16,7 +16,8 @@ Two paths:
 Store layout of model ``M`` (all values are msgpack or raw tensor bytes; nothing is
 unpickled)::
 
-    ws/M/latest            {"version": v}: newest committed version (upserted after commit)
+    ws/M/latest            {"version": v, "pid": pid}: newest committed version and the
+                           publish that committed it (upserted after commit)
     ws/M/versions          [v, ...]: committed versions not dropped yet (both records are
                            the metadata of empty objects: they live in the master alone)
     ws/M/v<v>/a<k>         {"pid", "shard", "n", "t"}: publish attempt k of version v (a plain
@@ -76,6 +77,7 @@ from typing import TYPE_CHECKING
 
 import msgpack
 
+from ._args import _short
 from ._ws_common import (
     GroupSyncResult,
     PublishResult,
@@ -111,7 +113,8 @@ class WeightSync(_PublishMixin, _PullMixin):
     def __init__(self, store: MooncakeStore, model: str, *, config: WeightSyncConfig | None = None):
         if not isinstance(model, str) or not model or "/" in model or len(model) > 200:
             raise ValueError(
-                f"model must be a non-empty str without '/' (at most 200 chars), got {model!r}"
+                "model must be a non-empty str without '/' (at most 200 chars), got "
+                f"{_short(model) if isinstance(model, str) else repr(model)}"
             )
         from .client import MooncakeStore  # here: client.py is the heavier import
 
@@ -132,6 +135,14 @@ class WeightSync(_PublishMixin, _PullMixin):
         own = store.name if getattr(store, "_segment", None) is not None else None
         self._rc = ReplicateConfig(pin=self.cfg.pin, preferred_segment=own)
         self.version = -1
+        # the publish id of the version held (a version number committed again with other
+        # bytes, after a master restart without etcd lost the records, is installed again)
+        self._held_pid: str | None = None
+        self._staged_pid: str | None = None  # the publish id of the version last staged
+        self._warned_behind = False  # a store whose latest is below the held version: said once
+        self._published = (
+            -1
+        )  # the highest version this object committed (a floor the master may forget)
         self._slot: int | None = None
         self._spare: dict = {}  # staging tensors of the last pull, reused by the next one
         self._rid = uuid.uuid4().hex  # this reader, in its slot and hold records
@@ -198,8 +209,14 @@ class WeightSync(_PublishMixin, _PullMixin):
         """The newest committed version in the store (-1: none). Read from the master's
         metadata alone, so a restarted trainer or a new reader sees it, also when the
         segment that held the versions' bytes is gone."""
+        return self._latest()[0]
+
+    def _latest(self) -> tuple:
+        """(the newest committed version or -1, the publish id that committed it or None)."""
         rec = self._get_record(self._p + "latest")
-        return int(rec["version"]) if isinstance(rec, dict) else -1
+        if not isinstance(rec, dict):
+            return -1, None
+        return int(rec["version"]), rec.get("pid")
 
     def committed_versions(self) -> list:
         """Committed versions not dropped yet, oldest first."""

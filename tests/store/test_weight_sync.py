@@ -1274,6 +1274,44 @@ def test_restarted_trainer_holding_the_memory_sees_its_versions(procs):
             )
 
 
+def test_a_version_committed_again_after_a_master_restart_reaches_the_readers_holding_it(procs):
+    """Found by new-user trials: a master restarted without etcd forgets every version. The
+    trainer's WeightSync then committed version 0 and version 5 again with other bytes, and
+    a reader holding the old 5 kept it (installed=False) while a new reader got the new 5.
+    Now the publisher refuses numbers at or below what it committed itself, and a reader
+    whose held number was committed by another publish installs that one."""
+    import torch
+
+    from mooncake_store import MooncakeStore, StaleVersionError, WeightSync
+
+    m = sa.start_master()
+    port = int(m.address.rsplit(":", 1)[1])
+    with (
+        MooncakeStore(serve_tcp=False, master=m.address, segment_size=16 << 20) as trainer,
+        MooncakeStore(serve_tcp=False, master=m.address, segment_size=0) as rs,
+    ):
+        ws, reader = WeightSync(trainer, "policy"), WeightSync(rs, "policy")
+        target = {"w": torch.zeros(64)}
+        ws.publish({"w": torch.full((64,), 1.0)}, 5)
+        assert reader.pull(into=target).version == 5
+        m.kill()
+        m = sa.start_master(port=port)
+        assert ws.latest_version() == -1  # the records are gone with the old master
+        for v in (0, 5):
+            with pytest.raises(StaleVersionError, match="committed by this publisher.*publish 6"):
+                ws.publish({"w": torch.full((64,), 9.0)}, v)
+        restarted = WeightSync(trainer, "policy")  # a restarted trainer knows nothing
+        restarted.publish({"w": torch.full((64,), 2.0)}, 0)
+        r = reader.pull(into=target)  # below the held version: kept
+        assert not r.installed and r.version == 5
+        assert torch.equal(target["w"], torch.full((64,), 1.0))
+        restarted.publish({"w": torch.full((64,), 3.0)}, 5)
+        r = reader.pull(into=target)
+        assert r.installed and r.version == 5
+        assert torch.equal(target["w"], torch.full((64,), 3.0))
+        assert not reader.pull(into=target).installed  # and only once
+
+
 def test_weight_sync_and_kv_cache_need_a_store():
     """Anything but a MooncakeStore is a TypeError at construction, naming what it got (it
     surfaced as an AttributeError from inside publish or match_prefix)."""
