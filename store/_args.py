@@ -49,7 +49,8 @@ def _tensor_bytes(t, what="tensor") -> memoryview:
         raise ValueError(f"{what} must be on the CPU, got {t.device}")
     if t.layout != torch.strided:
         raise ValueError(f"{what} must be a dense (strided) tensor, got layout {t.layout}")
-    t = t.detach().contiguous()
+    # conjugate and negative views keep their bit in a flag: their bytes need it applied
+    t = t.detach().resolve_conj().resolve_neg().contiguous()
     if t.numel() == 0:
         return memoryview(b"")
     flat = t.reshape(-1).view(torch.uint8)

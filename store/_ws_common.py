@@ -156,6 +156,8 @@ def _local_pieces(state_dict: dict, shard: int, num_shards: int, where: str) -> 
                 f"{where}: {name!r}: tensors must be dense (strided), got layout {t.layout}"
                 + (" (nested)" if t.is_nested else "")
             )
+        if not (DTensor is not None and isinstance(t, DTensor)) and (t.is_conj() or t.is_neg()):
+            t = t.resolve_conj().resolve_neg()  # the flag's meaning into the bytes published
         if not _copyable(t.dtype):
             raise ValueError(
                 f"{where}: {name!r}: dtype {t.dtype} cannot be published: torch has no copy kernel for it, so "

@@ -28,6 +28,7 @@ import dataclasses
 import os
 import socket
 
+from ._args import _short
 from .segment import SEG_HEADER
 
 KiB = 1 << 10
@@ -248,7 +249,9 @@ class StoreConfig:
             CPU per request (``MOONCAKE_STORE_RPC_BUSY_POLL_US``).
         failover_timeout_s: seconds a request keeps retrying, from its first failure, while no
             leader answers (the first failure may itself take ``rpc_timeout_s``: a stopped
-            leader that accepts connections but never answers).
+            leader that accepts connections but never answers), each retry cut to what is
+            left: a request with no master to answer raises ``StoreError`` after at most
+            ``rpc_timeout_s + failover_timeout_s``.
         heartbeat_interval_s: seconds between heartbeats (must be well below the master's
             ``client_ttl_s``).
         serve_tcp: start the transfer engine so that clients on other hosts (or with
@@ -548,11 +551,13 @@ class WeightSyncConfig:
             raise ValueError(
                 f"WeightSyncConfig: max_readers must be an int >= 1, got {self.max_readers!r}"
             )
-        if not isinstance(self.relay, bool):
-            raise ValueError(f"WeightSyncConfig: relay must be a bool, got {self.relay!r}")
+        for f in ("relay", "checksums", "pin"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"WeightSyncConfig: {f} must be a bool, got {getattr(self, f)!r}")
         for f in ("commit_timeout_s", "hold_ttl_s", "relay_wait_s"):
-            if not isinstance(getattr(self, f), (int, float)) or getattr(self, f) <= 0:
-                raise ValueError(f"WeightSyncConfig: {f} must be a positive number")
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"WeightSyncConfig: {f} must be a positive number, got {v!r}")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -580,7 +585,13 @@ class KVCacheConfig:
             raise ValueError(
                 f"KVCacheConfig: chunk_tokens must be an int >= 1, got {self.chunk_tokens!r}"
             )
-        if not isinstance(self.model, str) or not self.model or "/" in self.model:
+        if (
+            not isinstance(self.model, str)
+            or not self.model
+            or "/" in self.model
+            or len(self.model) > 200
+        ):
             raise ValueError(
-                f"KVCacheConfig: model must be a non-empty str without '/', got {self.model!r}"
+                "KVCacheConfig: model must be a non-empty str without '/' (at most 200 chars), "
+                f"got {_short(self.model) if isinstance(self.model, str) else repr(self.model)}"
             )

@@ -32,6 +32,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
+from ._args import _short
 from .config import KVCacheConfig, ReplicateConfig
 from .errors import ObjectExistsError, ObjectNotFoundError, StoreError
 
@@ -217,7 +218,7 @@ class KVCacheStore:
         if not isinstance(tenant, str) or not tenant or "/" in tenant or len(tenant) > 200:
             raise ValueError(
                 f"KVCacheStore: tenant must be a non-empty str without '/' (at most 200 chars), "
-                f"got {tenant!r}"
+                f"got {_short(tenant) if isinstance(tenant, str) else repr(tenant)}"
             )
         self.cfg = config or KVCacheConfig()
         if not isinstance(self.cfg, KVCacheConfig):

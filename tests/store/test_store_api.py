@@ -330,3 +330,34 @@ def test_a_relays_copy_goes_to_its_own_segment_or_nowhere():
         with pytest.raises(NoSpaceError):
             small.put("too-big", b"x" * (2 << 20), here)
         assert not small.exists("too-big") and big.stats().objects == 1
+
+
+def test_conjugate_and_negative_views_are_stored_with_their_values(store):
+    """Found by new-user trials: put_tensor of a .conj() view failed with torch's "view is
+    not supported for conjugate view tensors"; the view's values are stored (reference:
+    the materialised tensor)."""
+    z = torch.tensor([1 + 2j, 3 - 1j, -2 + 0.5j], dtype=torch.complex64)
+    for name, t in (("conj", z.conj()), ("neg", z.conj().imag)):
+        store.put_tensor(f"view-{name}", t, upsert=True)
+        want = t.resolve_conj().resolve_neg().clone()
+        assert torch.equal(store.get_tensor(f"view-{name}"), want), name
+
+
+def test_weight_sync_and_kv_cache_configs_name_the_bad_value():
+    """Found by new-user trials: a negative timeout's error did not say what it got,
+    checksums="no" was taken (a truthy str: checksums stayed on), a 4 KiB KV model name was
+    taken and failed inside every put, and a long name was echoed whole."""
+    from mooncake_store import KVCacheConfig, KVCacheStore, WeightSync, WeightSyncConfig
+
+    with pytest.raises(ValueError, match=r"relay_wait_s must be a positive number, got -1$"):
+        WeightSyncConfig(relay_wait_s=-1)
+    with pytest.raises(ValueError, match=r"hold_ttl_s must be a positive number, got True$"):
+        WeightSyncConfig(hold_ttl_s=True)
+    with pytest.raises(ValueError, match=r"checksums must be a bool, got 'no'$"):
+        WeightSyncConfig(checksums="no")
+    with pytest.raises(ValueError, match=r"at most 200 chars\), got 'q+'\.\.\. \(4090 chars\)$"):
+        KVCacheConfig(model="q" * 4090)
+    with pytest.raises(ValueError, match=r"\.\.\. \(5000 chars\)$"):
+        WeightSync(None, "m" * 5000)
+    with pytest.raises(ValueError, match=r"\.\.\. \(5000 chars\)$"):
+        KVCacheStore(None, tenant="t" * 5000)
