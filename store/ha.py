@@ -29,6 +29,16 @@ if TYPE_CHECKING:
 TXN_OPS = 100  # below etcd's default --max-txn-ops (128)
 
 
+def describe(e: BaseException) -> str:
+    """``Type: message`` of an etcd client error; etcd3gw's ``ConnectionFailedError`` has
+    an empty message, so the error it wraps (or a plain reading) says what happened."""
+    text = str(e)
+    inner = e.__cause__ or e.__context__
+    if not text and inner is not None:
+        text = f"{type(inner).__name__}: {inner}"
+    return f"{type(e).__name__}: {text or 'no connection (nothing listens there, or no route)'}"
+
+
 def _b64(b: bytes) -> str:
     return base64.b64encode(b).decode()
 

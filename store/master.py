@@ -197,10 +197,11 @@ class Master:
 
     # ----------------------------------------------------------------- election
     def _elect_main(self):
-        from .ha import Etcd
+        from .ha import Etcd, describe
 
         etcd = Etcd(self.cfg.etcd, self.cfg.etcd_prefix)
         ttl = int(self.cfg.leader_ttl_s)
+        fails, said, said_at = 0, "", 0.0
         while not self._closing:
             try:
                 t = time.monotonic()
@@ -243,8 +244,14 @@ class Master:
                         lease.revoke()
                     except Exception:
                         pass
-            except Exception as e:  # etcd unreachable: retry
-                log.warning("etcd %s: %s: %s", self.cfg.etcd, type(e).__name__, e)
+            except Exception as e:  # etcd unreachable: retry (said once, then every 30 s)
+                fails += 1
+                why = describe(e)
+                if why != said or time.monotonic() - said_at > 30:
+                    log.warning(
+                        "etcd %s: %s (try %d; retrying every 0.5 s)", self.cfg.etcd, why, fails
+                    )
+                    said, said_at = why, time.monotonic()
                 time.sleep(0.5)
 
     async def _become_leader(self, core: Core):
