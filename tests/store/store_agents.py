@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -50,6 +51,7 @@ class Proc:
         self.p = popen
         self.log_path = log_path
         self.address = None
+        self.paths = [log_path]  # removed by cleanup()
         _PROCS.append(self)
 
     @property
@@ -146,6 +148,7 @@ def start_master(timeout=30, env=None, **flags) -> Proc:
         args += ["--" + k.replace("_", "-"), str(v)]
     p, log = _spawn(args, env)
     proc = Proc(p, log)
+    proc.paths.append(d)
     deadline = time.monotonic() + timeout
     while not os.path.exists(port_file):
         if p.poll() is not None or time.monotonic() > deadline:
@@ -168,8 +171,15 @@ def start_agent(config: dict, serve_tcp=False, env=None, timeout=60) -> Agent:
 
 
 def cleanup():
+    """Kills every process started here and removes its log and files."""
     while _PROCS:
-        _PROCS.pop().kill()
+        p = _PROCS.pop()
+        p.kill()
+        for path in p.paths:
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            elif os.path.exists(path):
+                os.unlink(path)
 
 
 # ----------------------------------------------------------------------------- agent side
