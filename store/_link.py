@@ -25,6 +25,10 @@ from .errors import (
 
 log = logging.getLogger("mooncake_store")
 
+# after a call gave up on the master, calls for this long try once (for _QUICK_S) instead
+# of waiting out the failover again
+_GAVE_UP_S = 2.0
+_QUICK_S = 1.0  # such a call's one try
 _RESV_IDLE_S = 3.0  # a put reservation unused this long goes back to the master
 
 
@@ -91,13 +95,21 @@ class _LinkMixin:
             busy_poll_us=self.cfg.rpc_busy_poll_us,
         )
 
-    def _call(self, method: str, args: dict, register=True, sent_at: list | None = None):
+    def _call(
+        self,
+        method: str,
+        args: dict,
+        register=True,
+        sent_at: list | None = None,
+        fail_fast: bool = True,
+    ):
         """One metadata request; follows leader changes for ``failover_timeout_s`` from the
         first failure (a request that waited out ``rpc_timeout_s`` on a stopped leader then
         still goes to its successor), each retry bounded by what is left of that: at most
         ``rpc_timeout_s + failover_timeout_s`` in all. ``sent_at``: a list that gets the
         ``time.monotonic()`` at which the request that answered was sent (a lease runs from
-        then)."""
+        then). ``fail_fast``: within ``_GAVE_UP_S`` of a call that gave up, one try of
+        ``_QUICK_S`` (False: a clean-up the client owes the master, tried in full)."""
         start = time.monotonic()
         deadline = None
         reregistered = False
@@ -112,14 +124,26 @@ class _LinkMixin:
                 raise StoreError(f"{method} at exit: {e}") from None
             finally:
                 self._lock.release()
-        bound = start + self.cfg.rpc_timeout_s + self.cfg.failover_timeout_s
+        gave_up = self._gave_up
+        # a call right after one that waited out the failover tries once, briefly: a pull's
+        # clean-up after a cut link would wait again for each of its calls
+        quick = fail_fast and gave_up is not None and start - gave_up[0] < _GAVE_UP_S
+        bound = start + (
+            min(_QUICK_S, self.cfg.rpc_timeout_s)
+            if quick
+            else self.cfg.rpc_timeout_s + self.cfg.failover_timeout_s
+        )
         while True:
             try:
                 # another thread's call may hold the connection: waiting for it counts too
                 if not self._lock.acquire(timeout=max(0.0, bound - time.monotonic())):
-                    raise StoreError(
+                    why = (
                         f"no store master answered {method} within {time.monotonic() - start:.1f} s"
-                        " (another call of this client held the connection meanwhile, waiting for the master)"
+                    )
+                    self._gave_up = (time.monotonic(), why)
+                    raise StoreError(
+                        why + " (another call of this client held the connection meanwhile, "
+                        "waiting for the master)"
                     )
                 try:
                     if self._closed and method != "unregister":
@@ -148,12 +172,21 @@ class _LinkMixin:
                     if self._conn is not None:
                         self._conn.close()
                         self._conn = None
+                if quick:
+                    self._gave_up = (time.monotonic(), gave_up[1])
+                    raise StoreError(
+                        f"no store master answered {method} within {time.monotonic() - start:.1f} s"
+                        f" (one try: {start - gave_up[0]:.1f} s before, {gave_up[1]}): {e}"
+                    ) from None
                 if deadline is None:
                     deadline = time.monotonic() + self.cfg.failover_timeout_s
                 elif time.monotonic() >= deadline:
-                    raise StoreError(
+                    why = (
                         f"no store master answered {method} within {time.monotonic() - start:.1f} s"
-                        f" (rpc_timeout_s={self.cfg.rpc_timeout_s:g}, then failover_timeout_s="
+                    )
+                    self._gave_up = (time.monotonic(), why)
+                    raise StoreError(
+                        f"{why} (rpc_timeout_s={self.cfg.rpc_timeout_s:g}, then failover_timeout_s="
                         f"{self.cfg.failover_timeout_s:g} of retries): {e}"
                     ) from None
                 time.sleep(0.1)

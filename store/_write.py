@@ -470,7 +470,9 @@ class _WriteMixin:
                     self._resv_refused = (time.monotonic() + _RESV_REFUSED_S, 0)
                 try:
                     self._call(
-                        "reserve", {"client": self.client_id, "bytes": 0, "ret": self._returns(old)}
+                        "reserve",
+                        {"client": self.client_id, "bytes": 0, "ret": self._returns(old)},
+                        fail_fast=False,  # the master holds the space until it hears this
                     )
                     self._resv_orphans.clear()
                 except StoreError as e:

@@ -484,7 +484,10 @@ class _PullMixin:
                 relay.finish()
         except BaseException:
             if relay is not None:  # the chain goes on without this reader
-                relay.resign()
+                try:
+                    relay.resign()
+                except StoreError:  # the master is out of reach too: the pull's error says why
+                    pass
             raise
         total += sum(b[1] for b in fetched)
         raw = staged

@@ -144,6 +144,9 @@ class MooncakeStore(_LinkMixin, _ReadMixin, _WriteMixin):
         self.client_id = uuid.uuid4().hex
         self._lock = threading.RLock()
         self._closed = False
+        self._gave_up: tuple | None = (
+            None  # (when, why) of the last metadata call that gave up (_link.py)
+        )
         self._conn: protocol.Connection | None = None
         self._etcd = None
         self._etcd_error: str | None = (
