@@ -321,7 +321,7 @@ class _PullMixin:
             commit = self._get_msg(vp + "commit")
         except ObjectNotFoundError:
             raise ObjectNotFoundError(
-                f"{self.model}: version {v} is not committed (or was dropped)"
+                f"{self.model}: version {v} cannot be read ({self._why_gone(v)})"
             ) from None
         n = int(commit["num_shards"])
         self._staged_pid = commit.get("pid")
@@ -498,6 +498,23 @@ class _PullMixin:
             }
         return staged, raw, total, set(views)
 
+    def _why_gone(self, v: int) -> str:
+        """Why a piece of committed version ``v`` was not found, as far as the master knows."""
+        try:
+            latest = self.latest_version()  # the master's records, not a segment's
+            listed = v in self.committed_versions()
+        except StoreError:
+            return "the master is out of reach too"
+        if v > latest:
+            return f"it was never committed: the latest committed version is {latest}"
+        if not listed:
+            return "the version was dropped: newer ones were published"
+        return (
+            "the version is still listed as committed but its bytes are gone: the client "
+            "whose segment held them (the publisher's) was declared lost, e.g. exited or its "
+            "host cut off for longer than the master's client_ttl_s; publish a newer version"
+        )
+
     def _fetch_all(self, v, fetched, fetch, staged, views, stage_hook) -> None:
         """Reads the buckets (the next ones while this one is checked and copied into the
         staged tensors) and checks every piece's digest."""
@@ -512,7 +529,7 @@ class _PullMixin:
                     buf = futs[i].result()
                 except ObjectNotFoundError as e:
                     raise WeightSyncAbortedError(
-                        f"{self.model} v{v}: {e} (dropped meanwhile?); kept version {self.version}"
+                        f"{self.model} v{v}: {e} ({self._why_gone(v)}); kept version {self.version}"
                     ) from None
                 if stage_hook is not None:
                     stage_hook(i)

@@ -1258,8 +1258,9 @@ def test_restarted_trainer_holding_the_memory_sees_its_versions(procs):
                 if v == 1:
                     assert reader.pull(into=target).version == 1
         # the trainer's process is gone, and its segment with every version's bytes
-        with pytest.raises((ObjectNotFoundError, WeightSyncAbortedError)):
+        with pytest.raises((ObjectNotFoundError, WeightSyncAbortedError)) as ei:
             reader.pull(into=target)  # version 2's bytes are gone: the reader keeps version 1
+        assert "still listed as committed but its bytes are gone" in str(ei.value), ei.value
         assert reader.version == 1 and torch.equal(target["w"], torch.ones(4))
         assert rs.stats().segments == 0
         rs.put("empty", b"")  # no segment anywhere: an empty object still has a home
