@@ -133,6 +133,7 @@ class _LinkMixin:
             if quick
             else self.cfg.rpc_timeout_s + self.cfg.failover_timeout_s
         )
+        conn = None
         while True:
             try:
                 # another thread's call may hold the connection: waiting for it counts too
@@ -154,8 +155,9 @@ class _LinkMixin:
                         self._conn = self._connect(left)
                         self._conn.timeout = self.cfg.rpc_timeout_s  # later calls' own bound
                         self._session += 1
+                    conn = self._conn
                     t = time.monotonic()
-                    res = self._conn.call(method, args, timeout=left)
+                    res = conn.call(method, args, timeout=left)
                     if sent_at is not None:
                         sent_at.append(t)
                     return res
@@ -168,18 +170,23 @@ class _LinkMixin:
                 self._session += 1  # the master forgot this client, and its reservation
                 self._register()
             except (OSError, NotLeaderError) as e:
-                with self._lock:
-                    if self._conn is not None:
-                        self._conn.close()
-                        self._conn = None
+                # drop the connection this call used; a call holding the lock past the bound
+                # is using it (or a newer one) and drops it itself if it fails
+                if self._lock.acquire(timeout=max(0.0, bound - time.monotonic())):
+                    try:
+                        if self._conn is not None and self._conn is conn:
+                            self._conn.close()
+                            self._conn = None
+                    finally:
+                        self._lock.release()
                 if quick:
                     self._gave_up = (time.monotonic(), gave_up[1])
                     raise StoreError(
                         f"no store master answered {method} within {time.monotonic() - start:.1f} s"
                         f" (one try: {start - gave_up[0]:.1f} s before, {gave_up[1]}): {e}"
                     ) from None
-                if deadline is None:
-                    deadline = time.monotonic() + self.cfg.failover_timeout_s
+                if deadline is None:  # a late first failure (the lock waited) keeps the bound
+                    deadline = min(bound, time.monotonic() + self.cfg.failover_timeout_s)
                 elif time.monotonic() >= deadline:
                     why = (
                         f"no store master answered {method} within {time.monotonic() - start:.1f} s"
