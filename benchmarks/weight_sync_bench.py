@@ -249,13 +249,16 @@ def _hosts_worker() -> None:
             master = Master(MasterConfig(host=host0, port=mport)).start()
     dist.barrier()  # the master is up
     if store_ways:
-        # a reader's segment: two versions (a relay's copies of the version it relays, and
-        # those of the one before until the read leases on them end). The trainer's: per
+        # a reader's segment: four versions, as docs/weight-sync.md sizes it (a relay's
+        # copies of the version it relays, and those of the versions published within the
+        # master's lease_ttl_s before it, kept until the read leases on them end: reps come
+        # about 2 s apart; a relay without room steps down, and the hosts after it read
+        # from the one before). The trainer's: per
         # store way keep_versions + 2 = 2 versions, one for the space of a dropped version
         # until its read leases end and one against fragmentation (docs/weight-sync.md
         # "Sizing the trainer's segment"); a publisher's pieces go to its own segment
         model_mib = max(1, a["mib"] // a["tensor_mib"]) * a["tensor_mib"]  # as _model makes it
-        reader_seg = (2 * model_mib + 64) * MiB
+        reader_seg = (4 * model_mib + 64) * MiB
         seg = (4 * len(store_ways) * model_mib + 64) * MiB
         seg = seg if rank == 0 else reader_seg
         store = MooncakeStore(master=f"{host0}:{mport}", segment_size=seg)

@@ -278,6 +278,56 @@ class _WriteMixin:
             _raise_first(results)
         return results
 
+    def _put_filled(
+        self, key: str, nbytes: int, meta: bytes, cfg: ReplicateConfig, fill
+    ) -> memoryview:
+        """Puts ``key`` (``nbytes`` > 0, one replica, pinned or not as ``cfg`` says) into
+        this client's own segment without a staging copy: the master places it, then
+        ``fill(view)`` writes its bytes straight into that place (a read from another host
+        lands there), then the put is committed; returns the view (valid while the object
+        stays). An upsert. Raises ``NoSpaceError`` at once when the segment has no room
+        (nothing is waited for), or what ``fill`` raised (the put is revoked: nothing of it
+        stays)."""
+        res = self._call(
+            "put_start",
+            {
+                "client": self.client_id,
+                "items": [[key, nbytes, meta]],
+                "r": 1,
+                "pref": self.name,
+                "pin": cfg.pin,
+                "all": False,
+                "upsert": True,
+                "only": True,
+            },
+        )
+        item = res["items"][0]
+        if item[0] != 0:
+            raise from_code("NoSpace" if item[1] == "NoSpaceRetry" else item[1], item[2])
+        version, ((seg, off),) = item[1], item[2]
+
+        def revoke():
+            try:
+                self._call("put_revoke", {"client": self.client_id, "items": [[key, version]]})
+            except StoreError:
+                pass  # the master drops the put with this client's other state
+
+        if seg != self.name or self._segment is None:
+            revoke()
+            raise StoreError(f"put of {key!r}: placed in segment {seg!r}, not this client's own")
+        view = self._segment.view[off : off + nbytes]
+        try:
+            fill(view)
+        except BaseException:
+            revoke()
+            raise
+        (item,) = self._call("put_end", {"client": self.client_id, "items": [[key, version]]})[
+            "items"
+        ]
+        if item[0] != 0:
+            raise from_code(item[1], item[2])
+        return view
+
     def _put_reserved(
         self, keys: list, views: list, metas: list, cfg: ReplicateConfig, upsert: bool
     ):

@@ -452,6 +452,7 @@ class _PullMixin:
 
             def get_into(key, dst):  # staging memory: a failed read only costs this pull
                 self.store._get_into(key, memoryview(dst.numpy()), scratch=True)
+                return dst
 
         else:
             get_into = relay.read_into
@@ -468,15 +469,12 @@ class _PullMixin:
 
         def fetch_once(b):
             key, nb, pieces = b
-            # a bucket that is one whole tensor is read straight into the staged tensor
+            # a bucket that is one whole tensor is read straight into the staged tensor (a
+            # relay's land in its copy, which is staged from there)
             if len(pieces) == 1 and pieces[0]["shape"] == pieces[0]["gshape"] and nb:
-                dst = _byte_view(staged[pieces[0]["name"]])
-                get_into(key, dst)
-                return dst
+                return get_into(key, _byte_view(staged[pieces[0]["name"]]))
             buf = torch.empty(nb, dtype=torch.uint8)
-            if nb:
-                get_into(key, buf)
-            return buf
+            return get_into(key, buf) if nb else buf
 
         try:
             self._fetch_all(v, fetched, fetch, staged, views, stage_hook)
@@ -518,10 +516,10 @@ class _PullMixin:
     def _fetch_all(self, v, fetched, fetch, staged, views, stage_hook) -> None:
         """Reads the buckets (the next ones while this one is checked and copied into the
         staged tensors) and checks every piece's digest."""
-        # a relay's reads stay one at a time: its copies then come in the order that the
-        # next host waits for them (two at once did not make the 1+2+2+2 chain faster in
-        # weight_sync_bench: four runs 1.77-2.44 s against 1.84-1.92 s)
-        depth = _READS_IN_FLIGHT if self._relay is None else 1
+        # two in flight for a relay too: transfers from one peer go one at a time over its
+        # connection, so the copies still come in order, and the next bucket's requests to
+        # the master (its copy's place, the source's metadata) overlap this one's transfer
+        depth = _READS_IN_FLIGHT
         with concurrent.futures.ThreadPoolExecutor(depth, thread_name_prefix="ws-get") as ex:
             futs = [ex.submit(fetch, b) for b in fetched[:depth]]
             for i, b in enumerate(fetched):

@@ -8,7 +8,10 @@ A reader whose version's pieces lie on another host takes a role per pull:
   ``relay/c<k>``; both are one-byte objects in its own segment, so they go away with it
   (the master drops a dead client's segment after ``client_ttl_s``). It reads each bucket
   from the relay at position k-1 as soon as that one has it (position 0 from the
-  publisher's pieces) and puts a copy, ``<pid>/r<k>/b<s>.<i>``, into its own segment.
+  publisher's pieces) straight into a copy in its own segment, ``<pid>/r<k>/b<s>.<i>``
+  (placed before the read, committed right after it: no copy on the next host's path),
+  and stages the bucket from there. Without room for a copy it steps down: its position
+  record goes at once, its copies at the end of the pull.
 * **follower**: another reader of a host that has a relay. It reads the relay's copies,
   which lie in memory on its host (a mapped segment: no network).
 * **plain**: no relay on its host and none possible (no transfer engine serving its
@@ -17,7 +20,7 @@ A reader whose version's pieces lie on another host takes a role per pull:
 
 Each reader reads from positions below its own only (a follower from its relay's), so the
 chain has no cycle. A source whose position record is gone (dead, or resigned after a
-failure), whose copy cannot be read, or that has not had a bucket for ``relay_wait_s``
+failure or stepped down), whose copy cannot be read, or that has not had a bucket for ``relay_wait_s``
 is left for the next one up, for that bucket and the rest; the publisher's pieces come
 last. The bytes' checks are the reader's own (``_ws_pull.py``: every piece's digest from
 the publisher's manifest, before anything is installed), so a relay never changes what a
@@ -30,7 +33,6 @@ other reader to be alive, and readers may come at different times.
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import threading
 import time
@@ -38,6 +40,7 @@ from typing import TYPE_CHECKING
 
 import msgpack
 
+from ._ws_common import _torch
 from .config import ReplicateConfig
 from .errors import ObjectExistsError, ObjectNotFoundError, StoreError, TransferError
 
@@ -85,10 +88,10 @@ class RelayPull:
         self.sources: list = []  # positions to read from, nearest first; then the publisher
         self.own: list = []  # keys this reader put for this version
         self._here = _OwnSegment(preferred_segment=self.store.name, pin=True)
-        self._lock = threading.Lock()  # `own` and `position`: the copy thread changes them too
-        # copies are put on a thread of their own, so the next bucket's read starts at once
-        self._copier: concurrent.futures.ThreadPoolExecutor | None = None
-        self._copies: list = []  # their futures: a bug in a copy is raised by finish()
+        self._lock = (
+            threading.Lock()
+        )  # `own`, `sources`, `position`: the pull's read thread and its caller
+        self._stepped_down = False
 
     @classmethod
     def start(cls, ws, vp: str, pp: str, first_key: str, nbytes: int) -> RelayPull | None:
@@ -150,18 +153,11 @@ class RelayPull:
         self.sources = [j for j in range(top, -1, -1) if recs[j] is not None]
         return self
 
-    def _put_here(self, key: str, value: memoryview, record: dict | None = None) -> None:
-        """Puts ``value`` into this client's own segment: a plain put with ``record`` as
-        its metadata (a claim), or an upsert without (a copy). Raises ``NoSpaceError``
-        when the segment has no room for it."""
-        self.store._put_many(
-            [key],
-            [value],
-            [b"" if record is None else msgpack.packb(record)],
-            self._here,
-            record is None,
-            False,
-        )
+    def _put_here(self, key: str, value: memoryview, record: dict) -> None:
+        """Puts a claim, ``value`` with ``record`` as its metadata, into this client's own
+        segment. Raises ``ObjectExistsError`` when another reader claimed it first,
+        ``NoSpaceError`` when the segment has no room for it."""
+        self.store._put_many([key], [value], [msgpack.packb(record)], self._here, False, False)
         with self._lock:
             self.own.append(key)
 
@@ -180,58 +176,76 @@ class RelayPull:
             time.sleep(pause)
             pause = min(pause * 2, 0.004)
 
-    def read_into(self, key: str, dst: torch.Tensor) -> None:
-        """Reads bucket ``key`` (non-empty) into the uint8 tensor ``dst`` from the nearest
-        source that has it; as a relay, then puts the copy the next host reads."""
+    def read_into(self, key: str, dst: torch.Tensor) -> torch.Tensor:
+        """Reads bucket ``key`` (non-empty) from the nearest source that has it; returns the
+        uint8 tensor holding its bytes: ``dst``, or as a relay a view of its copy in this
+        reader's segment, which the bytes reach straight from the source and which is
+        committed (readable by the next host) before this returns: the caller stages from
+        it. A relay without room for the copy stops relaying (:meth:`_step_down`) and
+        reads into ``dst``."""
+        if self.position is not None:
+            ck = copy_key(self.pp, self.position, key)
+            read_failed: list = []
+
+            def fill(view):
+                try:
+                    self._read(key, view)
+                except BaseException:
+                    read_failed.append(True)
+                    raise
+
+            try:
+                view = self.store._put_filled(ck, dst.numel(), b"", self._here, fill)
+            except StoreError:
+                if read_failed:
+                    raise
+                self._step_down()  # no room (or the master refused): read it for this pull only
+            else:
+                with self._lock:
+                    self.own.append(ck)
+                return _torch().frombuffer(view, dtype=_torch().uint8)
+        self._read(key, memoryview(dst.numpy()))
+        return dst
+
+    def _read(self, key: str, mv: memoryview) -> None:
+        """Reads bucket ``key`` into ``mv`` from the nearest source that has it (the
+        publisher's piece last)."""
         while self.sources:
             j = self.sources[0]
             if self._wait(j, key):
                 try:
-                    self.store._get_into(
-                        copy_key(self.pp, j, key), memoryview(dst.numpy()), scratch=True
-                    )
-                    break
+                    self.store._get_into(copy_key(self.pp, j, key), mv, scratch=True)
+                    return
                 except (ObjectNotFoundError, TransferError):
                     pass
             with self._lock:  # gone, unreadable or stalled: the next one up
                 if self.sources and self.sources[0] == j:
                     self.sources.pop(0)
-        else:
-            self.store._get_into(key, memoryview(dst.numpy()), scratch=True)
-        if self.position is not None:
-            if self._copier is None:
-                self._copier = concurrent.futures.ThreadPoolExecutor(
-                    1, thread_name_prefix="ws-relay"
-                )
-            self._copies.append(self._copier.submit(self._copy, key, dst))
+        self.store._get_into(key, mv, scratch=True)
 
-    def _copy(self, key: str, dst: torch.Tensor) -> None:
-        position = self.position
-        if position is None:
-            return
-        try:
-            self._put_here(copy_key(self.pp, position, key), memoryview(dst.numpy()))
-        except StoreError:
-            self._remove_own()  # the hosts after this one read from the ones before it
+    def _step_down(self) -> None:
+        """Stops relaying this version: its position record goes at once (readers after
+        this one move up the chain); its copies stay until :meth:`finish`, as the pull may
+        still stage from them."""
+        with self._lock:
+            position, self.position = self.position, None
+            pk = f"{self.vp}relay/c{position}"
+            # a later reader may take the position: its record is not removed again
+            self.own = [k for k in self.own if k != pk]
+        self._stepped_down = True
+        if position is not None:
+            self.store.remove_batch([pk], force=True, return_exceptions=True)
 
     def finish(self) -> None:
-        """Waits for the copies still being put (the pull's bytes are all read)."""
-        for f in self._stop_copier():
-            f.result()  # StoreErrors were handled in _copy; anything else is a bug
-
-    def _stop_copier(self) -> list:
-        """Waits for the copy thread's last put; returns the copies' futures."""
-        if self._copier is not None:
-            self._copier.shutdown(wait=True)
-            self._copier = None
-        copies, self._copies = self._copies, []
-        return copies
+        """The pull's bytes are all read and staged: a relay that stepped down removes its
+        copies now."""
+        if self._stepped_down:
+            self._remove_own()
 
     def resign(self) -> None:
         """Stops relaying this version: removes what this reader put for it (its position
         record goes with the rest: readers after it move up the chain)."""
         self.position = None
-        self._stop_copier()  # a failed copy does not matter any more: all of them go
         self._remove_own()
 
     def _remove_own(self) -> None:

@@ -1360,7 +1360,7 @@ def test_view_in_the_owning_process_is_read_only():
 _RELAY_STATE = {"tensors": 8, "kib": 1024}  # 8 MiB in buckets of one 1 MiB tensor
 
 
-def _hosts(procs, master, readers_per_host, config):
+def _hosts(procs, master, readers_per_host, config, reader_seg=16 * MiB):
     """A trainer agent on host "h0" (it holds the published pieces) and reader agents on
     hosts "h1", "h2", ...: processes that count as different hosts (``host_id``) on one
     machine, so the readers reach the trainer and each other over TCP."""
@@ -1371,7 +1371,9 @@ def _hosts(procs, master, readers_per_host, config):
         return procs.start_agent(cfg, serve_tcp=True)
 
     trainer = agent("h0", 4 * seg)
-    readers = [agent(f"h{h + 1}", seg) for h, g in enumerate(readers_per_host) for _ in range(g)]
+    readers = [
+        agent(f"h{h + 1}", reader_seg) for h, g in enumerate(readers_per_host) for _ in range(g)
+    ]
     return trainer, readers
 
 
@@ -1408,6 +1410,30 @@ def test_store_pull_across_hosts_one_relay_per_host_in_a_chain(procs):
     trainer.cmd("ws_publish", model="m", config=config, version=2, **_RELAY_STATE)
     trainer.cmd("ws_publish", model="m", config=config, version=3, **_RELAY_STATE)
     assert not any(trainer.cmd("exists", key=k) for k in keys)
+
+
+def test_a_relay_without_room_for_its_copies_steps_down_and_the_chain_goes_on(procs):
+    """Three hosts of one reader, segments of 1.5 versions: a relay's copies of version 1
+    that the next host read stay leased (``lease_ttl_s``) after its pull of version 2
+    removed them, so it runs out of room midway through version 2. It steps down (its
+    position record goes at once, its copies when its pull ends) and every reader still
+    ends with the whole version 2. A reader that starts after one stepped down may take the
+    freed position: the one that stepped down does not remove that reader's record."""
+    master = procs.start_master()
+    config = {"bucket_bytes": MiB, "keep_versions": 0, "relay_wait_s": 5.0}
+    state_bytes = _RELAY_STATE["tensors"] * _RELAY_STATE["kib"] << 10
+    trainer, readers = _hosts(procs, master, [1, 1, 1], config, reader_seg=state_bytes * 3 // 2)
+    for v in (1, 2):
+        trainer.cmd("ws_publish", model="s", config=config, version=v, **_RELAY_STATE)
+        got = _pull_all(readers, "s", config)
+        for g in got:
+            assert g["error"] is None and g["version"] == v and g["equals"] == [v], (v, g)
+        if v == 1:
+            assert sorted(g["position"] for g in got) == [0, 1, 2], got
+    kept = [g["position"] for g in got if g["position"] is not None]
+    assert len(kept) < 3, got  # the relays at positions 0 and 1 of version 1 stepped down
+    records = [k for k in range(3) if trainer.cmd("exists", key=f"ws/s/v2/relay/c{k}")]
+    assert len(records) == len(kept), (records, got)
 
 
 def test_store_pull_across_hosts_survives_a_relay_killed_mid_pull(procs):
