@@ -7,12 +7,16 @@ imported, so this module sets them first; run it through ``run_suite.py`` (one p
 per world size), not by importing it next to other tests.
 """
 
+import atexit
 import os
+import shutil
 import tempfile
 
 os.environ.setdefault("BACKEND", "mooncake")
 os.environ.setdefault("WORLD_SIZE", "2")
-os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="mooncake-torch-suite-"))
+if "TEMP_DIR" not in os.environ:  # imported on its own: a directory of its own, removed at exit
+    os.environ["TEMP_DIR"] = tempfile.mkdtemp(prefix="mooncake-torch-suite-")
+    atexit.register(shutil.rmtree, os.environ["TEMP_DIR"], ignore_errors=True)
 
 import torch
 import torch.distributed as dist
