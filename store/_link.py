@@ -174,7 +174,7 @@ class _LinkMixin:
                 # is using it (or a newer one) and drops it itself if it fails
                 if self._lock.acquire(timeout=max(0.0, bound - time.monotonic())):
                     try:
-                        if self._conn is not None and self._conn is conn:
+                        if conn is not None and self._conn is conn:
                             self._conn.close()
                             self._conn = None
                     finally:

@@ -180,19 +180,7 @@ class _WriteMixin:
                 if not return_exceptions:
                     _raise_first(fast)
                 return fast
-        args = {
-            "client": self.client_id,
-            "items": [[k, len(v), m] for k, v, m in zip(keys, views, metas)],
-            "r": cfg.replica_num,
-            "pref": cfg.preferred_segment,
-            "pin": cfg.pin,
-            "all": cfg.require_all,
-            "upsert": upsert,
-        }
-        if _avoid:
-            args["x"] = list(_avoid)
-        if getattr(cfg, "only_preferred", False):
-            args["only"] = True
+        args = self._start_args(cfg, upsert, _avoid)
         deadline = time.monotonic() + _NOSPACE_RETRY_S
         results: list = [None] * len(keys)
         todo = list(range(len(keys)))
@@ -220,13 +208,7 @@ class _WriteMixin:
         try:
             self._write_all(jobs, segs)
         except BaseException as e:
-            try:
-                self._call(
-                    "put_revoke",
-                    {"client": self.client_id, "items": [[keys[i], v] for i, v, _ in started]},
-                )
-            except StoreError:
-                pass
+            self._revoke([[keys[i], v] for i, v, _ in started])
             bad = getattr(e, "segment", None)
             if isinstance(e, TransferError) and bad and bad not in _avoid and len(_avoid) < 8:
                 # a segment that cannot be reached (its owner died and the master does not know
@@ -278,55 +260,56 @@ class _WriteMixin:
             _raise_first(results)
         return results
 
-    def _put_filled(
-        self, key: str, nbytes: int, meta: bytes, cfg: ReplicateConfig, fill
-    ) -> memoryview:
-        """Puts ``key`` (``nbytes`` > 0, one replica, pinned or not as ``cfg`` says) into
-        this client's own segment without a staging copy: the master places it, then
-        ``fill(view)`` writes its bytes straight into that place (a read from another host
-        lands there), then the put is committed; returns the view (valid while the object
-        stays). An upsert. Raises ``NoSpaceError`` at once when the segment has no room
-        (nothing is waited for), or what ``fill`` raised (the put is revoked: nothing of it
-        stays)."""
-        res = self._call(
-            "put_start",
-            {
-                "client": self.client_id,
-                "items": [[key, nbytes, meta]],
-                "r": 1,
-                "pref": self.name,
-                "pin": cfg.pin,
-                "all": False,
-                "upsert": True,
-                "only": True,
-            },
-        )
-        item = res["items"][0]
-        if item[0] != 0:
-            raise from_code("NoSpace" if item[1] == "NoSpaceRetry" else item[1], item[2])
-        version, ((seg, off),) = item[1], item[2]
+    def _start_args(self, cfg: ReplicateConfig, upsert: bool, avoid: tuple = ()) -> dict:
+        """A ``put_start`` request's arguments but its items."""
+        args = {
+            "client": self.client_id,
+            "r": cfg.replica_num,
+            "pref": cfg.preferred_segment,
+            "pin": cfg.pin,
+            "all": cfg.require_all,
+            "upsert": upsert,
+        }
+        if avoid:
+            args["x"] = list(avoid)
+        if getattr(cfg, "only_preferred", False):
+            args["only"] = True
+        return args
 
-        def revoke():
-            try:
-                self._call("put_revoke", {"client": self.client_id, "items": [[key, version]]})
-            except StoreError:
-                pass  # the master drops the put with this client's other state
-
-        if seg != self.name or self._segment is None:
-            revoke()
-            raise StoreError(f"put of {key!r}: placed in segment {seg!r}, not this client's own")
-        view = self._segment.view[off : off + nbytes]
+    def _revoke(self, items: list) -> None:
+        """Gives started puts (``[key, version]`` items) back; a master out of reach drops
+        them with this client's other state."""
         try:
-            fill(view)
-        except BaseException:
-            revoke()
-            raise
+            self._call("put_revoke", {"client": self.client_id, "items": items})
+        except StoreError:
+            pass
+
+    def _place_own(self, key: str, nbytes: int, cfg: ReplicateConfig):
+        """Starts an upsert of ``key`` (``nbytes`` > 0, one replica, ``cfg`` naming this
+        client's own segment, ``only_preferred``) whose bytes the caller writes in place
+        (a read from another host lands there, without a staging copy), then commits
+        (:meth:`_commit_one`) or gives back (:meth:`_revoke`). Returns ``(view, version)``,
+        or None at once when the segment has no room."""
+        args = self._start_args(cfg, True)
+        args["items"] = [[key, nbytes, b""]]
+        item = self._call("put_start", args)["items"][0]
+        if item[0] != 0:
+            if item[1] in ("NoSpace", "NoSpaceRetry"):
+                return None
+            raise from_code(item[1], item[2])
+        version, ((seg, off),) = item[1], item[2]
+        if seg != self.name or self._segment is None:
+            self._revoke([[key, version]])
+            raise StoreError(f"put of {key!r}: placed in segment {seg!r}, not this client's own")
+        return self._segment.view[off : off + nbytes], version
+
+    def _commit_one(self, key: str, version: int) -> None:
+        """Commits a put that :meth:`_place_own` started."""
         (item,) = self._call("put_end", {"client": self.client_id, "items": [[key, version]]})[
             "items"
         ]
         if item[0] != 0:
             raise from_code(item[1], item[2])
-        return view
 
     def _put_reserved(
         self, keys: list, views: list, metas: list, cfg: ReplicateConfig, upsert: bool

@@ -19,9 +19,9 @@ A reader whose version's pieces lie on another host takes a role per pull:
   to its own segment only): it reads from the newest relay.
 
 Each reader reads from positions below its own only (a follower from its relay's), so the
-chain has no cycle. A source whose position record is gone (dead, or resigned after a
-failure or stepped down), whose copy cannot be read, or that has not had a bucket for ``relay_wait_s``
-is left for the next one up, for that bucket and the rest; the publisher's pieces come
+chain has no cycle. A source whose position record is gone (dead, resigned after a
+failure, or stepped down), whose copy cannot be read, or that has not had a bucket for
+``relay_wait_s`` is left for the next one up, for that bucket and the rest; the publisher's pieces come
 last. The bytes' checks are the reader's own (``_ws_pull.py``: every piece's digest from
 the publisher's manifest, before anything is installed), so a relay never changes what a
 reader installs, only where its bytes come from.
@@ -88,9 +88,8 @@ class RelayPull:
         self.sources: list = []  # positions to read from, nearest first; then the publisher
         self.own: list = []  # keys this reader put for this version
         self._here = _OwnSegment(preferred_segment=self.store.name, pin=True)
-        self._lock = (
-            threading.Lock()
-        )  # `own`, `sources`, `position`: the pull's read thread and its caller
+        # `own`, `sources` and `position`: the pull's two read threads and its caller
+        self._lock = threading.Lock()
         self._stepped_down = False
 
     @classmethod
@@ -181,29 +180,28 @@ class RelayPull:
         uint8 tensor holding its bytes: ``dst``, or as a relay a view of its copy in this
         reader's segment, which the bytes reach straight from the source and which is
         committed (readable by the next host) before this returns: the caller stages from
-        it. A relay without room for the copy stops relaying (:meth:`_step_down`) and
-        reads into ``dst``."""
-        if self.position is not None:
-            ck = copy_key(self.pp, self.position, key)
-            read_failed: list = []
-
-            def fill(view):
+        it. A relay without room for the copy, or whose copy could not be committed, stops
+        relaying (:meth:`_step_down`) and reads into ``dst``."""
+        position = self.position  # the other read thread may step down meanwhile
+        if position is not None:
+            ck = copy_key(self.pp, position, key)
+            placed = self.store._place_own(ck, dst.numel(), self._here)
+            if placed is not None:
+                view, version = placed
                 try:
                     self._read(key, view)
                 except BaseException:
-                    read_failed.append(True)
+                    self.store._revoke([[ck, version]])
                     raise
-
-            try:
-                view = self.store._put_filled(ck, dst.numel(), b"", self._here, fill)
-            except StoreError:
-                if read_failed:
-                    raise
-                self._step_down()  # no room (or the master refused): read it for this pull only
-            else:
-                with self._lock:
-                    self.own.append(ck)
-                return _torch().frombuffer(view, dtype=_torch().uint8)
+                try:
+                    self.store._commit_one(ck, version)
+                except StoreError:  # not committed (a leader change lost it): read again into dst
+                    pass
+                else:
+                    with self._lock:
+                        self.own.append(ck)
+                    return _torch().frombuffer(view, dtype=_torch().uint8)
+            self._step_down()  # this bucket and the rest into dst
         self._read(key, memoryview(dst.numpy()))
         return dst
 
@@ -229,12 +227,13 @@ class RelayPull:
         still stage from them."""
         with self._lock:
             position, self.position = self.position, None
+            self._stepped_down = True
+            if position is None:
+                return
             pk = f"{self.vp}relay/c{position}"
             # a later reader may take the position: its record is not removed again
             self.own = [k for k in self.own if k != pk]
-        self._stepped_down = True
-        if position is not None:
-            self.store.remove_batch([pk], force=True, return_exceptions=True)
+        self.store.remove_batch([pk], force=True, return_exceptions=True)
 
     def finish(self) -> None:
         """The pull's bytes are all read and staged: a relay that stepped down removes its
