@@ -282,6 +282,9 @@ def _hosts_worker() -> None:
     tx: dict = {way: [] for way in ways}
     relay: dict = {way: [] for way in store_ways}  # PullResult.relay_position per rep
     publish_s: dict = {way: [] for way in store_ways}  # the trainer's publish alone
+    pull_end_s: dict = {
+        way: [] for way in store_ways
+    }  # from the version's start to this pull's end
     digests = {}
     version = 0
     for rep in range(a["reps"]):
@@ -301,6 +304,7 @@ def _hosts_worker() -> None:
                 dist.barrier()  # published: every reader pulls at once
                 if rank > 0:
                     relay[way].append(ws[way].pull(into=model, version=version).relay_position)
+                    pull_end_s[way].append(time.perf_counter() - t0)
             elif way == "pg":
                 gs.sync(model, version if rank == 0 else None)
             else:
@@ -311,7 +315,14 @@ def _hosts_worker() -> None:
             tx[way].append(_tx_bytes() - tx0)
             if rep == a["reps"] - 1:  # what this way's last version left in the model
                 digests[way] = {k: tensor_digest(v) for k, v in model.state_dict().items()}
-    res = {"times": times, "tx": tx, "digests": digests, "relay": relay, "publish_s": publish_s}
+    res = {
+        "times": times,
+        "tx": tx,
+        "digests": digests,
+        "relay": relay,
+        "publish_s": publish_s,
+        "pull_end_s": pull_end_s,
+    }
     print("RESULT " + json.dumps(res), flush=True)
     if store is not None:
         store.close()
@@ -412,6 +423,23 @@ def _run_hosts(a) -> int:
             f"store-relay, last version: {len(relays)} of {world - 1} readers relayed"
             + (f" (chain position: host) {chain}" if chain else "")
         )
+        # where a version's time goes along the chain: each position's pull ends (the relay's
+        # and its host's other readers', the latest of them) after the version started
+        ends: dict = {}  # position -> rep -> seconds
+        for i in range(a.reps):
+            got = [(hosts[r], res[r]["relay"]["store-relay"][i]) for r in range(1, world)]
+            pos = {h: p for h, p in got if p is not None}  # host -> its relay's position
+            for r in range(1, world):
+                if hosts[r] in pos:
+                    per = ends.setdefault(pos[hosts[r]], {})
+                    per[i] = max(per.get(i, 0.0), res[r]["pull_end_s"]["store-relay"][i])
+        if ends:
+            lines.append(
+                "store-relay, median time to the end of the pulls of each chain position's host: "
+                + ", ".join(
+                    f"{p}: {statistics.median(ends[p].values()):.3f} s" for p in sorted(ends)
+                )
+            )
     _report(
         a,
         lines,
