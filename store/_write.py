@@ -284,24 +284,31 @@ class _WriteMixin:
         except StoreError:
             pass
 
-    def _place_own(self, key: str, nbytes: int, cfg: ReplicateConfig):
-        """Starts an upsert of ``key`` (``nbytes`` > 0, one replica, ``cfg`` naming this
-        client's own segment, ``only_preferred``) whose bytes the caller writes in place
-        (a read from another host lands there, without a staging copy), then commits
-        (:meth:`_commit_one`) or gives back (:meth:`_revoke`). Returns ``(view, version)``,
-        or None at once when the segment has no room."""
+    def _place_own(self, keys: list, sizes: list, cfg: ReplicateConfig):
+        """Starts upserts of ``keys`` (``sizes`` in bytes, each > 0; one replica, ``cfg``
+        naming this client's own segment, ``only_preferred``) with one request; the caller
+        writes their bytes in place (a read from another host lands there, without a
+        staging copy), then commits each (:meth:`_commit_one`) or gives it back
+        (:meth:`_revoke`). Returns ``[(view, version)]`` in the order of ``keys``, or None
+        (nothing started) when the segment has no room for all of them."""
         args = self._start_args(cfg, True)
-        args["items"] = [[key, nbytes, b""]]
-        item = self._call("put_start", args)["items"][0]
-        if item[0] != 0:
-            if item[1] in ("NoSpace", "NoSpaceRetry"):
+        args["items"] = [[k, n, b""] for k, n in zip(keys, sizes)]
+        items = self._call("put_start", args)["items"]
+        started = [[k, it[1]] for k, it in zip(keys, items) if it[0] == 0]
+        for it in items:
+            if it[0] == 0:
+                continue
+            self._revoke(started)
+            if it[1] in ("NoSpace", "NoSpaceRetry"):
                 return None
-            raise from_code(item[1], item[2])
-        version, ((seg, off),) = item[1], item[2]
-        if seg != self.name or self._segment is None:
-            self._revoke([[key, version]])
-            raise StoreError(f"put of {key!r}: placed in segment {seg!r}, not this client's own")
-        return self._segment.view[off : off + nbytes], version
+            raise from_code(it[1], it[2])
+        if self._segment is None or any(it[2][0][0] != self.name for it in items):
+            self._revoke(started)
+            raise StoreError(
+                f"put of {keys[0]!r}: placed in another segment than this client's own"
+            )
+        view = self._segment.view
+        return [(view[it[2][0][1] : it[2][0][1] + n], it[1]) for it, n in zip(items, sizes)]
 
     def _commit_one(self, key: str, version: int) -> None:
         """Commits a put that :meth:`_place_own` started."""

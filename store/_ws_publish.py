@@ -27,7 +27,7 @@ from ._ws_common import (
     _piece_digest,
     _torch,
 )
-from ._ws_relay import MAX_POSITIONS, copy_key, position_keys
+from ._ws_relay import MAX_POSITIONS, copy_keys, position_keys
 from .errors import (
     NoSpaceError,
     ObjectExistsError,
@@ -141,7 +141,8 @@ class _PublishMixin:
         if cur or not plan:
             plan.append(cur)
         pp = f"{vp}{publish_id}/"  # this publish's pieces: no other publisher writes these keys
-        attempt = self._claim_attempt(vp, publish_id, shard, len(plan))
+        sizes = [sum(p[4].numel() * p[4].element_size() for p in group) for group in plan]
+        attempt = self._claim_attempt(vp, publish_id, shard, sizes)
         own = [f"{pp}b{shard}.{i}" for i in range(len(plan))] + [f"{pp}m{shard}"]
 
         def give_back(with_attempt: bool):
@@ -185,11 +186,21 @@ class _PublishMixin:
         except Exception:
             return False
 
-    def _claim_attempt(self, vp: str, pid: str, shard: int, nbuckets: int) -> str:
+    def _claim_attempt(self, vp: str, pid: str, shard: int, sizes: list) -> str:
         """Records (a plain put of the first free ``a<k>``) that publish ``pid`` writes
-        ``nbuckets`` buckets of ``shard`` under ``vp``, so that a commit or drop of the
-        version finds and removes them even if this publisher dies."""
-        rec = msgpack.packb({"pid": pid, "shard": shard, "n": nbuckets, "t": time.time()})
+        buckets of ``sizes`` bytes of ``shard`` under ``vp``, so that a commit or drop of
+        the version finds and removes them (and relays' copies of them) even if this
+        publisher dies."""
+        rec = msgpack.packb(
+            {
+                "pid": pid,
+                "shard": shard,
+                "n": len(sizes),
+                "nb": sizes,
+                "part": self.cfg.relay_part_bytes,
+                "t": time.time(),
+            }
+        )
         k = 0
         while True:
             try:
@@ -235,7 +246,15 @@ class _PublishMixin:
                 pp, s = f"{vp}{rec['pid']}/", int(rec["shard"])
                 pieces = [f"{pp}b{s}.{i}" for i in range(int(rec["n"]))]
                 keys += pieces + [f"{pp}m{s}"]
-                keys += [copy_key(pp, k, b) for k, _ in relays for b in pieces]
+                # the relays' copies of the buckets' parts
+                sizes, part = rec.get("nb") or [], int(rec.get("part") or 0)
+                keys += [
+                    c
+                    for k, _ in relays
+                    for b, nb in zip(pieces, sizes)
+                    if part > 0 and nb
+                    for c in copy_keys(pp, k, b, int(nb), part)
+                ]
             if keep_pid is None:
                 keys.append(key)
         if keys:
@@ -341,6 +360,7 @@ class _PublishMixin:
                             "version": version,
                             "num_shards": num_shards,
                             "pid": pid,
+                            "part": self.cfg.relay_part_bytes,  # relays pass on parts this big
                             "time": time.time(),
                         }
                     ),

@@ -446,7 +446,9 @@ class _PullMixin:
             self._relay = None
         sized = [b[0] for b in fetched if b[1]]
         if self.cfg.relay and sized:
-            self._relay = RelayPull.start(self, vp, pp, sized[0], sum(b[1] for b in fetched))
+            part = commit.get("part")
+            part = part if isinstance(part, int) and part > 0 else self.cfg.relay_part_bytes
+            self._relay = RelayPull.start(self, vp, pp, sized[0], sum(b[1] for b in fetched), part)
         relay = self._relay
         if relay is None:
 

@@ -8,9 +8,10 @@ A reader whose version's pieces lie on another host takes a role per pull:
   ``relay/c<k>``; both are one-byte objects in its own segment, so they go away with it
   (the master drops a dead client's segment after ``client_ttl_s``). It reads each bucket
   from the relay at position k-1 as soon as that one has it (position 0 from the
-  publisher's pieces) straight into a copy in its own segment, ``<pid>/r<k>/b<s>.<i>``
-  (placed before the read, committed right after it: no copy on the next host's path),
-  and stages the bucket from there. Without room for a copy it steps down: its position
+  publisher's pieces) in parts (``WeightSyncConfig.relay_part_bytes``), each straight into a copy in its own
+  segment, ``<pid>/r<k>/b<s>.<i>.p<j>`` (placed before the read, committed right after
+  it: no copy on the next host's path, which waits for one part, not the whole bucket),
+  and copies them into its staging. Without room for a copy it steps down: its position
   record goes at once, its copies at the end of the pull.
 * **follower**: another reader of a host that has a relay. It reads the relay's copies,
   which lie in memory on its host (a mapped segment: no network).
@@ -20,9 +21,9 @@ A reader whose version's pieces lie on another host takes a role per pull:
 
 Each reader reads from positions below its own only (a follower from its relay's), so the
 chain has no cycle. A source whose position record is gone (dead, resigned after a
-failure, or stepped down), whose copy cannot be read, or that has not had a bucket for
-``relay_wait_s`` is left for the next one up, for that bucket and the rest; the publisher's pieces come
-last. The bytes' checks are the reader's own (``_ws_pull.py``: every piece's digest from
+failure, or stepped down), whose copy cannot be read, or that has not had a part for
+``relay_wait_s`` is left for the next one up, for that part and the rest; the publisher's
+pieces come last. The bytes' checks are the reader's own (``_ws_pull.py``: every piece's digest from
 the publisher's manifest, before anything is installed), so a relay never changes what a
 reader installs, only where its bytes come from.
 
@@ -50,6 +51,10 @@ if TYPE_CHECKING:
 _ONE_BYTE = memoryview(b"\0")
 
 
+# seconds a relay waits for the claim of a position below its own to be committed (a
+# one-byte put: milliseconds, more on a loaded host)
+_CLAIM_GRACE_S = 0.5
+
 # chain positions a version may have (hosts reading it); the records of all are read at
 # once (metadata from the master, one request)
 MAX_POSITIONS = 256
@@ -73,17 +78,30 @@ def position_keys(vp: str, n: int) -> list:
     return [f"{vp}relay/c{k}" for k in range(n)]
 
 
-def copy_key(pp: str, position: int, bucket_key: str) -> str:
-    """The key of relay ``position``'s copy of ``bucket_key`` (``<pp>b<s>.<i>``)."""
-    return f"{pp}r{position}/{bucket_key[len(pp) :]}"
+def part_ranges(nbytes: int, part_bytes: int) -> list:
+    """``[(offset, size)]`` of the parts of a bucket of ``nbytes`` (> 0) bytes that relays
+    pass on (``WeightSyncConfig.relay_part_bytes``)."""
+    return [(off, min(part_bytes, nbytes - off)) for off in range(0, nbytes, part_bytes)]
+
+
+def copy_key(pp: str, position: int, bucket_key: str, part: int) -> str:
+    """The key of relay ``position``'s copy of part ``part`` of ``bucket_key``
+    (``<pp>b<s>.<i>``)."""
+    return f"{pp}r{position}/{bucket_key[len(pp) :]}.p{part}"
+
+
+def copy_keys(pp: str, position: int, bucket_key: str, nbytes: int, part_bytes: int) -> list:
+    """The keys of relay ``position``'s copies of the parts of ``bucket_key`` (``nbytes``)."""
+    n = len(part_ranges(nbytes, part_bytes))
+    return [copy_key(pp, position, bucket_key, j) for j in range(n)]
 
 
 class RelayPull:
     """The relay side of one pull of one version (see the module docstring)."""
 
-    def __init__(self, ws, vp: str, pp: str):
+    def __init__(self, ws, vp: str, pp: str, part_bytes: int):
         self.ws, self.store = ws, ws.store
-        self.vp, self.pp = vp, pp
+        self.vp, self.pp, self.part_bytes = vp, pp, part_bytes
         self.position: int | None = None  # this reader's chain position, as a relay
         self.sources: list = []  # positions to read from, nearest first; then the publisher
         self.own: list = []  # keys this reader put for this version
@@ -93,17 +111,19 @@ class RelayPull:
         self._stepped_down = False
 
     @classmethod
-    def start(cls, ws, vp: str, pp: str, first_key: str, nbytes: int) -> RelayPull | None:
+    def start(
+        cls, ws, vp: str, pp: str, first_key: str, nbytes: int, part_bytes: int
+    ) -> RelayPull | None:
         """The role of this reader for the version at ``vp`` (publish ``pp``, ``nbytes``
-        in its buckets), or None when the publisher's pieces lie on this host (read in
-        place, no relay)."""
+        in its buckets, relayed in parts of ``part_bytes``), or None when the publisher's
+        pieces lie on this host (read in place, no relay)."""
         store = ws.store
         (obj,), segs, _ = store._get_meta([first_key])
         if obj is None or not obj.replicas or obj.replicas[0][0] != "m":
             return None
         if store._is_local(segs[obj.replicas[0][1]]):
             return None
-        self = cls(ws, vp, pp)
+        self = cls(ws, vp, pp, part_bytes)
         tag = host_tag(store.cfg.host_id)
         n = MAX_POSITIONS
         if store._te_desc() is not None and store.cfg.segment_size >= nbytes:
@@ -124,7 +144,7 @@ class RelayPull:
                 self.resign()  # no room here: read from the others
         recs = ws._get_records(position_keys(vp, n))
         if self.position is not None:
-            self.sources = [j for j in range(self.position - 1, -1, -1) if recs[j] is not None]
+            self.sources = self._claimed_below(self.position, recs)
             return self
 
         def ours(recs):  # this host's relay position, or None
@@ -152,6 +172,24 @@ class RelayPull:
         self.sources = [j for j in range(top, -1, -1) if recs[j] is not None]
         return self
 
+    def _claimed_below(self, position: int, recs: list) -> list:
+        """The positions below ``position`` whose relays are there, nearest first.
+        Claims take the first free position, so every one below this relay's was claimed
+        when it claimed its own; a record not there yet is a claim still being written
+        (readers start at once after a publish: a one-byte put between its two requests to
+        the master), waited for up to ``_CLAIM_GRACE_S``; one still missing then is gone
+        (its relay resigned meanwhile). Leaving a claim being written out would make this
+        relay read from the one before it, or the publisher: another copy over that link."""
+        missing = [j for j in range(position) if recs[j] is None]
+        deadline = time.monotonic() + _CLAIM_GRACE_S
+        pause = 0.002
+        while missing and time.monotonic() < deadline:
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+            got = self.store._exists_meta([f"{self.vp}relay/c{j}" for j in missing])
+            missing = [j for j, g in zip(missing, got) if g is None]
+        return [j for j in range(position - 1, -1, -1) if j not in missing]
+
     def _put_here(self, key: str, value: memoryview, record: dict) -> None:
         """Puts a claim, ``value`` with ``record`` as its metadata, into this client's own
         segment. Raises ``ObjectExistsError`` when another reader claimed it first,
@@ -160,10 +198,10 @@ class RelayPull:
         with self._lock:
             self.own.append(key)
 
-    def _wait(self, j: int, key: str) -> bool:
-        """Whether relay ``j``'s copy of ``key`` exists within ``relay_wait_s`` (False at
-        once when the relay is gone)."""
-        ck, ok = copy_key(self.pp, j, key), f"{self.vp}relay/c{j}"
+    def _wait(self, j: int, ck: str) -> bool:
+        """Whether relay ``j``'s copy ``ck`` exists within ``relay_wait_s`` (False at once
+        when the relay is gone)."""
+        ok = f"{self.vp}relay/c{j}"
         deadline = time.monotonic() + self.ws.cfg.relay_wait_s
         pause = 0.001
         while True:
@@ -176,50 +214,64 @@ class RelayPull:
             pause = min(pause * 2, 0.004)
 
     def read_into(self, key: str, dst: torch.Tensor) -> torch.Tensor:
-        """Reads bucket ``key`` (non-empty) from the nearest source that has it; returns the
-        uint8 tensor holding its bytes: ``dst``, or as a relay a view of its copy in this
-        reader's segment, which the bytes reach straight from the source and which is
-        committed (readable by the next host) before this returns: the caller stages from
-        it. A relay without room for the copy, or whose copy could not be committed, stops
-        relaying (:meth:`_step_down`) and reads into ``dst``."""
+        """Reads bucket ``key`` into ``dst`` (its size, uint8, non-empty) part by part, each
+        from the nearest source that has it; returns ``dst``. As a relay, each part lands
+        first in its copy in this reader's segment (placed before the read: no staging
+        copy on the next host's path) and is committed, readable by the next host, before
+        it is copied into ``dst``. A relay without room for the copies, or whose copy could
+        not be committed, stops relaying (:meth:`_step_down`) and reads into ``dst``."""
+        mv = memoryview(dst.numpy())
+        parts = part_ranges(dst.numel(), self.part_bytes)
         position = self.position  # the other read thread may step down meanwhile
+        placed = None
         if position is not None:
-            ck = copy_key(self.pp, position, key)
-            placed = self.store._place_own(ck, dst.numel(), self._here)
-            if placed is not None:
-                view, version = placed
-                try:
-                    self._read(key, view)
-                except BaseException:
-                    self.store._revoke([[ck, version]])
-                    raise
-                try:
-                    self.store._commit_one(ck, version)
-                except StoreError:  # not committed (a leader change lost it): read again into dst
-                    pass
-                else:
-                    with self._lock:
-                        self.own.append(ck)
-                    return _torch().frombuffer(view, dtype=_torch().uint8)
-            self._step_down()  # this bucket and the rest into dst
-        self._read(key, memoryview(dst.numpy()))
+            keys = [copy_key(self.pp, position, key, j) for j in range(len(parts))]
+            placed = self.store._place_own(keys, [n for _, n in parts], self._here)
+            if placed is None:
+                self._step_down()
+        elif not self.sources:  # the publisher's piece alone: one read
+            self.store._get_into(key, mv, scratch=True)
+            return dst
+        torch = _torch()
+        for j, (off, n) in enumerate(parts):
+            if placed is None:
+                self._read_part(key, j, off, mv[off : off + n])
+                continue
+            view, version = placed[j]
+            try:
+                self._read_part(key, j, off, view)
+            except BaseException:
+                self.store._revoke([[k, p[1]] for k, p in zip(keys[j:], placed[j:])])
+                raise
+            try:
+                self.store._commit_one(keys[j], version)
+            except StoreError:  # not committed (a leader change lost it): no more copies
+                dst[off : off + n].copy_(torch.frombuffer(view, dtype=torch.uint8))
+                self.store._revoke([[k, p[1]] for k, p in zip(keys[j:], placed[j:])])
+                self._step_down()
+                placed = None
+                continue
+            with self._lock:
+                self.own.append(keys[j])
+            dst[off : off + n].copy_(torch.frombuffer(view, dtype=torch.uint8))
         return dst
 
-    def _read(self, key: str, mv: memoryview) -> None:
-        """Reads bucket ``key`` into ``mv`` from the nearest source that has it (the
-        publisher's piece last)."""
+    def _read_part(self, key: str, part: int, offset: int, mv: memoryview) -> None:
+        """Reads part ``part`` of bucket ``key`` (its bytes from ``offset`` on) into ``mv``
+        from the nearest source that has it (the publisher's piece last)."""
         while self.sources:
             j = self.sources[0]
-            if self._wait(j, key):
+            ck = copy_key(self.pp, j, key, part)
+            if self._wait(j, ck):
                 try:
-                    self.store._get_into(copy_key(self.pp, j, key), mv, scratch=True)
-                    return
-                except (ObjectNotFoundError, TransferError):
+                    if self.store._get_into(ck, mv, scratch=True) == len(mv):
+                        return
+                except (ObjectNotFoundError, TransferError, ValueError):
                     pass
-            with self._lock:  # gone, unreadable or stalled: the next one up
+            with self._lock:  # gone, unreadable, stalled or of another size: the next one up
                 if self.sources and self.sources[0] == j:
                     self.sources.pop(0)
-        self.store._get_into(key, mv, scratch=True)
+        self.store._get_into(key, mv, scratch=True, offset=offset)
 
     def _step_down(self) -> None:
         """Stops relaying this version: its position record goes at once (readers after

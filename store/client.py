@@ -42,7 +42,7 @@ from ._args import (
     _writable_view,
 )
 from ._link import _LinkMixin
-from ._read import _batch_result, _ReadMixin
+from ._read import _batch_result, _Obj, _ReadMixin
 from ._write import _Reservation, _WriteMixin
 from .config import MasterConfig, ReplicateConfig, StoreConfig, _parse_hostport
 from .errors import (
@@ -440,17 +440,29 @@ class MooncakeStore(_LinkMixin, _ReadMixin, _WriteMixin):
         used)."""
         return self._get_into(_check_key(key, "get_into"), _writable_view(buffer, "get_into"))
 
-    def _get_into(self, key: str, mv: memoryview, scratch: bool = False) -> int:
+    def _get_into(
+        self, key: str, mv: memoryview, scratch: bool = False, offset: int | None = None
+    ) -> int:
         """:meth:`get_into` of a checked key and buffer. ``scratch``: the caller throws the
         buffer away on any error (a staging buffer), so a read from another host's segment
         lands in it directly, without the temporary that keeps it untouched on a failed
-        transfer (one copy less per byte)."""
+        transfer (one copy less per byte). ``offset``: reads bytes ``[offset, offset +
+        len(mv))`` of the value (from its replicas in memory only) instead of all of it;
+        ``ValueError`` when they are not all within it."""
 
         def read():
             (obj,), segs, deadline = self._get_meta([key])
             if obj is None:
                 raise ObjectNotFoundError(f"key {key!r} not found")
-            if obj.size > len(mv):
+            if offset is not None:
+                if offset < 0 or offset + len(mv) > obj.size:
+                    raise ValueError(
+                        f"get_into: bytes [{offset}, {offset + len(mv)}) of {key!r} are not all "
+                        f"within its {obj.size} bytes (nothing written)"
+                    )
+                reps = [(r[0], r[1], r[2] + offset) for r in obj.replicas if r[0] == "m"]
+                obj = _Obj(obj.key, len(mv), obj.version, obj.meta, reps)
+            elif obj.size > len(mv):
                 raise ValueError(
                     f"get_into: buffer of {len(mv)} bytes is too small for {key!r} "
                     f"({obj.size} bytes; nothing written)"

@@ -353,6 +353,10 @@ def test_weight_sync_and_kv_cache_configs_name_the_bad_value():
         WeightSyncConfig(relay_wait_s=-1)
     with pytest.raises(ValueError, match=r"hold_ttl_s must be a positive number, got True$"):
         WeightSyncConfig(hold_ttl_s=True)
+    with pytest.raises(ValueError, match=r"relay_part_bytes must be an int >= 1, got 0$"):
+        WeightSyncConfig(relay_part_bytes=0)
+    with pytest.raises(ValueError, match=r"bucket_bytes must be an int >= 1, got True$"):
+        WeightSyncConfig(bucket_bytes=True)
     with pytest.raises(ValueError, match=r"checksums must be a bool, got 'no'$"):
         WeightSyncConfig(checksums="no")
     with pytest.raises(ValueError, match=r"at most 200 chars\), got 'q+'\.\.\. \(4090 chars\)$"):

@@ -1358,6 +1358,7 @@ def test_view_in_the_owning_process_is_read_only():
 
 # ---------------------------------------------------------------- across hosts: relays
 _RELAY_STATE = {"tensors": 8, "kib": 1024}  # 8 MiB in buckets of one 1 MiB tensor
+_PART = 256 << 10  # relays pass each bucket on in 4 parts
 
 
 def _hosts(procs, master, readers_per_host, config, reader_seg=16 * MiB):
@@ -1389,7 +1390,7 @@ def test_store_pull_across_hosts_one_relay_per_host_in_a_chain(procs):
     of the state it generates itself). A version the trainer drops takes the relays'
     records and copies with it."""
     master = procs.start_master()
-    config = {"bucket_bytes": MiB, "keep_versions": 0}
+    config = {"bucket_bytes": MiB, "keep_versions": 0, "relay_part_bytes": _PART}
     trainer, readers = _hosts(procs, master, [2, 2, 2], config)
     trainer.cmd("ws_publish", model="m", config=config, version=1, **_RELAY_STATE)
     used = trainer.cmd("stats")["used_bytes"]
@@ -1420,7 +1421,12 @@ def test_a_relay_without_room_for_its_copies_steps_down_and_the_chain_goes_on(pr
     ends with the whole version 2. A reader that starts after one stepped down may take the
     freed position: the one that stepped down does not remove that reader's record."""
     master = procs.start_master()
-    config = {"bucket_bytes": MiB, "keep_versions": 0, "relay_wait_s": 5.0}
+    config = {
+        "bucket_bytes": MiB,
+        "keep_versions": 0,
+        "relay_wait_s": 5.0,
+        "relay_part_bytes": _PART,
+    }
     state_bytes = _RELAY_STATE["tensors"] * _RELAY_STATE["kib"] << 10
     trainer, readers = _hosts(procs, master, [1, 1, 1], config, reader_seg=state_bytes * 3 // 2)
     for v in (1, 2):
@@ -1442,7 +1448,7 @@ def test_store_pull_across_hosts_survives_a_relay_killed_mid_pull(procs):
     reader move up the chain and end with the whole new version; no reader ever holds a
     mix of versions."""
     master = procs.start_master(client_ttl=1.0)
-    config = {"bucket_bytes": MiB, "relay_wait_s": 5.0}
+    config = {"bucket_bytes": MiB, "relay_wait_s": 5.0, "relay_part_bytes": _PART}
     trainer, readers = _hosts(procs, master, [2, 2, 2], config)
     trainer.cmd("ws_publish", model="k", config=config, version=1, **_RELAY_STATE)
     for g in _pull_all(readers, "k", config):
