@@ -234,11 +234,16 @@ class _PublishMixin:
         """Removes the pieces of every publish attempt at ``vp`` except ``keep_pid``'s
         (``None``: all of them, the attempt records, and the relays' records and copies)."""
         keys = []
-        relays = []  # (position, host tag) of the version's live relays (_ws_relay.py)
+        relays = []  # (position, host tag, reader id) of the version's live relays (_ws_relay.py)
         if keep_pid is None:
             recs = self._get_records(position_keys(vp, MAX_POSITIONS))
-            relays = [(k, r.get("host")) for k, r in enumerate(recs) if isinstance(r, dict)]
-            keys += [f"{vp}relay/c{k}" for k, _ in relays] + [f"{vp}relay/h{h}" for _, h in relays]
+            relays = [
+                (k, r.get("host"), str(r.get("rid")))
+                for k, r in enumerate(recs)
+                if isinstance(r, dict)
+            ]
+            keys += [f"{vp}relay/c{k}" for k, _, _ in relays]
+            keys += [f"{vp}relay/h{h}" for _, h, _ in relays]
         for key, rec in self._attempts(vp):
             if rec is not None and rec.get("pid") == keep_pid:
                 continue
@@ -250,10 +255,10 @@ class _PublishMixin:
                 sizes, part = rec.get("nb") or [], int(rec.get("part") or 0)
                 keys += [
                     c
-                    for k, _ in relays
+                    for _, _, rid in relays
                     for b, nb in zip(pieces, sizes)
                     if part > 0 and nb
-                    for c in copy_keys(pp, k, b, int(nb), part)
+                    for c in copy_keys(pp, rid, b, int(nb), part)
                 ]
             if keep_pid is None:
                 keys.append(key)

@@ -7,11 +7,12 @@ A reader whose version's pieces lie on another host takes a role per pull:
   plain put of ``ws/M/v<v>/relay/h<host>``) and then the first free chain position
   ``relay/c<k>``; both are one-byte objects in its own segment, so they go away with it
   (the master drops a dead client's segment after ``client_ttl_s``). It reads each bucket
-  from the relay at position k-1 as soon as that one has it (position 0 from the
-  publisher's pieces) in parts (``WeightSyncConfig.relay_part_bytes``), each straight into a copy in its own
-  segment, ``<pid>/r<k>/b<s>.<i>.p<j>`` (placed before the read, committed right after
-  it: no copy on the next host's path, which waits for one part, not the whole bucket),
-  and copies them into its staging. Without room for a copy it steps down: its position
+  in parts (``WeightSyncConfig.relay_part_bytes``), each from the relay at position k-1
+  as soon as that one has it (position 0 from the publisher's pieces) straight into a
+  copy in its own segment, ``<pid>/r<rid>/b<s>.<i>.p<j>`` (``rid``: its reader id, in its
+  position record; placed before the read, committed right after it: no copy on the next
+  host's path, which waits for one part, not the whole bucket), and copies them into its
+  staging. Without room for a copy it steps down: its position
   record goes at once, its copies at the end of the pull.
 * **follower**: another reader of a host that has a relay. It reads the relay's copies,
   which lie in memory on its host (a mapped segment: no network).
@@ -84,16 +85,27 @@ def part_ranges(nbytes: int, part_bytes: int) -> list:
     return [(off, min(part_bytes, nbytes - off)) for off in range(0, nbytes, part_bytes)]
 
 
-def copy_key(pp: str, position: int, bucket_key: str, part: int) -> str:
-    """The key of relay ``position``'s copy of part ``part`` of ``bucket_key``
-    (``<pp>b<s>.<i>``)."""
-    return f"{pp}r{position}/{bucket_key[len(pp) :]}.p{part}"
+def copy_key(pp: str, rid: str, bucket_key: str, part: int) -> str:
+    """The key of the copy of part ``part`` of ``bucket_key`` (``<pp>b<s>.<i>``) that the
+    relay of reader ``rid`` made. Named by the reader, not its position: a reader that
+    takes a position another one left may not overwrite copies that one still removes."""
+    return f"{pp}r{rid}/{bucket_key[len(pp) :]}.p{part}"
 
 
-def copy_keys(pp: str, position: int, bucket_key: str, nbytes: int, part_bytes: int) -> list:
-    """The keys of relay ``position``'s copies of the parts of ``bucket_key`` (``nbytes``)."""
+def copy_keys(pp: str, rid: str, bucket_key: str, nbytes: int, part_bytes: int) -> list:
+    """The keys of the copies of the parts of ``bucket_key`` (``nbytes``) that the relay
+    of reader ``rid`` made."""
     n = len(part_ranges(nbytes, part_bytes))
-    return [copy_key(pp, position, bucket_key, j) for j in range(n)]
+    return [copy_key(pp, rid, bucket_key, j) for j in range(n)]
+
+
+def _rid_of(meta) -> str | None:
+    """The reader id in a position record's metadata (None if it holds none)."""
+    try:
+        rec = msgpack.unpackb(meta, raw=False)
+        return rec.get("rid") if isinstance(rec, dict) else None
+    except Exception:
+        return None
 
 
 class RelayPull:
@@ -103,7 +115,8 @@ class RelayPull:
         self.ws, self.store = ws, ws.store
         self.vp, self.pp, self.part_bytes = vp, pp, part_bytes
         self.position: int | None = None  # this reader's chain position, as a relay
-        self.sources: list = []  # positions to read from, nearest first; then the publisher
+        # (position, reader id) of the relays to read from, nearest first; then the publisher
+        self.sources: list = []
         self.own: list = []  # keys this reader put for this version
         self._here = _OwnSegment(preferred_segment=self.store.name, pin=True)
         # `own`, `sources` and `position`: the pull's two read threads and its caller
@@ -169,26 +182,30 @@ class RelayPull:
             recs = ws._get_records(position_keys(vp, n))
             top = ours(recs)
         top = len(recs) - 1 if top is None else top
-        self.sources = [j for j in range(top, -1, -1) if recs[j] is not None]
+        self.sources = [
+            (j, recs[j].get("rid")) for j in range(top, -1, -1) if isinstance(recs[j], dict)
+        ]
         return self
 
     def _claimed_below(self, position: int, recs: list) -> list:
-        """The positions below ``position`` whose relays are there, nearest first.
+        """``(position, reader id)`` of the relays below ``position``, nearest first.
         Claims take the first free position, so every one below this relay's was claimed
         when it claimed its own; a record not there yet is a claim still being written
         (readers start at once after a publish: a one-byte put between its two requests to
         the master), waited for up to ``_CLAIM_GRACE_S``; one still missing then is gone
         (its relay resigned meanwhile). Leaving a claim being written out would make this
         relay read from the one before it, or the publisher: another copy over that link."""
-        missing = [j for j in range(position) if recs[j] is None]
+        rids = {j: r.get("rid") for j, r in enumerate(recs[:position]) if isinstance(r, dict)}
+        missing = [j for j in range(position) if j not in rids]
         deadline = time.monotonic() + _CLAIM_GRACE_S
         pause = 0.002
         while missing and time.monotonic() < deadline:
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
-            got = self.store._exists_meta([f"{self.vp}relay/c{j}" for j in missing])
-            missing = [j for j, g in zip(missing, got) if g is None]
-        return [j for j in range(position - 1, -1, -1) if j not in missing]
+            got = self.ws._get_records([f"{self.vp}relay/c{j}" for j in missing])
+            rids.update((j, g.get("rid")) for j, g in zip(missing, got) if isinstance(g, dict))
+            missing = [j for j in missing if j not in rids]
+        return [(j, rids[j]) for j in range(position - 1, -1, -1) if j in rids]
 
     def _put_here(self, key: str, value: memoryview, record: dict) -> None:
         """Puts a claim, ``value`` with ``record`` as its metadata, into this client's own
@@ -198,9 +215,10 @@ class RelayPull:
         with self._lock:
             self.own.append(key)
 
-    def _wait(self, j: int, ck: str) -> bool:
-        """Whether relay ``j``'s copy ``ck`` exists within ``relay_wait_s`` (False at once
-        when the relay is gone)."""
+    def _wait(self, j: int, rid: str, ck: str) -> bool:
+        """Whether the copy ``ck`` of the relay at position ``j`` (reader ``rid``) exists
+        within ``relay_wait_s`` (False at once when that relay is gone: no record at
+        ``j``, or another reader's, which took the position after it left)."""
         ok = f"{self.vp}relay/c{j}"
         deadline = time.monotonic() + self.ws.cfg.relay_wait_s
         pause = 0.001
@@ -208,7 +226,8 @@ class RelayPull:
             have, alive = self.store._exists_meta([ck, ok])
             if have is not None:
                 return True
-            if alive is None or time.monotonic() > deadline:
+            gone = alive is None or (alive is not True and _rid_of(alive) != rid)
+            if gone or time.monotonic() > deadline:
                 return False
             time.sleep(pause)
             pause = min(pause * 2, 0.004)
@@ -225,7 +244,7 @@ class RelayPull:
         position = self.position  # the other read thread may step down meanwhile
         placed = None
         if position is not None:
-            keys = [copy_key(self.pp, position, key, j) for j in range(len(parts))]
+            keys = [copy_key(self.pp, self.ws._rid, key, j) for j in range(len(parts))]
             placed = self.store._place_own(keys, [n for _, n in parts], self._here)
             if placed is None:
                 self._step_down()
@@ -260,16 +279,17 @@ class RelayPull:
         """Reads part ``part`` of bucket ``key`` (its bytes from ``offset`` on) into ``mv``
         from the nearest source that has it (the publisher's piece last)."""
         while self.sources:
-            j = self.sources[0]
-            ck = copy_key(self.pp, j, key, part)
-            if self._wait(j, ck):
+            src = self.sources[0]
+            j, rid = src
+            ck = copy_key(self.pp, rid, key, part)
+            if self._wait(j, rid, ck):
                 try:
                     if self.store._get_into(ck, mv, scratch=True) == len(mv):
                         return
                 except (ObjectNotFoundError, TransferError, ValueError):
                     pass
             with self._lock:  # gone, unreadable, stalled or of another size: the next one up
-                if self.sources and self.sources[0] == j:
+                if self.sources and self.sources[0] == src:
                     self.sources.pop(0)
         self.store._get_into(key, mv, scratch=True, offset=offset)
 

@@ -61,7 +61,7 @@ pieces cover every element.
 
 Across hosts (``WeightSyncConfig.relay``): one pull per host, hosts passing buckets on
 along a chain; its records ``ws/M/v<v>/relay/h<host>`` and ``relay/c<k>`` and the copies
-``ws/M/v<v>/<pid>/r<k>/b<s>.<i>.p<j>`` (parts of a bucket) live in the relays' own segments (``_ws_relay.py``).
+``ws/M/v<v>/<pid>/r<rid>/b<s>.<i>.p<j>`` (parts of a bucket, named by the relaying reader) live in the relays' own segments (``_ws_relay.py``).
 
 Code: :class:`WeightSync` here, with its publish side in ``_ws_publish.py``, its pull
 side in ``_ws_pull.py`` and its relays across hosts in ``_ws_relay.py``; :class:`GroupWeightSync` in ``_ws_group.py``; the result records,
