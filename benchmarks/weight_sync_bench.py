@@ -122,8 +122,10 @@ def _worker(a):
     )
     gloo = dist.new_group(backend="gloo", timeout=timedelta(seconds=300))
     bucket = a.bucket_mib * MiB
-    # the view path keeps the held version and the next one; the copy path one or two
-    seg = (4 * a.mib + 64) * MiB if rank == 0 else 0
+    # docs/weight-sync.md "Sizing the trainer's segment": keep_versions + 2 versions per
+    # model (the copy way's), one more for the view way (its readers' held version stays
+    # until that model's next commit), plus 10 %
+    seg = (a.mib * 5 * 11 // 10 + 64) * MiB if rank == 0 else 0
     store = MooncakeStore(master=a.master, segment_size=seg, serve_tcp=False)
     ws = {
         way: WeightSync(
