@@ -547,8 +547,9 @@ class WeightSyncConfig:
             )
         for f in ("bucket_bytes", "relay_part_bytes"):
             v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"WeightSyncConfig: {f} must be an int >= 1, got {v!r}")
+            # below 2**63: sizes go into the version's records (msgpack integers)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v < 1 << 63:
+                raise ValueError(f"WeightSyncConfig: {f} must be an int in [1, 2**63), got {v!r}")
         if not isinstance(self.keep_versions, int) or self.keep_versions < 0:
             raise ValueError(
                 f"WeightSyncConfig: keep_versions must be an int >= 0, got {self.keep_versions!r}"

@@ -353,9 +353,15 @@ def test_weight_sync_and_kv_cache_configs_name_the_bad_value():
         WeightSyncConfig(relay_wait_s=-1)
     with pytest.raises(ValueError, match=r"hold_ttl_s must be a positive number, got True$"):
         WeightSyncConfig(hold_ttl_s=True)
-    with pytest.raises(ValueError, match=r"relay_part_bytes must be an int >= 1, got 0$"):
+    with pytest.raises(
+        ValueError, match=r"relay_part_bytes must be an int in \[1, 2\*\*63\), got 0$"
+    ):
         WeightSyncConfig(relay_part_bytes=0)
-    with pytest.raises(ValueError, match=r"bucket_bytes must be an int >= 1, got True$"):
+    with pytest.raises(ValueError, match=r"relay_part_bytes must be .*, got 18446744073709551616$"):
+        WeightSyncConfig(
+            relay_part_bytes=1 << 64
+        )  # found by a new-user trial: OverflowError at publish
+    with pytest.raises(ValueError, match=r"bucket_bytes must be an int in .*, got True$"):
         WeightSyncConfig(bucket_bytes=True)
     with pytest.raises(ValueError, match=r"checksums must be a bool, got 'no'$"):
         WeightSyncConfig(checksums="no")
