@@ -12,8 +12,8 @@ A reader whose version's pieces lie on another host takes a role per pull:
   copy in its own segment, ``<pid>/r<rid>/b<s>.<i>.p<j>`` (``rid``: its reader id, in its
   position record; placed before the read, committed right after it: no copy on the next
   host's path, which waits for one part, not the whole bucket), and copies them into its
-  staging. Without room for a copy it steps down: its position
-  record goes at once, its copies at the end of the pull.
+  staging. Without room for a copy it steps down: its position record goes at once, its
+  copies at the end of the pull.
 * **follower**: another reader of a host that has a relay. It reads the relay's copies,
   which lie in memory on its host (a mapped segment: no network).
 * **plain**: no relay on its host and none possible (no transfer engine serving its
@@ -24,9 +24,9 @@ Each reader reads from positions below its own only (a follower from its relay's
 chain has no cycle. A source whose position record is gone (dead, resigned after a
 failure, or stepped down), whose copy cannot be read, or that has not had a part for
 ``relay_wait_s`` is left for the next one up, for that part and the rest; the publisher's
-pieces come last. The bytes' checks are the reader's own (``_ws_pull.py``: every piece's digest from
-the publisher's manifest, before anything is installed), so a relay never changes what a
-reader installs, only where its bytes come from.
+pieces come last. The bytes' checks are the reader's own (``_ws_pull.py``: every piece's
+digest from the publisher's manifest, before anything is installed), so a relay never
+changes what a reader installs, only where its bytes come from.
 
 This follows checkpoint-engine's bucketed pipeline through a broadcast (each host link
 carries the weights about once); the chain is its store-side form: a relay needs no
