@@ -520,8 +520,8 @@ class WeightSyncConfig:
         relay_part_bytes: bytes a relay passes on at a time: the next host reads a part
             of a bucket as soon as it is in, so each hop down the chain adds one part's
             transfer to a pull (17 ms for 4 MiB at 2 Gbit/s), not one bucket's; smaller
-            parts cost more requests to the master. The publisher's value holds for
-            its version (it is recorded with the version's commit).
+            parts cost more requests to the master (at least 64 KiB). The publisher's
+            value holds for its version (it is recorded with the version's commit).
     """
 
     bucket_bytes: int = 64 * MiB
@@ -545,11 +545,14 @@ class WeightSyncConfig:
             raise ValueError(
                 "WeightSyncConfig: install='view' needs pin=True (an evicted object's memory is reused)"
             )
-        for f in ("bucket_bytes", "relay_part_bytes"):
+        # below 2**63: sizes go into the version's records (msgpack integers); parts of at
+        # least 64 KiB: each is a store object of every relay, with its requests to the master
+        for f, low in (("bucket_bytes", 1), ("relay_part_bytes", 64 * 1024)):
             v = getattr(self, f)
-            # below 2**63: sizes go into the version's records (msgpack integers)
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v < 1 << 63:
-                raise ValueError(f"WeightSyncConfig: {f} must be an int in [1, 2**63), got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or not low <= v < 1 << 63:
+                raise ValueError(
+                    f"WeightSyncConfig: {f} must be an int in [{low}, 2**63), got {v!r}"
+                )
         if not isinstance(self.keep_versions, int) or self.keep_versions < 0:
             raise ValueError(
                 f"WeightSyncConfig: keep_versions must be an int >= 0, got {self.keep_versions!r}"

@@ -354,13 +354,12 @@ def test_weight_sync_and_kv_cache_configs_name_the_bad_value():
     with pytest.raises(ValueError, match=r"hold_ttl_s must be a positive number, got True$"):
         WeightSyncConfig(hold_ttl_s=True)
     with pytest.raises(
-        ValueError, match=r"relay_part_bytes must be an int in \[1, 2\*\*63\), got 0$"
+        ValueError, match=r"relay_part_bytes must be an int in \[65536, 2\*\*63\), got 4096$"
     ):
-        WeightSyncConfig(relay_part_bytes=0)
+        WeightSyncConfig(relay_part_bytes=4096)
+    # found by a new-user trial: taken, then publish failed with msgpack's OverflowError
     with pytest.raises(ValueError, match=r"relay_part_bytes must be .*, got 18446744073709551616$"):
-        WeightSyncConfig(
-            relay_part_bytes=1 << 64
-        )  # found by a new-user trial: OverflowError at publish
+        WeightSyncConfig(relay_part_bytes=1 << 64)
     with pytest.raises(ValueError, match=r"bucket_bytes must be an int in .*, got True$"):
         WeightSyncConfig(bucket_bytes=True)
     with pytest.raises(ValueError, match=r"checksums must be a bool, got 'no'$"):
