@@ -284,9 +284,8 @@ def _hosts_worker() -> None:
     tx: dict = {way: [] for way in ways}
     relay: dict = {way: [] for way in store_ways}  # PullResult.relay_position per rep
     publish_s: dict = {way: [] for way in store_ways}  # the trainer's publish alone
-    pull_end_s: dict = {
-        way: [] for way in store_ways
-    }  # from the version's start to this pull's end
+    # from the version's start to the end of this reader's pull
+    pull_end_s: dict = {way: [] for way in store_ways}
     digests = {}
     version = 0
     for rep in range(a["reps"]):

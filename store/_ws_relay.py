@@ -257,22 +257,22 @@ class RelayPull:
                 self._read_part(key, j, off, mv[off : off + n])
                 continue
             view, version = placed[j]
+            unused = [[k, p[1]] for k, p in zip(keys[j:], placed[j:])]  # given back on failure
             try:
                 self._read_part(key, j, off, view)
             except BaseException:
-                self.store._revoke([[k, p[1]] for k, p in zip(keys[j:], placed[j:])])
+                self.store._revoke(unused)
                 raise
             try:
                 self.store._commit_one(keys[j], version)
+                with self._lock:
+                    self.own.append(keys[j])
             except StoreError:  # not committed (a leader change lost it): no more copies
-                dst[off : off + n].copy_(torch.frombuffer(view, dtype=torch.uint8))
-                self.store._revoke([[k, p[1]] for k, p in zip(keys[j:], placed[j:])])
-                self._step_down()
                 placed = None
-                continue
-            with self._lock:
-                self.own.append(keys[j])
             dst[off : off + n].copy_(torch.frombuffer(view, dtype=torch.uint8))
+            if placed is None:  # after the copy: the space of this part goes back too
+                self.store._revoke(unused)
+                self._step_down()
         return dst
 
     def _read_part(self, key: str, part: int, offset: int, mv: memoryview) -> None:

@@ -440,7 +440,9 @@ def ws_store_relay(rank, world_size, tensors, tensor_mib):
     store = MooncakeStore(
         master=master_addr, segment_size=(4 if rank == 0 else 2) * nbytes + (16 << 20)
     )
-    ws = WeightSync(store, "mh", config=WeightSyncConfig(bucket_bytes=tensor_mib << 20))
+    # relays pass each bucket on in four parts (the publisher's value holds for all)
+    cfg = WeightSyncConfig(bucket_bytes=tensor_mib << 20, relay_part_bytes=tensor_mib << 18)
+    ws = WeightSync(store, "mh", config=cfg)
     model = state(1) if rank == 0 else {k: torch.zeros_like(t) for k, t in state(0).items()}
     if rank == 0:
         ws.publish(model, 1)

@@ -612,10 +612,11 @@ def test_ep_relay_killed_between_dispatch_and_combine(ranks_per_host):
 
 
 def test_weight_sync_store_pull_crosses_the_trainers_link_once():
-    """WeightSync across 1+2+2+2 hosts: one reader per rollout host relays (positions 0-2),
-    every reader holds the trainer's tensors, and the bytes that left the trainer's host
-    during the pulls (kernel counters) are about one copy of the state, where reading
-    from the trainer's segment would send six."""
+    """WeightSync across 1+2+2+2 hosts: one reader per rollout host relays (positions 0-2,
+    passing each bucket on in parts), every reader holds the trainer's tensors, and the
+    bytes that left the trainer's host during the pulls (kernel counters) are about one
+    copy of the state, where reading from the trainer's segment would send six (and a relay
+    that missed the position below it, still being claimed, a second one)."""
     tensors, tensor_mib = 8, 1
     with netns.hosts(4, "mcmh") as t:
         res = run_ranks(

@@ -260,9 +260,9 @@ def ws_state(version: int, tensors: int, kib: int) -> dict:
 def _weight_sync(store, weight_syncs: dict, op: str, req: dict):
     """``ws_publish``: publishes ``ws_state(version, tensors, kib)``. ``ws_pull``: pulls the
     latest version into zeros and answers which version's state the result equals (the
-    digests are the agent's own, of the state it generates), its relay position and the
-    error, if any; ``kill_relay_at``: the relay at chain position 0 SIGKILLs itself before it
-    stages that bucket."""
+    digests are the agent's own, of the state it generates), its relay position, its reader
+    and publish ids and the error, if any; ``kill_relay_at``: the relay at chain position 0
+    SIGKILLs itself before it stages that bucket."""
     from mooncake_store import WeightSync, WeightSyncConfig, tensor_digest
 
     ws = weight_syncs.get(req["model"])
@@ -288,6 +288,8 @@ def _weight_sync(store, weight_syncs: dict, op: str, req: dict):
         out["error"] = f"{type(e).__name__}: {e}"
     got = {k: tensor_digest(t) for k, t in model.items()}
     out["version"] = ws.version
+    # what names this reader's relay copies (docs/weight-sync.md: <pid>/r<rid>/b<s>.<i>.p<j>)
+    out["rid"], out["pid"] = ws._rid, ws._held_pid
     out["equals"] = [
         v
         for v in range(ws.version + 1)

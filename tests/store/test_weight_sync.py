@@ -1387,8 +1387,9 @@ def _pull_all(readers, model, config, **kw):
 def test_store_pull_across_hosts_one_relay_per_host_in_a_chain(procs):
     """Three hosts of two readers: one reader per host relays (chain positions 0, 1, 2),
     the other reads its relay's copies; every reader holds the trainer's bytes (digests
-    of the state it generates itself). A version the trainer drops takes the relays'
-    records and copies with it."""
+    of the state it generates itself); each relay holds its copy of every bucket in parts
+    (``relay_part_bytes``). A version the trainer drops takes the relays' records and
+    copies with it."""
     master = procs.start_master()
     config = {"bucket_bytes": MiB, "keep_versions": 0, "relay_part_bytes": _PART}
     trainer, readers = _hosts(procs, master, [2, 2, 2], config)
@@ -1406,6 +1407,15 @@ def test_store_pull_across_hosts_one_relay_per_host_in_a_chain(procs):
         assert pair.count(None) == 1, positions
     assert sorted(p for p in positions if p is not None) == [0, 1, 2]
     keys = [f"ws/m/v1/relay/c{k}" for k in range(3)]
+    # each relay's copies: every 1 MiB bucket in four parts, named by the relaying reader
+    keys += [
+        f"ws/m/v1/{g['pid']}/r{g['rid']}/b0.{i}.p{j}"
+        for g in got
+        if g["position"] is not None
+        for i in range(_RELAY_STATE["tensors"])
+        for j in range(MiB // _PART)
+    ]
+    assert len(keys) == 3 + 3 * 8 * 4
     assert all(trainer.cmd("exists", key=k) for k in keys)
     # versions 2 and 3 with no reader pulling: version 1 goes, its relays' keys too
     trainer.cmd("ws_publish", model="m", config=config, version=2, **_RELAY_STATE)
