@@ -139,6 +139,7 @@ class RelayPull:
         self = cls(ws, vp, pp, part_bytes)
         tag = host_tag(store.cfg.host_id)
         n = MAX_POSITIONS
+        host_claimed = False  # by another reader of this host (its put may still be going on)
         if store._te_desc() is not None and store.cfg.segment_size >= nbytes:
             try:
                 self._put_here(f"{vp}relay/h{tag}", _ONE_BYTE, {"rid": ws._rid})
@@ -152,7 +153,7 @@ class RelayPull:
                 else:
                     self.resign()  # every position taken: follow
             except ObjectExistsError:
-                pass  # the host has a relay: follow it
+                host_claimed = True  # the host has a relay: follow it
             except StoreError:
                 self.resign()  # no room here: read from the others
         recs = ws._get_records(position_keys(vp, n))
@@ -169,13 +170,17 @@ class RelayPull:
         top = ours(recs)
         # the host's relay may hold the host claim without its position yet (a loaded host
         # takes a while to put its claims: reading elsewhere meanwhile would cost the
-        # publisher's link a copy)
+        # publisher's link a copy), and a claim this reader found taken may not be visible
+        # yet (as in _claimed_below)
         # (two master requests a try, the second for every position's record: the pause
         # grows, as the wait can last up to relay_wait_s)
-        deadline = time.monotonic() + self.ws.cfg.relay_wait_s
+        now = time.monotonic()
+        deadline, grace = now + self.ws.cfg.relay_wait_s, now + _CLAIM_GRACE_S
         pause = 0.005
         while top is None and time.monotonic() < deadline:
-            if store._exists_meta([f"{vp}relay/h{tag}"])[0] is None:
+            if store._exists_meta([f"{vp}relay/h{tag}"])[0] is None and not (
+                host_claimed and time.monotonic() < grace
+            ):
                 break
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
