@@ -345,7 +345,12 @@ class MooncakeBackend : public c10d::Backend {
   int64_t deadline_ns_for(std::chrono::milliseconds t) const;
 
   void setup(const c10::intrusive_ptr<c10d::Store>& store);
-  void build_transport(const std::string& ns, const std::vector<int>& members, int64_t wait_ms = 0);
+  // before_last_sync: this rank's last store writes of the build (the founders' group
+  // record); it runs before the step that holds the lowest member back until every member has
+  // reached it, so that no member still talks to the store when that one (usually the store's
+  // host) may return and exit.
+  void build_transport(const std::string& ns, const std::vector<int>& members, int64_t wait_ms = 0,
+                       const std::function<void()>& before_last_sync = {});
   // A recovering process that finds no group yet: waits for one, raising ValueError when
   // its founders count its seat as one of theirs.
   void await_group(const c10::intrusive_ptr<c10d::Store>& store);
@@ -385,7 +390,8 @@ class MooncakeBackend : public c10d::Backend {
   std::shared_ptr<Heartbeat> heartbeat_;
   std::vector<int64_t> hb_count_, hb_changed_ns_;
   int64_t next_hb_check_ns_ = 0;
-  void start_heartbeat();
+  // st: the connection the beats use (a clone of the store made while set-up still talks to it)
+  void start_heartbeat(const c10::intrusive_ptr<c10d::Store>& st);
   std::vector<int> heartbeat_lost(const std::vector<int>& ranks);
   // After an op that succeeded here: raises RankFencedError when the others have declared
   // this rank failed meanwhile (a rank late to an op by more than the timeout can still

@@ -107,17 +107,11 @@ PeersGone MooncakeBackend::probe_dead(const std::vector<int>& ranks) {
   return {dead, "process exited"};
 }
 
-void MooncakeBackend::start_heartbeat() {
+void MooncakeBackend::start_heartbeat(const c10::intrusive_ptr<c10d::Store>& st) {
   if (heartbeat_) return;
   heartbeat_ = std::make_shared<Heartbeat>();
   hb_count_.assign(size_, -1);
   hb_changed_ns_.assign(size_, 0);
-  c10::intrusive_ptr<c10d::Store> st;
-  try {
-    st = store_->clone();  // a connection of its own: never queued behind a blocked call
-  } catch (const std::exception&) {
-    st = store_;
-  }
   const std::string key = store_ns_ + "hb/" + std::to_string(rank_);
   const std::string records = store_ns_ + "epoch/";
   // detached, owning what it touches: a beat blocked on an unreachable store outlives the

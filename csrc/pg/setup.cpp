@@ -120,11 +120,14 @@ void MooncakeBackend::setup(const c10::intrusive_ptr<c10d::Store>& store) {
   const int64_t inc = (store->add("mc/setups", 1) - 1) / static_cast<int64_t>(founders.size());
   store_ns_ = "mc/" + std::to_string(inc) + "/";
   founding_adds_ = inc * static_cast<int64_t>(founders.size());
-  build_transport(store_ns_ + "t0/", founders, cfg_.setup_wait_ms);
+  // The group record a replacement looks for: written before the transport's last step (see
+  // build_transport), every member's transport is up or about to be when it appears.
+  build_transport(store_ns_ + "t0/", founders, cfg_.setup_wait_ms, [&]() {
+    store_set_str(store, store_ns_ + "cfg", group_cfg_string());
+    store_set_str(store, "mc/current", store_ns_);
+  });
   founding_adds_ = -1;
   refresh_active_list();
-  store_set_str(store, store_ns_ + "cfg", group_cfg_string());
-  store_set_str(store, "mc/current", store_ns_);
 }
 
 void MooncakeBackend::await_group(const c10::intrusive_ptr<c10d::Store>& store) {
@@ -154,8 +157,8 @@ std::string MooncakeBackend::group_cfg_string() const {
   return std::to_string(size_) + "|" + cfg_.transport + "|" + std::to_string(cfg_.shm_slot_bytes / 64 * 64);
 }
 
-void MooncakeBackend::build_transport(const std::string& ns, const std::vector<int>& members,
-                                      int64_t wait_ms) {
+void MooncakeBackend::build_transport(const std::string& ns, const std::vector<int>& members, int64_t wait_ms,
+                                      const std::function<void()>& before_last_sync) {
   // Connects `members` (ascending group ranks, this rank among them): shared memory when
   // they share a host (or forced), else a TCP mesh. Keys live under `ns`.
   const int W = size_;
@@ -320,6 +323,24 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
       !(t == "shm" && !one_host),
       "MooncakeBackend::setup: transport 'shm' needs every rank on one host (MOONCAKE_HOST_ID differs)");
 
+  // Every store request of this build comes before its last step, which holds the lowest
+  // member back until every member has reached it: on one host the lead's wait for each
+  // mate's mapped/ key, across hosts its accept of each higher member's connection (a member
+  // connects only after its store requests, the host segment's and the RDMA exchange's
+  // included). The lowest member is usually rank 0, whose process hosts the TCPStore and may
+  // exit as soon as its init returns; a request after that fails with a broken pipe (a
+  // clone's connect retries for the whole timeout).
+  c10::intrusive_ptr<c10d::Store> hb_store;
+  auto last_store_requests = [&]() {
+    if (!one_host && !heartbeat_) {
+      try {
+        hb_store = store_->clone();  // beats on a connection of their own: never queued behind a blocked call
+      } catch (const std::exception&) {
+        hb_store = store_;
+      }
+    }
+    if (before_last_sync) before_last_sync();
+  };
   std::unique_ptr<CollEngine> coll;
   std::unique_ptr<P2PChannel> p2p;
   // The ranks of this host (members with my host id) map one shared segment, created by
@@ -328,7 +349,8 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
   for (int j : members)
     if (hosts[j] == cfg_.host_id) mates.push_back(j);
   ShmLayout layout(W, slot, hcap, static_cast<size_t>(cfg_.p2p_ring_bytes));
-  auto host_segment = [&]() {
+  // last: this segment's mapped/ keys are the build's last step (shm only, see above)
+  auto host_segment = [&](bool last) {
     const int host_lead = mates.front();
     const std::string seg_key = key("shm/" + std::to_string(host_of_[rank_]));
     auto seg = std::make_shared<ShmSegment>();
@@ -350,6 +372,7 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
       }
       seg->open(store_get_str(store, seg_key), layout.total);
     }
+    if (last) last_store_requests();
     store_set_str(store, key("mapped/" + std::to_string(rank_)), "1");
     if (rank_ == host_lead) {
       std::vector<std::string> keys;
@@ -368,11 +391,18 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
     return seg;
   };
   const bool spin = static_cast<int>(mates.size()) <= available_cpus();
+  // across hosts under "auto", the ranks of a host share collectives (not p2p) in memory
+  const bool hybrid = !use_shm && t == "auto" && mates.size() > 1;
   if (use_shm) {
-    auto seg = host_segment();
+    auto seg = host_segment(/*last=*/true);
     coll = std::make_unique<ShmEngine>(rank_, W, seg, layout, spin);
     p2p = std::make_unique<ShmP2P>(rank_, W, seg, layout);
   } else {
+    std::shared_ptr<ShmSegment> host_seg;
+    if (hybrid) {
+      layout = ShmLayout(W, slot, hcap, 0);
+      host_seg = host_segment(/*last=*/false);
+    }
     // A rank that reached the store over loopback is on the store's host; when the group
     // spans hosts it listens on the interface routed to the store's address as a rank of
     // another host reaches it (that rank's route and ours lead to the same network).
@@ -427,6 +457,34 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
               " an address the other hosts reach: MooncakeOptions(host_ip=...) or "
               "MOONCAKE_SOCKET_IFNAME, or rendezvous through such an address (MASTER_ADDR / init_method)");
     }
+    if (t == "rdma") {
+#ifdef MOONCAKE_WITH_RDMA
+      // collectives over RDMA queue pairs (their addresses go through the store, so before
+      // the connects); p2p byte streams stay on TCP
+      auto publish = [&](const std::string& k, const std::string& v) {
+        store_set_str(store, key("rdma/" + k), v);
+      };
+      auto fetch = [&](int j, const std::string& k) {
+        const std::string full = key("rdma/" + k);
+        try {
+          store->wait({full}, std::chrono::milliseconds(connect_timeout_ms));
+        } catch (const std::exception&) {
+          TORCH_CHECK(false, "MooncakeBackend::build_transport: rank ", j, " did not publish its RDMA '", k,
+                      "' within ", connect_timeout_ms, " ms");
+        }
+        return store_get_str(store, full);
+      };
+      try {
+        coll = std::make_unique<RdmaEngine>(rank_, W, slot, hcap, members, cfg_.rdma_device,
+                                            static_cast<int>(cfg_.rdma_gid_index), publish, fetch);
+      } catch (const c10::Error&) {
+        throw;
+      } catch (const std::exception& e) {
+        TORCH_CHECK(false, "MooncakeBackend::build_transport: transport 'rdma': ", e.what());
+      }
+#endif
+    }
+    last_store_requests();
     int higher = 0;
     for (int j : members) {
       if (j > rank_) {
@@ -454,32 +512,10 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
     }
     if (t == "rdma") {
 #ifdef MOONCAKE_WITH_RDMA
-      // collectives over RDMA queue pairs; p2p byte streams stay on TCP
       for (int& fd : cfds)
         if (fd >= 0) close(fd);
-      auto publish = [&](const std::string& k, const std::string& v) {
-        store_set_str(store, key("rdma/" + k), v);
-      };
-      auto fetch = [&](int j, const std::string& k) {
-        const std::string full = key("rdma/" + k);
-        try {
-          store->wait({full}, std::chrono::milliseconds(connect_timeout_ms));
-        } catch (const std::exception&) {
-          TORCH_CHECK(false, "MooncakeBackend::build_transport: rank ", j, " did not publish its RDMA '", k,
-                      "' within ", connect_timeout_ms, " ms");
-        }
-        return store_get_str(store, full);
-      };
-      try {
-        coll = std::make_unique<RdmaEngine>(rank_, W, slot, hcap, members, cfg_.rdma_device,
-                                            static_cast<int>(cfg_.rdma_gid_index), publish, fetch);
-      } catch (const c10::Error&) {
-        throw;
-      } catch (const std::exception& e) {
-        TORCH_CHECK(false, "MooncakeBackend::build_transport: transport 'rdma': ", e.what());
-      }
 #endif
-    } else if (t == "auto" && mates.size() > 1) {
+    } else if (hybrid) {
       // collectives: shared memory between the ranks of this host, TCP to the others
       std::vector<char> local(W, 0);
       for (int j : mates) {
@@ -487,9 +523,7 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
         if (j != rank_ && cfds[j] >= 0) close(cfds[j]);
         if (j != rank_) cfds[j] = -1;
       }
-      ShmLayout hl(W, slot, hcap, 0);
-      layout = hl;
-      coll = std::make_unique<HybridEngine>(rank_, W, host_segment(), layout, spin, local, cfds);
+      coll = std::make_unique<HybridEngine>(rank_, W, host_seg, layout, spin, local, cfds);
     } else {
       coll = std::make_unique<TcpEngine>(rank_, W, slot, hcap, cfds);
     }
@@ -498,7 +532,7 @@ void MooncakeBackend::build_transport(const std::string& ns, const std::vector<i
   coll->set_liveness([this](const std::vector<int>& ranks) { return probe_dead(ranks); });
   coll_ = std::move(coll);
   p2p_ = std::move(p2p);
-  if (!one_host) start_heartbeat();
+  if (!one_host) start_heartbeat(hb_store);
 }
 
 }  // namespace mooncake
