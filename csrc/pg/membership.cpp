@@ -153,8 +153,14 @@ void MooncakeBackend::fence_if_declared_failed() {
   Record rec;
   try {
     if (!read_record_full(agreed_epoch_ + 1, &rec) || rec.join) return;  // a join: the survivors' call
-  } catch (const std::exception&) {  // an unreachable store is found out by the next op
-    return;
+  } catch (const std::exception&) {
+    // The heartbeat saw a record this op did not take part in, and the store that holds it
+    // is gone (its host exited): the others may have finished this op without this rank, so
+    // its result is not given out.
+    fence("membership epoch " + std::to_string(agreed_epoch_ + 1) +
+              " was recorded while this rank was in an op, and the control store became unreachable "
+              "before it could read whether the record lists it",
+          static_cast<int64_t>(agreed_epoch_));
   }
   if (std::find(rec.ranks.begin(), rec.ranks.end(), rank_) == rec.ranks.end()) return;
   agree({}, "catch up");  // catches up with that record, which lists this rank: raises
