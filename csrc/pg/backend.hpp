@@ -363,6 +363,7 @@ class MooncakeBackend : public c10d::Backend {
     std::string raw;
   };
   bool read_record_full(uint64_t epoch, Record* rec);
+  static Record parse_record(const std::string& raw);
   std::string group_cfg_string() const;
   std::vector<int> joinable_members(std::string* ns, uint64_t* epoch);
   bool members_all_dead(const std::string& ns, const std::vector<int>& members);
@@ -386,6 +387,11 @@ class MooncakeBackend : public c10d::Backend {
     std::atomic<bool> stop{false};
     std::atomic<uint64_t> epoch{0};
     std::atomic<uint64_t> newer{0};
+    // the text of record `newer` as the thread read it (records never change once written),
+    // for an op that finds the store gone by the time it checks the record
+    std::mutex mu;
+    uint64_t seen_epoch = 0;
+    std::string seen_record;
   };
   std::shared_ptr<Heartbeat> heartbeat_;
   std::vector<int64_t> hb_count_, hb_changed_ns_;

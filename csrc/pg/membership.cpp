@@ -122,7 +122,13 @@ void MooncakeBackend::start_heartbeat(const c10::intrusive_ptr<c10d::Store>& st)
       try {
         st->add(key, 1);
         const uint64_t next = hb->epoch.load() + 1;
-        if (hb->newer.load() < next && st->check({records + std::to_string(next)})) hb->newer.store(next);
+        if (hb->newer.load() < next && st->check({records + std::to_string(next)})) {
+          hb->newer.store(next);  // before the read: a store lost during it must still show
+          const auto v = st->get(records + std::to_string(next));
+          std::lock_guard<std::mutex> g(hb->mu);
+          hb->seen_epoch = next;
+          hb->seen_record.assign(v.begin(), v.end());
+        }
       } catch (const c10::DistNetworkError&) {
         // A TCPStore client does not reconnect: every later call would fail too (and torch
         // logs a stack trace for each). The others see this rank's beats stop, and its own
@@ -150,18 +156,30 @@ void MooncakeBackend::fence_if_declared_failed() {
   if (!heartbeat_) return;
   heartbeat_->epoch.store(agreed_epoch_);
   if (heartbeat_->newer.load() <= agreed_epoch_) return;
+  const uint64_t e = agreed_epoch_ + 1;
   Record rec;
-  try {
-    if (!read_record_full(agreed_epoch_ + 1, &rec) || rec.join) return;  // a join: the survivors' call
-  } catch (const std::exception&) {
-    // The heartbeat saw a record this op did not take part in, and the store that holds it
-    // is gone (its host exited): the others may have finished this op without this rank, so
-    // its result is not given out.
-    fence("membership epoch " + std::to_string(agreed_epoch_ + 1) +
-              " was recorded while this rank was in an op, and the control store became unreachable "
-              "before it could read whether the record lists it",
-          static_cast<int64_t>(agreed_epoch_));
+  std::string seen;
+  {
+    std::lock_guard<std::mutex> g(heartbeat_->mu);
+    if (heartbeat_->seen_epoch == e) seen = heartbeat_->seen_record;
   }
+  if (!seen.empty()) {
+    rec = parse_record(seen);
+  } else {
+    try {
+      if (!read_record_full(e, &rec)) return;
+    } catch (const std::exception&) {
+      // A record this op did not take part in exists, and the store that holds it is gone
+      // (its host exited): the others may have finished this op without this rank, so its
+      // result is not given out.
+      const std::string msg = "MooncakeBackend: membership epoch " + std::to_string(e) +
+                              " was recorded while this rank was in an op, and the control store became "
+                              "unreachable before this rank could read whether the record lists it";
+      log_membership("fenced: " + msg);
+      fence(msg, static_cast<int64_t>(agreed_epoch_));
+    }
+  }
+  if (rec.join) return;  // a join: the survivors' call
   if (std::find(rec.ranks.begin(), rec.ranks.end(), rank_) == rec.ranks.end()) return;
   agree({}, "catch up");  // catches up with that record, which lists this rank: raises
 }
@@ -236,25 +254,29 @@ bool MooncakeBackend::read_record_full(uint64_t epoch, Record* rec) {
     return std::string(v.begin(), v.end());
   });
   if (got == "\x01") return false;
-  rec->raw = got;
-  std::string first = rec->raw.substr(0, rec->raw.find(';'));
-  rec->join = first.rfind("join=", 0) == 0;
-  rec->ranks = parse_ranks(rec->join ? first.substr(5) : first);
-  rec->active.clear();
-  rec->pids.clear();
-  if (rec->join) {
-    size_t q = rec->raw.find(";pids=");
+  *rec = parse_record(got);
+  return true;
+}
+
+MooncakeBackend::Record MooncakeBackend::parse_record(const std::string& raw) {
+  Record rec;
+  rec.raw = raw;
+  std::string first = raw.substr(0, raw.find(';'));
+  rec.join = first.rfind("join=", 0) == 0;
+  rec.ranks = parse_ranks(rec.join ? first.substr(5) : first);
+  if (rec.join) {
+    size_t q = raw.find(";pids=");
     if (q != std::string::npos) {
-      std::string rest = rec->raw.substr(q + 6);
-      rec->pids = rest.substr(0, rest.find(';'));
+      std::string rest = raw.substr(q + 6);
+      rec.pids = rest.substr(0, rest.find(';'));
     }
-    size_t a = rec->raw.find(";active=");
+    size_t a = raw.find(";active=");
     if (a != std::string::npos) {
-      std::string rest = rec->raw.substr(a + 8);
-      rec->active = parse_ranks(rest.substr(0, rest.find(';')));
+      std::string rest = raw.substr(a + 8);
+      rec.active = parse_ranks(rest.substr(0, rest.find(';')));
     }
   }
-  return true;
+  return rec;
 }
 
 void MooncakeBackend::log_membership(const std::string& msg) {
