@@ -745,13 +745,13 @@ def drive(args, rest) -> int:
     embedded = None
     if args.rollouts > 0 and (args.serve_store or not args.store):
         from mooncake_store import MasterConfig, MooncakeStore
-        from mooncake_store.config import _parse_hostport
+        from mooncake_store.common.config import parse_hostport
 
         # the store master (and a segment for weights and K/V) lives in this process: on
         # 127.0.0.1, or (--hosts) on host 0's address for the other hosts
         master = None
         if args.serve_store:
-            host, port = _parse_hostport(args.store, "--store")
+            host, port = parse_hostport(args.store, "--store")
             master = MasterConfig(host=host, port=port)
         embedded = MooncakeStore(segment_size=args.store_segment_mib << 20, master_config=master)
         args.store = embedded.master_address

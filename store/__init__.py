@@ -7,21 +7,16 @@
 
 Master as a service: ``mooncake-store-master`` / ``python -m mooncake_store.master``.
 
-On top of it: :class:`WeightSync` (versioned weights, trainer -> rollout, atomic per
-reader) and :class:`GroupWeightSync` (the same over a process group, atomic for the
-group) in ``weight_sync.py``; :class:`KVCacheStore` (prefix K/V chunks) in ``kvcache.py``.
+The package's folders follow its jobs: ``client/`` (:class:`MooncakeStore`), ``master/``
+(the metadata service), ``weight_sync/`` (:class:`WeightSync`: versioned weights, trainer
+-> rollout, atomic per reader; :class:`GroupWeightSync`: the same over a process group,
+atomic for the group), ``kvcache/`` (:class:`KVCacheStore`: prefix K/V chunks) and
+``common/`` (errors, wire format, environment, segment layout).
 """
 
-from .client import MooncakeStore, Placement, StoreStats
-from .config import (
-    KVCacheConfig,
-    MasterConfig,
-    ReplicateConfig,
-    StoreConfig,
-    WeightSyncConfig,
-    env_defaults,
-)
-from .errors import (
+from .client import MooncakeStore, Placement, ReplicateConfig, StoreConfig, StoreStats
+from .common.config import env_defaults
+from .common.errors import (
     AuthError,
     LeaseExpiredError,
     NoSpaceError,
@@ -37,13 +32,22 @@ from .errors import (
     TransferError,
     WeightSyncAbortedError,
 )
-from .kvcache import KVCacheStats, KVCacheStore, KVGetResult, KVPutResult, chunk_hashes
+from .kvcache import (
+    KVCacheConfig,
+    KVCacheStats,
+    KVCacheStore,
+    KVGetResult,
+    KVPutResult,
+    chunk_hashes,
+)
+from .master import MasterConfig
 from .weight_sync import (
     GroupSyncResult,
     GroupWeightSync,
     PublishResult,
     PullResult,
     WeightSync,
+    WeightSyncConfig,
     tensor_digest,
 )
 
@@ -87,8 +91,8 @@ __all__ = [
 
 
 def __getattr__(name):
-    # ``Master`` is imported on first use, so that ``python -m mooncake_store.master`` does not
-    # find the module already imported by the package (runpy's RuntimeWarning).
+    # ``Master`` is imported on first use: only a process that runs a master pays for its
+    # asyncio server (a client with a master elsewhere never loads it)
     if name == "Master":
         from .master import Master
 

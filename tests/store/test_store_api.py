@@ -315,10 +315,10 @@ def test_preferred_segment_is_a_preference(store):
 
 
 def test_a_relays_copy_goes_to_its_own_segment_or_nowhere():
-    """A weight-sync relay's copies (``_ws_relay._OwnSegment``) are placed in the preferred
+    """A weight-sync relay's copies (``weight_sync/relay.py`` ``_OwnSegment``) are placed in the preferred
     segment alone: with no room there, the put fails with ``NoSpaceError`` and no other
     segment (another host's, the trainer's) takes the copy."""
-    from mooncake_store._ws_relay import _OwnSegment
+    from mooncake_store.weight_sync.relay import _OwnSegment
 
     with (
         MooncakeStore(segment_size=8 << 20, serve_tcp=False) as big,

@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 from mooncake_store import MooncakeStore, ReplicateConfig
-from mooncake_store.protocol import Connection
+from mooncake_store.common.protocol import Connection
 from tests.faults import kill_group
 from tests.store import store_agents as sa
 

@@ -9,9 +9,9 @@ import time
 import pytest
 
 from mooncake_store import MooncakeStore, ObjectExistsError, ReplicateConfig
-from mooncake_store.alloc import aligned
-from mooncake_store.config import MasterConfig
-from mooncake_store.core import Core
+from mooncake_store.common.layout import aligned
+from mooncake_store.master import MasterConfig
+from mooncake_store.master.core import Core
 from tests.store import store_agents as sa
 
 pytestmark = pytest.mark.timeout(120)
@@ -233,8 +233,8 @@ def test_core_resent_put_after_a_leader_change():
     new leader now recognises the objects at exactly the ranges the client wrote."""
     import json
 
-    from mooncake_store.core import load_into
-    from mooncake_store.ha import client_record, obj_record
+    from mooncake_store.master.core import load_into
+    from mooncake_store.master.ha import client_record, obj_record
 
     old = Core(MasterConfig())
     seg = {
@@ -312,7 +312,7 @@ def test_core_ssd_load_slot_and_corrupt_replica():
     once, so the late load could overwrite a new object), or LOAD_ORPHAN_S at most; an SSD
     replica reported missing or corrupt is dropped, its file deleted, and the object with
     no replica left is gone."""
-    from mooncake_store._core_ssd import LOAD_ORPHAN_S
+    from mooncake_store.master.ssd import LOAD_ORPHAN_S
 
     now = [1000.0]
     core = Core(MasterConfig(), clock=lambda: now[0])

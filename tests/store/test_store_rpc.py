@@ -15,7 +15,8 @@ import pytest
 import torch  # noqa: F401  (before the extension)
 
 from mooncake_pg import transfer
-from mooncake_store import MooncakeStore, StoreConfig, protocol
+from mooncake_store import MooncakeStore, StoreConfig
+from mooncake_store.common import protocol
 
 pytestmark = pytest.mark.timeout(60)
 MiB = 1 << 20

@@ -1,4 +1,4 @@
-"""Segment memory (``store/segment.py``): a client's segment in 2 MiB pages
+"""Segment memory (``store/client/segment.py``): a client's segment in 2 MiB pages
 (``StoreConfig.huge_pages``, ``MADV_COLLAPSE``), mapped at 2 MiB-aligned addresses so
 that other mappings of it use those pages whole too; mappings that live as long as any
 view of them; read-only mappings of other clients' segments. The kernel's own account
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from mooncake_store import MooncakeStore
-from mooncake_store import segment as S
+from mooncake_store.client import segment as S
 
 MiB = 1 << 20
 
@@ -161,7 +161,7 @@ def test_peer_process_maps_whole_pages():
         data = os.urandom(MiB)
         seg.view[3 * MiB : 4 * MiB] = data
         code = (
-            "import sys, json, hashlib; from mooncake_store import segment as S\n"
+            "import sys, json, hashlib; from mooncake_store.client import segment as S\n"
             "desc = json.loads(sys.argv[1])\n"
             "m = S.MappedSegment(desc, readonly=True)\n"
             "pmd = sum(int(l.split()[1]) for l in open('/proc/self/smaps') if l.startswith('ShmemPmdMapped:'))\n"
@@ -306,7 +306,7 @@ _FAULTS_SCRIPT = r"""
 import json, resource, sys
 import torch  # the C++ copies, as a client that uses tensors has them
 from mooncake_store import MooncakeStore
-from mooncake_store import segment as S
+from mooncake_store.client import segment as S
 MiB = 1 << 20
 s = MooncakeStore(serve_tcp=False, segment_size=64 * MiB, put_reservation_bytes=0)
 keys = [f"k{i}" for i in range(16)]

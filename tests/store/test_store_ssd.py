@@ -235,7 +235,7 @@ def test_corrupt_ssd_files_are_dropped_once_read(procs, tmp_path):
     deletes the file, so later gets miss. Same host (read from the file) and another host
     (the owner loads it back into memory first)."""
     from mooncake_store import TransferError
-    from mooncake_store.ssd import scan
+    from mooncake_store.client.ssd import scan
 
     ssd_dir = tmp_path / "ssd"
     m = sa.start_master(high_watermark=0.8, low_watermark=0.5)
@@ -400,7 +400,7 @@ def test_ssd_dir_checks(procs, tmp_path):
     with MooncakeStore(serve_tcp=False, master=m.address, segment_size=0) as s:
         put_until_on_ssd(s, 8, 3)
         i = next(i for i in range(8) if s.where(f"o{i}").ssd and not s.where(f"o{i}").memory)
-        from mooncake_store.ssd import scan
+        from mooncake_store.client.ssd import scan
 
         path = next(e[4] for e in scan(str(ssd_dir)) if e[0] == f"o{i}")
         with open(path, "ab") as f:
