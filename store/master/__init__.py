@@ -1,6 +1,6 @@
-"""The store master: metadata RPC service (``service.py``), its metadata core (``core.py``
-and its parts: ``records.py``, ``puts.py``, ``space.py``, ``ssd.py``) and high
-availability through etcd (``ha.py``); its options in ``config.py``.
+"""The store master: metadata RPC service (``service.py``), its metadata core (``core.py``,
+composed of ``records.py``, ``reservations.py``, ``puts.py``, ``space.py`` and ``ssd.py``),
+high availability through etcd (``ha.py``) and its options (``config.py``).
 
 ``mooncake-store-master`` / ``python -m mooncake_store.master`` run :func:`main`.
 """

@@ -1,4 +1,5 @@
-"""The master's metadata state machine (no I/O, no threads: the server calls it).
+"""The master's metadata core (no I/O, no threads: the service calls it): one method per
+request of the metadata RPC, run on the service's event loop.
 
 Objects: ``key -> Obj`` for committed versions, ``key -> Obj`` in ``pending`` for puts in
 progress (a put on an existing key with ``upsert`` keeps the old version readable until
@@ -6,14 +7,14 @@ the new one commits). Replicas live in client segments (``[segment, offset, byte
 in a client's SSD directory (``[client, path]``). Space is allocated by the master and
 written by the client; the master never touches data.
 
-``Core`` holds the state, clients, reads, the tick and stats; its parts are mixed in:
-``puts.py`` (puts, put reservations), ``space.py`` (placement, eviction) and
-``ssd.py`` (the SSD tier); the records live in ``records.py``.
+:class:`Core` handles clients, reads, the tick and stats itself, and hands the other
+requests to its parts, composed over one :class:`~mooncake_store.master.records.Records`
+(``records.py``): ``reservations.py`` (put reservations), ``space.py`` (placement and
+eviction), ``puts.py`` (puts) and ``ssd.py`` (the SSD tier).
 """
 
 from __future__ import annotations
 
-import collections
 import time
 from collections.abc import Callable
 
@@ -21,14 +22,13 @@ from ..common.errors import (
     ObjectHasLeaseError,
     ObjectNotFoundError,
     ProtocolError,
-    UnknownClientError,
 )
-from ..common.layout import aligned
 from .config import MasterConfig
-from .puts import _PutMixin
-from .records import Client, Counters, Obj, Segment
-from .space import _SpaceMixin
-from .ssd import LOAD_ORPHAN_S, _SsdMixin
+from .puts import Puts
+from .records import Client, Records, Segment
+from .reservations import Reservations
+from .space import Space
+from .ssd import SsdTier
 
 # seconds between two ticks (Master's ticker); a gap longer than STALL_S is a stall of the
 # master itself, and all of it but one tick period is credited to clients and puts
@@ -36,131 +36,33 @@ TICK_S = 0.1
 STALL_S = 1.0
 
 
-class Core(_PutMixin, _SpaceMixin, _SsdMixin):
-    """Metadata of one store master. Every public method may raise a ``StoreError``;
-    arguments are validated before anything changes."""
+class Core:
+    """Metadata of one store master. Every request method may raise a ``StoreError``;
+    arguments are validated before anything changes.
+
+    Attributes:
+        records: what the master knows (:class:`~mooncake_store.master.records.Records`),
+            shared by the parts below.
+        reservations: put reservations (:class:`~mooncake_store.master.reservations.Reservations`).
+        space: placement and eviction (:class:`~mooncake_store.master.space.Space`).
+        puts: puts (:class:`~mooncake_store.master.puts.Puts`).
+        ssd: the SSD tier (:class:`~mooncake_store.master.ssd.SsdTier`).
+    """
 
     def __init__(self, config: MasterConfig, clock: Callable[[], float] = time.monotonic):
         self.cfg = config
-        self.clock = clock
-        self.objects: dict[str, Obj] = {}
-        self.pending: dict[str, Obj] = {}
-        self.lru: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self.clients: dict[str, Client] = {}
-        self.segments: dict[str, Segment] = {}
-        self.deferred: list = []  # [until, segment name, offset, bytes]
-        self.ssd_waiting: set = (
-            set()
-        )  # clients whose SSD directory is busy, during one eviction pass
-        self.orphan_loads: dict = {}  # (key, version) -> (segment name, offset) of a deferred load slot
-        self.counters = Counters()
-        self.capacity = 0
-        self.used = 0  # allocated bytes, reservations included
-        self.reserved_bytes = 0  # bytes of all put reservations (part of used)
-        self.seg_epoch = 0
-        self._version = int(time.time() * 1e6)
-        self.no_evict_until = 0.0
+        self.records = Records(config, clock)
+        self.reservations = Reservations(self.records)
+        self.space = Space(self.records, self.reservations)
+        self.puts = Puts(self.records, self.space, self.reservations)
+        self.ssd = SsdTier(self.records, self.space, self.reservations)
         self.last_tick = clock()
-        # persistence hooks (etcd): keys/segments/clients changed since the last flush
-        self.dirty_objs: set = set()
-        self.dirty_clients: set = set()
-        self.track_dirty = False
-        self.notify: Callable[[Client], None] = lambda c: None
-
-    # ------------------------------------------------------------------ helpers
-    def _next_version(self) -> int:
-        self._version = max(self._version + 1, int(time.time() * 1e6))
-        return self._version
-
-    def _client(self, cid) -> Client:
-        c = self.clients.get(cid) if isinstance(cid, str) else None
-        if c is None:
-            raise UnknownClientError(
-                f"unknown client {cid!r} (the master restarted or declared it dead); register again"
-            )
-        c.last_seen = self.clock()
-        return c
-
-    def _dirty(self, key):
-        if self.track_dirty:
-            self.dirty_objs.add(key)
-
-    def _queue(self, client: Client, task: list):
-        client.tasks.append(task)
-        self.notify(client)
-
-    def _check_key(self, key) -> str:
-        if not isinstance(key, str) or not key:
-            raise ProtocolError(f"a key must be a non-empty str, got {type(key).__name__}")
-        if len(key) > self.cfg.max_key_bytes // 4 and len(key.encode()) > self.cfg.max_key_bytes:
-            raise ProtocolError(
-                f"key of {len(key.encode())} bytes exceeds {self.cfg.max_key_bytes}"
-            )
-        return key
-
-    def _keys(self, keys) -> list:
-        if not isinstance(keys, list):
-            raise ProtocolError("keys must be a list")
-        if len(keys) > self.cfg.max_keys_per_call:
-            raise ProtocolError(f"{len(keys)} keys in one call exceed {self.cfg.max_keys_per_call}")
-        return [self._check_key(k) for k in keys]
-
-    def _free_replica(self, seg_name: str, off: int, n: int, key: str, until: float):
-        seg = self.segments.get(seg_name)
-        if seg is None:
-            return
-        seg.drop_key(key)
-        if n <= 0:
-            return
-        if until > self.clock():
-            self.deferred.append([until, seg_name, off, n])
-            return
-        seg.alloc.free(off, n)
-        self.used -= aligned(n)
-
-    def _release(self, obj: Obj, *, delete_ssd=True):
-        """Frees everything of ``obj`` (deferred while a lease protects a reader)."""
-        if obj.offloading:  # the SSD space reserved for its write goes too
-            c = self.clients.get(obj.offloading)
-            if c is not None:
-                c.ssd_bytes -= obj.size
-                c.ssd_inflight -= obj.size
-            obj.offloading = False
-        if obj.loading is not None:  # its owner may still be writing into the slot
-            seg_name, off, n = obj.loading
-            obj.loading = None
-            self.orphan_loads[(obj.key, obj.version)] = (seg_name, off)
-            self._free_replica(seg_name, off, n, obj.key, self.clock() + LOAD_ORPHAN_S)
-        for seg_name, off, n in obj.repl:
-            self._free_replica(seg_name, off, n, obj.key, obj.lease_until)
-        obj.repl = []
-        for cid, path in obj.ssd:
-            c = self.clients.get(cid)
-            if c is not None:
-                self._ssd_forget(c, obj)
-                if delete_ssd:
-                    self._queue(c, ["delete", path])
-        obj.ssd = []
-
-    def _drop_committed(self, key: str):
-        obj = self.objects.pop(key, None)
-        if obj is not None:
-            self.lru.pop(key, None)
-            self._release(obj)
-            self._dirty(key)
-
-    def _abort_pending(self, key: str):
-        obj = self.pending.pop(key, None)
-        if obj is None:
-            return
-        w = self.clients.get(obj.writer)
-        if w is not None:
-            w.writing.discard(key)
-        self._release(obj)
-        self.counters.put_aborts += 1
 
     # ------------------------------------------------------------------ clients
     def register(self, a: dict) -> dict:
+        """A client joins with its segment (at most one) and the SSD files it found; one
+        already registered under that id is dropped first (it restarted)."""
+        rec = self.records
         cid, name, host, pid = a.get("client"), a.get("name"), a.get("host"), a.get("pid")
         segs, ssd_dir, ssd = a.get("segs", []), a.get("ssd_dir"), a.get("ssd", [])
         ssd_max = a.get("ssd_max")
@@ -188,62 +90,65 @@ class Core(_PutMixin, _SpaceMixin, _SsdMixin):
                 raise ProtocolError("register: bad segment descriptor")
         if len(ssd) > 10_000_000:
             raise ProtocolError("register: too many SSD entries")
-        now = self.clock()
-        old = self.clients.get(cid)
+        now = rec.clock()
+        old = rec.clients.get(cid)
         if old is not None:
             self._kill_client(old, reason="registered again")
-        for seg in self.segments.values():
+        for seg in rec.segments.values():
             if seg.name == name and seg.client.id != cid:
                 raise ProtocolError(f"register: segment name {name!r} is taken by a live client")
         c = Client(cid, name, host, pid, ssd_dir, now, ssd_max)
-        self.clients[cid] = c
+        rec.clients[cid] = c
         for d in segs:
             d = dict(d)
             d["name"] = name
             seg = Segment(name, c, d["size"], d)
-            self.segments[name] = seg
+            rec.segments[name] = seg
             c.segments.append(seg)
-            self.capacity += seg.alloc.size
-        self.seg_epoch += 1
-        if self.track_dirty:
-            self.dirty_clients.add(cid)
+            rec.capacity += seg.alloc.size
+        rec.seg_epoch += 1
+        rec.dirty_client(cid)
         for e in ssd:
-            self._adopt_ssd(c, e)
+            self.ssd.adopt(c, e)
         return {
-            "ttl_ms": int(self.cfg.lease_ttl_s * 1000),
-            "client_ttl_ms": int(self.cfg.client_ttl_s * 1000),
+            "ttl_ms": int(rec.cfg.lease_ttl_s * 1000),
+            "client_ttl_ms": int(rec.cfg.client_ttl_s * 1000),
         }
 
     def unregister(self, a: dict) -> dict:
-        c = self._client(a.get("client"))
+        c = self.records.client(a.get("client"))
         self._kill_client(c, reason="unregistered")
         return {}
 
     def poll(self, a: dict) -> dict:
         """Heartbeat; returns queued tasks and (when changed) the live segment names."""
-        c = self._client(a.get("client"))
+        rec = self.records
+        c = rec.client(a.get("client"))
         tasks, c.tasks = c.tasks, []
-        out = {"tasks": tasks, "epoch": self.seg_epoch}
-        if a.get("epoch") != self.seg_epoch:
-            out["segs"] = list(self.segments)
+        out = {"tasks": tasks, "epoch": rec.seg_epoch}
+        if a.get("epoch") != rec.seg_epoch:
+            out["segs"] = list(rec.segments)
         return out
 
     def _kill_client(self, c: Client, reason: str):
-        self.clients.pop(c.id, None)
+        """Drops ``c`` (``reason``: why, for the reader of a trace) with its segments and
+        reservations: objects with a replica elsewhere survive, its puts are aborted."""
+        rec = self.records
+        rec.clients.pop(c.id, None)
         dead = {s.name for s in c.segments}
         for seg_name in list(c.reserved):
-            self._unreserve(c, seg_name)
-        for other in self.clients.values():
+            self.reservations.unreserve(c, seg_name)
+        for other in rec.clients.values():
             for seg_name in [n for n in other.reserved if n in dead]:
-                self._unreserve(other, seg_name)
+                self.reservations.unreserve(other, seg_name)
         for key in list(c.writing):
-            self._abort_pending(key)
+            rec.abort_pending(key)
         for seg in c.segments:
             for key in list(seg.keys):
-                p = self.pending.get(key)
+                p = rec.pending.get(key)
                 if p is not None and any(r[0] in dead for r in p.repl):
-                    self._abort_pending(key)
-                obj = self.objects.get(key)
+                    rec.abort_pending(key)
+                obj = rec.objects.get(key)
                 if obj is not None:
                     obj.repl = [r for r in obj.repl if r[0] not in dead]
                     if obj.loading is not None and obj.loading[0] in dead:
@@ -252,82 +157,85 @@ class Core(_PutMixin, _SpaceMixin, _SsdMixin):
                         obj.offloading == c.id
                     ):  # its writer is gone (it stayed unevictable for good)
                         obj.offloading = False
-                    self._dirty(key)
+                    rec.dirty(key)
                     if not obj.repl and not obj.ssd:
-                        self.objects.pop(key, None)
-                        self.lru.pop(key, None)
+                        rec.objects.pop(key, None)
+                        rec.lru.pop(key, None)
         for key in list(c.ssd_keys):
-            obj = self.objects.get(key)
+            obj = rec.objects.get(key)
             if obj is not None:
                 obj.ssd = [s for s in obj.ssd if s[0] != c.id]
-                self._dirty(key)
+                rec.dirty(key)
                 if not obj.repl and not obj.ssd:
-                    self.objects.pop(key, None)
-                    self.lru.pop(key, None)
-        self.deferred = [d for d in self.deferred if d[1] not in dead]
+                    rec.objects.pop(key, None)
+                    rec.lru.pop(key, None)
+        rec.deferred = [d for d in rec.deferred if d[1] not in dead]
         for seg in c.segments:
-            self.segments.pop(seg.name, None)
-            self.capacity -= seg.alloc.size
-            self.used -= seg.alloc.used
-        self.seg_epoch += 1
-        if self.track_dirty:
-            self.dirty_clients.add(c.id)
+            rec.segments.pop(seg.name, None)
+            rec.capacity -= seg.alloc.size
+            rec.used -= seg.alloc.used
+        rec.seg_epoch += 1
+        rec.dirty_client(c.id)
 
     # ------------------------------------------------------------------ reads
     def get(self, a: dict) -> dict:
-        reader = self._client(a.get("client"))
-        keys = self._keys(a.get("keys"))
-        now = self.clock()
-        until = now + self.cfg.lease_ttl_s
+        """Where each key's replicas are, with a read lease of ``lease_ttl_s`` on each; an
+        object only on another host's SSD is loaded into memory first (``retry``: the
+        reader asks again)."""
+        rec = self.records
+        reader = rec.client(a.get("client"))
+        keys = rec.check_keys(a.get("keys"))
+        now = rec.clock()
+        until = now + rec.cfg.lease_ttl_s
         out, segs = [], {}
         for key in keys:
-            obj = self.objects.get(key)
+            obj = rec.objects.get(key)
             if obj is None:
-                self.counters.misses += 1
+                rec.counters.misses += 1
                 out.append(None)
                 continue
             if obj.lease_until < until:
                 obj.lease_until = until
-            self.lru.move_to_end(key)
+            rec.lru.move_to_end(key)
             reps = []
             for s, off, _ in obj.repl:
-                seg = self.segments.get(s)
+                seg = rec.segments.get(s)
                 if seg is not None:
                     reps.append(["m", s, off])
                     segs[s] = seg.desc
             for cid, path in obj.ssd:
-                cl = self.clients.get(cid)
+                cl = rec.clients.get(cid)
                 if cl is not None:
                     reps.append(["s", cl.host, path])
             retry = False
             if (
                 not obj.repl
                 and obj.ssd
-                and reader.host
-                not in {self.clients[c].host for c, _ in obj.ssd if c in self.clients}
+                and reader.host not in {rec.clients[c].host for c, _ in obj.ssd if c in rec.clients}
             ):
-                retry = self._promote(
+                retry = self.ssd.promote(
                     obj
                 )  # only on disks of other hosts: load it into memory first
             if not retry:  # a reader asks again while a load runs: that is one get, not many
-                self.counters.hits += 1
-                self.counters.gets += 1
+                rec.counters.hits += 1
+                rec.counters.gets += 1
             out.append([obj.size, obj.version, obj.meta, reps, retry])
-        return {"objs": out, "segs": segs, "ttl_ms": int(self.cfg.lease_ttl_s * 1000)}
+        return {"objs": out, "segs": segs, "ttl_ms": int(rec.cfg.lease_ttl_s * 1000)}
 
     def where(self, a: dict) -> dict:
         """Introspection: the segment names (memory) and SSD client names holding each key."""
-        keys = self._keys(a.get("keys"))
+        rec = self.records
+        keys = rec.check_keys(a.get("keys"))
         out = []
         for k in keys:
-            o = self.objects.get(k)
+            o = rec.objects.get(k)
             if o is None:
                 out.append(None)
                 continue
             out.append(
                 {
                     "memory": [r[0] for r in o.repl],
-                    "ssd": [self.clients[c].name for c, _ in o.ssd if c in self.clients],
+                    "ssd": [rec.clients[c].name for c, _ in o.ssd if c in rec.clients],
                 }
             )
         return {"where": out}
@@ -335,23 +243,26 @@ class Core(_PutMixin, _SpaceMixin, _SsdMixin):
     def exists(self, a: dict) -> dict:
         """Which keys have a committed version; with ``meta``, also each one's metadata
         bytes (None if missing): no lease, no LRU touch, nothing loaded from SSD."""
-        keys = self._keys(a.get("keys"))
+        rec = self.records
+        keys = rec.check_keys(a.get("keys"))
         if a.get("meta") is True:
-            objs = [self.objects.get(k) for k in keys]
+            objs = [rec.objects.get(k) for k in keys]
             return {
                 "exists": [o is not None for o in objs],
                 "meta": [None if o is None else o.meta for o in objs],
             }
-        return {"exists": [k in self.objects for k in keys]}
+        return {"exists": [k in rec.objects for k in keys]}
 
     def remove(self, a: dict) -> dict:
-        self._client(a.get("client"))
-        keys = self._keys(a.get("keys"))
+        """Removes committed objects (a leased one only with ``force``)."""
+        rec = self.records
+        rec.client(a.get("client"))
+        keys = rec.check_keys(a.get("keys"))
         force = bool(a.get("force", False))
-        now = self.clock()
+        now = rec.clock()
         out = []
         for key in keys:
-            obj = self.objects.get(key)
+            obj = rec.objects.get(key)
             if obj is None:
                 out.append([1, ObjectNotFoundError.code, f"key {key!r} not found"])
                 continue
@@ -364,16 +275,60 @@ class Core(_PutMixin, _SpaceMixin, _SsdMixin):
                     ]
                 )
                 continue
-            self._drop_committed(key)
-            self.counters.removes += 1
+            rec.drop_committed(key)
+            rec.counters.removes += 1
             out.append([0, 0])
         return {"items": out}
+
+    # ------------------------------------------------------------------ puts (puts.py, reservations.py)
+    def put_start(self, a: dict) -> dict:
+        """The ``put_start`` request: ``Puts.start``."""
+        return self.puts.start(a)
+
+    def put_end(self, a: dict) -> dict:
+        """The ``put_end`` request: ``Puts.end``."""
+        return self.puts.end(a)
+
+    def put_revoke(self, a: dict) -> dict:
+        """The ``put_revoke`` request: ``Puts.revoke``."""
+        return self.puts.revoke(a)
+
+    def abort_puts(self, cid: str, items: list, grace_s: float = 0.0) -> None:
+        """Aborts puts client ``cid`` started on a connection that closed (see
+        :meth:`Puts.abort <mooncake_store.master.puts.Puts.abort>`)."""
+        self.puts.abort(cid, items, grace_s)
+
+    def reserve(self, a: dict) -> dict:
+        """The ``reserve`` request: ``Reservations.reserve``."""
+        return self.reservations.reserve(a)
+
+    def put(self, a: dict) -> dict:
+        """The ``put`` request: ``Puts.commit_reserved``."""
+        return self.puts.commit_reserved(a)
+
+    # ------------------------------------------------------------------ SSD tier (ssd.py)
+    def adopt_ssd(self, a: dict) -> dict:
+        """The ``adopt_ssd`` request: ``SsdTier.adopt_ssd``."""
+        return self.ssd.adopt_ssd(a)
+
+    def offload_done(self, a: dict) -> dict:
+        """The ``offload_done`` request: ``SsdTier.offload_done``."""
+        return self.ssd.offload_done(a)
+
+    def load_done(self, a: dict) -> dict:
+        """The ``load_done`` request: ``SsdTier.load_done``."""
+        return self.ssd.load_done(a)
+
+    def ssd_bad(self, a: dict) -> dict:
+        """The ``ssd_bad`` request: ``SsdTier.ssd_bad``."""
+        return self.ssd.ssd_bad(a)
 
     # ------------------------------------------------------------------ time
     def tick(self) -> None:
         """Declares silent clients dead, aborts overdue puts, frees expired deferred
         space and evicts down to the low watermark when above the high one."""
-        now = self.clock()
+        rec = self.records
+        now = rec.clock()
         gap = now - self.last_tick
         self.last_tick = now
         if gap > STALL_S:
@@ -384,68 +339,39 @@ class Core(_PutMixin, _SpaceMixin, _SsdMixin):
             # this master did not run for a while (stopped, swapped out, starved): the
             # clients' heartbeats could not be served, so the stall does not count against
             # them, nor against puts in progress
-            for c in self.clients.values():
+            for c in rec.clients.values():
                 c.last_seen += stall
-            for p in self.pending.values():
+            for p in rec.pending.values():
                 p.deadline += stall
-        for c in [c for c in self.clients.values() if now - c.last_seen > self.cfg.client_ttl_s]:
-            self.counters.clients_lost += 1
+        for c in [c for c in rec.clients.values() if now - c.last_seen > rec.cfg.client_ttl_s]:
+            rec.counters.clients_lost += 1
             self._kill_client(c, reason="heartbeat")
-        for key in [k for k, p in self.pending.items() if p.deadline < now]:
-            self._abort_pending(key)
-        if self.deferred:
-            keep = []
-            for d in self.deferred:
-                if d[0] <= now:
-                    seg = self.segments.get(d[1])
-                    if seg is not None:
-                        seg.alloc.free(d[2], d[3])
-                        self.used -= aligned(d[3])
-                else:
-                    keep.append(d)
-            self.deferred = keep
-        if self.orphan_loads:
-            live = {(d[1], d[2]) for d in self.deferred}
-            self.orphan_loads = {k: v for k, v in self.orphan_loads.items() if v in live}
-        if (
-            self.capacity
-            and self.used > self.cfg.high_watermark * self.capacity
-            and self.reserved_bytes
-        ):
-            self._reclaim(list(self.segments))  # reserved space counts as free below
-        if (
-            self.capacity
-            and self.used - self.reserved_bytes > self.cfg.high_watermark * self.capacity
-        ):
-            goal = self.cfg.low_watermark * self.capacity
-            projected = self.used - self.reserved_bytes
-            self.ssd_waiting.clear()
-            for key in list(self.lru):
-                if projected <= goal:
-                    break
-                obj = self.objects.get(key)
-                if obj is None or not self._evictable(obj, now):
-                    continue
-                freed = sum(aligned(r[2]) for r in obj.repl)
-                self._evict(obj, now)
-                projected -= freed
+        for key in [k for k, p in rec.pending.items() if p.deadline < now]:
+            rec.abort_pending(key)
+        rec.free_deferred(now)
+        if rec.capacity and rec.used > rec.cfg.high_watermark * rec.capacity and rec.reserved_bytes:
+            self.reservations.reclaim(list(rec.segments))  # reserved space counts as free below
+        self.space.evict_to_low_watermark(now)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
+        """The ``stats`` request: figures now and counters since the master started."""
+        rec = self.records
         return {
-            "objects": len(self.objects),
-            "pending": len(self.pending),
-            "used_bytes": self.used,
-            "reserved_bytes": self.reserved_bytes,
-            "capacity_bytes": self.capacity,
-            "clients": len(self.clients),
-            "segments": len(self.segments),
-            "deferred": len(self.deferred),
-            "ssd_objects": sum(1 for o in self.objects.values() if o.ssd),
-            **vars(self.counters),
+            "objects": len(rec.objects),
+            "pending": len(rec.pending),
+            "used_bytes": rec.used,
+            "reserved_bytes": rec.reserved_bytes,
+            "capacity_bytes": rec.capacity,
+            "clients": len(rec.clients),
+            "segments": len(rec.segments),
+            "deferred": len(rec.deferred),
+            "ssd_objects": sum(1 for o in rec.objects.values() if o.ssd),
+            **vars(rec.counters),
         }
 
     def metrics_text(self, leader: bool = True) -> str:
+        """The Prometheus text of :meth:`stats` (``leader``: this master serves requests)."""
         s = self.stats()
         lines = []
 
@@ -509,58 +435,3 @@ class Core(_PutMixin, _SpaceMixin, _SsdMixin):
         )
         m("leader", "gauge", "1 if this master serves requests.", 1 if leader else 0)
         return "\n".join(lines) + "\n"
-
-
-def load_into(core: Core, clients: list, objs: list) -> None:
-    """Fills an empty ``core`` from the etcd record (a new leader). Every client gets a
-    full ``client_ttl_s`` to send its next heartbeat; nothing is evicted for one lease TTL
-    (readers' leases were not recorded)."""
-    from .ha import decode_obj
-
-    now = core.clock()
-    for rec in clients:
-        try:
-            ssd_max = rec.get("ssd_max")
-            c = Client(
-                rec["id"],
-                rec["name"],
-                rec["host"],
-                int(rec["pid"]),
-                rec.get("ssd_dir"),
-                now,
-                None if ssd_max is None else int(ssd_max),
-            )
-            for d in rec["segs"]:
-                seg = Segment(d["name"], c, int(d["size"]), d)
-                core.segments[seg.name] = seg
-                c.segments.append(seg)
-                core.capacity += seg.alloc.size
-            core.clients[c.id] = c
-        except (KeyError, TypeError, ValueError):
-            continue
-    used: dict = {}
-    for rec in objs:
-        try:
-            key, size, version, meta, repl, ssd, pin = decode_obj(rec)
-        except (KeyError, TypeError, ValueError):
-            continue
-        obj = Obj(key, size, version, meta, pin)
-        obj.repl = [[s, int(off), int(n)] for s, off, n in repl if s in core.segments]
-        obj.ssd = [[cid, p] for cid, p in ssd if cid in core.clients]
-        if not obj.repl and not obj.ssd and size:  # empty objects need no replica
-            continue
-        for s, off, n in obj.repl:
-            core.segments[s].add_key(key)
-            used.setdefault(s, []).append((off, n))
-        for cid, _ in obj.ssd:
-            core.clients[cid].ssd_keys.add(key)
-            core.clients[cid].ssd_bytes += size
-        core.objects[key] = obj
-        core.lru[key] = None
-        core._version = max(core._version, version)
-    for name, ranges in used.items():
-        seg = core.segments[name]
-        seg.alloc.rebuild(ranges)
-        core.used += seg.alloc.used
-    core.seg_epoch += 1
-    core.no_evict_until = now + core.cfg.lease_ttl_s

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import base64
 import json
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .records import Client, Obj
+from .records import Client, Obj, Records, Segment
 
 
 def client_record(c: Client) -> str:
@@ -61,3 +59,56 @@ def decode_obj(rec: dict) -> tuple:
         rec["d"],
         bool(rec["p"]),
     )
+
+
+def load_into(records: Records, clients: list, objs: list) -> None:
+    """Fills an empty core's ``records`` from the etcd record (a new leader). Every client
+    gets a full ``client_ttl_s`` to send its next heartbeat; nothing is evicted for one
+    lease TTL (readers' leases were not recorded)."""
+    now = records.clock()
+    for rec in clients:
+        try:
+            ssd_max = rec.get("ssd_max")
+            c = Client(
+                rec["id"],
+                rec["name"],
+                rec["host"],
+                int(rec["pid"]),
+                rec.get("ssd_dir"),
+                now,
+                None if ssd_max is None else int(ssd_max),
+            )
+            for d in rec["segs"]:
+                seg = Segment(d["name"], c, int(d["size"]), d)
+                records.segments[seg.name] = seg
+                c.segments.append(seg)
+                records.capacity += seg.alloc.size
+            records.clients[c.id] = c
+        except (KeyError, TypeError, ValueError):
+            continue
+    used: dict = {}
+    for rec in objs:
+        try:
+            key, size, version, meta, repl, ssd, pin = decode_obj(rec)
+        except (KeyError, TypeError, ValueError):
+            continue
+        obj = Obj(key, size, version, meta, pin)
+        obj.repl = [[s, int(off), int(n)] for s, off, n in repl if s in records.segments]
+        obj.ssd = [[cid, p] for cid, p in ssd if cid in records.clients]
+        if not obj.repl and not obj.ssd and size:  # empty objects need no replica
+            continue
+        for s, off, n in obj.repl:
+            records.segments[s].add_key(key)
+            used.setdefault(s, []).append((off, n))
+        for cid, _ in obj.ssd:
+            records.clients[cid].ssd_keys.add(key)
+            records.clients[cid].ssd_bytes += size
+        records.objects[key] = obj
+        records.lru[key] = None
+        records.see_version(version)
+    for name, ranges in used.items():
+        seg = records.segments[name]
+        seg.alloc.rebuild(ranges)
+        records.used += seg.alloc.used
+    records.seg_epoch += 1
+    records.no_evict_until = now + records.cfg.lease_ttl_s

@@ -1,11 +1,24 @@
 """The records the master's metadata core keeps: a registered segment, a client, an
-object (a committed version or a put in progress) and the counters of ``stats``.
+object (a committed version or a put in progress), the counters of ``stats``, and
+:class:`Records`, which holds them all with the changes every part of the core makes
+(install a version, release an object's space, abort a put, drop an object).
 """
 
 from __future__ import annotations
 
-from ..common.layout import SEG_HEADER
+import collections
+import time
+from collections.abc import Callable
+
+from ..common.errors import ProtocolError, UnknownClientError
+from ..common.layout import SEG_HEADER, aligned
 from .alloc import Allocator
+from .config import MasterConfig
+
+# a load from SSD whose object went away meanwhile (removed, overwritten, dropped) may
+# still be writing into its slot: the slot is reused only this long after, or after its
+# load_done, whichever comes first
+LOAD_ORPHAN_S = 120.0
 
 
 class Segment:
@@ -131,3 +144,207 @@ class Counters:
         self.puts = self.gets = self.hits = self.misses = self.evictions = 0
         self.offloads = self.removes = self.put_aborts = self.clients_lost = self.ssd_drops = 0
         self.ssd_corrupt = 0
+
+
+class Records:
+    """Everything one master knows (no I/O, no threads), shared by the parts of
+    :class:`~mooncake_store.master.core.Core`: they read these fields and change them
+    through the methods below or their own.
+
+    Attributes:
+        objects: key -> committed version; ``pending``: key -> put in progress (an
+            upsert keeps the old version readable until the new one commits).
+        lru: keys of committed objects, least recently used first.
+        clients / segments: live clients by id, their segments by name.
+        deferred: ``[until, segment, offset, bytes]`` frees waiting for a read lease (or a
+            load from SSD) to end.
+        orphan_loads: ``(key, version) -> (segment, offset)`` of a load slot whose object
+            went away while its owner loaded it.
+        capacity / used / reserved_bytes: bytes of all segments / allocated (put
+            reservations included) / of put reservations.
+        seg_epoch: counts changes of the set of segments (clients unmap dead ones).
+        no_evict_until: a new leader evicts nothing before this (the old leader's read
+            leases are unknown).
+        track_dirty: record which keys and clients changed (``take_dirty``), for etcd.
+        notify: called with a client that has a new task (wakes its long poll).
+    """
+
+    def __init__(self, config: MasterConfig, clock: Callable[[], float] = time.monotonic):
+        self.cfg = config
+        self.clock = clock
+        self.objects: dict[str, Obj] = {}
+        self.pending: dict[str, Obj] = {}
+        self.lru: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.clients: dict[str, Client] = {}
+        self.segments: dict[str, Segment] = {}
+        self.deferred: list = []
+        self.orphan_loads: dict = {}
+        self.counters = Counters()
+        self.capacity = 0
+        self.used = 0
+        self.reserved_bytes = 0
+        self.seg_epoch = 0
+        self.no_evict_until = 0.0
+        self.track_dirty = False
+        self.dirty_objs: set = set()
+        self.dirty_clients: set = set()
+        self.notify: Callable[[Client], None] = lambda c: None
+        self._version = int(time.time() * 1e6)
+
+    # ------------------------------------------------------------------ lookups
+    def next_version(self) -> int:
+        """A version number above every one handed out or seen (microseconds of the
+        wall clock, so a restarted master without etcd still counts upwards)."""
+        self._version = max(self._version + 1, int(time.time() * 1e6))
+        return self._version
+
+    def see_version(self, version: int) -> None:
+        """Versions handed out from now on are above ``version`` (one found on SSD or in
+        etcd)."""
+        self._version = max(self._version, version)
+
+    def client(self, cid) -> Client:
+        """The live client ``cid``; a request from it counts as its heartbeat. Raises
+        ``UnknownClientError`` (it registers again)."""
+        c = self.clients.get(cid) if isinstance(cid, str) else None
+        if c is None:
+            raise UnknownClientError(
+                f"unknown client {cid!r} (the master restarted or declared it dead); register again"
+            )
+        c.last_seen = self.clock()
+        return c
+
+    def check_key(self, key) -> str:
+        """``key`` if it is a non-empty str within ``max_key_bytes``; ``ProtocolError``."""
+        if not isinstance(key, str) or not key:
+            raise ProtocolError(f"a key must be a non-empty str, got {type(key).__name__}")
+        if len(key) > self.cfg.max_key_bytes // 4 and len(key.encode()) > self.cfg.max_key_bytes:
+            raise ProtocolError(
+                f"key of {len(key.encode())} bytes exceeds {self.cfg.max_key_bytes}"
+            )
+        return key
+
+    def check_keys(self, keys) -> list:
+        """A request's ``keys``: a list of at most ``max_keys_per_call`` valid keys."""
+        if not isinstance(keys, list):
+            raise ProtocolError("keys must be a list")
+        if len(keys) > self.cfg.max_keys_per_call:
+            raise ProtocolError(f"{len(keys)} keys in one call exceed {self.cfg.max_keys_per_call}")
+        return [self.check_key(k) for k in keys]
+
+    # ------------------------------------------------------------------ etcd and tasks
+    def dirty(self, key: str) -> None:
+        """Marks ``key``'s record as changed (written to etcd after this request)."""
+        if self.track_dirty:
+            self.dirty_objs.add(key)
+
+    def dirty_client(self, cid: str) -> None:
+        if self.track_dirty:
+            self.dirty_clients.add(cid)
+
+    def take_dirty(self) -> tuple[dict, dict]:
+        """``(objects, clients)`` changed since the last call: key -> ``Obj`` (None: gone)
+        and client id -> ``Client`` (None: gone)."""
+        objs = {k: self.objects.get(k) for k in self.dirty_objs}
+        clients = {c: self.clients.get(c) for c in self.dirty_clients}
+        self.dirty_objs, self.dirty_clients = set(), set()
+        return objs, clients
+
+    def queue(self, client: Client, task: list) -> None:
+        """Hands ``task`` to ``client`` with its next heartbeat's answer."""
+        client.tasks.append(task)
+        self.notify(client)
+
+    # ------------------------------------------------------------------ changes
+    def free_replica(self, seg_name: str, off: int, n: int, key: str, until: float) -> None:
+        """Gives ``[off, off + n)`` of ``seg_name`` back; while a lease protects a reader
+        (``until`` in the future), later, through ``deferred``."""
+        seg = self.segments.get(seg_name)
+        if seg is None:
+            return
+        seg.drop_key(key)
+        if n <= 0:
+            return
+        if until > self.clock():
+            self.deferred.append([until, seg_name, off, n])
+            return
+        seg.alloc.free(off, n)
+        self.used -= aligned(n)
+
+    def free_deferred(self, now: float) -> None:
+        """Frees the deferred ranges whose time has come."""
+        if self.deferred:
+            keep = []
+            for d in self.deferred:
+                if d[0] <= now:
+                    seg = self.segments.get(d[1])
+                    if seg is not None:
+                        seg.alloc.free(d[2], d[3])
+                        self.used -= aligned(d[3])
+                else:
+                    keep.append(d)
+            self.deferred = keep
+        if self.orphan_loads:
+            live = {(d[1], d[2]) for d in self.deferred}
+            self.orphan_loads = {k: v for k, v in self.orphan_loads.items() if v in live}
+
+    def forget_ssd(self, c: Client, obj: Obj) -> None:
+        """``obj`` no longer counts against ``c``'s SSD directory."""
+        if obj.key in c.ssd_keys:
+            c.ssd_keys.discard(obj.key)
+            c.ssd_bytes -= obj.size
+
+    def release(self, obj: Obj, *, delete_ssd: bool = True) -> None:
+        """Frees everything of ``obj`` (deferred while a lease protects a reader); its SSD
+        files are deleted unless ``delete_ssd`` is False."""
+        if obj.offloading:  # the SSD space reserved for its write goes too
+            c = self.clients.get(obj.offloading)
+            if c is not None:
+                c.ssd_bytes -= obj.size
+                c.ssd_inflight -= obj.size
+            obj.offloading = False
+        if obj.loading is not None:  # its owner may still be writing into the slot
+            seg_name, off, n = obj.loading
+            obj.loading = None
+            self.orphan_loads[(obj.key, obj.version)] = (seg_name, off)
+            self.free_replica(seg_name, off, n, obj.key, self.clock() + LOAD_ORPHAN_S)
+        for seg_name, off, n in obj.repl:
+            self.free_replica(seg_name, off, n, obj.key, obj.lease_until)
+        obj.repl = []
+        for cid, path in obj.ssd:
+            c = self.clients.get(cid)
+            if c is not None:
+                self.forget_ssd(c, obj)
+                if delete_ssd:
+                    self.queue(c, ["delete", path])
+        obj.ssd = []
+
+    def install(self, obj: Obj) -> None:
+        """Makes ``obj`` the committed version of its key (the old one is released)."""
+        old = self.objects.get(obj.key)
+        if old is not None:
+            self.lru.pop(obj.key, None)
+            self.release(old)
+        self.objects[obj.key] = obj
+        self.lru[obj.key] = None
+        self.counters.puts += 1
+        self.dirty(obj.key)
+
+    def drop_committed(self, key: str) -> None:
+        """Removes the committed version of ``key`` and frees it."""
+        obj = self.objects.pop(key, None)
+        if obj is not None:
+            self.lru.pop(key, None)
+            self.release(obj)
+            self.dirty(key)
+
+    def abort_pending(self, key: str) -> None:
+        """Aborts the put in progress of ``key`` and frees its space."""
+        obj = self.pending.pop(key, None)
+        if obj is None:
+            return
+        w = self.clients.get(obj.writer)
+        if w is not None:
+            w.writing.discard(key)
+        self.release(obj)
+        self.counters.put_aborts += 1

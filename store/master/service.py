@@ -32,7 +32,8 @@ import uuid
 from ..common import protocol
 from ..common.errors import AuthError, NotLeaderError, ProtocolError, StoreError
 from .config import MasterConfig
-from .core import TICK_S, Core, load_into
+from .core import TICK_S, Core
+from .ha import client_record, load_into, obj_record
 
 log = logging.getLogger("mooncake_store.master")
 _LEN = struct.Struct(">I")
@@ -187,13 +188,13 @@ class Master:
 
     def _install_core(self, core: Core):
         self.core = core
-        core.track_dirty = self.cfg.etcd is not None
+        core.records.track_dirty = self.cfg.etcd is not None
 
         def notify(client):
             if client.event is not None:
                 client.event.set()
 
-        core.notify = notify
+        core.records.notify = notify
 
     # ----------------------------------------------------------------- election
     def _elect_main(self):
@@ -214,15 +215,15 @@ class Master:
                 self._lease = lease
                 clients, objs = etcd.load()
                 core = Core(self.cfg)
-                load_into(core, clients, objs)
+                load_into(core.records, clients, objs)
                 self._lease_until = t + ttl
                 fut = asyncio.run_coroutine_threadsafe(self._become_leader(core), self.loop)
                 fut.result(30)
                 log.warning(
                     "store master %s leads (%d objects, %d clients loaded from etcd)",
                     self.address,
-                    len(core.objects),
-                    len(core.clients),
+                    len(core.records.objects),
+                    len(core.records.clients),
                 )
                 last_ok = time.monotonic()
                 while not self._closing and self.leader:
@@ -282,28 +283,23 @@ class Master:
 
     def _flush(self):
         """Writes the etcd record of everything the last request changed (leader only)."""
-        core = self.core
-        if not core.track_dirty or not (core.dirty_objs or core.dirty_clients):
+        records = self.core.records
+        if not records.track_dirty or not (records.dirty_objs or records.dirty_clients):
             return
-        from .ha import client_record, obj_record
-
+        objs, clients = records.take_dirty()
         puts, deletes = {}, []
-        for key in core.dirty_objs:
-            obj = core.objects.get(key)
+        for key, obj in objs.items():
             k = self._etcd.obj_key(key)
             if obj is None:
                 deletes.append(k)
             else:
                 puts[k] = obj_record(obj)
-        for cid in core.dirty_clients:
-            c = core.clients.get(cid)
+        for cid, c in clients.items():
             k = self._etcd.client_key(cid)
             if c is None:
                 deletes.append(k)
             else:
                 puts[k] = client_record(c)
-        core.dirty_objs = set()
-        core.dirty_clients = set()
         try:
             ok = self._etcd.write(self._ident, puts, deletes)
             why = "lost its leadership"
@@ -331,7 +327,7 @@ class Master:
     def _poll_wait(self, args: dict) -> float:
         """Seconds a poll request may wait for tasks (0: answer at once)."""
         c = (
-            self.core.clients.get(args.get("client"))
+            self.core.records.clients.get(args.get("client"))
             if isinstance(args.get("client"), str)
             else None
         )
@@ -344,12 +340,12 @@ class Master:
 
     async def _poll(self, args: dict, wait: float):
         core = self.core
-        c = core.clients.get(args.get("client"))
+        c = core.records.clients.get(args.get("client"))
         if c is not None:
             if c.event is None:
                 c.event = asyncio.Event()
             c.event.clear()
-            c.last_seen = core.clock()
+            c.last_seen = core.records.clock()
             try:
                 await asyncio.wait_for(c.event.wait(), wait)
             except asyncio.TimeoutError:

@@ -1,9 +1,7 @@
 """Placement and eviction in the master's metadata core: where a put's replicas go, which
 objects are evicted (least recently used first, never leased, pinned or being written)
-to make room, and how an eviction offloads to SSD first when the owner has a directory.
-
-Mixed into :class:`~mooncake_store.core.Core`, whose ``__init__`` sets the state these
-methods use (``objects``, ``pending``, ``lru``, ``clients``, ``segments``, ``used``, ...).
+to make room, and whether an eviction offloads to the owner's SSD directory first (and
+which objects that live only there are dropped to make room on it).
 """
 
 from __future__ import annotations
@@ -13,18 +11,29 @@ from ..common.errors import (
     ReplicaShortfallError,
 )
 from ..common.layout import ALIGN, aligned
-from .records import Obj, Segment
+from .records import Client, Obj, Records, Segment
+from .reservations import Reservations
+
+# seconds a client's SSD directory gets no offloads after a write to it failed (a full disk)
+SSD_RETRY_S = 10.0
 
 
-class _SpaceMixin:
+class Space:
     """Placement of replicas, and eviction."""
 
-    def _place(
+    def __init__(self, records: Records, reservations: Reservations):
+        self.records = records
+        self.reservations = reservations
+        # clients whose SSD directory is busy, during one eviction pass
+        self._ssd_waiting: set = set()
+
+    def place(
         self, key, size, r, pref, require_all, avoid: set = frozenset(), only_pref: bool = False
     ) -> list:
         """Allocates up to ``r`` replicas in distinct segments (not those in ``avoid``:
         segments a writer could not reach; ``only_pref``: in segment ``pref`` alone),
         evicting as needed."""
+        rec = self.records
         n = aligned(size) if size else 0
         if n == 0:
             # nothing to store: an empty object lives in the master alone (its metadata is
@@ -34,13 +43,13 @@ class _SpaceMixin:
             return []
         live = [
             s
-            for s in self.segments.values()
+            for s in rec.segments.values()
             if s.alloc.size >= n and s.name not in avoid and (not only_pref or s.name == pref)
         ]
         if not live:
-            if not self.segments:
+            if not rec.segments:
                 raise NoSpaceError("no segment is registered (no client contributes memory)")
-            if all(s.name in avoid for s in self.segments.values()):
+            if all(s.name in avoid for s in rec.segments.values()):
                 raise NoSpaceError(
                     f"no reachable segment for {size} bytes: the writer could not reach "
                     f"{sorted(avoid)} (owners gone?)"
@@ -66,44 +75,46 @@ class _SpaceMixin:
                     continue
                 off = s.alloc.alloc(n)
                 if off is not None:
-                    self.used += n
+                    rec.used += n
                     got.append([s.name, off, n])
                     used_names.add(s.name)
 
         try_alloc()
-        if len(got) < target and self._reclaim([s.name for s in live if s.name not in used_names]):
+        if len(got) < target and self.reservations.reclaim(
+            [s.name for s in live if s.name not in used_names]
+        ):
             # space handed out for other puts comes back first: nothing is evicted for it
             for s_, off, nn in got:
-                self.segments[s_].alloc.free(off, nn)
-                self.used -= nn
+                rec.segments[s_].alloc.free(off, nn)
+                rec.used -= nn
             e = NoSpaceError(
                 f"no space for {size} bytes yet: put reservations are being given back"
             )
             e.code = "NoSpaceRetry"
             raise e
         if len(got) < target:
-            self._evict_for(n, target - len(got), used_names, live, keep=key)
+            self.evict_for(n, target - len(got), used_names, live, keep=key)
             try_alloc()
         if len(got) < target or (require_all and len(got) < r):
             if require_all and got:
                 for s, off, nn in got:
-                    self.segments[s].alloc.free(off, nn)
-                    self.used -= nn
+                    rec.segments[s].alloc.free(off, nn)
+                    rec.used -= nn
                 raise ReplicaShortfallError(
                     f"only {len(got)} of {r} replicas of {size} bytes fit; nothing stored"
                 )
             if not got:
-                if self.clock() < self.no_evict_until:
+                if rec.clock() < rec.no_evict_until:
                     # read leases of the previous leader are not known here: nothing is
                     # evicted until they have surely ended (the message said "leased,
                     # pinned or being written", and the put failed at once)
                     e = NoSpaceError(
                         f"no space for {size} bytes yet: a new leader evicts nothing for "
-                        f"{self.no_evict_until - self.clock():.1f} s more (the old leader's read leases)"
+                        f"{rec.no_evict_until - rec.clock():.1f} s more (the old leader's read leases)"
                     )
                     e.code = "NoSpaceRetry"
                     raise e
-                offl = any(o.offloading for o in self.objects.values())
+                offl = any(o.offloading for o in rec.objects.values())
                 msg = f"no space for {size} bytes: every segment is full and nothing can be evicted (leased, pinned or being written)"
                 if offl:
                     e = NoSpaceError(msg + "; offload to SSD in progress")
@@ -112,45 +123,47 @@ class _SpaceMixin:
                 raise NoSpaceError(msg)
         return got
 
-    def _evictable(self, obj: Obj, now: float) -> bool:
+    def evictable(self, obj: Obj, now: float) -> bool:
+        """Whether ``obj``'s memory replicas may be evicted now."""
         return (
             not obj.pin
             and not obj.offloading
             and obj.lease_until <= now
             and bool(obj.repl)
-            and now >= self.no_evict_until
+            and now >= self.records.no_evict_until
         )
 
-    def _evict_for(self, n: int, need: int, exclude: set, live: list, keep: str | None = None):
+    def evict_for(self, n: int, need: int, exclude: set, live: list, keep: str | None = None):
         """Evicts LRU objects with a replica in a segment not in ``exclude`` until ``need``
         of those segments have ``n`` contiguous free bytes (or nothing is left to evict).
         Evicts nothing when even evicting every candidate could not free ``n`` bytes in
         ``need`` segments (a put that cannot fit must not cost other objects), and never
         ``keep`` (the key being upserted: its old value stays until the new one is in)."""
-        now = self.clock()
+        rec = self.records
+        now = rec.clock()
         wanted = {s.name for s in live if s.name not in exclude}
         possible = 0
         for name in wanted:  # stops as soon as enough is found
             if possible >= need:
                 break
-            possible += self._could_fit(self.segments[name], n, keep, now)
+            possible += self._could_fit(rec.segments[name], n, keep, now)
         if possible < need:
             return
-        self.ssd_waiting.clear()
-        for key in list(self.lru):
+        self._ssd_waiting.clear()
+        for key in list(rec.lru):
             if key == keep:
                 continue
-            fits = sum(1 for name in wanted if self.segments[name].alloc.largest_free() >= n)
+            fits = sum(1 for name in wanted if rec.segments[name].alloc.largest_free() >= n)
             if fits >= need:
                 return
-            obj = self.objects.get(key)
+            obj = rec.objects.get(key)
             if (
                 obj is None
-                or not self._evictable(obj, now)
+                or not self.evictable(obj, now)
                 or not any(r[0] in wanted for r in obj.repl)
             ):
                 continue
-            self._evict(obj, now)
+            self.evict(obj, now)
 
     def _could_fit(self, seg: Segment, n: int, keep: str | None, now: float) -> bool:
         """Whether ``seg`` would have ``n`` contiguous free bytes if every object that may be
@@ -160,8 +173,8 @@ class _SpaceMixin:
             return True
         spans = seg.alloc.free_spans()
         for k in seg.keys:
-            o = self.objects.get(k)
-            if o is not None and k != keep and self._evictable(o, now):
+            o = self.records.objects.get(k)
+            if o is not None and k != keep and self.evictable(o, now):
                 spans += [(r[1], aligned(r[2])) for r in o.repl if r[0] == seg.name and r[2] > 0]
         spans.sort()
         start = end = -1
@@ -174,37 +187,91 @@ class _SpaceMixin:
                 return True
         return False
 
-    def _evict(self, obj: Obj, now: float, to_ssd: bool = True) -> bool:
+    def evict_to_low_watermark(self, now: float) -> None:
+        """Above the high watermark (put reservations counted as free), evicts least
+        recently used objects until the projected use is down to the low one."""
+        rec = self.records
+        cfg = rec.cfg
+        if not rec.capacity or rec.used - rec.reserved_bytes <= cfg.high_watermark * rec.capacity:
+            return
+        goal = cfg.low_watermark * rec.capacity
+        projected = rec.used - rec.reserved_bytes
+        self._ssd_waiting.clear()
+        for key in list(rec.lru):
+            if projected <= goal:
+                break
+            obj = rec.objects.get(key)
+            if obj is None or not self.evictable(obj, now):
+                continue
+            freed = sum(aligned(r[2]) for r in obj.repl)
+            self.evict(obj, now)
+            projected -= freed
+
+    def evict(self, obj: Obj, now: float, to_ssd: bool = True) -> bool:
         """Drops ``obj``'s memory replicas; to SSD first when an owner has a directory
         with room (then asynchronously: the object stays until the owner reports). True
         if freed now."""
+        rec = self.records
         if not obj.ssd and to_ssd:
             for seg_name, off, _n in obj.repl:
-                seg = self.segments.get(seg_name)
+                seg = rec.segments.get(seg_name)
                 if seg is None or not seg.client.ssd_dir:
                     continue
                 c = seg.client
-                if c.id in self.ssd_waiting:  # this eviction pass found its directory busy already
+                if c.id in self._ssd_waiting:  # this eviction pass found its directory busy already
                     return False
                 room = self._ssd_room(c, obj.size, now)
                 if room is None:
                     # a burst of evictions faster than the disk: the object waits in memory
                     # (puts meanwhile get NoSpaceRetry) rather than skipping the SSD, which
                     # kept older objects there and lost newer ones (found by a trial)
-                    self.ssd_waiting.add(c.id)
+                    self._ssd_waiting.add(c.id)
                     return False
                 if room:
                     c.ssd_bytes += obj.size  # reserved until the owner reports
                     c.ssd_inflight += obj.size
                     obj.offloading = c.id
-                    self._queue(c, ["offload", obj.key, obj.version, off, obj.size, obj.meta])
+                    rec.queue(c, ["offload", obj.key, obj.version, off, obj.size, obj.meta])
                     return False
-        self.counters.evictions += 1
+        rec.counters.evictions += 1
         for seg_name, off, n in obj.repl:
-            self._free_replica(seg_name, off, n, obj.key, 0.0)
+            rec.free_replica(seg_name, off, n, obj.key, 0.0)
         obj.repl = []
         if not obj.ssd:
-            self.objects.pop(obj.key, None)
-            self.lru.pop(obj.key, None)
-        self._dirty(obj.key)
+            rec.objects.pop(obj.key, None)
+            rec.lru.pop(obj.key, None)
+        rec.dirty(obj.key)
         return True
+
+    def _ssd_room(self, c: Client, size: int, now: float) -> bool | None:
+        """Whether ``c``'s SSD directory can take ``size`` more bytes, after dropping the
+        least recently used objects that live only there (not leased, not being loaded).
+        None: not now, but once the offloads in flight to it are done (they then become
+        such objects): the caller keeps the object in memory for now."""
+        if now - c.ssd_failed_at < SSD_RETRY_S:
+            return False
+        if c.ssd_max is None:
+            return True
+        if size > c.ssd_max:
+            return False
+        if c.ssd_bytes + size <= c.ssd_max:
+            return True
+        rec = self.records
+        for key in list(rec.lru):
+            if c.ssd_bytes + size <= c.ssd_max:
+                break
+            o = rec.objects.get(key)
+            if (
+                o is None
+                or key not in c.ssd_keys
+                or o.repl
+                or o.loading is not None
+                or o.lease_until > now
+                or o.offloading
+            ):
+                continue
+            rec.drop_committed(key)
+            rec.counters.ssd_drops += 1
+        if c.ssd_bytes + size <= c.ssd_max:
+            return True
+        return None if c.ssd_inflight else False

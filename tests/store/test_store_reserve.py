@@ -195,14 +195,14 @@ def test_core_commit_rules():
     r = core.reserve({"client": "c", "bytes": 64 * MiB, "min": 4096})["resv"]
     assert r is not None and r[0] == "seg" and r[2] == 4 * MiB
     _, off, n = r
-    used0 = core.used
+    used0 = core.records.used
     assert core.put({"client": "c", "seg": "seg", "off": off + 64, "items": [["k", 10, b""]]}) == {
         "lost": True
     }
     assert core.put({"client": "c", "seg": "seg", "off": off, "items": [["k", n + 1, b""]]}) == {
         "lost": True
     }
-    assert core.used == used0 and not core.objects
+    assert core.records.used == used0 and not core.records.objects
     req = {
         "client": "c",
         "rid": 7,
@@ -212,18 +212,21 @@ def test_core_commit_rules():
     }
     rep = core.put(dict(req))
     assert rep["items"] == [[0, 1], [0, 1]] and rep["resv"] == [off + 128, n - 128]
-    assert core.put(dict(req)) == rep and core.counters.puts == 2  # the resend
-    assert core.objects["k"].repl == [["seg", off, 128]] and core.objects["k"].meta == b"m"
+    assert core.put(dict(req)) == rep and core.records.counters.puts == 2  # the resend
+    assert (
+        core.records.objects["k"].repl == [["seg", off, 128]]
+        and core.records.objects["k"].meta == b"m"
+    )
     core.reserve({"client": "c", "ret": [["seg", off, n]]})  # stale figures: ignored
-    assert core.reserved_bytes == n - 128
+    assert core.records.reserved_bytes == n - 128
     core.reserve({"client": "c", "ret": [["seg", off + 128, n - 128]]})
-    assert core.reserved_bytes == 0 and core.used == used0 - n + 128
+    assert core.records.reserved_bytes == 0 and core.records.used == used0 - n + 128
     assert (
         core.reserve({"client": "c", "bytes": 64 * MiB, "min": 8 * MiB})["resv"] is None
     )  # more than 1/16
     assert core.reserve({"client": "c", "bytes": MiB})["resv"] is not None
     core.unregister({"client": "owner"})
-    assert core.clients["c"].reserved == {} and core.reserved_bytes == 0
+    assert core.records.clients["c"].reserved == {} and core.records.reserved_bytes == 0
 
 
 def test_core_resent_put_after_a_leader_change():
@@ -233,8 +236,7 @@ def test_core_resent_put_after_a_leader_change():
     new leader now recognises the objects at exactly the ranges the client wrote."""
     import json
 
-    from mooncake_store.master.core import load_into
-    from mooncake_store.master.ha import client_record, obj_record
+    from mooncake_store.master.ha import client_record, load_into, obj_record
 
     old = Core(MasterConfig())
     seg = {
@@ -257,9 +259,9 @@ def test_core_resent_put_after_a_leader_change():
     assert old.put(dict(req))["items"] == [[0, 1]] * 3
     new = Core(MasterConfig())  # the standby, from what the old leader wrote to etcd
     load_into(
-        new,
-        [json.loads(client_record(c)) for c in old.clients.values()],
-        [json.loads(obj_record(o)) for o in old.objects.values()],
+        new.records,
+        [json.loads(client_record(c)) for c in old.records.clients.values()],
+        [json.loads(obj_record(o)) for o in old.records.objects.values()],
     )
     rep = new.put(dict(req))
     assert rep["resv"] is None and rep["items"][0] == [0, 1] and rep["items"][2] == [0, 1]
@@ -312,7 +314,7 @@ def test_core_ssd_load_slot_and_corrupt_replica():
     once, so the late load could overwrite a new object), or LOAD_ORPHAN_S at most; an SSD
     replica reported missing or corrupt is dropped, its file deleted, and the object with
     no replica left is gone."""
-    from mooncake_store.master.ssd import LOAD_ORPHAN_S
+    from mooncake_store.master.records import LOAD_ORPHAN_S
 
     now = [1000.0]
     core = Core(MasterConfig(), clock=lambda: now[0])
@@ -336,16 +338,16 @@ def test_core_ssd_load_slot_and_corrupt_replica():
         }
     )
     core.register({"client": "r", "name": "r", "host": "h2", "pid": 2, "segs": []})
-    used0 = core.used
+    used0 = core.records.used
     assert core.get({"client": "r", "keys": ["k"]})["objs"][0][4] is True  # a load is asked for
-    assert core.clients["o"].tasks[-1][:4] == ["load", "k", 5, "/d/k.obj"]
-    assert core.used == used0 + MiB
+    assert core.records.clients["o"].tasks[-1][:4] == ["load", "k", 5, "/d/k.obj"]
+    assert core.records.used == used0 + MiB
     core.remove({"client": "r", "keys": ["k"], "force": True})
     now[0] += 1.0
     core.tick()
-    assert core.used == used0 + MiB  # the owner may still be writing into it
+    assert core.records.used == used0 + MiB  # the owner may still be writing into it
     core.load_done({"client": "o", "key": "k", "version": 5, "ok": True})
-    assert core.used == used0 and not core.orphan_loads
+    assert core.records.used == used0 and not core.records.orphan_loads
     # without a load_done, the slot comes back after LOAD_ORPHAN_S
     core.register(
         {
@@ -359,25 +361,25 @@ def test_core_ssd_load_slot_and_corrupt_replica():
         }
     )
     core.register({"client": "r", "name": "r", "host": "h2", "pid": 2, "segs": []})
-    used0 = core.used
+    used0 = core.records.used
     core.get({"client": "r", "keys": ["k"]})
     core.remove({"client": "r", "keys": ["k"], "force": True})
     now[0] += LOAD_ORPHAN_S - 1
     core.tick()
-    assert core.used == used0 + MiB
+    assert core.records.used == used0 + MiB
     now[0] += 2
     core.tick()
-    assert core.used == used0 and not core.orphan_loads
+    assert core.records.used == used0 and not core.records.orphan_loads
     # a corrupt SSD replica: dropped, its file deleted, the object gone
-    core.clients["o"].tasks = []
+    core.records.clients["o"].tasks = []
     core.ssd_bad(
         {"client": "r", "key": "j", "version": 99, "path": "/d/j.obj"}
     )  # another version: ignored
-    assert "j" in core.objects and core.counters.ssd_corrupt == 0
+    assert "j" in core.records.objects and core.records.counters.ssd_corrupt == 0
     core.ssd_bad({"client": "r", "key": "j", "version": 6, "path": "/d/j.obj"})
-    assert "j" not in core.objects and core.counters.ssd_corrupt == 1
-    assert ["delete", "/d/j.obj"] in core.clients["o"].tasks
-    assert core.clients["o"].ssd_bytes == 0 and core.stats()["ssd_corrupt"] == 1
+    assert "j" not in core.records.objects and core.records.counters.ssd_corrupt == 1
+    assert ["delete", "/d/j.obj"] in core.records.clients["o"].tasks
+    assert core.records.clients["o"].ssd_bytes == 0 and core.stats()["ssd_corrupt"] == 1
 
 
 def test_core_new_leader_grace_asks_puts_to_retry():
@@ -399,7 +401,7 @@ def test_core_new_leader_grace_asks_puts_to_retry():
     for k in ("a", "b"):
         (it,) = core.put_start({"client": "o", "items": [[k, MiB, b""]], "r": 1})["items"]
         core.put_end({"client": "o", "items": [[k, it[1]]]})
-    core.no_evict_until = now[0] + 5.0
+    core.records.no_evict_until = now[0] + 5.0
     (it,) = core.put_start({"client": "o", "items": [["c", MiB, b""]], "r": 1})["items"]
     assert it[0] == 1 and it[1] == "NoSpaceRetry" and "new leader evicts nothing" in it[2], it
     now[0] += 5.1
