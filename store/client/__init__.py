@@ -1,7 +1,10 @@
-"""The store's client: :class:`MooncakeStore` (``store.py``) and its parts: the link to the
-master (``link.py``), the read path (``read.py``), the write path (``write.py``), argument
-checks (``args.py``), shared-memory segments (``segment.py``) and SSD files (``ssd.py``);
-its options in ``config.py``.
+"""The store's client: :class:`MooncakeStore` (``store.py``) composed of its parts: the
+data plane (``dataplane.py``: its segment, mappings of the host's other segments, the
+transfer engine), the link to the master (``link.py``), the put reservation
+(``reservation.py``), the write and read paths (``write.py``, ``read.py``) and the master's
+tasks (``tasks.py``); the internal interface weight sync and the KV cache use
+(``internals.py``); argument checks (``args.py``), shared-memory segments
+(``segment.py``), SSD files (``ssd.py``) and its options (``config.py``).
 """
 
 from .config import ReplicateConfig, StoreConfig

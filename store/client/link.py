@@ -1,17 +1,15 @@
-"""The client's link to the master: the metadata connection (framing in ``protocol``),
-leader following and failover (etcd), registration, heartbeats, and the thread that runs
-the tasks the master hands out (SSD offloads and loads, deletes, reservation returns).
-
-Mixed into :class:`~mooncake_store.MooncakeStore`, whose ``__init__`` sets the state these
-methods use (``cfg``, ``client_id``, ``_lock``, ``_conn``, ``_session``, ...).
+"""The client's link to the master: the metadata connection (framing in
+``common/protocol.py``), leader following and failover (etcd), registration, and the
+heartbeat thread, which hands the tasks the master sends to ``tasks.py``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import queue
+import threading
 import time
+from collections.abc import Callable
 
 from ..common import protocol
 from ..common.config import parse_hostport
@@ -19,10 +17,11 @@ from ..common.errors import (
     NotLeaderError,
     ProtocolError,
     StoreError,
-    TransferError,
     UnknownClientError,
 )
 from . import ssd
+from .config import StoreConfig
+from .dataplane import DataPlane
 
 log = logging.getLogger("mooncake_store")
 
@@ -30,29 +29,63 @@ log = logging.getLogger("mooncake_store")
 # of waiting out the failover again
 _GAVE_UP_S = 2.0
 _QUICK_S = 1.0  # such a call's one try
-_RESV_IDLE_S = 3.0  # a put reservation unused this long goes back to the master
 
 
-class _LinkMixin:
-    """Metadata requests to the master, heartbeats and the master's tasks."""
+class Link:
+    """Metadata requests to the master (one connection, calls of several threads
+    serialised on it), its heartbeats, and this client's registration.
 
-    def _register(self):
-        segs = [self._segment.desc(self.cfg.host_id, self._te_desc())] if self._segment else []
-        res = self._call(
+    Attributes:
+        client_id: this client's id at the master.
+        session: counts connections to a master (a put reservation is valid only in the
+            session that got it).
+        lease_ttl_s: the master's read lease (``MasterConfig.lease_ttl_s``), from
+            registration.
+        closed: no more requests but ``unregister`` (set by :meth:`close` and
+            :meth:`unregister`).
+        exiting: the interpreter exits: each request is one short try, never a wait for a
+            failover.
+        etcd_error: why etcd could not be asked who leads, when it could not.
+    """
+
+    def __init__(self, cfg: StoreConfig, client_id: str, dataplane: DataPlane):
+        self.cfg = cfg
+        self.client_id = client_id
+        self._dataplane = dataplane
+        self.session = 0
+        self.lease_ttl_s = 5.0
+        # the master's client_ttl_s (from register): heartbeats must reach it within
+        self._client_ttl = 5.0
+        self.closed = False
+        self.exiting = False
+        self.etcd_error: str | None = None
+        self._lock = threading.RLock()  # the connection; another call's wait counts too
+        self._conn: protocol.Connection | None = None
+        self._gave_up: tuple | None = None  # (when, why) of the last call that gave up
+        self._etcd = None
+        self._poll_etcd = None  # the heartbeat thread's own etcd client
+        self._epoch = -1  # the master's segment epoch last seen by the heartbeat
+        self._poll_thread: threading.Thread | None = None
+
+    def register(self) -> None:
+        """Registers this client (its segment, its SSD directory and the files found in
+        it) with the master, and takes the master's lease and client TTLs."""
+        desc = self._dataplane.segment_desc()
+        res = self.call(
             "register",
             {
                 "client": self.client_id,
-                "name": self.name,
+                "name": self.cfg.name,
                 "host": self.cfg.host_id,
                 "pid": os.getpid(),
-                "segs": segs,
+                "segs": [] if desc is None else [desc],
                 "ssd_dir": self.cfg.ssd_dir,
                 "ssd_max": self.cfg.ssd_max_bytes,
                 "ssd": [],
             },
             register=False,
         )
-        self._lease_ttl = res["ttl_ms"] / 1000.0
+        self.lease_ttl_s = res["ttl_ms"] / 1000.0
         self._client_ttl = res.get("client_ttl_ms", 5000) / 1000.0
         if self.cfg.ssd_dir:  # files found on disk, in chunks well below the frame limit
             chunk, size = [], 0
@@ -61,12 +94,14 @@ class _LinkMixin:
                     chunk.append(e)
                     size += len(e[0]) + len(e[3]) + len(e[4]) + 32
                 if chunk and (e is None or size > (512 << 10)):
-                    self._call(
+                    self.call(
                         "adopt_ssd", {"client": self.client_id, "entries": chunk}, register=False
                     )
                     chunk, size = [], 0
 
-    def _resolve(self) -> str | None:
+    def resolve(self) -> str | None:
+        """``HOST:PORT`` of the master to use: the configured one, or the leader etcd names
+        (None when etcd names none or cannot be asked: ``etcd_error`` says why)."""
         if self.cfg.etcd is None:
             return self.cfg.master
         from ..common.etcd import Etcd, describe
@@ -76,16 +111,16 @@ class _LinkMixin:
         try:
             rec = self._etcd.leader()
         except Exception as e:  # etcd unreachable: said in the error the caller sees
-            self._etcd_error = f"etcd {self.cfg.etcd} unreachable: {describe(e)}"
+            self.etcd_error = f"etcd {self.cfg.etcd} unreachable: {describe(e)}"
             return None
-        self._etcd_error = None
+        self.etcd_error = None
         return rec["addr"] if rec else None
 
     def _connect(self, timeout: float | None = None) -> protocol.Connection:
-        addr = self._resolve()
+        addr = self.resolve()
         if addr is None:
             raise ConnectionError(
-                f"no store master leads ({self._etcd_error or 'etcd has no leader record'})"
+                f"no store master leads ({self.etcd_error or 'etcd has no leader record'})"
             )
         host, port = parse_hostport(addr, "master")
         return protocol.Connection(
@@ -96,25 +131,38 @@ class _LinkMixin:
             busy_poll_us=self.cfg.rpc_busy_poll_us,
         )
 
-    def _call(
+    def call(
         self,
         method: str,
         args: dict,
-        register=True,
+        register: bool = True,
         sent_at: list | None = None,
         fail_fast: bool = True,
     ):
         """One metadata request; follows leader changes for ``failover_timeout_s`` from the
         first failure (a request that waited out ``rpc_timeout_s`` on a stopped leader then
         still goes to its successor), each retry bounded by what is left of that: at most
-        ``rpc_timeout_s + failover_timeout_s`` in all. ``sent_at``: a list that gets the
-        ``time.monotonic()`` at which the request that answered was sent (a lease runs from
-        then). ``fail_fast``: within ``_GAVE_UP_S`` of a call that gave up, one try of
-        ``_QUICK_S`` (False: a clean-up the client owes the master, tried in full)."""
+        ``rpc_timeout_s + failover_timeout_s`` in all.
+
+        Args:
+            method / args: the request (``common/protocol.py``).
+            register: a master that forgot this client gets it registered again, once.
+            sent_at: a list that gets the ``time.monotonic()`` at which the request that
+                answered was sent (a lease runs from then).
+            fail_fast: within ``_GAVE_UP_S`` of a call that gave up, one try of
+                ``_QUICK_S`` (False: a clean-up the client owes the master, tried in full).
+
+        Returns:
+            The master's result.
+
+        Raises:
+            StoreError: no master answered in time, the link is closed, or the master's
+                own error (its class).
+        """
         start = time.monotonic()
         deadline = None
         reregistered = False
-        if self._exiting:  # interpreter exit: one short try, never a wait for a failover
+        if self.exiting:  # interpreter exit: one short try, never a wait for a failover
             if not self._lock.acquire(timeout=1.0):
                 raise StoreError(f"{method}: the store client is busy at exit")
             try:
@@ -148,14 +196,14 @@ class _LinkMixin:
                         "waiting for the master)"
                     )
                 try:
-                    if self._closed and method != "unregister":
+                    if self.closed and method != "unregister":
                         raise StoreError("the store client is closed")
                     end = bound if deadline is None else deadline
                     left = max(0.1, min(self.cfg.rpc_timeout_s, end - time.monotonic()))
                     if self._conn is None:
                         self._conn = self._connect(left)
                         self._conn.timeout = self.cfg.rpc_timeout_s  # later calls' own bound
-                        self._session += 1
+                        self.session += 1
                     conn = self._conn
                     t = time.monotonic()
                     res = conn.call(method, args, timeout=left)
@@ -168,8 +216,8 @@ class _LinkMixin:
                 if not register or reregistered:
                     raise
                 reregistered = True
-                self._session += 1  # the master forgot this client, and its reservation
-                self._register()
+                self.session += 1  # the master forgot this client, and its reservation
+                self.register()
             except (OSError, NotLeaderError) as e:
                 # drop the connection this call used; a call holding the lock past the bound
                 # is using it (or a newer one) and drops it itself if it fails
@@ -199,17 +247,24 @@ class _LinkMixin:
                     ) from None
                 time.sleep(0.1)
 
-    def _poll_main(self):
+    def start(self, on_task: Callable[[list], None]) -> None:
+        """Starts the heartbeat thread; it passes each task the master hands out to
+        ``on_task`` (which must not block: heartbeats never wait for a disk or an RPC)."""
+        self._poll_thread = threading.Thread(
+            target=self._poll_main, args=(on_task,), name="mooncake-store-heartbeat", daemon=True
+        )
+        self._poll_thread.start()
+
+    def _poll_main(self, on_task):
         conn = None
         connected = False
-        while not self._closed:
+        while not self.closed:
             try:
                 if conn is None:
                     conn = self._connect_poll()
                     if connected:
-                        self._session += (
-                            1  # perhaps another master now: put reservations are asked for again
-                        )
+                        # perhaps another master now: put reservations are asked for again
+                        self.session += 1
                     connected = True
                 res = conn.call(
                     "poll",
@@ -222,17 +277,14 @@ class _LinkMixin:
                 )
                 if "segs" in res:
                     self._epoch = res["epoch"]
-                    self._maps.retain(set(res["segs"]))
-                    self._ro_maps.retain(set(res["segs"]))
+                    self._dataplane.retain(set(res["segs"]))
                 for task in res["tasks"]:
-                    self._tasks.put(
-                        task
-                    )  # run by the task thread: heartbeats never wait for a disk or an RPC
+                    on_task(task)
             except UnknownClientError:
-                if self._closed:
+                if self.closed:
                     break
                 try:
-                    self._register()
+                    self.register()
                 except Exception as e:
                     log.warning("store: re-registering failed: %s", e)
                     time.sleep(0.2)
@@ -240,36 +292,10 @@ class _LinkMixin:
                 if conn is not None:
                     conn.close()
                     conn = None
-                if not self._closed:
+                if not self.closed:
                     time.sleep(0.1)
         if conn is not None:
             conn.close()
-
-    def _task_main(self):
-        """Runs the master's tasks (SSD offloads and loads, deletes, reservation returns)
-        in order, and gives an idle put reservation back. Apart from the heartbeat thread:
-        a long SSD write or an RPC stuck on a stopped master must not delay heartbeats past
-        the master's client TTL."""
-        while not self._closed:
-            try:
-                task = self._tasks.get(timeout=0.25)
-            except queue.Empty:
-                task = None
-            if task is None and self._closed:
-                break
-            try:
-                if task is not None:
-                    self._run_task(task)
-                r = self._resv
-                if (
-                    r is not None and time.monotonic() - r.used_at > _RESV_IDLE_S
-                ) or self._resv_orphans:
-                    self._give_back_reservation(wait=False)
-            except Exception as e:
-                if not self._closed:
-                    log.warning(
-                        "store: task %r failed: %s", task[0] if task else "reservation give-back", e
-                    )
 
     def _poll_slack(self) -> float:
         """Seconds a heartbeat may go unanswered (and a connect take) before the poll
@@ -285,7 +311,7 @@ class _LinkMixin:
         else:
             from ..common.etcd import Etcd
 
-            if not hasattr(self, "_poll_etcd"):
+            if self._poll_etcd is None:
                 self._poll_etcd = Etcd(self.cfg.etcd, self.cfg.etcd_prefix)
             rec = self._poll_etcd.leader()
             if rec is None:
@@ -293,62 +319,46 @@ class _LinkMixin:
             host, port = parse_hostport(rec["addr"], "master")
         return protocol.Connection(host, port, secret=self.cfg.secret, timeout=self._poll_slack())
 
-    def _run_task(self, task):
-        op = task[0]
-        if op == "unreserve":
-            self._give_back_reservation(wait=True)
-        elif op == "delete" and self.cfg.ssd_dir:
-            path = task[1]
-            if os.path.realpath(path).startswith(os.path.realpath(self.cfg.ssd_dir) + os.sep):
-                ssd.delete(path)
-        elif op == "load" and self._segment is not None:
-            _, key, version, path, off, size = task
-            ok, corrupt = False, False
-            try:
-                ssd.read_into(path, key, version, self._segment.view[off : off + size])
-                ok = True
-            except TransferError as e:
-                corrupt = isinstance(e, ssd.CorruptError)
-                log.warning("store: loading %r from SSD failed: %s", key, e)
-            try:
-                self._call(
-                    "load_done",
-                    {"client": self.client_id, "key": key, "version": version, "ok": ok},
-                )
-            except StoreError as e:
-                log.warning("store: load_done: %s", e)
-            if corrupt:
-                self._report_corrupt(key, version, path)
-        elif op == "offload" and self._segment is not None and self.cfg.ssd_dir:
-            _, key, version, off, size, meta = task
-            ok, path = False, ""
-            try:
-                path = ssd.write(
-                    self.cfg.ssd_dir, key, version, meta, self._segment.view[off : off + size]
-                )
-                ok = True
-            except OSError as e:
-                log.warning("store: offload of %r failed: %s", key, e)
-            try:
-                self._call(
-                    "offload_done",
-                    {
-                        "client": self.client_id,
-                        "key": key,
-                        "version": version,
-                        "path": path,
-                        "ok": ok,
-                    },
-                )
-            except StoreError as e:
-                log.warning("store: offload_done: %s", e)
-
-    def _report_corrupt(self, key: str, version: int, path: str):
+    def report_corrupt(self, key: str, version: int, path: str) -> None:
         """Tells the master an SSD file of ``key`` is missing or corrupt: it drops that
         replica (and the object when none is left), so later gets miss instead of failing."""
         try:
-            self._call(
+            self.call(
                 "ssd_bad", {"client": self.client_id, "key": key, "version": version, "path": path}
             )
         except StoreError as e:
             log.warning("store: reporting the corrupt SSD file %s: %s", path, e)
+
+    def unregister(self, *, quick: bool = False) -> None:
+        """Tells the master this client leaves (objects held only in its segment go) and
+        closes the link to requests. ``quick``: one try of at most a second, which may find
+        the connection busy or gone (at interpreter exit, which must not wait for an
+        unreachable master); otherwise a failure is ignored (the master drops this client
+        after its TTL)."""
+        self.closed = True
+        if quick:
+            if not self._lock.acquire(timeout=1.0):
+                return
+            try:
+                if self._conn is not None:
+                    self._conn.call("unregister", {"client": self.client_id}, timeout=1.0)
+            except Exception:  # at exit: the master drops this client after its TTL
+                pass
+            finally:
+                self._lock.release()
+            return
+        try:
+            self.call("unregister", {"client": self.client_id})
+        except StoreError:
+            pass
+
+    def close(self) -> None:
+        """Closes the connection and stops the heartbeat thread."""
+        self.closed = True
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+        t = self._poll_thread
+        if t is not None and t is not threading.current_thread():
+            t.join(self.cfg.heartbeat_interval_s + 3)

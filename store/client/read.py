@@ -2,9 +2,6 @@
 other hosts), copies from the first replica that works (mapped segments of this host in one
 parallel copy, other hosts through the transfer engine), segments whose owner could not be
 reached, and reads that outlast their lease.
-
-Mixed into :class:`~mooncake_store.MooncakeStore`, whose ``__init__`` sets the state these
-methods use (``cfg``, ``_te``, ``_fast``, ``_unreachable``, ...).
 """
 
 from __future__ import annotations
@@ -20,19 +17,25 @@ from ..common.errors import (
     TransferError,
 )
 from . import ssd
-from .args import check_keys, chunks, raise_first
+from .args import chunks, dedup, raise_first
+from .config import StoreConfig
+from .dataplane import DataPlane
+from .link import Link
 
 _LOAD_STALL_S = (
     1.0  # a batch read waiting for SSD loads on another host gives up this long after the last one
 )
-_FAST_COPY_BYTES = 64 << 10  # copies from this size on go through the parallel C++ copy
 # Seconds for which reads skip a segment whose owner could not be reached (a failed
 # connection): one wait for the first read that meets a dead or stopped owner, none for
 # the reads after it, which go to other replicas or fail at once with TransferError.
 UNREACHABLE_SKIP_S = 10.0
 
 
-class _Obj:
+class ObjectMeta:
+    """What the master says of one object in a ``get``: ``key``, ``size`` (bytes),
+    ``version``, ``meta`` (the metadata bytes stored with it) and ``replicas``, first
+    choice first: ``["m", segment name, offset]`` in memory, ``["s", host, path]`` on SSD."""
+
     __slots__ = ("key", "meta", "replicas", "size", "version")
 
     def __init__(self, key, size, version, meta, replicas):
@@ -68,18 +71,26 @@ def _connection_failed(e: BaseException) -> bool:
     return dist is not None and isinstance(e, dist.DistNetworkError)
 
 
-class _ReadMixin:
-    """Metadata of reads, and the copies out of the segments."""
+class Reader:
+    """Reads: their metadata requests (with read leases), and the copies out of the
+    segments. Keys and buffers come checked (``args.py``)."""
 
-    def _local_src(self, obj: _Obj, segs: dict):
+    def __init__(self, cfg: StoreConfig, link: Link, dataplane: DataPlane):
+        self._cfg = cfg
+        self._link = link
+        self._dataplane = dataplane
+        self._unreachable: dict = {}  # segment name -> time.monotonic() until which reads skip it
+        self._unreachable_marks = 0  # how many times a segment was found unreachable
+
+    def _local_src(self, obj: ObjectMeta, segs: dict):
         """A view of ``obj``'s first replica when it is in a mapped segment, else None."""
         if obj.size == 0 or not obj.replicas or obj.replicas[0][0] != "m":
             return None
         desc = segs[obj.replicas[0][1]]
-        if not self._is_local(desc):
+        if not self._dataplane.is_local(desc):
             return None
         try:
-            view = self._seg_view(desc)
+            view = self._dataplane.view(desc)
         except TransferError:
             return None
         off = obj.replicas[0][2]
@@ -108,7 +119,7 @@ class _ReadMixin:
                 and obj.replicas
                 and obj.replicas[0][0] == "m"
                 and obj.replicas[0][1] not in skipped
-                and not self._is_local(segs[obj.replicas[0][1]])
+                and not self._dataplane.is_local(segs[obj.replicas[0][1]])
             ):
                 remote.setdefault(obj.replicas[0][1], []).append(i)
             else:
@@ -126,8 +137,8 @@ class _ReadMixin:
             got, skip = None, skipped
             if len(idx) > 1:
                 try:
-                    host, port, region = self._te_for(segs[name])
-                    got = self._te.batch_read_bytes(
+                    host, port, region = self._dataplane.engine_for(segs[name])
+                    got = self._dataplane.te.batch_read_bytes(
                         host,
                         port,
                         region,
@@ -157,19 +168,11 @@ class _ReadMixin:
                 except TransferError as e:
                     res[i] = e
         if local_i:
-            total = sum(len(v) for v in local_src)
-            fast = self._fast is not None and total >= _FAST_COPY_BYTES
             if outs is None:
-                got = self._fast.copy_to_bytes(local_src) if fast else [bytes(v) for v in local_src]
-                for i, b in zip(local_i, got):
+                for i, b in zip(local_i, self._dataplane.to_bytes(local_src)):
                     res[i] = b
             else:
-                dsts = [outs[i] for i in local_i]
-                if fast:
-                    self._fast.copy_buffers(dsts, local_src)
-                else:
-                    for d, v in zip(dsts, local_src):
-                        d[:] = v
+                self._dataplane.copy([outs[i] for i in local_i], local_src)
         return res
 
     def _skipped(self) -> frozenset:
@@ -201,7 +204,7 @@ class _ReadMixin:
 
     def _read_one(
         self,
-        obj: _Obj,
+        obj: ObjectMeta,
         segs: dict,
         out: memoryview | None = None,
         skip: frozenset = frozenset(),
@@ -226,18 +229,22 @@ class _ReadMixin:
                     if obj.size == 0:
                         return b"" if out is None else None
                     off = rep[2]
-                    if self._is_local(desc):
-                        src = self._seg_view(desc)[off : off + obj.size]
+                    if self._dataplane.is_local(desc):
+                        src = self._dataplane.view(desc)[off : off + obj.size]
                         if out is None:
                             return bytes(src)
                         out[:] = src
                         return None
-                    host, port, region = self._te_for(desc)
+                    host, port, region = self._dataplane.engine_for(desc)
                     try:
                         if scratch and out is not None:
-                            self._te.batch_read(host, port, region, [off], [out[: obj.size]])
+                            self._dataplane.te.batch_read(
+                                host, port, region, [off], [out[: obj.size]]
+                            )
                             return None
-                        data = self._te.batch_read_bytes(host, port, region, [off], [obj.size])[0]
+                        data = self._dataplane.te.batch_read_bytes(
+                            host, port, region, [off], [obj.size]
+                        )[0]
                         if out is None:
                             return data
                         out[:] = (
@@ -249,7 +256,7 @@ class _ReadMixin:
                             self._mark_unreachable(rep[1])
                         raise TransferError(f"read from {host}:{port} failed: {e}") from None
                 else:
-                    if rep[1] != self.cfg.host_id:
+                    if rep[1] != self._cfg.host_id:
                         raise TransferError(
                             "SSD replica on another host could not be loaded into memory"
                         )
@@ -261,7 +268,7 @@ class _ReadMixin:
                         ssd.read_into(rep[2], obj.key, obj.version, out)
                         return None
                     except ssd.CorruptError:
-                        self._report_corrupt(obj.key, obj.version, rep[2])
+                        self._link.report_corrupt(obj.key, obj.version, rep[2])
                         raise
             except TransferError as e:
                 errors.append(str(e))
@@ -269,21 +276,28 @@ class _ReadMixin:
             raise TransferError(f"{obj.key!r} has no replica left")
         raise TransferError(f"no replica of {obj.key!r} could be read: " + "; ".join(errors))
 
-    def _get_meta(self, keys: list):
+    def meta(self, keys: list) -> tuple:
+        """``(objects, segments, deadline)`` of checked ``keys``: per key an
+        :class:`ObjectMeta` (None: missing), the descriptors of the segments holding them
+        by name, and the ``time.monotonic()`` at which the read leases this request took
+        end. Waits (up to ``rpc_timeout_s``) while the master loads objects that lie only
+        on another host's SSD into memory."""
         parts = list(chunks(keys))
         if len(parts) > 1:
             objs, segs, deadline = [], {}, float("inf")
             for a, b in parts:
-                o, sg, d = self._get_meta(keys[a:b])
+                o, sg, d = self.meta(keys[a:b])
                 objs += o
                 segs.update(sg)
                 deadline = min(deadline, d)
             return objs, segs, deadline
-        give_up = time.monotonic() + self.cfg.rpc_timeout_s
+        give_up = time.monotonic() + self._cfg.rpc_timeout_s
         ready, progress_at = -1, time.monotonic()
         while True:
             sent = []
-            res = self._call("get", {"client": self.client_id, "keys": keys}, sent_at=sent)
+            res = self._link.call(
+                "get", {"client": self._link.client_id, "keys": keys}, sent_at=sent
+            )
             t0 = sent[0]
             # an object only on another host's SSD is being loaded into memory: ask again
             waiting = sum(1 for o in res["objs"] if o is not None and o[4])
@@ -301,11 +315,11 @@ class _ReadMixin:
             time.sleep(0.01)
         deadline = t0 + res["ttl_ms"] / 1000.0
         objs = [
-            None if o is None else _Obj(k, o[0], o[1], o[2], o[3])
+            None if o is None else ObjectMeta(k, o[0], o[1], o[2], o[3])
             for k, o in zip(keys, res["objs"])
         ]
-        if self.cfg.test_pause and self.cfg.test_pause[0] == "get":
-            time.sleep(self.cfg.test_pause[1])
+        if self._cfg.test_pause and self._cfg.test_pause[0] == "get":
+            time.sleep(self._cfg.test_pause[1])
         return objs, res["segs"], deadline
 
     @staticmethod
@@ -315,25 +329,25 @@ class _ReadMixin:
                 f"the read of {key!r} outlasted its lease; the bytes may have been evicted meanwhile"
             )
 
-    def _local_views(self, keys: list) -> tuple:
-        """``(views, deadline)``: per key a read-only ``memoryview`` of the value's first
+    def local_views(self, keys: list) -> tuple:
+        """``(views, deadline)``: per checked key a read-only ``memoryview`` of the value's first
         replica where it lies in memory on this host (this client's own segment
         included, through a read-only mapping of it), else ``None`` (also for a missing key); ``deadline`` is the
         ``time.monotonic()`` at which the read lease ends. No copy: the bytes stay the
         store's, valid while the object is not removed (the caller protects them, e.g.
         ``WeightSync`` holds). A view of another client's segment keeps its mapping alive
         after the segment goes away."""
-        objs, segs, deadline = self._get_meta(check_keys(keys, "local_views"))
+        objs, segs, deadline = self.meta(keys)
         out = []
         for obj in objs:
             view = None
             if obj is not None and obj.replicas and obj.replicas[0][0] == "m":
                 desc = segs[obj.replicas[0][1]]
-                if self._is_local(desc):
+                if self._dataplane.is_local(desc):
                     try:
                         # this client's own segment too goes through a read-only mapping:
                         # a view handed out must not be writable in the owner either
-                        base = self._ro_maps.get(desc).view
+                        base = self._dataplane.readonly_view(desc)
                         off = obj.replicas[0][2]
                         view = base[off : off + obj.size]
                     except TransferError:
@@ -345,7 +359,7 @@ class _ReadMixin:
         """One try of :meth:`get_tensor_batch`: ``(results, lease deadline)``."""
         import torch
 
-        objs, segs, deadline = self._get_meta(keys)
+        objs, segs, deadline = self.meta(keys)
         out: list = []
         todo, views = [], []
         for k, obj in zip(keys, objs):
@@ -375,3 +389,161 @@ class _ReadMixin:
                 views[-1] = memoryview(t.reshape(-1).view(torch.uint8).numpy())
         got = self._read_many(todo, segs, views)
         return [g if isinstance(g, BaseException) else o for o, g in zip(out, got)], deadline
+
+    # ------------------------------------------------------------------ reads
+    def get(self, key: str) -> bytes:
+        """:meth:`MooncakeStore.get <mooncake_store.MooncakeStore.get>` of a checked key."""
+
+        def read():
+            (obj,), segs, deadline = self.meta([key])
+            if obj is None:
+                raise ObjectNotFoundError(f"key {key!r} not found")
+            return self._read_many([obj], segs)[0], deadline
+
+        out, deadline = self._leased(read)
+        if isinstance(out, BaseException):
+            raise out
+        self._check_lease(deadline, key)
+        return out
+
+    def get_batch(self, keys: list, return_exceptions: bool) -> list:
+        """``MooncakeStore.get_batch`` of checked keys (a key may repeat)."""
+        uniq, pos = dedup(keys)
+        if pos is not None:
+            res = self.get_batch(uniq, True)
+            out = [res[j] for j in pos]  # bytes: the same object at each position
+            if not return_exceptions:
+                raise_first(out)
+            return out
+
+        def read():
+            objs, segs, deadline = self.meta(keys)
+            got = self._read_many(objs, segs)
+            return [
+                ObjectNotFoundError(f"key {k!r} not found") if obj is None else g
+                for k, obj, g in zip(keys, objs, got)
+            ], deadline
+
+        out, deadline = self._leased(read)
+        return _batch_result(keys, out, deadline, return_exceptions)
+
+    def get_into(
+        self, key: str, mv: memoryview, scratch: bool = False, offset: int | None = None
+    ) -> int:
+        """``MooncakeStore.get_into`` of a checked key and buffer; returns the bytes read.
+
+        Args:
+            scratch: the caller throws the buffer away on any error (a staging buffer), so
+                a read from another host's segment lands in it directly, without the
+                temporary that keeps it untouched on a failed transfer (one copy less per
+                byte).
+            offset: reads bytes ``[offset, offset + len(mv))`` of the value (from its
+                replicas in memory only) instead of all of it; ``ValueError`` when they are
+                not all within it.
+        """
+
+        def read():
+            (obj,), segs, deadline = self.meta([key])
+            if obj is None:
+                raise ObjectNotFoundError(f"key {key!r} not found")
+            if offset is not None:
+                if offset < 0 or offset + len(mv) > obj.size:
+                    raise ValueError(
+                        f"get_into: bytes [{offset}, {offset + len(mv)}) of {key!r} are not all "
+                        f"within its {obj.size} bytes (nothing written)"
+                    )
+                reps = [(r[0], r[1], r[2] + offset) for r in obj.replicas if r[0] == "m"]
+                obj = ObjectMeta(obj.key, len(mv), obj.version, obj.meta, reps)
+            elif obj.size > len(mv):
+                raise ValueError(
+                    f"get_into: buffer of {len(mv)} bytes is too small for {key!r} "
+                    f"({obj.size} bytes; nothing written)"
+                )
+            (err,) = self._read_many([obj], segs, [mv[: obj.size]], scratch)
+            return obj.size, err, deadline
+
+        size, err, deadline = self._leased(read)
+        if isinstance(err, BaseException):
+            raise err
+        self._check_lease(deadline, key)
+        return size
+
+    def get_into_batch(self, keys: list, mvs: list, return_exceptions: bool) -> list:
+        """``MooncakeStore.get_into_batch`` of checked keys and buffers (a key may repeat:
+        each of its buffers receives the value, one request per repetition)."""
+        if len(set(keys)) != len(keys):
+            # rounds of distinct keys: the n-th occurrences of each key together
+            seen: dict = {}
+            rounds: dict = {}
+            for i, k in enumerate(keys):
+                n = seen[k] = seen.get(k, -1) + 1
+                rounds.setdefault(n, []).append(i)
+            out: list = [None] * len(keys)
+            for idx in rounds.values():
+                res = self.get_into_batch([keys[i] for i in idx], [mvs[i] for i in idx], True)
+                for i, r in zip(idx, res):
+                    out[i] = r
+            if not return_exceptions:
+                raise_first(out)
+            return out
+
+        def read():
+            objs, segs, deadline = self.meta(keys)
+            out: list = [None] * len(keys)
+            todo = [None] * len(keys)
+            for i, (k, obj, mv) in enumerate(zip(keys, objs, mvs)):
+                if obj is None:
+                    out[i] = ObjectNotFoundError(f"key {k!r} not found")
+                elif obj.size > len(mv):
+                    out[i] = ValueError(
+                        f"get_into_batch: buffer of {len(mv)} bytes is too small for {k!r} "
+                        f"({obj.size} bytes; nothing written)"
+                    )
+                else:
+                    todo[i] = obj
+            got = self._read_many(
+                todo, segs, [mv[: o.size] if o is not None else None for mv, o in zip(mvs, todo)]
+            )
+            for i, obj in enumerate(todo):
+                if obj is not None:
+                    out[i] = got[i] if isinstance(got[i], BaseException) else obj.size
+            return out, deadline
+
+        out, deadline = self._leased(read)
+        return _batch_result(keys, out, deadline, return_exceptions)
+
+    def get_tensors(self, keys: list, return_exceptions: bool) -> list:
+        """``MooncakeStore.get_tensor_batch`` of checked keys (a key may repeat: each
+        further position gets its own copy, a clone)."""
+        import torch
+
+        uniq, pos = dedup(keys)
+        if pos is not None:
+            res = self.get_tensors(uniq, True)
+            out, used = [], set()
+            for j in pos:
+                r = res[j]
+                if j in used and isinstance(r, torch.Tensor):
+                    r = r.clone()
+                used.add(j)
+                out.append(r)
+            if not return_exceptions:
+                raise_first(out)
+            return out
+        out, deadline = self._leased(lambda: self._read_tensors(keys))
+        return _batch_result(keys, out, deadline, return_exceptions)
+
+    def exists_meta(self, keys: list) -> list:
+        """Per checked key ``None`` if it does not exist, else the metadata stored with it
+        (bytes: what ``put_tensor`` records, ``b""`` for plain values), or ``True`` where
+        the master does not send metadata (an older master). From the master alone: no
+        lease, no bytes read, nothing loaded from SSD."""
+        uniq, pos = dedup(keys)
+        out: list = []
+        for a, b in chunks(uniq):
+            r = self._link.call("exists", {"keys": uniq[a:b], "meta": True})
+            metas = r.get("meta")
+            if not isinstance(metas, list) or len(metas) != len(r["exists"]):
+                metas = [True if e else None for e in r["exists"]]
+            out += [m if e else None for e, m in zip(r["exists"], metas)]
+        return out if pos is None else [out[j] for j in pos]

@@ -167,7 +167,7 @@ class KVCacheStore:
                 f"{op}: kv must have at least one layer, head and head_dim element, got {list(kv.shape)}"
             )
         mine = Layout(int(kv.shape[0]), int(kv.shape[2]), int(kv.shape[4]), dtype_name(kv.dtype))
-        metas = self.store._exists_meta(keys) if keys else []
+        metas = self.store.internal.metadata(keys) if keys else []
         for i, m in enumerate(metas):
             if m is None:
                 continue

@@ -166,7 +166,7 @@ class _PublishMixin:
                 # lease ends (lease_ttl_s): wait for it rather than fail a publish that fits
                 now = time.monotonic()
                 if deadline is None:
-                    deadline = now + float(getattr(self.store, "_lease_ttl", 5.0)) + 0.5
+                    deadline = now + self.store.internal.lease_ttl_s + 0.5
                 if now < deadline and self._space_coming_back():
                     time.sleep(0.05)
                     continue

@@ -389,7 +389,7 @@ class _PullMixin:
         if view_mode and buckets:
             import numpy as np
 
-            bviews, _ = self.store._local_views([b[0] for b in buckets])
+            bviews, _ = self.store.internal.local_views([b[0] for b in buckets])
             with warnings.catch_warnings():
                 warnings.filterwarnings(
                     "ignore", message="The given (buffer|NumPy array) is not writable"
@@ -453,7 +453,7 @@ class _PullMixin:
         if relay is None:
 
             def get_into(key, dst):  # staging memory: a failed read only costs this pull
-                self.store._get_into(key, memoryview(dst.numpy()), scratch=True)
+                self.store.internal.read_into(key, memoryview(dst.numpy()), scratch=True)
                 return dst
 
         else:

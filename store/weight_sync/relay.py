@@ -61,13 +61,6 @@ _CLAIM_GRACE_S = 0.5
 MAX_POSITIONS = 256
 
 
-class _OwnSegment(ReplicateConfig):
-    """Placement in ``preferred_segment`` alone: ``NoSpaceError`` when it has no room
-    (a relay's copy in another host's segment would help nobody and take its space)."""
-
-    only_preferred = True
-
-
 def host_tag(host_id: str) -> str:
     """The part of a relay record's key naming a host (``StoreConfig.host_id`` may hold
     any character)."""
@@ -118,7 +111,9 @@ class RelayPull:
         # (position, reader id) of the relays to read from, nearest first; then the publisher
         self.sources: list = []
         self.own: list = []  # keys this reader put for this version
-        self._here = _OwnSegment(preferred_segment=self.store.name, pin=True)
+        # claims go to this reader's own segment alone (put_many's own_segment_only): a
+        # copy in another host's segment would help nobody and take its space
+        self._here = ReplicateConfig(preferred_segment=self.store.name, pin=True)
         # `own`, `sources` and `position`: the pull's two read threads and its caller
         self._lock = threading.Lock()
         self._stepped_down = False
@@ -131,16 +126,13 @@ class RelayPull:
         in its buckets, relayed in parts of ``part_bytes``), or None when the publisher's
         pieces lie on this host (read in place, no relay)."""
         store = ws.store
-        (obj,), segs, _ = store._get_meta([first_key])
-        if obj is None or not obj.replicas or obj.replicas[0][0] != "m":
-            return None
-        if store._is_local(segs[obj.replicas[0][1]]):
+        if store.internal.replica_is_local(first_key) is not False:
             return None
         self = cls(ws, vp, pp, part_bytes)
         tag = host_tag(store.cfg.host_id)
         n = MAX_POSITIONS
         host_claimed = False  # by another reader of this host (its put may still be going on)
-        if store._te_desc() is not None and store.cfg.segment_size >= nbytes:
+        if store.internal.serves_transfers and store.cfg.segment_size >= nbytes:
             try:
                 self._put_here(f"{vp}relay/h{tag}", _ONE_BYTE, {"rid": ws._rid})
                 for k in range(n):
@@ -178,7 +170,7 @@ class RelayPull:
         deadline, grace = now + self.ws.cfg.relay_wait_s, now + _CLAIM_GRACE_S
         pause = 0.005
         while top is None and time.monotonic() < deadline:
-            if store._exists_meta([f"{vp}relay/h{tag}"])[0] is None and not (
+            if store.internal.metadata([f"{vp}relay/h{tag}"])[0] is None and not (
                 host_claimed and time.monotonic() < grace
             ):
                 break
@@ -216,7 +208,9 @@ class RelayPull:
         """Puts a claim, ``value`` with ``record`` as its metadata, into this client's own
         segment. Raises ``ObjectExistsError`` when another reader claimed it first,
         ``NoSpaceError`` when the segment has no room for it."""
-        self.store._put_many([key], [value], [msgpack.packb(record)], self._here, False, False)
+        self.store.internal.put_many(
+            [key], [value], [msgpack.packb(record)], self._here, own_segment_only=True
+        )
         with self._lock:
             self.own.append(key)
 
@@ -228,7 +222,7 @@ class RelayPull:
         deadline = time.monotonic() + self.ws.cfg.relay_wait_s
         pause = 0.001
         while True:
-            have, alive = self.store._exists_meta([ck, ok])
+            have, alive = self.store.internal.metadata([ck, ok])
             if have is not None:
                 return True
             gone = alive is None or (alive is not True and _rid_of(alive) != rid)
@@ -250,11 +244,11 @@ class RelayPull:
         placed = None
         if position is not None:
             keys = [copy_key(self.pp, self.ws._rid, key, j) for j in range(len(parts))]
-            placed = self.store._place_own(keys, [n for _, n in parts], self._here)
+            placed = self.store.internal.place(keys, [n for _, n in parts], pin=True)
             if placed is None:
                 self._step_down()
         elif not self.sources:  # the publisher's piece alone: one read
-            self.store._get_into(key, mv, scratch=True)
+            self.store.internal.read_into(key, mv, scratch=True)
             return dst
         torch = _torch()
         for j, (off, n) in enumerate(parts):
@@ -266,17 +260,17 @@ class RelayPull:
             try:
                 self._read_part(key, j, off, view)
             except BaseException:
-                self.store._revoke(unused)
+                self.store.internal.revoke(unused)
                 raise
             try:
-                self.store._commit_one(keys[j], version)
+                self.store.internal.commit(keys[j], version)
                 with self._lock:
                     self.own.append(keys[j])
             except StoreError:  # not committed (a leader change lost it): no more copies
                 placed = None
             dst[off : off + n].copy_(torch.frombuffer(view, dtype=torch.uint8))
             if placed is None:  # after the copy: the space of this part goes back too
-                self.store._revoke(unused)
+                self.store.internal.revoke(unused)
                 self._step_down()
         return dst
 
@@ -289,14 +283,14 @@ class RelayPull:
             ck = copy_key(self.pp, rid, key, part)
             if self._wait(j, rid, ck):
                 try:
-                    if self.store._get_into(ck, mv, scratch=True) == len(mv):
+                    if self.store.internal.read_into(ck, mv, scratch=True) == len(mv):
                         return
                 except (ObjectNotFoundError, TransferError, ValueError):
                     pass
             with self._lock:  # gone, unreadable, stalled or of another size: the next one up
                 if self.sources and self.sources[0] == src:
                     self.sources.pop(0)
-        self.store._get_into(key, mv, scratch=True, offset=offset)
+        self.store.internal.read_into(key, mv, scratch=True, offset=offset)
 
     def _step_down(self) -> None:
         """Stops relaying this version: its position record goes at once (readers after

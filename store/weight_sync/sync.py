@@ -73,7 +73,6 @@ from __future__ import annotations
 
 import threading
 import uuid
-import weakref
 
 import msgpack
 
@@ -111,7 +110,7 @@ class WeightSync(_PublishMixin, _PullMixin):
         self._p = f"ws/{model}/"
         # a publisher's pieces go to its own segment when it has one (readers on other
         # hosts may contribute segments too, to relay: relay.py)
-        own = store.name if getattr(store, "_segment", None) is not None else None
+        own = store.name if store.internal.segment is not None else None
         self._rc = ReplicateConfig(pin=self.cfg.pin, preferred_segment=own)
         self.version = -1
         # the publish id of the version held (a version number committed again with other
@@ -137,11 +136,8 @@ class WeightSync(_PublishMixin, _PullMixin):
         # viewed versions found dropped while this reader still had views of them (its hold
         # lapsed: the process was stopped or starved past hold_ttl_s); see _refresh_main
         self.lapsed_versions: list = []
-        hooks = getattr(store, "_close_hooks", None)
-        if (
-            hooks is not None
-        ):  # closing the store (or the process exiting) releases this reader first
-            hooks.append(weakref.WeakMethod(self.release))
+        # closing the store (or the process exiting) releases this reader first
+        store.internal.on_close(self.release)
 
     # ------------------------------------------------------------------ helpers
     def _get_msg(self, key, default=ObjectNotFoundError):
@@ -158,15 +154,13 @@ class WeightSync(_PublishMixin, _PullMixin):
         holding the store's memory that restarts still finds its version history; a reader
         records its holds with no trainer alive). ``upsert=False``: a plain put
         (``ObjectExistsError`` if the key exists)."""
-        self.store._put_many(
-            [key], [memoryview(b"")], [msgpack.packb(rec)], self._rc, upsert, False
-        )
+        self.store.internal.put_many([key], [b""], [msgpack.packb(rec)], self._rc, upsert=upsert)
 
     def _get_records(self, keys: list) -> list:
         """The records :meth:`_put_record` wrote (None where a key does not exist or holds
         no valid record)."""
         out = []
-        for key, meta in zip(keys, self.store._exists_meta(keys)):
+        for key, meta in zip(keys, self.store.internal.metadata(keys)):
             try:
                 if meta is None:
                     out.append(None)

@@ -315,20 +315,21 @@ def test_preferred_segment_is_a_preference(store):
 
 
 def test_a_relays_copy_goes_to_its_own_segment_or_nowhere():
-    """A weight-sync relay's copies (``weight_sync/relay.py`` ``_OwnSegment``) are placed in the preferred
-    segment alone: with no room there, the put fails with ``NoSpaceError`` and no other
-    segment (another host's, the trainer's) takes the copy."""
-    from mooncake_store.weight_sync.relay import _OwnSegment
+    """A weight-sync relay's copies (``store.internal.put_many(..., own_segment_only=True)``)
+    are placed in the preferred segment alone: with no room there, the put fails with
+    ``NoSpaceError`` and no other segment (another host's, the trainer's) takes the copy."""
 
     with (
         MooncakeStore(segment_size=8 << 20, serve_tcp=False) as big,
         MooncakeStore(master=big.master_address, segment_size=1 << 20, serve_tcp=False) as small,
     ):
-        here = _OwnSegment(preferred_segment=small.name, pin=True)
-        small.put("fits", b"x" * (512 << 10), here)
+        here = ReplicateConfig(preferred_segment=small.name, pin=True)
+        small.internal.put_many(["fits"], [b"x" * (512 << 10)], [b""], here, own_segment_only=True)
         assert small.where("fits").memory == [small.name]
         with pytest.raises(NoSpaceError):
-            small.put("too-big", b"x" * (2 << 20), here)
+            small.internal.put_many(
+                ["too-big"], [b"x" * (2 << 20)], [b""], here, own_segment_only=True
+            )
         assert not small.exists("too-big") and big.stats().objects == 1
 
 

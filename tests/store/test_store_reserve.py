@@ -19,17 +19,18 @@ MiB = 1 << 20
 
 
 class Calls:
-    """Records the metadata requests one client sends (its own method, wrapped)."""
+    """Records the metadata requests one client sends (its link's method, wrapped)."""
 
     def __init__(self, store):
         self.names = []
-        inner = store._call
+        link = store.internal.link
+        inner = link.call
 
         def call(method, args, register=True, **kw):
             self.names.append(method)
             return inner(method, args, register, **kw)
 
-        store._call = call
+        link.call = call
 
 
 def wait_for(pred, timeout=10.0, what="condition"):
@@ -303,7 +304,7 @@ def test_commit_lost_in_a_stall_gives_the_reservation_back(procs):
         for i in range(20):
             s.put(f"c{i}", b"z" * 4096)
         assert (
-            s._resv is not None and s.stats().reserved_bytes > 0
+            s.internal.reservations.current is not None and s.stats().reserved_bytes > 0
         )  # a new one, in the same segment
         assert s.get("a") == b"x" * 1000 and s.get("c19") == b"z" * 4096
 

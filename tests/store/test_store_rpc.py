@@ -256,7 +256,8 @@ def test_reservation_warmed_and_client_closes_cleanly():
         vals = {f"k{i}": os.urandom(1000 + 37 * i) for i in range(200)}
         for k, v in vals.items():
             assert s.put(k, v) == 1
-        assert s._warm_thread is not None and s._warm_thread.is_alive()
+        resv = s.internal.reservations
+        assert resv.warm_thread is not None and resv.warm_thread.is_alive()
         assert all(s.get(k) == v for k, v in vals.items())
         s.close()
-        assert not s._warm_thread.is_alive()
+        assert not resv.warm_thread.is_alive()

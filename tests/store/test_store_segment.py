@@ -61,7 +61,7 @@ def vmas(fd: int):
 def test_segment_in_huge_pages_and_peer_mappings_use_them():
     s = MooncakeStore(serve_tcp=False, segment_size=64 * MiB + 4096)
     try:
-        seg = s._segment
+        seg = s.internal.segment
         assert seg.huge_bytes == 64 * MiB and seg.all_huge  # the 4 KiB tail stays in small pages
         (own,) = vmas(seg.fd)
         assert own["start"] % (2 * MiB) == 0
@@ -75,12 +75,14 @@ def test_segment_in_huge_pages_and_peer_mappings_use_them():
             for k, v in vals.items():
                 assert s.put(k, v) == 1
             assert all(s.get(k) == v for k, v in vals.items())
-            (obj,), _segs, _ = s._get_meta(["k3"])
+            (obj,), _segs, _ = s.internal.locate(["k3"])
             off = obj.replicas[0][2]
             assert peer.view[off : off + obj.size] == vals["k3"]
         finally:
             peer.close()
-        assert s._warm_thread is None  # 2 MiB pages do not go cold: no warm-up thread
+        assert (
+            s.internal.reservations.warm_thread is None
+        )  # 2 MiB pages do not go cold: no warm-up thread
     finally:
         s.close()
 
@@ -91,13 +93,13 @@ def test_huge_pages_off_keeps_small_pages_and_warms_up():
         serve_tcp=False, segment_size=64 * MiB, huge_pages=False, put_reservation_bytes=4 * MiB
     )
     try:
-        assert s._segment.huge_bytes == 0 and not s._segment.all_huge
-        (own,) = vmas(s._segment.fd)
+        assert s.internal.segment.huge_bytes == 0 and not s.internal.segment.all_huge
+        (own,) = vmas(s.internal.segment.fd)
         assert own.get("ShmemPmdMapped", 0) == 0
         assert own["Rss"] == 64 * 1024  # prefaulted all the same
         for i in range(50):
             assert s.put(f"k{i}", bytes([i]) * 1000) == 1
-        assert s._warm_thread is not None
+        assert s.internal.reservations.warm_thread is not None
         assert all(s.get(f"k{i}") == bytes([i]) * 1000 for i in range(50))
     finally:
         s.close()

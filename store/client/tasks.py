@@ -1,0 +1,122 @@
+"""The tasks the master hands a client with its heartbeats: SSD offloads and loads,
+deletes of SSD files, and giving its put reservation back; and giving an idle put
+reservation back by itself. They run on a thread of their own, apart from the heartbeat
+thread: a long SSD write or an RPC stuck on a stopped master must not delay heartbeats
+past the master's client TTL.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+
+from ..common.errors import StoreError, TransferError
+from . import ssd
+from .dataplane import DataPlane
+from .link import Link
+from .reservation import Reservations
+
+log = logging.getLogger("mooncake_store")
+
+
+class Tasks:
+    """Runs the master's tasks in order (:meth:`put` queues one; the heartbeat thread
+    calls it)."""
+
+    def __init__(
+        self, link: Link, dataplane: DataPlane, reservations: Reservations, ssd_dir: str | None
+    ):
+        self._ssd_dir = ssd_dir  # StoreConfig.ssd_dir: where SSD files are written and deleted
+        self._link = link
+        self._dataplane = dataplane
+        self._reservations = reservations
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._main, name="mooncake-store-tasks", daemon=True)
+        self._thread.start()
+
+    def put(self, task: list) -> None:
+        """Queues ``task`` (a list whose first item names it) to run after those before."""
+        self._queue.put(task)
+
+    def close(self) -> None:
+        """Stops the thread once the task it runs is done (an SSD load may be writing
+        into the segment, which is closed next)."""
+        t = self._thread
+        if t is not threading.current_thread():
+            self._queue.put(None)
+            t.join(30)
+
+    def _main(self):
+        link = self._link
+        while not link.closed:
+            try:
+                task = self._queue.get(timeout=0.25)
+            except queue.Empty:
+                task = None
+            if task is None and link.closed:
+                break
+            try:
+                if task is not None:
+                    self._run(task)
+                self._reservations.give_back_if_idle()
+            except Exception as e:
+                if not link.closed:
+                    log.warning(
+                        "store: task %r failed: %s", task[0] if task else "reservation give-back", e
+                    )
+
+    def _run(self, task: list) -> None:
+        op = task[0]
+        if op == "unreserve":
+            self._reservations.give_back(wait=True)
+        elif op == "delete" and self._ssd_dir:
+            path = task[1]
+            if os.path.realpath(path).startswith(os.path.realpath(self._ssd_dir) + os.sep):
+                ssd.delete(path)
+        elif op == "load" and self._dataplane.segment is not None:
+            _, key, version, path, off, size = task
+            ok, corrupt = False, False
+            try:
+                ssd.read_into(path, key, version, self._dataplane.segment.view[off : off + size])
+                ok = True
+            except TransferError as e:
+                corrupt = isinstance(e, ssd.CorruptError)
+                log.warning("store: loading %r from SSD failed: %s", key, e)
+            try:
+                self._link.call(
+                    "load_done",
+                    {"client": self._link.client_id, "key": key, "version": version, "ok": ok},
+                )
+            except StoreError as e:
+                log.warning("store: load_done: %s", e)
+            if corrupt:
+                self._link.report_corrupt(key, version, path)
+        elif op == "offload" and self._dataplane.segment is not None and self._ssd_dir:
+            _, key, version, off, size, meta = task
+            ok, path = False, ""
+            try:
+                path = ssd.write(
+                    self._ssd_dir,
+                    key,
+                    version,
+                    meta,
+                    self._dataplane.segment.view[off : off + size],
+                )
+                ok = True
+            except OSError as e:
+                log.warning("store: offload of %r failed: %s", key, e)
+            try:
+                self._link.call(
+                    "offload_done",
+                    {
+                        "client": self._link.client_id,
+                        "key": key,
+                        "version": version,
+                        "path": path,
+                        "ok": ok,
+                    },
+                )
+            except StoreError as e:
+                log.warning("store: offload_done: %s", e)
