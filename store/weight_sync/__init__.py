@@ -1,6 +1,7 @@
 """Weight sync from trainers to rollout workers: :class:`WeightSync` through the store
-(``sync.py``, the store layout it writes; ``publish.py``, ``pull.py``, ``relay.py``) and
-:class:`GroupWeightSync` over a process group (``group.py``).
+(``sync.py``, with the store layout it writes; composed of ``records.py``, ``publish.py``
+and ``pull.py``, whose relays across hosts are ``relay.py``) and :class:`GroupWeightSync`
+over a process group (``group.py``).
 """
 
 from .common import GroupSyncResult, PublishResult, PullResult, tensor_digest

@@ -1,10 +1,6 @@
 """The trainer's side of :class:`~mooncake_store.WeightSync`: ``publish`` (publish
 attempts, bucketed pieces and manifests, the commit record) and the drop of old versions
-no reader holds.
-
-Mixed into :class:`~mooncake_store.weight_sync.WeightSync`, whose ``__init__`` sets the
-state these methods use (``store``, ``cfg``, ``_p``, ``_rc``, ``version``, ...); the store
-layout they read and write is described in ``sync.py``.
+no reader holds. The store layout it reads and writes is described in ``sync.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +10,6 @@ import re
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import msgpack
 
@@ -33,42 +28,29 @@ from .common import (
     _piece_digest,
     _torch,
 )
+from .config import WeightSyncConfig
+from .records import ModelRecords
 from .relay import MAX_POSITIONS, copy_keys, position_keys
 
-if TYPE_CHECKING:
-    import torch
 
+class Publisher:
+    """The publishing side of one :class:`~mooncake_store.WeightSync`: ``publish`` and
+    the drop of old versions."""
 
-class _PublishMixin:
-    """``publish`` and the drop of old versions."""
+    def __init__(self, records: ModelRecords, cfg: WeightSyncConfig):
+        self.records = records
+        self.store = records.store
+        self.model = records.model
+        self.cfg = cfg
+        self._published = (
+            -1
+        )  # the highest version this object committed (a floor the master may forget)
 
     def publish(
-        self,
-        state_dict: dict[str, torch.Tensor] | torch.nn.Module,
-        version: int,
-        *,
-        shard: int = 0,
-        num_shards: int = 1,
-        publish_id: str | None = None,
+        self, state_dict, version: int, shard: int, num_shards: int, publish_id: str | None
     ) -> PublishResult:
-        """Writes ``state_dict`` (CPU tensors or DTensors; an ``nn.Module`` is taken by its
-        state dict) as ``version``.
-
-        Raises ``StaleVersionError`` if ``version`` is at or below the latest committed
-        one, or if another publisher committed ``version`` first (two trainers publishing
-        one version: exactly one commits; the loser's shard 0 removes what it wrote and
-        raises, naming the version). ``ValueError`` for bad input (before anything is
-        written: sparse or nested tensors, dtypes torch cannot copy such as
-        ``torch.int4``). ``StoreError``s of the store: a failure before the commit removes
-        what this shard wrote of ``version``, so a retry needs no more room than the first
-        try; a ``NoSpaceError`` while the store has space of dropped versions to give back
-        (read leases) is retried until that space is back (up to ``lease_ttl_s``).
-
-        With ``num_shards > 1`` every shard calls this with the same ``publish_id`` (a
-        str of 1-64 letters, digits, ``_.-``, unique per publish: e.g. a uuid4 hex
-        broadcast from rank 0), which names the pieces of this publish; shard 0 waits up
-        to ``commit_timeout_s`` for the others' manifests and commits. A single-shard
-        publish takes a fresh id when none is given."""
+        """:meth:`WeightSync.publish <mooncake_store.WeightSync.publish>` (its docstring
+        says what it does and raises)."""
         torch = _torch()
         if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2**63:
             raise ValueError(
@@ -109,7 +91,7 @@ class _PublishMixin:
                 f"{self.model}: publish: the state dict is empty (nothing to publish as version {version})"
             )
         pieces = _local_pieces(state_dict, shard, num_shards, f"{self.model}: publish")
-        latest = self.latest_version()
+        latest = self.records.latest_version()
         if version <= max(latest, self._published):
             floor = max(latest, self._published)
             why = (
@@ -122,7 +104,7 @@ class _PublishMixin:
                 f"{self.model}: version {version} is not above the latest committed version "
                 f"{floor}{why}; publish {floor + 1} or higher"
             )
-        vp = f"{self._p}v{version}/"
+        vp = f"{self.records.prefix}v{version}/"
         if self.store.exists(vp + "commit"):
             raise StaleVersionError(f"{self.model}: version {version} is already committed")
 
@@ -204,7 +186,7 @@ class _PublishMixin:
         k = 0
         while True:
             try:
-                self.store.put(f"{vp}a{k}", rec, self._rc)
+                self.store.put(f"{vp}a{k}", rec, self.records.placement)
                 return f"{vp}a{k}"
             except ObjectExistsError:
                 k += 1
@@ -236,7 +218,7 @@ class _PublishMixin:
         keys = []
         relays = []  # (position, host tag, reader id) of the version's live relays (relay.py)
         if keep_pid is None:
-            recs = self._get_records(position_keys(vp, MAX_POSITIONS))
+            recs = self.records.get_many(position_keys(vp, MAX_POSITIONS))
             relays = [
                 (k, r.get("host"), str(r.get("rid")))
                 for k, r in enumerate(recs)
@@ -316,10 +298,10 @@ class _PublishMixin:
                 total += nbytes
                 if pending is not None:
                     pending.result()
-                pending = ex.submit(self.store.upsert, key, buf, self._rc)
+                pending = ex.submit(self.store.upsert, key, buf, self.records.placement)
             if pending is not None:
                 pending.result()
-        self.store.upsert(f"{pp}m{shard}", msgpack.packb(manifest), self._rc)
+        self.store.upsert(f"{pp}m{shard}", msgpack.packb(manifest), self.records.placement)
         return manifest, total
 
     def _commit(
@@ -338,7 +320,7 @@ class _PublishMixin:
             return StaleVersionError(
                 f"{self.model}: version {version} was committed by another publisher meanwhile (a second trainer "
                 f"publishing it?); this publish ({pid!r}) removed what it wrote; publish "
-                f"{max(version, self.latest_version()) + 1} or higher"
+                f"{max(version, self.records.latest_version()) + 1} or higher"
             )
 
         try:
@@ -369,7 +351,7 @@ class _PublishMixin:
                             "time": time.time(),
                         }
                     ),
-                    self._rc,
+                    self.records.placement,
                 )
             except ObjectExistsError:
                 raise lost() from None
@@ -379,20 +361,23 @@ class _PublishMixin:
         # committed: the pieces of every other attempt at this version (a loser still
         # writing, a publisher that died) are never read; give their space back
         self._sweep(vp, pid)
-        versions = sorted(set(self.committed_versions()) | {version})
+        versions = sorted(set(self.records.committed_versions()) | {version})
         self._published = max(self._published, version)
-        if version > self.latest_version():
-            self._put_record(self._p + "latest", {"version": version, "pid": pid})
+        if version > self.records.latest_version():
+            self.records.put(self.records.prefix + "latest", {"version": version, "pid": pid})
         dropped = self._drop_old(versions)
-        self._put_record(self._p + "versions", [v for v in versions if v not in dropped])
+        self.records.put(
+            self.records.prefix + "versions", [v for v in versions if v not in dropped]
+        )
         return PublishResult(version, 0, True, len(plan), total, dropped)
 
     def _holds(self) -> set:
         """Versions some reader holds. Slots of readers silent for ``hold_ttl_s`` (dead, or
         between pulls without views) are reclaimed here, by the committing shard only."""
         n = self.cfg.max_readers
-        got = self._get_records(
-            [f"{self._p}slot/{i}" for i in range(n)] + [f"{self._p}hold/{i}" for i in range(n)]
+        got = self.records.get_many(
+            [f"{self.records.prefix}slot/{i}" for i in range(n)]
+            + [f"{self.records.prefix}hold/{i}" for i in range(n)]
         )
         now, held, stale = time.time(), set(), []
         for i in range(n):
@@ -411,7 +396,7 @@ class _PublishMixin:
             stale.append(i)
         if stale:
             self.store.remove_batch(
-                [f"{self._p}{k}/{i}" for i in stale for k in ("hold", "slot")],
+                [f"{self.records.prefix}{k}/{i}" for i in stale for k in ("hold", "slot")],
                 force=True,
                 return_exceptions=True,
             )
@@ -423,7 +408,7 @@ class _PublishMixin:
         for v in versions:
             if v in keep:
                 continue
-            vp = f"{self._p}v{v}/"
+            vp = f"{self.records.prefix}v{v}/"
             # the commit record first: the version is invisible to pulls from here on. A
             # reader takes its hold before it reads the commit record, so a reader that saw
             # it shows in the holds read next: then the pieces stay (a later publish drops

@@ -1,10 +1,7 @@
 """The reader's side of :class:`~mooncake_store.WeightSync`: ``pull`` (holds on versions
 and their refresh thread, staging a whole version and checking it before anything is
-installed, views of the store's memory) and ``release``.
-
-Mixed into :class:`~mooncake_store.weight_sync.WeightSync`, whose ``__init__`` sets the
-state these methods use (``store``, ``cfg``, ``_p``, ``_rc``, ``version``, ...); the store
-layout they read and write is described in ``sync.py``.
+installed, views of the store's memory) and ``release``. The store layout it reads and
+writes is described in ``sync.py``; relays across hosts are ``relay.py``.
 """
 
 from __future__ import annotations
@@ -13,10 +10,9 @@ import concurrent.futures
 import logging
 import threading
 import time
+import uuid
 import warnings
 import weakref
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
 
 import msgpack
 
@@ -37,10 +33,9 @@ from .common import (
     _torch,
     _unref,
 )
+from .config import WeightSyncConfig
+from .records import ModelRecords
 from .relay import RelayPull
-
-if TYPE_CHECKING:
-    import torch
 
 # logs under the name of the module WeightSync lives in
 log = logging.getLogger("mooncake_store.weight_sync")
@@ -48,10 +43,47 @@ log = logging.getLogger("mooncake_store.weight_sync")
 _READS_IN_FLIGHT = 2  # buckets read at once: the link stays busy between two reads
 
 
-class _PullMixin:
-    """``pull``, holds on versions, ``release``."""
+class Puller:
+    """The reading side of one :class:`~mooncake_store.WeightSync`: ``pull``, holds on
+    versions, ``release``.
 
-    def _held_versions(self) -> list:
+    Attributes:
+        version: the version this reader holds (-1: none).
+        held_pid: the publish id of the version held (a version number committed again
+            with other bytes, after a master restart without etcd lost the records, is
+            installed again).
+        rid: this reader's id, in its slot and hold records and its relay copies' keys.
+        relay: the relay role of the last pull (``relay.RelayPull``), or None.
+        lapsed_versions: viewed versions found dropped while this reader still had views
+            of them (its hold lapsed: the process was stopped or starved past
+            ``hold_ttl_s``); see ``_check_not_dropped``.
+    """
+
+    def __init__(self, records: ModelRecords, cfg: WeightSyncConfig):
+        self.records = records
+        self.store = records.store
+        self.model = records.model
+        self.cfg = cfg
+        self.version = -1
+        self.held_pid: str | None = None
+        self._staged_pid: str | None = None  # the publish id of the version last staged
+        self._warned_behind = False  # a store whose latest is below the held version: said once
+        self._slot: int | None = None
+        self._spare: dict = {}  # staging tensors of the last pull, reused by the next one
+        self.rid = uuid.uuid4().hex
+        self._hold_lock = threading.Lock()  # pulls and the refresh thread write one hold key
+        # version -> live view arrays of it: a version stays held while any tensor viewing
+        # it lives (also one the caller detached or kept from an earlier pull)
+        self._refs: dict = {}
+        self._view_targets: dict = {}  # id(target tensor) -> (weakref to it, data_ptr of its view)
+        self._into = None  # (id, weakref or None) of the last `into`, or "none" (into=None)
+        self._refresher: threading.Thread | None = None
+        self.relay: RelayPull | None = None
+        self._stop = threading.Event()
+        self.lapsed_versions: list = []
+
+    def held_versions(self) -> list:
+        """Versions that tensors alive view (held until they go)."""
         return sorted(v for v, c in list(self._refs.items()) if c > 0)
 
     def _hold(self, versions: list, verify: bool = False) -> bool:
@@ -63,23 +95,23 @@ class _PullMixin:
 
     def _hold_locked(self, versions: list, verify: bool) -> bool:
         if self._slot is not None and verify:
-            rec = self._get_record(f"{self._p}slot/{self._slot}")
-            if not isinstance(rec, dict) or rec.get("rid") != self._rid:
+            rec = self.records.get(f"{self.records.prefix}slot/{self._slot}")
+            if not isinstance(rec, dict) or rec.get("rid") != self.rid:
                 self._slot = None
         if self._slot is None:
-            rec = {"rid": self._rid, "t": time.time()}
+            rec = {"rid": self.rid, "t": time.time()}
             for i in range(self.cfg.max_readers):
                 try:
-                    self._put_record(f"{self._p}slot/{i}", rec, upsert=False)
+                    self.records.put(f"{self.records.prefix}slot/{i}", rec, upsert=False)
                     self._slot = i
                     break
                 except ObjectExistsError:
                     continue
             else:
                 return False  # no slot: copies still work, the version is just not protected from dropping
-        self._put_record(
-            f"{self._p}hold/{self._slot}",
-            {"rid": self._rid, "versions": list(versions), "t": time.time()},
+        self.records.put(
+            f"{self.records.prefix}hold/{self._slot}",
+            {"rid": self.rid, "versions": list(versions), "t": time.time()},
         )
         return True
 
@@ -87,7 +119,7 @@ class _PullMixin:
         # keeps the holds on viewed versions younger than hold_ttl_s while this reader lives
         written = True
         while not self._stop.wait(self.cfg.hold_ttl_s / 4):
-            held = self._held_versions()
+            held = self.held_versions()
             if held or written:
                 try:
                     self._hold(held, verify=True)
@@ -103,7 +135,7 @@ class _PullMixin:
         memory. Nothing can stop the model from reading it then; this makes it loud
         (``lapsed_versions``, an error in the log and a ``RuntimeWarning``) until the next
         pull installs a newer version."""
-        alive = self.store.exists_batch([f"{self._p}v{v}/commit" for v in held])
+        alive = self.store.exists_batch([f"{self.records.prefix}v{v}/commit" for v in held])
         gone = [v for v, ok in zip(held, alive) if not ok]
         if gone and gone != self.lapsed_versions:
             self.lapsed_versions = gone
@@ -116,14 +148,11 @@ class _PullMixin:
             warnings.warn(msg, RuntimeWarning, stacklevel=1)
 
     def release(self) -> None:
-        """Gives up this reader's slot (call when the reader goes away for good). With
-        ``install="view"`` the parameters it installed as views become private copies
-        first; tensors the caller kept or detached from views are not protected after
-        this (a warning says so): publishers may reuse that memory."""
+        """:meth:`WeightSync.release <mooncake_store.WeightSync.release>`."""
         self._stop.set()
-        if self._relay is not None:  # the copies this reader relayed go with it
-            self._relay.resign()
-            self._relay = None
+        if self.relay is not None:  # the copies this reader relayed go with it
+            self.relay.resign()
+            self.relay = None
         torch = _torch()
         with torch.no_grad():
             for ref, ptr in self._view_targets.values():  # installed views become private copies
@@ -131,7 +160,7 @@ class _PullMixin:
                 if t is not None and t.numel() and t.data_ptr() == ptr:
                     t.data = t.data.clone()
         self._view_targets = {}
-        left = self._held_versions()
+        left = self.held_versions()
         if left:
             log.warning(
                 "%s: release() while tensors viewing version(s) %s are alive (kept or detached by the "
@@ -141,43 +170,18 @@ class _PullMixin:
             )
         if self._slot is not None:
             self.store.remove_batch(
-                [f"{self._p}hold/{self._slot}", f"{self._p}slot/{self._slot}"],
+                [
+                    f"{self.records.prefix}hold/{self._slot}",
+                    f"{self.records.prefix}slot/{self._slot}",
+                ],
                 force=True,
                 return_exceptions=True,
             )
             self._slot = None
 
-    def pull(
-        self,
-        into: torch.nn.Module | dict[str, torch.Tensor] | None = None,
-        version: int | Literal["latest"] = "latest",
-        *,
-        dtype: torch.dtype | None = None,
-        strict: bool = True,
-        stage_hook: Callable[[int], None] | None = None,
-    ) -> PullResult:
-        """Installs ``version`` (``"latest"`` or an int) into ``into`` (an ``nn.Module`` or a
-        dict of tensors; ``None``: the tensors come back in ``PullResult.state_dict``).
-
-        All or nothing: the whole version is read and checked (every piece present,
-        checksums, shapes, every element covered) before the first tensor of ``into``
-        changes; on any error the previous version stays and the error is raised
-        (``WeightSyncAbortedError`` for a missing/corrupt piece, or the error raised).
-        ``dtype`` casts floating-point tensors; a tensor of ``into`` keeps its dtype, and one
-        whose dtype differs from the published one raises ``ValueError`` unless both are
-        floating-point (then the values are cast). Never goes back: an int ``version`` below
-        the one held raises ``StaleVersionError``; ``"latest"`` at or below it, or before
-        any publish, does nothing (``installed=False``). ``strict``: ``into`` must have exactly the
-        published names. ``stage_hook(i)`` runs before bucket ``i`` is staged (for
-        validation and tests; its exception aborts the pull).
-
-        With ``WeightSyncConfig(install="view")`` (``into`` an ``nn.Module`` or ``None``),
-        every tensor published whole, in memory on this host and not cast is installed
-        as a view of the store's memory (``param.data = view``: no copy, shared by all
-        readers of the host; read-only, a write kills the process with SIGSEGV); the
-        reader keeps a hold on that version until its next pull or ``release()``.
-        Other tensors are copied as above (into fresh memory when the target was a
-        view)."""
+    def pull(self, into, version, dtype, strict: bool, stage_hook) -> PullResult:
+        """:meth:`WeightSync.pull <mooncake_store.WeightSync.pull>` (its docstring says
+        what it does and raises)."""
         torch = _torch()
         view_mode = self.cfg.install == "view"
         if view_mode and into is not None and not isinstance(into, torch.nn.Module):
@@ -204,7 +208,7 @@ class _PullMixin:
                 and (self._into[1] is None or self._into[1]() is into)
             )
         if version == "latest":
-            v, pid = self._latest()
+            v, pid = self.records.latest()
             if 0 <= v < prev and not self._warned_behind:
                 self._warned_behind = True
                 log.warning(
@@ -218,7 +222,7 @@ class _PullMixin:
                 )
             # the held number committed again by another publish (a master restart forgot
             # it): install that one, so that every reader's v holds the same bytes
-            again = v == prev and None not in (pid, self._held_pid) and pid != self._held_pid
+            again = v == prev and None not in (pid, self.held_pid) and pid != self.held_pid
             if v < 0 or v < prev or (v == prev and same_into and not again):
                 return PullResult(prev, prev, False, 0, None)
         elif isinstance(version, int) and not isinstance(version, bool) and version >= 0:
@@ -233,7 +237,7 @@ class _PullMixin:
             raise ValueError(
                 f"{self.model}: pull: version must be 'latest' or an int >= 0, got {version!r}"
             )
-        kept = self._held_versions()  # viewed versions stay held while the new one is staged
+        kept = self.held_versions()  # viewed versions stay held while the new one is staged
         if not self._hold(kept + [v], verify=True) and view_mode:
             view_mode = (
                 False  # every reader slot taken: unprotected memory must not be viewed; copy
@@ -247,7 +251,7 @@ class _PullMixin:
                     break
                 except (ObjectNotFoundError, WeightSyncAbortedError):
                     # "latest" dropped under us by a faster publisher: take the newer one
-                    newer = self.latest_version() if version == "latest" else v
+                    newer = self.records.latest_version() if version == "latest" else v
                     if attempt == 2 or newer <= v:
                         raise
                     v = newer
@@ -288,9 +292,7 @@ class _PullMixin:
             raw = None
         finally:
             try:
-                self._hold(
-                    self._held_versions()
-                )  # the new version if viewed, and views still alive
+                self._hold(self.held_versions())  # the new version if viewed, and views still alive
             except StoreError:
                 pass
         if into is None:
@@ -307,18 +309,18 @@ class _PullMixin:
             )
             self._refresher.start()
         if v >= prev:
-            self.version, self._held_pid = v, self._staged_pid
-        self.lapsed_versions = [x for x in self.lapsed_versions if x in self._held_versions()]
-        position = None if self._relay is None else self._relay.position
+            self.version, self.held_pid = v, self._staged_pid
+        self.lapsed_versions = [x for x in self.lapsed_versions if x in self.held_versions()]
+        position = None if self.relay is None else self.relay.position
         return PullResult(v, prev, True, nbytes, staged, position)
 
     def _stage(
         self, v: int, targets: dict, dtype, strict: bool, stage_hook, view_mode: bool = False
     ) -> tuple:
         torch = _torch()
-        vp = f"{self._p}v{v}/"
+        vp = f"{self.records.prefix}v{v}/"
         try:
-            commit = self._get_msg(vp + "commit")
+            commit = self.records.get_msg(vp + "commit")
         except ObjectNotFoundError:
             raise ObjectNotFoundError(
                 f"{self.model}: version {v} cannot be read ({self._why_gone(v)})"
@@ -441,15 +443,17 @@ class _PullMixin:
                 staged[name] = torch.empty(gshape, dtype=_dtype_of(dt))
         fetched = [b for b in buckets if any(p["name"] not in views for p in b[2])]
         total = sum(b[1] for b in buckets if b not in fetched)  # bytes viewed in place
-        if self._relay is not None:  # this reader's copies of the version it relayed last
-            self._relay.resign()
-            self._relay = None
+        if self.relay is not None:  # this reader's copies of the version it relayed last
+            self.relay.resign()
+            self.relay = None
         sized = [b[0] for b in fetched if b[1]]
         if self.cfg.relay and sized:
             part = commit.get("part")
             part = part if isinstance(part, int) and part > 0 else self.cfg.relay_part_bytes
-            self._relay = RelayPull.start(self, vp, pp, sized[0], sum(b[1] for b in fetched), part)
-        relay = self._relay
+            self.relay = RelayPull.start(
+                self.records, self.cfg, self.rid, vp, pp, sized[0], sum(b[1] for b in fetched), part
+            )
+        relay = self.relay
         if relay is None:
 
             def get_into(key, dst):  # staging memory: a failed read only costs this pull
@@ -501,8 +505,8 @@ class _PullMixin:
     def _why_gone(self, v: int) -> str:
         """Why a piece of committed version ``v`` was not found, as far as the master knows."""
         try:
-            latest = self.latest_version()  # the master's records, not a segment's
-            listed = v in self.committed_versions()
+            latest = self.records.latest_version()  # the master's records, not a segment's
+            listed = v in self.records.committed_versions()
         except StoreError:
             return "the master is out of reach too"
         if v > latest:

@@ -45,6 +45,8 @@ import msgpack
 from ..client import ReplicateConfig
 from ..common.errors import ObjectExistsError, ObjectNotFoundError, StoreError, TransferError
 from .common import _torch
+from .config import WeightSyncConfig
+from .records import ModelRecords
 
 if TYPE_CHECKING:
     import torch
@@ -104,8 +106,16 @@ def _rid_of(meta) -> str | None:
 class RelayPull:
     """The relay side of one pull of one version (see the module docstring)."""
 
-    def __init__(self, ws, vp: str, pp: str, part_bytes: int):
-        self.ws, self.store = ws, ws.store
+    def __init__(
+        self,
+        records: ModelRecords,
+        cfg: WeightSyncConfig,
+        rid: str,
+        vp: str,
+        pp: str,
+        part_bytes: int,
+    ):
+        self.records, self.store, self.cfg, self.rid = records, records.store, cfg, rid
         self.vp, self.pp, self.part_bytes = vp, pp, part_bytes
         self.position: int | None = None  # this reader's chain position, as a relay
         # (position, reader id) of the relays to read from, nearest first; then the publisher
@@ -120,24 +130,32 @@ class RelayPull:
 
     @classmethod
     def start(
-        cls, ws, vp: str, pp: str, first_key: str, nbytes: int, part_bytes: int
+        cls,
+        records: ModelRecords,
+        cfg: WeightSyncConfig,
+        rid: str,
+        vp: str,
+        pp: str,
+        first_key: str,
+        nbytes: int,
+        part_bytes: int,
     ) -> RelayPull | None:
-        """The role of this reader for the version at ``vp`` (publish ``pp``, ``nbytes``
+        """The role of reader ``rid`` for the version at ``vp`` (publish ``pp``, ``nbytes``
         in its buckets, relayed in parts of ``part_bytes``), or None when the publisher's
         pieces lie on this host (read in place, no relay)."""
-        store = ws.store
+        store = records.store
         if store.internal.replica_is_local(first_key) is not False:
             return None
-        self = cls(ws, vp, pp, part_bytes)
+        self = cls(records, cfg, rid, vp, pp, part_bytes)
         tag = host_tag(store.cfg.host_id)
         n = MAX_POSITIONS
         host_claimed = False  # by another reader of this host (its put may still be going on)
         if store.internal.serves_transfers and store.cfg.segment_size >= nbytes:
             try:
-                self._put_here(f"{vp}relay/h{tag}", _ONE_BYTE, {"rid": ws._rid})
+                self._put_here(f"{vp}relay/h{tag}", _ONE_BYTE, {"rid": rid})
                 for k in range(n):
                     try:
-                        self._put_here(f"{vp}relay/c{k}", _ONE_BYTE, {"host": tag, "rid": ws._rid})
+                        self._put_here(f"{vp}relay/c{k}", _ONE_BYTE, {"host": tag, "rid": rid})
                         self.position = k
                         break
                     except ObjectExistsError:
@@ -148,7 +166,7 @@ class RelayPull:
                 host_claimed = True  # the host has a relay: follow it
             except StoreError:
                 self.resign()  # no room here: read from the others
-        recs = ws._get_records(position_keys(vp, n))
+        recs = records.get_many(position_keys(vp, n))
         if self.position is not None:
             self.sources = self._claimed_below(self.position, recs)
             return self
@@ -167,7 +185,7 @@ class RelayPull:
         # (two master requests a try, the second for every position's record: the pause
         # grows, as the wait can last up to relay_wait_s)
         now = time.monotonic()
-        deadline, grace = now + self.ws.cfg.relay_wait_s, now + _CLAIM_GRACE_S
+        deadline, grace = now + self.cfg.relay_wait_s, now + _CLAIM_GRACE_S
         pause = 0.005
         while top is None and time.monotonic() < deadline:
             if store.internal.metadata([f"{vp}relay/h{tag}"])[0] is None and not (
@@ -176,7 +194,7 @@ class RelayPull:
                 break
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
-            recs = ws._get_records(position_keys(vp, n))
+            recs = records.get_many(position_keys(vp, n))
             top = ours(recs)
         top = len(recs) - 1 if top is None else top
         self.sources = [
@@ -199,7 +217,7 @@ class RelayPull:
         while missing and time.monotonic() < deadline:
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
-            got = self.ws._get_records([f"{self.vp}relay/c{j}" for j in missing])
+            got = self.records.get_many([f"{self.vp}relay/c{j}" for j in missing])
             rids.update((j, g.get("rid")) for j, g in zip(missing, got) if isinstance(g, dict))
             missing = [j for j in missing if j not in rids]
         return [(j, rids[j]) for j in range(position - 1, -1, -1) if j in rids]
@@ -219,7 +237,7 @@ class RelayPull:
         within ``relay_wait_s`` (False at once when that relay is gone: no record at
         ``j``, or another reader's, which took the position after it left)."""
         ok = f"{self.vp}relay/c{j}"
-        deadline = time.monotonic() + self.ws.cfg.relay_wait_s
+        deadline = time.monotonic() + self.cfg.relay_wait_s
         pause = 0.001
         while True:
             have, alive = self.store.internal.metadata([ck, ok])
@@ -243,7 +261,7 @@ class RelayPull:
         position = self.position  # the other read thread may step down meanwhile
         placed = None
         if position is not None:
-            keys = [copy_key(self.pp, self.ws._rid, key, j) for j in range(len(parts))]
+            keys = [copy_key(self.pp, self.rid, key, j) for j in range(len(parts))]
             placed = self.store.internal.place(keys, [n for _, n in parts], pin=True)
             if placed is None:
                 self._step_down()

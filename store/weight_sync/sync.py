@@ -63,32 +63,44 @@ Across hosts (``WeightSyncConfig.relay``): one pull per host, hosts passing buck
 along a chain; its records ``ws/M/v<v>/relay/h<host>`` and ``relay/c<k>`` and the copies
 ``ws/M/v<v>/<pid>/r<rid>/b<s>.<i>.p<j>`` (parts of a bucket, named by the relaying reader) live in the relays' own segments (``relay.py``).
 
-Code: :class:`WeightSync` here, with its publish side in ``publish.py``, its pull side in
-``pull.py`` and its relays across hosts in ``relay.py``; :class:`GroupWeightSync` in
-``group.py``; the result records, ``tensor_digest`` and shared helpers in ``common.py``;
-the options in ``config.py``.
+Code: :class:`WeightSync` here, composed of its parts: the model's keys and records
+(``records.py``, :class:`~mooncake_store.weight_sync.records.ModelRecords`), its publish
+side (``publish.py``, ``Publisher``) and its pull side (``pull.py``, ``Puller``, with
+the relays across hosts in ``relay.py``); :class:`GroupWeightSync` in ``group.py``; the
+result records, ``tensor_digest`` and shared helpers in ``common.py``; the options in
+``config.py``.
 """
 
 from __future__ import annotations
 
-import threading
-import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal
 
-import msgpack
-
-from ..client import MooncakeStore, ReplicateConfig
-from ..common.errors import ObjectNotFoundError, short_repr
+from ..client import MooncakeStore
+from ..common.errors import short_repr
+from .common import PublishResult, PullResult
 from .config import WeightSyncConfig
-from .publish import _PublishMixin
-from .pull import _PullMixin
+from .publish import Publisher
+from .pull import Puller
+from .records import ModelRecords
+
+if TYPE_CHECKING:
+    import torch
 
 
-class WeightSync(_PublishMixin, _PullMixin):
+class WeightSync:
     """Versioned weights of one model in a :class:`~mooncake_store.MooncakeStore`.
 
     ``WeightSync(store, "policy")``; trainer: ``publish(state_dict, version)``; rollout:
     ``pull(into=model)``. ``config`` is a :class:`WeightSyncConfig`. One object per
-    process and model; a reader's ``version`` is the version it holds (-1: none)."""
+    process and model; a reader's ``version`` is the version it holds (-1: none).
+
+    Attributes:
+        store / model / cfg: the client, the model's name and the options.
+        records: the model's keys and records in the store (``records.py``).
+        publisher: the publishing side (``publish.py``).
+        puller: the reading side (``pull.py``).
+    """
 
     def __init__(self, store: MooncakeStore, model: str, *, config: WeightSyncConfig | None = None):
         if not isinstance(model, str) or not model or "/" in model or len(model) > 200:
@@ -107,90 +119,99 @@ class WeightSync(_PublishMixin, _PullMixin):
             raise TypeError(
                 f"WeightSync: config must be a WeightSyncConfig, got {type(self.cfg).__name__}"
             )
-        self._p = f"ws/{model}/"
-        # a publisher's pieces go to its own segment when it has one (readers on other
-        # hosts may contribute segments too, to relay: relay.py)
-        own = store.name if store.internal.segment is not None else None
-        self._rc = ReplicateConfig(pin=self.cfg.pin, preferred_segment=own)
-        self.version = -1
-        # the publish id of the version held (a version number committed again with other
-        # bytes, after a master restart without etcd lost the records, is installed again)
-        self._held_pid: str | None = None
-        self._staged_pid: str | None = None  # the publish id of the version last staged
-        self._warned_behind = False  # a store whose latest is below the held version: said once
-        self._published = (
-            -1
-        )  # the highest version this object committed (a floor the master may forget)
-        self._slot: int | None = None
-        self._spare: dict = {}  # staging tensors of the last pull, reused by the next one
-        self._rid = uuid.uuid4().hex  # this reader, in its slot and hold records
-        self._hold_lock = threading.Lock()  # pulls and the refresh thread write one hold key
-        # version -> live view arrays of it: a version stays held while any tensor viewing
-        # it lives (also one the caller detached or kept from an earlier pull)
-        self._refs: dict = {}
-        self._view_targets: dict = {}  # id(target tensor) -> (weakref to it, data_ptr of its view)
-        self._into = None  # (id, weakref or None) of the last `into`, or "none" (into=None)
-        self._refresher: threading.Thread | None = None
-        self._relay = None  # the relay role of the last pull (relay.RelayPull), or None
-        self._stop = threading.Event()
-        # viewed versions found dropped while this reader still had views of them (its hold
-        # lapsed: the process was stopped or starved past hold_ttl_s); see _refresh_main
-        self.lapsed_versions: list = []
+        self.records = ModelRecords(store, model, self.cfg.pin)
+        self.publisher = Publisher(self.records, self.cfg)
+        self.puller = Puller(self.records, self.cfg)
         # closing the store (or the process exiting) releases this reader first
         store.internal.on_close(self.release)
 
-    # ------------------------------------------------------------------ helpers
-    def _get_msg(self, key, default=ObjectNotFoundError):
-        try:
-            return msgpack.unpackb(self.store.get(key), raw=False)
-        except ObjectNotFoundError:
-            if default is ObjectNotFoundError:
-                raise
-            return default
+    @property
+    def version(self) -> int:
+        """The version this reader holds (-1: none)."""
+        return self.puller.version
 
-    def _put_record(self, key: str, rec, upsert: bool = True) -> None:
-        """Writes ``rec`` (msgpack) as the metadata of an empty object: it lives in the
-        master alone, so it needs no segment and outlives whoever wrote it (a trainer
-        holding the store's memory that restarts still finds its version history; a reader
-        records its holds with no trainer alive). ``upsert=False``: a plain put
-        (``ObjectExistsError`` if the key exists)."""
-        self.store.internal.put_many([key], [b""], [msgpack.packb(rec)], self._rc, upsert=upsert)
+    @property
+    def lapsed_versions(self) -> list:
+        """Viewed versions found dropped while this reader still had views of them (its
+        hold lapsed: the process was stopped or starved past ``hold_ttl_s``), until a pull
+        installs a newer version."""
+        return self.puller.lapsed_versions
 
-    def _get_records(self, keys: list) -> list:
-        """The records :meth:`_put_record` wrote (None where a key does not exist or holds
-        no valid record)."""
-        out = []
-        for key, meta in zip(keys, self.store.internal.metadata(keys)):
-            try:
-                if meta is None:
-                    out.append(None)
-                elif (
-                    meta is True or not meta
-                ):  # an older master without metadata, or a record written as a value
-                    out.append(self._get_msg(key, None))
-                else:
-                    out.append(msgpack.unpackb(meta, raw=False))
-            except Exception:
-                out.append(None)
-        return out
+    def publish(
+        self,
+        state_dict: dict[str, torch.Tensor] | torch.nn.Module,
+        version: int,
+        *,
+        shard: int = 0,
+        num_shards: int = 1,
+        publish_id: str | None = None,
+    ) -> PublishResult:
+        """Writes ``state_dict`` (CPU tensors or DTensors; an ``nn.Module`` is taken by its
+        state dict) as ``version``.
 
-    def _get_record(self, key: str, default=None):
-        rec = self._get_records([key])[0]
-        return default if rec is None else rec
+        Raises ``StaleVersionError`` if ``version`` is at or below the latest committed
+        one, or if another publisher committed ``version`` first (two trainers publishing
+        one version: exactly one commits; the loser's shard 0 removes what it wrote and
+        raises, naming the version). ``ValueError`` for bad input (before anything is
+        written: sparse or nested tensors, dtypes torch cannot copy such as
+        ``torch.int4``). ``StoreError``s of the store: a failure before the commit removes
+        what this shard wrote of ``version``, so a retry needs no more room than the first
+        try; a ``NoSpaceError`` while the store has space of dropped versions to give back
+        (read leases) is retried until that space is back (up to ``lease_ttl_s``).
+
+        With ``num_shards > 1`` every shard calls this with the same ``publish_id`` (a
+        str of 1-64 letters, digits, ``_.-``, unique per publish: e.g. a uuid4 hex
+        broadcast from rank 0), which names the pieces of this publish; shard 0 waits up
+        to ``commit_timeout_s`` for the others' manifests and commits. A single-shard
+        publish takes a fresh id when none is given."""
+        return self.publisher.publish(state_dict, version, shard, num_shards, publish_id)
+
+    def pull(
+        self,
+        into: torch.nn.Module | dict[str, torch.Tensor] | None = None,
+        version: int | Literal["latest"] = "latest",
+        *,
+        dtype: torch.dtype | None = None,
+        strict: bool = True,
+        stage_hook: Callable[[int], None] | None = None,
+    ) -> PullResult:
+        """Installs ``version`` (``"latest"`` or an int) into ``into`` (an ``nn.Module`` or a
+        dict of tensors; ``None``: the tensors come back in ``PullResult.state_dict``).
+
+        All or nothing: the whole version is read and checked (every piece present,
+        checksums, shapes, every element covered) before the first tensor of ``into``
+        changes; on any error the previous version stays and the error is raised
+        (``WeightSyncAbortedError`` for a missing/corrupt piece, or the error raised).
+        ``dtype`` casts floating-point tensors; a tensor of ``into`` keeps its dtype, and one
+        whose dtype differs from the published one raises ``ValueError`` unless both are
+        floating-point (then the values are cast). Never goes back: an int ``version`` below
+        the one held raises ``StaleVersionError``; ``"latest"`` at or below it, or before
+        any publish, does nothing (``installed=False``). ``strict``: ``into`` must have exactly the
+        published names. ``stage_hook(i)`` runs before bucket ``i`` is staged (for
+        validation and tests; its exception aborts the pull).
+
+        With ``WeightSyncConfig(install="view")`` (``into`` an ``nn.Module`` or ``None``),
+        every tensor published whole, in memory on this host and not cast is installed
+        as a view of the store's memory (``param.data = view``: no copy, shared by all
+        readers of the host; read-only, a write kills the process with SIGSEGV); the
+        reader keeps a hold on that version until its next pull or ``release()``.
+        Other tensors are copied as above (into fresh memory when the target was a
+        view)."""
+        return self.puller.pull(into, version, dtype, strict, stage_hook)
+
+    def release(self) -> None:
+        """Gives up this reader's slot (call when the reader goes away for good). With
+        ``install="view"`` the parameters it installed as views become private copies
+        first; tensors the caller kept or detached from views are not protected after
+        this (a warning says so): publishers may reuse that memory."""
+        self.puller.release()
 
     def latest_version(self) -> int:
         """The newest committed version in the store (-1: none). Read from the master's
         metadata alone, so a restarted trainer or a new reader sees it, also when the
         segment that held the versions' bytes is gone."""
-        return self._latest()[0]
-
-    def _latest(self) -> tuple:
-        """(the newest committed version or -1, the publish id that committed it or None)."""
-        rec = self._get_record(self._p + "latest")
-        if not isinstance(rec, dict):
-            return -1, None
-        return int(rec["version"]), rec.get("pid")
+        return self.records.latest_version()
 
     def committed_versions(self) -> list:
         """Committed versions not dropped yet, oldest first."""
-        return [int(v) for v in (self._get_record(self._p + "versions") or [])]
+        return self.records.committed_versions()

@@ -278,7 +278,7 @@ def _weight_sync(store, weight_syncs: dict, op: str, req: dict):
     kill_at = req.get("kill_relay_at")
 
     def hook(i):
-        if i == kill_at and ws._relay is not None and ws._relay.position == 0:
+        if i == kill_at and ws.puller.relay is not None and ws.puller.relay.position == 0:
             os.kill(os.getpid(), signal.SIGKILL)
 
     out = {"error": None, "position": None}
@@ -289,7 +289,7 @@ def _weight_sync(store, weight_syncs: dict, op: str, req: dict):
     got = {k: tensor_digest(t) for k, t in model.items()}
     out["version"] = ws.version
     # what names this reader's relay copies (docs/weight-sync.md: <pid>/r<rid>/b<s>.<i>.p<j>)
-    out["rid"], out["pid"] = ws._rid, ws._held_pid
+    out["rid"], out["pid"] = ws.puller.rid, ws.puller.held_pid
     out["equals"] = [
         v
         for v in range(ws.version + 1)

@@ -544,7 +544,7 @@ def _view_rank(rank, world, addr, op, version=None, dtype=None):
             digests={k: d[0] for k, d in _digests(sd).items()},
             dtypes={k: str(v.dtype) for k, v in sd.items()},
             in_store={k: _in_store_memory(v) for k, v in sd.items()},
-            held=r._held_versions(),
+            held=r.puller.held_versions(),
         )
     return out
 
@@ -750,10 +750,10 @@ def test_view_holds_follow_the_tensors_and_release_copies(procs):
             rd.pull(m)
             gc.collect()
             assert torch.equal(m.w, sd(v)["w"]) and torch.equal(kept, sd(1)["w"]), v
-        assert rd._held_versions() == [1, 11]
+        assert rd.puller.held_versions() == [1, 11]
         del kept
         gc.collect()
-        assert rd._held_versions() == [11]
+        assert rd.puller.held_versions() == [11]
         other = torch.nn.Module()
         other.register_parameter(
             "w", torch.nn.Parameter(torch.zeros(256, 1024), requires_grad=False)
@@ -1107,7 +1107,7 @@ def test_view_and_copy_models_keep_publishing_in_a_segment_sized_for_their_bucke
                 gc.collect()
                 got = models[w].state_dict()
                 assert all(torch.equal(got[k], t) for k, t in sd(v).items()), (w, v)
-                assert subs[w]._held_versions() == ([v] if w == "view" else [])
+                assert subs[w].puller.held_versions() == ([v] if w == "view" else [])
                 # kept: the latest, and for views the version the readers viewed until now
                 kept = [v - 2, v] if w == "view" and v > 1 else [v]
                 assert pubs[w].committed_versions() == kept, (w, v)
