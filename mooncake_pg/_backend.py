@@ -6,7 +6,7 @@ import functools
 
 import torch.distributed as dist
 
-from . import _C
+from ._loader import _C
 from .config import MooncakeOptions, resolve
 from .transport_addr import listen_address, rendezvous_address
 

@@ -1,13 +1,24 @@
-"""Loads the private extension ``mooncake_pg._C`` after checking the torch version."""
+"""The one place that loads the private extension ``mooncake_pg._C``.
+
+Every module of the package takes the extension from here (``from ._loader import _C``),
+so the torch version it was built for is checked before anything of it is used.
+"""
 
 from __future__ import annotations
 
 import importlib
+from types import ModuleType
 
 import torch
 
 
-def load_extension():
+def _load() -> ModuleType:
+    """Imports ``mooncake_pg._C`` after checking it was built for the running torch.
+
+    Raises:
+        ImportError: the extension is not built, or was built for another torch version
+            (the message names both versions and the command that rebuilds it).
+    """
     try:
         from . import _build_info
     except ImportError as e:  # pragma: no cover - only on a broken install
@@ -22,3 +33,6 @@ def load_extension():
             "running; rebuild with `pip install --no-build-isolation -e .`"
         )
     return importlib.import_module("mooncake_pg._C")
+
+
+_C = _load()

@@ -28,6 +28,7 @@ import os
 import socket
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 _TRANSPORTS = ("auto", "shm", "tcp", "rdma")
 _POLICIES = ("raise", "mask", "manual")
@@ -235,7 +236,7 @@ def bool_env(env, name: str, default: bool) -> bool:
     )
 
 
-def env_defaults() -> dict:
+def env_defaults() -> dict[str, Any]:
     """The process group's settings from ``MOONCAKE_*`` variables (the only place they are read)."""
     env = os.environ
     return {

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ._loader import load_extension
-
-_C = load_extension()
+from ._loader import _C
 
 WITH_RDMA: bool = bool(getattr(_C, "WITH_RDMA", False))
 WITH_CUDA: bool = bool(getattr(_C, "WITH_CUDA", False))

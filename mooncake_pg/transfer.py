@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from . import _C
+from ._loader import _C
 
 
 class TransferEngine:

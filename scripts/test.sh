@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The test command of the README: sets everything up (scripts/setup.sh), then runs the
-# test suite. Extra arguments go to pytest, e.g. `bash scripts/test.sh -k conformance -x`;
-# paths among them run only those tests (`bash scripts/test.sh tests/store/test_store_api.py`).
+# tests. By default the selection that covers every area in a few minutes (tests marked
+# `slow` are left out, tests/conftest.py); `--full` runs the whole suite, as CI does.
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh -k conformance -x`; paths among
+# them run only those tests (`bash scripts/test.sh tests/store/test_store_api.py`).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"

@@ -79,6 +79,7 @@ def test_demo_short_run(tmp_path):
     assert "kill rank 1 at step 12" in text, text[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not netns.available()[0], reason=f"network namespaces: {netns.available()[1]}")
 def test_demo_across_two_hosts(tmp_path):

@@ -67,6 +67,7 @@ def _finish(p, timeout):
     return rc, text
 
 
+@pytest.mark.slow(unless={"victim": [1]})
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("victim", [1, 0])
 def test_elastic_train_survives_a_killed_rank(tmp_path, victim):
@@ -192,6 +193,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_extension_seats_start_empty(tmp_path):
     script = tmp_path / "ext.py"
@@ -241,6 +243,7 @@ print("rank", os.environ["RANK"], "saw both sidecars", flush=True)
 """
 
 
+@pytest.mark.slow(unless={"second_rc": [0]})
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("second_rc", [0, 5])
 def test_sidecars_run_outside_the_group(tmp_path, second_rc):
@@ -294,6 +297,7 @@ sys.exit(3)      # every rank fails the same way
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_joiners_fail_fast_when_every_rank_died(tmp_path):
     """Every rank dies; the respawned ones find no live member to admit them and fail at

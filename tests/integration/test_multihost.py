@@ -49,6 +49,7 @@ def _check_every_op(res: dict, world_size: int):
         assert_collectives(_decoded(res[r]), exp[r], f"rank {r}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks_per_host", [[2, 2], [3, 1]], ids=["2x2", "3+1"])
 def test_tcp_init_method_across_hosts_needs_no_interface_hint(ranks_per_host):
     """init_method="tcp://<host 0>:PORT", no MASTER_ADDR, no MOONCAKE_SOCKET_IFNAME, no
@@ -59,6 +60,7 @@ def test_tcp_init_method_across_hosts_needs_no_interface_hint(ranks_per_host):
     _check_every_op(res, len(rank_hosts(ranks_per_host)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "host_ip, expect",
     [
@@ -88,6 +90,7 @@ def test_a_data_plane_address_that_cannot_work_raises_on_every_rank(host_ip, exp
         ]
 
 
+@pytest.mark.slow
 def test_a_failure_policy_that_differs_raises_on_every_rank():
     """Rank 3 asks for on_failure="mask", the others for "raise": a rank that dies would
     leave the two sides with different members and results, so every rank's
@@ -106,6 +109,7 @@ def test_a_failure_policy_that_differs_raises_on_every_rank():
         assert "on_failure" in got["message"] and "rank 3" in got["message"], (r, got["message"])
 
 
+@pytest.mark.slow(unless={"ranks_per_host": [[2, 2]]})
 @pytest.mark.parametrize(
     "ranks_per_host", [[2, 2], [3, 1], [2, 2, 2, 2]], ids=["2x2", "3+1", "4x2"]
 )
@@ -135,6 +139,7 @@ def test_every_collective_across_hosts(ranks_per_host):
             )
 
 
+@pytest.mark.slow
 def test_a_silent_host_is_agreed_failed_within_seconds(tmp_path):
     """Host 1 (ranks 2, 3) is cut off while the four ranks all_reduce in a loop with the
     default op timeout (30 s) and on_failure="mask": the link drops every frame (no RST, no
@@ -175,6 +180,7 @@ def test_a_silent_host_is_agreed_failed_within_seconds(tmp_path):
     print(f"cut agreed: longest op {res[0]['longest_op_s']:.2f} / {res[1]['longest_op_s']:.2f} s")
 
 
+@pytest.mark.slow
 def test_a_rank_busy_between_ops_is_not_blamed():
     """Rank 3 (host 1) computes for 20 s between two all_reduces while the others already
     wait inside the second (op timeout 30 s): its heartbeats go on, nobody is declared
@@ -192,6 +198,7 @@ def test_a_rank_busy_between_ops_is_not_blamed():
             assert got["waited_s"] > 15.0, got  # they did wait for rank 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["mask", "raise"])
 def test_a_host_later_than_the_timeout_is_fenced_not_given_a_result(policy):
     """Both ranks of host 0 enter an all_reduce 8 s after the others (op timeout 4 s). The
@@ -223,6 +230,7 @@ def test_a_host_later_than_the_timeout_is_fenced_not_given_a_result(policy):
             assert got.get("error") == "RankFailureError", (r, got)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "ranks_per_host, slot, counts",
     [
@@ -250,6 +258,7 @@ def test_large_messages_across_hosts_match_torch(ranks_per_host, slot, counts):
         assert res[r]["checked"] and res[r]["bad"] == {}, (r, res[r]["bad"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks_per_host", [[2, 2], [2, 2, 2, 2]], ids=["2x2", "4x2"])
 def test_each_host_link_carries_one_copy_per_remote_host(ranks_per_host):
     """Bytes that leave each host (its eth0) in one 4 MiB all_reduce, reduce_scatter_tensor,
@@ -278,6 +287,7 @@ def test_each_host_link_carries_one_copy_per_remote_host(ranks_per_host):
             )
 
 
+@pytest.mark.slow
 def test_broadcast_from_a_lone_trainer_host_sends_one_copy_per_link():
     """Weight sync's shape: the root alone on its host, three hosts of two readers. A 4 MiB
     broadcast goes along the chain of hosts, each host's first rank passing it on and its
@@ -299,6 +309,7 @@ def test_broadcast_from_a_lone_trainer_host_sends_one_copy_per_link():
         assert sent <= 1.15 * S + (64 << 10), f"host {h}: sent {sent / 2**20:.2f} MiB"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks_per_host", [[2, 2], [3, 1]], ids=["2x2", "3+1"])
 def test_rank_hosts_and_the_per_host_token_counts_of_ep(ranks_per_host):
     """mooncake_pg.get_rank_hosts gives each rank's host on every rank; mooncake_ep's
@@ -326,6 +337,7 @@ def test_rank_hosts_and_the_per_host_token_counts_of_ep(ranks_per_host):
         assert lay["num_tokens_per_rank"] == want_ranks, lay
 
 
+@pytest.mark.slow(unless={"policy": ["raise"]})
 @pytest.mark.parametrize("policy", ["mask", "raise"])
 def test_sigkill_on_another_host_mid_all_reduce(policy):
     """Rank 3 (host 1) SIGKILLs itself in the middle of the pipeline of its fourth 1 MiB
@@ -357,6 +369,7 @@ def test_sigkill_on_another_host_mid_all_reduce(policy):
         assert len(seq) == 4 and seq[3] in ("RankFailureError", "DistBackendError"), seq
 
 
+@pytest.mark.slow
 def test_ranks_that_lost_the_store_with_rank_0_fence_and_stay_quiet():
     """Rank 0, which hosts the control store, SIGKILLs itself in its fourth all_reduce: the
     others cannot agree on anything without the store, so each raises RankFencedError; in
@@ -378,6 +391,7 @@ def test_ranks_that_lost_the_store_with_rank_0_fence_and_stay_quiet():
         assert got["stack_traces"] <= 4, (r, got["stack_traces"], got["log"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["mask", "raise"])
 @pytest.mark.parametrize("how", ["round1", "in_flight"])
 def test_sigkill_on_another_host_mid_all_to_all(policy, how):
@@ -418,6 +432,7 @@ def test_sigkill_on_another_host_mid_all_to_all(policy, how):
     assert len({got["epoch"] for got in survivors.values()}) == 1, survivors
 
 
+@pytest.mark.slow
 def test_options_that_must_agree_raise_value_error_on_every_rank():
     """Rank 1 alone turns the two levels off: every rank raises ValueError naming the
     option at init_process_group (rank 0, which hosts the store, waits until all have
@@ -478,6 +493,7 @@ def _ep_reference(rph, mode, T, H, E, K, dtype):
     return out
 
 
+@pytest.mark.slow(unless={"ranks_per_host": [[2, 2]], "dtype": ["float32"], "pieces": [None]})
 @pytest.mark.parametrize(
     "ranks_per_host, dtype, pieces",
     [
@@ -531,6 +547,7 @@ def test_ep_across_hosts_equals_the_reference(ranks_per_host, dtype, pieces):
                 assert err <= tol, f"rank {r} {mode} {key}: max error {err} > {tol}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks_per_host", [[2, 2], [2, 2, 2, 2]], ids=["2x2", "4x2"])
 def test_ep_round_trip_sends_one_row_per_token_and_remote_host(ranks_per_host):
     """The bytes that leave each host during a dispatch + combine, normal or low-latency,
@@ -568,6 +585,7 @@ def test_ep_round_trip_sends_one_row_per_token_and_remote_host(ranks_per_host):
         assert exact[h] < 0.9 * flat[h], (h, exact[h], flat[h])  # the test tells them apart
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks_per_host", [[2, 2], [2, 2, 2, 2]], ids=["2x2", "4x2"])
 def test_ep_relay_killed_between_dispatch_and_combine(ranks_per_host):
     """on_failure="mask": the last rank (a relay: the tokens of its local index on the
@@ -611,6 +629,7 @@ def test_ep_relay_killed_between_dispatch_and_combine(ranks_per_host):
             assert err <= 1e-5 * (float(want.abs().max()) + 1), (r, key, err)
 
 
+@pytest.mark.slow
 def test_weight_sync_store_pull_crosses_the_trainers_link_once():
     """WeightSync across 1+2+2+2 hosts: one reader per rollout host relays (positions 0-2,
     passing each bucket on in parts), every reader holds the trainer's tensors, and the
@@ -638,6 +657,7 @@ def test_weight_sync_store_pull_crosses_the_trainers_link_once():
     assert state_bytes <= res[0]["tx"] <= 1.15 * state_bytes, res[0]["tx"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["mask", "raise"])
 def test_weight_sync_relay_killed_mid_sync_leaves_no_mix(policy):
     """GroupWeightSync from a trainer alone on its host to 3 hosts of 2 readers: the rank

@@ -28,6 +28,7 @@ from tests.faults import kill_group
 ROOT = REPO_ROOT
 OK, WHY = netns.available()
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.timeout(240),
     pytest.mark.skipif(not OK, reason=f"network namespaces: {WHY}"),
 ]

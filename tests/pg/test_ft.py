@@ -1151,6 +1151,7 @@ def test_soak_random_kill(ft_pool, trial):
     check(ft_pool, trial, f"seed {SOAK_SEED} trial {trial}")
 
 
+@pytest.mark.slow(unless={"transport": ["shm"]})
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("op", sorted(set(SOAK_OPS) - {"send_recv"}))
 @pytest.mark.parametrize("policy", SOAK_POLICIES)
@@ -1412,6 +1413,7 @@ except Exception as e:
 '''
 
 
+@pytest.mark.slow(unless={"transport": ["shm"]})
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_control_store_in_rank0_dies(tmp_path, transport):
     """With plain env:// rendezvous the TCPStore lives in rank 0; when rank 0 dies the
@@ -1497,6 +1499,7 @@ def rank_send_no_recv(rank, ws):
     return out
 
 
+@pytest.mark.slow(unless={"transport": ["shm"]})
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", O.TRANSPORTS)
 def test_large_send_without_recv_times_out(transport):

@@ -477,6 +477,7 @@ def check_full_group(rp, ctx, epoch, want_step=None):
 # ======================================================== 1. kill-and-rejoin cycles
 
 
+@pytest.mark.slow(unless={"transport": ["shm"]})
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_kill_and_rejoin_cycles(rj_pool, transport):
     """W=3, mask: train, SIGKILL a rank (1, 0, 2, ...), survivors train on, a replacement
@@ -1132,6 +1133,7 @@ def rank_joiner_dies_in_recover(rank, ws, joiner):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_joiner_dying_during_recover_ranks(rj_pool, transport):
     rp = rj_pool(transport, op_timeout=3.0)
@@ -1221,6 +1223,7 @@ def test_extension_seat_misuse_raises_at_init(case):
         assert e.isinstance_of("ValueError") and want in e.message, f"rank {r}: {e!r}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_active_ranks_that_differ_raise_at_init_without_waiting_for_the_store_timeout():
     """Seat 0 is a recovering process; rank 1 founds the group with active_ranks [0, 1, 2]

@@ -95,6 +95,7 @@ def test_leader_kill_standby_takes_over(procs, etcd):
         assert s.get("k5") == expect["k5"]
 
 
+@pytest.mark.slow
 def test_leader_stopped_clients_keep_their_objects(procs, etcd):
     """Found by a new-user trial: with the leader SIGSTOPped (not dead: its TCP port still
     accepts), a client's heartbeat waited rpc_timeout_s + 3 s on it, so the new leader

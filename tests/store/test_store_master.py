@@ -400,6 +400,7 @@ def test_fragmentation_around_a_pinned_object_evicts_nothing():
         assert not s.exists("b") and not s.exists("c") and s.stats().evictions == 2
 
 
+@pytest.mark.slow
 def test_a_stalled_master_does_not_declare_its_clients_dead(procs):
     """Found by a new-user trial: a master stopped (SIGSTOP) for longer than client_ttl
     declared every client dead when it ran again and dropped all objects, though no
@@ -429,6 +430,7 @@ def test_a_stalled_master_does_not_declare_its_clients_dead(procs):
             time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_calls_to_a_stopped_master_give_up_within_rpc_plus_failover_timeout(procs):
     """Found by new-user trials: with the master stopped, a call took rpc_timeout_s, then
     failover_timeout_s of retries, then one more whole rpc_timeout_s (3x the 10 s its error
@@ -537,6 +539,7 @@ def test_python_m_master_without_runpy_warning(procs):
         mooncake_store.NoSuchThing  # noqa: B018
 
 
+@pytest.mark.slow
 def test_unauthenticated_connections_cannot_hold_memory_or_slots(procs):
     """With a secret, a connection may buffer at most a small frame before it has
     authenticated, and one that does not authenticate within AUTH_TIMEOUT_S (10 s) is

@@ -181,6 +181,7 @@ def test_store_over_tcp_between_hosts(procs):
         assert s.get(f"s{16 * MiB}") == sa.pattern(16 * MiB, 16 * MiB)
 
 
+@pytest.mark.slow
 def test_dead_or_stopped_owner_costs_one_wait_per_batch(procs):
     """A batch get from an owner that died after the connection to it was cached, and a
     batch put into one that stopped (SIGSTOP): one wait for the whole batch (was one per
@@ -232,6 +233,7 @@ def test_dead_or_stopped_owner_costs_one_wait_per_batch(procs):
     node.kill()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["kill", "stop"])
 def test_unreachable_owner_does_not_expire_a_batch_lease(procs, how):
     """An owner killed or stopped (SIGSTOP) while the master still lists it (its client TTL

@@ -1384,6 +1384,7 @@ def _pull_all(readers, model, config, **kw):
     return [a.reply(timeout=120) for a in readers]
 
 
+@pytest.mark.slow
 def test_store_pull_across_hosts_one_relay_per_host_in_a_chain(procs):
     """Three hosts of two readers: one reader per host relays (chain positions 0, 1, 2),
     the other reads its relay's copies; every reader holds the trainer's bytes (digests
@@ -1452,6 +1453,7 @@ def test_a_relay_without_room_for_its_copies_steps_down_and_the_chain_goes_on(pr
     assert len(records) == len(kept), (records, got)
 
 
+@pytest.mark.slow
 def test_store_pull_across_hosts_survives_a_relay_killed_mid_pull(procs):
     """The relay that reads from the trainer's host (position 0) is SIGKILLed before it
     stages its third bucket: the readers after it in the chain and its own host's other

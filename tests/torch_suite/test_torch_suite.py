@@ -10,6 +10,7 @@ from tests.torch_suite import runner
 
 
 @pytest.mark.timeout(1800)
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", runner.WORLD_SIZES, ids=lambda w: f"ws{w}")
 def test_pytorch_distributed_suite(world_size):
     got = runner.run(world_size)
