@@ -172,8 +172,8 @@ def main(argv):
     cpu = frozenset({"MOONCAKE_WITH_RDMA"})
     full = frozenset({"MOONCAKE_WITH_RDMA", "MOONCAKE_WITH_CUDA"})
 
-    # 1. torch-free folders: every file, in every build
-    bad = []
+    # 1. torch-free folders: every file, in every build; one line per offending include
+    bad = {}
     for d in TORCH_FREE_DIRS:
         for path in sorted(glob.glob(os.path.join(CSRC, d, "**", "*"), recursive=True)):
             if not path.endswith((".cpp", ".hpp", ".h", ".cu", ".cuh")):
@@ -181,9 +181,13 @@ def main(argv):
             for defines in (cpu, full):
                 for ext, chain in closure(path, defines, memo).items():
                     if ext.startswith(FORBIDDEN_IN_CORE):
-                        bad.append(f"{rel(path)}: <{ext}> via {' -> '.join(rel(c) for c in chain)}")
-    for line in sorted(set(bad)):
-        print(f"[includes] ERROR torch-free folder includes {line}")
+                        bad.setdefault((rel(chain[-1]), ext), chain)
+    for (culprit, ext), chain in sorted(bad.items()):
+        print(
+            f"[includes] ERROR {culprit} includes <{ext}>, which a torch-free folder "
+            f"({', '.join('csrc/' + d for d in TORCH_FREE_DIRS)}) must not: "
+            f"{' -> '.join(rel(c) for c in chain)}"
+        )
     if bad:
         rc = 1
 
