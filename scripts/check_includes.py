@@ -4,7 +4,7 @@
    from torch, ATen, c10 or pybind11, also through the project headers they include.
 2. At most ``MAX_TORCH_TUS`` translation units of the CPU build (the sources setup.py
    compiles with RDMA on and CUDA off) include torch headers, directly or through project
-   headers: each such unit preprocesses to ten times the lines of a torch-free one.
+   headers: each such unit preprocesses to 4 to 10 times the lines of a torch-free one.
 
 Includes are followed the way the compiler finds them (``"x"`` next to the including file,
 then under ``csrc/``); ``#if``/``#ifdef`` blocks on the ``MOONCAKE_WITH_*`` macros are
