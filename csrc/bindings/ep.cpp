@@ -3,7 +3,6 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
-#include <torch/python.h>
 
 #include <ATen/Parallel.h>
 

@@ -4,7 +4,6 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
-#include <torch/python.h>
 
 #include "bindings/bindings.hpp"
 #include "pg/backend.hpp"
