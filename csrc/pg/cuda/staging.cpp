@@ -165,14 +165,8 @@ int cuda_dtype_code(c10::ScalarType st, const char* fn) { return static_cast<int
 cuda::DType to_cuda_dtype(c10::ScalarType st, const char* fn) {
   const std::optional<DType> dt = to_dtype(st);
   TORCH_CHECK_VALUE(dt.has_value(), fn, ": unsupported dtype ", c10::toString(st));
-  return static_cast<cuda::DType>(*dt);
+  return *dt;
 }
-static_assert(static_cast<int>(cuda::DType::F8E4M3) == static_cast<int>(DType::F8E4M3) &&
-                  static_cast<int>(cuda::DType::U8) == static_cast<int>(DType::U8) &&
-                  static_cast<int>(cuda::DType::C128) == static_cast<int>(DType::C128),
-              "cuda::DType follows DType's order");
-static_assert(static_cast<int>(cuda::Op::PREMUL_SUM) == static_cast<int>(RedOp::PREMUL_SUM),
-              "cuda::Op follows RedOp's order");
 
 bool any_cuda(const std::vector<at::Tensor*>& ts) {
   for (const at::Tensor* t : ts)
