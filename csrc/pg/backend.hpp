@@ -26,7 +26,7 @@
 //               calls and join_group. A sync op (asyncOp false) runs inline on the caller's
 //               thread when no op is queued or running; any other op is queued.
 //   progress    one thread, started on the first queued op: runs queued collectives one at
-//               a time in issue order. A collective holds engine_mu_ while it runs (inline
+//               a time in issue order. A collective holds the core's engine_mu_ while it runs (inline
 //               or queued), so one runs at a time and in issue order.
 //   completion  a pool, grown while every thread is busy (at most 64): completes the Works'
 //               futures, i.e. runs their callbacks, off the threads that move data.
