@@ -1,13 +1,13 @@
 // The element types the group core moves and reduces, with their sizes and names. The
-// core's own enum (the torch layer maps torch dtypes onto it in pg/convert.cpp; the CUDA
-// kernels take it too); the names are the ones torch prints, so that messages read the same
-// from either side.
+// core's own enum (the torch layer maps torch dtypes onto it in pg/convert.cpp); the
+// names are the ones torch prints, so that messages read the same from either side.
 #pragma once
 #include <cstddef>
 #include <cstdint>
 
 namespace mooncake {
 
+// Same order as the CUDA kernels' cuda::DType (transport/cuda/cuda.hpp).
 enum class DType : int32_t {
   F64 = 0,
   F32,

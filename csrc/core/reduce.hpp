@@ -7,8 +7,8 @@
 
 namespace mooncake {
 
-// The core's reduction ops (the torch layer maps c10d::ReduceOp onto them, pg/convert.cpp;
-// the CUDA kernels take them too).
+// The core's reduction ops (the torch layer maps c10d::ReduceOp onto them, pg/convert.cpp);
+// same order as the CUDA kernels' cuda::Op.
 enum class RedOp : int { SUM = 0, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR, PREMUL_SUM };
 
 const char* red_op_name(RedOp op);

@@ -8,10 +8,12 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/version.h>
 
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 
 #include "pg/convert.hpp"
 #include "transport/cuda/cuda.hpp"
@@ -165,8 +167,46 @@ int cuda_dtype_code(c10::ScalarType st, const char* fn) { return static_cast<int
 cuda::DType to_cuda_dtype(c10::ScalarType st, const char* fn) {
   const std::optional<DType> dt = to_dtype(st);
   TORCH_CHECK_VALUE(dt.has_value(), fn, ": unsupported dtype ", c10::toString(st));
-  return *dt;
+  return static_cast<cuda::DType>(*dt);
 }
+// The kernels' enums (transport/cuda/cuda.hpp, which depends on nothing above it) follow the
+// group core's value for value, so that a DType or RedOp passes by a cast.
+namespace {
+template <typename A, typename B>
+constexpr bool same_values(std::initializer_list<std::pair<A, B>> pairs) {
+  for (const auto& p : pairs)
+    if (static_cast<int>(p.first) != static_cast<int>(p.second)) return false;
+  return true;
+}
+}  // namespace
+static_assert(same_values<cuda::DType, DType>({{cuda::DType::F64, DType::F64},
+                                               {cuda::DType::F32, DType::F32},
+                                               {cuda::DType::F16, DType::F16},
+                                               {cuda::DType::BF16, DType::BF16},
+                                               {cuda::DType::F8E4M3, DType::F8E4M3},
+                                               {cuda::DType::F8E5M2, DType::F8E5M2},
+                                               {cuda::DType::I8, DType::I8},
+                                               {cuda::DType::I16, DType::I16},
+                                               {cuda::DType::I32, DType::I32},
+                                               {cuda::DType::I64, DType::I64},
+                                               {cuda::DType::U8, DType::U8},
+                                               {cuda::DType::U16, DType::U16},
+                                               {cuda::DType::U32, DType::U32},
+                                               {cuda::DType::U64, DType::U64},
+                                               {cuda::DType::BOOL, DType::BOOL},
+                                               {cuda::DType::C64, DType::C64},
+                                               {cuda::DType::C128, DType::C128}}),
+              "cuda::DType follows DType");
+static_assert(same_values<cuda::Op, RedOp>({{cuda::Op::SUM, RedOp::SUM},
+                                            {cuda::Op::AVG, RedOp::AVG},
+                                            {cuda::Op::PRODUCT, RedOp::PRODUCT},
+                                            {cuda::Op::MIN, RedOp::MIN},
+                                            {cuda::Op::MAX, RedOp::MAX},
+                                            {cuda::Op::BAND, RedOp::BAND},
+                                            {cuda::Op::BOR, RedOp::BOR},
+                                            {cuda::Op::BXOR, RedOp::BXOR},
+                                            {cuda::Op::PREMUL_SUM, RedOp::PREMUL_SUM}}),
+              "cuda::Op follows RedOp");
 
 bool any_cuda(const std::vector<at::Tensor*>& ts) {
   for (const at::Tensor* t : ts)

@@ -8,16 +8,31 @@
 #include <cstdint>
 #include <string>
 
-#include "core/dtype.hpp"
-#include "core/reduce.hpp"
-
 namespace mooncake {
 namespace cuda {
 
-// Element types and reductions: the group core's (core/dtype.hpp, core/reduce.hpp), which
-// both the process group and the kernels name.
-using DType = ::mooncake::DType;
-using Op = ::mooncake::RedOp;
+// Element types the kernels handle, in the order of the group core's DType (core/dtype.hpp).
+enum class DType : int {
+  F64 = 0,
+  F32,
+  F16,
+  BF16,
+  F8E4M3,
+  F8E5M2,
+  I8,
+  I16,
+  I32,
+  I64,
+  U8,
+  U16,
+  U32,
+  U64,
+  BOOL,
+  C64,
+  C128,
+};
+// Same order as mooncake::RedOp (core/reduce.hpp).
+enum class Op : int { SUM = 0, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR, PREMUL_SUM };
 
 constexpr int kMaxSources = 8;
 

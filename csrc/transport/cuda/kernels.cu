@@ -163,7 +163,7 @@ void check_launch(const char* fn) {
                              ": kernel launch failed: " + cudaGetErrorString(e));
 }
 
-const char* type_name(DType dt) {
+const char* dtype_name(DType dt) {
   static const char* names[] = {"float64", "float32", "float16", "bfloat16",  "float8_e4m3fn", "float8_e5m2",
                                 "int8",    "int16",   "int32",   "int64",     "uint8",         "uint16",
                                 "uint32",  "uint64",  "bool",    "complex64", "complex128"};
@@ -191,7 +191,7 @@ void launch_reduce(void* dst, const void* const* srcs, int nsrc, size_t n, DType
       (dt == DType::BOOL && (op == Op::AVG || op == Op::PREMUL_SUM)) ||
       (!is_float && dt != DType::BOOL && op == Op::PREMUL_SUM))
     throw std::runtime_error(std::string("mooncake::cuda::launch_reduce: ReduceOp ") +
-                             std::to_string(int(op)) + " is not defined for " + type_name(dt));
+                             std::to_string(int(op)) + " is not defined for " + dtype_name(dt));
   if (n == 0) return;
   Sources s{};
   for (int k = 0; k < nsrc; ++k) s.p[k] = srcs[k];
@@ -284,7 +284,8 @@ void launch_scale(void* dst, const void* src, size_t n, DType dt, double factor,
       break;
     default:
       throw std::runtime_error(
-          std::string("mooncake::cuda::launch_scale: expected a floating-point dtype, got ") + type_name(dt));
+          std::string("mooncake::cuda::launch_scale: expected a floating-point dtype, got ") +
+          dtype_name(dt));
   }
   check_launch("launch_scale");
 }
