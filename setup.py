@@ -8,11 +8,10 @@ Optional parts (each adds a ``-DMOONCAKE_WITH_*`` define):
 - RDMA (``csrc/transport/rdma/``, ``-libverbs``): built when ``infiniband/verbs.h`` exists
   (Debian ``libibverbs-dev``); ``MOONCAKE_WITH_RDMA=0`` turns it off, ``=1`` makes a
   missing header an error.
-- CUDA (``csrc/transport/cuda/``; the CUDA parts of the process group,
-  ``csrc/pg/cuda_*.cpp``, are compiled always and are empty without the define, all but
-  ``cuda_ipc_status()``): a ``CUDAExtension`` when ``MOONCAKE_WITH_CUDA=1`` (needs a CUDA
-  build of torch and nvcc; ``CUDA_HOME`` and ``TORCH_CUDA_ARCH_LIST`` as torch reads them).
-  The default build is CPU-only.
+- CUDA (``csrc/transport/cuda/`` and the process group's CUDA paths, ``csrc/pg/cuda/``):
+  a ``CUDAExtension`` when ``MOONCAKE_WITH_CUDA=1`` (needs a CUDA build of torch and nvcc;
+  ``CUDA_HOME`` and ``TORCH_CUDA_ARCH_LIST`` as torch reads them). The default build is
+  CPU-only.
 """
 
 import glob
@@ -61,16 +60,31 @@ os.makedirs(info_dir, exist_ok=True)
 with open(os.path.join(info_dir, "_build_info.py"), "w") as f:
     f.write(f"TORCH_VERSION = {torch.__version__!r}\n")
 
-sources = sorted(
-    glob.glob("csrc/transport/*.cpp")
-    + glob.glob("csrc/pg/*.cpp")
-    + glob.glob("csrc/pg/collectives/*.cpp")
-    + glob.glob("csrc/ep/*.cpp")
-) + ["csrc/bindings.cpp"]
+# The sources of each part (globs). scripts/check_includes.py reads this literal too, to
+# count the translation units of the CPU build that include torch headers.
+SOURCES = {
+    "cpu": [
+        "csrc/transport/*.cpp",
+        "csrc/core/*.cpp",
+        "csrc/core/collectives/*.cpp",
+        "csrc/pg/*.cpp",
+        "csrc/ep/*.cpp",
+        "csrc/bindings/*.cpp",
+    ],
+    "rdma": ["csrc/transport/rdma/*.cpp"],
+    "cuda": ["csrc/transport/cuda/*.cpp", "csrc/transport/cuda/*.cu", "csrc/pg/cuda/*.cpp"],
+}
+
+
+def _sources(part):
+    return sorted(f for g in SOURCES[part] for f in glob.glob(g))
+
+
+sources = _sources("cpu")
 defines = [f'-DMOONCAKE_TORCH_VERSION="{torch.__version__}"']
 libraries = []
 if with_rdma:
-    sources += sorted(glob.glob("csrc/transport/rdma/*.cpp"))
+    sources += _sources("rdma")
     defines.append("-DMOONCAKE_WITH_RDMA")
     libraries.append("ibverbs")
 
@@ -93,9 +107,7 @@ std = _cxx_std()
 cxx_flags = ["-O3", f"-std={std}", "-fvisibility=hidden", "-fwrapv"]
 kwargs = dict(name="mooncake_pg._C", include_dirs=[os.path.join(HERE, "csrc")], libraries=libraries)
 if with_cuda:
-    sources += sorted(
-        glob.glob("csrc/transport/cuda/*.cpp") + glob.glob("csrc/transport/cuda/*.cu")
-    )
+    sources += _sources("cuda")
     defines.append("-DMOONCAKE_WITH_CUDA")
     ext = CUDAExtension(
         sources=sources,

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Lint and format checks, the same here, in CI and in pre-commit:
 #   ruff check + ruff format --check on the Python tree (config: pyproject.toml [tool.ruff]),
-#   clang-format --dry-run --Werror on csrc/ (config: .clang-format).
+#   clang-format --dry-run --Werror on csrc/ (config: .clang-format),
+#   scripts/check_includes.py: the torch-free folders (csrc/core, csrc/transport, csrc/ep)
+#   include no torch, ATen, c10 or pybind11 header, also through project headers, and at most
+#   10 translation units of the CPU build include torch headers (--fix changes nothing here).
 # Installs the pinned ruff and clang-format from PyPI when the ones on PATH are missing or of
 # another version. `--fix` rewrites files instead of checking them.
 set -euo pipefail
@@ -45,5 +48,7 @@ else
     echo "[lint] clang-format --dry-run --Werror (${#CSRC[@]} files under csrc/)"
     "$CLANG_FORMAT" --dry-run --Werror "${CSRC[@]}" || rc=1
 fi
+echo "[lint] include checks (scripts/check_includes.py)"
+python3 scripts/check_includes.py || rc=1
 ((rc == 0)) && echo "[lint] clean" || echo "[lint] FAILED: run 'bash scripts/lint.sh --fix' and review the diff"
 exit "$rc"

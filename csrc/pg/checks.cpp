@@ -1,83 +1,23 @@
 // Argument checks of the c10d entry points (pg/checks.hpp).
 #include "pg/checks.hpp"
 
-#include <torch/version.h>
-
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
+#include "pg/convert.hpp"
+
 namespace mooncake {
-
-namespace {
-
-bool data_dtype_ok(c10::ScalarType dt) {
-  using ST = c10::ScalarType;
-  switch (dt) {
-    case ST::Double:
-    case ST::Float:
-    case ST::Half:
-    case ST::BFloat16:
-    case ST::Float8_e4m3fn:
-    case ST::Float8_e5m2:
-    case ST::Char:
-    case ST::Short:
-    case ST::Int:
-    case ST::Long:
-    case ST::Byte:
-    case ST::UInt16:
-    case ST::UInt32:
-    case ST::UInt64:
-    case ST::Bool:
-    case ST::ComplexFloat:
-    case ST::ComplexDouble:
-      return true;
-    default:
-      return false;
-  }
-}
-
-}  // namespace
-
-RedOp to_redop(const c10d::ReduceOp& op, double* premul) {
-  *premul = 1.0;
-  switch (op.op_) {
-    case c10d::ReduceOp::SUM:
-      return RedOp::SUM;
-    case c10d::ReduceOp::AVG:
-      return RedOp::AVG;
-    case c10d::ReduceOp::PRODUCT:
-      return RedOp::PRODUCT;
-    case c10d::ReduceOp::MIN:
-      return RedOp::MIN;
-    case c10d::ReduceOp::MAX:
-      return RedOp::MAX;
-    case c10d::ReduceOp::BAND:
-      return RedOp::BAND;
-    case c10d::ReduceOp::BOR:
-      return RedOp::BOR;
-    case c10d::ReduceOp::BXOR:
-      return RedOp::BXOR;
-    case c10d::ReduceOp::PREMUL_SUM: {
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 12)
-      auto* sup = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
-#else  // torch <= 2.11 names it NCCLPreMulSumSupplement
-      auto* sup = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
-#endif
-      TORCH_CHECK_VALUE(sup != nullptr, "MooncakeBackend::to_redop: PREMUL_SUM without a factor");
-      *premul = sup->tensor_factor.defined() ? sup->tensor_factor.item<double>() : sup->double_factor;
-      return RedOp::PREMUL_SUM;
-    }
-    default:
-      TORCH_CHECK_VALUE(false, "MooncakeBackend::to_redop: unsupported ReduceOp ", static_cast<int>(op.op_));
-  }
-}
 
 // dense (strided) with a dtype the data path moves
 void check_dense(const at::Tensor& t, const char* op, int rank) {
   TORCH_CHECK_VALUE(t.layout() == c10::kStrided, "mooncake ", op, " (rank ", rank,
                     "): expected a dense (strided) tensor, got layout ", t.layout());
-  TORCH_CHECK_VALUE(data_dtype_ok(t.scalar_type()), "mooncake ", op, " (rank ", rank, "): unsupported dtype ",
-                    t.scalar_type());
+  TORCH_CHECK_VALUE(to_dtype(t.scalar_type()).has_value(), "mooncake ", op, " (rank ", rank,
+                    "): unsupported dtype ", t.scalar_type());
+}
+
+Buffer buffer_of(const at::Tensor& t) {
+  return Buffer{t.data_ptr(), static_cast<size_t>(t.numel()), *to_dtype(t.scalar_type())};
 }
 
 void check_tensor(const at::Tensor& t, const char* op, int rank) {

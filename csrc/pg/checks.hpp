@@ -1,4 +1,4 @@
-// Argument checks of the c10d entry points (pg/entry.cpp, pg/cuda_ipc_ops.cpp). Each raises
+// Argument checks of the c10d entry points (pg/entry.cpp, pg/cuda/ipc_ops.cpp). Each raises
 // ValueError on this rank alone, before the op is queued, as
 // "mooncake <op> (rank <r>): <what was expected>, got <what was passed>"; `op` is the
 // torch.distributed name of the op ("all_reduce", "all_gather_single", ...).
@@ -6,15 +6,15 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
-#include "pg/reduce.hpp"
+#include "core/dtype.hpp"
+#include "core/reduce.hpp"
 
 namespace mooncake {
 
-// The reduction of a c10d ReduceOp; *premul: PREMUL_SUM's factor (1.0 for the others).
-RedOp to_redop(const c10d::ReduceOp& op, double* premul);
-
 // dense (strided) with a dtype the data path moves
 void check_dense(const at::Tensor& t, const char* op, int rank);
+// The core's view of a tensor that passed check_dense (contiguous: the caller made it so).
+Buffer buffer_of(const at::Tensor& t);
 // defined, on the CPU, dense
 void check_tensor(const at::Tensor& t, const char* op, int rank);
 // an output's elements must be distinct in memory (not an expanded view)

@@ -1,14 +1,14 @@
 // The c10d entry points of MooncakeBackend's collectives (allreduce, broadcast, allgather,
-// _allgather_base, ..., barrier): each checks its own arguments (ValueError on this rank,
-// before anything is queued, pg/checks.hpp), makes contiguous working tensors (copied back
-// into non-contiguous user tensors when the op succeeds) and submits the collective body
-// (pg/collectives/). CUDA tensors take CUDA IPC (pg/cuda_ipc_ops.cpp) or pinned host
-// staging (MOONCAKE_CUDA_STAGED) first.
+// _allgather_base, ...): each checks its own arguments (ValueError on this rank, before
+// anything is queued, pg/checks.hpp), makes contiguous working tensors (copied back into
+// non-contiguous user tensors when the op succeeds) and submits the group core's collective
+// body over their buffers (core/collectives/). CUDA tensors take CUDA IPC
+// (pg/cuda/ipc_ops.cpp) or pinned host staging (MOONCAKE_CUDA_STAGED) first.
 #include <ATen/ATen.h>
 
 #include "pg/backend.hpp"
 #include "pg/checks.hpp"
-#include "pg/collectives/op_header.hpp"
+#include "core/op_header.hpp"
 
 namespace mooncake {
 
@@ -39,17 +39,6 @@ std::vector<at::Tensor> flat_outputs(std::vector<std::vector<at::Tensor>>& outs)
 
 }  // namespace
 
-std::function<void()> MooncakeBackend::backup_for_retry(const std::vector<at::Tensor>& ts) {
-  // on_failure='mask' reruns an op over the survivors; in-place ops need their input back
-  if (policy_ != FailurePolicy::MASK) return nullptr;
-  std::vector<at::Tensor> copies;
-  for (auto& t : ts) copies.push_back(t.clone());
-  std::vector<at::Tensor> dst = ts;
-  return [dst, copies]() mutable {
-    for (size_t i = 0; i < dst.size(); ++i) dst[i].copy_(copies[i]);
-  };
-}
-
 c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                           const c10d::AllreduceOptions& opts) {
   if (tensors.size() == 1 && tensors[0].defined() && tensors[0].layout() == c10::kSparse)
@@ -68,7 +57,9 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce(std::vector<at::Tensor
   at::Tensor t = contiguous_out(tensors[0], backs);
   return submit(
       c10d::OpType::ALLREDUCE, tensors, opts.asyncOp, opts.timeout,
-      [this, t, rop, premul](int64_t deadline_ns) mutable { run_allreduce(t, rop, premul, -1, deadline_ns); },
+      [this, t, rop, premul](int64_t deadline_ns) mutable {
+        group_->allreduce(buffer_of(t), rop, premul, deadline_ns);
+      },
       join_backs(backs), backup_for_retry({t}));
 }
 
@@ -91,7 +82,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allreduce_coalesced(
       [this, work, rop, premul](int64_t deadline_ns) mutable {
         for (size_t i = 0; i < work.size(); ++i) {
           BatchScope pos(static_cast<uint32_t>(i + 1), static_cast<uint32_t>(work.size()));
-          run_allreduce(work[i], rop, premul, -1, deadline_ns);
+          group_->allreduce(buffer_of(work[i]), rop, premul, deadline_ns);
         }
       },
       join_backs(backs), backup_for_retry(work));
@@ -113,7 +104,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce(std::vector<at::Tensor>& 
   return submit(
       c10d::OpType::REDUCE, tensors, opts.asyncOp, opts.timeout,
       [this, t, rop, premul, root](int64_t deadline_ns) mutable {
-        run_allreduce(t, rop, premul, root, deadline_ns);
+        group_->reduce(buffer_of(t), rop, premul, root, deadline_ns);
       },
       join_backs(backs), rank_ == root ? backup_for_retry({t}) : nullptr);
 }
@@ -134,7 +125,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::broadcast(std::vector<at::Tensor
   if (rank_ == root) backs.clear();  // the root's tensor is only read
   return submit(
       c10d::OpType::BROADCAST, tensors, opts.asyncOp, opts.timeout,
-      [this, t, root](int64_t deadline_ns) mutable { run_broadcast(t, root, deadline_ns); },
+      [this, t, root](int64_t deadline_ns) mutable { group_->broadcast(buffer_of(t), root, deadline_ns); },
       join_backs(backs));
 }
 
@@ -163,7 +154,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather(std::vector<std::vecto
   }
   return submit(
       c10d::OpType::ALLGATHER, flat_outputs(outputs), opts.asyncOp, opts.timeout,
-      [this, in, outs, ptrs](int64_t deadline_ns) { run_allgather(in, ptrs, OP_ALLGATHER, -1, deadline_ns); },
+      [this, in, outs, ptrs](int64_t deadline_ns) { group_->allgather(buffer_of(in), ptrs, deadline_ns); },
       join_backs(backs), backup_for_retry(outs));
 }
 
@@ -187,7 +178,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::_allgather_base(at::Tensor& outp
   for (int j = 0; j < size_; ++j) ptrs.push_back(static_cast<uint8_t*>(out.data_ptr()) + j * nb);
   return submit(
       c10d::OpType::_ALLGATHER_BASE, {output}, opts.asyncOp, opts.timeout,
-      [this, in, out, ptrs](int64_t deadline_ns) { run_allgather(in, ptrs, OP_ALLGATHER, -1, deadline_ns); },
+      [this, in, out, ptrs](int64_t deadline_ns) { group_->allgather(buffer_of(in), ptrs, deadline_ns); },
       join_backs(backs), backup_for_retry({out}));
 }
 
@@ -227,7 +218,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_coalesced(
       [this, ins, ptrs, keep](int64_t deadline_ns) {
         for (size_t i = 0; i < ins.size(); ++i) {
           BatchScope pos(static_cast<uint32_t>(i + 1), static_cast<uint32_t>(ins.size()));
-          run_allgather(ins[i], ptrs[i], OP_ALLGATHER, -1, deadline_ns);
+          group_->allgather(buffer_of(ins[i]), ptrs[i], deadline_ns);
         }
       },
       join_backs(backs), backup_for_retry(keep));
@@ -262,7 +253,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::allgather_into_tensor_coalesced(
       [this, ins, outs, ptrs](int64_t deadline_ns) {
         for (size_t i = 0; i < ins.size(); ++i) {
           BatchScope pos(static_cast<uint32_t>(i + 1), static_cast<uint32_t>(ins.size()));
-          run_allgather(ins[i], ptrs[i], OP_ALLGATHER, -1, deadline_ns);
+          group_->allgather(buffer_of(ins[i]), ptrs[i], deadline_ns);
         }
       },
       join_backs(backs), backup_for_retry(outs));
@@ -299,7 +290,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::gather(std::vector<std::vector<a
   return submit(
       c10d::OpType::GATHER, flat_outputs(outputs), opts.asyncOp, opts.timeout,
       [this, in, outs, ptrs, root](int64_t deadline_ns) {
-        run_allgather(in, ptrs, OP_GATHER, root, deadline_ns);
+        group_->gather(buffer_of(in), ptrs, root, deadline_ns);
       },
       join_backs(backs), backup_for_retry(outs));
 }
@@ -336,7 +327,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::scatter(std::vector<at::Tensor>&
   return submit(
       c10d::OpType::SCATTER, outputs, opts.asyncOp, opts.timeout,
       [this, ins, ptrs, out, root](int64_t deadline_ns) mutable {
-        run_scatter(ptrs, out, root, deadline_ns);
+        group_->scatter(ptrs, buffer_of(out), root, deadline_ns);
       },
       join_backs(backs));
 }
@@ -369,7 +360,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter(std::vector<at::T
   return submit(
       c10d::OpType::REDUCE_SCATTER, outputs, opts.asyncOp, opts.timeout,
       [this, ins, ptrs, out, rop, premul](int64_t deadline_ns) mutable {
-        run_reduce_scatter(ptrs, out, rop, premul, deadline_ns);
+        group_->reduce_scatter(ptrs, buffer_of(out), rop, premul, deadline_ns);
       },
       join_backs(backs));
 }
@@ -396,7 +387,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::_reduce_scatter_base(at::Tensor&
   return submit(
       c10d::OpType::_REDUCE_SCATTER_BASE, {output}, opts.asyncOp, opts.timeout,
       [this, in, ptrs, out, rop, premul](int64_t deadline_ns) mutable {
-        run_reduce_scatter(ptrs, out, rop, premul, deadline_ns);
+        group_->reduce_scatter(ptrs, buffer_of(out), rop, premul, deadline_ns);
       },
       join_backs(backs));
 }
@@ -434,7 +425,7 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::reduce_scatter_tensor_coalesced(
       [this, ins, outs, ptrs, rop, premul](int64_t deadline_ns) mutable {
         for (size_t i = 0; i < outs.size(); ++i) {
           BatchScope pos(static_cast<uint32_t>(i + 1), static_cast<uint32_t>(outs.size()));
-          run_reduce_scatter(ptrs[i], outs[i], rop, premul, deadline_ns);
+          group_->reduce_scatter(ptrs[i], buffer_of(outs[i]), rop, premul, deadline_ns);
         }
       },
       join_backs(backs));
@@ -489,12 +480,12 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall_base(at::Tensor& output
   at::Tensor in = input.contiguous();
   std::vector<std::function<void()>> backs;
   at::Tensor out = contiguous_out(output, backs);
-  const auto dt = input.scalar_type();
+  const DType dt = *to_dtype(input.scalar_type());
   return submit(
       c10d::OpType::ALLTOALL_BASE, {output}, opts.asyncOp, opts.timeout,
       [this, in, out, dt, row_elems, in_rows, out_rows](int64_t deadline_ns) mutable {
-        run_alltoall(static_cast<const uint8_t*>(in.data_ptr()), static_cast<uint8_t*>(out.data_ptr()), dt,
-                     row_elems, in_rows, out_rows, deadline_ns);
+        group_->alltoall(static_cast<const uint8_t*>(in.data_ptr()), static_cast<uint8_t*>(out.data_ptr()),
+                         dt, row_elems, in_rows, out_rows, deadline_ns);
       },
       join_backs(backs), backup_for_retry({out}));
 }
@@ -528,26 +519,21 @@ c10::intrusive_ptr<c10d::Work> MooncakeBackend::alltoall(std::vector<at::Tensor>
   at::Tensor out = at::empty({total_out}, inputs[0].options());
   std::vector<at::Tensor> outs = outputs;
   auto back = [this, outs, out, out_rows]() mutable {
-    std::vector<int32_t> active = active_ranks();  // inactive seats' outputs stay untouched
+    std::vector<int32_t> active = group_->active_ranks();  // inactive seats' outputs stay untouched
     int64_t off = 0;
     for (size_t j = 0; j < outs.size(); ++j) {
       if (active[j]) outs[j].copy_(out.narrow(0, off, out_rows[j]).view(outs[j].sizes()));
       off += out_rows[j];
     }
   };
-  const auto dt = inputs[0].scalar_type();
+  const DType dt = *to_dtype(inputs[0].scalar_type());
   return submit(
       c10d::OpType::ALLTOALL, outputs, opts.asyncOp, opts.timeout,
       [this, in, out, dt, in_rows, out_rows](int64_t deadline_ns) mutable {
-        run_alltoall(static_cast<const uint8_t*>(in.data_ptr()), static_cast<uint8_t*>(out.data_ptr()), dt, 1,
-                     in_rows, out_rows, deadline_ns);
+        group_->alltoall(static_cast<const uint8_t*>(in.data_ptr()), static_cast<uint8_t*>(out.data_ptr()),
+                         dt, 1, in_rows, out_rows, deadline_ns);
       },
       back);
-}
-
-c10::intrusive_ptr<c10d::Work> MooncakeBackend::barrier(const c10d::BarrierOptions& opts) {
-  return submit(c10d::OpType::BARRIER, {}, opts.asyncOp, opts.timeout,
-                [this](int64_t deadline_ns) { run_barrier(deadline_ns); });
 }
 
 }  // namespace mooncake

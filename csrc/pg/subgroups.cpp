@@ -8,25 +8,13 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "pg/backend.hpp"
-#include "pg/checks.hpp"
-#include "pg/control_store.hpp"
 
 namespace mooncake {
 
 c10::intrusive_ptr<MooncakeBackend> MooncakeBackend::derive(const c10::intrusive_ptr<c10d::Store>& store,
                                                             const std::vector<int>& members,
                                                             const char* op) const {
-  BackendConfig cfg = cfg_;
-  cfg.is_recovery = false;
-  cfg.initial_active.clear();  // every member founds the new group
-  cfg.setup_wait_ms = std::max<int64_t>(timeout_ms_.count(), 1000);
-  // group rank -> default-group rank; a shrunk default group is the new default group,
-  // numbered 0..n-1 itself (empty: identity)
-  std::vector<int> globals;
-  if (!(cfg_.global_ranks.empty() && std::string(op) == "shrink"))
-    for (int m : members) globals.push_back(global_rank(m));
-  cfg.global_ranks = globals;
-  cfg.group_name = cfg_.group_name + ":" + op;
+  BackendConfig cfg = group_->derived_config(members, op);
   const int new_rank = static_cast<int>(std::find(members.begin(), members.end(), rank_) - members.begin());
   return c10::make_intrusive<MooncakeBackend>(store, new_rank, static_cast<int>(members.size()), cfg);
 }
@@ -35,7 +23,7 @@ c10::intrusive_ptr<c10d::Backend> MooncakeBackend::shrink(
     const std::vector<int64_t>& ranks_to_exclude, int shrink_flags,
     const c10::intrusive_ptr<c10d::Backend::Options>& opts_override) {
   const char* op = "shrink_group";
-  TORCH_CHECK(!joining_, "mooncake ", op, " (rank ", rank_,
+  TORCH_CHECK(!group_->joining(), "mooncake ", op, " (rank ", rank_,
               "): this rank is waiting to join the group; call join_group first");
   TORCH_CHECK_VALUE(!opts_override, "mooncake ", op, " (rank ", rank_,
                     "): pg_options are not taken; the shrunk group keeps the parent's options");
@@ -63,14 +51,14 @@ c10::intrusive_ptr<c10d::Backend> MooncakeBackend::shrink(
   const std::string prefix = "mc/shrink/" + std::to_string(shrinks_++) + "/" + join_ranks(excluded) + "/";
   auto store = c10::make_intrusive<c10d::PrefixStore>(prefix, store_);
   auto be = derive(store, members, "shrink");
-  if (cfg_.global_ranks.empty()) {
+  if (group_->config().global_ranks.empty()) {
     std::vector<int> old_of_new;
     for (int m : members) old_of_new.push_back(m);
     renumber_failed_global_ranks(old_of_new);
   }
-  log_membership("shrink_group: excluded ranks " + join_ranks(excluded) + "; this rank is rank " +
-                 std::to_string(be->getRank()) + " of " + std::to_string(be->getSize()) +
-                 " in the new group");
+  group_->log_membership("shrink_group: excluded ranks " + join_ranks(excluded) + "; this rank is rank " +
+                         std::to_string(be->getRank()) + " of " + std::to_string(be->getSize()) +
+                         " in the new group");
   return be;
 }
 
@@ -78,7 +66,7 @@ c10::intrusive_ptr<c10d::Backend> MooncakeBackend::split(
     const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
     const c10::intrusive_ptr<c10d::Backend::Options>& /*opts*/) {
   const char* op = "split_group";
-  TORCH_CHECK(!joining_, "mooncake ", op, " (rank ", rank_,
+  TORCH_CHECK(!group_->joining(), "mooncake ", op, " (rank ", rank_,
               "): this rank is waiting to join the group; call join_group first");
   std::vector<int> members(ranks.begin(), ranks.end());
   std::sort(members.begin(), members.end());

@@ -11,7 +11,7 @@
 namespace mooncake {
 namespace cuda {
 
-// Element types the kernels handle (the process group maps torch dtypes onto these).
+// Element types the kernels handle, in the order of the group core's DType (core/dtype.hpp).
 enum class DType : int {
   F64 = 0,
   F32,
@@ -31,7 +31,7 @@ enum class DType : int {
   C64,
   C128,
 };
-// Same order as mooncake::RedOp (pg/reduce.hpp).
+// Same order as mooncake::RedOp (core/reduce.hpp).
 enum class Op : int { SUM = 0, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR, PREMUL_SUM };
 
 constexpr int kMaxSources = 8;
