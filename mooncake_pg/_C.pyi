@@ -1,6 +1,7 @@
-"""Type stub of ``mooncake_pg._C``, the private extension (``csrc/bindings/``: one register
-function per part, ``module.cpp`` calls them). ``tests/pg/test_build.py`` checks that the
-names here are the names the built module exports.
+"""Type stub of ``mooncake_pg._C``, the private extension.
+
+``csrc/bindings/`` has one register function per part; ``module.cpp`` calls them.
+``tests/pg/test_build.py`` checks that the names here are the names the built module exports.
 
 The ``_rdma_*`` helpers exist only in a build with RDMA; the ``_cuda_*`` helpers raise
 ``RuntimeError`` in a build without CUDA (``WITH_CUDA`` is ``False``).
@@ -21,8 +22,11 @@ WITH_RDMA: bool
 # ---- process group (bindings/pg.cpp) ----
 
 class BackendConfig:
-    """The settings of one group (mooncake_pg/_backend.py fills it from MooncakeOptions and
-    the environment; csrc/core/group.hpp documents each field)."""
+    """The settings of one group.
+
+    mooncake_pg/_backend.py fills it from MooncakeOptions and the environment; csrc/core/group.hpp
+    documents each field.
+    """
 
     timeout_s: float
     transport: str

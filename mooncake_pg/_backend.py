@@ -135,12 +135,15 @@ def _register():
 
 
 def _exclude_global_ranks_when_shrinking_subgroups():
-    """torch 2.13's ``shrink_group(ranks_to_exclude, group)`` takes group ranks, but
-    ``_finalize_shrunk_group`` filters the group's *global* ranks with them when it records
-    the new group's members; for a subgroup (not the default group) that keeps the wrong
-    ranks, so ``get_rank``/``get_process_group_ranks`` and rooted ops of the shrunk group
-    address the wrong processes. For a ``mooncake`` subgroup the excluded ranks are handed
-    over as global ranks (the backend was already shrunk with the group ranks)."""
+    """Makes torch 2.13's ``shrink_group`` exclude a ``mooncake`` subgroup's ranks as global ranks.
+
+    torch 2.13's ``shrink_group(ranks_to_exclude, group)`` takes group ranks, but
+    ``_finalize_shrunk_group`` filters the group's *global* ranks with them when it records the new
+    group's members; for a subgroup (not the default group) that keeps the wrong ranks, so
+    ``get_rank``/``get_process_group_ranks`` and rooted ops of the shrunk group address the wrong
+    processes. For a ``mooncake`` subgroup the excluded ranks are handed over as global ranks (the
+    backend was already shrunk with the group ranks).
+    """
     c10d = dist.distributed_c10d
     finalize = getattr(c10d, "_finalize_shrunk_group", None)
     if finalize is None or getattr(finalize, "_mooncake_global", False):
@@ -162,11 +165,14 @@ def _exclude_global_ranks_when_shrinking_subgroups():
 
 
 def _register_shrunk_groups_as_custom():
-    """torch 2.13's ``shrink_group`` registers the new group's backend under
-    ``BackendType.GLOO`` (``NCCL`` on CUDA) whatever the backend is; DDP's logger then
-    treats a "gloo" group's backend as ``ProcessGroupGloo`` (a static cast) and crashes on
-    ours. The group ``_create_shrunk_process_group`` returns gets our backend registered
-    again as ``CUSTOM`` (as ``init_process_group`` / ``new_group`` register it)."""
+    """Registers our backend again as ``CUSTOM`` in the groups torch 2.13's ``shrink_group`` makes.
+
+    torch 2.13's ``shrink_group`` registers the new group's backend under ``BackendType.GLOO``
+    (``NCCL`` on CUDA) whatever the backend is; DDP's logger then treats a "gloo" group's backend as
+    ``ProcessGroupGloo`` (a static cast) and crashes on ours. The group
+    ``_create_shrunk_process_group`` returns gets our backend registered again as ``CUSTOM`` (as
+    ``init_process_group`` / ``new_group`` register it).
+    """
     c10d = dist.distributed_c10d
     make = getattr(c10d, "_create_shrunk_process_group", None)
     if make is None or getattr(make, "_mooncake_custom", False):

@@ -187,8 +187,10 @@ def _int_env(env, name: str, default: int, what: str = "bytes", minimum: int | N
 
 
 def _opt_bool(value, name: str) -> bool | None:
-    """An explicit boolean option: None (unset), a bool, or 0/1; strings such as "0"
-    (which bool() would turn into True) raise."""
+    """An explicit boolean option: None (unset), a bool, or 0/1.
+
+    Strings such as "0" (which bool() would turn into True) raise.
+    """
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, int) and value in (0, 1):
@@ -222,8 +224,11 @@ def _ranks_env(env, name: str):
 
 
 def bool_env(env, name: str, default: bool) -> bool:
-    """A boolean ``MOONCAKE_*`` variable: unset or empty -> ``default``; ``1/true/yes/on`` and
-    ``0/false/no/off`` in any case; anything else raises ``ValueError`` naming the variable."""
+    """A boolean ``MOONCAKE_*`` variable, or ``default`` when it is unset or empty.
+
+    ``1/true/yes/on`` and ``0/false/no/off`` in any case; anything else raises ``ValueError`` naming
+    the variable.
+    """
     raw = (env.get(name) or "").strip().lower()
     if raw == "":
         return default

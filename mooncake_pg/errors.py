@@ -24,5 +24,7 @@ class RankFailureError(dist.DistBackendError):
 
 
 class RankFencedError(RankFailureError):
-    """This rank was declared failed by its peers (it was too slow or cut off) and has
-    fenced itself: its group is unusable; it may rejoin as a recovering rank."""
+    """This rank was declared failed by its peers and has fenced itself.
+
+    It was too slow or cut off; its group is unusable; it may rejoin as a recovering rank.
+    """

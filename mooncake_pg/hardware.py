@@ -56,9 +56,12 @@ class RdmaDevice:
 
 
 def rdma_devices() -> list[RdmaDevice]:
-    """RDMA devices visible through libibverbs (``ibv_get_device_list``, ``ibv_query_port``,
-    ``ibv_query_gid``). Returns ``[]`` on a machine without RDMA devices and on a build
-    without the RDMA transport (see ``WITH_RDMA``); never raises for a missing device."""
+    """RDMA devices visible through libibverbs.
+
+    Found with ``ibv_get_device_list``, ``ibv_query_port`` and ``ibv_query_gid``. Returns ``[]``
+    on a machine without RDMA devices and on a build without the RDMA transport (see
+    ``WITH_RDMA``); never raises for a missing device.
+    """
     out = []
     for d in _C.rdma_devices():
         ports = tuple(RdmaPort(**p) for p in d["ports"])

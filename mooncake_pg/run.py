@@ -1,9 +1,9 @@
-"""``mooncake-run``: start the ranks of a fault-tolerant ``mooncake`` job on one node.
+r"""``mooncake-run``: start the ranks of a fault-tolerant ``mooncake`` job on one node.
 
 Usage (``python -m mooncake_pg.run`` is the same)::
 
     mooncake-run --nproc-per-node 4 [--max-restarts 3] train.py --my-args ...
-    mooncake-run --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 \\
+    mooncake-run --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 \
         --nproc-per-node 4 train.py            # node 1: --node-rank 1, same address
 
 What it does, and why plain ``torchrun`` cannot: torchrun restarts *every* local worker
@@ -56,6 +56,12 @@ def _log(msg: str) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """Parses ``mooncake-run``'s command line (``argv``: ``sys.argv[1:]`` when None).
+
+    Inconsistent options (``--node-rank`` outside ``[0, nnodes)``, ``--max-group-size`` below
+    ``nnodes * nproc-per-node``, no ``--master-port`` with ``--nnodes > 1``, ...) exit through
+    ``argparse``'s error, naming the option.
+    """
     p = argparse.ArgumentParser(
         prog="mooncake-run",
         description="Start the ranks of a fault-tolerant mooncake job on this node; a dead rank "
@@ -189,8 +195,9 @@ class RankProcess:
 def _host_control_store(addr: str, port: int, timeout: float):
     """The control store on ``addr:port`` (port 0: a free one); returns (store, port).
 
-    The listening socket is bound here, to ``addr`` only, and handed to the store, so the
-    store is reachable on that address alone (not on every interface)."""
+    The listening socket is bound here, to ``addr`` only, and handed to the store, so the store is
+    reachable on that address alone (not on every interface).
+    """
     import torch.distributed as dist
 
     infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
@@ -214,6 +221,14 @@ def _host_control_store(addr: str, port: int, timeout: float):
 
 
 class Launcher:
+    """The launcher of one node: starts, respawns and stops its ranks and sidecars.
+
+    On node 0 it also hosts the control store.
+
+    Args:
+        args: the parsed command line (:func:`parse_args`).
+    """
+
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.founders = args.nnodes * args.nproc_per_node
@@ -297,6 +312,10 @@ class Launcher:
 
     # -- life cycle
     def start(self) -> None:
+        """Hosts the control store (node 0) and starts this node's ranks (attempt 0) and sidecars.
+
+        Raises ``ValueError`` for an empty ``--sidecar`` command.
+        """
         a = self.args
         if a.node_rank == 0:
             self.store, self.port = _host_control_store(
@@ -324,6 +343,13 @@ class Launcher:
             self.sidecars[i] = self._handler(words[0], words[1:], env, f"sidecar{i}", 0)
 
     def poll_once(self) -> None:
+        """Reaps the ranks and sidecars that exited since the last call; respawns dead ranks alone.
+
+        A rank that dies (non-zero exit or signal) is respawned with ``MOONCAKE_IS_RECOVERY=1``
+        until it has used ``--max-restarts``; then it is recorded as failed. A sidecar is never
+        respawned; its non-zero exit is recorded as a failure. While stopping, nothing is respawned
+        or recorded as failed.
+        """
         for i, h in list(self.sidecars.items()):
             rc = h.proc.poll()
             if rc is None:
@@ -364,8 +390,15 @@ class Launcher:
 
     def run(self, tick=None) -> int:
         """Starts everything and supervises until every rank and sidecar has exited.
-        ``tick(launcher)``, if given, is called every ``--monitor-interval`` seconds (the
-        control store is ``launcher.store`` on node 0)."""
+
+        Args:
+            tick: if given, ``tick(launcher)`` is called every ``--monitor-interval`` seconds (the
+                control store is ``launcher.store`` on node 0).
+
+        Returns:
+            1 when a rank failed more than ``--max-restarts`` times or a sidecar exited non-zero,
+            else 0.
+        """
         self.start()
         while self.procs or self.sidecars:
             time.sleep(self.args.monitor_interval)
@@ -384,6 +417,13 @@ class Launcher:
         return 0
 
     def stop(self, why: str) -> None:
+        """Stops every rank and sidecar and waits for them.
+
+        Each gets SIGTERM to its process group, then SIGKILL after ``--shutdown-grace`` seconds.
+
+        Args:
+            why: the reason, logged with the ranks being stopped.
+        """
         self._stopping = True
         if self.procs:
             _log(f"{why}: stopping ranks {sorted(self.procs)}")
@@ -436,8 +476,10 @@ def main(argv: list | None = None, tick=None) -> int:
 
 
 def demo_main(argv: list | None = None) -> int:
-    """``mooncake-demo``: runs ``examples/moe_rl_demo.py`` of this checkout (the main job;
-    see its docstring) with ``argv``."""
+    """``mooncake-demo``: runs ``examples/moe_rl_demo.py`` of this checkout with ``argv``.
+
+    ``examples/moe_rl_demo.py`` is the main job; see its docstring.
+    """
     import runpy
 
     path = os.path.join(

@@ -30,8 +30,10 @@ from ._loader import _C
 
 
 class TransferEngine:
-    """One engine: a server for the memory registered here (when ``listen_host`` is
-    given; port chosen by the kernel) and a client with one cached connection per peer.
+    """One engine: a server for the memory registered here, and a client.
+
+    The server runs when ``listen_host`` is given (port chosen by the kernel); the client keeps
+    one cached connection per peer.
 
     Args:
         listen_host: address to listen on (``""``: no server, client only).
@@ -52,6 +54,7 @@ class TransferEngine:
 
     @property
     def host(self) -> str:
+        """Listening address: the ``listen_host`` given (``""`` without a server)."""
         return self._te.host
 
     @property
@@ -123,8 +126,10 @@ def _check_counts(op: str, what: str, values: Sequence, bits: int = 64) -> list:
 
 
 def _check_peer_op(op: str, host, port, region, offsets) -> list:
-    """The checks of a batch's arguments, before anything is sent; returns the offsets
-    as a list. Raises ``ValueError``."""
+    """The checks of a batch's arguments, before anything is sent; returns the offsets as a list.
+
+    Raises ``ValueError``.
+    """
     if not isinstance(host, str) or not host:
         raise ValueError(f"TransferEngine.{op}: host must be a non-empty str, got {host!r}")
     if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
@@ -137,8 +142,10 @@ def _check_peer_op(op: str, host, port, region, offsets) -> list:
 
 
 def copy_buffers(dsts: Sequence, srcs: Sequence, threads: int = 0) -> None:
-    """Copies ``srcs[i]`` into ``dsts[i]`` (equal sizes; writable destinations) with the
-    GIL released, spreading large copies over ``threads`` threads (0: one per CPU, at most 4)."""
+    """Copies ``srcs[i]`` into ``dsts[i]`` (equal sizes; writable destinations), GIL released.
+
+    Large copies are spread over ``threads`` threads (0: one per CPU, at most 4).
+    """
     _C.copy_buffers(list(dsts), list(srcs), _threads(threads))
 
 
@@ -148,9 +155,11 @@ def copy_to_bytes(srcs: Sequence, threads: int = 0) -> list:
 
 
 def touch_pages(buffer) -> int:
-    """Reads one byte of every page of ``buffer`` with the GIL released (contents
-    unchanged); returns the pages read. Memory idle for about a second costs ~0.5 us per
-    4 KiB page at its next access on VMs; this pays that ahead of a copy, on another thread."""
+    """Reads one byte of every page of ``buffer`` with the GIL released; returns the pages read.
+
+    The contents are unchanged. Memory idle for about a second costs ~0.5 us per 4 KiB page at its
+    next access on VMs; this pays that ahead of a copy, on another thread.
+    """
     return _C.touch_pages(buffer)
 
 

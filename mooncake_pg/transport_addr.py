@@ -52,6 +52,7 @@ def _ifname_address(ifname: str) -> str:
 
 
 def is_loopback(addr: str) -> bool:
+    """Whether ``addr`` is a loopback address (an IP literal) or ``"localhost"``."""
     try:
         return ipaddress.ip_address(addr).is_loopback
     except ValueError:
@@ -59,9 +60,11 @@ def is_loopback(addr: str) -> bool:
 
 
 def rendezvous_address(store) -> str:
-    """The IPv4 address of the host of the ``TCPStore`` under ``store`` (``PrefixStore``
-    layers unwrapped), else of ``MASTER_ADDR``; "" when neither is known (a ``FileStore``
-    or ``HashStore`` without ``MASTER_ADDR``)."""
+    """The IPv4 address of the host of the ``TCPStore`` under ``store``, else of ``MASTER_ADDR``.
+
+    ``PrefixStore`` layers are unwrapped. Returns "" when neither is known (a ``FileStore`` or
+    ``HashStore`` without ``MASTER_ADDR``).
+    """
     import torch.distributed as dist
 
     host = None
@@ -82,9 +85,11 @@ def rendezvous_address(store) -> str:
 
 
 def listen_address(host_ip: str | None, ifname: str | None, rendezvous: str = "") -> tuple:
-    """(address, explicit): ``host_ip`` if given, else ``ifname``'s address (both explicit),
-    else the interface routed to ``rendezvous`` (see :func:`rendezvous_address`), else
-    127.0.0.1."""
+    """The address to listen on and whether it was explicit, as ``(address, explicit)``.
+
+    ``host_ip`` if given, else ``ifname``'s address (both explicit), else the interface routed to
+    ``rendezvous`` (see :func:`rendezvous_address`), else 127.0.0.1.
+    """
     if host_ip:
         return host_ip, True
     if ifname:
