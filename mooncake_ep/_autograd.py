@@ -1,7 +1,8 @@
-"""The autograd functions of :class:`mooncake_ep.Buffer`'s ops: each forward moves rows
-with the Buffer's transport, each backward moves the gradients the other way (a dispatch's
-backward is a combine and vice versa). Every rank runs the same backward passes (they are
-collective). ``buf`` is the :class:`mooncake_ep.Buffer`, ``handle`` its dispatch's handle.
+"""The autograd functions of :class:`mooncake_ep.Buffer`'s ops.
+
+Each forward moves rows with the Buffer's transport, each backward moves the gradients the other way
+(a dispatch's backward is a combine and vice versa). Every rank runs the same backward passes (they
+are collective). ``buf`` is the :class:`mooncake_ep.Buffer`, ``handle`` its dispatch's handle.
 """
 
 from __future__ import annotations
@@ -100,10 +101,12 @@ class CombineFn(torch.autograd.Function):
 
 
 class LowLatencyDispatchFn(torch.autograd.Function):
-    """x [T, H] -> packed [L, W * T_max, H]: one row per (token, expert) pair moves to the
-    expert's rank. Two levels (``handle.rows``): the input is the rows that arrived one
-    per (token, rank) [N_rows, H] instead, each copied into the slot of every local expert
-    its token chose; the backward sums a row's slots there."""
+    """x [T, H] -> packed [L, W * T_max, H]: each (token, expert) pair's row to the expert's rank.
+
+    Two levels (``handle.rows``): the input is the rows that arrived one per (token, rank)
+    [N_rows, H] instead, each copied into the slot of every local expert its token chose; the
+    backward sums a row's slots there.
+    """
 
     @staticmethod
     def forward(ctx, buf, handle, x):
@@ -150,8 +153,11 @@ def _pair_weights(handle, topk_weights):
 
 
 def _slots(handle):
-    """Two levels: (row, k, flat slot) of every received row's top-k slot whose expert is
-    on this rank, each int64 [S]."""
+    """Two levels: where the received rows' top-k slots of this rank's experts are.
+
+    (row, k, flat slot) of every received row's top-k slot whose expert is on this rank, each
+    int64 [S].
+    """
     n, k = (handle.slot_dst >= 0).nonzero().unbind(1)
     return n, k, handle.slot_dst[n, k]
 
@@ -159,9 +165,10 @@ def _slots(handle):
 class LowLatencyCombineFn(torch.autograd.Function):
     """(packed x [L, W * T_max, H], topk_weights [T, K]) -> combined [T, H].
 
-    Two levels (``handle.rows``): each row's weights travel to its destination, which sums
-    its experts' outputs of the row's token (float32, rounded once to x's dtype); the row
-    then goes back as a normal combine's does (summed per host, then at the source)."""
+    Two levels (``handle.rows``): each row's weights travel to its destination, which sums its
+    experts' outputs of the row's token (float32, rounded once to x's dtype); the row then goes back
+    as a normal combine's does (summed per host, then at the source).
+    """
 
     @staticmethod
     def forward(ctx, buf, handle, x, w):

@@ -17,8 +17,10 @@ DTYPE_NAMES = {code: str(dt).replace("torch.", "") for dt, code in DTYPES.items(
 
 
 class BadArgs(Exception):
-    """A rank's own arguments are invalid (message says which); raised to the caller as
-    ValueError after the header exchange told every rank."""
+    """A rank's own arguments are invalid (the message says which).
+
+    Raised to the caller as ValueError after the header exchange told every rank.
+    """
 
 
 def check_int_arg(name: str, v: object) -> int:
@@ -29,8 +31,10 @@ def check_int_arg(name: str, v: object) -> int:
 
 
 def check_int_tensor(name: str, t: object, shape0: int | None = None) -> None:
-    """``t`` must be an int64 (or int32) tensor [T, K] (``T == shape0`` when given); the
-    caller's BadArgs handler adds the op and the rank."""
+    """``t`` must be an int64 (or int32) tensor [T, K] (``T == shape0`` when given).
+
+    Raises :class:`BadArgs`; the caller's BadArgs handler adds the op and the rank.
+    """
     if not isinstance(t, torch.Tensor):
         raise BadArgs(f"{name} must be a tensor, got {type(t).__name__}")
     if t.dtype not in (torch.int64, torch.int32):
@@ -42,8 +46,10 @@ def check_int_tensor(name: str, t: object, shape0: int | None = None) -> None:
 
 
 def check_topk_idx(topk_idx: torch.Tensor, num_experts: int) -> None:
-    """Every id of ``topk_idx`` [T, K] is -1 (no expert) or in ``[0, num_experts)``; the
-    error names the first bad position and how many there are."""
+    """Every id of ``topk_idx`` [T, K] must be -1 (no expert) or in ``[0, num_experts)``.
+
+    Raises :class:`BadArgs`; the error names the first bad position and how many there are.
+    """
     bad = (topk_idx < -1) | (topk_idx >= num_experts)
     if bool(bad.any()):
         pos = bad.nonzero()[0].tolist()

@@ -1,32 +1,33 @@
-"""Token rows across hosts in two stages: each token crosses a host link at most once per
-remote host it needs, and is forwarded inside that host (DeepEP's internode scheme, its
-"RDMA then NVLink" forwarding, here over the process group's TCP links and shared memory).
+"""Token rows across hosts in two stages, each token crossing a host link once per remote host.
+
+Each token crosses a host link at most once per remote host it needs, and is forwarded inside that
+host (DeepEP's internode scheme, its "RDMA then NVLink" forwarding, here over the process group's
+TCP links and shared memory).
 
 A normal-mode dispatch in a group that spans hosts plans a :class:`HostRoute` (kept in its
-:class:`mooncake_ep.DispatchHandle`); the rows of x (dispatch, the combine's backward) move
-with :func:`forward`, the rows summed back per token (combine, the dispatch's backward)
-with :func:`backward`:
+:class:`mooncake_ep.DispatchHandle`); the rows of x (dispatch, the combine's backward) move with
+:func:`forward`, the rows summed back per token (combine, the dispatch's backward) with
+:func:`backward`:
 
-- stage 1 (``all_to_all_single`` over the group): a source sends a token once to every
-  rank of its own host that needs it, and once to the *relay* of every other host that
-  needs it: the live rank of that host whose local index is the source's local index
-  (modulo the host's live ranks, so uneven hosts and dead ranks have a relay too). With
-  each relayed row goes a bit mask of the host's ranks that want it (local indices).
-- stage 2 (the group again, rows only between ranks of one host): each relay forwards the
-  rows it received to the ranks of its host in its masks (itself included).
+- stage 1 (``all_to_all_single`` over the group): a source sends a token once to every rank of its
+  own host that needs it, and once to the *relay* of every other host that needs it: the live rank
+  of that host whose local index is the source's local index (modulo the host's live ranks, so
+  uneven hosts and dead ranks have a relay too). With each relayed row goes a bit mask of the host's
+  ranks that want it (local indices).
+- stage 2 (the group again, rows only between ranks of one host): each relay forwards the rows it
+  received to the ranks of its host in its masks (itself included).
 - each rank then lays its rows out as a flat dispatch would: by source rank, then token.
 
-Both move in pieces of tokens, pipelined (:class:`_Pieces`). ``backward`` runs the
-stages in reverse: each rank sends a remote token's rows to the
-relay that brought it, the relay sums a token's rows (in float32 with
-``fp32_accumulate``) and rounds once to the rows' dtype, one row per (token, host) goes
-back and the source sums its token's rows from its own host's ranks and the relays. A
-16-bit sum across hosts thus rounds once per host and once more at the source, as
-DeepEP's internode combine does.
+Both move in pieces of tokens, pipelined (:class:`_Pieces`). ``backward`` runs the stages in
+reverse: each rank sends a remote token's rows to the relay that brought it, the relay sums a
+token's rows (in float32 with ``fp32_accumulate``) and rounds once to the rows' dtype, one row per
+(token, host) goes back and the source sums its token's rows from its own host's ranks and the
+relays. A 16-bit sum across hosts thus rounds once per host and once more at the source, as DeepEP's
+internode combine does.
 
-Planning uses the group's agreed membership of the dispatch: a route whose membership is
-no longer the group's is not used (the handle's rank-to-rank counts serve instead), and a
-membership change during a route's stages reruns the op rank to rank on every survivor.
+Planning uses the group's agreed membership of the dispatch: a route whose membership is no longer
+the group's is not used (the handle's rank-to-rank counts serve instead), and a membership change
+during a route's stages reruns the op rank to rank on every survivor.
 """
 
 from __future__ import annotations
@@ -47,10 +48,12 @@ MAX_PIECES = 8
 
 
 def pieces(most_bytes: int) -> int:
-    """How many pieces (1, 2, 4, ... up to MAX_PIECES) a two-level dispatch and combine
-    move in when the rank that sends or receives the most rows moves ``most_bytes`` (1
-    below 2 x PIECE_BYTES: a small op pays a collective's latency per piece and has
-    little to overlap)."""
+    """How many pieces (1, 2, 4, ... up to MAX_PIECES) a two-level dispatch and combine move in.
+
+    The count follows ``most_bytes``, what the rank that sends or receives the most rows moves: 1
+    below 2 x PIECE_BYTES (a small op pays a collective's latency per piece and has little to
+    overlap).
+    """
     n = 1
     while 2 * n <= min(MAX_PIECES, most_bytes // PIECE_BYTES):
         n *= 2
@@ -63,8 +66,10 @@ def piece_bounds(num_tokens: int, chunks: int) -> list[int]:
 
 
 def piece_counts(sent: torch.Tensor) -> torch.Tensor:
-    """int64 [W, MAX_PIECES] (CPU): rows per destination rank in each of MAX_PIECES
-    token ranges of ``sent`` (bool [T, W]), for the header."""
+    """int64 [W, MAX_PIECES] (CPU): rows per destination rank in each of MAX_PIECES token ranges.
+
+    The token ranges are those of ``sent`` (bool [T, W]); the counts go into the header.
+    """
     b = piece_bounds(sent.shape[0], MAX_PIECES)
     return torch.stack([sent[b[p] : b[p + 1]].sum(0) for p in range(MAX_PIECES)], 1).cpu()
 
@@ -121,13 +126,17 @@ class Topology:
         self.bits = torch.tensor([1 << i for i in self.local_index], dtype=torch.int64)
 
     def spans_hosts(self, ranks) -> bool:
-        """Whether ``ranks`` live on more than one host, and the route can serve them (a
-        relay's mask has one bit per rank of its host: at most 62)."""
+        """Whether ``ranks`` live on more than one host, and the route can serve them.
+
+        A relay's mask has one bit per rank of its host: at most 62.
+        """
         return self.max_ranks_per_host <= 62 and len({self.host_of[r] for r in ranks}) > 1
 
     def relays(self, active) -> list[list[int | None]]:
-        """``[s][h]``: the rank of host ``h`` that relays source ``s``'s tokens (``None``
-        when no rank of ``h`` is active; ``s`` itself on its own host)."""
+        """``[s][h]``: the rank of host ``h`` that relays source ``s``'s tokens.
+
+        ``None`` when no rank of ``h`` is active; ``s`` itself on its own host.
+        """
         live = [[r for r in m if active[r]] for m in self.members]
         out = []
         for s in range(len(self.host_of)):
@@ -147,8 +156,10 @@ class Topology:
         return self.token_bits(sent).ne(0).sum(0)
 
     def token_bits(self, sent: torch.Tensor) -> torch.Tensor:
-        """int64 [T, num_hosts]: per token and host, the bit mask of the host's ranks (by
-        local index) that ``sent`` (bool [T, W]) sends the token to."""
+        """int64 [T, num_hosts]: per token and host, the bit mask of the host's ranks it is sent to.
+
+        The ranks are by local index; ``sent`` (bool [T, W]) says where each token is sent.
+        """
         dev = sent.device
         out = torch.zeros((sent.shape[0], self.num_hosts), dtype=torch.int64, device=dev)
         out.index_add_(1, self.hosts.to(dev), sent.to(torch.int64) * self.bits.to(dev))
@@ -166,14 +177,21 @@ def plan_route(
     chunks: int,
     fine_rows,
 ) -> HostRoute:
-    """Collective: this rank's :class:`HostRoute`. ``sent`` bool [T, W]: where each token
-    goes (active ranks only); ``host_counts`` [W] lists of [num_hosts]: each source's tokens
-    per host (from the header); ``recv_counts`` [W]: the rows each source sends this rank in
-    a flat dispatch, ``fine_rows`` [W] lists of [MAX_PIECES]: the same per token range
-    (:func:`piece_counts`, from the header; zeros for an inactive source);
-    ``a2a(rows, send_counts, recv_counts)``: the group's row all-to-all, which carries
-    each stage-1 row's bit mask of the ranks that want it to its relay, and the row's
-    piece (``chunks``, a power of two up to MAX_PIECES, the same on every rank)."""
+    """Collective: this rank's :class:`HostRoute`.
+
+    Args:
+        topo: the group's hosts.
+        rank: this rank.
+        active: [W], whether each rank is in the dispatch's agreed membership.
+        sent: bool [T, W]: where each token goes (active ranks only).
+        host_counts: [W] lists of [num_hosts]: each source's tokens per host (from the header).
+        recv_counts: [W]: the rows each source sends this rank in a flat dispatch.
+        a2a: ``a2a(rows, send_counts, recv_counts)``: the group's row all-to-all, which carries each
+            stage-1 row's bit mask of the ranks that want it to its relay, and the row's piece.
+        chunks: the number of pieces, a power of two up to MAX_PIECES, the same on every rank.
+        fine_rows: [W] lists of [MAX_PIECES]: ``recv_counts`` per token range (:func:`piece_counts`,
+            from the header; zeros for an inactive source).
+    """
     W = len(topo.host_of)
     me, hm = rank, topo.host_of[rank]
     local = topo.members[hm]
@@ -247,23 +265,24 @@ def plan_route(
 
 
 class _Pieces:
-    """Where the rows of each piece are, for :func:`forward` and :func:`backward` (counts
-    per rank and piece are ``[W][C]`` lists; "key order" is by rank, then piece).
+    """Where the rows of each piece are, for :func:`forward` and :func:`backward`.
 
-    All-to-all ``k`` (of ``ops``) carries piece :meth:`first` of ``k``'s first stage and
-    piece :meth:`second`'s second stage, in each rank's block in that order.
+    Counts per rank and piece are ``[W][C]`` lists; "key order" is by rank, then piece.
 
-    ``n1``: stage-1 rows sent per (destination, piece), blocks of ``send_token_idx`` at
-    ``at1``; ``r1``: stage-1 rows received per (source, piece); ``n2``: stage-2 rows sent
-    per (rank of this host, piece), blocks at ``at2`` of the stage-1 received rows they
-    forward (by source then token within a piece); ``r2``: stage-2 rows received per
-    (relay, piece); ``out_at[s][c]``: where source ``s``'s rows of piece ``c`` start in
-    the flat layout. ``recv_fwd``/``recv_bwd``: each all-to-all's rows per rank received
-    by :func:`forward`/:func:`backward`, ``base_fwd``/``base_bwd`` where each rank's block
-    starts. For those forwarded rows, int64 [N2] in ``at2``'s order: ``fwd_pos``, where
-    each arrived in :func:`forward`'s all-to-alls, and ``fwd_dense``, its place among its
-    piece's relayed rows (:func:`backward`'s relay sums), where remote source ``s``'s
-    rows of piece ``c`` start at ``dense[c][s]``."""
+    All-to-all ``k`` (of ``ops``) carries piece :meth:`first` of ``k``'s first stage and piece
+    :meth:`second`'s second stage, in each rank's block in that order.
+
+    ``n1``: stage-1 rows sent per (destination, piece), blocks of ``send_token_idx`` at ``at1``;
+    ``r1``: stage-1 rows received per (source, piece); ``n2``: stage-2 rows sent per (rank of this
+    host, piece), blocks at ``at2`` of the stage-1 received rows they forward (by source then token
+    within a piece); ``r2``: stage-2 rows received per (relay, piece); ``out_at[s][c]``: where
+    source ``s``'s rows of piece ``c`` start in the flat layout. ``recv_fwd``/``recv_bwd``: each
+    all-to-all's rows per rank received by :func:`forward`/:func:`backward`,
+    ``base_fwd``/``base_bwd`` where each rank's block starts. For those forwarded rows, int64 [N2]
+    in ``at2``'s order: ``fwd_pos``, where each arrived in :func:`forward`'s all-to-alls, and
+    ``fwd_dense``, its place among its piece's relayed rows (:func:`backward`'s relay sums), where
+    remote source ``s``'s rows of piece ``c`` start at ``dense[c][s]``.
+    """
 
     def __init__(self, route: HostRoute):
         W, C, dev = len(route.send_counts), route.chunks, route.send_token_idx.device
@@ -326,8 +345,10 @@ class _Pieces:
         return k - self.lag if 0 <= k - self.lag < self.C else None
 
     def counts(self, k, a, b) -> list[int]:
-        """All-to-all ``k``'s rows per rank: ``a``'s of piece :meth:`first`, then ``b``'s of
-        piece :meth:`second`."""
+        """All-to-all ``k``'s rows per rank: ``a``'s of one piece, then ``b``'s of another.
+
+        ``a``'s are those of piece :meth:`first`, ``b``'s those of piece :meth:`second`.
+        """
         f, g = self.first(k), self.second(k)
         return [
             (a[r][f] if f is not None else 0) + (b[r][g] if g is not None else 0)
@@ -354,15 +375,17 @@ def _positions(spans, dev) -> torch.Tensor:
 
 
 def forward(a2a_start, route: HostRoute, x: torch.Tensor, alloc) -> torch.Tensor:
-    """Rows of tokens ``x`` [T, H] to the ranks the dispatch sends them to; returns
-    [N_recv, H] by source rank, then token (a flat dispatch's layout).
+    """Rows of tokens ``x`` [T, H] to the ranks the dispatch sends them to.
 
-    The stages move in ``route.chunks`` pieces, pipelined: an all-to-all carries one
-    piece's stage-1 rows and an earlier piece's stage-2 rows (:class:`_Pieces`), so a
-    host's forwarding rides along with the next piece crossing the links; the next
-    all-to-all is started while one is in flight, and the rows of one that ended are
-    laid out meanwhile. ``a2a_start(rows, send_counts, recv_counts)`` starts the group's
-    row all-to-all and returns the function that waits for its rows (by source)."""
+    Returns [N_recv, H] by source rank, then token (a flat dispatch's layout).
+
+    The stages move in ``route.chunks`` pieces, pipelined: an all-to-all carries one piece's stage-1
+    rows and an earlier piece's stage-2 rows (:class:`_Pieces`), so a host's forwarding rides along
+    with the next piece crossing the links; the next all-to-all is started while one is in flight,
+    and the rows of one that ended are laid out meanwhile. ``a2a_start(rows, send_counts,
+    recv_counts)`` starts the group's row all-to-all and returns the function that waits for its
+    rows (by source).
+    """
     dev, H = x.device, tuple(x.shape[1:])
     P = route.pieces
     W, C = P.W, P.C
@@ -442,13 +465,16 @@ def backward(
     out_dtype,
     alloc,
 ) -> torch.Tensor:
-    """The reverse of :func:`forward`: ``rows`` [N_recv, H] in its layout -> [T, H] of
-    ``out_dtype``, each token's rows summed (per host at its relay, then at the source).
+    """The reverse of :func:`forward`: ``rows`` [N_recv, H] in its layout -> [T, H].
 
-    Pipelined as :func:`forward`, reversed: an all-to-all carries one piece's rows of
-    remote sources to their relays and an earlier piece's answers to the sources (a
-    relay's sums of its host's rows, a row of this host as it is); a relay sums a piece
-    and a source sums a piece's answers while the next ones move."""
+    The result is of ``out_dtype``. Each token's rows are summed (per host at its relay, then at the
+    source).
+
+    Pipelined as :func:`forward`, reversed: an all-to-all carries one piece's rows of remote sources
+    to their relays and an earlier piece's answers to the sources (a relay's sums of its host's
+    rows, a row of this host as it is); a relay sums a piece and a source sums a piece's answers
+    while the next ones move.
+    """
     dev, H = rows.device, tuple(rows.shape[1:])
     P = route.pieces
     W, C = P.W, P.C
@@ -548,13 +574,15 @@ def backward(
 
 
 def ll_pairs(recv_idx: torch.Tensor, num_local_experts: int, slots_per_expert: int):
-    """Where a low-latency dispatch's rows go at their destination when they arrive one per
-    (token, rank) (two levels) rather than one per (token, expert): ``recv_idx`` int64
-    [N, K] local expert ids of each received row (-1: elsewhere) -> ``(pair_row, recv_dst,
-    slot_dst)``: int64 [P] the row of each distinct (row, local expert) pair, [P] its flat
-    slot ``l * slots_per_expert + j`` (``j``: its place among expert ``l``'s pairs, by
-    source rank then token, as the rank-to-rank path packs them) and [N, K] each top-k
-    slot's flat slot (-1 where its expert is elsewhere; a duplicate id shares its pair's)."""
+    """Where a low-latency dispatch's rows go at their destination, in two levels.
+
+    In two levels the rows arrive one per (token, rank) rather than one per (token, expert).
+    ``recv_idx`` int64 [N, K]: local expert ids of each received row (-1: elsewhere) ->
+    ``(pair_row, recv_dst, slot_dst)``: int64 [P] the row of each distinct (row, local expert) pair,
+    [P] its flat slot ``l * slots_per_expert + j`` (``j``: its place among expert ``l``'s pairs, by
+    source rank then token, as the rank-to-rank path packs them) and [N, K] each top-k slot's flat
+    slot (-1 where its expert is elsewhere; a duplicate id shares its pair's).
+    """
     N, L = recv_idx.shape[0], num_local_experts
     dev = recv_idx.device
     ids = torch.where(recv_idx < 0, torch.full_like(recv_idx, L), recv_idx)

@@ -94,8 +94,11 @@ def _initialised(nc) -> bool:
 def local_unusable(
     device: torch.device, rank: int, world: int, global_ranks: Sequence[int]
 ) -> str | None:
-    """Why this rank cannot run a low-latency op on ``device`` over NVSHMEM (``None``: it can,
-    as far as this rank alone can tell). Collective agreement is the caller's job."""
+    """Why this rank cannot run a low-latency op on ``device`` over NVSHMEM (``None``: it can).
+
+    ``None`` means it can as far as this rank alone can tell. Collective agreement is the caller's
+    job.
+    """
     if device.type != "cuda" and not (_TEST_ALLOW_CPU and device.type == "cpu"):
         return f"expected CUDA tensors, got x on {device}"
     nc, why = import_core()
@@ -164,8 +167,10 @@ def _init_world(nc, group, rank: int, world: int, device: torch.device):
 
 
 class SymmetricExchange:
-    """All-to-all of rows over NVSHMEM symmetric buffers for one ``Buffer`` (see the module
-    docstring). Every method is collective over the group."""
+    """All-to-all of rows over NVSHMEM symmetric buffers for one ``Buffer``.
+
+    See the module docstring. Every method is collective over the group.
+    """
 
     def __init__(
         self, group: dist.ProcessGroup, rank: int, world: int, device: torch.device
@@ -180,7 +185,9 @@ class SymmetricExchange:
 
     def setup(self, nbytes: int) -> str | None:
         """Initialises NVSHMEM (once per process) and allocates ``nbytes`` per buffer.
-        Returns ``None``, or why it failed (the same text on every rank)."""
+
+        Returns ``None``, or why it failed (the same text on every rank).
+        """
         nc, why = import_core()
         ranks = tuple(dist.get_process_group_ranks(self.group))
         need = int(_PROC["ranks"] is None and not _initialised(nc)) if nc is not None else 0
@@ -260,8 +267,10 @@ class SymmetricExchange:
         return None  # tests: the stand-in runs synchronously
 
     def _slice(self, buf, offset: int, nbytes: int):
-        """A non-owning view of ``nbytes`` of a symmetric buffer at ``offset`` (still a
-        symmetric address: the put translates it to the remote PE's copy)."""
+        """A non-owning view of ``nbytes`` of a symmetric buffer at ``offset``.
+
+        It is still a symmetric address: the put translates it to the remote PE's copy.
+        """
         return type(buf).from_handle(int(buf.handle) + offset, nbytes)
 
     def alltoallv(
@@ -272,9 +281,12 @@ class SymmetricExchange:
         cap: int,
         out: torch.Tensor,
     ) -> torch.Tensor:
-        """Rows of ``send`` ([sum(send_counts), ...], grouped by destination rank) to every
-        rank; fills ``out`` ([sum(recv_counts), ...], same dtype, grouped by source) and
-        returns it. ``cap``: the most rows one rank may send another."""
+        """Rows of ``send`` to every rank; fills ``out`` and returns it.
+
+        ``send`` is [sum(send_counts), ...], grouped by destination rank; ``out`` is
+        [sum(recv_counts), ...], of the same dtype, grouped by source. ``cap``: the most rows one
+        rank may send another.
+        """
         nc, _ = import_core()
         W = self.world
         if max(list(send_counts) + list(recv_counts) + [0]) > cap:

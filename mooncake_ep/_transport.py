@@ -1,10 +1,11 @@
-"""The collective plumbing under :class:`mooncake_ep.Buffer`: its group and the group's
-membership, the header exchange every op starts with, and the all-to-all of rows over the
-group's ``all_to_all_single`` or NVSHMEM (:mod:`mooncake_ep._nvshmem`).
+"""The collective plumbing under :class:`mooncake_ep.Buffer`.
 
-:class:`Transport` holds what Buffer's ops share; :class:`mooncake_ep.Buffer` derives
-from it and adds DeepEP's API. Devices, headers, dead ranks and the low-latency backend
-choice behave as :mod:`mooncake_ep.buffer` describes.
+Its group and the group's membership, the header exchange every op starts with, and the all-to-all
+of rows over the group's ``all_to_all_single`` or NVSHMEM (:mod:`mooncake_ep._nvshmem`).
+
+:class:`Transport` holds what Buffer's ops share; :class:`mooncake_ep.Buffer` derives from it and
+adds DeepEP's API. Devices, headers, dead ranks and the low-latency backend choice behave as
+:mod:`mooncake_ep.buffer` describes.
 """
 
 from __future__ import annotations
@@ -36,18 +37,18 @@ def _storage_uses(t: torch.Tensor) -> int:
 class _Recycler:
     """Large receive buffers, reused once nothing outside the cache refers to them.
 
-    A fresh multi-MiB CPU tensor costs a page fault per 4 KiB page on first touch (the
-    kernel zeroes it), which on this path costs as much as the copy itself. A cached flat
-    tensor is handed out again (as a view) only when its storage has no other user: no
-    result the caller still holds, no tensor saved for backward, no view. Results stay
-    valid as long as they are referenced. A request gets the smallest free buffer that
-    holds it but is at most twice its size (so a small request never takes a big buffer
-    that the next big request would then allocate again: cached bytes stay within about
-    twice what one call had alive). Up to ``per_dtype`` buffers per dtype stay cached: a
-    round trip across hosts has about 10 large ones alive at once (the result, up to
-    three pieces' rows in flight each way, the pieces being summed) in several sizes, and
-    a low-latency one adds its slot buffers; with a smaller cap the least recently used,
-    the largest, went first and were allocated afresh every call."""
+    A fresh multi-MiB CPU tensor costs a page fault per 4 KiB page on first touch (the kernel zeroes
+    it), which on this path costs as much as the copy itself. A cached flat tensor is handed out
+    again (as a view) only when its storage has no other user: no result the caller still holds, no
+    tensor saved for backward, no view. Results stay valid as long as they are referenced. A request
+    gets the smallest free buffer that holds it but is at most twice its size (so a small request
+    never takes a big buffer that the next big request would then allocate again: cached bytes stay
+    within about twice what one call had alive). Up to ``per_dtype`` buffers per dtype stay cached:
+    a round trip across hosts has about 10 large ones alive at once (the result, up to three pieces'
+    rows in flight each way, the pieces being summed) in several sizes, and a low-latency one adds
+    its slot buffers; with a smaller cap the least recently used, the largest, went first and were
+    allocated afresh every call.
+    """
 
     def __init__(self, per_dtype: int = 32, min_bytes: int = 1 << 20):
         self.per_dtype, self.min_bytes = per_dtype, min_bytes
@@ -83,12 +84,13 @@ class _Recycler:
 
 
 class Transport:
-    """Group, membership, header exchange and row transport of one
-    :class:`mooncake_ep.Buffer` (its base class; the arguments are Buffer's).
+    """Group, membership, header exchange and row transport of one :class:`mooncake_ep.Buffer`.
 
-    Raises ``TypeError`` when ``group`` is not a process group (or ``None``),
-    ``RuntimeError`` when ``torch.distributed`` is not initialised and ``ValueError`` when
-    this process is not a member of ``group``.
+    It is Buffer's base class; the arguments are Buffer's.
+
+    Raises ``TypeError`` when ``group`` is not a process group (or ``None``), ``RuntimeError`` when
+    ``torch.distributed`` is not initialised and ``ValueError`` when this process is not a member of
+    ``group``.
     """
 
     def __init__(self, group: dist.ProcessGroup | None, config: EPConfig | None) -> None:
@@ -170,9 +172,11 @@ class Transport:
         )
 
     def _topology(self):
-        """The group's hosts now (:class:`mooncake_ep._hosts.Topology`, hosts numbered as
-        :func:`mooncake_pg.get_rank_hosts` numbers them: the same on every rank of one
-        epoch), or ``None`` on one host or without a ``mooncake`` group."""
+        """The group's hosts now, or ``None`` on one host or without a ``mooncake`` group.
+
+        A :class:`mooncake_ep._hosts.Topology`, hosts numbered as :func:`mooncake_pg.get_rank_hosts`
+        numbers them: the same on every rank of one epoch.
+        """
         if self._mooncake is None:
             return None
         raw = tuple(self._mooncake.get_rank_hosts(self.group).tolist())
@@ -185,8 +189,11 @@ class Transport:
         return self._topo_cache[1]
 
     def _membership_and_topology(self):
-        """``(active, epoch, topology)`` of one epoch (the host map is recomputed at every
-        membership change: read again if the epoch moved meanwhile)."""
+        """``(active, epoch, topology)`` of one epoch.
+
+        The host map is recomputed at every membership change: read again if the epoch moved
+        meanwhile.
+        """
         while True:
             active, epoch = self._membership()
             topo = self._topology()
@@ -206,7 +213,9 @@ class Transport:
 
     def _header(self, op, fields, counts=None, error=None, names=(), extra=None):
         """Collective header exchange; returns (headers int64 [W, n], active mask, epoch).
-        ``extra``: a per-rank value in the last field, not compared across ranks."""
+
+        ``extra``: a per-rank value in the last field, not compared across ranks.
+        """
         n_counts = 0 if counts is None else int(counts.numel())
         hdr = torch.zeros(HDR + n_counts, dtype=torch.int64)
         hdr[0] = _BAD if error else _OK
@@ -255,14 +264,18 @@ class Transport:
         return out, active, epoch
 
     def _a2a(self, send, send_counts, recv_counts):
-        """Rows of ``send`` (grouped by destination) to every rank; returns the received rows
-        grouped by source. Rows an inactive rank did not send are zero."""
+        """Rows of ``send`` (grouped by destination) to every rank.
+
+        Returns the received rows grouped by source. Rows an inactive rank did not send are zero.
+        """
         return self._a2a_start(send, send_counts, recv_counts, async_op=False)()
 
     def _a2a_start(self, send, send_counts, recv_counts, async_op=True):
-        """:meth:`_a2a` started on the group's progress thread (``async_op``); returns the
-        function that waits for it and returns its rows (every rank must start the same
-        all-to-alls in the same order, as for any collective)."""
+        """:meth:`_a2a` started on the group's progress thread (``async_op``).
+
+        Returns the function that waits for it and returns its rows (every rank must start the same
+        all-to-alls in the same order, as for any collective).
+        """
         send = send.contiguous()
         row_dtype = send.dtype
         if row_dtype in FP8_DTYPES:  # moved as bytes: gloo has no float8 all_to_all
@@ -293,8 +306,10 @@ class Transport:
         return self._fwd_start(handle, send)()
 
     def _fwd_start(self, handle, send):
-        """:meth:`_fwd` started (on the group: asynchronously); returns the function that
-        waits for its rows."""
+        """:meth:`_fwd` started (on the group: asynchronously).
+
+        Returns the function that waits for its rows.
+        """
         if getattr(handle, "backend", "group") == "nvshmem":
             rows = self._nvshmem_a2a(handle, send, handle.send_counts, handle.recv_counts)
             return lambda: rows
@@ -306,17 +321,21 @@ class Transport:
         return self._a2a(recv, handle.recv_counts, handle.send_counts)
 
     def _route(self, handle):
-        """The handle's two-level route while the group's membership is the one it was
-        planned for (``None``: move rows rank to rank)."""
+        """The handle's two-level route while the group's membership is the one it was planned for.
+
+        ``None``: move rows rank to rank.
+        """
         route = handle.route
         if route is None or tuple(self._membership()[0]) != route.active:
             return None
         return route
 
     def _fwd_tokens(self, handle, x):
-        """A normal-mode dispatch's rows of tokens ``x`` [T, H] to its destinations:
-        [N_recv, H], by source rank then token (two-level across hosts when the handle
-        has a route; a membership change during it reruns the op rank to rank)."""
+        """A normal-mode dispatch's rows of tokens ``x`` [T, H] to its destinations.
+
+        Returns [N_recv, H], by source rank then token (two-level across hosts when the handle has a
+        route; a membership change during it reruns the op rank to rank).
+        """
         kern = self._cfg["kernels"]
         route = self._route(handle)
         if route is not None:
@@ -328,8 +347,10 @@ class Transport:
         return self._fwd(handle, rows)
 
     def _bwd_tokens(self, handle, rows, out_dtype):
-        """The reverse of :meth:`_fwd_tokens`: ``rows`` [N_recv, H] -> [T, H] of
-        ``out_dtype``, each token's rows summed (float32 with ``fp32_accumulate``)."""
+        """The reverse of :meth:`_fwd_tokens`: ``rows`` [N_recv, H] -> [T, H] of ``out_dtype``.
+
+        Each token's rows are summed (float32 with ``fp32_accumulate``).
+        """
         fp32 = self._cfg["fp32_accumulate"]
         route = self._route(handle)
         if route is not None:
@@ -383,8 +404,10 @@ class Transport:
         )
 
     def _nvshmem_setup(self, dev: torch.device, nbytes: int) -> str | None:
-        """Collective: NVSHMEM world and this Buffer's symmetric buffers. Returns ``None``,
-        or why not (the same on every rank; the Buffer then stays on the group)."""
+        """Collective: NVSHMEM world and this Buffer's symmetric buffers.
+
+        Returns ``None``, or why not (the same on every rank; the Buffer then stays on the group).
+        """
         if self._nvs is not None:  # same device (checked before the header)
             why = self._nvs._grow(nbytes)
         else:
@@ -397,9 +420,11 @@ class Transport:
         return why
 
     def _choose_ll_backend(self, op, want, hdr, active, dev, slot_bytes, local_why=None):
-        """After the header: ``("nvshmem" | "group", why not NVSHMEM)``, the same on every
-        rank (from the gathered header). ``want="nvshmem"`` raises ``ValueError`` on every
-        rank instead of falling back."""
+        """After the header: ``("nvshmem" | "group", why not NVSHMEM)``, the same on every rank.
+
+        The choice comes from the gathered header. ``want="nvshmem"`` raises ``ValueError`` on every
+        rank instead of falling back.
+        """
         W = self.group_size
         live = [r for r in range(W) if active[r]]
         codes = {r: int(hdr[r, HDR - 1]) >> 1 for r in live}

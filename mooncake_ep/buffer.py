@@ -100,32 +100,38 @@ def _token_expert_counts(topk_idx, num_experts):
 
 
 class Buffer(Transport):
-    """Dispatch/combine of MoE tokens over ``group`` (DeepEP's ``Buffer``; CPU or CUDA
-    tensors, see the module docstring on devices).
+    """Dispatch/combine of MoE tokens over ``group`` (DeepEP's ``Buffer``).
+
+    CPU or CUDA tensors, see the module docstring on devices.
+
+    Collective calls: every rank of the group calls the same ops in the same order, and runs the
+    backward of the same differentiable ops (backward passes move data too).
 
     Args:
-        group: the process group (default: the default group); a ``mooncake`` group
-            gives dead-rank awareness, any other backend with ``all_to_all_single`` works
-            with every rank taken as active.
-        num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank: accepted for
-            DeepEP compatibility; buffers are allocated per call (on the inputs' device,
-            large ones recycled), so they are unused. (The NVSHMEM low-latency path sizes
-            its symmetric buffers itself: 2 x ``W * T_max * L * H * max(4, element size)``
-            bytes, allocated at its first use, grown when wider rows need it, kept until
-            the process ends; ``nvshmem.core.finalize()`` frees them, after which this
-            Buffer must not run low-latency ops.)
+        group: the process group (default: the default group); a ``mooncake`` group gives dead-rank
+            awareness, any other backend with ``all_to_all_single`` works with every rank taken as
+            active.
+        num_nvl_bytes: accepted for DeepEP compatibility; buffers are allocated per call (on the
+            inputs' device, large ones recycled), so it is unused. (The NVSHMEM low-latency path
+            sizes its symmetric buffers itself: 2 x ``W * T_max * L * H * max(4, element size)``
+            bytes, allocated at its first use, grown when wider rows need it, kept until the process
+            ends; ``nvshmem.core.finalize()`` frees them, after which this Buffer must not run
+            low-latency ops.)
+        num_rdma_bytes: accepted for DeepEP compatibility; unused, as ``num_nvl_bytes``.
+        low_latency_mode: accepted for DeepEP compatibility; unused, as ``num_nvl_bytes``.
+        num_qps_per_rank: accepted for DeepEP compatibility; unused, as ``num_nvl_bytes``.
         config: :class:`EPConfig` (keyword-only).
 
     Attributes:
-        group: the process group; ``rank``: this process's rank in it; ``group_size``: W;
+        group: the process group.
+        rank: this process's rank in it.
+        group_size: W.
         low_latency_mode: as given (unused).
 
-    Raises ``TypeError`` when ``group`` is not a process group (or ``None``),
-    ``RuntimeError`` when ``torch.distributed`` is not initialised and ``ValueError`` when
-    this process is not a member of ``group``.
-
-    Collective calls: every rank of the group calls the same ops in the same order, and
-    runs the backward of the same differentiable ops (backward passes move data too).
+    Raises:
+        TypeError: ``group`` is not a process group (or ``None``).
+        RuntimeError: ``torch.distributed`` is not initialised.
+        ValueError: this process is not a member of ``group``.
     """
 
     def __init__(
@@ -152,8 +158,14 @@ class Buffer(Transport):
         return self._membership()[1]
 
     def num_local_experts(self, num_experts: int) -> int:
-        """``num_experts / W``; raises ``ValueError`` if it is not an int or W does not
-        divide it."""
+        """The number of experts each rank holds: L = ``num_experts / W``.
+
+        Args:
+            num_experts: E, a positive multiple of the group size W.
+
+        Raises:
+            ValueError: ``num_experts`` is not an int or not a positive multiple of W.
+        """
         try:
             num_experts = check_int_arg("num_experts", num_experts)
         except BadArgs as e:
@@ -169,15 +181,19 @@ class Buffer(Transport):
 
     @property
     def low_latency_backend(self) -> str | None:
-        """How the last ``low_latency_dispatch`` moved its rows: ``"nvshmem"`` or
-        ``"group"`` (``None`` before the first one). Its combine and backward passes use
-        the same (the handle remembers)."""
+        """How the last ``low_latency_dispatch`` moved its rows: ``"nvshmem"`` or ``"group"``.
+
+        ``None`` before the first one. Its combine and backward passes use the same (the handle
+        remembers).
+        """
         return self._ll_backend
 
     @property
     def low_latency_fallback_reason(self) -> str | None:
-        """Why the last ``low_latency_dispatch`` did not use NVSHMEM (``None`` when it did,
-        or when the configuration is ``"group"``)."""
+        """Why the last ``low_latency_dispatch`` did not use NVSHMEM.
+
+        ``None`` when it did, or when the configuration is ``"group"``.
+        """
         return self._ll_why
 
     # ---------------------------------------------------------------- layout
@@ -192,16 +208,22 @@ class Buffer(Transport):
     ) -> DispatchLayout:
         """Which ranks and experts each token goes to (local; moves nothing).
 
+        The layout is pure routing: ``dispatch`` leaves out ranks that are inactive.
+
         Args:
             topk_idx: int64 (or int32) [T, K]; -1 = no expert.
             num_experts: E, a multiple of W.
-            previous_event, async_finish, allocate_on_comm_stream: DeepEP's stream
-                arguments; ignored on CPU (the result is ready on return).
+            previous_event: DeepEP's stream argument; ignored on CPU (the result is ready on
+                return).
+            async_finish: DeepEP's stream argument; ignored on CPU.
+            allocate_on_comm_stream: DeepEP's stream argument; ignored on CPU.
 
-        Returns: :class:`DispatchLayout` (counts as int32, ``is_token_in_rank`` bool).
-        Raises ``ValueError`` for a bad id (naming its position), a non-2-D or
-        non-integer ``topk_idx``, or E not a multiple of W. The layout is pure routing:
-        ``dispatch`` leaves out ranks that are inactive.
+        Returns:
+            :class:`DispatchLayout` (counts as int32, ``is_token_in_rank`` bool).
+
+        Raises:
+            ValueError: a bad id (naming its position), a non-2-D or non-integer ``topk_idx``, or E
+                not a multiple of W.
         """
         try:
             self.num_local_experts(num_experts)
@@ -243,29 +265,37 @@ class Buffer(Transport):
         """Sends each token of ``x`` once to every rank that holds one of its experts.
 
         Args:
-            x: [T, H] float32/bfloat16/float16/float64 tokens of this rank (T may be 0), on
-                a device the group serves; every other tensor argument on the same device.
-            handle: a :class:`DispatchHandle` from an earlier dispatch: reuse its layout
-                (no header exchange, ``topk_*`` must be ``None``); returns only ``recv_x``.
+            x: [T, H] float32/bfloat16/float16/float64 tokens of this rank (T may be 0), on a device
+                the group serves; every other tensor argument on the same device.
+            handle: a :class:`DispatchHandle` from an earlier dispatch: reuse its layout (no header
+                exchange, ``topk_*`` must be ``None``); returns only ``recv_x``.
+            num_tokens_per_rank: DeepEP's layout argument: only its shape is checked; the layout is
+                recomputed from ``topk_idx`` (it is cheap and cannot disagree with it).
+            num_tokens_per_rdma_rank: DeepEP argument without effect on CPU.
+            is_token_in_rank: DeepEP's layout argument: only its shape is checked (as
+                ``num_tokens_per_rank``).
+            num_tokens_per_expert: DeepEP's layout argument: only its shape is checked (as
+                ``num_tokens_per_rank``).
             topk_idx: int64/int32 [T, K], expert ids or -1 (required without ``handle``).
             topk_weights: float32 [T, K] or ``None``; differentiable.
+            expert_alignment: counts in ``num_recv_tokens_per_expert_list`` are rounded up to a
+                multiple of it.
+            num_worst_tokens: DeepEP argument without effect on CPU; must be 0.
+            config: DeepEP argument without effect on CPU.
+            previous_event: DeepEP argument without effect on CPU.
+            async_finish: DeepEP argument without effect on CPU.
+            allocate_on_comm_stream: DeepEP argument without effect on CPU.
             num_experts: E (keyword; else taken from ``len(num_tokens_per_expert)``).
-            num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: DeepEP's layout
-                arguments: only their shapes are checked; the layout is recomputed from
-                ``topk_idx`` (it is cheap and cannot disagree with it).
-            expert_alignment: counts in ``num_recv_tokens_per_expert_list`` are rounded up
-                to a multiple of it.
-            num_tokens_per_rdma_rank, num_worst_tokens, config, previous_event,
-            async_finish, allocate_on_comm_stream: DeepEP arguments without effect on CPU
-                (``num_worst_tokens`` must be 0).
 
-        Returns: :class:`DispatchResult`. Differentiable in ``x`` and ``topk_weights``: the
-        backward is a combine (gradients of the rows a token went to are summed).
+        Returns:
+            :class:`DispatchResult`. Differentiable in ``x`` and ``topk_weights``: the backward is a
+            combine (gradients of the rows a token went to are summed).
 
-        Raises: ``ValueError`` on every rank, before any token moves, when some rank's
-        arguments are invalid (bad ids: -2 or below, or ``>= E``; shapes; dtypes; counts
-        such as ``num_experts`` that are not ints) or the ranks disagree on E, H, K or
-        dtype. ``RankFailureError`` per the group's policy.
+        Raises:
+            ValueError: on every rank, before any token moves, when some rank's arguments are
+                invalid (bad ids: -2 or below, or ``>= E``; shapes; dtypes; counts such as
+                ``num_experts`` that are not ints) or the ranks disagree on E, H, K or dtype.
+            RankFailureError: per the group's policy.
         """
         op = "dispatch"
         if handle is not None:
@@ -384,14 +414,16 @@ class Buffer(Transport):
         return DispatchResult(recv_x, recv_idx, recv_w, counts_list, h)
 
     def _rows_handle(self, dims, topk_idx, sent, active, epoch, counts, topo, row_bytes):
-        """Collective when the rows go in two levels: the :class:`DispatchHandle` of one row
-        per (token, destination rank) and the local expert ids of each row sent (int32
-        [N_send, K], -1 where that slot's expert is on another rank).
+        """The handle of one row per (token, destination rank); collective in two levels.
 
-        ``dims`` (T, H, E, K); ``sent`` bool [T, W]: where each token goes (active ranks
-        only); ``counts`` int64 [W, >= 2 W + 1]: per source rank, as :meth:`_row_counts`
-        lays them out, from the header the ranks exchanged; ``row_bytes``: bytes per
-        element of the rows (agreed), which with the counts sizes the route's pieces."""
+        Returns that :class:`DispatchHandle` and the local expert ids of each row sent
+        (int32 [N_send, K], -1 where that slot's expert is on another rank).
+
+        ``dims`` (T, H, E, K); ``sent`` bool [T, W]: where each token goes (active ranks only);
+        ``counts`` int64 [W, >= 2 W + 1]: per source rank, as :meth:`_row_counts` lays them out,
+        from the header the ranks exchanged; ``row_bytes``: bytes per element of the rows (agreed),
+        which with the counts sizes the route's pieces.
+        """
         T, H, E, Kk = dims
         W, L = self.group_size, E // self.group_size
         send_counts = tuple(int(c) for c in sent.sum(0))
@@ -438,11 +470,13 @@ class Buffer(Transport):
         return h, local.to(torch.int32)
 
     def _row_counts(self, in_rank, active, epoch, topo) -> torch.Tensor:
-        """int64 [2 W + 1] on one host, [2 W + 1 + W x MAX_PIECES] across hosts: this rank's
-        part of a header for :meth:`_rows_handle`: its rows per destination rank, its
-        tokens per host (at most W hosts; for the relays), the epoch these counts saw and,
-        across hosts, its rows per destination and token range (the route's pieces).
-        ``in_rank`` bool [T, W] (``None``: bad arguments, zeros)."""
+        """This rank's part of a header for :meth:`_rows_handle`.
+
+        int64 [2 W + 1] on one host, [2 W + 1 + W x MAX_PIECES] across hosts: its rows per
+        destination rank, its tokens per host (at most W hosts; for the relays), the epoch these
+        counts saw and, across hosts, its rows per destination and token range (the route's pieces).
+        ``in_rank`` bool [T, W] (``None``: bad arguments, zeros).
+        """
         W = self.group_size
         n = 2 * W + 1
         counts = torch.zeros(
@@ -472,21 +506,27 @@ class Buffer(Transport):
     ) -> CombineResult:
         """Sends each received row back to its token's rank and sums the rows per token.
 
-        Args:
-            x: [N_recv, H] (the rows of ``dispatch``'s ``recv_x``, typically the weighted
-                expert outputs), float32/bfloat16/float16/float64, on the dispatch's device.
-            handle: the :class:`DispatchHandle` of the dispatch.
-            topk_weights: float32 [N_recv, K] or ``None``: summed back the same way.
-            bias, config, previous_event, async_finish, allocate_on_comm_stream: DeepEP
-                arguments; ``bias`` must be ``None``, the others have no effect on CPU.
-
-        Returns: :class:`CombineResult`; ``combined_x`` [T, H] in x's dtype (16-bit data
-        sums in float32 and rounds once unless ``EPConfig(fp32_accumulate=False)``).
-        Differentiable in ``x`` and ``topk_weights`` (the backward is a dispatch).
         Rows from ranks inactive by now count as zero.
 
-        Raises: ``ValueError`` on every rank (before any row moves) when some rank's
-        arguments are bad or the ranks disagree on H or dtype.
+        Args:
+            x: [N_recv, H] (the rows of ``dispatch``'s ``recv_x``, typically the weighted expert
+                outputs), float32/bfloat16/float16/float64, on the dispatch's device.
+            handle: the :class:`DispatchHandle` of the dispatch.
+            topk_weights: float32 [N_recv, K] or ``None``: summed back the same way.
+            bias: DeepEP argument; must be ``None``.
+            config: DeepEP argument; no effect on CPU.
+            previous_event: DeepEP argument; no effect on CPU.
+            async_finish: DeepEP argument; no effect on CPU.
+            allocate_on_comm_stream: DeepEP argument; no effect on CPU.
+
+        Returns:
+            :class:`CombineResult`; ``combined_x`` [T, H] in x's dtype (16-bit data sums in float32
+            and rounds once unless ``EPConfig(fp32_accumulate=False)``). Differentiable in ``x`` and
+            ``topk_weights`` (the backward is a dispatch).
+
+        Raises:
+            ValueError: on every rank (before any row moves) when some rank's arguments are bad or
+                the ranks disagree on H or dtype.
         """
         op = "combine"
         err = None
@@ -534,42 +574,45 @@ class Buffer(Transport):
     ) -> LowLatencyDispatchResult:
         """Sends each (token, expert) pair to the expert's rank, packed per local expert.
 
+        The rows move over NVSHMEM or the group per ``EPConfig.low_latency_backend`` (module
+        docstring); ``self.low_latency_backend`` then says which, and the handle keeps it for the
+        combine and the backward passes. On the NVSHMEM path the first call (per process, then per
+        Buffer) initialises NVSHMEM over the group and allocates the symmetric buffers (collective).
+        Over a group that spans hosts (``EPConfig(hierarchical=True)``, the default) the group path
+        moves one row per (token, destination rank) on the normal mode's two-level route and each
+        rank fills its experts' slots; the layout of ``recv_x`` is the same.
+
         Args:
-            x: [T, H] float32/bfloat16/float16/float64 (T <= T_max), on a device the group
-                serves; ``topk_idx`` and the stats tensor on the same device.
+            x: [T, H] float32/bfloat16/float16/float64 (T <= T_max), on a device the group serves;
+                ``topk_idx`` and the stats tensor on the same device.
             topk_idx: int64/int32 [T, K], expert ids or -1.
             num_max_dispatch_tokens_per_rank: T_max, the same on every rank.
             num_experts: E, a multiple of W.
-            cumulative_local_expert_recv_stats: int32 [L] or ``None``; ``recv_count`` is
-                added to it.
-            use_fp8: send e4m3 with one float32 scale per 128 channels (the last block may
-                be shorter), from any of x's dtypes; ``recv_x`` is then ``(x_fp8, scales)``
-                and not differentiable.
+            cumulative_local_expert_recv_stats: int32 [L] or ``None``; ``recv_count`` is added to
+                it.
+            use_fp8: send e4m3 with one float32 scale per 128 channels (the last block may be
+                shorter), from any of x's dtypes; ``recv_x`` is then ``(x_fp8, scales)`` and not
+                differentiable.
+            round_scale: DeepEP argument; must be ``False`` (not supported on CPU).
+            use_ue8m0: DeepEP argument; must be ``False`` (not supported on CPU).
             async_finish: no effect on CPU (the op has finished when it returns).
-            round_scale, use_ue8m0, return_recv_hook: DeepEP arguments; must be ``False``
-                (not supported on CPU).
+            return_recv_hook: DeepEP argument; must be ``False`` (not supported on CPU).
 
-        Returns: :class:`LowLatencyDispatchResult`. Without fp8, differentiable in ``x``
-        (the backward sums each pair's gradient back to its token). The rows move over
-        NVSHMEM or the group per ``EPConfig.low_latency_backend`` (module docstring);
-        ``self.low_latency_backend`` then says which, and the handle keeps it for the
-        combine and the backward passes. On the NVSHMEM path the first call (per process,
-        then per Buffer) initialises NVSHMEM over the group and allocates the symmetric
-        buffers (collective). Over a group that spans hosts (``EPConfig(hierarchical=True)``,
-        the default) the group path moves one row per (token, destination rank) on the
-        normal mode's two-level route and each rank fills its experts' slots; the layout
-        of ``recv_x`` is the same.
+        Returns:
+            :class:`LowLatencyDispatchResult`. Without fp8, differentiable in ``x`` (the backward
+            sums each pair's gradient back to its token).
 
-        Raises: ``ValueError`` on every rank before any token moves for bad arguments or
-        disagreeing T_max/E/H/dtype/use_fp8/low_latency_backend/hierarchical, and, with
-        ``low_latency_backend="nvshmem"``, when NVSHMEM cannot serve the op on some rank
-        (tensors not on CUDA, ``nvshmem.core`` not importable, an inactive rank, NVSHMEM
-        initialised over another group, its init or allocation failed), e.g.
-        ``mooncake_ep low_latency_dispatch (rank 0): low_latency_backend='nvshmem' (EPConfig
-        or MOONCAKE_EP_LOW_LATENCY_BACKEND) cannot be served: expected CUDA tensors, got x
-        on cpu; nothing was sent``. Exception: a ``num_experts`` that is not an int raises
-        only on the ranks that passed it (E sizes the header, so they cannot join the
-        exchange); the other ranks wait in it until the group's op timeout.
+        Raises:
+            ValueError: on every rank before any token moves for bad arguments or disagreeing
+                T_max/E/H/dtype/use_fp8/low_latency_backend/hierarchical, and, with
+                ``low_latency_backend="nvshmem"``, when NVSHMEM cannot serve the op on some rank
+                (tensors not on CUDA, ``nvshmem.core`` not importable, an inactive rank, NVSHMEM
+                initialised over another group, its init or allocation failed), e.g. ``mooncake_ep
+                low_latency_dispatch (rank 0): low_latency_backend='nvshmem' (EPConfig or
+                MOONCAKE_EP_LOW_LATENCY_BACKEND) cannot be served: expected CUDA tensors, got x on
+                cpu; nothing was sent``. Exception: a ``num_experts`` that is not an int raises only
+                on the ranks that passed it (E sizes the header, so they cannot join the exchange);
+                the other ranks wait in it until the group's op timeout.
         """
         op = "low_latency_dispatch"
         W = self.group_size
@@ -761,12 +804,14 @@ class Buffer(Transport):
         return LowLatencyDispatchResult(recv_x, recv_count.clone(), h)
 
     def _ll_dispatch_two_level(self, h, rows, local, x):
-        """A low-latency dispatch across hosts: each token's row goes once to every rank
-        that holds one of its experts, on ``rows``' two-level route (one row per (token,
-        remote host) crosses a link), with its local expert ids (``local`` int32
-        [N_send, K]); each rank then copies a row into the slot of every local expert it
-        chose. Returns ``recv_x`` (as the rank-to-rank path lays it out) and ``h`` with
-        the route's tables. fp8 rows are quantized once per token at the source."""
+        """A low-latency dispatch across hosts, on ``rows``' two-level route.
+
+        Each token's row goes once to every rank that holds one of its experts (one row per (token,
+        remote host) crosses a link), with its local expert ids (``local`` int32 [N_send, K]); each
+        rank then copies a row into the slot of every local expert it chose. Returns ``recv_x`` (as
+        the rank-to-rank path lays it out) and ``h`` with the route's tables. fp8 rows are quantized
+        once per token at the source.
+        """
         L = h.num_experts // self.group_size
         WT = self.group_size * h.num_max_dispatch_tokens_per_rank
         H = h.hidden
@@ -804,29 +849,34 @@ class Buffer(Transport):
     ) -> LowLatencyCombineResult:
         """Returns each pair's expert output to its token and sums them with the weights.
 
-        ``combined_x[t] = sum_k topk_weights[t, k] * x[l_k, j_k]`` over the slots of token
-        ``t`` whose expert took part (``(l_k, j_k)``: where the pair landed; duplicate ids
-        count once per slot, so their weights add up).
+        ``combined_x[t] = sum_k topk_weights[t, k] *
+        x[l_k, j_k]`` over the slots of token ``t`` whose expert took part (``(l_k, j_k)``: where
+        the pair landed; duplicate ids count once per slot, so their weights add up). Rows move the
+        way the dispatch's did (``handle.backend``: NVSHMEM or the group).
 
         Args:
-            x: [L, W * T_max, H] float32/bfloat16/float16/float64 (not float8: dequantize
-                first), the experts' outputs in the layout of ``low_latency_dispatch``'s
-                ``recv_x``; it need not be the dispatched dtype; on the dispatch's device
-                (as ``topk_idx``, ``topk_weights`` and ``out``).
+            x: [L, W * T_max, H] float32/bfloat16/float16/float64 (not float8: dequantize first),
+                the experts' outputs in the layout of ``low_latency_dispatch``'s ``recv_x``; it need
+                not be the dispatched dtype; on the dispatch's device (as ``topk_idx``,
+                ``topk_weights`` and ``out``).
             topk_idx: the dispatch's ``topk_idx`` ([T, K]; checked to be the same).
             topk_weights: float32 [T, K]; differentiable.
             handle: the :class:`LowLatencyHandle` of the dispatch.
-            out: optional [T, H] tensor to write the result into.
+            use_logfmt: must be ``False`` (not supported on CPU).
+            zero_copy: must be ``False`` (not supported on CPU).
             async_finish: no effect on CPU.
-            use_logfmt, zero_copy, return_recv_hook: must be ``False`` (not supported on CPU).
+            return_recv_hook: must be ``False`` (not supported on CPU).
+            out: optional [T, H] tensor to write the result into.
 
-        Returns: :class:`LowLatencyCombineResult` ``(combined_x, event, hook)``:
-        ``combined_x`` [T, H] in x's dtype (accumulated in float32), ``event`` and ``hook``
-        ``None`` on CPU. Differentiable in ``x`` and ``topk_weights``. Rows move the way
-        the dispatch's did (``handle.backend``: NVSHMEM or the group). Raises ``ValueError``
-        on every rank, before any row moves, for bad arguments on some rank;
-        ``RuntimeError`` on the NVSHMEM path when a rank has left the group since the
-        dispatch (NVSHMEM cannot run without it; dispatch again).
+        Returns:
+            :class:`LowLatencyCombineResult` ``(combined_x, event, hook)``: ``combined_x`` [T, H] in
+            x's dtype (accumulated in float32), ``event`` and ``hook`` ``None`` on CPU.
+            Differentiable in ``x`` and ``topk_weights``.
+
+        Raises:
+            ValueError: on every rank, before any row moves, for bad arguments on some rank.
+            RuntimeError: on the NVSHMEM path when a rank has left the group since the dispatch
+                (NVSHMEM cannot run without it; dispatch again).
         """
         op = "low_latency_combine"
         err = None

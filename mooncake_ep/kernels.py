@@ -1,12 +1,12 @@
-"""Row kernels of the dispatch/combine data path: vectorized torch ops, or Triton kernels
-(:mod:`mooncake_ep.triton_kernels`) for CUDA tensors (``kernels="auto"``/``"triton"``) and,
-with ``kernels="triton"`` and ``TRITON_INTERPRET=1``, for CPU tensors under Triton's
-interpreter (how the Triton path is tested without a GPU). Every tensor a function here
-allocates is on its input's device.
+"""Row kernels of the dispatch/combine data path: vectorized torch ops, or Triton kernels.
 
-Names of dimensions: ``T`` tokens of this rank, ``N`` rows moved (one per token and
-destination rank in normal mode, one per distinct (token, expert) pair in low-latency
-mode), ``H`` hidden size.
+The Triton kernels (:mod:`mooncake_ep.triton_kernels`) serve CUDA tensors
+(``kernels="auto"``/``"triton"``) and, with ``kernels="triton"`` and ``TRITON_INTERPRET=1``, CPU
+tensors under Triton's interpreter (how the Triton path is tested without a GPU). Every tensor a
+function here allocates is on its input's device.
+
+Names of dimensions: ``T`` tokens of this rank, ``N`` rows moved (one per token and destination rank
+in normal mode, one per distinct (token, expert) pair in low-latency mode), ``H`` hidden size.
 """
 
 from __future__ import annotations
@@ -41,9 +41,12 @@ def _interpreting() -> bool:
 
 
 def _use_triton(t: torch.Tensor, kernels: str) -> bool:
-    """Whether ``t`` goes through the Triton kernels: ``"torch"`` never; ``"auto"`` for CUDA
-    tensors when Triton imports; ``"triton"`` for CUDA tensors (an ImportError propagates)
-    and for CPU tensors when ``TRITON_INTERPRET=1`` (else CPU tensors use torch ops)."""
+    """Whether ``t`` goes through the Triton kernels, per ``kernels``.
+
+    ``"torch"`` never; ``"auto"`` for CUDA tensors when Triton imports; ``"triton"`` for CUDA
+    tensors (an ImportError propagates) and for CPU tensors when ``TRITON_INTERPRET=1`` (else CPU
+    tensors use torch ops).
+    """
     if kernels == "torch":
         return False
     if not t.is_cuda and not (kernels == "triton" and t.device.type == "cpu" and _interpreting()):
@@ -63,8 +66,18 @@ def gather_rows(
     kernels: str = "auto",
     alloc: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``out[n] = x[idx[n]]``: ``x`` [T, H], ``idx`` int64 [N] -> [N, H] (x's dtype).
-    ``alloc(shape, dtype, device)`` supplies the output (torch path)."""
+    """``out[n] = x[idx[n]]``: the rows of ``x`` that ``idx`` names.
+
+    Args:
+        x: [T, H].
+        idx: int64 [N].
+        kernels: ``"auto"``, ``"torch"`` or ``"triton"``: which kernels serve ``x`` (see the module
+            docstring).
+        alloc: ``alloc(shape, dtype, device)`` supplies the output (torch path).
+
+    Returns:
+        [N, H] of x's dtype.
+    """
     if _use_triton(x, kernels):
         from .triton_kernels import permute
 
@@ -87,19 +100,31 @@ def scatter_add_rows(
     max_per_row: int | None = None,
     alloc: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``out[t] = sum over n with idx[n] == t of weights[n] * rows[src[n]]`` (weights 1 when
-    ``None``, ``src[n] = n`` when ``None``): ``rows`` [R, H], ``idx`` int64 [N] in
-    ``[0, num_out)``, ``src`` int64 [N] in ``[0, R)``, ``weights`` float [N] -> [num_out, H]
-    of ``out_dtype`` (default rows' dtype), on rows' device. On CPU rows add in index order
-    (the result is deterministic; the C++ kernel ``mooncake_pg._C._ep_scatter_add_rows``
-    sums each output row in one pass when the dtypes allow); on CUDA ``index_add_`` adds
-    them in no fixed order (identical results only where at most two rows meet); 16-bit
-    rows accumulate in float32 when ``fp32_accumulate``
-    (or when weighted) and round once. ``max_per_row``: at most this many rows add into
-    one output row; with 2 or fewer, unweighted sums in the data's own dtype already round
-    exactly once (0 + a is exact, a + b rounds once), so the float32 detour is skipped.
-    ``alloc(shape, dtype, device)`` supplies the (uninitialised) output/accumulator
-    tensors; everything is allocated on ``rows``' device."""
+    """``out[t] = sum over n with idx[n] == t of weights[n] * rows[src[n]]``.
+
+    On CPU rows add in index order (the result is deterministic; the C++ kernel
+    ``mooncake_pg._C._ep_scatter_add_rows`` sums each output row in one pass when the dtypes allow);
+    on CUDA ``index_add_`` adds them in no fixed order (identical results only where at most two
+    rows meet). Everything is allocated on ``rows``' device.
+
+    Args:
+        rows: [R, H].
+        idx: int64 [N] in ``[0, num_out)``.
+        num_out: the number of output rows.
+        src: int64 [N] in ``[0, R)``; ``src[n] = n`` when ``None``.
+        weights: float [N]; 1 when ``None``.
+        fp32_accumulate: 16-bit rows accumulate in float32 when it is set (or when weighted) and
+            round once.
+        out_dtype: the output's dtype (default rows' dtype).
+        max_per_row: at most this many rows add into one output row; with 2 or fewer, unweighted
+            sums in the data's own dtype already round exactly once (0 + a is exact, a + b rounds
+            once), so the float32 detour is skipped.
+        alloc: ``alloc(shape, dtype, device)`` supplies the (uninitialised) output/accumulator
+            tensors.
+
+    Returns:
+        [num_out, H] of ``out_dtype``, on rows' device.
+    """
     out_dtype = out_dtype or rows.dtype
     H = rows.shape[1] if rows.dim() == 2 else 0
     acc_dtype = out_dtype
@@ -164,13 +189,25 @@ def sum_rows_by_table(
     max_per_row: int | None = None,
     kernels: str = "auto",
 ) -> torch.Tensor | None:
-    """``out[t] = sum_j rows[pos[t, j]]`` over ``pos[t, j] >= 0``, in ``j`` order, with the
-    Triton ``unpermute`` kernel: ``rows`` [N, H] float32/bfloat16, ``pos`` int64 [T, M] on
-    rows' device -> [T, H] of rows' dtype (float32 accumulation, one rounding). Equal bit
-    for bit to :func:`scatter_add_rows` on CPU when ``pos`` lists each token's rows in
-    increasing row order (its CPU index order), and deterministic on CUDA. Returns ``None``
-    where the Triton path does not apply (kernels, device, dtype, or 16-bit sums of more
-    than two rows without ``fp32_accumulate``); the caller then uses ``scatter_add_rows``."""
+    """``out[t] = sum_j rows[pos[t, j]]`` over ``pos[t, j] >= 0``, in ``j`` order, with Triton.
+
+    The kernel is Triton's ``unpermute``. Equal bit for bit to :func:`scatter_add_rows` on CPU when
+    ``pos`` lists each token's rows in increasing row order (its CPU index order), and deterministic
+    on CUDA.
+
+    Args:
+        rows: [N, H] float32/bfloat16.
+        pos: int64 [T, M] on rows' device.
+        fp32_accumulate: 16-bit sums of more than two rows are served only with it (float32
+            accumulation, one rounding).
+        max_per_row: at most this many rows add into one output row, as in :func:`scatter_add_rows`.
+        kernels: which kernels serve ``rows``, as in :func:`gather_rows`.
+
+    Returns:
+        [T, H] of rows' dtype (float32 accumulation, one rounding), or ``None`` where the Triton
+        path does not apply (kernels, device, dtype, or 16-bit sums of more than two rows without
+        ``fp32_accumulate``); the caller then uses ``scatter_add_rows``.
+    """
     if rows.dtype not in (torch.float32, torch.bfloat16) or rows.dim() != 2 or rows.stride(1) != 1:
         return None
     if (
@@ -199,11 +236,13 @@ def scatter_rows(rows: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> to
 
 
 def fp8_quantize(x: torch.Tensor, kernels: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-block e4m3 cast: ``x`` [N, H] float -> ``(q, scales)`` with ``q`` float8_e4m3fn
-    [N, H] and ``scales`` float32 [N, ceil(H / 128)]; block ``b`` covers channels
-    ``[128 b, min(128 (b + 1), H))`` (the last block may be shorter) and
-    ``x ~= q.float() * scales[:, b]`` there. ``scale = max(amax, 1e-4) / 448``.
-    Raises ``ValueError`` unless ``x`` is a 2-D floating-point tensor."""
+    """Per-block e4m3 cast: ``x`` [N, H] float -> ``(q, scales)``.
+
+    ``q`` is float8_e4m3fn [N, H] and ``scales`` float32 [N, ceil(H / 128)]; block ``b`` covers
+    channels ``[128 b, min(128 (b + 1), H))`` (the last block may be shorter) and
+    ``x ~= q.float() * scales[:, b]`` there. ``scale = max(amax, 1e-4) / 448``. Raises
+    ``ValueError`` unless ``x`` is a 2-D floating-point tensor.
+    """
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
         what = (
             f"shape {tuple(x.shape)}, dtype {x.dtype}"
@@ -234,9 +273,11 @@ def fp8_quantize(x: torch.Tensor, kernels: str = "auto") -> tuple[torch.Tensor, 
 def fp8_dequantize(
     q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
-    """Inverse of :func:`fp8_quantize` on the last dimension: ``q`` [..., H] float8,
-    ``scales`` [..., ceil(H / 128)] float32 -> [..., H] of ``dtype``. Raises
-    ``ValueError`` for another dtype of ``q`` or ``scales`` or mismatched shapes."""
+    """Inverse of :func:`fp8_quantize` on the last dimension.
+
+    ``q`` [..., H] float8, ``scales`` [..., ceil(H / 128)] float32 -> [..., H] of ``dtype``. Raises
+    ``ValueError`` for another dtype of ``q`` or ``scales`` or mismatched shapes.
+    """
     if q.dtype not in FP8_DTYPES:
         raise ValueError(f"fp8_dequantize: q must be float8 (e4m3fn or e5m2), got {q.dtype}")
     H = q.shape[-1]

@@ -1,5 +1,7 @@
-"""``ExpertParallelMoE``: an existing MoE layer (router + experts) with its experts sharded
-over the ranks of a group, tokens moved by :class:`mooncake_ep.Buffer`."""
+"""``ExpertParallelMoE``: an existing MoE layer with its experts sharded over the ranks of a group.
+
+The layer is a router and experts; tokens are moved by :class:`mooncake_ep.Buffer`.
+"""
 
 from __future__ import annotations
 
@@ -14,55 +16,54 @@ from .buffer import Buffer
 
 
 def route_topk(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over experts, then the ``top_k`` largest: ``(topk_idx int64 [T, K],
-    topk_weights float32 [T, K])``. The reference routing of :class:`ExpertParallelMoE`
-    when the gate returns logits."""
+    """Softmax over experts, then the ``top_k`` largest.
+
+    Returns ``(topk_idx int64 [T, K], topk_weights float32 [T, K])``. The reference routing of
+    :class:`ExpertParallelMoE` when the gate returns logits.
+    """
     probs = torch.softmax(logits.float(), dim=-1)
     w, idx = torch.topk(probs, top_k, dim=-1)
     return idx, w
 
 
 class ExpertParallelMoE(nn.Module):
-    """Wraps a MoE layer: ``forward(x) = sum_k w_k * expert_{idx_k}(x)`` per token, with the
-    experts spread over the ranks of ``group`` (rank ``r`` holds experts
-    ``[r L, (r + 1) L)``, ``L = E / W``).
+    """Wraps a MoE layer: ``forward(x) = sum_k w_k * expert_{idx_k}(x)`` per token.
+
+    The experts are spread over the ranks of ``group``: rank ``r`` holds experts
+    ``[r L, (r + 1) L)``, ``L = E / W``.
+
+    ``forward`` takes x [..., H] and returns the same shape and dtype. Every rank calls forward (and
+    backward) together, also with zero tokens. Gradients reach x, the local experts' parameters and
+    the gate (through the top-k weights, which are applied to the expert outputs before the
+    combine). Experts on inactive ranks of a ``mooncake`` group contribute zero.
+
+    Rejoined ranks: take :meth:`snapshot_experts` every few steps (each rank's experts are copied to
+    the next active rank); after ``recover_ranks``/``join_group`` every rank calls
+    :meth:`restore_experts` before the next forward, and until then forward raises ``RuntimeError``
+    on every rank, before any collective: on the survivors (which saw the rank come back) and on the
+    rejoined process itself (which knows it joined, whether it built this module before or after
+    ``join_group``).
 
     Args:
-        gate: ``nn.Module`` mapping tokens [T, H] to either router logits [T, E] (then
-            softmax + top-``top_k``, see :func:`route_topk`) or a pair
-            ``(topk_idx [T, K] int, topk_weights [T, K] float)`` (custom routing; -1 slots
-            allowed). Replicated: every rank has the same gate (keep it in sync with data
-            parallelism, e.g. all-reduce its gradients).
-        experts: the experts, each mapping [n, H] -> [n, H]: either all E of them (this
-            rank keeps its L and drops the rest) or only this rank's L (then pass
-            ``num_experts``).
+        gate: ``nn.Module`` mapping tokens [T, H] to either router logits [T, E] (then softmax +
+            top-``top_k``, see :func:`route_topk`) or a pair ``(topk_idx [T, K] int, topk_weights
+            [T, K] float)`` (custom routing; -1 slots allowed). Replicated: every rank has the same
+            gate (keep it in sync with data parallelism, e.g. all-reduce its gradients).
+        experts: the experts, each mapping [n, H] -> [n, H]: either all E of them (this rank keeps
+            its L and drops the rest) or only this rank's L (then pass ``num_experts``).
         group: the expert-parallel process group (default: the default group).
         num_experts: E; needed when ``experts`` holds only the local ones.
-        top_k: slots per token when ``gate`` returns logits (``1 <= top_k <= E``); with a
-            gate that returns ``(topk_idx, topk_weights)`` it is optional and, when given,
-            must equal their K.
+        top_k: slots per token when ``gate`` returns logits (``1 <= top_k <= E``); with a gate that
+            returns ``(topk_idx, topk_weights)`` it is optional and, when given, must equal their K.
         buffer: a :class:`Buffer` to use (default: a new one on ``group``).
 
-    Raises ``ValueError`` at construction for a bad ``top_k``, an expert count that is
-    neither E nor L, or a gate whose output width is known (``out_features``, as for
-    ``nn.Linear``) and differs from E; forward raises ``ValueError`` (on every rank, before
-    anything is sent, as the gate is replicated) for logits whose width is not E or a
-    ``(topk_idx, topk_weights)`` pair whose K is not ``top_k``. A list of all experts
-    passed with ``num_experts`` = W times its length reads as this rank's local experts;
-    when the gate's width says otherwise the error says so.
-
-    ``forward`` takes x [..., H] and returns the same shape and dtype. Every rank calls
-    forward (and backward) together, also with zero tokens. Gradients reach x, the
-    local experts' parameters and the gate (through the top-k weights, which are applied
-    to the expert outputs before the combine). Experts on inactive ranks of a ``mooncake``
-    group contribute zero.
-
-    Rejoined ranks: take :meth:`snapshot_experts` every few steps (each rank's experts are
-    copied to the next active rank); after ``recover_ranks``/``join_group`` every rank
-    calls :meth:`restore_experts` before the next forward, and until then forward raises
-    ``RuntimeError`` on every rank, before any collective: on the survivors (which saw the
-    rank come back) and on the rejoined process itself (which knows it joined, whether it
-    built this module before or after ``join_group``).
+    Raises:
+        ValueError: at construction for a bad ``top_k``, an expert count that is neither E nor L, or
+            a gate whose output width is known (``out_features``, as for ``nn.Linear``) and differs
+            from E; in forward (on every rank, before anything is sent, as the gate is replicated)
+            for logits whose width is not E or a ``(topk_idx, topk_weights)`` pair whose K is not
+            ``top_k``. A list of all experts passed with ``num_experts`` = W times its length reads
+            as this rank's local experts; when the gate's width says otherwise the error says so.
     """
 
     def __init__(
@@ -152,9 +153,11 @@ class ExpertParallelMoE(nn.Module):
         return route_topk(g, self.top_k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., H] -> [..., H] of x's dtype: each token's weighted sum of its top-k
-        experts' outputs (collective; see the class docstring on gradients, dead ranks and
-        the ``RuntimeError`` before :meth:`restore_experts`)."""
+        """``x`` [..., H] -> [..., H] of x's dtype: each token's weighted sum of expert outputs.
+
+        The sum is over the token's top-k experts. Collective; see the class docstring on gradients,
+        dead ranks and the ``RuntimeError`` before :meth:`restore_experts`.
+        """
         self._check_membership()
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
@@ -209,8 +212,10 @@ class ExpertParallelMoE(nn.Module):
             return False
 
     def _note_fresh(self):
-        """On a rejoined process (until its experts are restored): itself and the ranks
-        that joined with it are unrestored, as the survivors see them."""
+        """On a rejoined process (until its experts are restored): note the unrestored ranks.
+
+        Itself and the ranks that joined with it are unrestored, as the survivors see them.
+        """
         if self._fresh and not self._joining():
             self._unrestored.add(self.buffer.rank)
             self._unrestored |= set(self._last_joined())
@@ -238,9 +243,12 @@ class ExpertParallelMoE(nn.Module):
         return ts, sum(t.numel() * t.element_size() for t in ts)
 
     def snapshot_experts(self) -> None:
-        """Collective: every active rank sends a copy of its local experts' parameters and
-        buffers to the next active rank (cyclically), which keeps it in memory. Call it
-        every few steps; :meth:`restore_experts` hands a rejoined rank its copy back."""
+        """Collective: every active rank sends a copy of its experts to the next active rank.
+
+        The copy is of its local experts' parameters and buffers; the next active rank (cyclically)
+        keeps it in memory. Call it every few steps; :meth:`restore_experts` hands a rejoined rank
+        its copy back.
+        """
         active = self.buffer.get_active_ranks().tolist()
         W, rank = len(active), self.buffer.rank
         live = [r for r in range(W) if active[r]]
@@ -270,16 +278,23 @@ class ExpertParallelMoE(nn.Module):
                 start += recv[r]
 
     def restore_experts(self, ranks: Sequence[int] | None = None) -> None:
-        """Collective over the active ranks, right after ``recover_ranks`` / ``join_group``
-        (and before any forward): ranks that rejoined get their experts' parameters and
-        buffers from the peer holding the latest :meth:`snapshot_experts` copy; then a new
-        snapshot is taken (the rejoined rank's own copies were lost with it).
+        """Gives rejoined ranks their experts back from the latest :meth:`snapshot_experts` copy.
 
-        ``ranks`` defaults to the ranks that rejoined (the group's last join record) and
-        the ranks this module saw come back. Forward raises ``RuntimeError`` until this ran.
-        Raises ``RuntimeError`` on every rank if no copy of a rejoined rank's experts
-        exists (no snapshot was taken before it died). Optimizer state of the restored
-        experts is not restored (use ``mooncake_pg.sync_state`` for replicated parts)."""
+        Collective over the active ranks, right after ``recover_ranks`` / ``join_group`` (and before
+        any forward): ranks that rejoined get their experts' parameters and buffers from the peer
+        holding the latest :meth:`snapshot_experts` copy; then a new snapshot is taken (the rejoined
+        rank's own copies were lost with it). Forward raises ``RuntimeError`` until this ran.
+        Optimizer state of the restored experts is not restored (use ``mooncake_pg.sync_state`` for
+        replicated parts).
+
+        Args:
+            ranks: the ranks to restore; defaults to the ranks that rejoined (the group's last join
+                record) and the ranks this module saw come back.
+
+        Raises:
+            RuntimeError: on every rank if no copy of a rejoined rank's experts exists (no snapshot
+                was taken before it died).
+        """
         self._note_fresh()
         active = self.buffer.get_active_ranks().tolist()
         W, rank = len(active), self.buffer.rank

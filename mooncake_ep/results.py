@@ -1,11 +1,10 @@
-"""Results and handles of :class:`mooncake_ep.Buffer`'s ops (public: exported by
-:mod:`mooncake_ep`).
+"""Results and handles of :class:`mooncake_ep.Buffer`'s ops.
 
-Dimensions as in :mod:`mooncake_ep.buffer`: ``W`` ranks, ``E`` experts, ``L = E / W``
-experts per rank, ``T`` tokens of this rank, ``K`` top-k slots, ``H`` hidden size,
-``T_max`` ``num_max_dispatch_tokens_per_rank``; ``N_recv`` rows received, ``P`` pairs.
-Results are NamedTuples: read them by field name. Handles are frozen dataclasses, opaque
-to callers, that hand one dispatch's layout to its combine and backward passes.
+They are public: exported by :mod:`mooncake_ep`. Dimensions as in :mod:`mooncake_ep.buffer`: ``W``
+ranks, ``E`` experts, ``L = E / W`` experts per rank, ``T`` tokens of this rank, ``K`` top-k slots,
+``H`` hidden size, ``T_max`` ``num_max_dispatch_tokens_per_rank``; ``N_recv`` rows received, ``P``
+pairs. Results are NamedTuples: read them by field name. Handles are frozen dataclasses, opaque to
+callers, that hand one dispatch's layout to its combine and backward passes.
 """
 
 from __future__ import annotations
@@ -96,8 +95,9 @@ class LowLatencyDispatchResult(NamedTuple):
 
 
 class LowLatencyCombineResult(NamedTuple):
-    """Result of :meth:`Buffer.low_latency_combine`; unpacks like DeepEP's
-    ``combined_x, event, hook = buf.low_latency_combine(...)``.
+    """Result of :meth:`Buffer.low_latency_combine`.
+
+    It unpacks like DeepEP's ``combined_x, event, hook = buf.low_latency_combine(...)``.
 
     Attributes:
         combined_x: [T, H] in the experts' output dtype (``out`` when given).
@@ -138,8 +138,10 @@ class DispatchHandle:
         return self.send_token_idx.device
 
     def row_table(self) -> torch.Tensor:
-        """int64 [T, W]: the row (of the rows sent, in send order) that carried token ``t``
-        to rank ``r``, -1 where it did not go there."""
+        """int64 [T, W]: the row that carried token ``t`` to rank ``r``.
+
+        Rows are numbered among the rows sent, in send order; -1 where the token did not go there.
+        """
         T, W = self.is_token_in_rank.shape
         pos = torch.full((T, W), -1, dtype=torch.int64, device=self.device)
         nz = self.is_token_in_rank.t().nonzero()  # (rank, token) in send order

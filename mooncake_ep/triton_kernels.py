@@ -32,8 +32,10 @@ FP8_BLOCK = 128
 
 @triton.jit
 def _rtne_bf16(v):
-    """float32 -> the nearest bfloat16 value (ties to even), still as float32, so the final
-    cast is exact (the interpreter's own fp32 -> bf16 cast truncates)."""
+    """float32 -> the nearest bfloat16 value (ties to even), still as float32.
+
+    That makes the final cast exact (the interpreter's own fp32 -> bf16 cast truncates).
+    """
     b = v.to(tl.int32, bitcast=True)
     b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
     return b.to(tl.float32, bitcast=True)
@@ -41,8 +43,10 @@ def _rtne_bf16(v):
 
 @triton.jit
 def _rtne_e4m3(y):
-    """float32 with |y| <= 448 -> the nearest float8_e4m3fn value (ties to even), still as
-    float32 (the interpreter's own fp32 -> fp8 cast loses a carry into the exponent)."""
+    """float32 with |y| <= 448 -> the nearest float8_e4m3fn value (ties to even), still as float32.
+
+    The interpreter's own fp32 -> fp8 cast loses a carry into the exponent.
+    """
     b = y.to(tl.int32, bitcast=True)
     e = tl.maximum(((b >> 23) & 0xFF) - 127, -6)  # subnormals share 2^-6's step
     step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
@@ -173,8 +177,10 @@ def _combine(rows, pos, w, out_dtype):
 def unpermute(
     rows: torch.Tensor, pos: torch.Tensor, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    """``out[t] = sum_j rows[pos[t, j]]`` over ``pos[t, j] >= 0``: ``rows`` [N, H], ``pos``
-    int [T, M] -> [T, H] (``out_dtype``, default rows'); float32 accumulation."""
+    """``out[t] = sum_j rows[pos[t, j]]`` over ``pos[t, j] >= 0``; float32 accumulation.
+
+    ``rows`` [N, H], ``pos`` int [T, M] -> [T, H] (``out_dtype``, default rows').
+    """
     return _combine(rows, pos, None, out_dtype)
 
 
@@ -184,8 +190,10 @@ def weighted_combine(
     weights: torch.Tensor,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``out[t] = sum_j weights[t, j] * rows[pos[t, j]]`` over ``pos[t, j] >= 0``;
-    ``weights`` float [T, M]; float32 accumulation."""
+    """``out[t] = sum_j weights[t, j] * rows[pos[t, j]]`` over ``pos[t, j] >= 0``.
+
+    ``weights`` float [T, M]; float32 accumulation.
+    """
     if tuple(weights.shape) != tuple(pos.shape):
         raise ValueError(
             f"mooncake_ep.triton_kernels: weights {tuple(weights.shape)} and pos "
