@@ -1,8 +1,8 @@
-"""``mooncake_store``: a distributed object store for tensors (see docs/design.md "Store").
+r"""``mooncake_store``: a distributed object store for tensors (see docs/design.md "Store").
 
     from mooncake_store import MooncakeStore, ReplicateConfig
     store = MooncakeStore()                       # embedded master, 256 MiB segment
-    store.put("w", b"\\x01\\x02")
+    store.put("w", b"\x01\x02")
     store.get("w")
 
 Master as a service: ``mooncake-store-master`` / ``python -m mooncake_store.master``.

@@ -1,6 +1,7 @@
-"""Checks of the arguments of :class:`~mooncake_store.MooncakeStore`'s public calls, flat
-byte views of the values and buffers they take, and the batch helpers they share (splitting
-keys into metadata requests, repeated keys, raising the first error of a batch).
+"""Checks of the arguments of :class:`~mooncake_store.MooncakeStore`'s public calls, and helpers.
+
+The helpers: flat byte views of the values and buffers the calls take, and the batch helpers they
+share (splitting keys into metadata requests, repeated keys, raising the first error of a batch).
 """
 
 from __future__ import annotations
@@ -41,11 +42,17 @@ def as_bytes_view(value, what="value") -> memoryview:
 
 
 def is_tensor(x) -> bool:
+    """Whether ``x`` is a torch ``Tensor`` or ``Parameter`` (without importing torch)."""
     t = type(x)
     return t.__module__.startswith("torch") and t.__name__ in ("Tensor", "Parameter")
 
 
 def tensor_bytes(t, what="tensor") -> memoryview:
+    """The bytes of CPU tensor ``t`` as a flat byte view (of a contiguous copy where needed).
+
+    Conjugate and negative views get their flag applied first. Raises ``ValueError`` naming ``what``
+    for a tensor that is not on the CPU or not dense (strided).
+    """
     import torch
 
     if t.device.type != "cpu":
@@ -62,9 +69,11 @@ def tensor_bytes(t, what="tensor") -> memoryview:
 
 @functools.cache
 def copyable(dt) -> bool:
-    """Whether torch can copy tensors of ``dt``: a reader copies or views them back, and
-    some sub-byte dtypes (``torch.int4``, ``torch.uint4``, ``torch.uint1``) have no copy
-    kernel."""
+    """Whether torch can copy tensors of ``dt``.
+
+    A reader copies or views them back, and some sub-byte dtypes (``torch.int4``, ``torch.uint4``,
+    ``torch.uint1``) have no copy kernel.
+    """
     import torch
 
     try:
@@ -76,6 +85,11 @@ def copyable(dt) -> bool:
 
 
 def writable_view(buffer, op="get_into") -> memoryview:
+    """``buffer`` as a flat writable byte view (``memoryview`` of format ``B``).
+
+    ``buffer`` is a writable contiguous bytes-like object or a dense contiguous CPU tensor; anything
+    else raises ``ValueError`` naming ``op``.
+    """
     if is_tensor(buffer):
         import torch
 
@@ -102,8 +116,10 @@ def writable_view(buffer, op="get_into") -> memoryview:
 
 
 def check_key(key, op: str) -> str:
-    """``key`` if it is a valid key (a non-empty str of at most 4096 bytes of UTF-8);
-    ValueError naming ``op`` and the problem otherwise."""
+    """``key`` if it is a valid key (a non-empty str of at most 4096 bytes of UTF-8).
+
+    ValueError naming ``op`` and the problem otherwise.
+    """
     if not isinstance(key, str) or not key:
         raise ValueError(f"{op}: key must be a non-empty str, got {key!r}")
     if key.isascii():
@@ -124,8 +140,10 @@ def check_key(key, op: str) -> str:
 
 
 def check_config(config, op: str):
-    """``config`` if it is a :class:`ReplicateConfig`; ValueError naming ``op`` otherwise (the
-    store reports every bad argument as ValueError)."""
+    """``config`` if it is a :class:`ReplicateConfig`.
+
+    ValueError naming ``op`` otherwise (the store reports every bad argument as ValueError).
+    """
     if not isinstance(config, ReplicateConfig):
         raise ValueError(
             f"{op}: config must be a mooncake_store.ReplicateConfig, got {type(config).__name__} "
@@ -135,8 +153,10 @@ def check_config(config, op: str):
 
 
 def check_keys(keys, op: str, *, repeats: bool = False) -> list:
-    """The keys of a batch call as a list (each checked by :func:`check_key`). A key may
-    repeat only where ``repeats`` (reads); otherwise a repeat is a ValueError naming it."""
+    """The keys of a batch call as a list (each checked by :func:`check_key`).
+
+    A key may repeat only where ``repeats`` (reads); otherwise a repeat is a ValueError naming it.
+    """
     if isinstance(keys, (str, bytes)):
         raise ValueError(f"{op}: keys must be a sequence of str, not a single key")
     try:
@@ -157,8 +177,10 @@ def check_keys(keys, op: str, *, repeats: bool = False) -> list:
 
 
 def dedup(keys: list) -> tuple:
-    """``(unique keys in first-seen order, position in it of each key)``; ``(keys, None)``
-    when no key repeats."""
+    """``(unique keys in first-seen order, position in it of each key)``.
+
+    ``(keys, None)`` when no key repeats.
+    """
     if len(set(keys)) == len(keys):
         return keys, None
     first: dict = {}
@@ -167,14 +189,17 @@ def dedup(keys: list) -> tuple:
 
 
 def raise_first(out: list) -> None:
+    """Raises the first exception in a batch's results ``out``, if any."""
     for o in out:
         if isinstance(o, BaseException):
             raise o
 
 
 def chunks(keys: list, max_keys: int = 2048, max_bytes: int = 1 << 20):
-    """Index ranges of ``keys`` small enough for one metadata request (the master limits
-    keys per call and frame bytes)."""
+    """Index ranges of ``keys`` small enough for one metadata request.
+
+    The master limits keys per call and frame bytes.
+    """
     start, size = 0, 0
     for i, k in enumerate(keys):
         n = len(k) * 4 + 64
@@ -187,5 +212,6 @@ def chunks(keys: list, max_keys: int = 2048, max_bytes: int = 1 << 20):
 
 
 def check_force(force, op: str):
+    """Raises ``ValueError`` naming ``op`` unless ``force`` is True or False."""
     if not isinstance(force, bool):  # "no" is truthy: it removed leased objects
         raise ValueError(f"{op}: force must be True or False, got {force!r}")

@@ -1,5 +1,8 @@
-"""Options of a store client: :class:`StoreConfig` (a :class:`~mooncake_store.MooncakeStore`)
-and :class:`ReplicateConfig` (how one put places its object)."""
+"""Options of a store client: :class:`StoreConfig` and :class:`ReplicateConfig`.
+
+:class:`StoreConfig` configures a :class:`~mooncake_store.MooncakeStore`; :class:`ReplicateConfig`
+says how one put places its object.
+"""
 
 from __future__ import annotations
 
@@ -16,8 +19,10 @@ _TRANSFERS = ("auto", "tcp")
 
 @dataclasses.dataclass(kw_only=True)
 class StoreConfig:
-    """Options of a :class:`~mooncake_store.MooncakeStore` client. ``None`` fields take
-    the environment's value (the table in ``common/config.py``), then the default.
+    """Options of a :class:`~mooncake_store.MooncakeStore` client.
+
+    ``None`` fields take the environment's value (the table in ``common/config.py``), then the
+    default.
 
     Attributes:
         master: ``HOST:PORT`` of the master; ``None`` and no ``etcd``: an embedded master
@@ -156,6 +161,10 @@ class StoreConfig:
         return out
 
     def validate(self) -> None:
+        """Checks every field; raises ``ValueError`` naming the field that is invalid.
+
+        Also raised for ``master`` and ``etcd`` given together.
+        """
         if self.master is not None:
             parse_hostport(self.master, "StoreConfig.master")
         if self.etcd is not None:

@@ -1,7 +1,8 @@
-"""The client's data plane: where its bytes live and how they move. This client's own
-segment, mappings of the other segments of its host (copied into directly), the TCP
-transfer engine for segments of other hosts (``mooncake_pg.transfer.TransferEngine``) and
-the C++ extension's parallel copies.
+"""The client's data plane: where its bytes live and how they move.
+
+This client's own segment, mappings of the other segments of its host (copied into directly), the
+TCP transfer engine for segments of other hosts (``mooncake_pg.transfer.TransferEngine``) and the
+C++ extension's parallel copies.
 """
 
 from __future__ import annotations
@@ -71,15 +72,19 @@ class DataPlane:
 
     # ------------------------------------------------------------------ segments
     def segment_desc(self) -> dict | None:
-        """The descriptor of this client's segment that the master hands to readers and
-        writers (None without a segment)."""
+        """The descriptor of this client's segment that the master hands to readers and writers.
+
+        None without a segment.
+        """
         if self.segment is None:
             return None
         return self.segment.desc(self.cfg.host_id, self.te_desc())
 
     def te_desc(self) -> list | None:
-        """``[host, port, region]`` where the transfer engine serves this client's segment,
-        or None (clients of other hosts cannot reach it)."""
+        """``[host, port, region]`` where the transfer engine serves this client's segment, or None.
+
+        None: clients of other hosts cannot reach it.
+        """
         if self.te is None or self._te_region is None:
             return None
         return [self.te.host, self.te.port, self._te_region]
@@ -89,15 +94,19 @@ class DataPlane:
         return self.cfg.transfer == "auto" and desc.get("host") == self.cfg.host_id
 
     def view(self, desc: dict) -> memoryview:
-        """A writable view of a segment of this host (this client's own, or mapped);
-        ``TransferError`` when it cannot be mapped (its owner is gone)."""
+        """A writable view of a segment of this host (this client's own, or mapped).
+
+        ``TransferError`` when it cannot be mapped (its owner is gone).
+        """
         if self.segment is not None and desc["name"] == self.cfg.name:
             return self.segment.view
         return self._maps.get(desc).view
 
     def readonly_view(self, desc: dict) -> memoryview:
-        """A read-only view of a segment of this host, this client's own included: a view
-        handed out must not be writable in the owner either."""
+        """A read-only view of a segment of this host, this client's own included.
+
+        A view handed out must not be writable in the owner either.
+        """
         return self._ro_maps.get(desc).view
 
     def retain(self, live: set) -> None:
@@ -107,9 +116,11 @@ class DataPlane:
 
     # ------------------------------------------------------------------ copies
     def engine_for(self, desc: dict) -> tuple:
-        """``(host, port, region)`` of the transfer engine serving the segment of another
-        host (``desc``); starts this client's engine (as a client only) if needed.
-        ``TransferError`` when that segment serves none."""
+        """``(host, port, region)`` of the transfer engine serving another host's segment.
+
+        The segment is ``desc``'s. Starts this client's engine (as a client only) if needed.
+        ``TransferError`` when that segment serves none.
+        """
         te = desc.get("te")
         if not te:
             raise TransferError(
@@ -136,10 +147,12 @@ class DataPlane:
         return [bytes(v) for v in srcs]
 
     def write(self, jobs: list, segs: dict) -> None:
-        """Writes ``jobs`` (``[(segment name, offset, view)]``; ``segs``: name ->
-        descriptor): same-host segments in one parallel copy, others through the transfer
-        engine. Raises ``TransferError``; its ``segment`` names a segment that could not be
-        reached (the put is placed again elsewhere)."""
+        """Writes ``jobs``: same-host segments in one parallel copy, others through the engine.
+
+        ``jobs`` is ``[(segment name, offset, view)]``; ``segs``: name -> descriptor. Raises
+        ``TransferError``; its ``segment`` names a segment that could not be reached (the put is
+        placed again elsewhere).
+        """
         remote: dict = {}
         dsts, srcs = [], []
         for name, off, mv in jobs:

@@ -1,7 +1,8 @@
-"""The store client's internal interface (``MooncakeStore.internal``): what weight sync,
-its relays across hosts and the KV cache use beyond the public API of
-:class:`~mooncake_store.MooncakeStore`, in one place and by name. Not a public API: it
-changes with the code that uses it.
+"""The store client's internal interface (``MooncakeStore.internal``).
+
+What weight sync, its relays across hosts and the KV cache use beyond the public API of
+:class:`~mooncake_store.MooncakeStore`, in one place and by name. Not a public API: it changes with
+the code that uses it.
 
 What it offers, and who uses it today:
 
@@ -48,8 +49,9 @@ class Located(NamedTuple):
 
 
 class StoreInternals:
-    """The internal interface of one :class:`~mooncake_store.MooncakeStore` (see the
-    module docstring). Keys are checked as the public API checks them (``ValueError``).
+    """The internal interface of one :class:`~mooncake_store.MooncakeStore`.
+
+    See the module docstring. Keys are checked as the public API checks them (``ValueError``).
 
     Attributes:
         link: the link to the master (``link.py``).
@@ -83,20 +85,26 @@ class StoreInternals:
 
     @property
     def serves_transfers(self) -> bool:
-        """Whether clients of other hosts can read this client's segment (a transfer
-        engine serves it)."""
+        """Whether clients of other hosts can read this client's segment.
+
+        They can when a transfer engine serves it.
+        """
         return self.dataplane.te_desc() is not None
 
     @property
     def lease_ttl_s(self) -> float:
-        """Seconds a read lease lasts (the master's ``lease_ttl_s``); space the master
-        defers for a reader comes back at most this long after its read."""
+        """Seconds a read lease lasts (the master's ``lease_ttl_s``).
+
+        Space the master defers for a reader comes back at most this long after its read.
+        """
         return self.link.lease_ttl_s
 
     def on_close(self, method: Callable[[], None]) -> None:
-        """Runs the bound ``method`` when the client closes (or the process exits), before
-        it unregisters. Held weakly: an object that goes away is not kept alive by this,
-        and its method is not run."""
+        """Runs the bound ``method`` when the client closes (or the process exits).
+
+        It runs before the client unregisters. Held weakly: an object that goes away is not kept
+        alive by this, and its method is not run.
+        """
         self._close_hooks.append(weakref.WeakMethod(method))
 
     # ------------------------------------------------------------------ records
@@ -110,17 +118,20 @@ class StoreInternals:
         upsert: bool = False,
         own_segment_only: bool = False,
     ) -> list:
-        """Stores ``values[i]`` (bytes-like) under ``keys[i]`` with ``metas[i]`` (bytes, at
-        most ``MasterConfig.max_meta_bytes``) as the metadata the master keeps with it,
-        which :meth:`metadata` returns without a read. An empty value lives in the master
-        alone: its metadata is a record that outlives every segment.
+        """Stores ``values[i]`` (bytes-like) under ``keys[i]`` with ``metas[i]`` as its metadata.
+
+        ``metas[i]`` (bytes, at most ``MasterConfig.max_meta_bytes``) is the metadata the master
+        keeps with the object, which :meth:`metadata` returns without a read. An empty value lives
+        in the master alone: its metadata is a record that outlives every segment.
 
         Args:
-            keys / values / metas: one entry per object (each key once).
+            keys: one entry per object (each key once).
+            values: one entry per object, as ``keys``.
+            metas: one entry per object, as ``keys``.
             config: placement, as for ``put``.
             upsert: replace existing values (else ``ObjectExistsError`` for those).
-            own_segment_only: placed in ``config.preferred_segment`` alone (``NoSpaceError``
-                when it has no room: no other segment takes the object).
+            own_segment_only: placed in ``config.preferred_segment`` alone (``NoSpaceError`` when it
+                has no room: no other segment takes the object).
 
         Returns:
             The replicas placed per key.
@@ -136,25 +147,30 @@ class StoreInternals:
         )
 
     def metadata(self, keys: list) -> list:
-        """Per key ``None`` if it does not exist, else the metadata bytes stored with it
-        (``b""`` for plain values, dtype and shape for ``put_tensor``), or ``True`` where the
-        master sends none (an older master). From the master alone: no lease, no bytes
-        read, nothing loaded from SSD. A key may repeat."""
+        """Per key ``None`` if it does not exist, else the metadata bytes stored with it.
+
+        The metadata is ``b""`` for plain values, dtype and shape for ``put_tensor``; ``True`` where
+        the master sends none (an older master). From the master alone: no lease, no bytes read,
+        nothing loaded from SSD. A key may repeat.
+        """
         return self.reader.exists_meta(check_keys(keys, "metadata", repeats=True))
 
     # ------------------------------------------------------------------ reads
     def read_into(
         self, key: str, buffer: memoryview, *, scratch: bool = False, offset: int | None = None
     ) -> int:
-        """``get_into`` of ``key`` into the flat writable byte view ``buffer``; returns the
-        bytes read.
+        """``get_into`` of ``key`` into the flat writable byte view ``buffer``.
+
+        Returns the bytes read.
 
         Args:
-            scratch: the caller throws ``buffer`` away on any error (a staging buffer), so
-                a read from another host lands in it directly (one copy less per byte; a
-                failed read may leave part of the bytes there).
-            offset: reads bytes ``[offset, offset + len(buffer))`` of the value (from its
-                replicas in memory only) instead of all of it.
+            key: the key to read.
+            buffer: the flat writable byte view the bytes land in.
+            scratch: the caller throws ``buffer`` away on any error (a staging buffer), so a read
+                from another host lands in it directly (one copy less per byte; a failed read may
+                leave part of the bytes there).
+            offset: reads bytes ``[offset, offset + len(buffer))`` of the value (from its replicas
+                in memory only) instead of all of it.
 
         Raises:
             ValueError: the buffer is too small, or the range not within the value.
@@ -165,23 +181,30 @@ class StoreInternals:
         return self.reader.get_into(key, buffer, scratch, offset)
 
     def local_views(self, keys: list) -> tuple:
-        """``(views, deadline)``: per key a read-only ``memoryview`` of the value's first
-        replica where it lies in memory on this host (this client's own segment too), else
-        None (also for a missing key); ``deadline`` is the ``time.monotonic()`` at which
-        the read lease ends. No copy: the bytes stay the store's, valid while the object is
-        not removed (the caller protects them: ``WeightSync`` holds the version). A view of
-        another client's segment keeps its mapping alive after the segment goes away."""
+        """``(views, deadline)``: per key a read-only view of the value in this host's memory.
+
+        The view is a ``memoryview`` of the value's first replica where it lies in memory on this
+        host (this client's own segment too), else None (also for a missing key); ``deadline`` is
+        the ``time.monotonic()`` at which the read lease ends. No copy: the bytes stay the store's,
+        valid while the object is not removed (the caller protects them: ``WeightSync`` holds the
+        version). A view of another client's segment keeps its mapping alive after the segment goes
+        away.
+        """
         return self.reader.local_views(check_keys(keys, "local_views"))
 
     def locate(self, keys: list) -> Located:
-        """Where each key's replicas are (:class:`Located`); takes a read lease on each,
-        as a ``get`` does."""
+        """Where each key's replicas are (:class:`Located`).
+
+        Takes a read lease on each, as a ``get`` does.
+        """
         return Located(*self.reader.meta(check_keys(keys, "locate")))
 
     def replica_is_local(self, key: str) -> bool | None:
-        """Whether the first replica of ``key`` lies in memory on this host (mapped: no
-        network): True; in another host's memory: False; None when ``key`` is missing or
-        lies only on SSD. Takes a read lease, as a ``get`` does."""
+        """Whether the first replica of ``key`` lies in memory on this host (mapped: no network).
+
+        False when it lies in another host's memory; None when ``key`` is missing or lies only on
+        SSD. Takes a read lease, as a ``get`` does.
+        """
         (obj,), segs, _ = self.locate([key])
         if obj is None or not obj.replicas or obj.replicas[0][0] != "m":
             return None
@@ -189,8 +212,9 @@ class StoreInternals:
 
     # ------------------------------------------------------------------ writes in place
     def place(self, keys: list, sizes: list, *, pin: bool = True) -> list | None:
-        """Starts upserts of ``keys`` (``sizes`` in bytes, each > 0) in this client's own
-        segment, one replica each, with one request. The caller writes each object's bytes
+        """Starts upserts of ``keys`` in this client's own segment, with one request.
+
+        One replica each; ``sizes`` are in bytes, each > 0. The caller writes each object's bytes
         into its view, then :meth:`commit`-s it or :meth:`revoke`-s what it will not.
 
         Returns:
@@ -204,11 +228,15 @@ class StoreInternals:
         return self.writer.place_own(check_keys(keys, "place"), list(sizes), pin=pin)
 
     def commit(self, key: str, version: int) -> None:
-        """Commits ``key`` at ``version`` (from :meth:`place`): readers see it from now
-        on. Raises the master's ``StoreError`` (``PutLostError``: it forgot the put)."""
+        """Commits ``key`` at ``version`` (from :meth:`place`): readers see it from now on.
+
+        Raises the master's ``StoreError`` (``PutLostError``: it forgot the put).
+        """
         self.writer.commit_one(key, version)
 
     def revoke(self, items: list) -> None:
-        """Gives puts that :meth:`place` started back (``[key, version]`` items); never
-        raises (a master out of reach drops them with this client's other state)."""
+        """Gives puts that :meth:`place` started back (``[key, version]`` items).
+
+        Never raises (a master out of reach drops them with this client's other state).
+        """
         self.writer.revoke(items)

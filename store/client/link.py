@@ -1,6 +1,7 @@
-"""The client's link to the master: the metadata connection (framing in
-``common/protocol.py``), leader following and failover (etcd), registration, and the
-heartbeat thread, which hands the tasks the master sends to ``tasks.py``.
+"""The client's link to the master: the metadata connection, failover, registration, heartbeats.
+
+The metadata connection has its framing in ``common/protocol.py``; leader following and failover go
+through etcd; the heartbeat thread hands the tasks the master sends to ``tasks.py``.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ _QUICK_S = 1.0  # such a call's one try
 
 
 class Link:
-    """Metadata requests to the master (one connection, calls of several threads
-    serialised on it), its heartbeats, and this client's registration.
+    """Metadata requests to the master, its heartbeats, and this client's registration.
+
+    One connection; calls of several threads are serialised on it.
 
     Attributes:
         client_id: this client's id at the master.
@@ -68,8 +70,10 @@ class Link:
         self._poll_thread: threading.Thread | None = None
 
     def register(self) -> None:
-        """Registers this client (its segment, its SSD directory and the files found in
-        it) with the master, and takes the master's lease and client TTLs."""
+        """Registers this client with the master, and takes the master's lease and client TTLs.
+
+        What it registers: its segment, its SSD directory and the files found in it.
+        """
         desc = self._dataplane.segment_desc()
         res = self.call(
             "register",
@@ -100,8 +104,10 @@ class Link:
                     chunk, size = [], 0
 
     def resolve(self) -> str | None:
-        """``HOST:PORT`` of the master to use: the configured one, or the leader etcd names
-        (None when etcd names none or cannot be asked: ``etcd_error`` says why)."""
+        """``HOST:PORT`` of the master to use: the configured one, or the leader etcd names.
+
+        None when etcd names none or cannot be asked: ``etcd_error`` says why.
+        """
         if self.cfg.etcd is None:
             return self.cfg.master
         from ..common.etcd import Etcd, describe
@@ -139,25 +145,27 @@ class Link:
         sent_at: list | None = None,
         fail_fast: bool = True,
     ):
-        """One metadata request; follows leader changes for ``failover_timeout_s`` from the
-        first failure (a request that waited out ``rpc_timeout_s`` on a stopped leader then
-        still goes to its successor), each retry bounded by what is left of that: at most
-        ``rpc_timeout_s + failover_timeout_s`` in all.
+        """One metadata request; follows leader changes for ``failover_timeout_s``.
+
+        That time runs from the first failure: a request that waited out ``rpc_timeout_s`` on a
+        stopped leader then still goes to its successor; each retry is bounded by what is left of
+        that: at most ``rpc_timeout_s + failover_timeout_s`` in all.
 
         Args:
-            method / args: the request (``common/protocol.py``).
+            method: the request's method (``common/protocol.py``).
+            args: the request's arguments.
             register: a master that forgot this client gets it registered again, once.
-            sent_at: a list that gets the ``time.monotonic()`` at which the request that
-                answered was sent (a lease runs from then).
-            fail_fast: within ``_GAVE_UP_S`` of a call that gave up, one try of
-                ``_QUICK_S`` (False: a clean-up the client owes the master, tried in full).
+            sent_at: a list that gets the ``time.monotonic()`` at which the request that answered
+                was sent (a lease runs from then).
+            fail_fast: within ``_GAVE_UP_S`` of a call that gave up, one try of ``_QUICK_S`` (False:
+                a clean-up the client owes the master, tried in full).
 
         Returns:
             The master's result.
 
         Raises:
-            StoreError: no master answered in time, the link is closed, or the master's
-                own error (its class).
+            StoreError: no master answered in time, the link is closed, or the master's own error
+                (its class).
         """
         start = time.monotonic()
         deadline = None
@@ -248,8 +256,10 @@ class Link:
                 time.sleep(0.1)
 
     def start(self, on_task: Callable[[list], None]) -> None:
-        """Starts the heartbeat thread; it passes each task the master hands out to
-        ``on_task`` (which must not block: heartbeats never wait for a disk or an RPC)."""
+        """Starts the heartbeat thread; it passes each task the master hands out to ``on_task``.
+
+        ``on_task`` must not block: heartbeats never wait for a disk or an RPC.
+        """
         self._poll_thread = threading.Thread(
             target=self._poll_main, args=(on_task,), name="mooncake-store-heartbeat", daemon=True
         )
@@ -298,11 +308,13 @@ class Link:
             conn.close()
 
     def _poll_slack(self) -> float:
-        """Seconds a heartbeat may go unanswered (and a connect take) before the poll
-        thread gives up on that master and finds the leader again: a third of the master's
-        client TTL, so a stopped (SIGSTOP) or hung leader still lets heartbeats reach its
-        successor within the TTL it grants every client (found by a new-user trial: stuck
-        for rpc_timeout_s + 3 s, the client was declared dead and all its objects dropped)."""
+        """Seconds a heartbeat may go unanswered (and a connect take) before the master is given up.
+
+        After that the poll thread gives up on that master and finds the leader again: a third of
+        the master's client TTL, so a stopped (SIGSTOP) or hung leader still lets heartbeats reach
+        its successor within the TTL it grants every client (found by a new-user trial: stuck for
+        rpc_timeout_s + 3 s, the client was declared dead and all its objects dropped).
+        """
         return min(self.cfg.rpc_timeout_s, max(1.0, self._client_ttl / 3))
 
     def _connect_poll(self):
@@ -320,8 +332,11 @@ class Link:
         return protocol.Connection(host, port, secret=self.cfg.secret, timeout=self._poll_slack())
 
     def report_corrupt(self, key: str, version: int, path: str) -> None:
-        """Tells the master an SSD file of ``key`` is missing or corrupt: it drops that
-        replica (and the object when none is left), so later gets miss instead of failing."""
+        """Tells the master an SSD file of ``key`` is missing or corrupt.
+
+        The master drops that replica (and the object when none is left), so later gets miss instead
+        of failing.
+        """
         try:
             self.call(
                 "ssd_bad", {"client": self.client_id, "key": key, "version": version, "path": path}
@@ -330,11 +345,12 @@ class Link:
             log.warning("store: reporting the corrupt SSD file %s: %s", path, e)
 
     def unregister(self, *, quick: bool = False) -> None:
-        """Tells the master this client leaves (objects held only in its segment go) and
-        closes the link to requests. ``quick``: one try of at most a second, which may find
-        the connection busy or gone (at interpreter exit, which must not wait for an
-        unreachable master); otherwise a failure is ignored (the master drops this client
-        after its TTL)."""
+        """Tells the master this client leaves, and closes the link to requests.
+
+        Objects held only in its segment go. ``quick``: one try of at most a second, which may find
+        the connection busy or gone (at interpreter exit, which must not wait for an unreachable
+        master); otherwise a failure is ignored (the master drops this client after its TTL).
+        """
         self.closed = True
         if quick:
             if not self._lock.acquire(timeout=1.0):

@@ -1,7 +1,8 @@
-"""The client's read path: the ``get`` metadata request (leases, waits for SSD loads on
-other hosts), copies from the first replica that works (mapped segments of this host in one
-parallel copy, other hosts through the transfer engine), segments whose owner could not be
-reached, and reads that outlast their lease.
+"""The client's read path: the ``get`` request, copies from replicas, unreachable owners, leases.
+
+The ``get`` metadata request (leases, waits for SSD loads on other hosts), copies from the first
+replica that works (mapped segments of this host in one parallel copy, other hosts through the
+transfer engine), segments whose owner could not be reached, and reads that outlast their lease.
 """
 
 from __future__ import annotations
@@ -32,9 +33,12 @@ UNREACHABLE_SKIP_S = 10.0
 
 
 class ObjectMeta:
-    """What the master says of one object in a ``get``: ``key``, ``size`` (bytes),
-    ``version``, ``meta`` (the metadata bytes stored with it) and ``replicas``, first
-    choice first: ``["m", segment name, offset]`` in memory, ``["s", host, path]`` on SSD."""
+    """What the master says of one object in a ``get``.
+
+    ``key``, ``size`` (bytes), ``version``, ``meta`` (the metadata bytes stored with it) and
+    ``replicas``, first choice first: ``["m", segment name, offset]`` in memory,
+    ``["s", host, path]`` on SSD.
+    """
 
     __slots__ = ("key", "meta", "replicas", "size", "version")
 
@@ -49,8 +53,10 @@ class ObjectMeta:
 
 
 def _batch_result(keys: list, out: list, deadline: float, return_exceptions: bool) -> list:
-    """A batch read's results: every read that ended after the lease becomes a
-    ``LeaseExpiredError``; the first error is raised unless ``return_exceptions``."""
+    """A batch read's results, with every read that ended after the lease turned into an error.
+
+    That error is ``LeaseExpiredError``. The first error is raised unless ``return_exceptions``.
+    """
     if time.monotonic() > deadline:
         out = [
             o
@@ -64,16 +70,20 @@ def _batch_result(keys: list, out: list, deadline: float, return_exceptions: boo
 
 
 def _connection_failed(e: BaseException) -> bool:
-    """Whether a transfer-engine error is a failed connection to the peer: the binding
-    raises the engine's ``PeerConnectionError`` as ``torch.distributed.DistNetworkError``
-    (torch is loaded wherever an engine is)."""
+    """Whether a transfer-engine error is a failed connection to the peer.
+
+    The binding raises the engine's ``PeerConnectionError`` as
+    ``torch.distributed.DistNetworkError`` (torch is loaded wherever an engine is).
+    """
     dist = sys.modules.get("torch.distributed")
     return dist is not None and isinstance(e, dist.DistNetworkError)
 
 
 class Reader:
-    """Reads: their metadata requests (with read leases), and the copies out of the
-    segments. Keys and buffers come checked (``args.py``)."""
+    """Reads: their metadata requests (with read leases), and the copies out of the segments.
+
+    Keys and buffers come checked (``args.py``).
+    """
 
     def __init__(self, cfg: StoreConfig, link: Link, dataplane: DataPlane):
         self._cfg = cfg
@@ -99,10 +109,12 @@ class Reader:
     def _read_many(
         self, objs: list, segs: dict, outs: list | None = None, scratch: bool = False
     ) -> list:
-        """Reads every object (None entries skipped) with one parallel copy for those in
-        mapped segments; returns bytes (``outs`` None) or None per object, or the
-        ``TransferError`` in its place. ``scratch``: the caller throws ``outs`` away on any
-        error, so reads from other hosts land in them directly (no temporary)."""
+        """Reads every object (None entries skipped), with one parallel copy for mapped segments.
+
+        Returns bytes (``outs`` None) or None per object, or the ``TransferError`` in its place.
+        ``scratch``: the caller throws ``outs`` away on any error, so reads from other hosts land in
+        them directly (no temporary).
+        """
         res: list = [None] * len(objs)
         local_i, local_src = [], []
         remote: dict = {}  # segment name -> indexes of objects whose first replica is there
@@ -176,8 +188,10 @@ class Reader:
         return res
 
     def _skipped(self) -> frozenset:
-        """Segments that reads skip now: their owner could not be reached within the
-        last ``UNREACHABLE_SKIP_S`` seconds."""
+        """Segments that reads skip now.
+
+        Their owner could not be reached within the last ``UNREACHABLE_SKIP_S`` seconds.
+        """
         if not self._unreachable:
             return frozenset()
         now = time.monotonic()
@@ -191,11 +205,13 @@ class Reader:
         self._unreachable_marks += 1
 
     def _leased(self, read):
-        """``read() -> (result, deadline)``, run once more when it outlasted its read lease
-        while a segment owner was found unreachable: the first try waited for that owner
-        (up to the transfer engine's timeouts, longer than a lease), and its results must
-        not be used (``LeaseExpiredError``); the second try gets a new lease and skips that
-        segment (other replicas, or ``TransferError`` at once)."""
+        """``read() -> (result, deadline)``, run once more when it outlasted its read lease.
+
+        It runs again while a segment owner was found unreachable: the first try waited for that
+        owner (up to the transfer engine's timeouts, longer than a lease), and its results must not
+        be used (``LeaseExpiredError``); the second try gets a new lease and skips that segment
+        (other replicas, or ``TransferError`` at once).
+        """
         marks = self._unreachable_marks
         res = read()
         if time.monotonic() > res[-1] and self._unreachable_marks != marks:
@@ -210,10 +226,12 @@ class Reader:
         skip: frozenset = frozenset(),
         scratch: bool = False,
     ):
-        """Copies ``obj`` into ``out`` from the first replica that works (none in a segment
-        named in ``skip``: found unreachable just before); with ``out=None`` returns a new
-        ``bytes`` (one copy). ``scratch``: a read from another host goes into ``out``
-        directly (it may hold part of the bytes after a failed transfer)."""
+        """Copies ``obj`` into ``out`` from the first replica that works.
+
+        No replica in a segment named in ``skip`` (found unreachable just before) is tried; with
+        ``out=None`` returns a new ``bytes`` (one copy). ``scratch``: a read from another host goes
+        into ``out`` directly (it may hold part of the bytes after a failed transfer).
+        """
         if obj.size == 0:  # empty objects have no replica (they live in the master alone)
             return b"" if out is None else None
         errors = []
@@ -277,11 +295,13 @@ class Reader:
         raise TransferError(f"no replica of {obj.key!r} could be read: " + "; ".join(errors))
 
     def meta(self, keys: list) -> tuple:
-        """``(objects, segments, deadline)`` of checked ``keys``: per key an
-        :class:`ObjectMeta` (None: missing), the descriptors of the segments holding them
-        by name, and the ``time.monotonic()`` at which the read leases this request took
-        end. Waits (up to ``rpc_timeout_s``) while the master loads objects that lie only
-        on another host's SSD into memory."""
+        """``(objects, segments, deadline)`` of checked ``keys``.
+
+        Per key an :class:`ObjectMeta` (None: missing), the descriptors of the segments holding them
+        by name, and the ``time.monotonic()`` at which the read leases this request took end. Waits
+        (up to ``rpc_timeout_s``) while the master loads objects that lie only on another host's SSD
+        into memory.
+        """
         parts = list(chunks(keys))
         if len(parts) > 1:
             objs, segs, deadline = [], {}, float("inf")
@@ -330,13 +350,15 @@ class Reader:
             )
 
     def local_views(self, keys: list) -> tuple:
-        """``(views, deadline)``: per checked key a read-only ``memoryview`` of the value's first
-        replica where it lies in memory on this host (this client's own segment
-        included, through a read-only mapping of it), else ``None`` (also for a missing key); ``deadline`` is the
-        ``time.monotonic()`` at which the read lease ends. No copy: the bytes stay the
-        store's, valid while the object is not removed (the caller protects them, e.g.
-        ``WeightSync`` holds). A view of another client's segment keeps its mapping alive
-        after the segment goes away."""
+        """``(views, deadline)``: per checked key a read-only view of the value on this host.
+
+        The view is a ``memoryview`` of the value's first replica where it lies in memory on this
+        host (this client's own segment included, through a read-only mapping of it), else ``None``
+        (also for a missing key); ``deadline`` is the ``time.monotonic()`` at which the read lease
+        ends. No copy: the bytes stay the store's, valid while the object is not removed (the caller
+        protects them, e.g. ``WeightSync`` holds). A view of another client's segment keeps its
+        mapping alive after the segment goes away.
+        """
         objs, segs, deadline = self.meta(keys)
         out = []
         for obj in objs:
@@ -433,13 +455,13 @@ class Reader:
         """``MooncakeStore.get_into`` of a checked key and buffer; returns the bytes read.
 
         Args:
-            scratch: the caller throws the buffer away on any error (a staging buffer), so
-                a read from another host's segment lands in it directly, without the
-                temporary that keeps it untouched on a failed transfer (one copy less per
-                byte).
-            offset: reads bytes ``[offset, offset + len(mv))`` of the value (from its
-                replicas in memory only) instead of all of it; ``ValueError`` when they are
-                not all within it.
+            key: the checked key.
+            mv: the checked buffer, a flat writable byte view.
+            scratch: the caller throws the buffer away on any error (a staging buffer), so a read
+                from another host's segment lands in it directly, without the temporary that keeps
+                it untouched on a failed transfer (one copy less per byte).
+            offset: reads bytes ``[offset, offset + len(mv))`` of the value (from its replicas in
+                memory only) instead of all of it; ``ValueError`` when they are not all within it.
         """
 
         def read():
@@ -469,8 +491,10 @@ class Reader:
         return size
 
     def get_into_batch(self, keys: list, mvs: list, return_exceptions: bool) -> list:
-        """``MooncakeStore.get_into_batch`` of checked keys and buffers (a key may repeat:
-        each of its buffers receives the value, one request per repetition)."""
+        """``MooncakeStore.get_into_batch`` of checked keys and buffers.
+
+        A key may repeat: each of its buffers receives the value, one request per repetition.
+        """
         if len(set(keys)) != len(keys):
             # rounds of distinct keys: the n-th occurrences of each key together
             seen: dict = {}
@@ -513,8 +537,10 @@ class Reader:
         return _batch_result(keys, out, deadline, return_exceptions)
 
     def get_tensors(self, keys: list, return_exceptions: bool) -> list:
-        """``MooncakeStore.get_tensor_batch`` of checked keys (a key may repeat: each
-        further position gets its own copy, a clone)."""
+        """``MooncakeStore.get_tensor_batch`` of checked keys.
+
+        A key may repeat: each further position gets its own copy, a clone.
+        """
         import torch
 
         uniq, pos = dedup(keys)
@@ -534,10 +560,12 @@ class Reader:
         return _batch_result(keys, out, deadline, return_exceptions)
 
     def exists_meta(self, keys: list) -> list:
-        """Per checked key ``None`` if it does not exist, else the metadata stored with it
-        (bytes: what ``put_tensor`` records, ``b""`` for plain values), or ``True`` where
-        the master does not send metadata (an older master). From the master alone: no
-        lease, no bytes read, nothing loaded from SSD."""
+        """Per checked key ``None`` if it does not exist, else the metadata stored with it.
+
+        The metadata is bytes: what ``put_tensor`` records, ``b""`` for plain values; or ``True``
+        where the master does not send metadata (an older master). From the master alone: no lease,
+        no bytes read, nothing loaded from SSD.
+        """
         uniq, pos = dedup(keys)
         out: list = []
         for a, b in chunks(uniq):

@@ -1,7 +1,8 @@
-"""The client's put reservation: segment space the master reserved for this client's
-next puts (``master/reservations.py``), which it fills from the front and commits with one
-request (``put``) instead of two. Given back when idle or when the master asks; its pages
-are warmed up ahead of the puts that write them.
+"""The client's put reservation: segment space the master reserved for this client's next puts.
+
+The space (``master/reservations.py``) is filled from the front and committed with one request
+(``put``) instead of two. Given back when idle or when the master asks; its pages are warmed up
+ahead of the puts that write them.
 """
 
 from __future__ import annotations
@@ -45,8 +46,7 @@ class Unreachable(str):
 
 
 class Reservations:
-    """This client's put reservation (at most one at a time) and the one-round-trip puts
-    into it.
+    """This client's put reservation (at most one at a time) and the one-round-trip puts into it.
 
     Attributes:
         current: the reservation held (:class:`Reservation`), or None.
@@ -70,14 +70,16 @@ class Reservations:
         self.warm_thread: threading.Thread | None = None
 
     def put(self, keys: list, views: list, metas: list, cfg: ReplicateConfig, upsert: bool):
-        """One-round-trip put: writes the objects back to back into this client's
-        reservation and commits them with one request (``Core.put``). Returns the results
-        as :meth:`Writer.put_many <mooncake_store.client.write.Writer.put_many>` does, or None when this path is not taken (more than one replica,
-        ``require_all``, pinned objects, objects larger than a quarter of
-        ``put_reservation_bytes``, no reservation granted, another thread using it, the
-        master no longer knowing it): the caller then puts them the two-request way, from
-        the start. ``Unreachable(segment)`` when the reservation's segment could not be
-        written: the same, avoiding that segment."""
+        """One-round-trip put: writes the objects back to back into this client's reservation.
+
+        It commits them with one request (``Core.put``). Returns the results as
+        :meth:`Writer.put_many <mooncake_store.client.write.Writer.put_many>` does, or None when
+        this path is not taken (more than one replica, ``require_all``, pinned objects, objects
+        larger than a quarter of ``put_reservation_bytes``, no reservation granted, another thread
+        using it, the master no longer knowing it): the caller then puts them the two-request way,
+        from the start. ``Unreachable(segment)`` when the reservation's segment could not be
+        written: the same, avoiding that segment.
+        """
         want = self._cfg.put_reservation_bytes
         if (
             not want
@@ -174,8 +176,10 @@ class Reservations:
             self._lock.release()
 
     def _reserve(self, pref: str | None, least: int) -> Reservation | None:
-        """Gives the current reservation back and asks for a new one of at least ``least``
-        bytes (``_lock`` held)."""
+        """Gives the current reservation back and asks for a new one of at least ``least`` bytes.
+
+        ``_lock`` is held.
+        """
         old, self.current = self.current, None
         sent = []
         res = self._link.call(
@@ -207,12 +211,14 @@ class Reservations:
         return self.current
 
     def _warm(self, off: int, n: int):
-        """Has a background thread read a byte of every page of ``[off, off + n)`` of this
-        client's segment (``touch_pages``) ahead of the puts that will write there: on VMs a
-        page idle for about a second costs ~0.5 us at its next access (a 1 MiB copy 150-300
-        us instead of ~60 us on the CI VM), paid there off the put's path. Only for puts
-        below _WARM_MAX_PUT: larger ones copy with two threads, which a third would slow.
-        Not needed (not done) where the segment is in 2 MiB pages, which do not go cold."""
+        """Has a background thread read a byte of every page of ``[off, off + n)`` of the segment.
+
+        The segment is this client's; the thread reads with ``touch_pages``, ahead of the puts that
+        will write there: on VMs a page idle for about a second costs ~0.5 us at its next access (a
+        1 MiB copy 150-300 us instead of ~60 us on the CI VM), paid there off the put's path. Only
+        for puts below _WARM_MAX_PUT: larger ones copy with two threads, which a third would slow.
+        Not needed (not done) where the segment is in 2 MiB pages, which do not go cold.
+        """
         self._warm_job = (off, n)
         if self.warm_thread is None:
             self.warm_thread = threading.Thread(
@@ -240,16 +246,20 @@ class Reservations:
                 view.release()
 
     def _returns(self, old: Reservation | None) -> list:
-        """The ``ret`` list of a reserve request: ``old`` as this client knows it, and every
-        orphaned reservation as a whole (offset -1)."""
+        """The ``ret`` list of a reserve request.
+
+        ``old`` as this client knows it, and every orphaned reservation as a whole (offset -1).
+        """
         out = [[old.seg, old.off, old.left]] if old is not None else []
         return out + [
             [seg, -1, -1] for seg in sorted(self._orphans) if old is None or seg != old.seg
         ]
 
     def give_back(self, wait: bool) -> None:
-        """Returns the reservation to the master (asked to, or idle); ``wait``: after a put
-        in flight in it has committed."""
+        """Returns the reservation to the master (asked to, or idle).
+
+        ``wait``: after a put in flight in it has committed.
+        """
         if not self._lock.acquire(blocking=wait):
             return
         try:
@@ -273,15 +283,19 @@ class Reservations:
             self._lock.release()
 
     def give_back_if_idle(self) -> None:
-        """Gives the reservation back when unused for a few seconds, and any whose extent
-        this client lost track of."""
+        """Gives the reservation back when unused for a few seconds.
+
+        Also any reservation whose extent this client lost track of.
+        """
         r = self.current
         if (r is not None and time.monotonic() - r.used_at > _RESV_IDLE_S) or self._orphans:
             self.give_back(wait=False)
 
     def close(self) -> None:
-        """Stops the warm-up thread (it holds a view of the segment, which is closed next);
-        the link is closed already."""
+        """Stops the warm-up thread (it holds a view of the segment, which is closed next).
+
+        The link is closed already.
+        """
         t = self.warm_thread
         if t is not None and t is not threading.current_thread():
             self._warm_evt.set()

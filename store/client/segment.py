@@ -1,5 +1,6 @@
-"""Shared-memory segments: the memory a client contributes, and mappings of other
-clients' segments on the same host.
+"""Shared-memory segments: the memory a client contributes, and mappings of same-host segments.
+
+The mappings are of other clients' segments on the same host.
 
 A segment is a memfd (anonymous: nothing to unlink, a SIGKILL leaks nothing) that other
 processes of the host open through ``/proc/<owner pid>/fd/<fd>``. Its first
@@ -19,8 +20,10 @@ from ..common.layout import MAGIC, SEG_HEADER
 
 
 class LocalSegment:
-    """``size`` bytes of shared memory owned by this process (see :func:`_map` for how
-    they are mapped; ``huge_bytes`` of them are backed by 2 MiB pages)."""
+    """``size`` bytes of shared memory owned by this process.
+
+    See :func:`_map` for how they are mapped; ``huge_bytes`` of them are backed by 2 MiB pages.
+    """
 
     def __init__(self, name: str, size: int, prefault: bool = True, huge_pages: bool = True):
         self.name = name
@@ -43,6 +46,11 @@ class LocalSegment:
         self.view[0 : len(MAGIC) + 16] = MAGIC + self.token
 
     def desc(self, host_id: str, te: list | None) -> dict:
+        """The segment's descriptor for the master: size, ``/proc`` path, token, host, engine.
+
+        ``host_id`` is this host's id, ``te`` where the transfer engine serves the segment (or
+        None); the data starts after the ``SEG_HEADER`` bytes of header (``base``).
+        """
         return {
             "size": self.size,
             "path": f"/proc/{os.getpid()}/fd/{self.fd}",
@@ -53,8 +61,11 @@ class LocalSegment:
         }
 
     def close(self) -> None:
-        # The memory is unmapped once no view of it is left (a transfer engine
-        # registration keeps one until it is unregistered).
+        """Releases this process's view and closes the memfd.
+
+        The memory is unmapped once no view of it is left (a transfer engine registration keeps one
+        until it is unregistered).
+        """
         _release(self.view)
         try:
             os.close(self.fd)
@@ -109,11 +120,12 @@ _malloc_tuned = False
 
 
 def tune_malloc() -> bool:
-    """Sets glibc malloc's mmap threshold to 32 MiB and its trim threshold to 64 MiB for
-    this process (``mallopt(3)``), once; returns whether they are set (``False``: not
-    glibc, or the user set either threshold: ``MALLOC_MMAP_THRESHOLD_``,
-    ``MALLOC_TRIM_THRESHOLD_``, or ``glibc.malloc.mmap_threshold`` /
-    ``glibc.malloc.trim_threshold`` in ``GLIBC_TUNABLES``, which win).
+    """Sets glibc malloc's mmap threshold to 32 MiB and its trim threshold to 64 MiB, once.
+
+    It sets them for this process (``mallopt(3)``); returns whether they are set (``False``: not
+    glibc, or the user set either threshold: ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``,
+    or ``glibc.malloc.mmap_threshold`` / ``glibc.malloc.trim_threshold`` in ``GLIBC_TUNABLES``,
+    which win).
 
     Why: every ``get`` returns new ``bytes``. With glibc's defaults, a batch of 16 x 1 MiB
     values freed together is more free heap than the trim threshold (twice the adaptive
@@ -123,7 +135,8 @@ def tune_malloc() -> bool:
     the defaults, 7.12 GiB/s with these values. They are the values glibc's adaptive
     threshold itself reaches once a process frees a 32 MiB block (glibc ``malloc.c``,
     ``DEFAULT_MMAP_THRESHOLD_MAX``): blocks of 128 KiB to 32 MiB come from the heap from
-    the start, and the process keeps up to 64 MiB of freed heap for reuse."""
+    the start, and the process keeps up to 64 MiB of freed heap for reuse.
+    """
     global _malloc_tuned
     if _malloc_tuned:
         return True
@@ -166,8 +179,9 @@ class _Mapping:
 
 
 def _map(fd: int, size: int, prefault: bool, writable: bool, huge_pages: bool = False) -> tuple:
-    """Maps ``fd`` (``size`` bytes, shared) at a 2 MiB-aligned address; returns
-    ``(memoryview, huge_bytes)``. The view is read-only unless ``writable``; the memory is
+    """Maps ``fd`` (``size`` bytes, shared) at a 2 MiB-aligned address.
+
+    Returns ``(memoryview, huge_bytes)``. The view is read-only unless ``writable``; the memory is
     unmapped once every view of it is released.
 
     ``huge_pages`` (the owner, at creation, with ``prefault``): the segment's pages become
@@ -185,7 +199,8 @@ def _map(fd: int, size: int, prefault: bool, writable: bool, huge_pages: bool = 
     per page during the first copies: writable mappings with ``MADV_POPULATE_WRITE``
     (a shared page populated for reading is mapped read-only, and the first write to it
     faults again: a first 1 MiB write measured 274 us against 63 us), read-only ones with
-    ``MADV_POPULATE_READ``. Raises ``OSError``."""
+    ``MADV_POPULATE_READ``. Raises ``OSError``.
+    """
     lib = _lib()
     prot = _PROT_READ | (_PROT_WRITE if writable else 0)
     span = size + _HUGE
@@ -231,8 +246,11 @@ def _map(fd: int, size: int, prefault: bool, writable: bool, huge_pages: bool = 
 
 
 class MappedSegment:
-    """A same-host segment of another process, mapped read/write (or read-only: a write
-    through it kills the process with SIGSEGV instead of changing the owner's bytes)."""
+    """A same-host segment of another process, mapped read/write (or read-only).
+
+    Read-only: a write through it kills the process with SIGSEGV instead of changing the owner's
+    bytes.
+    """
 
     def __init__(self, desc: dict, prefault: bool = True, readonly: bool = False):
         path, size, token = desc["path"], int(desc["size"]), bytes.fromhex(desc["token"])
@@ -249,6 +267,7 @@ class MappedSegment:
         self.size = size
 
     def close(self) -> None:
+        """Releases this mapping's view."""
         _release(self.view)  # unmapped once views handed out of it are released too
 
 
@@ -262,6 +281,11 @@ class SegmentCache:
         self._lock = threading.Lock()
 
     def get(self, desc: dict) -> MappedSegment:
+        """The mapping of the segment ``desc`` describes, opened on first use.
+
+        A mapping whose token differs from ``desc``'s (the name was registered again) is replaced
+        and closed.
+        """
         name = desc["name"]
         m = self._maps.get(name)
         if m is not None and m.desc_token == desc["token"]:
@@ -284,4 +308,5 @@ class SegmentCache:
                 self._maps.pop(name).close()
 
     def close(self) -> None:
+        """Unmaps every segment."""
         self.retain(set())

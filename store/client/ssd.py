@@ -26,15 +26,21 @@ MAX_HEADER = 1 << 16
 
 
 def path_for(root: str, key: str, version: int) -> str:
+    """The path of ``key``'s file at ``version``: ``root/h[:2]/h-version.obj``.
+
+    ``h`` is the hex SHA-256 of the key.
+    """
     h = hashlib.sha256(key.encode()).hexdigest()
     return os.path.join(root, h[:2], f"{h}-{version}.obj")
 
 
 def lock_dir(root: str) -> int:
-    """Creates ``root`` if needed and takes its lock (``root/.lock``, ``flock``): one
-    client per directory, since each registers every file it finds there as its own.
-    Returns the lock's descriptor (closing it releases the lock). Raises ``StoreError``
-    when another live process holds it, ``ValueError`` when ``root`` is not a directory."""
+    """Creates ``root`` if needed and takes its lock (``root/.lock``, ``flock``).
+
+    One client per directory, since each registers every file it finds there as its own. Returns the
+    lock's descriptor (closing it releases the lock). Raises ``StoreError`` when another live
+    process holds it, ``ValueError`` when ``root`` is not a directory.
+    """
     try:
         os.makedirs(root, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
@@ -59,8 +65,10 @@ def lock_dir(root: str) -> int:
 
 
 def _open_regular(path: str):
-    """Opens ``path`` for reading if it is a regular file (a FIFO there blocked forever);
-    ``ValueError`` otherwise."""
+    """Opens ``path`` for reading if it is a regular file (a FIFO there blocked forever).
+
+    ``ValueError`` otherwise.
+    """
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -111,14 +119,18 @@ def _read_header(f):
 
 
 class CorruptError(TransferError):
-    """The SSD file is gone or does not hold what it should (another key or version,
-    wrong size, truncated, checksum mismatch): the replica is useless and is dropped."""
+    """The SSD file is gone or does not hold what it should: the replica is useless and is dropped.
+
+    It holds another key or version, has the wrong size, is truncated, or fails its checksum.
+    """
 
 
 def read_into(path: str, key: str, version: int, out: memoryview | bytearray) -> int:
-    """Reads the object's data into the writable buffer ``out`` (exactly its size) and
-    checks key, version and checksum. Raises ``CorruptError`` when the file is missing
-    or its contents are wrong, ``TransferError`` for other I/O errors."""
+    """Reads the object's data into the writable buffer ``out`` (exactly its size).
+
+    Checks key, version and checksum. Raises ``CorruptError`` when the file is missing or its
+    contents are wrong, ``TransferError`` for other I/O errors.
+    """
     try:
         with _open_regular(path) as f:
             h = _read_header(f)
@@ -147,8 +159,10 @@ def read_into(path: str, key: str, version: int, out: memoryview | bytearray) ->
 
 
 def scan(root: str) -> list:
-    """``[key, version, size, meta, path]`` for every valid file under ``root``
-    (temporary files of interrupted writes are removed)."""
+    """``[key, version, size, meta, path]`` for every valid file under ``root``.
+
+    Temporary files of interrupted writes are removed.
+    """
     out = []
     if not os.path.isdir(root):
         return out
@@ -183,6 +197,7 @@ def scan(root: str) -> list:
 
 
 def delete(path: str) -> None:
+    """Deletes the file at ``path``; a file already gone (or any ``OSError``) is ignored."""
     try:
         os.unlink(path)
     except OSError:

@@ -61,8 +61,10 @@ _DEFAULT_REPLICATE = ReplicateConfig()
 
 
 class Placement(NamedTuple):
-    """Where an object lives: names of the segments holding it in memory, and of the
-    clients holding it on SSD."""
+    """Where an object lives: the segments holding it in memory, and the clients holding it on SSD.
+
+    Both are lists of names.
+    """
 
     memory: list
     ssd: list
@@ -72,16 +74,29 @@ class Placement(NamedTuple):
 class StoreStats:
     """The master's figures (counters since the master started).
 
-    Attributes: objects (committed), pending (puts in progress), used_bytes and
-    capacity_bytes (of all segments; bytes), clients, segments, deferred (allocations
-    waiting for a lease to end before reuse), ssd_objects (objects with an SSD copy), puts,
-    gets (lookups of keys that exist, the same count as hits), hits, misses, evictions
-    (objects whose memory copies were evicted), offloads (objects written to SSD; failed
-    writes not counted), removes, put_aborts, clients_lost (declared dead), ssd_drops
-    (objects dropped from a full SSD directory, ``StoreConfig.ssd_max_bytes``),
-    reserved_bytes (part of used_bytes: space reserved for clients' next puts,
-    ``StoreConfig.put_reservation_bytes``), ssd_corrupt (SSD replicas dropped because their
-    file was missing or failed its checksum)."""
+    Attributes:
+        objects: objects (committed).
+        pending: puts in progress.
+        used_bytes: bytes used, of all segments.
+        capacity_bytes: bytes of all segments.
+        clients: number of clients.
+        segments: number of segments.
+        deferred: allocations waiting for a lease to end before reuse.
+        ssd_objects: objects with an SSD copy.
+        puts: number of puts.
+        gets: lookups of keys that exist, the same count as hits.
+        hits: number of hits.
+        misses: number of misses.
+        evictions: objects whose memory copies were evicted.
+        offloads: objects written to SSD; failed writes not counted.
+        removes: number of removes.
+        put_aborts: number of puts aborted.
+        clients_lost: clients declared dead.
+        ssd_drops: objects dropped from a full SSD directory (``StoreConfig.ssd_max_bytes``).
+        reserved_bytes: part of used_bytes: space reserved for clients' next puts
+            (``StoreConfig.put_reservation_bytes``).
+        ssd_corrupt: SSD replicas dropped because their file was missing or failed its checksum.
+    """
 
     objects: int
     pending: int
@@ -197,12 +212,24 @@ class MooncakeStore:
     def put(self, key: str, value: BytesLike, config: ReplicateConfig = _DEFAULT_REPLICATE) -> int:
         """Stores ``value`` (bytes-like, ``b""`` allowed) under ``key``.
 
-        Returns how many replicas were placed (``config.replica_num`` or fewer when fewer
-        segments can hold it). Raises ``ObjectExistsError`` if the key exists or is being
-        written (use :meth:`upsert`), ``ReplicaShortfallError`` (``require_all``; nothing
-        stored), ``NoSpaceError``, ``TransferError``, ``PutLostError`` (the master no longer
-        knows the put: it outlasted ``put_ttl_s``, or a leader change lost it; nothing
-        stored); ``ValueError`` for bad arguments (before anything is sent)."""
+        Args:
+            key: the key.
+            value: the value, bytes-like (``b""`` allowed).
+            config: how the object is placed (:class:`ReplicateConfig`).
+
+        Returns:
+            How many replicas were placed (``config.replica_num`` or fewer when fewer segments can
+            hold it).
+
+        Raises:
+            ObjectExistsError: the key exists or is being written (use :meth:`upsert`).
+            ReplicaShortfallError: ``require_all``; nothing stored.
+            NoSpaceError: no segment can hold the object.
+            TransferError: the bytes could not be written.
+            PutLostError: the master no longer knows the put: it outlasted ``put_ttl_s``, or a
+                leader change lost it; nothing stored.
+            ValueError: bad arguments (before anything is sent).
+        """
         return self._writer.put_many(
             [check_key(key, "put")],
             [as_bytes_view(value, "put: value")],
@@ -213,8 +240,10 @@ class MooncakeStore:
     def upsert(
         self, key: str, value: BytesLike, config: ReplicateConfig = _DEFAULT_REPLICATE
     ) -> int:
-        """Like :meth:`put`, but replaces an existing value (any size). Readers see the
-        old value until the new one is complete. Returns the replicas placed."""
+        """Like :meth:`put`, but replaces an existing value (any size).
+
+        Readers see the old value until the new one is complete. Returns the replicas placed.
+        """
         return self._writer.put_many(
             [check_key(key, "upsert")],
             [as_bytes_view(value, "upsert: value")],
@@ -232,9 +261,12 @@ class MooncakeStore:
         upsert: bool = False,
         return_exceptions: bool = False,
     ) -> list:
-        """Stores several objects with two metadata round trips. Returns the replica count
-        per key; a key that fails does not stop the others: its error is raised after the
-        whole batch (the first one), or returned in its place with ``return_exceptions``."""
+        """Stores several objects with two metadata round trips.
+
+        Returns the replica count per key. A key that fails does not stop the others: its error is
+        raised after the whole batch (the first one), or returned in its place with
+        ``return_exceptions``.
+        """
         keys = check_keys(keys, "put_batch")
         check_config(config, "put_batch")
         views = [as_bytes_view(v, "put_batch: value") for v in values]
@@ -257,8 +289,10 @@ class MooncakeStore:
         *,
         upsert: bool = False,
     ) -> int:
-        """Stores a CPU tensor (any dtype and shape, non-contiguous ones are copied
-        first; zero elements allowed); :meth:`get_tensor` returns it with dtype and shape."""
+        """Stores a CPU tensor; :meth:`get_tensor` returns it with dtype and shape.
+
+        Any dtype and shape; non-contiguous ones are copied first; zero elements allowed.
+        """
         return self.put_tensor_batch(
             [check_key(key, "put_tensor")], [tensor], config, upsert=upsert, _op="put_tensor"
         )[0]
@@ -286,28 +320,43 @@ class MooncakeStore:
     def get(self, key: str) -> bytes:
         """A copy of the value of ``key`` as ``bytes`` (owned by the caller).
 
-        Raises ``ObjectNotFoundError`` (a ``KeyError``) if the key does not exist or no
-        version is complete yet, ``LeaseExpiredError`` if the copy outlasted the lease,
-        ``TransferError`` if no replica can be read."""
+        Raises:
+            ObjectNotFoundError: the key does not exist or no version is complete yet (a
+                ``KeyError``).
+            LeaseExpiredError: the copy outlasted the lease.
+            TransferError: no replica can be read.
+        """
         return self._reader.get(check_key(key, "get"))
 
     def get_batch(self, keys: Sequence[str], *, return_exceptions: bool = False) -> list:
-        """Copies of several values with one metadata round trip. A missing key raises
-        ``ObjectNotFoundError`` (after the whole batch) or, with ``return_exceptions``,
-        comes back as that exception in its place. A key may repeat: it is read once and
-        its value returned at each of its positions."""
+        """Copies of several values with one metadata round trip.
+
+        A missing key raises ``ObjectNotFoundError`` (after the whole batch) or, with
+        ``return_exceptions``, comes back as that exception in its place. A key may repeat: it is
+        read once and its value returned at each of its positions.
+        """
         keys = check_keys(keys, "get_batch", repeats=True)
         return self._reader.get_batch(keys, return_exceptions)
 
     def get_into(self, key: str, buffer: WritableBuffer) -> int:
-        """Copies the value of ``key`` into ``buffer`` (writable bytes-like or contiguous CPU
-        tensor, at least the value's size); returns the value's size in bytes.
+        """Copies the value of ``key`` into ``buffer``.
 
-        Raises ``ValueError`` if the buffer is too small (nothing written),
-        ``ObjectNotFoundError``, ``TransferError`` (nothing written: a read from another
-        host lands in a temporary first), ``LeaseExpiredError`` (the copy outlasted the
-        lease: the buffer holds bytes that may have been evicted meanwhile and must not be
-        used)."""
+        Args:
+            key: the key.
+            buffer: a writable bytes-like object or contiguous CPU tensor, at least the value's
+                size.
+
+        Returns:
+            The value's size in bytes.
+
+        Raises:
+            ValueError: the buffer is too small (nothing written).
+            ObjectNotFoundError: the key does not exist or no version is complete yet.
+            TransferError: no replica can be read (nothing written: a read from another host lands
+                in a temporary first).
+            LeaseExpiredError: the copy outlasted the lease: the buffer holds bytes that may have
+                been evicted meanwhile and must not be used.
+        """
         return self._reader.get_into(check_key(key, "get_into"), writable_view(buffer, "get_into"))
 
     def get_into_batch(
@@ -317,9 +366,11 @@ class MooncakeStore:
         *,
         return_exceptions: bool = False,
     ) -> list:
-        """Batch form of :meth:`get_into`: returns the sizes (or exceptions in place with
-        ``return_exceptions``). A key may repeat: each of its buffers receives the value
-        (one request per repetition)."""
+        """Batch form of :meth:`get_into`: returns the sizes.
+
+        With ``return_exceptions``, exceptions come back in place. A key may repeat: each of its
+        buffers receives the value (one request per repetition).
+        """
         keys = check_keys(keys, "get_into_batch", repeats=True)
         mvs = [writable_view(b, "get_into_batch") for b in buffers]
         if len(mvs) != len(keys):
@@ -329,13 +380,19 @@ class MooncakeStore:
     def get_tensor(self, key: str) -> torch.Tensor:
         """The tensor stored by :meth:`put_tensor` (same dtype and shape).
 
-        Raises ``ObjectNotFoundError``, ``ValueError`` if the object is not a tensor,
-        ``LeaseExpiredError``, ``TransferError``."""
+        Raises:
+            ObjectNotFoundError: the key does not exist or no version is complete yet.
+            ValueError: the object is not a tensor.
+            LeaseExpiredError: the copy outlasted the lease.
+            TransferError: no replica can be read.
+        """
         return self.get_tensor_batch([check_key(key, "get_tensor")])[0]
 
     def get_tensor_batch(self, keys: Sequence[str], *, return_exceptions: bool = False) -> list:
-        """Batch form of :meth:`get_tensor`. A key may repeat: it is read once and each
-        further position gets its own copy (a clone)."""
+        """Batch form of :meth:`get_tensor`.
+
+        A key may repeat: it is read once and each further position gets its own copy (a clone).
+        """
         keys = check_keys(keys, "get_tensor_batch", repeats=True)
         return self._reader.get_tensors(keys, return_exceptions)
 
@@ -354,9 +411,17 @@ class MooncakeStore:
         return out if pos is None else [out[j] for j in pos]
 
     def remove(self, key: str, force: bool = False) -> None:
-        """Removes ``key``. Raises ``ObjectNotFoundError``, or ``ObjectHasLeaseError`` while a
-        reader holds a lease (``force=True`` removes anyway; the space is reused only once
-        the lease has expired, so the reader's copy stays intact)."""
+        """Removes ``key``.
+
+        Args:
+            key: the key.
+            force: remove it even while a reader holds a lease; the space is reused only once the
+                lease has expired, so the reader's copy stays intact.
+
+        Raises:
+            ObjectNotFoundError: the key does not exist.
+            ObjectHasLeaseError: a reader holds a lease (and ``force`` is False).
+        """
         check_force(force, "remove")
         (item,) = self._link.call(
             "remove",
@@ -368,8 +433,10 @@ class MooncakeStore:
     def remove_batch(
         self, keys: Sequence[str], force: bool = False, *, return_exceptions: bool = False
     ) -> list:
-        """:meth:`remove` for several keys (each once); returns ``None`` per key, or the
-        exception in its place with ``return_exceptions``."""
+        """:meth:`remove` for several keys (each once).
+
+        Returns ``None`` per key, or the exception in its place with ``return_exceptions``.
+        """
         keys = check_keys(keys, "remove_batch")
         check_force(force, "remove_batch")
         res: list = []
@@ -385,9 +452,11 @@ class MooncakeStore:
         return out
 
     def where(self, key: str) -> Placement:
-        """Where ``key`` lives (introspection for tests and operators): a
-        :class:`Placement` of segment names (memory) and client names (SSD).
-        Raises ``ObjectNotFoundError``."""
+        """Where ``key`` lives (introspection for tests and operators).
+
+        A :class:`Placement` of segment names (memory) and client names (SSD). Raises
+        ``ObjectNotFoundError``.
+        """
         (w,) = self._link.call("where", {"keys": [check_key(key, "where")]})["where"]
         if w is None:
             raise ObjectNotFoundError(f"key {key!r} not found")
@@ -404,8 +473,10 @@ class MooncakeStore:
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
-        """Unregisters (objects held only in this client's segment are gone) and frees
-        everything. Idempotent."""
+        """Unregisters (objects held only in this client's segment are gone) and frees everything.
+
+        Idempotent.
+        """
         if self._closed:
             return
         self._run_close_hooks()

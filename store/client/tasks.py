@@ -1,7 +1,8 @@
-"""The tasks the master hands a client with its heartbeats: SSD offloads and loads,
-deletes of SSD files, and giving its put reservation back; and giving an idle put
-reservation back by itself. They run on a thread of their own, apart from the heartbeat
-thread: a long SSD write or an RPC stuck on a stopped master must not delay heartbeats
+"""The tasks the master hands a client with its heartbeats, run on a thread of their own.
+
+The tasks: SSD offloads and loads, deletes of SSD files, and giving its put reservation back; and
+giving an idle put reservation back by itself. They run on a thread of their own, apart from the
+heartbeat thread: a long SSD write or an RPC stuck on a stopped master must not delay heartbeats
 past the master's client TTL.
 """
 
@@ -22,8 +23,7 @@ log = logging.getLogger("mooncake_store")
 
 
 class Tasks:
-    """Runs the master's tasks in order (:meth:`put` queues one; the heartbeat thread
-    calls it)."""
+    """Runs the master's tasks in order (:meth:`put` queues one; the heartbeat thread calls it)."""
 
     def __init__(
         self, link: Link, dataplane: DataPlane, reservations: Reservations, ssd_dir: str | None
@@ -41,8 +41,10 @@ class Tasks:
         self._queue.put(task)
 
     def close(self) -> None:
-        """Stops the thread once the task it runs is done (an SSD load may be writing
-        into the segment, which is closed next)."""
+        """Stops the thread once the task it runs is done.
+
+        An SSD load may be writing into the segment, which is closed next.
+        """
         t = self._thread
         if t is not threading.current_thread():
             self._queue.put(None)

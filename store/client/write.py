@@ -1,7 +1,9 @@
-"""The client's write path: puts the two-request way (``put_start``, write, ``put_end``,
-in waves when space is short, placed again elsewhere when a segment cannot be reached),
-or the one-round-trip way into this client's put reservation (``reservation.py``); and
-puts the caller writes in place in this client's own segment (:meth:`Writer.place_own`).
+"""The client's write path: two-request puts, one-round-trip puts, and puts written in place.
+
+Puts the two-request way (``put_start``, write, ``put_end``, in waves when space is short, placed
+again elsewhere when a segment cannot be reached), or the one-round-trip way into this client's put
+reservation (``reservation.py``); and puts the caller writes in place in this client's own segment
+(:meth:`Writer.place_own`).
 """
 
 from __future__ import annotations
@@ -57,17 +59,21 @@ class Writer:
         return_exceptions=False,
         only_preferred=False,
     ) -> list:
-        """Stores ``views[i]`` (flat byte views) under the checked ``keys[i]`` with
-        ``metas[i]`` (bytes the master keeps with the object: ``exists`` returns them
-        without a read) as their metadata.
+        """Stores ``views[i]`` (flat byte views) under the checked ``keys[i]`` with ``metas[i]``.
+
+        ``metas[i]`` are bytes the master keeps with the object as its metadata: ``exists`` returns
+        them without a read.
 
         Args:
+            keys: the checked keys, one per object.
+            views: the objects' flat byte views, as ``keys``.
+            metas: the objects' metadata bytes, as ``keys``.
             cfg: placement of every object.
             upsert: replace existing values (else ``ObjectExistsError`` for those).
-            return_exceptions: a key's error in its place instead of raised (the first)
-                after the whole batch.
-            only_preferred: in ``cfg.preferred_segment`` alone: ``NoSpaceError`` when it
-                has no room (no other segment takes the object).
+            return_exceptions: a key's error in its place instead of raised (the first) after the
+                whole batch.
+            only_preferred: in ``cfg.preferred_segment`` alone: ``NoSpaceError`` when it has no room
+                (no other segment takes the object).
 
         Returns:
             The replicas placed per key (or its error, with ``return_exceptions``).
@@ -86,9 +92,11 @@ class Writer:
         return_exceptions: bool,
         op: str,
     ) -> list:
-        """:meth:`put_many` of CPU tensors, each with its dtype and shape as metadata;
-        ``ValueError`` naming ``op`` for a value that is no tensor or of a dtype torch
-        cannot copy (before anything is sent)."""
+        """:meth:`put_many` of CPU tensors, each with its dtype and shape as metadata.
+
+        ``ValueError`` naming ``op`` for a value that is no tensor or of a dtype torch cannot copy
+        (before anything is sent).
+        """
         metas, views = [], []
         for t in tensors:
             if not is_tensor(t):
@@ -120,8 +128,10 @@ class Writer:
         avoid: tuple = (),
     ) -> list:
         """:meth:`put_many` of checked keys, in parts of one metadata request each.
-        ``retry``: a put the master lost is put again once; ``avoid``: segments found
-        unreachable (not placed in again)."""
+
+        ``retry``: a put the master lost is put again once; ``avoid``: segments found unreachable
+        (not placed in again).
+        """
         if not keys:
             return []
         parts = list(chunks(keys))
@@ -157,9 +167,11 @@ class Writer:
 
     @staticmethod
     def _redo(put, idx: list, results: list, keys: list, views: list, metas: list, *args, **kw):
-        """Puts the keys at positions ``idx`` again with ``put`` (``_put_part`` or
-        ``_put_many``; ``args``/``kw``: its arguments after the metadata) and writes each
-        outcome into ``results`` at its position."""
+        """Puts the keys at positions ``idx`` again with ``put``; outcomes go into ``results``.
+
+        ``put`` is ``_put_part`` or ``_put_many``; ``args``/``kw``: its arguments after the
+        metadata. Each outcome goes into ``results`` at its position.
+        """
         again = put(
             [keys[i] for i in idx], [views[i] for i in idx], [metas[i] for i in idx], *args, **kw
         )
@@ -295,20 +307,24 @@ class Writer:
         return args
 
     def revoke(self, items: list) -> None:
-        """Gives started puts (``[key, version]`` items) back; a master out of reach drops
-        them with this client's other state."""
+        """Gives started puts (``[key, version]`` items) back.
+
+        A master out of reach drops them with this client's other state.
+        """
         try:
             self._link.call("put_revoke", {"client": self._link.client_id, "items": items})
         except StoreError:
             pass
 
     def place_own(self, keys: list, sizes: list, *, pin: bool) -> list | None:
-        """Starts upserts of ``keys`` (``sizes`` in bytes, each > 0) with one request, each
-        one replica in this client's own segment alone; the caller writes their bytes in
-        place (a read from another host lands there, without a staging copy), then commits
-        each (:meth:`commit_one`) or gives it back (:meth:`revoke`). Returns ``[(view,
-        version)]`` in the order of ``keys``, or None (nothing started) when the segment
-        has no room for all of them."""
+        """Starts upserts of ``keys`` with one request, each in this client's own segment.
+
+        ``sizes`` in bytes, each > 0; one replica each, in this client's own segment alone. The
+        caller writes their bytes in place (a read from another host lands there, without a staging
+        copy), then commits each (:meth:`commit_one`) or gives it back (:meth:`revoke`). Returns
+        ``[(view, version)]`` in the order of ``keys``, or None (nothing started) when the segment
+        has no room for all of them.
+        """
         opts = _PutOptions(ReplicateConfig(preferred_segment=self._cfg.name, pin=pin), True, True)
         args = self._start_args(opts)
         args["items"] = [[k, n, b""] for k, n in zip(keys, sizes)]

@@ -1,4 +1,6 @@
-"""What every part of ``mooncake_store`` shares: errors (``errors.py``), the metadata RPC's
-wire format (``protocol.py``), the environment and addresses (``config.py``), the segment
-layout (``layout.py``) and the store cluster's keys in etcd (``etcd.py``).
+"""What every part of ``mooncake_store`` shares.
+
+Errors (``errors.py``), the metadata RPC's wire format (``protocol.py``), the environment and
+addresses (``config.py``), the segment layout (``layout.py``) and the store cluster's keys in etcd
+(``etcd.py``).
 """

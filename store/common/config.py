@@ -1,11 +1,10 @@
-"""Configuration every part of ``mooncake_store`` shares: the environment, ``HOST:PORT``
-addresses and host ids.
+"""Configuration every part of ``mooncake_store`` shares: the environment, addresses and host ids.
 
-Every ``MOONCAKE_*`` environment variable the store reads is read here, in
-:func:`env_defaults`, and nowhere else; explicit arguments always win over the environment.
-Each part's options are a keyword-only dataclass next to it: ``StoreConfig`` and
-``ReplicateConfig`` in ``client/config.py``, ``MasterConfig`` in ``master/config.py``,
-``WeightSyncConfig`` in ``weight_sync/config.py``, ``KVCacheConfig`` in ``kvcache/config.py``.
+Addresses are ``HOST:PORT``. Every ``MOONCAKE_*`` environment variable the store reads is read here,
+in :func:`env_defaults`, and nowhere else; explicit arguments always win over the environment. Each
+part's options are a keyword-only dataclass next to it: ``StoreConfig`` and ``ReplicateConfig`` in
+``client/config.py``, ``MasterConfig`` in ``master/config.py``, ``WeightSyncConfig`` in
+``weight_sync/config.py``, ``KVCacheConfig`` in ``kvcache/config.py``.
 
 | variable | meaning | default |
 |---|---|---|
@@ -37,8 +36,10 @@ GiB = 1 << 30
 
 
 def parse_hostport(value: str, what: str) -> tuple[str, int]:
-    """``(host, port)`` of ``HOST:PORT`` (IPv6 hosts in brackets); ``ValueError`` naming
-    ``what`` otherwise."""
+    """``(host, port)`` of ``HOST:PORT`` (IPv6 hosts in brackets).
+
+    Raises ``ValueError`` naming ``what`` otherwise.
+    """
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not (0 <= int(port) < 65536):
         raise ValueError(f"{what}: expected HOST:PORT, got {value!r}")
@@ -78,7 +79,8 @@ ENV_INT = {
 def env_defaults() -> dict:
     """The store's ``MOONCAKE_*`` environment variables, parsed (absent ones omitted).
 
-    Raises ``ValueError`` for a malformed value, naming the variable."""
+    Raises ``ValueError`` for a malformed value, naming the variable.
+    """
     env = os.environ
     out: dict = {}
     for var, field in ENV_STR.items():

@@ -22,8 +22,10 @@ class ObjectExistsError(StoreError):
 
 
 class ObjectNotFoundError(StoreError, KeyError):
-    """The key does not exist, or no complete version of it exists yet (a put is in
-    progress). A ``KeyError``, distinct from an empty value (``b""``)."""
+    """The key does not exist, or no complete version of it exists yet (a put is in progress).
+
+    A ``KeyError``, distinct from an empty value (``b""``).
+    """
 
     code = "ObjectNotFound"
 
@@ -32,30 +34,38 @@ class ObjectNotFoundError(StoreError, KeyError):
 
 
 class LeaseExpiredError(StoreError):
-    """A read took longer than its lease: the bytes may have been evicted meanwhile, so
-    they are not returned (the caller's buffer may hold partial data only for
-    ``get_into``, which says so)."""
+    """A read took longer than its lease: the bytes may have been evicted meanwhile.
+
+    They are therefore not returned (the caller's buffer may hold partial data only for
+    ``get_into``, which says so).
+    """
 
     code = "LeaseExpired"
 
 
 class ObjectHasLeaseError(StoreError):
-    """``remove`` of an object that a reader holds a lease on; wait for the lease to
-    expire or pass ``force=True``."""
+    """``remove`` of an object that a reader holds a lease on.
+
+    Wait for the lease to expire or pass ``force=True``.
+    """
 
     code = "ObjectHasLease"
 
 
 class ReplicaShortfallError(StoreError):
-    """``ReplicateConfig(require_all=True)`` and fewer segments than ``replica_num`` could
-    take the object; nothing was stored."""
+    """Fewer segments than ``replica_num`` could take the object, and all were required.
+
+    ``ReplicateConfig(require_all=True)`` asked for all of them; nothing was stored.
+    """
 
     code = "ReplicaShortfall"
 
 
 class NoSpaceError(StoreError):
-    """No segment can hold the object and nothing can be evicted (everything is leased,
-    pinned or being written), or no segment is registered at all."""
+    """No segment can hold the object and nothing can be evicted, or no segment is registered.
+
+    Nothing can be evicted when everything is leased, pinned or being written.
+    """
 
     code = "NoSpace"
 
@@ -85,30 +95,39 @@ class NotLeaderError(StoreError):
 
 
 class UnknownClientError(StoreError):
-    """The master does not know this client (it restarted, or declared the client dead);
-    the client registers again."""
+    """The master does not know this client (it restarted, or declared the client dead).
+
+    The client registers again.
+    """
 
     code = "UnknownClient"
 
 
 class PutLostError(StoreError):
-    """The put this request refers to is unknown to the master (its writer was declared
-    dead, or a new leader never saw it). The client redoes the whole put once."""
+    """The put this request refers to is unknown to the master.
+
+    Its writer was declared dead, or a new leader never saw it. The client redoes the whole put
+    once.
+    """
 
     code = "PutLost"
 
 
 class StaleVersionError(StoreError):
-    """WeightSync: a publish at or below the latest committed version of the model (the
-    trainer resumes numbering above it), or a pull of a version older than the one the
-    reader holds (readers never go back)."""
+    """WeightSync: a publish at or below the latest committed version, or a pull going back.
+
+    A publish at or below the latest committed version of the model (the trainer resumes numbering
+    above it), or a pull of a version older than the one the reader holds (readers never go back).
+    """
 
     code = "StaleVersion"
 
 
 class WeightSyncAbortedError(StoreError):
-    """WeightSync: an update did not complete (a participant failed while staging it, a
-    piece is missing or its checksum is wrong); the previous version is still installed."""
+    """WeightSync: an update did not complete; the previous version is still installed.
+
+    A participant failed while staging it, a piece is missing or its checksum is wrong.
+    """
 
     code = "WeightSyncAborted"
 
@@ -139,10 +158,13 @@ def from_code(code: str, message: str) -> StoreError:
 
 
 def code_of(exc: BaseException) -> str:
+    """The wire code of ``exc``: its ``code`` for a :class:`StoreError`, else ``"StoreError"``."""
     return exc.code if isinstance(exc, StoreError) else "StoreError"
 
 
 def short_repr(text: str) -> str:
-    """``repr(text)``, cut to its first 80 characters (and its length said) for a message
-    that names a key, model or tenant."""
+    """``repr(text)``, cut to its first 80 characters (and its length said).
+
+    Used in a message that names a key, model or tenant.
+    """
     return repr(text) if len(text) <= 80 else repr(text[:80]) + f"... ({len(text)} chars)"

@@ -23,8 +23,11 @@ TXN_OPS = 100  # below etcd's default --max-txn-ops (128)
 
 
 def describe(e: BaseException) -> str:
-    """``Type: message`` of an etcd client error; etcd3gw's ``ConnectionFailedError`` has
-    an empty message, so the error it wraps (or a plain reading) says what happened."""
+    """``Type: message`` of an etcd client error.
+
+    etcd3gw's ``ConnectionFailedError`` has an empty message, so the error it wraps (or a plain
+    reading) says what happened.
+    """
     text = str(e)
     inner = e.__cause__ or e.__context__
     if not text and inner is not None:
@@ -41,8 +44,11 @@ def _b64(b: bytes) -> str:
 
 
 class Etcd:
-    """A thin layer over ``etcd3gw`` (etcd's HTTP/JSON gateway). Each thread that talks
-    to etcd should use its own instance (``requests`` sessions are not thread-safe)."""
+    """A thin layer over ``etcd3gw`` (etcd's HTTP/JSON gateway).
+
+    Each thread that talks to etcd should use its own instance (``requests`` sessions are not
+    thread-safe).
+    """
 
     def __init__(self, endpoint: str, prefix: str, timeout: float = 2.0):
         import etcd3gw
@@ -65,6 +71,7 @@ class Etcd:
         return None
 
     def refresh(self, lease: Any) -> bool:
+        """Refreshes ``lease`` (from :meth:`campaign`); False when it has expired."""
         return lease.refresh() > 0
 
     def leader(self) -> dict | None:
@@ -80,14 +87,19 @@ class Etcd:
 
     # ---------------------------------------------------------------- record
     def obj_key(self, key: str) -> str:
+        """The etcd key of object ``key``'s record (the key hex-encoded under the prefix)."""
         return f"{self.prefix}/o/{key.encode().hex()}"
 
     def client_key(self, cid: str) -> str:
+        """The etcd key of client ``cid``'s record."""
         return f"{self.prefix}/c/{cid}"
 
     def write(self, ident: str, puts: dict, deletes: list) -> bool:
-        """Writes ``puts`` (etcd key -> str) and deletes ``deletes`` in transactions that
-        each check that ``ident`` still leads. False if it does not (nothing more written)."""
+        """Writes ``puts`` (etcd key -> str) and deletes ``deletes``, while ``ident`` still leads.
+
+        The writes go in transactions that each check that ``ident`` still leads. False if it does
+        not (nothing more written).
+        """
         ops = [
             {"request_put": {"key": _b64(k.encode()), "value": _b64(v.encode())}}
             for k, v in puts.items()

@@ -34,6 +34,7 @@ _LEN = struct.Struct(">I")
 
 
 def pack(obj: Any) -> bytes:
+    """One frame of ``obj``: the 4-byte big-endian length, then its msgpack bytes."""
     body = msgpack.packb(obj, use_bin_type=True)
     return _LEN.pack(len(body)) + body
 
@@ -47,21 +48,22 @@ def unpack(body: bytes, max_len: int) -> Any:
 
 
 def mac(secret: str, nonce: bytes) -> bytes:
+    """HMAC-SHA256 of ``nonce`` with ``secret``: the proof a ``hello`` request carries."""
     return hmac.new(secret.encode(), nonce, hashlib.sha256).digest()
 
 
 class Connection:
     """A blocking client connection to a master (one request at a time).
 
-    ``busy_poll_us``: after sending a request, check for the reply without sleeping for
-    up to this many microseconds before waiting in ``poll()``. On VMs a sleeping vCPU
-    costs tens of microseconds to wake (measured on the 2-core CI VM: a 64-byte loopback
-    ping-pong takes 70-80 us when the caller sleeps, 21-22 us when it spins), which is as
-    long as the master's whole answer; 0 always sleeps. The spin is bounded, so a slow
-    answer costs at most this much CPU.
+    ``busy_poll_us``: after sending a request, check for the reply without sleeping for up to this
+    many microseconds before waiting in ``poll()``. On VMs a sleeping vCPU costs tens of
+    microseconds to wake (measured on the 2-core CI VM: a 64-byte loopback ping-pong takes 70-80 us
+    when the caller sleeps, 21-22 us when it spins), which is as long as the master's whole answer;
+    0 always sleeps. The spin is bounded, so a slow answer costs at most this much CPU.
 
     Raises ``OSError`` (connection problems; ``TimeoutError`` after ``timeout`` seconds),
-    ``ProtocolError`` and the store errors the master replies with."""
+    ``ProtocolError`` and the store errors the master replies with.
+    """
 
     def __init__(
         self,
@@ -117,8 +119,10 @@ class Connection:
             self.call("hello", {"mac": mac(secret, info["nonce"])})
 
     def _wait(self, events: int, deadline: float, spin: bool):
-        """Returns once the socket is ready for ``events``; raises ``TimeoutError`` at
-        ``deadline`` (``time.monotonic()``)."""
+        """Returns once the socket is ready for ``events``.
+
+        Raises ``TimeoutError`` at ``deadline`` (``time.monotonic()``).
+        """
         if spin and self.busy_poll_s > 0:
             end = time.perf_counter() + self.busy_poll_s
             while True:
@@ -180,7 +184,12 @@ class Connection:
 
     def call(self, method: str, args: dict, timeout: float | None = None) -> Any:
         """Sends one request and returns its result (raises the master's error).
-        ``timeout``: seconds for the whole call (default: the connection's)."""
+
+        Args:
+            method: the name of the master's method.
+            args: its arguments (a map).
+            timeout: seconds for the whole call (default: the connection's).
+        """
         mid = self._next
         self._next += 1
         deadline = time.monotonic() + (timeout or self.timeout)
@@ -199,6 +208,7 @@ class Connection:
         raise from_code(code, message)
 
     def close(self) -> None:
+        """Closes the socket (an ``OSError`` while closing is ignored)."""
         try:
             self.sock.close()
         except OSError:
