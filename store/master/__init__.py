@@ -1,6 +1,8 @@
-"""The store master: metadata RPC service (``service.py``), its metadata core (``core.py``,
-composed of ``records.py``, ``reservations.py``, ``puts.py``, ``space.py`` and ``ssd.py``),
-high availability through etcd (``ha.py``) and its options (``config.py``).
+"""The store master: metadata RPC service, metadata core, high availability and options.
+
+The metadata RPC service (``service.py``), its metadata core (``core.py``, composed of
+``records.py``, ``reservations.py``, ``puts.py``, ``space.py`` and ``ssd.py``), high availability
+through etcd (``ha.py``) and its options (``config.py``).
 
 ``mooncake-store-master`` / ``python -m mooncake_store.master`` run :func:`main`.
 """

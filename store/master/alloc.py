@@ -65,8 +65,10 @@ class Allocator:
         self._insert(off, n)
 
     def rebuild(self, used: list[tuple[int, int]]) -> None:
-        """Resets to exactly the ``(offset, size)`` ranges in ``used`` being allocated
-        (after a leader change). Raises ``ValueError`` on overlaps or out-of-range ranges."""
+        """Resets to exactly the ``(offset, size)`` ranges in ``used`` being allocated.
+
+        Used after a leader change. Raises ``ValueError`` on overlaps or out-of-range ranges.
+        """
         self._by_size, self._start, self._end = [], {}, {}
         self.used = 0
         pos = self.base
@@ -87,4 +89,5 @@ class Allocator:
         return list(self._start.items())
 
     def largest_free(self) -> int:
+        """Bytes of the largest free block (0 when nothing is free)."""
         return self._by_size[-1][0] if self._by_size else 0

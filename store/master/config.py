@@ -24,13 +24,15 @@ class MasterConfig:
         lease_ttl_s: seconds a read lease lasts (every get takes one); a leased object is
             neither evicted nor removed without ``force``. The three TTLs must be at least
             0.1 s and below 1e6 s (``ValueError``).
-        high_watermark / low_watermark: fractions of total segment capacity; above the
-            high one, objects are evicted (approximate LRU; leased, pinned and unfinished
-            ones skipped; to the owner's SSD directory where it has one) down to the low one.
+        high_watermark: fraction of total segment capacity above which objects are evicted
+            (approximate LRU; leased, pinned and unfinished ones skipped; to the owner's SSD
+            directory where it has one) down to ``low_watermark``.
+        low_watermark: fraction of total segment capacity that eviction brings use down to.
         max_frame_bytes: largest RPC frame accepted (bytes); larger ones get an error
             reply and the connection is closed.
         max_keys_per_call: most keys in one batch request.
-        max_key_bytes / max_meta_bytes: longest key (UTF-8 bytes) / per-object metadata.
+        max_key_bytes: longest key (UTF-8 bytes).
+        max_meta_bytes: longest per-object metadata (bytes).
         metrics_port: serve Prometheus text metrics over HTTP at ``host:metrics_port``
             (``/metrics``); ``None``: only through the ``metrics`` RPC.
         etcd: ``HOST:PORT`` of etcd for high availability (leader election with an etcd

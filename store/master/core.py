@@ -1,5 +1,6 @@
-"""The master's metadata core (no I/O, no threads: the service calls it): one method per
-request of the metadata RPC, run on the service's event loop.
+"""The master's metadata core: one method per request of the metadata RPC.
+
+No I/O, no threads: the service calls it, and its methods run on the service's event loop.
 
 Objects: ``key -> Obj`` for committed versions, ``key -> Obj`` in ``pending`` for puts in
 progress (a put on an existing key with ``upsert`` keeps the old version readable until
@@ -37,8 +38,10 @@ STALL_S = 1.0
 
 
 class Core:
-    """Metadata of one store master. Every request method may raise a ``StoreError``;
-    arguments are validated before anything changes.
+    """Metadata of one store master.
+
+    Every request method may raise a ``StoreError``; arguments are validated before anything
+    changes.
 
     Attributes:
         records: what the master knows (:class:`~mooncake_store.master.records.Records`),
@@ -60,8 +63,10 @@ class Core:
 
     # ------------------------------------------------------------------ clients
     def register(self, a: dict) -> dict:
-        """A client joins with its segment (at most one) and the SSD files it found; one
-        already registered under that id is dropped first (it restarted)."""
+        """A client joins with its segment (at most one) and the SSD files it found.
+
+        One already registered under that id is dropped first (it restarted).
+        """
         rec = self.records
         cid, name, host, pid = a.get("client"), a.get("name"), a.get("host"), a.get("pid")
         segs, ssd_dir, ssd = a.get("segs", []), a.get("ssd_dir"), a.get("ssd", [])
@@ -116,6 +121,10 @@ class Core:
         }
 
     def unregister(self, a: dict) -> dict:
+        """A client leaves: it is dropped with its segments and reservations.
+
+        See ``_kill_client``.
+        """
         c = self.records.client(a.get("client"))
         self._kill_client(c, reason="unregistered")
         return {}
@@ -131,8 +140,11 @@ class Core:
         return out
 
     def _kill_client(self, c: Client, reason: str):
-        """Drops ``c`` (``reason``: why, for the reader of a trace) with its segments and
-        reservations: objects with a replica elsewhere survive, its puts are aborted."""
+        """Drops ``c`` with its segments and reservations.
+
+        ``reason``: why, for the reader of a trace. Objects with a replica elsewhere survive, its
+        puts are aborted.
+        """
         rec = self.records
         rec.clients.pop(c.id, None)
         dead = {s.name for s in c.segments}
@@ -179,9 +191,11 @@ class Core:
 
     # ------------------------------------------------------------------ reads
     def get(self, a: dict) -> dict:
-        """Where each key's replicas are, with a read lease of ``lease_ttl_s`` on each; an
-        object only on another host's SSD is loaded into memory first (``retry``: the
-        reader asks again)."""
+        """Where each key's replicas are, with a read lease of ``lease_ttl_s`` on each.
+
+        An object only on another host's SSD is loaded into memory first (``retry``: the reader asks
+        again).
+        """
         rec = self.records
         reader = rec.client(a.get("client"))
         keys = rec.check_keys(a.get("keys"))
@@ -241,8 +255,10 @@ class Core:
         return {"where": out}
 
     def exists(self, a: dict) -> dict:
-        """Which keys have a committed version; with ``meta``, also each one's metadata
-        bytes (None if missing): no lease, no LRU touch, nothing loaded from SSD."""
+        """Which keys have a committed version; with ``meta``, also each one's metadata bytes.
+
+        Metadata is None if missing. No lease, no LRU touch, nothing loaded from SSD.
+        """
         rec = self.records
         keys = rec.check_keys(a.get("keys"))
         if a.get("meta") is True:
@@ -294,8 +310,10 @@ class Core:
         return self.puts.revoke(a)
 
     def abort_puts(self, cid: str, items: list, grace_s: float = 0.0) -> None:
-        """Aborts puts client ``cid`` started on a connection that closed (see
-        :meth:`Puts.abort <mooncake_store.master.puts.Puts.abort>`)."""
+        """Aborts puts client ``cid`` started on a connection that closed.
+
+        See :meth:`Puts.abort <mooncake_store.master.puts.Puts.abort>`.
+        """
         self.puts.abort(cid, items, grace_s)
 
     def reserve(self, a: dict) -> dict:
@@ -325,8 +343,10 @@ class Core:
 
     # ------------------------------------------------------------------ time
     def tick(self) -> None:
-        """Declares silent clients dead, aborts overdue puts, frees expired deferred
-        space and evicts down to the low watermark when above the high one."""
+        """Declares silent clients dead, aborts overdue puts, frees expired deferred space, evicts.
+
+        It evicts down to the low watermark when above the high one.
+        """
         rec = self.records
         now = rec.clock()
         gap = now - self.last_tick

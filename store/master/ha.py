@@ -1,5 +1,6 @@
-"""High availability: the master's metadata record in etcd (election and keys:
-``common/etcd.py``).
+"""High availability: the master's metadata record in etcd.
+
+Election and keys are in ``common/etcd.py``.
 
 * ``prefix/c/<client id>``: a client and its segment descriptors (JSON).
 * ``prefix/o/<hex of key>``: one committed object (JSON: size, version, metadata,
@@ -19,6 +20,7 @@ from .records import Client, Obj, Records, Segment
 
 
 def client_record(c: Client) -> str:
+    """The etcd record of client ``c`` and its segment descriptors (JSON)."""
     segs = []
     for s in c.segments:
         segs.append(s.desc)
@@ -36,6 +38,10 @@ def client_record(c: Client) -> str:
 
 
 def obj_record(o: Obj) -> str:
+    """The etcd record of committed object ``o`` (JSON: size, version, metadata, replicas).
+
+    Metadata is base64; the record also holds the key, the SSD replicas and the pin.
+    """
     return json.dumps(
         {
             "k": o.key,
@@ -50,6 +56,10 @@ def obj_record(o: Obj) -> str:
 
 
 def decode_obj(rec: dict) -> tuple:
+    """``(key, size, version, meta, replicas, ssd replicas, pin)`` of an object's record.
+
+    The record is one :func:`obj_record` wrote, parsed from JSON.
+    """
     return (
         rec["k"],
         rec["s"],
@@ -62,9 +72,11 @@ def decode_obj(rec: dict) -> tuple:
 
 
 def load_into(records: Records, clients: list, objs: list) -> None:
-    """Fills an empty core's ``records`` from the etcd record (a new leader). Every client
-    gets a full ``client_ttl_s`` to send its next heartbeat; nothing is evicted for one
-    lease TTL (readers' leases were not recorded)."""
+    """Fills an empty core's ``records`` from the etcd record (a new leader).
+
+    Every client gets a full ``client_ttl_s`` to send its next heartbeat; nothing is evicted for one
+    lease TTL (readers' leases were not recorded).
+    """
     now = records.clock()
     for rec in clients:
         try:

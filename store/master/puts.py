@@ -1,7 +1,8 @@
-"""Puts in the master's metadata core: the two-request way (``put_start`` places the
-replicas, ``put_end`` commits, ``put_revoke`` / :meth:`Puts.abort` give the space back)
-and the one-round-trip way (``put`` commits what a client wrote into its put reservation,
-``reservations.py``).
+"""Puts in the master's metadata core: the two-request way and the one-round-trip way.
+
+The two-request way: ``put_start`` places the replicas, ``put_end`` commits, ``put_revoke`` /
+:meth:`Puts.abort` give the space back. The one-round-trip way: ``put`` commits what a client wrote
+into its put reservation (``reservations.py``).
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ class Puts:
         self.reservations = reservations
 
     def _items(self, items: list, op: str) -> list:
-        """``[(key, size, meta)]`` of a put request's items; ``ProtocolError`` for a
-        malformed item or a key repeated in one batch."""
+        """``[(key, size, meta)]`` of a put request's items.
+
+        ``ProtocolError`` for a malformed item or a key repeated in one batch.
+        """
         checked = []
         for it in items:
             if not (
@@ -53,8 +56,10 @@ class Puts:
             raise ObjectExistsError(f"key {key!r} exists (use upsert to overwrite)")
 
     def start(self, a: dict) -> dict:
-        """The ``put_start`` request: places each item's replicas (evicting as needed)
-        and returns where the client writes them."""
+        """The ``put_start`` request: places each item's replicas (evicting as needed).
+
+        Returns where the client writes them.
+        """
         rec = self.records
         c = rec.client(a.get("client"))
         items = a.get("items")
@@ -145,10 +150,12 @@ class Puts:
         return {}
 
     def abort(self, cid: str, items: list, grace_s: float = 0.0) -> None:
-        """Aborts the puts ``[key, version]`` that client ``cid`` started and has not ended
-        (others are ignored); unlike a request, this does not count as its heartbeat. Their
-        space is freed after ``grace_s`` seconds (a writer that may still be copying into
-        it must not land in the next object placed there)."""
+        """Aborts the puts ``[key, version]`` that client ``cid`` started and has not ended.
+
+        Others are ignored; unlike a request, this does not count as its heartbeat. Their space is
+        freed after ``grace_s`` seconds (a writer that may still be copying into it must not land in
+        the next object placed there).
+        """
         rec = self.records
         for it in items:
             if isinstance(it, list) and len(it) == 2:
@@ -158,14 +165,16 @@ class Puts:
                     rec.abort_pending(it[0])
 
     def commit_reserved(self, a: dict) -> dict:
-        """The ``put`` request: commits objects the client already wrote into its
-        reservation in ``seg`` (``reservations.py``): items
-        ``[key, size, meta]`` lie back to back (each at an ``aligned`` size) from the
-        reservation's front, whose offset the client names (``off``). Per item the same
-        checks and results as ``put_start`` + ``put_end``; a refused item's bytes go back to
-        the free space. Returns ``{"items": [...], "resv": [offset, bytes] left}``, or
-        ``{"lost": True}`` (nothing done) when the master holds no such reservation: the
-        client then puts the same objects the two-request way."""
+        """The ``put`` request: commits objects the client already wrote into its reservation.
+
+        The reservation is in ``seg`` (``reservations.py``). Items ``[key, size, meta]`` lie back to
+        back (each at an ``aligned`` size) from the reservation's front, whose offset the client
+        names (``off``). Per item the same checks and results as ``put_start`` + ``put_end``; a
+        refused item's bytes go back to the free space. Returns
+        ``{"items": [...], "resv": [offset, bytes] left}``, or ``{"lost": True}`` (nothing done)
+        when the master holds no such reservation: the client then puts the same objects the
+        two-request way.
+        """
         rec = self.records
         c = rec.client(a.get("client"))
         rid = a.get("rid")
@@ -210,11 +219,13 @@ class Puts:
         return reply
 
     def _done_before(self, checked: list, seg_name: str, off0: int) -> list | None:
-        """A ``put`` whose reservation this master does not hold may be a request resent
-        after a leader change whose first sending the old leader committed (and wrote to
-        etcd): then its objects are here, each at exactly the range the client wrote. Per
-        item success for those, ``PutLostError`` for the others (the client puts them
-        again the two-request way); None if no object is found so (nothing was committed)."""
+        """A ``put`` whose reservation this master does not hold may be a resent, committed request.
+
+        It may be a request resent after a leader change whose first sending the old leader
+        committed (and wrote to etcd): then its objects are here, each at exactly the range the
+        client wrote. Per item success for those, ``PutLostError`` for the others (the client puts
+        them again the two-request way); None if no object is found so (nothing was committed).
+        """
         out, off, found = [], off0, False
         for key, size, _ in checked:
             n = aligned(size)

@@ -1,7 +1,8 @@
-"""The records the master's metadata core keeps: a registered segment, a client, an
-object (a committed version or a put in progress), the counters of ``stats``, and
-:class:`Records`, which holds them all with the changes every part of the core makes
-(install a version, release an object's space, abort a put, drop an object).
+"""The records the master's metadata core keeps, and :class:`Records`, which holds them all.
+
+The records: a registered segment, a client, an object (a committed version or a put in progress),
+the counters of ``stats``. :class:`Records` holds them all with the changes every part of the core
+makes (install a version, release an object's space, abort a put, drop an object).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ LOAD_ORPHAN_S = 120.0
 
 
 class Segment:
+    """A registered segment: name, owner, size, descriptor, allocator and the keys placed in it."""
+
     __slots__ = ("alloc", "client", "desc", "keys", "name", "size")
 
     def __init__(self, name: str, client: Client, size: int, desc: dict):
@@ -39,9 +42,11 @@ class Segment:
         self.keys: dict = {}
 
     def add_key(self, key: str) -> None:
+        """Counts one more replica of ``key`` in this segment (committed or pending)."""
         self.keys[key] = self.keys.get(key, 0) + 1
 
     def drop_key(self, key: str) -> None:
+        """Counts one replica of ``key`` fewer in this segment; forgets the key at zero."""
         n = self.keys.get(key, 0) - 1
         if n > 0:
             self.keys[key] = n
@@ -50,6 +55,8 @@ class Segment:
 
 
 class Client:
+    """A registered client: its identity, segments, SSD directory, tasks and put reservations."""
+
     __slots__ = (
         "event",
         "host",
@@ -105,6 +112,8 @@ class Client:
 
 
 class Obj:
+    """An object: a committed version or a put in progress, with its replicas and leases."""
+
     __slots__ = (
         "deadline",
         "key",
@@ -140,6 +149,8 @@ class Obj:
 
 
 class Counters:
+    """The counters of ``stats``, since the master started."""
+
     def __init__(self):
         self.puts = self.gets = self.hits = self.misses = self.evictions = 0
         self.offloads = self.removes = self.put_aborts = self.clients_lost = self.ssd_drops = 0
@@ -147,24 +158,28 @@ class Counters:
 
 
 class Records:
-    """Everything one master knows (no I/O, no threads), shared by the parts of
-    :class:`~mooncake_store.master.core.Core`: they read these fields and change them
-    through the methods below or their own.
+    """Everything one master knows (no I/O, no threads), shared by the parts of the core.
+
+    The parts of :class:`~mooncake_store.master.core.Core` read these fields and change them through
+    the methods below or their own.
 
     Attributes:
-        objects: key -> committed version; ``pending``: key -> put in progress (an
-            upsert keeps the old version readable until the new one commits).
+        objects: key -> committed version.
+        pending: key -> put in progress (an upsert keeps the old version readable until the new one
+            commits).
         lru: keys of committed objects, least recently used first.
-        clients / segments: live clients by id, their segments by name.
-        deferred: ``[until, segment, offset, bytes]`` frees waiting for a read lease (or a
-            load from SSD) to end.
-        orphan_loads: ``(key, version) -> (segment, offset)`` of a load slot whose object
-            went away while its owner loaded it.
-        capacity / used / reserved_bytes: bytes of all segments / allocated (put
-            reservations included) / of put reservations.
+        clients: live clients by id.
+        segments: their segments by name.
+        deferred: ``[until, segment, offset, bytes]`` frees waiting for a read lease (or a load from
+            SSD) to end.
+        orphan_loads: ``(key, version) -> (segment, offset)`` of a load slot whose object went away
+            while its owner loaded it.
+        capacity: bytes of all segments.
+        used: bytes allocated (put reservations included).
+        reserved_bytes: bytes of put reservations.
         seg_epoch: counts changes of the set of segments (clients unmap dead ones).
-        no_evict_until: a new leader evicts nothing before this (the old leader's read
-            leases are unknown).
+        no_evict_until: a new leader evicts nothing before this (the old leader's read leases are
+            unknown).
         track_dirty: record which keys and clients changed (``take_dirty``), for etcd.
         notify: called with a client that has a new task (wakes its long poll).
     """
@@ -193,19 +208,22 @@ class Records:
 
     # ------------------------------------------------------------------ lookups
     def next_version(self) -> int:
-        """A version number above every one handed out or seen (microseconds of the
-        wall clock, so a restarted master without etcd still counts upwards)."""
+        """A version number above every one handed out or seen.
+
+        Microseconds of the wall clock, so a restarted master without etcd still counts upwards.
+        """
         self._version = max(self._version + 1, int(time.time() * 1e6))
         return self._version
 
     def see_version(self, version: int) -> None:
-        """Versions handed out from now on are above ``version`` (one found on SSD or in
-        etcd)."""
+        """Versions handed out from now on are above ``version`` (one found on SSD or in etcd)."""
         self._version = max(self._version, version)
 
     def client(self, cid) -> Client:
-        """The live client ``cid``; a request from it counts as its heartbeat. Raises
-        ``UnknownClientError`` (it registers again)."""
+        """The live client ``cid``; a request from it counts as its heartbeat.
+
+        Raises ``UnknownClientError`` (it registers again).
+        """
         c = self.clients.get(cid) if isinstance(cid, str) else None
         if c is None:
             raise UnknownClientError(
@@ -239,12 +257,15 @@ class Records:
             self.dirty_objs.add(key)
 
     def dirty_client(self, cid: str) -> None:
+        """Marks client ``cid``'s record as changed (written to etcd after this request)."""
         if self.track_dirty:
             self.dirty_clients.add(cid)
 
     def take_dirty(self) -> tuple[dict, dict]:
-        """``(objects, clients)`` changed since the last call: key -> ``Obj`` (None: gone)
-        and client id -> ``Client`` (None: gone)."""
+        """``(objects, clients)`` changed since the last call.
+
+        key -> ``Obj`` (None: gone) and client id -> ``Client`` (None: gone).
+        """
         objs = {k: self.objects.get(k) for k in self.dirty_objs}
         clients = {c: self.clients.get(c) for c in self.dirty_clients}
         self.dirty_objs, self.dirty_clients = set(), set()
@@ -257,8 +278,10 @@ class Records:
 
     # ------------------------------------------------------------------ changes
     def free_replica(self, seg_name: str, off: int, n: int, key: str, until: float) -> None:
-        """Gives ``[off, off + n)`` of ``seg_name`` back; while a lease protects a reader
-        (``until`` in the future), later, through ``deferred``."""
+        """Gives ``[off, off + n)`` of ``seg_name`` back.
+
+        While a lease protects a reader (``until`` in the future), later, through ``deferred``.
+        """
         seg = self.segments.get(seg_name)
         if seg is None:
             return
@@ -295,8 +318,10 @@ class Records:
             c.ssd_bytes -= obj.size
 
     def release(self, obj: Obj, *, delete_ssd: bool = True) -> None:
-        """Frees everything of ``obj`` (deferred while a lease protects a reader); its SSD
-        files are deleted unless ``delete_ssd`` is False."""
+        """Frees everything of ``obj`` (deferred while a lease protects a reader).
+
+        Its SSD files are deleted unless ``delete_ssd`` is False.
+        """
         if obj.offloading:  # the SSD space reserved for its write goes too
             c = self.clients.get(obj.offloading)
             if c is not None:

@@ -20,20 +20,25 @@ from .records import Client, Records
 
 
 class Reservations:
-    """The put reservations of every client (``Client.reserved``: segment name ->
-    ``[offset of the next byte, bytes left]``)."""
+    """The put reservations of every client.
+
+    Each client's are in ``Client.reserved``: segment name ->
+    ``[offset of the next byte, bytes left]``.
+    """
 
     def __init__(self, records: Records):
         self.records = records
 
     def reserve(self, a: dict) -> dict:
-        """The ``reserve`` request: gives back the reservations in ``ret`` ([segment,
-        offset, bytes] as last known to the client, others are ignored; offset -1: whatever
-        it holds in that segment) and, with ``bytes`` > 0, reserves up to that many bytes in
-        ``pref`` (or the segment with the most free space not in ``x``). Grants only what
-        fits without eviction while the store stays below its low watermark, at most 1/16
-        of the segment, and nothing if that is less than ``min`` bytes. Returns
-        ``{"resv": [segment, offset, bytes] or None, "segs": {name: descriptor}}``."""
+        """The ``reserve`` request: gives back the reservations in ``ret``; may reserve new space.
+
+        ``ret`` holds [segment, offset, bytes] as last known to the client, others are ignored;
+        offset -1: whatever it holds in that segment. With ``bytes`` > 0, it reserves up to that
+        many bytes in ``pref`` (or the segment with the most free space not in ``x``). Grants only
+        what fits without eviction while the store stays below its low watermark, at most 1/16 of
+        the segment, and nothing if that is less than ``min`` bytes. Returns
+        ``{"resv": [segment, offset, bytes] or None, "segs": {name: descriptor}}``.
+        """
         rec = self.records
         c = rec.client(a.get("client"))
         ret, want, pref, avoid = a.get("ret", []), a.get("bytes", 0), a.get("pref"), a.get("x", [])
@@ -93,10 +98,12 @@ class Reservations:
         return {"resv": None, "segs": {}}
 
     def take(self, c: Client, seg_name: str, off: int, nbytes: int) -> list | None:
-        """Takes ``nbytes`` from the front of ``c``'s reservation in ``seg_name``, which must
-        start at ``off`` (the client's objects lie there now); returns what is left,
-        ``[offset, bytes]``, or None when ``c`` holds no such reservation (another master
-        granted it, it is smaller, or its segment is gone)."""
+        """Takes ``nbytes`` from the front of ``c``'s reservation in ``seg_name``.
+
+        The reservation must start at ``off`` (the client's objects lie there now). Returns what is
+        left, ``[offset, bytes]``, or None when ``c`` holds no such reservation (another master
+        granted it, it is smaller, or its segment is gone).
+        """
         resv = c.reserved.get(seg_name)
         if (
             resv is None
@@ -121,8 +128,10 @@ class Reservations:
             rec.used -= n
 
     def reclaim(self, seg_names) -> bool:
-        """Asks every holder of a reservation in ``seg_names`` to give it back (at most
-        every 0.2 s per holder). True if there was any."""
+        """Asks every holder of a reservation in ``seg_names`` to give it back.
+
+        At most every 0.2 s per holder. True if there was any.
+        """
         rec = self.records
         now = rec.clock()
         found = False

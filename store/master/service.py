@@ -1,5 +1,6 @@
-"""The store master: metadata RPC over asyncio streams, heartbeats, eviction, metrics,
-and (with etcd) leader election.
+"""The store master: metadata RPC over asyncio streams, heartbeats, eviction, metrics, election.
+
+Leader election is with etcd.
 
 Run as a service::
 
@@ -41,7 +42,7 @@ _POLL_MAX_S = 2.0
 
 
 def _loop_factory():
-    """uvloop's event loop when installed (a faster drop-in), else asyncio's default."""
+    """The event loop: uvloop's when installed (a faster drop-in), else asyncio's default."""
     from ..common.config import env_defaults
 
     if env_defaults().get("no_uvloop"):
@@ -68,10 +69,13 @@ def _run(coro):
 
 
 class Master:
-    """One master. ``start()`` serves on a background thread (embedded use and tests);
-    ``run()`` serves on the calling thread until ``stop()`` or a signal (the CLI).
+    """One store master, embedded in a process or run as a service.
 
-    Raises ``OSError`` if the port cannot be bound, ``ValueError`` for bad options."""
+    ``start()`` serves on a background thread (embedded use and tests); ``run()`` serves on the
+    calling thread until ``stop()`` or a signal (the CLI).
+
+    Raises ``OSError`` if the port cannot be bound, ``ValueError`` for bad options.
+    """
 
     def __init__(self, config: MasterConfig | None = None, **kw):
         self.cfg = config or MasterConfig(**kw)
@@ -105,6 +109,11 @@ class Master:
         return self.cfg.advertise or f"{self.cfg.host}:{self.port}"
 
     def start(self, timeout: float = 30.0) -> Master:
+        """Serves on a background thread; returns this master once it listens.
+
+        Raises ``TimeoutError`` when it has not started within ``timeout`` seconds, and the error it
+        failed to start with (``OSError`` if a port cannot be bound).
+        """
         self._thread = threading.Thread(
             target=self._thread_main, name="mooncake-store-master", daemon=True
         )
@@ -129,6 +138,7 @@ class Master:
             raise self._startup_error
 
     def stop(self) -> None:
+        """Stops serving and waits (up to 10 s) for the background thread to end."""
         self._closing = True
         if self.loop is not None and self._stop_evt is not None:
             try:
@@ -266,11 +276,13 @@ class Master:
 
     def _check_lease(self):
         """Raises ``NotLeaderError`` unless this master's leader lease is certainly alive.
-        A leader that was stopped (SIGSTOP, a stalled VM) or cut off from etcd past its
-        lease may have a successor; until a keep-alive succeeds again it answers nothing
-        (found by a new-user trial: resumed after a stop, it answered requests queued
-        meanwhile from its old metadata: a get returned another object's bytes, and a put
-        reservation it handed out overwrote an object the new leader had placed there)."""
+
+        A leader that was stopped (SIGSTOP, a stalled VM) or cut off from etcd past its lease may
+        have a successor; until a keep-alive succeeds again it answers nothing (found by a new-user
+        trial: resumed after a stop, it answered requests queued meanwhile from its old metadata: a
+        get returned another object's bytes, and a put reservation it handed out overwrote an object
+        the new leader had placed there).
+        """
         if self._lease_left() <= 0:
             raise NotLeaderError(
                 "this master's leader lease may have run out (it was stopped or cut off from etcd); "
@@ -419,10 +431,12 @@ PREAUTH_FRAME_BYTES = 4096  # the largest frame before authentication (a hello i
 
 
 class _Connection(asyncio.Protocol):
-    """One client connection: frames are cut out of the byte stream as they arrive and
-    answered in order. A frame longer than the limit gets an error reply and the
-    connection is closed before its body is buffered. While a long poll waits, or the
-    peer does not read its replies, reading from the connection is paused."""
+    """One client connection: frames are cut out of the byte stream and answered in order.
+
+    Frames are cut out as they arrive. A frame longer than the limit gets an error reply and the
+    connection is closed before its body is buffered. While a long poll waits, or the peer does not
+    read its replies, reading from the connection is paused.
+    """
 
     def __init__(self, master: Master):
         self.m = master
@@ -650,6 +664,11 @@ _METHODS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``mooncake-store-master``'s entry point: parses ``argv`` and serves until SIGINT/SIGTERM.
+
+    Returns 1 when it cannot listen; bad options exit through ``argparse``'s error. ``--port-file``
+    gets ``'PORT METRICS_PORT'`` once the master listens.
+    """
     p = argparse.ArgumentParser(
         prog="mooncake-store-master", description="Metadata master of mooncake_store."
     )

@@ -1,7 +1,8 @@
-"""Placement and eviction in the master's metadata core: where a put's replicas go, which
-objects are evicted (least recently used first, never leased, pinned or being written)
-to make room, and whether an eviction offloads to the owner's SSD directory first (and
-which objects that live only there are dropped to make room on it).
+"""Placement and eviction in the master's metadata core.
+
+Where a put's replicas go, which objects are evicted (least recently used first, never leased,
+pinned or being written) to make room, and whether an eviction offloads to the owner's SSD directory
+first (and which objects that live only there are dropped to make room on it).
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ class Space:
     def place(
         self, key, size, r, pref, require_all, avoid: set = frozenset(), only_pref: bool = False
     ) -> list:
-        """Allocates up to ``r`` replicas in distinct segments (not those in ``avoid``:
-        segments a writer could not reach; ``only_pref``: in segment ``pref`` alone),
-        evicting as needed."""
+        """Allocates up to ``r`` replicas in distinct segments, evicting as needed.
+
+        Not in segments in ``avoid`` (segments a writer could not reach); ``only_pref``: in segment
+        ``pref`` alone.
+        """
         rec = self.records
         n = aligned(size) if size else 0
         if n == 0:
@@ -134,11 +137,13 @@ class Space:
         )
 
     def evict_for(self, n: int, need: int, exclude: set, live: list, keep: str | None = None):
-        """Evicts LRU objects with a replica in a segment not in ``exclude`` until ``need``
-        of those segments have ``n`` contiguous free bytes (or nothing is left to evict).
-        Evicts nothing when even evicting every candidate could not free ``n`` bytes in
-        ``need`` segments (a put that cannot fit must not cost other objects), and never
-        ``keep`` (the key being upserted: its old value stays until the new one is in)."""
+        """Evicts LRU objects with a replica in a segment not in ``exclude`` to make room.
+
+        It evicts until ``need`` of those segments have ``n`` contiguous free bytes (or nothing is
+        left to evict). Evicts nothing when even evicting every candidate could not free ``n`` bytes
+        in ``need`` segments (a put that cannot fit must not cost other objects), and never ``keep``
+        (the key being upserted: its old value stays until the new one is in).
+        """
         rec = self.records
         now = rec.clock()
         wanted = {s.name for s in live if s.name not in exclude}
@@ -166,9 +171,12 @@ class Space:
             self.evict(obj, now)
 
     def _could_fit(self, seg: Segment, n: int, keep: str | None, now: float) -> bool:
-        """Whether ``seg`` would have ``n`` contiguous free bytes if every object that may be
-        evicted (not ``keep``) were: free blocks and those objects' ranges, merged where
-        they touch (a leased, pinned or reserved range between them splits the run)."""
+        """Whether ``seg`` would have ``n`` contiguous free bytes if all it may evict were evicted.
+
+        That is, if every object that may be evicted (not ``keep``) were. Counted: free blocks and
+        those objects' ranges, merged where they touch (a leased, pinned or reserved range between
+        them splits the run).
+        """
         if seg.alloc.largest_free() >= n:
             return True
         spans = seg.alloc.free_spans()
@@ -188,8 +196,11 @@ class Space:
         return False
 
     def evict_to_low_watermark(self, now: float) -> None:
-        """Above the high watermark (put reservations counted as free), evicts least
-        recently used objects until the projected use is down to the low one."""
+        """Above the high watermark, evicts least recently used objects down to the low one.
+
+        Put reservations are counted as free; eviction goes on until the projected use is down to
+        the low watermark.
+        """
         rec = self.records
         cfg = rec.cfg
         if not rec.capacity or rec.used - rec.reserved_bytes <= cfg.high_watermark * rec.capacity:
@@ -208,9 +219,11 @@ class Space:
             projected -= freed
 
     def evict(self, obj: Obj, now: float, to_ssd: bool = True) -> bool:
-        """Drops ``obj``'s memory replicas; to SSD first when an owner has a directory
-        with room (then asynchronously: the object stays until the owner reports). True
-        if freed now."""
+        """Drops ``obj``'s memory replicas; to SSD first when an owner has a directory with room.
+
+        To SSD the drop is asynchronous: the object stays until the owner reports. True if freed
+        now.
+        """
         rec = self.records
         if not obj.ssd and to_ssd:
             for seg_name, off, _n in obj.repl:
@@ -244,10 +257,12 @@ class Space:
         return True
 
     def _ssd_room(self, c: Client, size: int, now: float) -> bool | None:
-        """Whether ``c``'s SSD directory can take ``size`` more bytes, after dropping the
-        least recently used objects that live only there (not leased, not being loaded).
-        None: not now, but once the offloads in flight to it are done (they then become
-        such objects): the caller keeps the object in memory for now."""
+        """Whether ``c``'s SSD directory can take ``size`` more bytes.
+
+        After dropping the least recently used objects that live only there (not leased, not being
+        loaded). None: not now, but once the offloads in flight to it are done (they then become
+        such objects): the caller keeps the object in memory for now.
+        """
         if now - c.ssd_failed_at < SSD_RETRY_S:
             return False
         if c.ssd_max is None:

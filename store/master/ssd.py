@@ -1,7 +1,8 @@
-"""The SSD tier in the master's metadata core: SSD files clients report (``adopt_ssd``),
-offloads that finished (``offload_done``), loads into memory for readers on other hosts
-(:meth:`SsdTier.promote`, ``load_done``) and corrupt files (``ssd_bad``). Which objects
-go to SSD, and room there, is eviction's call (``space.py``).
+"""The SSD tier in the master's metadata core: SSD files, offloads, loads and corrupt files.
+
+SSD files clients report (``adopt_ssd``), offloads that finished (``offload_done``), loads into
+memory for readers on other hosts (:meth:`SsdTier.promote`, ``load_done``) and corrupt files
+(``ssd_bad``). Which objects go to SSD, and room there, is eviction's call (``space.py``).
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ class SsdTier:
         self.reservations = reservations
 
     def adopt(self, c: Client, e) -> None:
-        """Registers one SSD file ``e`` (``[key, version, size, meta, path]``) that ``c``
-        found in its directory; a malformed entry is ignored."""
+        """Registers one SSD file ``e`` (``[key, version, size, meta, path]``) that ``c`` found.
+
+        ``c`` found it in its directory; a malformed entry is ignored.
+        """
         rec = self.records
         if not (
             isinstance(e, list)
@@ -80,8 +83,11 @@ class SsdTier:
         return {}
 
     def promote(self, obj: Obj) -> bool:
-        """Asks the owner of an SSD replica to load ``obj`` into its segment (for readers
-        on other hosts). True while that load is in progress (the reader asks again)."""
+        """Asks the owner of an SSD replica to load ``obj`` into its segment.
+
+        The load is for readers on other hosts. True while that load is in progress (the reader asks
+        again).
+        """
         rec = self.records
         if obj.loading is not None:
             return True
@@ -107,9 +113,11 @@ class SsdTier:
         return False
 
     def _space_coming(self, seg: Segment) -> bool:
-        """Whether space in ``seg`` frees up by itself soon: offloads to SSD, leases or
-        deferred frees that end, puts that finish or are aborted, loads from SSD that
-        finish (and whose lease then ends)."""
+        """Whether space in ``seg`` frees up by itself soon.
+
+        Offloads to SSD, leases or deferred frees that end, puts that finish or are aborted, loads
+        from SSD that finish (and whose lease then ends).
+        """
         rec = self.records
         now = rec.clock()
         if any(d[1] == seg.name for d in rec.deferred) or self.reservations.reclaim([seg.name]):
@@ -159,9 +167,11 @@ class SsdTier:
                 break
 
     def ssd_bad(self, a: dict) -> dict:
-        """A client found an SSD file of ``key`` (at ``version``) missing or corrupt
-        (``client/ssd.py`` ``CorruptError``): that replica is dropped and its file deleted; an object
-        with no replica left is gone (its gets miss, not fail forever)."""
+        """A client found an SSD file of ``key`` (at ``version``) missing or corrupt.
+
+        See ``client/ssd.py`` ``CorruptError``. That replica is dropped and its file deleted; an
+        object with no replica left is gone (its gets miss, not fail forever).
+        """
         rec = self.records
         rec.client(a.get("client"))
         key, version, path = a.get("key"), a.get("version"), a.get("path")
