@@ -1,5 +1,7 @@
-"""Prefix KV cache on the store: :class:`KVCacheStore` (``cache.py``), its chunk keys
-(``keys.py``), chunk layouts (``layout.py``) and options (``config.py``).
+"""Prefix KV cache on the store: :class:`KVCacheStore` and its keys, layouts and options.
+
+:class:`KVCacheStore` (``cache.py``), its chunk keys (``keys.py``), chunk layouts (``layout.py``)
+and options (``config.py``).
 """
 
 from .cache import KVCacheStats, KVCacheStore, KVGetResult, KVPutResult

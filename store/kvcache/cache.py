@@ -52,7 +52,8 @@ class KVCacheStats:
     failed; never chunks that were not stored (nor readable chunks left out after a
     missing one). ``inconsistent_chunks`` are chunks
     ``get`` left out because their layout differs from the prefix's first chunk (see
-    ``put``) or they are not K/V chunks."""
+    ``put``) or they are not K/V chunks.
+    """
 
     lookups: int = 0  #: match_prefix calls, and get calls that counted a chunk
     hit_chunks: int = 0  #: chunks found by lookups
@@ -71,12 +72,16 @@ class KVCacheStats:
 
 
 class KVPutResult(NamedTuple):
+    """What :meth:`KVCacheStore.put` did: chunks written, chunks already there, tokens covered."""
+
     stored_chunks: int  #: chunks written now
     existing_chunks: int  #: chunks that were already there (hits)
     tokens: int  #: tokens covered by whole chunks
 
 
 class KVGetResult(NamedTuple):
+    """What :meth:`KVCacheStore.get` returned: the prefix's tokens and its K/V."""
+
     tokens: int  #: tokens of the prefix returned (a multiple of chunk_tokens)
     kv: object  #: tensor [layers, 2, heads, tokens, head_dim], or None when tokens == 0
 
@@ -96,7 +101,8 @@ class KVCacheStore:
     ``kv.get(tokens, upto)``. ``kv_tensor`` is ``[layers, 2, heads, T, head_dim]`` with
     ``T >= `` the whole-chunk part of ``tokens``. All chunks of one prefix share one
     layout (layers, kv heads, head_dim, dtype): see :meth:`put`. Statistics: ``stats``
-    (:class:`KVCacheStats`)."""
+    (:class:`KVCacheStats`).
+    """
 
     def __init__(
         self, store: MooncakeStore, *, tenant: str = "default", config: KVCacheConfig | None = None
@@ -132,13 +138,22 @@ class KVCacheStore:
     ) -> KVPutResult:
         """Stores the K/V of every whole chunk of ``tokens`` that is not stored yet.
 
-        ``kv``: a CPU tensor ``[layers, 2, kv_heads, T, head_dim]``, or per-layer ``(K, V)``
-        pairs, each ``[kv_heads, T, head_dim]`` (all of one shape and dtype). Raises
-        ``ValueError``, before anything is written, for malformed K/V, and when its layout
-        (layers, kv heads, head_dim, dtype) differs from that of the chunks of these tokens
-        already stored (one layout per prefix: a model's cache is not mixed with another
-        one's, nor bf16 chunks with float32 ones; use another ``KVCacheConfig.model`` or
-        tenant for another layout)."""
+        One layout per prefix: a model's cache is not mixed with another one's, nor bf16 chunks with
+        float32 ones; use another ``KVCacheConfig.model`` or tenant for another layout.
+
+        Args:
+            tokens: the prompt's token ids.
+            kv: a CPU tensor ``[layers, 2, kv_heads, T, head_dim]``, or per-layer ``(K, V)`` pairs,
+                each ``[kv_heads, T, head_dim]`` (all of one shape and dtype).
+
+        Returns:
+            :class:`KVPutResult`.
+
+        Raises:
+            ValueError: before anything is written, for malformed K/V, and when its layout (layers,
+                kv heads, head_dim, dtype) differs from that of the chunks of these tokens already
+                stored.
+        """
         import torch
 
         op = "KVCacheStore.put"
@@ -237,8 +252,10 @@ class KVCacheStore:
         return torch.stack([torch.stack([k, v]) for k, v in pairs])
 
     def match_prefix(self, tokens: Tokens) -> int:
-        """How many leading tokens (whole chunks) have their K/V stored (a lookup: see
-        :class:`KVCacheStats`)."""
+        """How many leading tokens (whole chunks) have their K/V stored.
+
+        A lookup: see :class:`KVCacheStats`.
+        """
         keys = self.keys(tokens, _op="KVCacheStore.match_prefix")
         have = self.store.exists_batch(keys) if keys else []
         n = 0
@@ -257,12 +274,22 @@ class KVCacheStore:
         return n * self.cfg.chunk_tokens
 
     def get(self, tokens: Tokens, upto: int | None = None) -> KVGetResult:
-        """The K/V of the first ``upto`` tokens (a multiple of ``chunk_tokens``; default:
-        every whole chunk), or of the longest prefix of whole chunks that could be read
-        and share the first chunk's layout (chunks evicted meanwhile are misses; nothing
-        after a missing or differing chunk is used). Never raises for what the store
-        holds; ``ValueError`` for bad arguments. Counts as a lookup (see
-        :class:`KVCacheStats`)."""
+        """The K/V of the first ``upto`` tokens, or of the longest readable prefix of them.
+
+        That prefix is of whole chunks that could be read and share the first chunk's layout (chunks
+        evicted meanwhile are misses; nothing after a missing or differing chunk is used). Never
+        raises for what the store holds. Counts as a lookup (see :class:`KVCacheStats`).
+
+        Args:
+            tokens: the prompt's token ids.
+            upto: a multiple of ``chunk_tokens``; default: every whole chunk.
+
+        Returns:
+            :class:`KVGetResult`.
+
+        Raises:
+            ValueError: bad arguments.
+        """
         import torch
 
         op = "KVCacheStore.get"

@@ -1,5 +1,6 @@
-"""The keys of the KV cache: chunk ``i`` of a prompt is stored under the chained hash of
-the whole prefix up to and including it::
+"""The keys of the KV cache: chunk ``i`` of a prompt is stored under the chained hash of its prefix.
+
+The hash is of the whole prefix up to and including it::
 
     h_0 = blake2b(b"mooncake-kv" + chunk_0)      h_i = blake2b(h_{i-1} + chunk_i)
     key = "kv/<model>/<tenant>/<hex(h_i)>"

@@ -1,6 +1,7 @@
-"""The layout of a K/V chunk: ``[layers, 2, kv_heads, chunk_tokens, head_dim]`` and its
-dtype, which every chunk of one prefix shares (recorded by ``put_tensor`` in the chunk's
-metadata)."""
+"""The layout of a K/V chunk: ``[layers, 2, kv_heads, chunk_tokens, head_dim]`` and its dtype.
+
+Every chunk of one prefix shares it (recorded by ``put_tensor`` in the chunk's metadata).
+"""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from typing import NamedTuple
 
 
 class Layout(NamedTuple):
-    """What every chunk of one prefix shares: ``[layers, 2, kv_heads, chunk_tokens, head_dim]``
-    and the dtype."""
+    """What every chunk of one prefix shares: its shape and its dtype.
+
+    The shape is ``[layers, 2, kv_heads, chunk_tokens, head_dim]``.
+    """
 
     layers: int
     kv_heads: int
@@ -21,16 +24,20 @@ class Layout(NamedTuple):
 
 
 def layout_of(shape, dtype: str, chunk_tokens: int) -> Layout | None:
-    """The layout of a chunk of ``shape`` and ``dtype``; None if it is not a K/V chunk of
-    ``chunk_tokens`` tokens."""
+    """The layout of a chunk of ``shape`` and ``dtype``, or None.
+
+    None if it is not a K/V chunk of ``chunk_tokens`` tokens.
+    """
     if len(shape) != 5 or shape[1] != 2 or shape[3] != chunk_tokens:
         return None
     return Layout(int(shape[0]), int(shape[2]), int(shape[4]), dtype)
 
 
 def layout_from_meta(meta, chunk_tokens: int):
-    """The layout recorded in a chunk's metadata (``put_tensor``: dtype and shape); None if
-    it is not a K/V chunk; True if the store did not say (an older master)."""
+    """The layout recorded in a chunk's metadata (``put_tensor``: dtype and shape).
+
+    None if it is not a K/V chunk; True if the store did not say (an older master).
+    """
     if meta is True:
         return True
     try:
@@ -43,4 +50,5 @@ def layout_from_meta(meta, chunk_tokens: int):
 
 
 def dtype_name(dtype) -> str:
+    """The name of ``dtype`` without the ``torch.`` prefix (e.g. ``"bfloat16"``)."""
     return str(dtype).removeprefix("torch.")

@@ -1,6 +1,7 @@
-"""What :class:`~mooncake_store.WeightSync` and :class:`~mooncake_store.GroupWeightSync` share:
-their result records, tensor digests, dtype names, byte views of tensors, and the pieces
-of a (possibly sharded, DTensor) state dict that one shard writes.
+"""What :class:`~mooncake_store.WeightSync` and :class:`~mooncake_store.GroupWeightSync` share.
+
+Their result records, tensor digests, dtype names, byte views of tensors, and the pieces of a
+(possibly sharded, DTensor) state dict that one shard writes.
 """
 
 from __future__ import annotations
@@ -69,8 +70,10 @@ def _byte_view(t):
 
 
 def _piece_digest(data, algo: str) -> str:
-    """``algo:hex`` digest of a uint8 tensor's bytes: ``xxh3`` (XXH3-128, xxhash) or ``blake2b``
-    (BLAKE2b-128, hashlib)."""
+    """``algo:hex`` digest of a uint8 tensor's bytes.
+
+    ``xxh3`` (XXH3-128, xxhash) or ``blake2b`` (BLAKE2b-128, hashlib).
+    """
     buf = data.numpy() if data.numel() else b""
     if algo == "xxh3":
         import xxhash
@@ -130,8 +133,10 @@ def _target_dict(into, where: str) -> dict:
 
 
 def _local_pieces(state_dict: dict, shard: int, num_shards: int, where: str) -> list:
-    """[(name, dtype, global_shape, offset, local_tensor)] this shard writes; errors start
-    with ``where`` (the model and the op)."""
+    """[(name, dtype, global_shape, offset, local_tensor)] this shard writes.
+
+    Errors start with ``where`` (the model and the op).
+    """
     torch = _torch()
     DTensor = None
     # no DTensor exists before its module is imported; importing it takes about a second

@@ -1,5 +1,6 @@
-"""The process-group path of weight sync: :class:`GroupWeightSync`, a bucketed broadcast
-from a source rank, atomic for the whole group (see ``sync.py``).
+"""The process-group path of weight sync: :class:`GroupWeightSync`.
+
+A bucketed broadcast from a source rank, atomic for the whole group (see ``sync.py``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class GroupWeightSync:
     rank whose model lacks a name or has another shape refuses the version, before any
     bucket), and ``version`` (``None`` on the other ranks takes the source's; another value
     refuses the version). Dtypes may differ (values are cast into each rank's tensors);
-    ``bucket_bytes`` matters on ``src`` only."""
+    ``bucket_bytes`` matters on ``src`` only.
+    """
 
     def __init__(
         self, *, group: dist.ProcessGroup | None = None, src: int = 0, bucket_bytes: int = 64 << 20
@@ -76,8 +78,10 @@ class GroupWeightSync:
         return buf[:nbytes]
 
     def _coll(self, what: str, fn, *args, **kw):
-        """Runs one collective; a failure of the backend (a rank died: ``RankFailureError``,
-        a timeout, ...) becomes ``WeightSyncAbortedError`` chained to it."""
+        """Runs one collective; a failure of the backend becomes ``WeightSyncAbortedError``.
+
+        The failure (a rank died: ``RankFailureError``, a timeout, ...) is chained to it.
+        """
         try:
             return fn(*args, group=self.group, **kw)
         except Exception as e:
@@ -96,8 +100,10 @@ class GroupWeightSync:
         return int(flag.item())
 
     def _first_error(self, err: BaseException | None, nbytes: int = 1024) -> str:
-        """On a failure: the message of the lowest failing rank, sent to every rank (two
-        more collectives, on the failure path only)."""
+        """On a failure: the message of the lowest failing rank, sent to every rank.
+
+        Two more collectives, on the failure path only.
+        """
         torch = _torch()
         import torch.distributed as dist
 
@@ -121,15 +127,23 @@ class GroupWeightSync:
     ) -> GroupSyncResult:
         """Installs ``src``'s tensors as ``version`` on every rank of the group.
 
-        ``model_or_state_dict``: an ``nn.Module`` or a dict of CPU tensors (the same names
-        and shapes on every rank; see the class docstring). ``version``: an int >= 0 on
-        ``src`` (above the version the ranks hold); ``None`` or the same int elsewhere.
-        ``stage_hook(i)`` runs on each rank after bucket ``i`` arrived (tests, validation;
-        its exception aborts the sync). Returns :class:`GroupSyncResult`. Raises
-        ``ValueError`` on ``src`` for a bad ``version`` (before any collective);
-        ``WeightSyncAbortedError`` on every rank when any rank refuses the version (name,
-        shape, version mismatch, a stale version; the message names the rank, the tensor
-        and both shapes), fails staging a bucket, or dies (the backend's error chained)."""
+        Args:
+            model_or_state_dict: an ``nn.Module`` or a dict of CPU tensors (the same names and
+                shapes on every rank; see the class docstring).
+            version: an int >= 0 on ``src`` (above the version the ranks hold); ``None`` or the same
+                int elsewhere.
+            stage_hook: ``stage_hook(i)`` runs on each rank after bucket ``i`` arrived (tests,
+                validation; its exception aborts the sync).
+
+        Returns:
+            :class:`GroupSyncResult`.
+
+        Raises:
+            ValueError: on ``src`` for a bad ``version`` (before any collective).
+            WeightSyncAbortedError: on every rank when any rank refuses the version (name, shape,
+                version mismatch, a stale version; the message names the rank, the tensor and both
+                shapes), fails staging a bucket, or dies (the backend's error chained).
+        """
         torch = _torch()
         import torch.distributed as dist
 

@@ -1,6 +1,7 @@
-"""The trainer's side of :class:`~mooncake_store.WeightSync`: ``publish`` (publish
-attempts, bucketed pieces and manifests, the commit record) and the drop of old versions
-no reader holds. The store layout it reads and writes is described in ``sync.py``.
+"""The trainer's side of :class:`~mooncake_store.WeightSync`: ``publish`` and dropping old versions.
+
+``publish``: publish attempts, bucketed pieces and manifests, the commit record; and the drop of old
+versions no reader holds. The store layout it reads and writes is described in ``sync.py``.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ from .relay import MAX_POSITIONS, copy_keys, position_keys
 
 
 class Publisher:
-    """The publishing side of one :class:`~mooncake_store.WeightSync`: ``publish`` and
-    the drop of old versions."""
+    """The publishing side of one :class:`~mooncake_store.WeightSync`.
+
+    ``publish`` and the drop of old versions.
+    """
 
     def __init__(self, records: ModelRecords, cfg: WeightSyncConfig):
         self.records = records
@@ -49,8 +52,10 @@ class Publisher:
     def publish(
         self, state_dict, version: int, shard: int, num_shards: int, publish_id: str | None
     ) -> PublishResult:
-        """:meth:`WeightSync.publish <mooncake_store.WeightSync.publish>` (its docstring
-        says what it does and raises)."""
+        """:meth:`WeightSync.publish <mooncake_store.WeightSync.publish>`.
+
+        Its docstring says what it does and raises.
+        """
         torch = _torch()
         if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2**63:
             raise ValueError(
@@ -169,10 +174,11 @@ class Publisher:
             return False
 
     def _claim_attempt(self, vp: str, pid: str, shard: int, sizes: list) -> str:
-        """Records (a plain put of the first free ``a<k>``) that publish ``pid`` writes
-        buckets of ``sizes`` bytes of ``shard`` under ``vp``, so that a commit or drop of
-        the version finds and removes them (and relays' copies of them) even if this
-        publisher dies."""
+        """Records that publish ``pid`` writes buckets of ``sizes`` bytes of ``shard`` under ``vp``.
+
+        The record is a plain put of the first free ``a<k>``, so that a commit or drop of the
+        version finds and removes them (and relays' copies of them) even if this publisher dies.
+        """
         rec = msgpack.packb(
             {
                 "pid": pid,
@@ -192,9 +198,11 @@ class Publisher:
                 k += 1
 
     def _attempts(self, vp: str) -> list:
-        """[(key, record)] of the publish attempts at ``vp`` (read 16 at a time, up to the
-        first 16 free numbers in a row: a failed publish frees its number, the next takes
-        the lowest free one)."""
+        """[(key, record)] of the publish attempts at ``vp``.
+
+        Read 16 at a time, up to the first 16 free numbers in a row: a failed publish frees its
+        number, the next takes the lowest free one.
+        """
         out, k = [], 0
         while True:
             keys = [f"{vp}a{i}" for i in range(k, k + 16)]
@@ -213,8 +221,10 @@ class Publisher:
             k += 16
 
     def _sweep(self, vp: str, keep_pid: str | None) -> None:
-        """Removes the pieces of every publish attempt at ``vp`` except ``keep_pid``'s
-        (``None``: all of them, the attempt records, and the relays' records and copies)."""
+        """Removes the pieces of every publish attempt at ``vp`` except ``keep_pid``'s.
+
+        ``None``: all of them, the attempt records, and the relays' records and copies.
+        """
         keys = []
         relays = []  # (position, host tag, reader id) of the version's live relays (relay.py)
         if keep_pid is None:
@@ -250,8 +260,10 @@ class Publisher:
     def _write_pieces(
         self, torch, pp: str, shard: int, num_shards: int, version: int, plan: list
     ) -> tuple:
-        """Writes this shard's buckets (bucket i put while bucket i+1 is packed) under the
-        publish prefix ``pp``, then its manifest; returns ``(manifest, bytes written)``."""
+        """Writes this shard's buckets under the publish prefix ``pp``, then its manifest.
+
+        Bucket i is put while bucket i+1 is packed. Returns ``(manifest, bytes written)``.
+        """
         manifest = {
             "version": version,
             "shard": shard,
@@ -372,8 +384,11 @@ class Publisher:
         return PublishResult(version, 0, True, len(plan), total, dropped)
 
     def _holds(self) -> set:
-        """Versions some reader holds. Slots of readers silent for ``hold_ttl_s`` (dead, or
-        between pulls without views) are reclaimed here, by the committing shard only."""
+        """Versions some reader holds.
+
+        Slots of readers silent for ``hold_ttl_s`` (dead, or between pulls without views) are
+        reclaimed here, by the committing shard only.
+        """
         n = self.cfg.max_readers
         got = self.records.get_many(
             [f"{self.records.prefix}slot/{i}" for i in range(n)]

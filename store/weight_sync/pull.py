@@ -1,7 +1,8 @@
-"""The reader's side of :class:`~mooncake_store.WeightSync`: ``pull`` (holds on versions
-and their refresh thread, staging a whole version and checking it before anything is
-installed, views of the store's memory) and ``release``. The store layout it reads and
-writes is described in ``sync.py``; relays across hosts are ``relay.py``.
+"""The reader's side of :class:`~mooncake_store.WeightSync`: ``pull`` and ``release``.
+
+``pull``: holds on versions and their refresh thread, staging a whole version and checking it before
+anything is installed, views of the store's memory. The store layout it reads and writes is
+described in ``sync.py``; relays across hosts are ``relay.py``.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ _READS_IN_FLIGHT = 2  # buckets read at once: the link stays busy between two re
 
 
 class Puller:
-    """The reading side of one :class:`~mooncake_store.WeightSync`: ``pull``, holds on
-    versions, ``release``.
+    """The reading side of one :class:`~mooncake_store.WeightSync`: ``pull``, holds, ``release``.
+
+    Holds are on versions.
 
     Attributes:
         version: the version this reader holds (-1: none).
@@ -87,9 +89,11 @@ class Puller:
         return sorted(v for v, c in list(self._refs.items()) if c > 0)
 
     def _hold(self, versions: list, verify: bool = False) -> bool:
-        """Records that this reader uses ``versions`` (publishers do not drop them). False
-        if no reader slot is free. ``verify``: check first that the slot is still ours (a
-        publisher reclaims the slot of a reader silent for ``hold_ttl_s``)."""
+        """Records that this reader uses ``versions`` (publishers do not drop them).
+
+        False if no reader slot is free. ``verify``: check first that the slot is still ours (a
+        publisher reclaims the slot of a reader silent for ``hold_ttl_s``).
+        """
         with self._hold_lock:
             return self._hold_locked(versions, verify)
 
@@ -130,11 +134,13 @@ class Puller:
                     pass  # retried at the next tick; the hold counts for hold_ttl_s
 
     def _check_not_dropped(self, held: list):
-        """A reader stopped or starved past ``hold_ttl_s`` (a debugger, a paused VM) lost
-        its hold: a publisher may have dropped a version it still views and reused that
-        memory. Nothing can stop the model from reading it then; this makes it loud
-        (``lapsed_versions``, an error in the log and a ``RuntimeWarning``) until the next
-        pull installs a newer version."""
+        """Makes a lapsed hold loud: a version this reader still views may have been dropped.
+
+        A reader stopped or starved past ``hold_ttl_s`` (a debugger, a paused VM) lost its hold: a
+        publisher may have dropped a version it still views and reused that memory. Nothing can stop
+        the model from reading it then; this makes it loud (``lapsed_versions``, an error in the log
+        and a ``RuntimeWarning``) until the next pull installs a newer version.
+        """
         alive = self.store.exists_batch([f"{self.records.prefix}v{v}/commit" for v in held])
         gone = [v for v, ok in zip(held, alive) if not ok]
         if gone and gone != self.lapsed_versions:
@@ -180,8 +186,10 @@ class Puller:
             self._slot = None
 
     def pull(self, into, version, dtype, strict: bool, stage_hook) -> PullResult:
-        """:meth:`WeightSync.pull <mooncake_store.WeightSync.pull>` (its docstring says
-        what it does and raises)."""
+        """:meth:`WeightSync.pull <mooncake_store.WeightSync.pull>`.
+
+        Its docstring says what it does and raises.
+        """
         torch = _torch()
         view_mode = self.cfg.install == "view"
         if view_mode and into is not None and not isinstance(into, torch.nn.Module):
@@ -520,8 +528,10 @@ class Puller:
         )
 
     def _fetch_all(self, v, fetched, fetch, staged, views, stage_hook) -> None:
-        """Reads the buckets (the next ones while this one is checked and copied into the
-        staged tensors) and checks every piece's digest."""
+        """Reads the buckets and checks every piece's digest.
+
+        The next buckets are read while this one is checked and copied into the staged tensors.
+        """
         # two in flight for a relay too: transfers from one peer go one at a time over its
         # connection, so the copies still come in order, and the next bucket's requests to
         # the master (its copy's place, the source's metadata) overlap this one's transfer

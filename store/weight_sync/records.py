@@ -1,6 +1,7 @@
-"""One model's place in the store: its key prefix (the layout in ``sync.py``), where its
-objects are placed, and its records, which publishers, readers and relays all read and
-write: msgpack in the metadata of empty objects, kept by the master alone.
+"""One model's place in the store: its key prefix, where its objects go, and its records.
+
+The key prefix follows the layout in ``sync.py``. Its records, which publishers, readers and relays
+all read and write, are msgpack in the metadata of empty objects, kept by the master alone.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ class ModelRecords:
         self.placement = ReplicateConfig(pin=pin, preferred_segment=own)
 
     def get_msg(self, key: str, default=ObjectNotFoundError):
-        """The msgpack value stored under ``key``; ``default`` when it does not exist
-        (raises ``ObjectNotFoundError`` without one)."""
+        """The msgpack value stored under ``key``; ``default`` when it does not exist.
+
+        Raises ``ObjectNotFoundError`` without one.
+        """
         try:
             return msgpack.unpackb(self.store.get(key), raw=False)
         except ObjectNotFoundError:
@@ -41,18 +44,22 @@ class ModelRecords:
             return default
 
     def put(self, key: str, rec, upsert: bool = True) -> None:
-        """Writes ``rec`` (msgpack) as the metadata of an empty object: it lives in the
-        master alone, so it needs no segment and outlives whoever wrote it (a trainer
-        holding the store's memory that restarts still finds its version history; a reader
+        """Writes ``rec`` (msgpack) as the metadata of an empty object.
+
+        It lives in the master alone, so it needs no segment and outlives whoever wrote it (a
+        trainer holding the store's memory that restarts still finds its version history; a reader
         records its holds with no trainer alive). ``upsert=False``: a plain put
-        (``ObjectExistsError`` if the key exists)."""
+        (``ObjectExistsError`` if the key exists).
+        """
         self.store.internal.put_many(
             [key], [b""], [msgpack.packb(rec)], self.placement, upsert=upsert
         )
 
     def get_many(self, keys: list) -> list:
-        """The records :meth:`put` wrote (None where a key does not exist or holds no
-        valid record)."""
+        """The records :meth:`put` wrote.
+
+        None where a key does not exist or holds no valid record.
+        """
         out = []
         for key, meta in zip(keys, self.store.internal.metadata(keys)):
             try:
@@ -74,8 +81,7 @@ class ModelRecords:
         return default if rec is None else rec
 
     def latest(self) -> tuple:
-        """``(the newest committed version or -1, the publish id that committed it or
-        None)``."""
+        """``(the newest committed version or -1, the publish id that committed it or None)``."""
         rec = self.get(self.prefix + "latest")
         if not isinstance(rec, dict):
             return -1, None

@@ -1,5 +1,7 @@
-"""Weight sync across hosts: one pull per host, and hosts that pass the buckets on to each
-other in a chain (``WeightSyncConfig.relay``; docs/weight-sync.md "Across hosts").
+"""Weight sync across hosts: one pull per host, and hosts that pass the buckets on in a chain.
+
+The hosts pass the buckets on to each other (``WeightSyncConfig.relay``; docs/weight-sync.md "Across
+hosts").
 
 A reader whose version's pieces lie on another host takes a role per pull:
 
@@ -64,8 +66,10 @@ MAX_POSITIONS = 256
 
 
 def host_tag(host_id: str) -> str:
-    """The part of a relay record's key naming a host (``StoreConfig.host_id`` may hold
-    any character)."""
+    """The part of a relay record's key naming a host.
+
+    ``StoreConfig.host_id`` may hold any character.
+    """
     return hashlib.sha1(host_id.encode()).hexdigest()[:16]
 
 
@@ -75,21 +79,27 @@ def position_keys(vp: str, n: int) -> list:
 
 
 def part_ranges(nbytes: int, part_bytes: int) -> list:
-    """``[(offset, size)]`` of the parts of a bucket of ``nbytes`` (> 0) bytes that relays
-    pass on (``WeightSyncConfig.relay_part_bytes``)."""
+    """``[(offset, size)]`` of the parts of a bucket of ``nbytes`` (> 0) bytes that relays pass on.
+
+    The part size is ``part_bytes`` (``WeightSyncConfig.relay_part_bytes``).
+    """
     return [(off, min(part_bytes, nbytes - off)) for off in range(0, nbytes, part_bytes)]
 
 
 def copy_key(pp: str, rid: str, bucket_key: str, part: int) -> str:
-    """The key of the copy of part ``part`` of ``bucket_key`` (``<pp>b<s>.<i>``) that the
-    relay of reader ``rid`` made. Named by the reader, not its position: a reader that
-    takes a position another one left may not overwrite copies that one still removes."""
+    """The key of the copy of part ``part`` of ``bucket_key`` that the relay of reader ``rid`` made.
+
+    ``bucket_key`` is ``<pp>b<s>.<i>``. Named by the reader, not its position: a reader that takes a
+    position another one left may not overwrite copies that one still removes.
+    """
     return f"{pp}r{rid}/{bucket_key[len(pp) :]}.p{part}"
 
 
 def copy_keys(pp: str, rid: str, bucket_key: str, nbytes: int, part_bytes: int) -> list:
-    """The keys of the copies of the parts of ``bucket_key`` (``nbytes``) that the relay
-    of reader ``rid`` made."""
+    """The keys of the copies of the parts of ``bucket_key`` that the relay of reader ``rid`` made.
+
+    ``bucket_key`` holds ``nbytes``.
+    """
     n = len(part_ranges(nbytes, part_bytes))
     return [copy_key(pp, rid, bucket_key, j) for j in range(n)]
 
@@ -140,9 +150,11 @@ class RelayPull:
         nbytes: int,
         part_bytes: int,
     ) -> RelayPull | None:
-        """The role of reader ``rid`` for the version at ``vp`` (publish ``pp``, ``nbytes``
-        in its buckets, relayed in parts of ``part_bytes``), or None when the publisher's
-        pieces lie on this host (read in place, no relay)."""
+        """The role of reader ``rid`` for the version at ``vp``, or None when no relay is needed.
+
+        Publish ``pp``, ``nbytes`` in its buckets, relayed in parts of ``part_bytes``; None when the
+        publisher's pieces lie on this host (read in place, no relay).
+        """
         store = records.store
         if store.internal.replica_is_local(first_key) is not False:
             return None
@@ -204,12 +216,14 @@ class RelayPull:
 
     def _claimed_below(self, position: int, recs: list) -> list:
         """``(position, reader id)`` of the relays below ``position``, nearest first.
-        Claims take the first free position, so every one below this relay's was claimed
-        when it claimed its own; a record not there yet is a claim still being written
-        (readers start at once after a publish: a one-byte put between its two requests to
-        the master), waited for up to ``_CLAIM_GRACE_S``; one still missing then is gone
-        (its relay resigned meanwhile). Leaving a claim being written out would make this
-        relay read from the one before it, or the publisher: another copy over that link."""
+
+        Claims take the first free position, so every one below this relay's was claimed when it
+        claimed its own; a record not there yet is a claim still being written (readers start at
+        once after a publish: a one-byte put between its two requests to the master), waited for up
+        to ``_CLAIM_GRACE_S``; one still missing then is gone (its relay resigned meanwhile).
+        Leaving a claim being written out would make this relay read from the one before it, or the
+        publisher: another copy over that link.
+        """
         rids = {j: r.get("rid") for j, r in enumerate(recs[:position]) if isinstance(r, dict)}
         missing = [j for j in range(position) if j not in rids]
         deadline = time.monotonic() + _CLAIM_GRACE_S
@@ -223,9 +237,11 @@ class RelayPull:
         return [(j, rids[j]) for j in range(position - 1, -1, -1) if j in rids]
 
     def _put_here(self, key: str, value: memoryview, record: dict) -> None:
-        """Puts a claim, ``value`` with ``record`` as its metadata, into this client's own
-        segment. Raises ``ObjectExistsError`` when another reader claimed it first,
-        ``NoSpaceError`` when the segment has no room for it."""
+        """Puts a claim, ``value`` with ``record`` as its metadata, into this client's own segment.
+
+        Raises ``ObjectExistsError`` when another reader claimed it first, ``NoSpaceError`` when the
+        segment has no room for it.
+        """
         self.store.internal.put_many(
             [key], [value], [msgpack.packb(record)], self._here, own_segment_only=True
         )
@@ -233,9 +249,11 @@ class RelayPull:
             self.own.append(key)
 
     def _wait(self, j: int, rid: str, ck: str) -> bool:
-        """Whether the copy ``ck`` of the relay at position ``j`` (reader ``rid``) exists
-        within ``relay_wait_s`` (False at once when that relay is gone: no record at
-        ``j``, or another reader's, which took the position after it left)."""
+        """Whether the copy ``ck`` of the relay at position ``j`` (reader ``rid``) exists in time.
+
+        In time: within ``relay_wait_s`` (False at once when that relay is gone: no record at ``j``,
+        or another reader's, which took the position after it left).
+        """
         ok = f"{self.vp}relay/c{j}"
         deadline = time.monotonic() + self.cfg.relay_wait_s
         pause = 0.001
@@ -250,12 +268,14 @@ class RelayPull:
             pause = min(pause * 2, 0.004)
 
     def read_into(self, key: str, dst: torch.Tensor) -> torch.Tensor:
-        """Reads bucket ``key`` into ``dst`` (its size, uint8, non-empty) part by part, each
-        from the nearest source that has it; returns ``dst``. As a relay, each part lands
-        first in its copy in this reader's segment (placed before the read: no staging
-        copy on the next host's path) and is committed, readable by the next host, before
-        it is copied into ``dst``. A relay without room for the copies, or whose copy could
-        not be committed, stops relaying (:meth:`_step_down`) and reads into ``dst``."""
+        """Reads bucket ``key`` into ``dst`` part by part, each from the nearest source that has it.
+
+        ``dst`` is of its size, uint8, non-empty; returns ``dst``. As a relay, each part lands first
+        in its copy in this reader's segment (placed before the read: no staging copy on the next
+        host's path) and is committed, readable by the next host, before it is copied into ``dst``.
+        A relay without room for the copies, or whose copy could not be committed, stops relaying
+        (:meth:`_step_down`) and reads into ``dst``.
+        """
         mv = memoryview(dst.numpy())
         parts = part_ranges(dst.numel(), self.part_bytes)
         position = self.position  # the other read thread may step down meanwhile
@@ -293,8 +313,10 @@ class RelayPull:
         return dst
 
     def _read_part(self, key: str, part: int, offset: int, mv: memoryview) -> None:
-        """Reads part ``part`` of bucket ``key`` (its bytes from ``offset`` on) into ``mv``
-        from the nearest source that has it (the publisher's piece last)."""
+        """Reads part ``part`` of bucket ``key`` (its bytes from ``offset`` on) into ``mv``.
+
+        From the nearest source that has it (the publisher's piece last).
+        """
         while self.sources:
             src = self.sources[0]
             j, rid = src
@@ -311,9 +333,11 @@ class RelayPull:
         self.store.internal.read_into(key, mv, scratch=True, offset=offset)
 
     def _step_down(self) -> None:
-        """Stops relaying this version: its position record goes at once (readers after
-        this one move up the chain); its copies stay until :meth:`finish`, as the pull may
-        still stage from them."""
+        """Stops relaying this version: its position record goes at once.
+
+        Readers after this one move up the chain; its copies stay until :meth:`finish`, as the pull
+        may still stage from them.
+        """
         with self._lock:
             position, self.position = self.position, None
             self._stepped_down = True
@@ -325,14 +349,18 @@ class RelayPull:
         self.store.remove_batch([pk], force=True, return_exceptions=True)
 
     def finish(self) -> None:
-        """The pull's bytes are all read and staged: a relay that stepped down removes its
-        copies now."""
+        """The pull's bytes are all read and staged: a relay that stepped down removes its copies.
+
+        It removes them now.
+        """
         if self._stepped_down:
             self._remove_own()
 
     def resign(self) -> None:
-        """Stops relaying this version: removes what this reader put for it (its position
-        record goes with the rest: readers after it move up the chain)."""
+        """Stops relaying this version: removes what this reader put for it.
+
+        Its position record goes with the rest: readers after it move up the chain.
+        """
         self.position = None
         self._remove_own()
 

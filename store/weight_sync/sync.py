@@ -96,7 +96,9 @@ class WeightSync:
     process and model; a reader's ``version`` is the version it holds (-1: none).
 
     Attributes:
-        store / model / cfg: the client, the model's name and the options.
+        store: the client.
+        model: the model's name.
+        cfg: the options.
         records: the model's keys and records in the store (``records.py``).
         publisher: the publishing side (``publish.py``).
         puller: the reading side (``pull.py``).
@@ -132,9 +134,11 @@ class WeightSync:
 
     @property
     def lapsed_versions(self) -> list:
-        """Viewed versions found dropped while this reader still had views of them (its
-        hold lapsed: the process was stopped or starved past ``hold_ttl_s``), until a pull
-        installs a newer version."""
+        """Viewed versions found dropped while this reader still had views of them.
+
+        Its hold lapsed: the process was stopped or starved past ``hold_ttl_s``. Listed until a pull
+        installs a newer version.
+        """
         return self.puller.lapsed_versions
 
     def publish(
@@ -146,24 +150,35 @@ class WeightSync:
         num_shards: int = 1,
         publish_id: str | None = None,
     ) -> PublishResult:
-        """Writes ``state_dict`` (CPU tensors or DTensors; an ``nn.Module`` is taken by its
-        state dict) as ``version``.
+        """Writes ``state_dict`` as ``version``.
 
-        Raises ``StaleVersionError`` if ``version`` is at or below the latest committed
-        one, or if another publisher committed ``version`` first (two trainers publishing
-        one version: exactly one commits; the loser's shard 0 removes what it wrote and
-        raises, naming the version). ``ValueError`` for bad input (before anything is
-        written: sparse or nested tensors, dtypes torch cannot copy such as
-        ``torch.int4``). ``StoreError``s of the store: a failure before the commit removes
-        what this shard wrote of ``version``, so a retry needs no more room than the first
-        try; a ``NoSpaceError`` while the store has space of dropped versions to give back
-        (read leases) is retried until that space is back (up to ``lease_ttl_s``).
+        With ``num_shards > 1`` every shard calls this with the same ``publish_id``, which names the
+        pieces of this publish; shard 0 waits up to ``commit_timeout_s`` for the others' manifests
+        and commits. A single-shard publish takes a fresh id when none is given.
 
-        With ``num_shards > 1`` every shard calls this with the same ``publish_id`` (a
-        str of 1-64 letters, digits, ``_.-``, unique per publish: e.g. a uuid4 hex
-        broadcast from rank 0), which names the pieces of this publish; shard 0 waits up
-        to ``commit_timeout_s`` for the others' manifests and commits. A single-shard
-        publish takes a fresh id when none is given."""
+        Args:
+            state_dict: CPU tensors or DTensors; an ``nn.Module`` is taken by its state dict.
+            version: the version to publish, above the latest committed one.
+            shard: this shard's index.
+            num_shards: how many shards write this publish.
+            publish_id: a str of 1-64 letters, digits, ``_.-``, unique per publish (e.g. a uuid4 hex
+                broadcast from rank 0); the same on every shard.
+
+        Returns:
+            :class:`PublishResult`.
+
+        Raises:
+            StaleVersionError: ``version`` is at or below the latest committed one, or another
+                publisher committed ``version`` first (two trainers publishing one version: exactly
+                one commits; the loser's shard 0 removes what it wrote and raises, naming the
+                version).
+            ValueError: bad input (before anything is written: sparse or nested tensors, dtypes
+                torch cannot copy such as ``torch.int4``).
+            StoreError: the store's errors: a failure before the commit removes what this shard
+                wrote of ``version``, so a retry needs no more room than the first try; a
+                ``NoSpaceError`` while the store has space of dropped versions to give back (read
+                leases) is retried until that space is back (up to ``lease_ttl_s``).
+        """
         return self.publisher.publish(state_dict, version, shard, num_shards, publish_id)
 
     def pull(
@@ -175,41 +190,57 @@ class WeightSync:
         strict: bool = True,
         stage_hook: Callable[[int], None] | None = None,
     ) -> PullResult:
-        """Installs ``version`` (``"latest"`` or an int) into ``into`` (an ``nn.Module`` or a
-        dict of tensors; ``None``: the tensors come back in ``PullResult.state_dict``).
+        """Installs ``version`` into ``into``.
 
-        All or nothing: the whole version is read and checked (every piece present,
-        checksums, shapes, every element covered) before the first tensor of ``into``
-        changes; on any error the previous version stays and the error is raised
-        (``WeightSyncAbortedError`` for a missing/corrupt piece, or the error raised).
-        ``dtype`` casts floating-point tensors; a tensor of ``into`` keeps its dtype, and one
-        whose dtype differs from the published one raises ``ValueError`` unless both are
-        floating-point (then the values are cast). Never goes back: an int ``version`` below
-        the one held raises ``StaleVersionError``; ``"latest"`` at or below it, or before
-        any publish, does nothing (``installed=False``). ``strict``: ``into`` must have exactly the
-        published names. ``stage_hook(i)`` runs before bucket ``i`` is staged (for
-        validation and tests; its exception aborts the pull).
+        All or nothing: the whole version is read and checked (every piece present, checksums,
+        shapes, every element covered) before the first tensor of ``into`` changes; on any error the
+        previous version stays and the error is raised. Never goes back: ``"latest"`` at or below
+        the version held, or before any publish, does nothing (``installed=False``).
 
-        With ``WeightSyncConfig(install="view")`` (``into`` an ``nn.Module`` or ``None``),
-        every tensor published whole, in memory on this host and not cast is installed
-        as a view of the store's memory (``param.data = view``: no copy, shared by all
-        readers of the host; read-only, a write kills the process with SIGSEGV); the
-        reader keeps a hold on that version until its next pull or ``release()``.
-        Other tensors are copied as above (into fresh memory when the target was a
-        view)."""
+        With ``WeightSyncConfig(install="view")`` (``into`` an ``nn.Module`` or ``None``), every
+        tensor published whole, in memory on this host and not cast is installed as a view of the
+        store's memory (``param.data = view``: no copy, shared by all readers of the host;
+        read-only, a write kills the process with SIGSEGV); the reader keeps a hold on that version
+        until its next pull or ``release()``. Other tensors are copied as above (into fresh memory
+        when the target was a view).
+
+        Args:
+            into: an ``nn.Module`` or a dict of tensors; ``None``: the tensors come back in
+                ``PullResult.state_dict``.
+            version: ``"latest"`` or an int.
+            dtype: casts floating-point tensors; a tensor of ``into`` keeps its dtype, and one whose
+                dtype differs from the published one raises ``ValueError`` unless both are
+                floating-point (then the values are cast).
+            strict: ``into`` must have exactly the published names.
+            stage_hook: ``stage_hook(i)`` runs before bucket ``i`` is staged (for validation and
+                tests; its exception aborts the pull).
+
+        Returns:
+            :class:`PullResult`.
+
+        Raises:
+            WeightSyncAbortedError: a missing/corrupt piece (other errors are raised as they are).
+            StaleVersionError: an int ``version`` below the one held.
+            ValueError: a dtype of ``into`` that differs from the published one, unless both are
+                floating-point.
+        """
         return self.puller.pull(into, version, dtype, strict, stage_hook)
 
     def release(self) -> None:
-        """Gives up this reader's slot (call when the reader goes away for good). With
-        ``install="view"`` the parameters it installed as views become private copies
-        first; tensors the caller kept or detached from views are not protected after
-        this (a warning says so): publishers may reuse that memory."""
+        """Gives up this reader's slot (call when the reader goes away for good).
+
+        With ``install="view"`` the parameters it installed as views become private copies first;
+        tensors the caller kept or detached from views are not protected after this (a warning says
+        so): publishers may reuse that memory.
+        """
         self.puller.release()
 
     def latest_version(self) -> int:
-        """The newest committed version in the store (-1: none). Read from the master's
-        metadata alone, so a restarted trainer or a new reader sees it, also when the
-        segment that held the versions' bytes is gone."""
+        """The newest committed version in the store (-1: none).
+
+        Read from the master's metadata alone, so a restarted trainer or a new reader sees it, also
+        when the segment that held the versions' bytes is gone.
+        """
         return self.records.latest_version()
 
     def committed_versions(self) -> list:
