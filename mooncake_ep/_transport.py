@@ -46,7 +46,7 @@ class _Recycler:
     within about twice what one call had alive). Up to ``per_dtype`` buffers per dtype stay cached:
     a round trip across hosts has about 10 large ones alive at once (the result, up to three pieces'
     rows in flight each way, the pieces being summed) in several sizes, and a low-latency one adds
-    its slot buffers; with a smaller cap the least recently used, the largest, went first and were
+    its slot buffers; with a smaller cap the least recently used, the largest, would go first and be
     allocated afresh every call.
     """
 

@@ -312,8 +312,8 @@ class Link:
 
         After that the poll thread gives up on that master and finds the leader again: a third of
         the master's client TTL, so a stopped (SIGSTOP) or hung leader still lets heartbeats reach
-        its successor within the TTL it grants every client (found by a new-user trial: stuck for
-        rpc_timeout_s + 3 s, the client was declared dead and all its objects dropped).
+        its successor within the TTL it grants every client (waiting rpc_timeout_s + 3 s instead,
+        the client would be declared dead and all its objects dropped).
         """
         return min(self.cfg.rpc_timeout_s, max(1.0, self._client_ttl / 3))
 

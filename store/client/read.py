@@ -329,8 +329,8 @@ class Reader:
             elif ready > 0 and now - progress_at > _LOAD_STALL_S:
                 # loads stopped while part is ready: the owner's memory is full of this very
                 # batch (leased by these requests), so waiting longer cannot help; the rest
-                # fails with TransferError (a KV get of a long prefix on another host's SSD
-                # waited rpc_timeout_s for nothing, found by a trial)
+                # fails with TransferError (else a KV get of a long prefix on another host's
+                # SSD would wait rpc_timeout_s for nothing)
                 break
             time.sleep(0.01)
         deadline = t0 + res["ttl_ms"] / 1000.0

@@ -154,8 +154,8 @@ class Writer:
         while True:
             # a batch larger than the space free or evictable now goes in waves: what was
             # placed is written and committed (and so becomes evictable); the rest is
-            # placed again while each wave stores something (a KV put of more chunks than
-            # the owner's memory failed with NoSpaceError after a few, found by a trial)
+            # placed again while each wave stores something (so a KV put of more chunks than
+            # the owner's memory holds does not fail with NoSpaceError after a few)
             rest = [i for i in wave if isinstance(results[i], NoSpaceError)]
             if not rest or len(rest) == len(wave):
                 break

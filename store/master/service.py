@@ -278,10 +278,10 @@ class Master:
         """Raises ``NotLeaderError`` unless this master's leader lease is certainly alive.
 
         A leader that was stopped (SIGSTOP, a stalled VM) or cut off from etcd past its lease may
-        have a successor; until a keep-alive succeeds again it answers nothing (found by a new-user
-        trial: resumed after a stop, it answered requests queued meanwhile from its old metadata: a
-        get returned another object's bytes, and a put reservation it handed out overwrote an object
-        the new leader had placed there).
+        have a successor; until a keep-alive succeeds again it answers nothing (a leader resumed
+        after a stop would otherwise answer requests queued meanwhile from its old metadata: a get
+        could return another object's bytes, and a put reservation it hands out could overwrite an
+        object the new leader placed there).
         """
         if self._lease_left() <= 0:
             raise NotLeaderError(

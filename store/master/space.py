@@ -237,7 +237,7 @@ class Space:
                 if room is None:
                     # a burst of evictions faster than the disk: the object waits in memory
                     # (puts meanwhile get NoSpaceRetry) rather than skipping the SSD, which
-                    # kept older objects there and lost newer ones (found by a trial)
+                    # would keep older objects there and lose newer ones
                     self._ssd_waiting.add(c.id)
                     return False
                 if room:

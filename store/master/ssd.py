@@ -49,7 +49,7 @@ class SsdTier:
             elif cur.version == version and mine[0][0] != c.id:
                 # the same file, registered by a new client on that directory (the owner
                 # restarted before its old incarnation's TTL ran out): the new one owns it
-                # now, or the old one's death would drop the object (found by a trial)
+                # now, or the old one's death would drop the object
                 old = rec.clients.get(mine[0][0])
                 if old is not None:
                     rec.forget_ssd(old, cur)
