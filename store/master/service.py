@@ -34,6 +34,7 @@ from ..common.errors import AuthError, NotLeaderError, ProtocolError, StoreError
 from .config import MasterConfig
 from .core import TICK_S, Core
 from .ha import client_record, load_into, obj_record
+from .metrics import CONTENT_TYPE, Metrics
 
 log = logging.getLogger("mooncake_store.master")
 _LEN = struct.Struct(">I")
@@ -97,6 +98,8 @@ class Master:
         self._conns = 0
         self._ident = ""
         self._install_core(self.core)
+        # read at each scrape: the core in use then (a new leader installs its own)
+        self.metrics = Metrics(lambda: (self.core.stats(), self.leader))
 
     # ----------------------------------------------------------------- lifecycle
     @property
@@ -365,7 +368,7 @@ class Master:
                 "addr": self.address if self.leader else self.leader_addr,
             }
         if method == "metrics":
-            return {"text": self.core.metrics_text(self.leader)}
+            return {"text": self.metrics.text()}
         if not self.leader:
             raise NotLeaderError(f"this master is a standby; the leader is {self.leader_addr}")
         self._check_lease()
@@ -394,11 +397,13 @@ class Master:
             elif path not in (b"/metrics", b"/"):
                 status, body = b"404 Not Found", b"metrics are at /metrics\n"
             else:
-                status, body = b"200 OK", self.core.metrics_text(self.leader).encode()
+                status, body = b"200 OK", self.metrics.text().encode()
             writer.write(
                 b"HTTP/1.0 "
                 + status
-                + b"\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: "
+                + b"\r\nContent-Type: "
+                + CONTENT_TYPE.encode()
+                + b"\r\nContent-Length: "
                 + str(len(body)).encode()
                 + b"\r\n\r\n"
                 + (body if parts[:1] != [b"HEAD"] else b"")
