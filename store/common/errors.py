@@ -98,6 +98,13 @@ class PutLostError(StoreError):
     code = "PutLost"
 
 
+class ParentMissingError(StoreError):
+    """A put names a ``parent`` key that is not stored (never put, or dropped meanwhile);
+    nothing was stored for it: put the parent first."""
+
+    code = "ParentMissing"
+
+
 class StaleVersionError(StoreError):
     """WeightSync: a publish at or below the latest committed version of the model (the
     trainer resumes numbering above it), or a pull of a version older than the one the
@@ -127,6 +134,7 @@ _ALL = [
     NotLeaderError,
     UnknownClientError,
     PutLostError,
+    ParentMissingError,
     StaleVersionError,
     WeightSyncAbortedError,
 ]
@@ -134,7 +142,13 @@ _BY_CODE = {c.code: c for c in _ALL}
 
 
 def from_code(code: str, message: str) -> StoreError:
-    """The exception of ``code`` (``StoreError`` for unknown codes) with ``message``."""
+    """The exception of ``code`` (``StoreError`` for unknown codes) with ``message``.
+    ``"NoSpaceRetry"`` (space that frees up by itself soon) is a ``NoSpaceError`` whose
+    ``code`` says so."""
+    if code == "NoSpaceRetry":
+        e = NoSpaceError(message)
+        e.code = code
+        return e
     return _BY_CODE.get(code, StoreError)(message)
 
 

@@ -24,6 +24,9 @@ _GAUGES = (
     ("capacity_bytes", "capacity_bytes", "Bytes of all registered segments."),
     ("clients", "clients", "Live clients."),
     ("segments", "segments", "Registered segments."),
+    ("holds", "active_holds", "Holds in force."),
+    ("held_keys", "held_keys", "Keys under at least one hold."),
+    ("history_entries", "history_entries", "Dropped keys whose cause the master remembers."),
 )
 # (name without _total, key in Core.stats(), help)
 _COUNTERS = (
@@ -45,6 +48,9 @@ _COUNTERS = (
     ("removes", "removes", "Removed objects."),
     ("put_aborts", "put_aborts", "Puts aborted (writer died, timed out or revoked)."),
     ("clients_lost", "clients_lost", "Clients declared dead after missing heartbeats."),
+    ("invalidations", "invalidations", "Invalidate requests."),
+    ("holds_taken", "holds", "Holds taken."),
+    ("promotes", "promotes", "Loads from SSD into memory scheduled by promote requests."),
 )
 
 
@@ -61,6 +67,22 @@ class StoreCollector:
             yield GaugeMetricFamily(f"mooncake_store_{name}", help_, value=stats.get(key, 0))
         for name, key, help_ in _COUNTERS:
             yield CounterMetricFamily(f"mooncake_store_{name}", help_, value=stats.get(key, 0))
+        drops = CounterMetricFamily(
+            "mooncake_store_drops",
+            "Objects dropped, by cause (objects dropped with an ancestor count under its cause).",
+            labels=["cause"],
+        )
+        for cause, n in stats.get("drops", {}).items():
+            drops.add_metric([cause], n)
+        yield drops
+        groups = GaugeMetricFamily(
+            "mooncake_store_group_bytes",
+            "Bytes of the committed objects of each quota group.",
+            labels=["group"],
+        )
+        for group, n in stats.get("group_bytes", {}).items():
+            groups.add_metric([group], n)
+        yield groups
         yield GaugeMetricFamily(
             "mooncake_store_leader", "1 if this master serves requests.", value=1 if leader else 0
         )

@@ -296,7 +296,7 @@ class Master:
             if obj is None:
                 deletes.append(k)
             else:
-                puts[k] = obj_record(obj)
+                puts[k] = obj_record(obj, records.group_quota.get(obj.group))
         for cid, c in clients.items():
             k = self._etcd.client_key(cid)
             if c is None:
@@ -650,6 +650,13 @@ _METHODS = {
     "load_done": Core.load_done,
     "adopt_ssd": Core.adopt_ssd,
     "ssd_bad": Core.ssd_bad,
+    "promote": Core.promote,
+    "invalidate": Core.invalidate,
+    "history": Core.history,
+    "list_prefixes": Core.list_prefixes,
+    "remove_prefix": Core.remove_prefix,
+    "hold": Core.hold,
+    "release": Core.release,
     "stats": lambda core, a: core.stats(),
 }
 
@@ -684,6 +691,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--leader-ttl", type=int, default=2, help="etcd lease of the leader, seconds")
     p.add_argument("--max-frame-bytes", type=int, default=4 << 20)
     p.add_argument(
+        "--history-entries",
+        type=int,
+        default=100_000,
+        help="dropped keys whose cause the master remembers (0: none)",
+    )
+    p.add_argument(
+        "--orphan-grace",
+        type=float,
+        default=30.0,
+        help="seconds an object found on SSD may wait for its parent before it is dropped",
+    )
+    p.add_argument(
         "--port-file",
         default=None,
         help="once listening, write 'PORT METRICS_PORT' here (METRICS_PORT 0 without --metrics-port)",
@@ -709,6 +728,8 @@ def main(argv: list[str] | None = None) -> int:
             leader_ttl_s=a.leader_ttl,
             advertise=a.advertise,
             max_frame_bytes=a.max_frame_bytes,
+            history_entries=a.history_entries,
+            orphan_grace_s=a.orphan_grace,
         )
     except ValueError as e:
         p.error(str(e))
