@@ -139,7 +139,7 @@ class Puts:
             raise ProtocolError(
                 "put_start: items must be a list of at most max_keys_per_call [key, size, meta]"
             )
-        group, quota = self._group(a, "put_start")
+        group, quota = self._group(a, "put_start") if "g" in a or "q" in a else (None, None)
         if not (isinstance(r, int) and 1 <= r <= 64) or not (pref is None or isinstance(pref, str)):
             raise ProtocolError("put_start: bad replica options")
         avoid = a.get("x", [])
@@ -208,23 +208,28 @@ class Puts:
                 continue
             del rec.pending[key]
             c.writing.discard(key)
-            rec.unpend_group(p)
             live = [r for r in p.repl if r[0] in rec.segments]
             if not live and p.size > 0:
+                if p.group is not None:
+                    rec.unpend_group(p)
                 out.append([1, PutLostError.code, f"every segment of {key!r} died during the put"])
                 continue
-            try:
-                self._check_parent(key, p.parent)
-            except StoreError as e:  # its parent went meanwhile: stored, it could never be found
-                rec.release(p)
-                rec.counters.put_aborts += 1
-                out.append([1, e.code, str(e)])
-                continue
+            if p.parent is not None:
+                try:
+                    self._check_parent(key, p.parent)
+                except StoreError as e:  # its parent went meanwhile: it could never be found
+                    if p.group is not None:
+                        rec.unpend_group(p)
+                    rec.release(p)
+                    rec.counters.put_aborts += 1
+                    out.append([1, e.code, str(e)])
+                    continue
+                linked.append(key)
             p.repl = live
             p.writer = None
             rec.install(p)
-            if p.parent is not None:
-                linked.append(key)
+            if p.group is not None:  # after install: the group's quota stays with its objects
+                rec.unpend_group(p)
             out.append([0, len(live) if p.size else p.want])
         if linked:
             rec.touch(linked)
@@ -276,7 +281,7 @@ class Puts:
         ):
             raise ProtocolError("put: bad arguments (items, seg, off)")
         checked = self._items(items, "put")
-        group, quota = self._group(a, "put")
+        group, quota = self._group(a, "put") if "g" in a or "q" in a else (None, None)
         total = sum(aligned(c[1]) for c in checked)
         left = self.reservations.take(c, seg_name, off0, total)
         if left is None:

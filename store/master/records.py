@@ -567,7 +567,8 @@ class Records:
         w = self.clients.get(obj.writer)
         if w is not None:
             w.writing.discard(key)
-        self.unpend_group(obj)
+        if obj.group is not None:
+            self.unpend_group(obj)
         self.release(obj)
         self.counters.put_aborts += 1
 

@@ -258,13 +258,15 @@ def test_quota_groups_evict_inside_the_group(procs, size):
         quota = 3 * size
         assert put(s, ["free"], size) == [1]
         assert put(s, ["other/0"], size, group="other", quota_bytes=size) == [1]
+        assert put(s, ["other/1"], size, group="other") == [1]  # the group's quota holds
+        assert s.exists_batch(["other/0", "other/1"]) == [False, True]
         for i in range(4):
             assert put(s, [f"g/{i}"], size, group="g", quota_bytes=quota) == [1]
         assert s.exists_batch(["g/0", "g/1", "g/2", "g/3"]) == [False, True, True, True]
         s.get("g/1")  # now g/2 is the group's least recently used
         assert put(s, ["g/4"], size, group="g") == [1]  # the quota named last holds
         assert s.exists_batch(["g/1", "g/2", "g/3", "g/4"]) == [True, False, True, True]
-        assert s.exists_batch(["free", "other/0"]) == [True, True]
+        assert s.exists_batch(["free", "other/1"]) == [True, True]
         st = s.stats()
         assert st.group_bytes == {"g": 3 * size, "other": size}
         h = s.internal.history(["g/0"])[0]
