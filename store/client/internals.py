@@ -71,8 +71,11 @@ class DropRecord(NamedTuple):
 
 
 class HoldId(int):
-    """The id of a hold (:meth:`StoreInternals.hold`), an ``int``; ``held`` says how many
-    of the keys existed and are held."""
+    """The id of a hold (:meth:`StoreInternals.hold`), an ``int``.
+
+    Attributes:
+        held: how many of the keys existed and are held.
+    """
 
     held: int
 
@@ -95,8 +98,15 @@ def _check_tag(tag, op: str, what: str = "tag") -> str:
 
 
 def _links(keys: list, parents, tags, op: str) -> dict | None:
-    """``key -> {"p": parent, "t": [tags]}`` for the keys with a parent or tags (None when
-    none has); ``ValueError`` for malformed arguments."""
+    """The links of a ``put_many``'s keys, as the master takes them.
+
+    Returns:
+        ``key -> {"p": parent, "t": [tags]}`` for the keys with a parent or tags; None when
+        none has.
+
+    Raises:
+        ValueError: malformed parents or tags (naming ``op``).
+    """
     out: dict = {}
     if parents is not None:
         parents = list(parents)
@@ -265,10 +275,15 @@ class StoreInternals:
         return self.reader.exists_meta(check_keys(keys, "metadata", repeats=True))
 
     def history(self, keys: list) -> list:
-        """Why the master dropped each key: per key a :class:`DropRecord`, or None (never
-        dropped, stored again since, or forgotten: the master remembers the last
-        ``MasterConfig.history_entries`` drops, and a new leader none). A key may
-        repeat."""
+        """Why the master dropped each of ``keys`` (a key may repeat).
+
+        The master remembers the last ``MasterConfig.history_entries`` drops; a new leader
+        remembers none.
+
+        Returns:
+            Per key a :class:`DropRecord`, or None (never dropped, stored again since, or
+            forgotten).
+        """
         keys = check_keys(keys, "history", repeats=True)
         out: list = []
         for a, b in chunks(keys):
@@ -276,10 +291,11 @@ class StoreInternals:
         return [None if e is None else DropRecord(*e) for e in out]
 
     def invalidate(self, tags: list) -> int:
-        """Drops every object carrying any of ``tags`` (and the objects that hang off
-        them), leased, pinned and held ones too (their memory is reused once the readers'
-        leases end). After it returns, no ``get`` or ``exists`` finds them; puts still in
-        progress when it runs commit afterwards. An unknown tag drops nothing.
+        """Drops every object carrying any of ``tags``, with the objects that hang off them.
+
+        Leased, pinned and held objects go too (the memory of leased ones is reused once the
+        readers' leases end). After it returns, no ``get`` or ``exists`` finds them; puts still
+        in progress when it runs commit afterwards. An unknown tag drops nothing.
 
         Returns:
             How many objects were dropped.
@@ -298,18 +314,19 @@ class StoreInternals:
         return n
 
     def hold(self, keys: list, ttl_s: float) -> HoldId:
-        """Keeps the objects of ``keys`` from eviction (nor dropped with an evicted
-        ancestor) for ``ttl_s`` seconds, until :meth:`release`, or until this client dies.
-        A forced remove and :meth:`invalidate` still drop them; keys that do not exist are
-        ignored; a hold is not carried over to a new leader.
+        """Keeps the objects of ``keys`` from eviction for ``ttl_s`` seconds.
+
+        Nor are they dropped with an evicted ancestor, until :meth:`release`, the TTL, or the
+        death of this client. A forced remove, :meth:`invalidate` and :meth:`remove_prefix`
+        still drop them; keys that do not exist are ignored; a new leader knows no hold.
 
         Args:
             keys: at most 2048 keys.
             ttl_s: seconds, in (0, 3600].
 
         Returns:
-            The hold's id (a :class:`HoldId`: an int, whose ``held`` says how many keys
-            existed and are held).
+            The hold's id, a :class:`HoldId` (an int whose ``held`` says how many keys existed
+            and are held).
 
         Raises:
             ValueError: too many keys, or a bad ``ttl_s`` (nothing is sent).
@@ -331,17 +348,26 @@ class StoreInternals:
         return HoldId(res["id"], res["held"])
 
     def release(self, hold_id: int) -> bool:
-        """Ends the hold ``hold_id``; False when the master knows no such hold (released,
-        expired, or taken from an earlier leader)."""
+        """Ends the hold ``hold_id``.
+
+        Returns:
+            False when the master knows no such hold (released, expired, or taken from an
+            earlier leader).
+        """
         if not isinstance(hold_id, int) or isinstance(hold_id, bool):
             raise ValueError(f"release: hold_id must be an int, got {hold_id!r}")
         return bool(self.link.call("release", {"id": int(hold_id)})["released"])
 
     def promote(self, keys: list) -> int:
-        """Has each object of ``keys`` that lies only on SSD loaded into its SSD owner's
-        memory, ahead of reads (a prefetch): returns how many loads were asked for. Does
-        not wait for them, takes no read lease (a loaded copy is evicted as any other), and
-        ignores missing keys and objects already in memory or being loaded."""
+        """Has each object of ``keys`` that lies only on SSD loaded into memory (a prefetch).
+
+        The load goes into the segment of the client whose SSD holds it. Nothing waits for the
+        loads and no read lease is taken (a loaded copy is evicted as any other); missing keys
+        and objects in memory or being loaded are skipped.
+
+        Returns:
+            How many loads were scheduled.
+        """
         keys = check_keys(keys, "promote", repeats=True)
         n = 0
         for a, b in chunks(keys):
@@ -349,9 +375,15 @@ class StoreInternals:
         return n
 
     def list_prefixes(self, prefix: str, sep: str = "/") -> dict:
-        """The committed keys that start with ``prefix``, counted by what follows it up to
-        the first ``sep`` (the whole rest where there is none): ``{segment: objects}``.
-        The master scans every key (O(objects)): for housekeeping, not per request."""
+        """Counts the committed keys that start with ``prefix`` by their next segment.
+
+        The segment is what follows ``prefix`` up to the first ``sep`` (the whole rest where
+        there is none). The master scans every key (O(objects)): for housekeeping, not per
+        request.
+
+        Returns:
+            ``{segment: objects}``.
+        """
         if not isinstance(prefix, str):
             raise ValueError(f"list_prefixes: prefix must be a str, got {prefix!r}")
         if prefix:
@@ -363,10 +395,11 @@ class StoreInternals:
         return dict(self.link.call("list_prefixes", {"prefix": prefix, "sep": sep})["prefixes"])
 
     def remove_prefix(self, prefix: str, keep: tuple = ()) -> int:
-        """Drops every committed object whose key starts with ``prefix`` but with none of
-        ``keep`` (and the objects that hang off them, whatever their keys), leased ones
-        too (their memory is reused once the readers' leases end). The master scans every
-        key (O(objects)).
+        """Drops every committed object whose key starts with ``prefix`` but with none of ``keep``.
+
+        The objects that hang off them go too, whatever their keys, and leased ones as well
+        (their memory is reused once the readers' leases end). The master scans every key
+        (O(objects)).
 
         Returns:
             How many objects were dropped.

@@ -41,8 +41,12 @@ class Reservation:
 
 
 def put_items(keys: list, views: list, metas: list, links: dict | None) -> list:
-    """The items of a put request (both ways): ``[key, size, meta]``, and the key's links
-    (``{"p": parent, "t": [tags]}``) where ``links`` has some for it."""
+    """The items of a put request (both ways).
+
+    Returns:
+        ``[key, size, meta]`` per key, and its links (``{"p": parent, "t": [tags]}``) where
+        ``links`` has some for it.
+    """
     if not links:
         return [[k, len(v), m] for k, v, m in zip(keys, views, metas)]
     return [

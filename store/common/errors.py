@@ -99,8 +99,10 @@ class PutLostError(StoreError):
 
 
 class ParentMissingError(StoreError):
-    """A put names a ``parent`` key that is not stored (never put, or dropped meanwhile);
-    nothing was stored for it: put the parent first."""
+    """A put names a ``parent`` key that is not stored (never put, or dropped meanwhile).
+
+    Nothing was stored for it: put the parent first.
+    """
 
     code = "ParentMissing"
 

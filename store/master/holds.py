@@ -27,11 +27,15 @@ class Holds:
         return len(self._holds)
 
     def hold(self, a: dict) -> dict:
-        """The ``hold`` request: holds the committed objects of ``keys`` (others are
-        ignored) for ``ttl_s`` seconds, in (0, 3600].
+        """The ``hold`` request: holds the committed objects of ``keys`` for ``ttl_s`` seconds.
+
+        Keys without a committed object are ignored; ``ttl_s`` is in (0, 3600].
 
         Returns:
             ``{"id": hold id, "held": how many of the keys were held}``.
+
+        Raises:
+            ProtocolError: malformed arguments.
         """
         rec = self.records
         c = rec.client(a.get("client"))
@@ -54,8 +58,12 @@ class Holds:
         return {"id": hid, "held": len(keys)}
 
     def release(self, a: dict) -> dict:
-        """The ``release`` request: ends hold ``id``. Returns ``{"released": False}`` when
-        this master knows no such hold (released, expired, or taken from another leader)."""
+        """The ``release`` request: ends hold ``id``.
+
+        Returns:
+            ``{"released": False}`` when this master knows no such hold (released, expired, or
+            taken from another leader), else ``{"released": True}``.
+        """
         hid = a.get("id")
         if not isinstance(hid, int) or isinstance(hid, bool):
             raise ProtocolError("release: id must be an int")

@@ -22,9 +22,10 @@ class Keyspace:
         self.records = records
 
     def invalidate(self, a: dict) -> dict:
-        """The ``invalidate`` request: drops every committed object carrying any of
-        ``tags`` (and what hangs off them), leased, pinned or held ones too (their memory
-        is freed once the readers' leases end). An unknown tag drops nothing.
+        """The ``invalidate`` request: drops every committed object carrying any of ``tags``.
+
+        The objects that hang off them go too, and leased, pinned or held ones as well (their
+        memory is freed once the readers' leases end). An unknown tag drops nothing.
 
         Returns:
             ``{"dropped": objects dropped}``.
@@ -49,9 +50,13 @@ class Keyspace:
         return {"dropped": n}
 
     def history(self, a: dict) -> dict:
-        """The ``history`` request: per key ``[cause, tier, unix_s, detail]`` of its last
-        drop that this master remembers, or None (never dropped, stored again since, or
-        forgotten)."""
+        """The ``history`` request: why each of ``keys`` was dropped.
+
+        Returns:
+            ``{"history": [...]}``: per key ``[cause, tier, unix_s, detail]`` of its last drop
+            that this master remembers, or None (never dropped, stored again since, or
+            forgotten).
+        """
         rec = self.records
         keys = rec.check_keys(a.get("keys"))
         h = rec.history
@@ -66,9 +71,14 @@ class Keyspace:
         return prefix
 
     def list_prefixes(self, a: dict) -> dict:
-        """The ``list_prefixes`` request: ``{"prefixes": {segment: objects}}`` over the
-        committed keys that start with ``prefix``, by the part of the key after the
-        prefix up to the first ``sep`` (the whole rest when there is none)."""
+        """The ``list_prefixes`` request: counts the committed keys under ``prefix`` by segment.
+
+        The segment is the part of a key after ``prefix`` up to the first ``sep`` (the whole
+        rest where there is none).
+
+        Returns:
+            ``{"prefixes": {segment: objects}}``.
+        """
         prefix = self._prefix(a, "list_prefixes", empty=True)
         sep = a.get("sep", "/")
         if not (isinstance(sep, str) and sep and len(sep) <= 16):
@@ -83,9 +93,10 @@ class Keyspace:
         return {"prefixes": out}
 
     def remove_prefix(self, a: dict) -> dict:
-        """The ``remove_prefix`` request: drops every committed object whose key starts
-        with ``prefix`` and with none of ``keep`` (and what hangs off them, kept or not),
-        leased ones too (freed after the leases).
+        """The ``remove_prefix`` request: drops the committed objects under ``prefix``.
+
+        Keys under any of ``keep`` are not chosen, but what hangs off a dropped object goes
+        whatever its key; leased objects go too (freed after the leases).
 
         Returns:
             ``{"dropped": objects dropped}``.

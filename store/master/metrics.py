@@ -55,8 +55,12 @@ _COUNTERS = (
 
 
 class StoreCollector:
-    """Yields the metrics of the stats ``source()`` returns, with whether this master
-    serves requests: ``(stats, leader)``."""
+    """Yields the metrics of the master's stats.
+
+    Args:
+        source: returns ``(stats, leader)``: ``Core.stats()`` and whether this master serves
+            requests.
+    """
 
     def __init__(self, source: Callable[[], tuple[dict, bool]]):
         self._source = source

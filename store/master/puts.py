@@ -39,8 +39,14 @@ class Puts:
         self.reservations = reservations
 
     def _items(self, items: list, op: str) -> list:
-        """``[(key, size, meta, parent, tags)]`` of a put request's items; ``ProtocolError``
-        for a malformed item or a key repeated in one batch."""
+        """The checked items of a put request.
+
+        Returns:
+            ``[(key, size, meta, parent, tags)]``.
+
+        Raises:
+            ProtocolError: a malformed item, or a key repeated in one batch.
+        """
         checked = []
         for it in items:
             if not (
@@ -62,8 +68,16 @@ class Puts:
         return checked
 
     def _links(self, links, key: str, op: str) -> tuple:
-        """``(parent, tags)`` of an item's links ``{"p": parent key, "t": [tags]}`` (either
-        may be absent); ``ProtocolError`` when malformed."""
+        """The parent and tags of an item's links ``{"p": parent key, "t": [tags]}``.
+
+        Either may be absent; tags are interned (they repeat over many objects).
+
+        Returns:
+            ``(parent, tags)``: a key or None, a tuple of tags or None.
+
+        Raises:
+            ProtocolError: malformed links.
+        """
         if not isinstance(links, dict):
             raise ProtocolError(f"{op}: an item's links must be a map")
         parent, tags = links.get("p"), links.get("t")
@@ -84,7 +98,11 @@ class Puts:
         return parent, tags
 
     def _group(self, a: dict, op: str) -> tuple:
-        """``(group, quota)`` of a put request (``g``, ``q``); ``ProtocolError`` when malformed."""
+        """The quota group and quota of a put request (``g``, ``q``).
+
+        Raises:
+            ProtocolError: malformed.
+        """
         group, quota = a.get("g"), a.get("q")
         if group is not None and not (
             isinstance(group, str) and group and len(group.encode()) <= MAX_TAG_BYTES
@@ -100,9 +118,15 @@ class Puts:
         return (None if group is None else sys.intern(group)), quota
 
     def _check_parent(self, key: str, parent: str | None, earlier: set | None = None) -> None:
-        """``ParentMissingError`` unless ``parent`` is committed (or among ``earlier``:
-        started before in the same request); ``ProtocolError`` when the put would make
-        ``key`` hang off its own descendant."""
+        """Checks that ``key`` may hang off ``parent`` now.
+
+        Args:
+            earlier: keys started before in the same request (their commit comes first).
+
+        Raises:
+            ParentMissingError: ``parent`` is not committed (nor among ``earlier``).
+            ProtocolError: ``key`` would hang off its own descendant.
+        """
         if parent is None:
             return
         rec = self.records

@@ -370,8 +370,11 @@ class Records:
         self.dirty(obj.key)
 
     def link(self, obj: Obj) -> None:
-        """Enters the committed ``obj`` in the LRU order and the parent, tag and group
-        indexes; its key leaves the drop history (it is stored again)."""
+        """Enters the committed ``obj`` in the LRU order and the indexes.
+
+        The parent's children, the tags' keys and the group's bytes and LRU order; its key
+        leaves the drop history (it is stored again).
+        """
         key = obj.key
         self.lru[key] = None
         if self.history:
@@ -398,8 +401,10 @@ class Records:
             lru[key] = None
 
     def unlink(self, obj: Obj) -> None:
-        """Takes the committed ``obj`` out of what :meth:`link` entered it in (not its
-        children: they hang off its key)."""
+        """Takes the committed ``obj`` out of what :meth:`link` entered it in.
+
+        Not its children: they hang off its key.
+        """
         key = obj.key
         self.lru.pop(key, None)
         if obj.parent is not None:
@@ -430,10 +435,12 @@ class Records:
                     self.group_quota.pop(g, None)
 
     def touch(self, keys: Iterable[str]) -> None:
-        """Marks the committed ``keys`` as just used (LRU order, their groups' too). Their
-        ancestors (``parent`` links) become more recently used than their descendants, so
-        eviction takes the leaves of a chain first and not its root, whose drop would take
-        the whole chain with it."""
+        """Marks the committed ``keys`` as just used (LRU order, their groups' too).
+
+        Their ancestors (``parent`` links) become more recently used than their descendants,
+        so eviction takes the leaves of a chain first and not its root, whose drop would take
+        the whole chain with it.
+        """
         lru, objects = self.lru, self.objects
         linked = []
         for k in keys:
@@ -473,8 +480,7 @@ class Records:
                 self.group_lru[g].move_to_end(k)
 
     def descendants(self, key: str) -> list:
-        """The committed objects that hang off ``key`` (children, their children, ...),
-        each once."""
+        """The committed objects that hang off ``key`` (children, their children, ...), each once."""
         out, seen, stack = [], {key}, [key]
         while stack:
             for c in self.children.get(stack.pop(), ()):
@@ -487,8 +493,12 @@ class Records:
         return out
 
     def descendants_evictable(self, key: str, now: float) -> int | None:
-        """Bytes in memory of the objects an eviction of ``key`` would drop with it, or
-        None when one of them must not be evicted (pinned, held, leased)."""
+        """The bytes an eviction of ``key`` frees in memory with the objects that hang off it.
+
+        Returns:
+            The bytes of those objects' memory replicas, or None when one of them must not be
+            evicted (pinned, held, leased).
+        """
         n = 0
         for o in self.descendants(key):
             if o.pin or o.lease_until > now or o.key in self.held:
@@ -498,22 +508,30 @@ class Records:
 
     @staticmethod
     def tier_of(obj: Obj) -> str:
-        """Where ``obj`` lies: ``"memory"`` (a replica in a segment), ``"ssd"`` (only on
-        SSD) or ``"master"`` (an empty object, which lives in the master alone)."""
+        """Where ``obj`` lies.
+
+        Returns:
+            ``"memory"`` (a replica in a segment), ``"ssd"`` (only on SSD) or ``"master"`` (an
+            empty object, which lives in the master alone).
+        """
         if obj.repl or obj.loading is not None:
             return "memory"
         return "ssd" if obj.ssd else "master"
 
     def drop(self, key: str, cause: str, detail: str = "", *, tier: str | None = None) -> int:
-        """Drops the committed object of ``key`` and every object that hangs off it
-        (iteratively, so a chain of any length), frees their space (after the leases of
-        readers) and records each drop in :attr:`history`; returns how many objects went.
+        """Drops the committed object of ``key`` and every object that hangs off it.
+
+        Iteratively, so a chain of any length; their space is freed (after the leases of
+        readers) and each drop is recorded in :attr:`history`.
 
         Args:
             cause: one of :data:`CAUSES`, for the history and the metrics.
             detail: what the cause is about (a tag, a client's name); descendants get
                 ``"with parent <key>: <detail>"`` (``"with parent <key>"`` without one).
             tier: where the object was dropped from (default: where it lies now).
+
+        Returns:
+            How many objects were dropped.
         """
         obj = self.objects.get(key)
         if obj is None:
@@ -547,8 +565,7 @@ class Records:
         return n
 
     def remember(self, key: str, cause: str, tier: str, unix_s: float, detail: str) -> None:
-        """Records the drop of ``key`` in :attr:`history` (the oldest one goes past
-        ``history_entries``)."""
+        """Records the drop of ``key`` in :attr:`history` (past ``history_entries``, the oldest goes)."""
         limit = self.cfg.history_entries
         if limit <= 0:
             return
@@ -573,8 +590,7 @@ class Records:
         self.counters.put_aborts += 1
 
     def unpend_group(self, obj: Obj) -> None:
-        """A put in progress of ``obj`` no longer counts against its group (committed or
-        given up)."""
+        """Takes a put in progress of ``obj`` out of its group's count (committed or given up)."""
         g = obj.group
         if g is not None:
             left = self.group_pending.get(g, 0) - obj.size

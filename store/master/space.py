@@ -299,16 +299,18 @@ class Space:
         return None if c.ssd_inflight else False
 
     def fit_group(self, key: str, size: int, group: str, quota: int | None) -> None:
-        """Makes room for a put of ``size`` bytes under ``key`` in quota group ``group``:
-        when its committed bytes, those of its puts in progress and ``size`` (less the
-        value of ``key`` it replaces) exceed its quota (``quota``, or the last one a put
-        named), drops the group's least recently used objects that may be evicted (not
-        pinned, leased or held, nor hanging off them), with what hangs off them. A drop
-        does not offload to SSD: the group's bytes count wherever its objects lie.
+        """Makes room for a put of ``size`` bytes under ``key`` within quota group ``group``.
+
+        When the group's committed bytes, those of its puts in progress and ``size`` (less the
+        value of ``key`` it replaces) exceed its quota (``quota``, or the last one a put named),
+        drops the group's least recently used objects that may be evicted (not pinned, leased
+        or held, nor with such a descendant), with what hangs off them. A drop does not offload
+        to SSD: the group's bytes count wherever its objects lie.
 
         Raises:
-            NoSpaceError: even dropping all of those would not be enough (nothing is
-                dropped then), naming the group and its quota.
+            NoSpaceError: even dropping all of those would not be enough (nothing is dropped
+                then), naming the group and its quota; code ``NoSpaceRetry`` while a new leader
+                evicts nothing.
         """
         rec = self.records
         if quota is None:
@@ -365,8 +367,10 @@ class Space:
 
 
 def ssd_links(obj: Obj) -> dict:
-    """What an SSD file's header keeps of ``obj`` besides key, version and metadata (its
-    parent, tags and group), so that a restart from SSD keeps them."""
+    """What an SSD file's header keeps of ``obj`` besides key, version and metadata.
+
+    Its parent, tags and group, so that a restart from SSD keeps them.
+    """
     out: dict = {}
     if obj.parent is not None:
         out["p"] = obj.parent

@@ -89,10 +89,12 @@ class SsdTier:
         return self._load(obj) is not None
 
     def _load(self, obj: Obj) -> str | None:
-        """Has the owner of an SSD replica of ``obj`` load it into its segment (evicting
-        as needed). Returns ``"scheduled"`` (asked now), ``"loading"`` (asked before),
-        ``"wait"`` (no room yet, but space frees up by itself soon) or None (no owner can
-        take it)."""
+        """Has the owner of an SSD replica of ``obj`` load it into its segment (evicting as needed).
+
+        Returns:
+            ``"scheduled"`` (asked now), ``"loading"`` (asked before), ``"wait"`` (no room yet,
+            but space frees up by itself soon) or None (no owner can take it).
+        """
         rec = self.records
         if obj.loading is not None:
             return "loading"
@@ -118,9 +120,14 @@ class SsdTier:
         return None
 
     def promote_keys(self, a: dict) -> dict:
-        """The ``promote`` request: schedules a load into memory of each of ``keys`` that
-        lies only on SSD (no read lease is taken; a loaded copy is evicted as any other).
-        Returns ``{"scheduled": loads asked for now}``; nothing waits for a load."""
+        """The ``promote`` request: schedules loads into memory of the ``keys`` that lie only on SSD.
+
+        No read lease is taken (a loaded copy is evicted as any other), and nothing waits for
+        a load.
+
+        Returns:
+            ``{"scheduled": loads asked for now}``.
+        """
         rec = self.records
         keys = rec.check_keys(a.get("keys"))
         n = 0
@@ -248,8 +255,10 @@ class SsdTier:
 
 
 def _links(links, key: str) -> tuple:
-    """``(parent, tags, group)`` from an SSD file's links (``{"p", "t", "g"}``); whatever is
-    malformed there is left out (a file is not refused for it)."""
+    """The parent, tags and group of an SSD file's links (``{"p", "t", "g"}``).
+
+    Whatever is malformed there is left out (a file is not refused for it).
+    """
     if not isinstance(links, dict):
         return None, None, None
     parent, tags, group = links.get("p"), links.get("t"), links.get("g")
