@@ -195,14 +195,15 @@ def raise_first(out: list) -> None:
             raise o
 
 
-def chunks(keys: list, max_keys: int = 2048, max_bytes: int = 1 << 20):
+def chunks(keys: list, max_keys: int = 2048, max_bytes: int = 1 << 20, extra: list | None = None):
     """Index ranges of ``keys`` small enough for one metadata request.
 
-    The master limits keys per call and frame bytes.
+    The master limits keys per call and frame bytes; ``extra``: more bytes each key's item
+    takes (its metadata and links, in a put).
     """
     start, size = 0, 0
     for i, k in enumerate(keys):
-        n = len(k) * 4 + 64
+        n = len(k) * 4 + 64 + (extra[i] if extra is not None else 0)
         if i > start and (i - start >= max_keys or size + n > max_bytes):
             yield start, i
             start, size = i, 0

@@ -97,6 +97,8 @@ class Link:
                 if e is not None:
                     chunk.append(e)
                     size += len(e[0]) + len(e[3]) + len(e[4]) + 32
+                    if len(e) > 5:  # its links (parent, up to 16 tags, group)
+                        size += len(str(e[5]))
                 if chunk and (e is None or size > (512 << 10)):
                     self.call(
                         "adopt_ssd", {"client": self.client_id, "entries": chunk}, register=False

@@ -41,6 +41,21 @@ class Reservation:
         self.valid_until = valid_until
 
 
+def put_items(keys: list, views: list, metas: list, links: dict | None) -> list:
+    """The items of a put request (both ways).
+
+    Returns:
+        ``[key, size, meta]`` per key, and its links (``{"p": parent, "t": [tags]}``) where
+        ``links`` has some for it.
+    """
+    if not links:
+        return [[k, len(v), m] for k, v, m in zip(keys, views, metas)]
+    return [
+        [k, len(v), m] if links.get(k) is None else [k, len(v), m, links[k]]
+        for k, v, m in zip(keys, views, metas)
+    ]
+
+
 class Unreachable(str):
     """A segment name ``Reservations.put`` could not write to."""
 
@@ -69,10 +84,21 @@ class Reservations:
         self._warm_evt = threading.Event()
         self.warm_thread: threading.Thread | None = None
 
-    def put(self, keys: list, views: list, metas: list, cfg: ReplicateConfig, upsert: bool):
+    def put(
+        self,
+        keys: list,
+        views: list,
+        metas: list,
+        cfg: ReplicateConfig,
+        upsert: bool,
+        links: dict | None = None,
+        group: str | None = None,
+        quota: int | None = None,
+    ):
         """One-round-trip put: writes the objects back to back into this client's reservation.
 
-        It commits them with one request (``Core.put``). Returns the results as
+        It commits them with one request (``Core.put``); ``links``, ``group`` and ``quota`` as
+        for the two-request way (:func:`put_items`). Returns the results as
         :meth:`Writer.put_many <mooncake_store.client.write.Writer.put_many>` does, or None when
         this path is not taken (more than one replica, ``require_all``, pinned objects, objects
         larger than a quarter of ``put_reservation_bytes``, no reservation granted, another thread
@@ -142,20 +168,21 @@ class Reservations:
                 return Unreachable(r.seg)
             self._rid += 1
             sent = []
+            args = {
+                "client": self._link.client_id,
+                "rid": self._rid,
+                "seg": r.seg,
+                "off": r.off,
+                "items": put_items(keys, views, metas, links),
+                "pin": cfg.pin,
+                "upsert": upsert,
+            }
+            if group is not None:
+                args["g"] = group
+                if quota is not None:
+                    args["q"] = quota
             try:
-                res = self._link.call(
-                    "put",
-                    {
-                        "client": self._link.client_id,
-                        "rid": self._rid,
-                        "seg": r.seg,
-                        "off": r.off,
-                        "items": [[k, len(v), m] for k, v, m in zip(keys, views, metas)],
-                        "pin": cfg.pin,
-                        "upsert": upsert,
-                    },
-                    sent_at=sent,
-                )
+                res = self._link.call("put", args, sent_at=sent)
             except BaseException:
                 self.current = None
                 self._orphans.add(

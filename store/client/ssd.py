@@ -1,7 +1,9 @@
 """The SSD tier: one file per object in a client's directory.
 
 File layout: ``MAGIC`` (8 bytes), header length (4 bytes, big-endian), a msgpack header
-``{"k": key, "v": version, "s": size, "m": meta, "c": crc32 of the data}``, then the data.
+``{"k": key, "v": version, "s": size, "m": meta, "c": crc32 of the data}`` (plus ``"x"``:
+the object's links, ``{"p": parent, "t": [tags], "g": group}``, where it has any), then
+the data.
 Files are written to a temporary name, flushed and renamed, so a crash leaves either the
 whole file or none. At start a client scans its directory and registers every valid file
 again, which is how SSD entries survive a full restart of master and clients.
@@ -80,14 +82,26 @@ def _open_regular(path: str):
         raise
 
 
-def write(root: str, key: str, version: int, meta: bytes, data: memoryview) -> str:
-    """Writes one object file; returns its path. Raises ``OSError``."""
+def write(
+    root: str, key: str, version: int, meta: bytes, data: memoryview, links: dict | None = None
+) -> str:
+    """Writes one object file; returns its path. Raises ``OSError``.
+
+    Args:
+        root: the SSD directory.
+        key: the object's key.
+        version: the object's version.
+        meta: the object's metadata bytes.
+        data: the object's bytes.
+        links: the object's parent, tags and group as the master sends them with an
+            offload (``{"p", "t", "g"}``), kept in the header for a restart.
+    """
     path = path_for(root, key, version)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    header = msgpack.packb(
-        {"k": key, "v": version, "s": len(data), "m": meta, "c": zlib.crc32(data)},
-        use_bin_type=True,
-    )
+    head = {"k": key, "v": version, "s": len(data), "m": meta, "c": zlib.crc32(data)}
+    if links:
+        head["x"] = links
+    header = msgpack.packb(head, use_bin_type=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
         f.write(MAGIC + _HLEN.pack(len(header)) + header)
@@ -161,7 +175,8 @@ def read_into(path: str, key: str, version: int, out: memoryview | bytearray) ->
 def scan(root: str) -> list:
     """``[key, version, size, meta, path]`` for every valid file under ``root``.
 
-    Temporary files of interrupted writes are removed.
+    The links its header keeps are appended where it has some; temporary files of
+    interrupted writes are removed.
     """
     out = []
     if not os.path.isdir(root):
@@ -185,7 +200,10 @@ def scan(root: str) -> list:
                     h = _read_header(f)
                     if os.fstat(f.fileno()).st_size != f.tell() + h["s"]:
                         continue
-                out.append([h["k"], h["v"], h["s"], h["m"], p])
+                e = [h["k"], h["v"], h["s"], h["m"], p]
+                if isinstance(h.get("x"), dict):
+                    e.append(h["x"])
+                out.append(e)
             except (
                 OSError,
                 ValueError,

@@ -96,6 +96,12 @@ class StoreStats:
         reserved_bytes: part of used_bytes: space reserved for clients' next puts
             (``StoreConfig.put_reservation_bytes``).
         ssd_corrupt: SSD replicas dropped because their file was missing or failed its checksum.
+        invalidations: ``invalidate`` requests.
+        holds: holds taken.
+        promotes: loads from SSD asked for by ``promote``.
+        group_bytes: quota group -> bytes of its committed objects.
+        drops: cause -> objects dropped, those dropped with an ancestor included (see
+            docs/store.md).
     """
 
     objects: int
@@ -118,6 +124,11 @@ class StoreStats:
     ssd_drops: int
     reserved_bytes: int = 0
     ssd_corrupt: int = 0
+    invalidations: int = 0
+    holds: int = 0
+    promotes: int = 0
+    group_bytes: dict = dataclasses.field(default_factory=dict)
+    drops: dict = dataclasses.field(default_factory=dict)
 
 
 def _close_at_exit(ref):
@@ -465,7 +476,12 @@ class MooncakeStore:
     def stats(self) -> StoreStats:
         """The master's figures as a :class:`StoreStats`."""
         d = self._link.call("stats", {})
-        return StoreStats(**{f.name: int(d.get(f.name, 0)) for f in dataclasses.fields(StoreStats)})
+        return StoreStats(
+            **{
+                f.name: dict(d.get(f.name) or {}) if f.type == "dict" else int(d.get(f.name, 0))
+                for f in dataclasses.fields(StoreStats)
+            }
+        )
 
     def metrics(self) -> str:
         """The master's Prometheus text metrics."""

@@ -96,7 +96,7 @@ class Tasks:
             if corrupt:
                 self._link.report_corrupt(key, version, path)
         elif op == "offload" and self._dataplane.segment is not None and self._ssd_dir:
-            _, key, version, off, size, meta = task
+            _, key, version, off, size, meta, *links = task
             ok, path = False, ""
             try:
                 path = ssd.write(
@@ -105,6 +105,7 @@ class Tasks:
                     version,
                     meta,
                     self._dataplane.segment.view[off : off + size],
+                    links[0] if links and isinstance(links[0], dict) else None,
                 )
                 ok = True
             except OSError as e:

@@ -15,6 +15,7 @@ import msgpack
 
 from ..common.errors import (
     NoSpaceError,
+    ParentMissingError,
     PutLostError,
     StoreError,
     TransferError,
@@ -24,7 +25,7 @@ from .args import chunks, copyable, is_tensor, raise_first, tensor_bytes
 from .config import ReplicateConfig, StoreConfig
 from .dataplane import DataPlane
 from .link import Link
-from .reservation import Reservations, Unreachable
+from .reservation import Reservations, Unreachable, put_items
 
 _NOSPACE_RETRY_S = 6.0  # a new leader evicts nothing for lease_ttl_s (5 s by default)
 
@@ -35,6 +36,9 @@ class _PutOptions(NamedTuple):
     cfg: ReplicateConfig
     upsert: bool  # replaces existing values
     only_preferred: bool = False  # in cfg.preferred_segment alone (NoSpaceError otherwise)
+    links: dict | None = None  # key -> {"p": parent, "t": [tags]} (what the master keeps)
+    group: str | None = None  # quota group of every object
+    quota: int | None = None  # that group's quota in bytes
 
 
 class Writer:
@@ -58,6 +62,9 @@ class Writer:
         upsert=False,
         return_exceptions=False,
         only_preferred=False,
+        links=None,
+        group=None,
+        quota=None,
     ) -> list:
         """Stores ``views[i]`` (flat byte views) under the checked ``keys[i]`` with ``metas[i]``.
 
@@ -70,16 +77,24 @@ class Writer:
             metas: the objects' metadata bytes, as ``keys``.
             cfg: placement of every object.
             upsert: replace existing values (else ``ObjectExistsError`` for those).
-            return_exceptions: a key's error in its place instead of raised (the first) after the
-                whole batch.
-            only_preferred: in ``cfg.preferred_segment`` alone: ``NoSpaceError`` when it has no room
-                (no other segment takes the object).
+            return_exceptions: a key's error in its place instead of raised (the first)
+                after the whole batch.
+            only_preferred: in ``cfg.preferred_segment`` alone: ``NoSpaceError`` when it
+                has no room (no other segment takes the object).
+            links: checked key -> ``{"p": parent, "t": [tags]}`` for the keys that have
+                a parent or tags.
+            group: the quota group of every object.
+            quota: the group's quota in bytes.
 
         Returns:
             The replicas placed per key (or its error, with ``return_exceptions``).
         """
         return self._put_many(
-            keys, views, metas, _PutOptions(cfg, upsert, only_preferred), return_exceptions
+            keys,
+            views,
+            metas,
+            _PutOptions(cfg, upsert, only_preferred, links or None, group, quota),
+            return_exceptions,
         )
 
     def put_tensors(
@@ -134,7 +149,10 @@ class Writer:
         """
         if not keys:
             return []
-        parts = list(chunks(keys))
+        extra = None
+        if opts.links:  # up to 16 tags of 256 bytes and a parent of 4 KiB per item
+            extra = [len(m) + len(str(opts.links.get(k, "")).encode()) for k, m in zip(keys, metas)]
+        parts = list(chunks(keys, extra=extra))
         if len(parts) > 1:
             out: list = []
             for a, b in parts:
@@ -154,9 +172,20 @@ class Writer:
         while True:
             # a batch larger than the space free or evictable now goes in waves: what was
             # placed is written and committed (and so becomes evictable); the rest is
-            # placed again while each wave stores something (so a KV put of more chunks than
-            # the owner's memory holds does not fail with NoSpaceError after a few)
-            rest = [i for i in wave if isinstance(results[i], NoSpaceError)]
+            # placed again while each wave stores something (a KV put of more chunks than
+            # the owner's memory failed with NoSpaceError after a few, found by a trial).
+            # A child refused because its parent in this batch found no space goes again
+            # with it.
+            rest, again = [], set()
+            for i in wave:
+                r = results[i]
+                if isinstance(r, NoSpaceError) or (
+                    isinstance(r, ParentMissingError)
+                    and opts.links
+                    and opts.links.get(keys[i], {}).get("p") in again
+                ):
+                    rest.append(i)
+                    again.add(keys[i])
             if not rest or len(rest) == len(wave):
                 break
             self._redo(self._put_part, rest, results, keys, views, metas, opts, True, retry, avoid)
@@ -190,13 +219,21 @@ class Writer:
     ) -> list:
         """One wave of ``_put_many`` for keys that fit in one metadata request."""
         if not avoid and retry:
-            fast = self._reservations.put(keys, views, metas, opts.cfg, opts.upsert)
+            fast = self._reservations.put(
+                keys, views, metas, opts.cfg, opts.upsert, opts.links, opts.group, opts.quota
+            )
             if isinstance(fast, Unreachable):  # the two-request way, elsewhere
                 return self._put_many(
                     keys, views, metas, opts, return_exceptions, retry, (str(fast),)
                 )
-            lost = [i for i, r in enumerate(fast or ()) if isinstance(r, PutLostError)]
-            if lost:  # lost in a leader change: the two-request way, once
+            # lost in a leader change, or no space yet (the two-request way waits for it):
+            # the two-request way, once
+            lost = [
+                i
+                for i, r in enumerate(fast or ())
+                if isinstance(r, PutLostError) or getattr(r, "code", None) == "NoSpaceRetry"
+            ]
+            if lost:
                 self._redo(self._put_many, lost, fast, keys, views, metas, opts, True, retry=False)
             if fast is not None:
                 if not return_exceptions:
@@ -209,7 +246,12 @@ class Writer:
         started = []  # (index, version, replica list)
         segs: dict = {}
         while todo:
-            args["items"] = [[keys[i], len(views[i]), metas[i]] for i in todo]
+            args["items"] = put_items(
+                [keys[i] for i in todo],
+                [views[i] for i in todo],
+                [metas[i] for i in todo],
+                opts.links,
+            )
             res = self._link.call("put_start", args)
             segs.update(res["segs"])
             retry = []
@@ -304,6 +346,10 @@ class Writer:
             args["x"] = list(avoid)
         if opts.only_preferred:
             args["only"] = True
+        if opts.group is not None:
+            args["g"] = opts.group
+            if opts.quota is not None:
+                args["q"] = opts.quota
         return args
 
     def revoke(self, items: list) -> None:

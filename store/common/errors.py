@@ -113,6 +113,15 @@ class PutLostError(StoreError):
     code = "PutLost"
 
 
+class ParentMissingError(StoreError):
+    """A put names a ``parent`` key that is not stored (never put, or dropped meanwhile).
+
+    Nothing was stored for it: put the parent first.
+    """
+
+    code = "ParentMissing"
+
+
 class StaleVersionError(StoreError):
     """WeightSync: a publish at or below the latest committed version, or a pull going back.
 
@@ -146,6 +155,7 @@ _ALL = [
     NotLeaderError,
     UnknownClientError,
     PutLostError,
+    ParentMissingError,
     StaleVersionError,
     WeightSyncAbortedError,
 ]
@@ -153,7 +163,15 @@ _BY_CODE = {c.code: c for c in _ALL}
 
 
 def from_code(code: str, message: str) -> StoreError:
-    """The exception of ``code`` (``StoreError`` for unknown codes) with ``message``."""
+    """The exception of ``code`` (``StoreError`` for unknown codes) with ``message``.
+
+    ``"NoSpaceRetry"`` (space that frees up by itself soon) is a ``NoSpaceError`` whose
+    ``code`` says so.
+    """
+    if code == "NoSpaceRetry":
+        e = NoSpaceError(message)
+        e.code = code
+        return e
     return _BY_CODE.get(code, StoreError)(message)
 
 

@@ -42,6 +42,10 @@ class MasterConfig:
             over at most about this long after the leader dies).
         advertise: ``HOST:PORT`` clients are told to use for this master (default: host:port;
             required with ``etcd`` when ``host`` is a wildcard such as ``0.0.0.0``).
+        history_entries: dropped keys whose cause the master remembers (the ``history``
+            request); the oldest drop is forgotten first; 0: none.
+        orphan_grace_s: seconds an object found on SSD at a restart may wait for its
+            ``parent`` (from another client's directory) before it is dropped.
     """
 
     host: str = "127.0.0.1"
@@ -61,6 +65,8 @@ class MasterConfig:
     etcd_prefix: str = "/mooncake_store/default"
     leader_ttl_s: int = 2
     advertise: str | None = None
+    history_entries: int = 100_000
+    orphan_grace_s: float = 30.0
 
     def __post_init__(self):
         for name in ("client_ttl_s", "put_ttl_s", "lease_ttl_s"):
@@ -71,6 +77,14 @@ class MasterConfig:
                 raise ValueError(
                     f"MasterConfig: {name} must be >= 0.1 and < 1e6 seconds, got {getattr(self, name)!r}"
                 )
+        if not (isinstance(self.history_entries, int) and self.history_entries >= 0):
+            raise ValueError(
+                f"MasterConfig: history_entries must be an int >= 0, got {self.history_entries!r}"
+            )
+        if not (0 <= float(self.orphan_grace_s) < 1e6):
+            raise ValueError(
+                f"MasterConfig: orphan_grace_s must be >= 0 and < 1e6 seconds, got {self.orphan_grace_s!r}"
+            )
         if not (0 < self.low_watermark <= self.high_watermark <= 1):
             raise ValueError(
                 "MasterConfig: need 0 < low_watermark <= high_watermark <= 1, got "

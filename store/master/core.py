@@ -11,7 +11,8 @@ written by the client; the master never touches data.
 :class:`Core` handles clients, reads, the tick and stats itself, and hands the other
 requests to its parts, composed over one :class:`~mooncake_store.master.records.Records`
 (``records.py``): ``reservations.py`` (put reservations), ``space.py`` (placement and
-eviction), ``puts.py`` (puts) and ``ssd.py`` (the SSD tier).
+eviction), ``puts.py`` (puts), ``ssd.py`` (the SSD tier), ``holds.py`` (holds) and
+``keyspace.py`` (tags, prefixes, the drop history).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from ..common.errors import (
     ProtocolError,
 )
 from .config import MasterConfig
+from .holds import Holds
+from .keyspace import Keyspace
 from .puts import Puts
 from .records import Client, Records, Segment
 from .reservations import Reservations
@@ -50,6 +53,9 @@ class Core:
         space: placement and eviction (:class:`~mooncake_store.master.space.Space`).
         puts: puts (:class:`~mooncake_store.master.puts.Puts`).
         ssd: the SSD tier (:class:`~mooncake_store.master.ssd.SsdTier`).
+        holds: holds (:class:`~mooncake_store.master.holds.Holds`).
+        keyspace: tags, prefixes, the drop history
+            (:class:`~mooncake_store.master.keyspace.Keyspace`).
     """
 
     def __init__(self, config: MasterConfig, clock: Callable[[], float] = time.monotonic):
@@ -59,6 +65,8 @@ class Core:
         self.space = Space(self.records, self.reservations)
         self.puts = Puts(self.records, self.space, self.reservations)
         self.ssd = SsdTier(self.records, self.space, self.reservations)
+        self.holds = Holds(self.records)
+        self.keyspace = Keyspace(self.records)
         self.last_tick = clock()
 
     # ------------------------------------------------------------------ clients
@@ -155,6 +163,7 @@ class Core:
                 self.reservations.unreserve(other, seg_name)
         for key in list(c.writing):
             rec.abort_pending(key)
+        self.holds.drop_client(c)
         for seg in c.segments:
             for key in list(seg.keys):
                 p = rec.pending.get(key)
@@ -171,16 +180,14 @@ class Core:
                         obj.offloading = False
                     rec.dirty(key)
                     if not obj.repl and not obj.ssd:
-                        rec.objects.pop(key, None)
-                        rec.lru.pop(key, None)
+                        rec.drop(key, "holder_lost", c.name, tier="memory")
         for key in list(c.ssd_keys):
             obj = rec.objects.get(key)
             if obj is not None:
                 obj.ssd = [s for s in obj.ssd if s[0] != c.id]
                 rec.dirty(key)
                 if not obj.repl and not obj.ssd:
-                    rec.objects.pop(key, None)
-                    rec.lru.pop(key, None)
+                    rec.drop(key, "holder_lost", c.name, tier="ssd")
         rec.deferred = [d for d in rec.deferred if d[1] not in dead]
         for seg in c.segments:
             rec.segments.pop(seg.name, None)
@@ -201,7 +208,7 @@ class Core:
         keys = rec.check_keys(a.get("keys"))
         now = rec.clock()
         until = now + rec.cfg.lease_ttl_s
-        out, segs = [], {}
+        out, segs, touch = [], {}, None
         for key in keys:
             obj = rec.objects.get(key)
             if obj is None:
@@ -210,7 +217,12 @@ class Core:
                 continue
             if obj.lease_until < until:
                 obj.lease_until = until
-            rec.lru.move_to_end(key)
+            if obj.parent is None and obj.group is None:
+                rec.lru.move_to_end(key)
+            elif touch is None:
+                touch = [key]
+            else:
+                touch.append(key)
             reps = []
             for s, off, _ in obj.repl:
                 seg = rec.segments.get(s)
@@ -234,6 +246,8 @@ class Core:
                 rec.counters.hits += 1
                 rec.counters.gets += 1
             out.append([obj.size, obj.version, obj.meta, reps, retry])
+        if touch is not None:
+            rec.touch(touch)
         return {"objs": out, "segs": segs, "ttl_ms": int(rec.cfg.lease_ttl_s * 1000)}
 
     def where(self, a: dict) -> dict:
@@ -291,10 +305,35 @@ class Core:
                     ]
                 )
                 continue
-            rec.drop_committed(key)
+            rec.drop(key, "removed")
             rec.counters.removes += 1
             out.append([0, 0])
         return {"items": out}
+
+    # ------------------------------------------------------------------ keys (keyspace.py, holds.py)
+    def invalidate(self, a: dict) -> dict:
+        """The ``invalidate`` request: ``Keyspace.invalidate``."""
+        return self.keyspace.invalidate(a)
+
+    def history(self, a: dict) -> dict:
+        """The ``history`` request: ``Keyspace.history``."""
+        return self.keyspace.history(a)
+
+    def list_prefixes(self, a: dict) -> dict:
+        """The ``list_prefixes`` request: ``Keyspace.list_prefixes``."""
+        return self.keyspace.list_prefixes(a)
+
+    def remove_prefix(self, a: dict) -> dict:
+        """The ``remove_prefix`` request: ``Keyspace.remove_prefix``."""
+        return self.keyspace.remove_prefix(a)
+
+    def hold(self, a: dict) -> dict:
+        """The ``hold`` request: ``Holds.hold``."""
+        return self.holds.hold(a)
+
+    def release(self, a: dict) -> dict:
+        """The ``release`` request: ``Holds.release``."""
+        return self.holds.release(a)
 
     # ------------------------------------------------------------------ puts (puts.py, reservations.py)
     def put_start(self, a: dict) -> dict:
@@ -341,6 +380,10 @@ class Core:
         """The ``ssd_bad`` request: ``SsdTier.ssd_bad``."""
         return self.ssd.ssd_bad(a)
 
+    def promote(self, a: dict) -> dict:
+        """The ``promote`` request: ``SsdTier.promote_keys``."""
+        return self.ssd.promote_keys(a)
+
     # ------------------------------------------------------------------ time
     def tick(self) -> None:
         """Declares silent clients dead, aborts overdue puts, frees expired deferred space, evicts.
@@ -368,10 +411,27 @@ class Core:
             self._kill_client(c, reason="heartbeat")
         for key in [k for k, p in rec.pending.items() if p.deadline < now]:
             rec.abort_pending(key)
+        self.holds.expire(now)
+        if rec.orphans:
+            self._drop_orphans(now)
         rec.free_deferred(now)
         if rec.capacity and rec.used > rec.cfg.high_watermark * rec.capacity and rec.reserved_bytes:
             self.reservations.reclaim(list(rec.segments))  # reserved space counts as free below
         self.space.evict_to_low_watermark(now)
+
+    def _drop_orphans(self, now: float) -> None:
+        """Drops the objects adopted from SSD whose parent has not come by their deadline."""
+        rec = self.records
+        due = []
+        for k, t in rec.orphans.items():  # in order of adoption, so of deadline
+            if t > now:
+                break
+            due.append(k)
+        for key in due:
+            del rec.orphans[key]
+            obj = rec.objects.get(key)
+            if obj is not None and obj.parent is not None and obj.parent not in rec.objects:
+                rec.drop(key, "orphaned", f"parent {obj.parent} not stored")
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
@@ -387,71 +447,10 @@ class Core:
             "segments": len(rec.segments),
             "deferred": len(rec.deferred),
             "ssd_objects": sum(1 for o in rec.objects.values() if o.ssd),
+            "held_keys": len(rec.held),
+            "active_holds": len(self.holds),
+            "history_entries": len(rec.history),
+            "group_bytes": dict(rec.group_bytes),
             **vars(rec.counters),
+            "drops": dict(rec.counters.drops),
         }
-
-    def metrics_text(self, leader: bool = True) -> str:
-        """The Prometheus text of :meth:`stats` (``leader``: this master serves requests)."""
-        s = self.stats()
-        lines = []
-
-        def m(name, kind, help_, value):
-            lines.append(f"# HELP mooncake_store_{name} {help_}")
-            lines.append(f"# TYPE mooncake_store_{name} {kind}")
-            lines.append(f"mooncake_store_{name} {value}")
-
-        m("objects", "gauge", "Committed objects.", s["objects"])
-        m("objects_on_ssd", "gauge", "Committed objects with an SSD replica.", s["ssd_objects"])
-        m("pending_puts", "gauge", "Puts in progress.", s["pending"])
-        m(
-            "used_bytes",
-            "gauge",
-            "Bytes allocated in segments (put reservations included).",
-            s["used_bytes"],
-        )
-        m(
-            "reserved_bytes",
-            "gauge",
-            "Bytes of segments reserved for clients' next puts.",
-            s["reserved_bytes"],
-        )
-        m("capacity_bytes", "gauge", "Bytes of all registered segments.", s["capacity_bytes"])
-        m("clients", "gauge", "Live clients.", s["clients"])
-        m("segments", "gauge", "Registered segments.", s["segments"])
-        m("puts_total", "counter", "Committed puts.", s["puts"])
-        m("hits_total", "counter", "Gets of existing keys.", s["hits"])
-        m("misses_total", "counter", "Gets of missing keys.", s["misses"])
-        m(
-            "evictions_total",
-            "counter",
-            "Objects whose memory replicas were evicted.",
-            s["evictions"],
-        )
-        m("offloads_total", "counter", "Objects written to an SSD directory.", s["offloads"])
-        m(
-            "ssd_drops_total",
-            "counter",
-            "Objects dropped from an SSD directory to make room (ssd_max_bytes).",
-            s["ssd_drops"],
-        )
-        m(
-            "ssd_corrupt_total",
-            "counter",
-            "SSD replicas dropped because their file was missing or corrupt.",
-            s["ssd_corrupt"],
-        )
-        m("removes_total", "counter", "Removed objects.", s["removes"])
-        m(
-            "put_aborts_total",
-            "counter",
-            "Puts aborted (writer died, timed out or revoked).",
-            s["put_aborts"],
-        )
-        m(
-            "clients_lost_total",
-            "counter",
-            "Clients declared dead after missing heartbeats.",
-            s["clients_lost"],
-        )
-        m("leader", "gauge", "1 if this master serves requests.", 1 if leader else 0)
-        return "\n".join(lines) + "\n"

@@ -1,15 +1,18 @@
-"""The records the master's metadata core keeps, and :class:`Records`, which holds them all.
+"""The records the master's metadata core keeps.
 
-The records: a registered segment, a client, an object (a committed version or a put in progress),
-the counters of ``stats``. :class:`Records` holds them all with the changes every part of the core
-makes (install a version, release an object's space, abort a put, drop an object).
+A registered segment, a client, an
+object (a committed version or a put in progress), the counters of ``stats``, and
+:class:`Records`, which holds them all with the changes every part of the core makes
+(install a version, release an object's space, abort a put, drop an object with its
+descendants and remember why).
 """
 
 from __future__ import annotations
 
 import collections
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from ..common.errors import ProtocolError, UnknownClientError
 from ..common.layout import SEG_HEADER, aligned
@@ -116,21 +119,24 @@ class Obj:
 
     __slots__ = (
         "deadline",
+        "group",
         "key",
         "lease_until",
         "loading",
         "meta",
         "offloading",
+        "parent",
         "pin",
         "repl",
         "size",
         "ssd",
+        "tags",
         "version",
         "want",
         "writer",
     )
 
-    def __init__(self, key, size, version, meta, pin):
+    def __init__(self, key, size, version, meta, pin, parent=None, tags=None, group=None):
         self.key = key
         self.size = size
         self.version = version
@@ -146,6 +152,14 @@ class Obj:
         self.deadline = 0.0
         self.offloading = False  # or the id of the client writing it to its SSD
         self.loading = None  # [segment, offset, bytes] being filled from SSD for remote readers
+        self.parent = parent  # key this object hangs off: dropping that drops this one too
+        self.tags = tags  # tuple of tags (``invalidate`` drops it by any of them), or None
+        self.group = group  # quota group whose bytes it counts in, or None
+
+
+# why an object was dropped (``Records.drop``; the ``history`` request and the
+# ``mooncake_store_drops_total`` metric name them)
+CAUSES = ("evicted", "invalidated", "holder_lost", "removed", "corrupt", "orphaned")
 
 
 class Counters:
@@ -155,6 +169,8 @@ class Counters:
         self.puts = self.gets = self.hits = self.misses = self.evictions = 0
         self.offloads = self.removes = self.put_aborts = self.clients_lost = self.ssd_drops = 0
         self.ssd_corrupt = 0
+        self.invalidations = self.holds = self.promotes = 0
+        self.drops = dict.fromkeys(CAUSES, 0)  # objects dropped, by cause (descendants included)
 
 
 class Records:
@@ -182,6 +198,19 @@ class Records:
             unknown).
         track_dirty: record which keys and clients changed (``take_dirty``), for etcd.
         notify: called with a client that has a new task (wakes its long poll).
+        children: key -> keys of the committed objects whose ``parent`` it is (kept by key,
+            so an upsert of the parent keeps them).
+        tag_keys: tag -> keys of the committed objects carrying it.
+        group_bytes / group_pending / group_lru / group_quota: per quota group, the bytes
+            of its committed objects (value sizes, one count per object wherever it
+            lies) / of its puts in progress / its keys least recently used first / its
+            quota (the last one a put named).
+        history: key -> ``(cause, tier, unix_s, detail)`` of its last drop, at most
+            ``history_entries``, the oldest drop forgotten first.
+        held: key -> number of holds on it (``holds.py``): not evicted while held.
+        orphans: key -> clock time after which an object adopted from SSD whose parent
+            is still not stored is dropped (its parent may still come from another
+            client's directory).
     """
 
     def __init__(self, config: MasterConfig, clock: Callable[[], float] = time.monotonic):
@@ -205,6 +234,15 @@ class Records:
         self.dirty_clients: set = set()
         self.notify: Callable[[Client], None] = lambda c: None
         self._version = int(time.time() * 1e6)
+        self.children: dict[str, set] = {}
+        self.tag_keys: dict[str, set] = {}
+        self.group_bytes: dict[str, int] = {}
+        self.group_pending: dict[str, int] = {}
+        self.group_lru: dict[str, collections.OrderedDict] = {}
+        self.group_quota: dict[str, int] = {}
+        self.history: collections.OrderedDict[str, tuple] = collections.OrderedDict()
+        self.held: dict[str, int] = {}
+        self.orphans: dict[str, float] = {}
 
     # ------------------------------------------------------------------ lookups
     def next_version(self) -> int:
@@ -344,24 +382,229 @@ class Records:
                     self.queue(c, ["delete", path])
         obj.ssd = []
 
-    def install(self, obj: Obj) -> None:
-        """Makes ``obj`` the committed version of its key (the old one is released)."""
+    def install(self, obj: Obj, *, count: bool = True) -> None:
+        """Makes ``obj`` the committed version of its key.
+
+        The old one is released; the key's children stay. ``count``: a put (not an object
+        found on SSD).
+        """
         old = self.objects.get(obj.key)
         if old is not None:
-            self.lru.pop(obj.key, None)
+            self.unlink(old)
             self.release(old)
         self.objects[obj.key] = obj
-        self.lru[obj.key] = None
-        self.counters.puts += 1
+        self.link(obj)
+        if count:
+            self.counters.puts += 1
         self.dirty(obj.key)
 
-    def drop_committed(self, key: str) -> None:
-        """Removes the committed version of ``key`` and frees it."""
-        obj = self.objects.pop(key, None)
-        if obj is not None:
-            self.lru.pop(key, None)
-            self.release(obj)
-            self.dirty(key)
+    def link(self, obj: Obj) -> None:
+        """Enters the committed ``obj`` in the LRU order and the indexes.
+
+        The parent's children, the tags' keys and the group's bytes and LRU order; its key
+        leaves the drop history (it is stored again).
+        """
+        key = obj.key
+        self.lru[key] = None
+        if self.history:
+            self.history.pop(key, None)
+        if obj.parent is not None:
+            kids = self.children.get(obj.parent)
+            if kids is None:
+                self.children[obj.parent] = {key}
+            else:
+                kids.add(key)
+        if obj.tags:
+            for t in obj.tags:
+                keys = self.tag_keys.get(t)
+                if keys is None:
+                    self.tag_keys[t] = {key}
+                else:
+                    keys.add(key)
+        g = obj.group
+        if g is not None:
+            self.group_bytes[g] = self.group_bytes.get(g, 0) + obj.size
+            lru = self.group_lru.get(g)
+            if lru is None:
+                lru = self.group_lru[g] = collections.OrderedDict()
+            lru[key] = None
+
+    def unlink(self, obj: Obj) -> None:
+        """Takes the committed ``obj`` out of what :meth:`link` entered it in.
+
+        Not its children: they hang off its key.
+        """
+        key = obj.key
+        self.lru.pop(key, None)
+        if obj.parent is not None:
+            kids = self.children.get(obj.parent)
+            if kids is not None:
+                kids.discard(key)
+                if not kids:
+                    del self.children[obj.parent]
+        if obj.tags:
+            for t in obj.tags:
+                keys = self.tag_keys.get(t)
+                if keys is not None:
+                    keys.discard(key)
+                    if not keys:
+                        del self.tag_keys[t]
+        g = obj.group
+        if g is not None:
+            left = self.group_bytes.get(g, 0) - obj.size
+            lru = self.group_lru.get(g)
+            if lru is not None:
+                lru.pop(key, None)
+            if lru:
+                self.group_bytes[g] = left
+            else:  # the group's last object: forget the group
+                self.group_bytes.pop(g, None)
+                self.group_lru.pop(g, None)
+                if not self.group_pending.get(g):
+                    self.group_quota.pop(g, None)
+
+    def touch(self, keys: Iterable[str]) -> None:
+        """Marks the committed ``keys`` as just used (LRU order, their groups' too).
+
+        Their ancestors (``parent`` links) become more recently used than their descendants,
+        so eviction takes the leaves of a chain first and not its root, whose drop would take
+        the whole chain with it.
+        """
+        lru, objects = self.lru, self.objects
+        linked = []
+        for k in keys:
+            o = objects.get(k)
+            if o is None:
+                continue
+            lru.move_to_end(k)
+            if o.group is not None:
+                self.group_lru[o.group].move_to_end(k)
+            if o.parent is not None:
+                linked.append(k)
+        if not linked:
+            return
+        # depth of each key and ancestor (0: the topmost stored one), each walked once
+        depth: dict = {}
+        for k in linked:
+            path, seen, x, d = [], set(), k, -1
+            while True:
+                if x in depth:
+                    d = depth[x]
+                    break
+                o = objects.get(x)
+                if o is None or x in seen:  # a missing ancestor, or a cycle of upserts
+                    break
+                path.append(x)
+                seen.add(x)
+                if o.parent is None:
+                    break
+                x = o.parent
+            for x in reversed(path):
+                d += 1
+                depth[x] = d
+        for k in sorted(depth, key=depth.__getitem__, reverse=True):
+            lru.move_to_end(k)
+            g = objects[k].group
+            if g is not None:
+                self.group_lru[g].move_to_end(k)
+
+    def descendants(self, key: str) -> list:
+        """The committed objects that hang off ``key`` (children, their children, ...), each once."""
+        out, seen, stack = [], {key}, [key]
+        while stack:
+            for c in self.children.get(stack.pop(), ()):
+                if c not in seen:
+                    seen.add(c)
+                    o = self.objects.get(c)
+                    if o is not None:
+                        out.append(o)
+                        stack.append(c)
+        return out
+
+    def descendants_evictable(self, key: str, now: float) -> int | None:
+        """The bytes an eviction of ``key`` frees in memory with the objects that hang off it.
+
+        Returns:
+            The bytes of those objects' memory replicas, or None when one of them must not be
+            evicted (pinned, held, leased).
+        """
+        n = 0
+        for o in self.descendants(key):
+            if o.pin or o.lease_until > now or o.key in self.held:
+                return None
+            n += sum(aligned(r[2]) for r in o.repl)
+        return n
+
+    @staticmethod
+    def tier_of(obj: Obj) -> str:
+        """Where ``obj`` lies.
+
+        Returns:
+            ``"memory"`` (a replica in a segment), ``"ssd"`` (only on SSD) or ``"master"`` (an
+            empty object, which lives in the master alone).
+        """
+        if obj.repl or obj.loading is not None:
+            return "memory"
+        return "ssd" if obj.ssd else "master"
+
+    def drop(self, key: str, cause: str, detail: str = "", *, tier: str | None = None) -> int:
+        """Drops the committed object of ``key`` and every object that hangs off it.
+
+        Iteratively, so a chain of any length; their space is freed (after the leases of
+        readers) and each drop is recorded in :attr:`history`.
+
+        Args:
+            key: the key whose committed object is dropped.
+            cause: one of :data:`CAUSES`, for the history and the metrics.
+            detail: what the cause is about (a tag, a client's name); descendants get
+                ``"with parent <key>: <detail>"`` (``"with parent <key>"`` without one).
+            tier: where the object was dropped from (default: where it lies now).
+
+        Returns:
+            How many objects were dropped.
+        """
+        obj = self.objects.get(key)
+        if obj is None:
+            return 0
+        now_s = time.time()
+        inherited = None
+        stack, n = [key], 0
+        while stack:
+            k = stack.pop()
+            o = self.objects.pop(k, None)
+            if o is None:
+                continue
+            kids = self.children.pop(k, None)
+            if kids:
+                stack.extend(kids)
+            t = tier if k == key and tier is not None else self.tier_of(o)
+            self.unlink(o)
+            self.release(o)
+            self.orphans.pop(k, None)
+            if k == key:
+                self.remember(k, cause, t, now_s, detail)
+            else:
+                if inherited is None:  # one string for the whole cascade
+                    inherited = sys.intern(
+                        f"with parent {key}: {detail}" if detail else f"with parent {key}"
+                    )
+                self.remember(k, cause, t, now_s, inherited)
+            self.dirty(k)
+            n += 1
+        self.counters.drops[cause] = self.counters.drops.get(cause, 0) + n
+        return n
+
+    def remember(self, key: str, cause: str, tier: str, unix_s: float, detail: str) -> None:
+        """Records the drop of ``key`` in :attr:`history` (past ``history_entries``, the oldest goes)."""
+        limit = self.cfg.history_entries
+        if limit <= 0:
+            return
+        h = self.history
+        if key in h:
+            del h[key]
+        h[key] = (cause, tier, unix_s, detail)
+        if len(h) > limit:
+            h.popitem(last=False)
 
     def abort_pending(self, key: str) -> None:
         """Aborts the put in progress of ``key`` and frees its space."""
@@ -371,5 +614,19 @@ class Records:
         w = self.clients.get(obj.writer)
         if w is not None:
             w.writing.discard(key)
+        if obj.group is not None:
+            self.unpend_group(obj)
         self.release(obj)
         self.counters.put_aborts += 1
+
+    def unpend_group(self, obj: Obj) -> None:
+        """Takes a put in progress of ``obj`` out of its group's count (committed or given up)."""
+        g = obj.group
+        if g is not None:
+            left = self.group_pending.get(g, 0) - obj.size
+            if left > 0:
+                self.group_pending[g] = left
+            else:
+                self.group_pending.pop(g, None)
+                if g not in self.group_lru:
+                    self.group_quota.pop(g, None)

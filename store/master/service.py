@@ -35,6 +35,7 @@ from ..common.errors import AuthError, NotLeaderError, ProtocolError, StoreError
 from .config import MasterConfig
 from .core import TICK_S, Core
 from .ha import client_record, load_into, obj_record
+from .metrics import CONTENT_TYPE, Metrics
 
 log = logging.getLogger("mooncake_store.master")
 _LEN = struct.Struct(">I")
@@ -101,6 +102,8 @@ class Master:
         self._conns = 0
         self._ident = ""
         self._install_core(self.core)
+        # read at each scrape: the core in use then (a new leader installs its own)
+        self.metrics = Metrics(lambda: (self.core.stats(), self.leader))
 
     # ----------------------------------------------------------------- lifecycle
     @property
@@ -305,7 +308,7 @@ class Master:
             if obj is None:
                 deletes.append(k)
             else:
-                puts[k] = obj_record(obj)
+                puts[k] = obj_record(obj, records.group_quota.get(obj.group))
         for cid, c in clients.items():
             k = self._etcd.client_key(cid)
             if c is None:
@@ -377,7 +380,7 @@ class Master:
                 "addr": self.address if self.leader else self.leader_addr,
             }
         if method == "metrics":
-            return {"text": self.core.metrics_text(self.leader)}
+            return {"text": self.metrics.text()}
         if not self.leader:
             raise NotLeaderError(f"this master is a standby; the leader is {self.leader_addr}")
         self._check_lease()
@@ -406,11 +409,13 @@ class Master:
             elif path not in (b"/metrics", b"/"):
                 status, body = b"404 Not Found", b"metrics are at /metrics\n"
             else:
-                status, body = b"200 OK", self.core.metrics_text(self.leader).encode()
+                status, body = b"200 OK", self.metrics.text().encode()
             writer.write(
                 b"HTTP/1.0 "
                 + status
-                + b"\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: "
+                + b"\r\nContent-Type: "
+                + CONTENT_TYPE.encode()
+                + b"\r\nContent-Length: "
                 + str(len(body)).encode()
                 + b"\r\n\r\n"
                 + (body if parts[:1] != [b"HEAD"] else b"")
@@ -659,6 +664,13 @@ _METHODS = {
     "load_done": Core.load_done,
     "adopt_ssd": Core.adopt_ssd,
     "ssd_bad": Core.ssd_bad,
+    "promote": Core.promote,
+    "invalidate": Core.invalidate,
+    "history": Core.history,
+    "list_prefixes": Core.list_prefixes,
+    "remove_prefix": Core.remove_prefix,
+    "hold": Core.hold,
+    "release": Core.release,
     "stats": lambda core, a: core.stats(),
 }
 
@@ -698,6 +710,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--leader-ttl", type=int, default=2, help="etcd lease of the leader, seconds")
     p.add_argument("--max-frame-bytes", type=int, default=4 << 20)
     p.add_argument(
+        "--history-entries",
+        type=int,
+        default=100_000,
+        help="dropped keys whose cause the master remembers (0: none)",
+    )
+    p.add_argument(
+        "--orphan-grace",
+        type=float,
+        default=30.0,
+        help="seconds an object found on SSD may wait for its parent before it is dropped",
+    )
+    p.add_argument(
         "--port-file",
         default=None,
         help="once listening, write 'PORT METRICS_PORT' here (METRICS_PORT 0 without --metrics-port)",
@@ -723,6 +747,8 @@ def main(argv: list[str] | None = None) -> int:
             leader_ttl_s=a.leader_ttl,
             advertise=a.advertise,
             max_frame_bytes=a.max_frame_bytes,
+            history_entries=a.history_entries,
+            orphan_grace_s=a.orphan_grace,
         )
     except ValueError as e:
         p.error(str(e))

@@ -1,8 +1,14 @@
 """Placement and eviction in the master's metadata core.
 
-Where a put's replicas go, which objects are evicted (least recently used first, never leased,
-pinned or being written) to make room, and whether an eviction offloads to the owner's SSD directory
-first (and which objects that live only there are dropped to make room on it).
+Where a put's replicas go, which
+objects are evicted (least recently used first, never leased, pinned, held or being
+written) to make room, whether an eviction offloads to the owner's SSD directory first
+(and which objects that live only there are dropped to make room on it), and which
+objects of a quota group are dropped to keep it within its quota.
+
+An eviction that drops an object (no SSD copy left) drops the objects that hang off it
+too (``Records.drop``), so it counts their bytes, and it does not happen while one of
+them must not be evicted.
 """
 
 from __future__ import annotations
@@ -134,6 +140,7 @@ class Space:
             and obj.lease_until <= now
             and bool(obj.repl)
             and now >= self.records.no_evict_until
+            and obj.key not in self.records.held
         )
 
     def evict_for(self, n: int, need: int, exclude: set, live: list, keep: str | None = None):
@@ -214,17 +221,22 @@ class Space:
             obj = rec.objects.get(key)
             if obj is None or not self.evictable(obj, now):
                 continue
-            freed = sum(aligned(r[2]) for r in obj.repl)
-            self.evict(obj, now)
-            projected -= freed
+            projected -= self.evict(obj, now)
 
-    def evict(self, obj: Obj, now: float, to_ssd: bool = True) -> bool:
+    def evict(self, obj: Obj, now: float, to_ssd: bool = True) -> int:
         """Drops ``obj``'s memory replicas; to SSD first when an owner has a directory with room.
 
-        To SSD the drop is asynchronous: the object stays until the owner reports. True if freed
-        now.
+        The move to SSD is asynchronous: the object stays until the owner reports. An
+        object left without any replica is dropped with the objects that hang off it,
+        unless one of those must not be evicted (then nothing happens).
+
+        Returns:
+            The bytes of memory this frees (its replicas, and its descendants' when they
+            go too), or will free once an offload in flight or waiting is done; 0 when
+            nothing is evicted.
         """
         rec = self.records
+        mem = sum(aligned(r[2]) for r in obj.repl)
         if not obj.ssd and to_ssd:
             for seg_name, off, _n in obj.repl:
                 seg = rec.segments.get(seg_name)
@@ -232,29 +244,37 @@ class Space:
                     continue
                 c = seg.client
                 if c.id in self._ssd_waiting:  # this eviction pass found its directory busy already
-                    return False
+                    return mem
                 room = self._ssd_room(c, obj.size, now)
                 if room is None:
                     # a burst of evictions faster than the disk: the object waits in memory
                     # (puts meanwhile get NoSpaceRetry) rather than skipping the SSD, which
                     # would keep older objects there and lose newer ones
                     self._ssd_waiting.add(c.id)
-                    return False
+                    return mem
                 if room:
                     c.ssd_bytes += obj.size  # reserved until the owner reports
                     c.ssd_inflight += obj.size
                     obj.offloading = c.id
-                    rec.queue(c, ["offload", obj.key, obj.version, off, obj.size, obj.meta])
-                    return False
+                    rec.queue(
+                        c,
+                        ["offload", obj.key, obj.version, off, obj.size, obj.meta, ssd_links(obj)],
+                    )
+                    return mem
+        if not obj.ssd and obj.key in rec.children:
+            extra = rec.descendants_evictable(obj.key, now)
+            if extra is None:
+                return 0
+            mem += extra
         rec.counters.evictions += 1
         for seg_name, off, n in obj.repl:
             rec.free_replica(seg_name, off, n, obj.key, 0.0)
         obj.repl = []
-        if not obj.ssd:
-            rec.objects.pop(obj.key, None)
-            rec.lru.pop(obj.key, None)
-        rec.dirty(obj.key)
-        return True
+        if obj.ssd:
+            rec.dirty(obj.key)
+        else:
+            rec.drop(obj.key, "evicted", tier="memory")
+        return mem
 
     def _ssd_room(self, c: Client, size: int, now: float) -> bool | None:
         """Whether ``c``'s SSD directory can take ``size`` more bytes.
@@ -283,10 +303,94 @@ class Space:
                 or o.loading is not None
                 or o.lease_until > now
                 or o.offloading
+                or key in rec.held
+                or (key in rec.children and rec.descendants_evictable(key, now) is None)
             ):
                 continue
-            rec.drop_committed(key)
+            rec.drop(key, "evicted", f"ssd_max_bytes of {c.name}", tier="ssd")
             rec.counters.ssd_drops += 1
         if c.ssd_bytes + size <= c.ssd_max:
             return True
         return None if c.ssd_inflight else False
+
+    def fit_group(self, key: str, size: int, group: str, quota: int | None) -> None:
+        """Makes room for a put of ``size`` bytes under ``key`` within quota group ``group``.
+
+        When the group's committed bytes, those of its puts in progress and ``size`` (less the
+        value of ``key`` it replaces) exceed its quota (``quota``, or the last one a put named),
+        drops the group's least recently used objects that may be evicted (not pinned, leased
+        or held, nor with such a descendant), with what hangs off them. A drop does not offload
+        to SSD: the group's bytes count wherever its objects lie.
+
+        Raises:
+            NoSpaceError: even dropping all of those would not be enough (nothing is dropped
+                then), naming the group and its quota; code ``NoSpaceRetry`` while a new leader
+                evicts nothing.
+        """
+        rec = self.records
+        if quota is None:
+            quota = rec.group_quota.get(group)
+            if quota is None:
+                return
+        else:
+            rec.group_quota[group] = quota
+        old = rec.objects.get(key)
+        replaced = old.size if old is not None and old.group == group else 0
+        have = rec.group_bytes.get(group, 0) + rec.group_pending.get(group, 0)
+        over = have - replaced + size - quota
+        if over <= 0:
+            return
+        now = rec.clock()
+        picked, taken, freed = [], {key}, 0
+        if size <= quota and now >= rec.no_evict_until:
+            for k in rec.group_lru.get(group, ()):
+                if freed >= over:
+                    break
+                o = rec.objects[k]
+                if k in taken or o.pin or o.lease_until > now or k in rec.held:
+                    continue
+                sub = rec.descendants(k) if k in rec.children else []
+                if any(
+                    d.key in taken or d.pin or d.lease_until > now or d.key in rec.held for d in sub
+                ):
+                    continue
+                taken.add(k)
+                taken.update(d.key for d in sub)
+                picked.append(k)
+                freed += o.size + sum(d.size for d in sub if d.group == group)
+        if size > quota:
+            raise NoSpaceError(
+                f"no space for {size} bytes in group {group!r}: larger than its quota of {quota} bytes"
+            )
+        if freed < over and now < rec.no_evict_until:
+            # the old leader's read leases are not known here (see place)
+            e = NoSpaceError(
+                f"no space for {size} bytes in group {group!r} yet: a new leader evicts nothing "
+                f"for {rec.no_evict_until - now:.1f} s more (the old leader's read leases)"
+            )
+            e.code = "NoSpaceRetry"
+            raise e
+        if freed < over:
+            raise NoSpaceError(
+                f"no space for {size} bytes in group {group!r}: it holds {have} of its quota of "
+                f"{quota} bytes, and only {freed} bytes of it can be evicted now (the rest is "
+                "leased, pinned, held or being written)"
+            )
+        why = f"group {group!r} over its quota of {quota} bytes"
+        for k in picked:
+            rec.drop(k, "evicted", why)
+
+
+def ssd_links(obj: Obj) -> dict:
+    """What an SSD file's header keeps of ``obj`` besides key, version and metadata.
+
+    Its parent, tags and group, so that a restart from SSD keeps them.
+    """
+    out: dict = {}
+    if obj.parent is not None:
+        out["p"] = obj.parent
+    if obj.tags:
+        out["t"] = list(obj.tags)
+    if obj.group is not None:
+        out["g"] = obj.group
+    return out

@@ -1,11 +1,15 @@
-"""The SSD tier in the master's metadata core: SSD files, offloads, loads and corrupt files.
+"""The SSD tier in the master's metadata core.
 
-SSD files clients report (``adopt_ssd``), offloads that finished (``offload_done``), loads into
-memory for readers on other hosts (:meth:`SsdTier.promote`, ``load_done``) and corrupt files
-(``ssd_bad``). Which objects go to SSD, and room there, is eviction's call (``space.py``).
+SSD files clients report (``adopt_ssd``),
+offloads that finished (``offload_done``), loads into memory for readers on other hosts
+or asked for ahead of reads (:meth:`SsdTier.promote`, ``promote``, ``load_done``) and
+corrupt files (``ssd_bad``). Which objects go to SSD, and room there, is eviction's call
+(``space.py``).
 """
 
 from __future__ import annotations
+
+import sys
 
 from ..common.errors import ProtocolError
 from ..common.layout import aligned
@@ -23,14 +27,17 @@ class SsdTier:
         self.reservations = reservations
 
     def adopt(self, c: Client, e) -> None:
-        """Registers one SSD file ``e`` (``[key, version, size, meta, path]``) that ``c`` found.
+        """Registers one SSD file ``e`` that ``c`` found in its directory.
 
-        ``c`` found it in its directory; a malformed entry is ignored.
+        ``e`` is ``[key, version, size, meta, path]``, and the links its header kept:
+        ``{"p": parent, "t": [tags], "g": group}``; a malformed entry is ignored. An object
+        whose parent is not stored waits ``orphan_grace_s`` for it (another client may
+        bring it).
         """
         rec = self.records
         if not (
             isinstance(e, list)
-            and len(e) == 5
+            and len(e) in (5, 6)
             and isinstance(e[0], str)
             and isinstance(e[1], int)
             and isinstance(e[2], int)
@@ -40,7 +47,8 @@ class SsdTier:
             and e[0]
         ):
             return
-        key, version, size, meta, path = e
+        key, version, size, meta, path = e[:5]
+        parent, tags, group = _links(e[5] if len(e) == 6 else None, key)
         cur = rec.objects.get(key)
         if cur is not None and cur.version >= version:
             mine = [e for e in cur.ssd if e[1] == path]
@@ -58,16 +66,14 @@ class SsdTier:
                 c.ssd_bytes += size
                 rec.dirty(key)
             return
-        if cur is not None:
-            rec.drop_committed(key)
-        obj = Obj(key, size, version, meta, False)
+        obj = Obj(key, size, version, meta, False, parent, tags, group)
         obj.ssd.append([c.id, path])
+        rec.install(obj, count=False)  # a newer version than the one stored replaces it
         c.ssd_keys.add(key)
         c.ssd_bytes += size
-        rec.objects[key] = obj
-        rec.lru[key] = None
         rec.see_version(version)
-        rec.dirty(key)
+        if parent is not None and parent not in rec.objects:
+            rec.orphans[key] = rec.clock() + rec.cfg.orphan_grace_s
 
     def adopt_ssd(self, a: dict) -> dict:
         """A registered client reports SSD files it found (in chunks, after ``register``)."""
@@ -85,12 +91,21 @@ class SsdTier:
     def promote(self, obj: Obj) -> bool:
         """Asks the owner of an SSD replica to load ``obj`` into its segment.
 
-        The load is for readers on other hosts. True while that load is in progress (the reader asks
+        For readers on other hosts. True while that load is in progress (the reader asks
         again).
+        """
+        return self._load(obj) is not None
+
+    def _load(self, obj: Obj) -> str | None:
+        """Has the owner of an SSD replica of ``obj`` load it into its segment (evicting as needed).
+
+        Returns:
+            ``"scheduled"`` (asked now), ``"loading"`` (asked before), ``"wait"`` (no room yet,
+            but space frees up by itself soon) or None (no owner can take it).
         """
         rec = self.records
         if obj.loading is not None:
-            return True
+            return "loading"
         n = aligned(obj.size) if obj.size else 0
         for cid, path in obj.ssd:
             c = rec.clients.get(cid)
@@ -103,14 +118,34 @@ class SsdTier:
                     off = seg.alloc.alloc(n)
                 if off is None:
                     if self._space_coming(seg):
-                        return True
+                        return "wait"
                     continue
                 rec.used += n
                 seg.add_key(obj.key)
                 obj.loading = [seg.name, off, n]
                 rec.queue(c, ["load", obj.key, obj.version, path, off, obj.size])
-                return True
-        return False
+                return "scheduled"
+        return None
+
+    def promote_keys(self, a: dict) -> dict:
+        """The ``promote`` request: schedules loads into memory of the ``keys`` that lie only on SSD.
+
+        No read lease is taken (a loaded copy is evicted as any other), and nothing waits for
+        a load.
+
+        Returns:
+            ``{"scheduled": loads asked for now}``.
+        """
+        rec = self.records
+        keys = rec.check_keys(a.get("keys"))
+        n = 0
+        for key in dict.fromkeys(keys):
+            obj = rec.objects.get(key)
+            if obj is not None and not obj.repl and obj.ssd and obj.size:
+                if self._load(obj) == "scheduled":
+                    n += 1
+        rec.counters.promotes += n
+        return {"scheduled": n}
 
     def _space_coming(self, seg: Segment) -> bool:
         """Whether space in ``seg`` frees up by itself soon.
@@ -189,8 +224,8 @@ class SsdTier:
             if c is not None:
                 rec.forget_ssd(c, obj)
                 rec.queue(c, ["delete", path])
-            if not obj.repl and not obj.ssd:
-                rec.drop_committed(key)  # an object with no replica left is gone
+            if not obj.repl and not obj.ssd:  # an object with no replica left is gone
+                rec.drop(key, "corrupt", path, tier="ssd")
             else:
                 rec.dirty(key)
             break
@@ -229,3 +264,21 @@ class SsdTier:
             if self.space.evictable(obj, now):
                 self.space.evict(obj, now, to_ssd=False)
         return {}
+
+
+def _links(links, key: str) -> tuple:
+    """The parent, tags and group of an SSD file's links (``{"p", "t", "g"}``).
+
+    Whatever is malformed there is left out (a file is not refused for it).
+    """
+    if not isinstance(links, dict):
+        return None, None, None
+    parent, tags, group = links.get("p"), links.get("t"), links.get("g")
+    if not (isinstance(parent, str) and parent and parent != key):
+        parent = None
+    if isinstance(tags, list) and all(isinstance(t, str) and t for t in tags):
+        tags = tuple(sys.intern(t) for t in dict.fromkeys(tags)) or None
+    else:
+        tags = None
+    group = sys.intern(group) if isinstance(group, str) and group else None
+    return parent, tags, group

@@ -228,6 +228,10 @@ def _agent_main():
             elif op == "remove":
                 store.remove(req["key"], force=req.get("force", False))
                 res = None
+            elif op == "iput":
+                res = _iput(store, req, rc(req))
+            elif op == "get_loop":
+                res = _get_loop(store, req)
             elif op == "stats":
                 import dataclasses
 
@@ -247,6 +251,43 @@ def _agent_main():
         except BaseException as e:
             out.write(json.dumps({"err": type(e).__name__, "msg": str(e)}) + "\n")
         out.flush()
+
+
+def _iput(store, req: dict, config) -> list:
+    """``store.internal.put_many`` of ``pattern(seed, size)`` values with the request's
+    ``parents``, ``tags``, ``group`` and ``quota_bytes``: per key the replicas placed, or
+    the error's class name."""
+    vals = [pattern(s, n) for s, n in zip(req["seeds"], req["sizes"])]
+    out = store.internal.put_many(
+        req["keys"],
+        vals,
+        [b""] * len(vals),
+        config,
+        parents=req.get("parents"),
+        tags=req.get("tags"),
+        group=req.get("group"),
+        quota_bytes=req.get("quota_bytes"),
+        return_exceptions=True,
+    )
+    return [type(r).__name__ if isinstance(r, BaseException) else r for r in out]
+
+
+def _get_loop(store, req: dict) -> list:
+    """Gets each of ``keys`` in turn for ``seconds``: per get ``[start, key index, found]``
+    (``start``: ``time.monotonic()`` when it was called, the same clock in every process
+    of the machine)."""
+    keys, out = req["keys"], []
+    end = time.monotonic() + req["seconds"]
+    while time.monotonic() < end:
+        for i, k in enumerate(keys):
+            t = time.monotonic()
+            try:
+                store.get(k)
+                found = True
+            except KeyError:
+                found = False
+            out.append([t, i, found])
+    return out
 
 
 def ws_state(version: int, tensors: int, kib: int) -> dict:
