@@ -1,6 +1,7 @@
 """SSD tier: objects evicted from memory drop to a client's SSD directory, read back
 correctly, and survive a full restart of master and clients."""
 
+import hashlib
 import os
 import time
 
@@ -23,6 +24,17 @@ def put_until_on_ssd(s, n: int, want: int, settle: float = 0.3):
         assert time.monotonic() < deadline, s.stats()
         time.sleep(0.05)
     time.sleep(settle)
+
+
+def _files_of(root: str, key: str) -> list:
+    """The SSD files of ``key`` under ``root`` (named by the SHA-256 of the key)."""
+    h = hashlib.sha256(key.encode()).hexdigest()
+    d = os.path.join(root, h[:2])
+    return (
+        [n for n in os.listdir(d) if n.startswith(h) and n.endswith(".obj")]
+        if os.path.isdir(d)
+        else []
+    )
 
 
 def test_ssd_tier_evict_read_back_and_restart(procs, tmp_path):
@@ -57,6 +69,15 @@ def test_ssd_tier_evict_read_back_and_restart(procs, tmp_path):
         s.upsert("obj0", b"new value")
         s.remove("obj1", force=True)
         assert s.get("obj0") == b"new value"
+        # the owner deletes the stale files as tasks of its next heartbeats; a crash before
+        # that would find them at the restart, so the restart waits for the deletions
+        deadline = time.monotonic() + 20
+        while _files_of(ssd_dir, "obj0") or _files_of(ssd_dir, "obj1"):
+            assert time.monotonic() < deadline, (
+                _files_of(ssd_dir, "obj0"),
+                _files_of(ssd_dir, "obj1"),
+            )
+            time.sleep(0.05)
     # full restart: master and clients
     node.kill()
     m.kill()
