@@ -168,21 +168,30 @@ class Writer:
                 raise_first(out)
             return out
         results = self._put_part(keys, views, metas, opts, True, retry, avoid)
+        index = {k: i for i, k in enumerate(keys)} if opts.links else {}
         wave = range(len(keys))
         while True:
             # a batch larger than the space free or evictable now goes in waves: what was
             # placed is written and committed (and so becomes evictable); the rest is
-            # placed again while each wave stores something (a KV put of more chunks than
-            # the owner's memory failed with NoSpaceError after a few, found by a trial).
+            # placed again while each wave stores something (so a KV put of more chunks than
+            # the owner's memory holds does not fail with NoSpaceError after a few).
             # A child refused because its parent in this batch found no space goes again
-            # with it.
+            # with it, or after it when the parent went in by itself (a one-request put
+            # refuses the children of the objects it leaves to the two-request way).
             rest, again = [], set()
             for i in wave:
                 r = results[i]
+                parent = opts.links.get(keys[i], {}).get("p") if opts.links else None
                 if isinstance(r, NoSpaceError) or (
                     isinstance(r, ParentMissingError)
-                    and opts.links
-                    and opts.links.get(keys[i], {}).get("p") in again
+                    and parent is not None
+                    and (
+                        parent in again
+                        or (
+                            parent in index
+                            and not isinstance(results[index[parent]], BaseException)
+                        )
+                    )
                 ):
                     rest.append(i)
                     again.add(keys[i])
