@@ -18,6 +18,7 @@ from .client import MooncakeStore, Placement, ReplicateConfig, StoreConfig, Stor
 from .common.config import env_defaults
 from .common.errors import (
     AuthError,
+    InvalidatedError,
     LeaseExpiredError,
     NoSpaceError,
     NotLeaderError,
@@ -56,6 +57,7 @@ __all__ = [
     "AuthError",
     "GroupSyncResult",
     "GroupWeightSync",
+    "InvalidatedError",
     "KVCacheConfig",
     "KVCacheStats",
     "KVCacheStore",

@@ -308,8 +308,10 @@ class StoreInternals:
         """Drops every object carrying any of ``tags``, with the objects that hang off them.
 
         Leased, pinned and held objects go too (the memory of leased ones is reused once the
-        readers' leases end). After it returns, no ``get`` or ``exists`` finds them; puts still
-        in progress when it runs commit afterwards. An unknown tag drops nothing.
+        readers' leases end). After it returns, no ``get`` or ``exists`` finds them. A
+        two-request put of an object carrying one of the tags that is in progress when it runs
+        fails with ``InvalidatedError``; a put committed in one request after it stores a new
+        object. An unknown tag drops nothing.
 
         Returns:
             How many objects were dropped.
@@ -325,6 +327,32 @@ class StoreInternals:
             n += self.link.call("invalidate", {"client": self.link.client_id, "tags": tags[a:b]})[
                 "dropped"
             ]
+        return n
+
+    def add_tags(self, keys: list, tags: list) -> int:
+        """Adds tags to objects already stored, so that :meth:`invalidate` drops them too.
+
+        Args:
+            keys: the objects' keys (missing ones are skipped).
+            tags: per key a list of tags (non-empty str of at most 256 bytes of UTF-8); an
+                object carries at most 16.
+
+        Returns:
+            How many objects got a new tag.
+
+        Raises:
+            ValueError: malformed keys or tags, or lists of different lengths (nothing is sent).
+            ProtocolError: an object would carry more than 16 tags.
+        """
+        keys = check_keys(keys, "add_tags")
+        if not isinstance(tags, (list, tuple)) or len(tags) != len(keys):
+            raise ValueError(f"add_tags: one list of tags per key ({len(keys)}), got {tags!r}")
+        tags = [[_check_tag(t, "add_tags") for t in ts] for ts in tags]
+        n = 0
+        for a, b in chunks(keys):
+            n += self.link.call(
+                "tag", {"client": self.link.client_id, "keys": keys[a:b], "tags": tags[a:b]}
+            )["tagged"]
         return n
 
     def hold(self, keys: list, ttl_s: float) -> HoldId:

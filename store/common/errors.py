@@ -122,6 +122,15 @@ class ParentMissingError(StoreError):
     code = "ParentMissing"
 
 
+class InvalidatedError(StoreError):
+    """A put carried a tag that ``invalidate`` dropped while the put was being written.
+
+    Nothing was stored for it: whatever its writer computed belongs to what was invalidated.
+    """
+
+    code = "Invalidated"
+
+
 class StaleVersionError(StoreError):
     """WeightSync: a publish at or below the latest committed version, or a pull going back.
 
@@ -156,6 +165,7 @@ _ALL = [
     UnknownClientError,
     PutLostError,
     ParentMissingError,
+    InvalidatedError,
     StaleVersionError,
     WeightSyncAbortedError,
 ]

@@ -315,6 +315,10 @@ class Core:
         """The ``invalidate`` request: ``Keyspace.invalidate``."""
         return self.keyspace.invalidate(a)
 
+    def tag(self, a: dict) -> dict:
+        """The ``tag`` request: ``Keyspace.tag``."""
+        return self.keyspace.tag(a)
+
     def history(self, a: dict) -> dict:
         """The ``history`` request: ``Keyspace.history``."""
         return self.keyspace.history(a)

@@ -13,7 +13,7 @@ prefix): they are for operators and housekeeping, not for every request.
 from __future__ import annotations
 
 from ..common.errors import ProtocolError
-from .puts import MAX_TAG_BYTES
+from .puts import MAX_TAG_BYTES, MAX_TAGS
 from .records import Records
 
 
@@ -45,11 +45,54 @@ class Keyspace:
                 f"non-empty str of at most {MAX_TAG_BYTES} bytes"
             )
         n = 0
+        seen = rec.tag_invalidated
         for t in dict.fromkeys(tags):
             for key in list(rec.tag_keys.get(t, ())):
                 n += rec.drop(key, "invalidated", t)
+            seen[t] = rec.invalidations_done
+            seen.move_to_end(t)
+        while len(seen) > 65536:
+            seen.popitem(last=False)
+        rec.invalidations_done += 1
         rec.counters.invalidations += 1
         return {"dropped": n}
+
+    def tag(self, a: dict) -> dict:
+        """The ``tag`` request: adds tags to committed objects.
+
+        ``keys`` and ``tags`` (per key a list of tags) of equal length; keys that do not
+        exist are skipped. The tags are kept in the master (and etcd), not in an SSD file
+        written before.
+
+        Returns:
+            ``{"tagged": objects that got a new tag}``.
+        """
+        rec = self.records
+        rec.client(a.get("client"))
+        keys = rec.check_keys(a.get("keys"))
+        tags = a.get("tags")
+        if not (
+            isinstance(tags, list)
+            and len(tags) == len(keys)
+            and all(
+                isinstance(ts, list)
+                and len(ts) <= MAX_TAGS
+                and all(isinstance(t, str) and t and len(t.encode()) <= MAX_TAG_BYTES for t in ts)
+                for ts in tags
+            )
+        ):
+            raise ProtocolError(
+                f"tag: tags must be one list per key of at most {MAX_TAGS} non-empty str of at "
+                f"most {MAX_TAG_BYTES} bytes"
+            )
+        n = 0
+        for key, ts in zip(keys, tags):
+            obj = rec.objects.get(key)
+            if obj is not None and ts:
+                if len(set(obj.tags or ()) | set(ts)) > MAX_TAGS:
+                    raise ProtocolError(f"tag: {key!r} would carry more than {MAX_TAGS} tags")
+                n += rec.add_tags(obj, tuple(ts))
+        return {"tagged": n}
 
     def history(self, a: dict) -> dict:
         """The ``history`` request: why each of ``keys`` was dropped.

@@ -17,6 +17,7 @@ from __future__ import annotations
 import sys
 
 from ..common.errors import (
+    InvalidatedError,
     ObjectExistsError,
     ParentMissingError,
     ProtocolError,
@@ -191,6 +192,7 @@ class Puts:
                     key, size, r, pref, require_all, set(avoid), only_pref=bool(a.get("only"))
                 )
                 obj = Obj(key, size, rec.next_version(), meta, pin, parent, tags, group)
+                obj.serial = rec.invalidations_done
                 obj.repl = repl
                 obj.want = len(repl) if size else max(1, min(r, len(rec.segments)))
                 obj.writer = c.id
@@ -255,6 +257,20 @@ class Puts:
                     out.append([1, e.code, str(e)])
                     continue
                 linked.append(key)
+            gone = rec.invalidated_since(p)
+            if gone is not None:  # what it holds was invalidated while it was written
+                if p.group is not None:
+                    rec.unpend_group(p)
+                rec.release(p)
+                rec.counters.put_aborts += 1
+                out.append(
+                    [
+                        1,
+                        InvalidatedError.code,
+                        f"tag {gone!r} of {key!r} was invalidated during its put",
+                    ]
+                )
+                continue
             p.repl = live
             p.writer = None
             rec.install(p)

@@ -128,6 +128,7 @@ class Obj:
         "parent",
         "pin",
         "repl",
+        "serial",
         "size",
         "ssd",
         "tags",
@@ -138,6 +139,7 @@ class Obj:
 
     def __init__(self, key, size, version, meta, pin, parent=None, tags=None, group=None):
         self.key = key
+        self.serial = 0  # Records.invalidations_done when its put started
         self.size = size
         self.version = version
         self.meta = meta
@@ -236,6 +238,10 @@ class Records:
         self._version = int(time.time() * 1e6)
         self.children: dict[str, set] = {}
         self.tag_keys: dict[str, set] = {}
+        # invalidate requests served, and per tag the count when it was last invalidated (the
+        # latest 65536 tags): a put of a tagged object that started before commits nothing
+        self.invalidations_done = 0
+        self.tag_invalidated: collections.OrderedDict[str, int] = collections.OrderedDict()
         self.group_bytes: dict[str, int] = {}
         self.group_pending: dict[str, int] = {}
         self.group_lru: dict[str, collections.OrderedDict] = {}
@@ -428,6 +434,28 @@ class Records:
             if lru is None:
                 lru = self.group_lru[g] = collections.OrderedDict()
             lru[key] = None
+
+    def add_tags(self, obj: Obj, tags: tuple) -> bool:
+        """Adds ``tags`` to the committed ``obj`` (and the tag index); True if any was new."""
+        new = tuple(t for t in dict.fromkeys(tags) if not obj.tags or t not in obj.tags)
+        if not new:
+            return False
+        obj.tags = (obj.tags or ()) + new
+        for t in new:
+            keys = self.tag_keys.get(t)
+            if keys is None:
+                self.tag_keys[t] = {obj.key}
+            else:
+                keys.add(obj.key)
+        self.dirty(obj.key)
+        return True
+
+    def invalidated_since(self, obj: Obj) -> str | None:
+        """A tag of ``obj`` that ``invalidate`` dropped after ``obj``'s put started, or None."""
+        for t in obj.tags or ():
+            if self.tag_invalidated.get(t, -1) >= obj.serial:
+                return t
+        return None
 
     def unlink(self, obj: Obj) -> None:
         """Takes the committed ``obj`` out of what :meth:`link` entered it in.

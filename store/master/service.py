@@ -666,6 +666,7 @@ _METHODS = {
     "ssd_bad": Core.ssd_bad,
     "promote": Core.promote,
     "invalidate": Core.invalidate,
+    "tag": Core.tag,
     "history": Core.history,
     "list_prefixes": Core.list_prefixes,
     "remove_prefix": Core.remove_prefix,

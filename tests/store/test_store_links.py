@@ -14,6 +14,7 @@ import urllib.request
 import pytest
 
 from mooncake_store import (
+    InvalidatedError,
     MooncakeStore,
     NoSpaceError,
     ParentMissingError,
@@ -211,6 +212,46 @@ def test_invalidate_with_a_concurrent_reader(procs):
         assert st.invalidations == 2 and st.drops["invalidated"] == 25
         with pytest.raises(ValueError, match="tag"):
             s.internal.invalidate(["x" * 257])
+
+
+def test_tags_added_later_and_puts_in_progress_are_invalidated(procs):
+    """``add_tags`` tags objects already stored, which ``invalidate`` then drops; a
+    two-request put of a tagged object that is in progress when its tag is invalidated
+    stores nothing (``InvalidatedError``), and a put that starts afterwards stores anew."""
+    import threading
+
+    m = sa.start_master()
+    node(m, "node", 64 * MiB)
+    with client(m) as s, client(m, test_pause=("put", 1.5)) as slow:
+        assert put(s, ["x0", "x1", "x2"], 4 * KiB) == [1] * 3
+        assert (
+            s.internal.add_tags(["x0", "x1", "missing"], [["t:late"], ["t:late"], ["t:late"]]) == 2
+        )
+        assert s.internal.add_tags(["x0"], [["t:late"]]) == 0  # already carried
+        assert s.internal.invalidate(["t:late"]) == 2
+        assert s.exists_batch(["x0", "x1", "x2"]) == [False, False, True]
+        assert s.internal.history(["x0"])[0].cause == "invalidated"
+        with pytest.raises(ValueError, match="one list of tags per key"):
+            s.internal.add_tags(["x2"], [])
+        # a large object goes the two-request way; the slow client pauses between its
+        # put_start and its put_end
+        got = []
+        big = sa.pattern(1, 8 * MiB)
+        cfg = ReplicateConfig()
+        t = threading.Thread(
+            target=lambda: got.append(
+                slow.internal.put_many(
+                    ["p"], [big], [b""], cfg, tags=[["t:p"]], return_exceptions=True
+                )
+            )
+        )
+        t.start()
+        time.sleep(0.5)
+        assert s.internal.invalidate(["t:p"]) == 0  # not committed yet: nothing to drop
+        t.join(timeout=30)
+        assert isinstance(got[0][0], InvalidatedError), got
+        assert not s.exists("p")
+        assert put(s, ["p"], 4 * KiB, tags=[["t:p"]]) == [1]  # a new put of the tag stores
 
 
 def test_holder_death_drops_the_descendants(procs):
