@@ -498,7 +498,15 @@ def rollout(args) -> int:
     prompts = [
         shared + list(raw[1000 * (i + 1) : 1000 * (i + 1) + 16]) for i in range(args.prompts)
     ]
-    served, hit, miss, max_diff, sample = [], 0, 0, 0.0, ""
+    # K/V is keyed by the weight version this reader installed: after a pull of version
+    # v, K/V computed with an older policy is never served (a miss, "other_weight_version")
+    kv = KVCacheStore(
+        store,
+        tenant="rollout",
+        config=KVCacheConfig(chunk_tokens=args.chunk_tokens, model="demo-moe-lm"),
+        weights=reader,
+    )
+    served, max_diff, sample, causes, wrong_version = [], 0.0, "", {}, 0
     me = os.environ.get("SIDECAR_INDEX", "0")
 
     def report():
@@ -507,8 +515,10 @@ def rollout(args) -> int:
             json.dumps(
                 {
                     "versions": served,
-                    "hit_chunks": hit,
-                    "miss_chunks": miss,
+                    "hit_tokens": kv.stats.hit_tokens,
+                    "miss_tokens": kv.stats.miss_tokens,
+                    "miss_causes": causes,
+                    "wrong_version": wrong_version,
                     "max_logits_diff": max_diff,
                     "sample": sample,
                 }
@@ -522,19 +532,18 @@ def rollout(args) -> int:
             res = reader.pull(into=model)
             if res.installed:
                 v = res.version
-                kv = KVCacheStore(
-                    store,
-                    tenant="rollout",
-                    config=KVCacheConfig(chunk_tokens=args.chunk_tokens, model=f"demo-moe-lm-v{v}"),
-                )
                 for i, prompt in enumerate(prompts):
                     toks = torch.tensor(prompt, dtype=torch.int64)
                     n = kv.match_prefix(toks)
+                    if n < len(toks):  # why the prefix ends there (the causes' table)
+                        cause = kv.explain(toks).cause
+                        causes[cause] = causes.get(cause, 0) + 1
                     past = None
                     if n:
-                        past = [
-                            (k.contiguous(), vv.contiguous()) for k, vv in kv.get(toks, n).layers()
-                        ]
+                        hit = kv.get(toks, n)
+                        wrong_version += hit.version != v
+                        past = [(k.contiguous(), vv.contiguous()) for k, vv in hit.layers()]
+                        n = hit.tokens
                     logits, full = model(toks[n:], past)
                     kv.put(toks, full)
                     if i == 1 and n:  # reuse must not change the logits
@@ -549,9 +558,7 @@ def rollout(args) -> int:
                         nxt = int(lg[-1].argmax())
                     if i == 0:
                         sample = bytes(out).decode("utf-8", "replace")
-                st = kv.stats
-                hit += st.hit_chunks
-                miss += st.miss_chunks
+                kv.retire_versions(keep=2)  # older policies' K/V will never be served again
                 served.append(v)
                 report()
         if done:
@@ -790,8 +797,8 @@ def drive(args, rest) -> int:
             if args.rollouts and st.check(["demo/rollout/0"]):
                 ro = json.loads(st.get("demo/rollout/0"))
                 extra["serving"] = ro["versions"][-1] if ro["versions"] else "-"
-                looked = ro["hit_chunks"] + ro["miss_chunks"]
-                extra["hit"] = f"{ro['hit_chunks'] / looked:.2f}" if looked else "-"
+                looked = ro["hit_tokens"] + ro["miss_tokens"]
+                extra["hit"] = f"{ro['hit_tokens'] / looked:.2f}" if looked else "-"
             bar.set_postfix(
                 loss=f"{s['loss']:.3f}",
                 tok_s=f"{s['tokens_per_s']:.0f}",
@@ -847,8 +854,12 @@ def drive(args, rest) -> int:
     killed = [s for kind, s in events if kind == "killed"]
     recovered = [s for kind, s in events if kind == "recovered"]
     rollouts = [json.loads(holder[k]) for k in sorted(holder) if k.startswith("demo/rollout/")]
-    hits = sum(r["hit_chunks"] for r in rollouts)
-    looked = hits + sum(r["miss_chunks"] for r in rollouts)
+    hits = sum(r["hit_tokens"] for r in rollouts)
+    looked = hits + sum(r["miss_tokens"] for r in rollouts)
+    causes: dict = {}
+    for r in rollouts:
+        for cause, n in r["miss_causes"].items():
+            causes[cause] = causes.get(cause, 0) + n
     versions = rollouts[0]["versions"] if rollouts else []
     checks = {
         "launcher exit 0": rc == 0,
@@ -864,6 +875,9 @@ def drive(args, rest) -> int:
         ) and bool(rollouts)
         checks["rollout cache hit rate > 0"] = hits > 0
         checks["logits equal with K/V reuse"] = all(r["max_logits_diff"] < 1e-4 for r in rollouts)
+        checks["no K/V of another weight version served"] = all(
+            r["wrong_version"] == 0 for r in rollouts
+        )
     summary = [
         ("steps", f"{final.get('steps', rows[-1][0])}"),
         ("wall time", f"{wall:.1f} s"),
@@ -874,8 +888,12 @@ def drive(args, rest) -> int:
         ("membership epoch at the end", f"{final.get('epoch', '?')}"),
         ("versions served by rollout 0", ", ".join(map(str, versions)) or "-"),
         (
-            "rollout K/V chunk hit rate",
-            f"{hits / looked:.2f} ({hits} of {looked} chunks)" if looked else "-",
+            "rollout K/V token hit rate",
+            f"{hits / looked:.2f} ({hits} of {looked} tokens)" if looked else "-",
+        ),
+        (
+            "rollout miss causes (explain)",
+            ", ".join(f"{c}: {n}" for c, n in sorted(causes.items(), key=lambda x: -x[1])) or "-",
         ),
         ("rollout sample (latest version)", repr(rollouts[0]["sample"][:40]) if rollouts else "-"),
         ("loss plot", png),

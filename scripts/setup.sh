@@ -27,12 +27,12 @@ TORCH_VERSION="2.13.0"
 # Everything the tests, benchmarks and examples import besides torch and the project,
 # plus what a --no-build-isolation build needs (setuptools, wheel, ninja). triton: the
 # expert-parallel kernels are checked under TRITON_INTERPRET=1 and compiled for sm_90;
-# tqdm and matplotlib: the main job's progress bars and plot; msgpack, xxhash (WeightSync
-# checksums), etcd3gw and prometheus_client (the master's metrics) (and uvloop, optional)
-# are the store's runtime dependencies, redis the store benchmark's
-# peer client; expecttest and hypothesis: PyTorch's own distributed test suite
-# (tests/torch_suite) imports them.
-DEPS=("numpy" "pytest>=8" "pytest-timeout>=2.3" "ninja" "setuptools>=77" "wheel" "triton>=3.6" "tqdm" "matplotlib" "msgpack>=1.0" "xxhash>=3.0" "etcd3gw>=2.4" "prometheus_client>=0.17" "uvloop>=0.19" "redis>=5" "expecttest" "hypothesis")
+# tqdm and matplotlib: the main job's progress bars and plot; the store's runtime
+# dependencies: msgpack, xxhash (WeightSync checksums), etcd3gw, prometheus_client (the
+# master's and the KV cache's metrics), transformers (the KV cache takes and returns its
+# caches) and uvloop (optional); redis: the store benchmark's peer client; expecttest and
+# hypothesis: PyTorch's own distributed test suite (tests/torch_suite) imports them.
+DEPS=("numpy" "pytest>=8" "pytest-timeout>=2.3" "ninja" "setuptools>=77" "wheel" "triton>=3.6" "tqdm" "matplotlib" "msgpack>=1.0" "xxhash>=3.0" "etcd3gw>=2.4" "prometheus_client>=0.17" "transformers>=5.25" "uvloop>=0.19" "redis>=5" "expecttest" "hypothesis")
 export MAX_JOBS="${MAX_JOBS:-2}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 

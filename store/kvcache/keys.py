@@ -1,13 +1,18 @@
-"""The keys of the KV cache: chunk ``i`` of a prompt is stored under the chained hash of its prefix.
+"""The keys of the KV cache.
 
-The hash is of the whole prefix up to and including it::
+Chunk ``i`` of a prompt is stored under the chained hash of the whole prefix up to and
+including it, and the partial chunk of ``n`` tokens that ends at a breakpoint under the
+hash of its parent and those tokens::
 
     h_0 = blake2b(b"mooncake-kv" + chunk_0)      h_i = blake2b(h_{i-1} + chunk_i)
-    key = "kv/<model>/<tenant>/<hex(h_i)>"
+    p   = blake2b(b"mooncake-kv-partial" + h_{i-1} + tokens[i*c : i*c + n])
+    key = "kv/<model>/<tenant>/<salt>/<version>/<hex(h_i)>"   (partial: ".../p<hex(p)>")
 
 (tokens as little-endian int64, BLAKE2b-128: equal in every process and on every host,
-unlike Python's ``hash``). Two prompts share exactly the chunks of their common whole-chunk
-prefix.
+unlike Python's ``hash``; ``-`` stands for no salt and no weight version). Two prompts
+share exactly the chunks of their common prefix; the namespace in front keeps models,
+tenants, salts and weight versions apart at every tier, since the SSD tier and other hosts
+use the same keys.
 """
 
 from __future__ import annotations
@@ -76,12 +81,51 @@ def _token_bytes(tokens, op="chunk_hashes") -> bytes:
     return a.tobytes()
 
 
-def chunk_hashes(tokens: Tokens, chunk_tokens: int, *, _op: str = "chunk_hashes") -> list:
-    """Hex chained hashes of the whole chunks of ``tokens`` (a partial tail is left out)."""
-    b = _token_bytes(tokens, _op)
+ROOT = b"mooncake-kv"  # the "parent" of a prompt's first chunk
+
+
+def chain(token_bytes: bytes, chunk_tokens: int) -> list[bytes]:
+    """Chained digests of the whole chunks of ``token_bytes`` (int64 little-endian)."""
     step = 8 * chunk_tokens
-    out, prev = [], b"mooncake-kv"
-    for i in range(len(b) // step):
-        prev = hashlib.blake2b(prev + b[i * step : (i + 1) * step], digest_size=16).digest()
-        out.append(prev.hex())
+    out, prev = [], ROOT
+    for i in range(len(token_bytes) // step):
+        prev = hashlib.blake2b(
+            prev + token_bytes[i * step : (i + 1) * step], digest_size=16
+        ).digest()
+        out.append(prev)
     return out
+
+
+def partial_digests(parent: bytes, tail: bytes, lengths: Sequence[int]) -> list[bytes]:
+    """Digests of the partial chunks of ``lengths`` tokens of ``tail`` after ``parent``.
+
+    Args:
+        parent: the digest of the whole chunk before (:data:`ROOT` for the first chunk).
+        tail: int64 little-endian tokens that follow ``parent``'s chunk.
+        lengths: token counts, each at least 1 and within ``tail``.
+    """
+    out = []
+    for n in lengths:
+        h = hashlib.blake2b(b"mooncake-kv-partial", digest_size=16)
+        h.update(parent)
+        h.update(tail[: 8 * n])
+        out.append(h.digest())
+    return out
+
+
+def token_bytes(tokens: Tokens, op: str) -> bytes:
+    """``tokens`` as int64 little-endian bytes; ``ValueError`` naming ``op`` otherwise."""
+    return _token_bytes(tokens, op)
+
+
+def chunk_hashes(tokens: Tokens, chunk_tokens: int, *, _op: str = "chunk_hashes") -> list:
+    """Hex chained hashes of the whole chunks of ``tokens`` (a partial tail is left out).
+
+    Args:
+        tokens: a sequence of ints or a 1-D integer tensor or array.
+        chunk_tokens: tokens per chunk.
+
+    Returns:
+        One 32-digit hex string per whole chunk, equal in every process and host.
+    """
+    return [d.hex() for d in chain(_token_bytes(tokens, _op), chunk_tokens)]

@@ -73,17 +73,19 @@ def test_shared_diverging_prompts_and_chunk_boundaries(procs):
         assert len(got) == L and all(
             torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, pairs)
         )
-        with pytest.raises(ValueError):
-            kv.get(p, 6)  # not a whole chunk
+        g = kv.get(p, 6)  # ends inside a stored whole chunk: that chunk, sliced
+        assert g.tokens == 6 and torch.equal(g.kv, _kv_for(p)[:, :, :, :6])
+        with pytest.raises(ValueError, match=r"upto must be an int in \[0, 10\]"):
+            kv.get(p, 11)
         with pytest.raises(ValueError):
             kv.put(p, _kv_for(p)[:, :, :, :5])  # K/V shorter than the whole chunks
         st = kv.stats
-        # 7 match_prefix calls, plus the gets whose chunks no match_prefix had counted since the
-        # last get: get(p, 4) (get(q, 12) already used the match of their shared chunk) and get(r3)
-        assert (
-            st.lookups == 7 + 2 and st.hit_chunks == 2 + 2 + 1 + 1 + 3 + 1 + 2 and st.hit_rate > 0.5
-        )
-        assert st.lost_chunks == 0 and st.inconsistent_chunks == 0
+        # 7 match_prefix calls (10+8+7+3+10+10+13 tokens, 8+8+4+0+4+0+12 hit), plus the gets
+        # of a prompt no match_prefix had looked up since its last get: get(r3) (8 of 8) and
+        # get(p, 6) (6 of 6); get(q, 12) and get(p, 4) used their match_prefix's lookups
+        assert st.lookups == 7 + 2
+        assert st.hit_tokens == 36 + 8 + 6 and st.miss_tokens == 61 - 36
+        assert st.lost_tokens == 0 and st.inconsistent_chunks == 0
         # the same tokens as a tensor give the same keys; other processes compute the same hashes
         assert kv.keys(torch.tensor(p)) == kv.keys(p)
         code = (
@@ -137,7 +139,7 @@ def test_eviction_only_misses_never_wrong_data(procs):
             if g.tokens:
                 assert torch.equal(g.kv, _kv_for(p, d=64)[:, :, :, : g.tokens])  # never wrong data
         assert 0 < hits < 40 * 512  # some chunks were evicted (misses), some survived
-        assert kv.stats.miss_chunks > 0 and s.stats().evictions > 0
+        assert kv.stats.miss_tokens > 0 and s.stats().evictions > 0
 
 
 def test_reuse_after_full_restart_from_ssd(procs, tmp_path):
@@ -189,30 +191,31 @@ def _load_example():
 
 
 def test_logits_equal_with_and_without_reuse(procs):
+    """The example's prefill with reuse (a transformers Llama) gives the logits of a full
+    prefill, and the stored system prompt's K/V equals a fresh computation."""
     ex = _load_example()
     m = sa.start_master()
     sa.start_agent({"master": m.address, "segment_size": 32 * MiB, "name": "node"})
-    torch.manual_seed(0)
-    model = ex.TinyDecoder().eval()
+    model = ex.tiny_llama()
     g = torch.Generator().manual_seed(1)
-    system = torch.randint(0, 512, (256,), generator=g)
+    system = torch.randint(3, 512, (256,), generator=g)
     with _client(m.address) as s:
         kv = KVCacheStore(s, tenant="t", config=KVCacheConfig(chunk_tokens=32))
         computed = []
         for _agent in range(3):
-            toks = torch.cat([system, torch.randint(0, 512, (40,), generator=g)])
+            toks = torch.cat([system, torch.randint(3, 512, (40,), generator=g)])
             logits, n = ex.prefill(model, kv, toks)
-            full, full_kv = model(toks)
-            assert torch.allclose(logits, full[-1], atol=1e-5, rtol=0), (
-                (logits - full[-1]).abs().max()
+            with torch.no_grad():
+                full = model(toks.unsqueeze(0), use_cache=True)
+            assert torch.allclose(logits, full.logits[0, -1], atol=1e-5, rtol=0), (
+                (logits - full.logits[0, -1]).abs().max()
             )
-            assert logits.argmax() == full[-1].argmax()
             hit = kv.get(toks, 256)  # the stored system prompt K/V equals a fresh computation
-            assert torch.allclose(hit.kv, full_kv[:, :, :, :256], atol=1e-5, rtol=0)
+            for layer, ref in zip(hit.layers(), full.cache.layers):
+                assert torch.allclose(layer[0], ref.keys[0, :, :256], atol=1e-5, rtol=0)
+                assert torch.allclose(layer[1], ref.values[0, :, :256], atol=1e-5, rtol=0)
             computed.append(n)
-    assert (
-        computed[0] == 296 and computed[1] == computed[2] == 296 - 256
-    )  # prefill saved for agents 2, 3
+    assert computed[0] == 296 and computed[1] == computed[2] == 296 - 256  # prefill saved
 
 
 def test_example_runs():
@@ -311,7 +314,8 @@ def test_one_layout_per_prefix(procs):
         s.put(ky[3], b"not a tensor")
         g = kv.get(Y)
         assert g.tokens == 16 and torch.equal(g.kv, y0)
-        assert kv.stats.inconsistent_chunks == 2 and kv.stats.lost_chunks == 0  # chunks 1 and 3
+        # the lookup ends the prefix at chunk 1 (another layout) and reads nothing after it
+        assert kv.stats.inconsistent_chunks == 1 and kv.stats.lost_tokens == 0
         with pytest.raises(
             ValueError, match=r"^KVCacheStore\.put: kv layout differs .*chunk 1 of 4"
         ):
@@ -333,61 +337,62 @@ def test_one_layout_per_prefix(procs):
         s.put_tensor(
             kv.keys(list(range(3000, 3016)))[0], torch.randn(2, 16, 8)
         )  # not [layers, 2, heads, T, D]
-        assert kv.get(list(range(3000, 3016))) == (0, None)
+        g = kv.get(list(range(3000, 3016)))
+        assert g.tokens == 0 and g.kv is None
 
 
-def test_stats_lookups_and_lost_chunks(procs):
-    """``get`` is a lookup (chunks returned are hits, the others misses) except for chunks
-    a ``match_prefix`` already counted; ``lost_chunks`` counts only chunks known to exist
-    that could not be read, never chunks that were not stored."""
+def test_stats_lookups_and_lost_tokens(procs):
+    """Lookups count tokens: a prompt's stored prefix as hits, the rest as misses. ``get``
+    is a lookup except right after a ``match_prefix`` of the same prompt; ``lost_tokens``
+    counts only tokens a lookup found that ``get`` could not read, never tokens that were
+    not stored."""
     m = sa.start_master()
     sa.start_agent({"master": m.address, "segment_size": 16 * MiB, "name": "node"})
     with _client(m.address) as s:
         cfg = KVCacheConfig(chunk_tokens=16)
         kv = KVCacheStore(s, tenant="st", config=cfg)
         unknown = list(range(7000, 7040))
-        assert kv.get(unknown, 32) == (0, None)  # 2 chunks never stored: misses, not lost
+        g = kv.get(unknown, 32)  # never stored: misses, not lost
+        assert g.tokens == 0 and g.kv is None
         st = kv.stats
-        assert (st.lookups, st.hit_chunks, st.miss_chunks, st.lost_chunks) == (
-            1,
-            0,
-            2,
-            0,
-        ) and st.hit_rate == 0.0
+        assert (st.lookups, st.hit_tokens, st.miss_tokens, st.lost_tokens) == (1, 0, 32, 0)
+        assert st.hit_rate == 0.0
         p = list(range(64))
         kv.put(p, _kv_for(p))
         reader = KVCacheStore(s, tenant="st", config=cfg)
-        g = reader.get(p)  # a get alone of 4 chunks that all hit: 4 hits
+        g = reader.get(p)  # a get alone of 4 chunks that all hit: 64 hit tokens
         assert g.tokens == 64 and torch.equal(g.kv, _kv_for(p))
         st = reader.stats
-        assert (st.lookups, st.hit_chunks, st.miss_chunks, st.hit_tokens, st.lost_chunks) == (
+        assert (st.lookups, st.hit_tokens, st.miss_tokens, st.hit_chunks, st.lost_tokens) == (
             1,
-            4,
-            0,
             64,
+            0,
+            4,
             0,
         )
         assert st.hit_rate == 1.0
-        # match_prefix then get: each chunk counted once
-        assert reader.match_prefix(p + [1, 2, 3] * 10) == 64  # 4 hits, 1 miss (the 5th whole chunk)
-        assert reader.get(p, 64).tokens == 64
+        # match_prefix then get of the same prompt: one lookup
+        longer = p + [1, 2, 3] * 10
+        assert reader.match_prefix(longer) == 64  # 64 hits, 30 misses
+        assert reader.get(longer, 64).tokens == 64
         st = reader.stats
-        assert (st.lookups, st.hit_chunks, st.miss_chunks, st.lost_chunks) == (2, 8, 1, 0)
-        # a chunk evicted between match_prefix and get is lost; the readable chunk after it is not
+        assert (st.lookups, st.hit_tokens, st.miss_tokens, st.lost_tokens) == (2, 128, 30, 0)
+        # a chunk removed between match_prefix and get (with the chunk after it, its child):
+        # its tokens and the child's are lost; the chunks before it are read
         assert reader.match_prefix(p) == 64
         s.remove(reader.keys(p)[2], force=True)
         g = reader.get(p, 64)
         assert g.tokens == 32 and torch.equal(g.kv, _kv_for(p)[:, :, :, :32])
         st = reader.stats
-        assert (st.lookups, st.hit_chunks, st.miss_chunks, st.lost_chunks) == (3, 12, 1, 1)
-        # without a match_prefix, the missing chunk is a miss of get's own lookup (not lost)
+        assert (st.lookups, st.hit_tokens, st.miss_tokens, st.lost_tokens) == (3, 192, 30, 32)
+        # without a match_prefix, the missing chunks are misses of get's own lookup (not lost)
         g = reader.get(p)
         assert g.tokens == 32
         st = reader.stats
-        assert (st.lookups, st.hit_chunks, st.miss_chunks, st.lost_chunks) == (4, 14, 3, 1)
+        assert (st.lookups, st.hit_tokens, st.miss_tokens, st.lost_tokens) == (4, 224, 62, 32)
         # match_prefix found nothing for unknown tokens: get of them loses nothing
         assert reader.match_prefix(unknown) == 0 and reader.get(unknown, 32).tokens == 0
-        assert reader.stats.lost_chunks == 1 and reader.stats.miss_chunks == 3 + 2
+        assert reader.stats.lost_tokens == 32 and reader.stats.miss_tokens == 62 + 40
 
 
 def test_tokens_as_lists_tensors_and_numpy_arrays_hash_alike():
