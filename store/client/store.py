@@ -102,6 +102,7 @@ class StoreStats:
         group_bytes: quota group -> bytes of its committed objects.
         drops: cause -> objects dropped, those dropped with an ancestor included (see
             docs/store.md).
+        group_drops: quota group -> cause -> objects of the group dropped.
     """
 
     objects: int
@@ -129,6 +130,7 @@ class StoreStats:
     promotes: int = 0
     group_bytes: dict = dataclasses.field(default_factory=dict)
     drops: dict = dataclasses.field(default_factory=dict)
+    group_drops: dict = dataclasses.field(default_factory=dict)
 
 
 def _close_at_exit(ref):

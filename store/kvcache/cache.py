@@ -172,7 +172,8 @@ class KVCacheStore:
         self._tenant_prefix = f"kv/{self.cfg.model}/{tenant}/"
         self._space = f"{self._tenant_prefix}{self.cfg.salt or '-'}/"
         self._rc = ReplicateConfig(replica_num=self.cfg.replica_num, pin=self.cfg.pin)
-        # the tenant's quota group (the store bounds a group's name to 256 bytes)
+        # the tenant's group in the store: its bytes, quota and drops by cause (the store
+        # bounds a group's name to 256 bytes)
         self._group = self._tenant_prefix
         if len(self._group.encode()) > 256:
             self._group = "kv" + hashlib.blake2b(self._group.encode(), digest_size=16).hexdigest()
@@ -516,7 +517,7 @@ class KVCacheStore:
                 self._rc,
                 parents=[plan[i][1] for i in todo],
                 tags=[names[i] for i in todo],
-                group=self._group if self.cfg.tenant_quota_bytes else None,
+                group=self._group,
                 quota_bytes=self.cfg.tenant_quota_bytes,
                 return_exceptions=True,
             )

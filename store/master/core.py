@@ -457,4 +457,5 @@ class Core:
             "group_bytes": dict(rec.group_bytes),
             **vars(rec.counters),
             "drops": dict(rec.counters.drops),
+            "group_drops": {g: dict(c) for g, c in rec.counters.group_drops.items()},
         }

@@ -90,6 +90,15 @@ class StoreCollector:
         for group, n in stats.get("group_bytes", {}).items():
             groups.add_metric([group], n)
         yield groups
+        group_drops = CounterMetricFamily(
+            "mooncake_store_group_drops",
+            "Objects of each quota group dropped, by cause (descendants included).",
+            labels=["group", "cause"],
+        )
+        for group, causes in stats.get("group_drops", {}).items():
+            for cause, n in causes.items():
+                group_drops.add_metric([group, cause], n)
+        yield group_drops
         yield GaugeMetricFamily(
             "mooncake_store_leader", "1 if this master serves requests.", value=1 if leader else 0
         )

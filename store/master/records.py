@@ -173,6 +173,7 @@ class Counters:
         self.ssd_corrupt = 0
         self.invalidations = self.holds = self.promotes = 0
         self.drops = dict.fromkeys(CAUSES, 0)  # objects dropped, by cause (descendants included)
+        self.group_drops: dict = {}  # quota group -> cause -> objects of the group dropped
 
 
 class Records:
@@ -606,6 +607,9 @@ class Records:
             if kids:
                 stack.extend(kids)
             t = tier if k == key and tier is not None else self.tier_of(o)
+            if o.group is not None:
+                per = self.counters.group_drops.setdefault(o.group, {})
+                per[cause] = per.get(cause, 0) + 1
             self.unlink(o)
             self.release(o)
             self.orphans.pop(k, None)

@@ -533,3 +533,13 @@ def test_metrics_count_tokens_per_tenant(procs):
         assert value("mooncake_kv_miss_tokens_total") - m0 == 8
         assert value("mooncake_kv_request_hit_ratio_count") >= 1
         assert value("mooncake_kv_get_seconds_count") >= 1
+        # the master counts the tenant's bytes and drops by cause
+        kv.put(p, _kv_for(p), tags={"t": (0, 8)})
+        assert kv.invalidate("t") == 2
+        st = s.stats()
+        assert st.group_drops["kv/mm/metrics-t/"]["invalidated"] == 2
+        assert st.group_bytes.get("kv/mm/metrics-t/", 0) == 0
+        assert (
+            'mooncake_store_group_drops_total{cause="invalidated",group="kv/mm/metrics-t/"} 2.0'
+            in s.metrics()
+        )
