@@ -416,6 +416,8 @@ class Core:
         for key in [k for k, p in rec.pending.items() if p.deadline < now]:
             rec.abort_pending(key)
         self.holds.expire(now)
+        if self.ssd.waiting:
+            self.ssd.retry_promotes(now)
         if rec.orphans:
             self._drop_orphans(now)
         rec.free_deferred(now)

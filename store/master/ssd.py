@@ -9,6 +9,7 @@ corrupt files (``ssd_bad``). Which objects go to SSD, and room there, is evictio
 
 from __future__ import annotations
 
+import collections
 import sys
 
 from ..common.errors import ProtocolError
@@ -16,6 +17,9 @@ from ..common.layout import aligned
 from .records import Client, Obj, Records, Segment
 from .reservations import Reservations
 from .space import Space
+
+PROMOTE_WAIT_S = 30.0  # how long a promoted load may wait for room before it is dropped
+MAX_PROMOTE_WAITING = 65536  # promoted loads waiting for room, at most (the oldest go)
 
 
 class SsdTier:
@@ -25,6 +29,9 @@ class SsdTier:
         self.records = records
         self.space = space
         self.reservations = reservations
+        # promoted keys whose load waits for room that frees up by itself (offloads, leases):
+        # key -> when to give up (the clock's seconds); retried at every tick
+        self.waiting: collections.OrderedDict[str, float] = collections.OrderedDict()
 
     def adopt(self, c: Client, e) -> None:
         """Registers one SSD file ``e`` that ``c`` found in its directory.
@@ -134,18 +141,38 @@ class SsdTier:
         a load.
 
         Returns:
-            ``{"scheduled": loads asked for now}``.
+            ``{"scheduled": loads asked for now or waiting for room}``: a load that waits for
+            room that frees up by itself (offloads and leases ending) is asked for again at
+            every tick, for up to ``PROMOTE_WAIT_S``.
         """
         rec = self.records
         keys = rec.check_keys(a.get("keys"))
         n = 0
+        until = rec.clock() + PROMOTE_WAIT_S
         for key in dict.fromkeys(keys):
             obj = rec.objects.get(key)
             if obj is not None and not obj.repl and obj.ssd and obj.size:
-                if self._load(obj) == "scheduled":
+                got = self._load(obj)
+                if got == "wait":  # no room yet: the ticks try again
+                    self.waiting[key] = until
+                    self.waiting.move_to_end(key)
+                    while len(self.waiting) > MAX_PROMOTE_WAITING:
+                        self.waiting.popitem(last=False)
+                if got in ("scheduled", "wait"):
                     n += 1
         rec.counters.promotes += n
         return {"scheduled": n}
+
+    def retry_promotes(self, now: float) -> None:
+        """Asks again for the promoted loads that waited for room (at every tick)."""
+        rec = self.records
+        for key, until in list(self.waiting.items()):
+            obj = rec.objects.get(key)
+            if obj is None or obj.repl or not obj.ssd or until < now:
+                del self.waiting[key]
+                continue
+            if self._load(obj) != "wait":
+                del self.waiting[key]
 
     def _space_coming(self, seg: Segment) -> bool:
         """Whether space in ``seg`` frees up by itself soon.
