@@ -348,7 +348,9 @@ def test_promote_loads_from_ssd(procs, tmp_path):
         keys = [f"p{i}" for i in range(8)]
         for i, k in enumerate(keys):
             assert put(s, [k], 512 * KiB, seed=i) == [1]
-        wait_for(lambda: s.stats().ssd_objects >= 4, "nothing went to SSD")
+        # the tick that finds use above the high watermark may come after the 7th put (3
+        # evicted down to the low one, the 8th fits) or after the 8th (4 evicted)
+        wait_for(lambda: s.stats().ssd_objects >= 3, "nothing went to SSD")
         time.sleep(0.3)
         on_disk = [k for k in keys if not s.where(k).memory]
         assert len(on_disk) >= 2
