@@ -41,6 +41,9 @@ class BackendConfig:
     on_failure: str
     inject_kill_op: int
     inject_kill_round: int
+    inject_delay_op: int
+    inject_delay_peer: int
+    inject_delay_ms: int
     global_ranks: list[int]
     initial_active: list[int]
     is_recovery: bool

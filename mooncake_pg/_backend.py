@@ -107,6 +107,14 @@ def _create_backend(dist_opts, pg_options):
     if settings["fault_inject"]:
         op, _, rnd = settings["fault_inject"].partition(":")
         cfg.inject_kill_op, cfg.inject_kill_round = int(op), int(rnd or 0)
+    if settings["fault_delay"]:
+        try:
+            op, peer, ms = (int(v) for v in settings["fault_delay"].split(":"))
+        except ValueError:
+            raise ValueError(
+                f"MOONCAKE_FAULT_DELAY must be OP:PEER:MS (integers), got {settings['fault_delay']!r}"
+            ) from None
+        cfg.inject_delay_op, cfg.inject_delay_peer, cfg.inject_delay_ms = op, peer, ms
     be = _C.MooncakeBackend(dist_opts.store, dist_opts.group_rank, dist_opts.group_size, cfg)
     if getattr(_C, "WITH_CUDA", False) and group_store is not None:
         _pending_second = (group_store, be)

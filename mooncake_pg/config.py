@@ -17,6 +17,7 @@ variables take ``1/true/yes/on`` or ``0/false/no/off`` in any case (:func:`bool_
 | ``MOONCAKE_RDMA_GID_INDEX`` | transport ``rdma``: GID index | RoCE: the first RoCE v2 IPv4-mapped GID; InfiniBand: none (LID routing) |
 | ``MOONCAKE_CUDA_IPC`` | CUDA builds: ``0`` stages CUDA tensors through pinned host memory even when every rank is on one host (default: ``all_reduce``, ``broadcast``, ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` of CUDA tensors go through CUDA IPC there) | ``1`` |
 | ``MOONCAKE_FAULT_INJECT`` | tests only: ``OP:ROUND`` makes the process SIGKILL itself on collective number ``OP`` (0-based, per group) just before round ``ROUND`` | off |
+| ``MOONCAKE_FAULT_DELAY`` | tests only: ``OP:PEER:MS`` makes the process take rank ``PEER``'s part of collective number ``OP`` (0-based, per group) ``MS`` ms late, as if it were still in flight | off |
 """
 
 from __future__ import annotations
@@ -253,6 +254,7 @@ def env_defaults() -> dict[str, Any]:
             env, "MOONCAKE_SHM_SLOT_BYTES", 1 << 20, minimum=MIN_SHM_SLOT_BYTES
         ),
         "fault_inject": env.get("MOONCAKE_FAULT_INJECT") or None,
+        "fault_delay": env.get("MOONCAKE_FAULT_DELAY") or None,
         "active_ranks": _ranks_env(env, "MOONCAKE_ACTIVE_RANKS"),
         "is_recovery": bool_env(env, "MOONCAKE_IS_RECOVERY", False),
         "rdma_device": env.get("MOONCAKE_RDMA_DEVICE") or "",
@@ -286,6 +288,7 @@ def resolve(opts: MooncakeOptions | None) -> dict:
         if opts.is_recovery is None
         else _opt_bool(opts.is_recovery, "is_recovery"),
         "fault_inject": env["fault_inject"],
+        "fault_delay": env["fault_delay"],
         "rdma_device": env["rdma_device"],
         "rdma_gid_index": env["rdma_gid_index"],
         "cuda_ipc": env["cuda_ipc"]

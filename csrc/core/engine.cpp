@@ -75,7 +75,7 @@ void ShmEngine::wait_arrived(int64_t deadline_ns) {
     for (int j = 0; j < size_; ++j) {
       if (!active_[j]) continue;
       uint64_t a = arrived(j)->load(std::memory_order_acquire);
-      if (a < k) return false;
+      if (a < k || delayed(j)) return false;
       if (a >= next_epoch_base) throw EpochAhead();  // base(e+1) itself marks a new epoch
     }
     return true;
@@ -83,7 +83,7 @@ void ShmEngine::wait_arrived(int64_t deadline_ns) {
   auto missing = [&]() {
     std::vector<int> m;
     for (int j = 0; j < size_; ++j)
-      if (active_[j] && arrived(j)->load() < k) m.push_back(j);
+      if (active_[j] && (arrived(j)->load() < k || delayed(j))) m.push_back(j);
     return m;
   };
   if (!all_here()) {
@@ -129,7 +129,7 @@ void ShmEngine::wait_arrived(int64_t deadline_ns) {
       }
       if (probe_ && now >= next_probe) {
         next_probe = now + 20000000;
-        PeersGone gone = probe_(missing());
+        PeersGone gone = probe_(missing(), k);
         if (!gone.empty()) {
           sleepers()->fetch_sub(1);
           throw PeerFailure(gone_msg("shm exchange", gone), gone.ranks, false, gone.reason);
@@ -361,7 +361,8 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
         if (!o.finished) wr.push_back(fds_[j]);
         // receive side
         In& i = *in_[j];
-        while (!(i.complete && i.fh.round == k)) {
+        const bool held = delayed(j);
+        while (!held && !(i.complete && i.fh.round == k)) {
           if (i.complete) {
             if (i.fh.round > next_epoch_base) throw EpochAhead();
             if (i.fh.round < k) {  // stale (an earlier epoch): drop it
@@ -465,8 +466,8 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
             i.complete = true;
           }
         }
-        if (!(i.complete && i.fh.round == k)) rd.push_back(fds_[j]);
-        if (!o.finished || !(i.complete && i.fh.round == k)) all_done = false;
+        if (!held && !(i.complete && i.fh.round == k)) rd.push_back(fds_[j]);
+        if (!o.finished || held || !(i.complete && i.fh.round == k)) all_done = false;
       } catch (const EpochAhead&) {
         throw;
       } catch (const std::exception&) {
@@ -484,11 +485,12 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
       if (left <= 0 || (probe_ && now >= next_probe)) {
         std::vector<int> missing;
         for (int j = 0; j < size_; ++j)
-          if (j != rank_ && active_[j] && !(in_[j]->complete && in_[j]->fh.round == k)) missing.push_back(j);
+          if (j != rank_ && active_[j] && (delayed(j) || !(in_[j]->complete && in_[j]->fh.round == k)))
+            missing.push_back(j);
         if (left <= 0) throw PeerFailure(missing_msg("tcp exchange", missing), missing, true);
         // a peer that left the group (or died on this host) while we wait for it
         next_probe = now + 20000000;
-        PeersGone gone = probe_(missing);
+        PeersGone gone = probe_(missing, k);
         if (!gone.empty()) throw PeerFailure(gone_msg("tcp exchange", gone), gone.ranks, false, gone.reason);
       }
       poll_fds(rd, wr, -1, static_cast<int>(std::min<int64_t>(left / 1000000 + 1, 100)));

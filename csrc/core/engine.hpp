@@ -74,8 +74,9 @@ struct PeersGone {
 };
 // "<engine>: rank(s) 2 3 gone (<reason>)"
 std::string gone_msg(const char* engine, const PeersGone& gone);
-// Returns which of `missing` are known gone (used while waiting).
-using LivenessProbe = std::function<PeersGone(const std::vector<int>& missing)>;
+// Returns which of `missing` are known gone while this rank waits for their part of `round`
+// (epoch_base(epoch) + round within the epoch).
+using LivenessProbe = std::function<PeersGone(const std::vector<int>& missing, uint64_t round)>;
 
 class CollEngine {
  public:
@@ -114,6 +115,12 @@ class CollEngine {
   // call (empty: none; direct bytes then make the frame malformed). Set before the
   // exchange() whose frames carry them: a peer never runs a round ahead within an epoch.
   virtual void set_direct_dst(std::vector<DirectDst>) {}
+  // Tests only (MOONCAKE_FAULT_DELAY): peer j's part of every round counts as not arrived
+  // until now_ns() reaches until_ns, as if it were still in flight (liveness probes go on).
+  virtual void delay_peer(int j, int64_t until_ns) {
+    if (delay_until_.empty()) delay_until_.assign(size_, 0);
+    delay_until_[j] = until_ns;
+  }
   // Makes a blocked or later exchange() throw promptly (shutdown / abort).
   void request_abort() {
     abort_.store(true);
@@ -129,6 +136,8 @@ class CollEngine {
   std::atomic<bool> abort_{false};
   std::vector<char> active_;
   LivenessProbe probe_;
+  std::vector<int64_t> delay_until_;  // delay_peer(); empty: none
+  bool delayed(int j) const { return !delay_until_.empty() && now_ns() < delay_until_[j]; }
 };
 
 // exchange() was interrupted by request_abort().
@@ -293,6 +302,10 @@ class HybridEngine : public CollEngine {
   void start_epoch(uint64_t e) override;
   void set_active(const std::vector<char>& active) override;
   void set_liveness(LivenessProbe p) override;
+  void delay_peer(int j, int64_t until_ns) override {
+    shm_.delay_peer(j, until_ns);
+    tcp_->delay_peer(j, until_ns);
+  }
 
  protected:
   void wake() override {

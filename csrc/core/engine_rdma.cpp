@@ -122,7 +122,7 @@ void RdmaEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadl
   auto missing = [&]() {
     std::vector<int> m;
     for (int j = 0; j < size_; ++j)
-      if (j != rank_ && active_[j] && seen_[j] < k) m.push_back(j);
+      if (j != rank_ && active_[j] && (seen_[j] < k || delayed(j))) m.push_back(j);
     return m;
   };
   int64_t next_probe = now_ns() + 20000000;
@@ -133,7 +133,7 @@ void RdmaEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadl
     for (int j = 0; j < size_; ++j) {
       if (j == rank_ || !active_[j]) continue;
       if (seen_[j] >= next_epoch_base) throw EpochAhead();
-      if (seen_[j] < k) here = false;
+      if (seen_[j] < k || delayed(j)) here = false;
     }
     if (!failed_.empty()) {
       std::vector<int> f = failed_;
@@ -145,7 +145,7 @@ void RdmaEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadl
     if (aborted()) throw EngineAborted();
     if (probe_ && now >= next_probe) {
       next_probe = now + 20000000;
-      PeersGone gone = probe_(missing());
+      PeersGone gone = probe_(missing(), k);
       if (!gone.empty()) throw PeerFailure(gone_msg("rdma exchange", gone), gone.ranks, false, gone.reason);
     }
     if (now >= deadline_ns) {

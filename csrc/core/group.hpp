@@ -62,6 +62,11 @@ struct BackendConfig {
   bool is_recovery = false;  // a replacement for a failed rank: join_group() admits it
   int64_t inject_kill_op = -1;
   int64_t inject_kill_round = 0;
+  // Tests only (MOONCAKE_FAULT_DELAY="OP:PEER:MS"): on collective OP (as above) this rank
+  // takes peer PEER's part of the op's rounds MS ms late, as if it were still in flight.
+  int64_t inject_delay_op = -1;
+  int64_t inject_delay_peer = -1;
+  int64_t inject_delay_ms = 0;
   std::vector<int> global_ranks;  // group rank -> default-group rank (empty: identity)
   // Seats that found the group (ascending; empty: every seat). The others are extension
   // seats: inactive until a process joins them through recover_ranks/join_group.
@@ -320,7 +325,9 @@ class Group {
   struct P2POp;
 
   // membership
-  PeersGone probe_dead(const std::vector<int>& ranks);
+  // Which of `ranks` are gone while this rank waits for them; round > 0: for their part of
+  // that round of a collective, else for p2p.
+  PeersGone probe_dead(const std::vector<int>& ranks, uint64_t round = 0);
   // deactivate_ranks of this rank itself: agreed like a failure, marked as a leave
   void leave();
   // every rank of `ranks` (non-empty) left the group of its own accord (a leave record)

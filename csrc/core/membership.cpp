@@ -87,7 +87,7 @@ namespace {
 constexpr const char* kLeaveReason = ";reason=left the group";
 }  // namespace
 
-PeersGone Group::probe_dead(const std::vector<int>& ranks) {
+PeersGone Group::probe_dead(const std::vector<int>& ranks, uint64_t) {
   std::vector<int> dead;
   // A rank that left is alive and sends nothing more: a newer record that names a missing
   // rank (its leave, or another survivor's verdict) ends the wait at once. Looked up at most

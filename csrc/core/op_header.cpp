@@ -148,9 +148,16 @@ void check_headers(CollEngine* e, uint64_t k, int ref, const std::vector<int>& a
 }
 
 // One engine round of the running collective (hdr_len > 0: its first round, which carries
-// the header). MOONCAKE_FAULT_INJECT's SIGKILL fires here.
+// the header). MOONCAKE_FAULT_INJECT's SIGKILL and MOONCAKE_FAULT_DELAY's hold fire here.
 void Group::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadline_ns) {
   if (hdr_len > 0) op_round_ = 0;  // the first round of every collective carries the header
+  if (cfg_.inject_delay_op >= 0 && static_cast<int64_t>(seq_exec_) - 1 == cfg_.inject_delay_op &&
+      op_round_ == 0 && cfg_.inject_delay_peer >= 0 && cfg_.inject_delay_peer < size_) {
+    fprintf(stderr, "[mooncake] rank %d: fault injection: rank %lld's part of op %lld held back %lld ms\n",
+            rank_, static_cast<long long>(cfg_.inject_delay_peer),
+            static_cast<long long>(cfg_.inject_delay_op), static_cast<long long>(cfg_.inject_delay_ms));
+    coll_->delay_peer(static_cast<int>(cfg_.inject_delay_peer), now_ns() + cfg_.inject_delay_ms * 1000000);
+  }
   if (cfg_.inject_kill_op >= 0 && static_cast<int64_t>(seq_exec_) - 1 == cfg_.inject_kill_op &&
       static_cast<int64_t>(op_round_) == cfg_.inject_kill_round) {
     fprintf(stderr, "[mooncake] rank %d: fault injection: SIGKILL at op %lld round %lld\n", rank_,

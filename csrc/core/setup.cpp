@@ -527,7 +527,8 @@ void Group::build_transport(const std::string& ns, const std::vector<int>& membe
     }
     p2p = std::make_unique<TcpP2P>(rank_, W, pfds);
   }
-  coll->set_liveness([this](const std::vector<int>& ranks) { return probe_dead(ranks); });
+  coll->set_liveness(
+      [this](const std::vector<int>& ranks, uint64_t round) { return probe_dead(ranks, round); });
   coll_ = std::move(coll);
   p2p_ = std::move(p2p);
   if (!one_host) start_heartbeat(hb_store);

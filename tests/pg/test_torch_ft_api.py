@@ -387,6 +387,43 @@ def rank_leave(rank, ws, leaver):
     }
 
 
+HOLD_MS = 1000  # MOONCAKE_FAULT_DELAY of rank_leave_in_flight: well over the 0.1 s record look-up
+
+
+def rank_leave_in_flight(rank, ws, leaver, late, then_exit):
+    """Every rank all_reduces ones on a new group; ``late`` takes the leaver's part of that op
+    ``HOLD_MS`` late (``MOONCAKE_FAULT_DELAY``), so the leaver completes it, leaves (and exits
+    with ``then_exit``) while its part is still on its way to ``late``. Then the others
+    all_reduce ``rank + 1``."""
+    import os
+
+    import mooncake_pg
+
+    if rank == late:
+        os.environ["MOONCAKE_FAULT_DELAY"] = f"0:{leaver}:{HOLD_MS}"
+    try:
+        g = dist.new_group(list(range(ws)))
+    finally:
+        os.environ.pop("MOONCAKE_FAULT_DELAY", None)
+    x = torch.ones(1)
+    dist.all_reduce(x, group=g)
+    if rank == leaver:
+        mooncake_pg.leave_group(g)
+        if then_exit:
+            os._exit(0)
+        return {"first": float(x)}
+    t = torch.tensor([rank + 1.0])
+    t0 = time.monotonic()
+    dist.all_reduce(t, group=g)
+    return {
+        "first": float(x),
+        "value": float(t),
+        "seconds": time.monotonic() - t0,
+        "failed": list(mooncake_pg.backend_of(g).failed_ranks()),
+        "active": mooncake_pg.get_active_ranks(g).tolist(),
+    }
+
+
 def rank_exit(rank, ws, who):
     if rank == who:
         import os
@@ -439,9 +476,13 @@ def test_leave_group_is_agreed_at_once_and_the_seat_refilled(transport, policy, 
         }, res[1]
         for r in others:
             got = res[r]
-            assert got["value"] == sum(k + 1.0 for k in others), got
-            assert got["seconds"] < 3.0, got  # no op timeout (30 s), no death
-            assert got["failed"] == [1] and got["active"] == mask, got
+            assert got["value"] == sum(k + 1.0 for k in others), (r, res, rp.mooncake_lines())
+            assert got["seconds"] < 3.0, (
+                r,
+                res,
+                rp.mooncake_lines(),
+            )  # no op timeout (30 s), no death
+            assert got["failed"] == [1] and got["active"] == mask, (r, res, rp.mooncake_lines())
         rp.run(rank_exit, 1)  # the leaver's process goes away; a new one takes the seat
         rp.respawn(1)
         res = rp.run(rank_refill)
@@ -450,5 +491,46 @@ def test_leave_group_is_agreed_at_once_and_the_seat_refilled(transport, policy, 
             assert res[r]["value"] == n * (n + 1) / 2, res[r]
         for r in others:
             assert res[r]["joined"] == [1], res
+    finally:
+        rp.close()
+
+
+@pytest.mark.parametrize(
+    "transport, policy, then_exit",
+    [
+        ("tcp", "mask", False),
+        ("shm", "raise", False),
+        ("tcp", "raise", True),
+        ("shm", "mask", True),
+    ],
+)
+def test_leave_right_after_an_op_whose_data_is_still_in_flight(transport, policy, then_exit):
+    """Rank 1 of 3 leaves (and, with then_exit, exits) right after an all_reduce that rank 2
+    has not yet received its part of (held back 1 s as if in flight): rank 2 sees the leave
+    record while it waits for that part. The leaver completed that op, so its part is on its
+    way: every rank's result includes it (3), and the next all_reduce runs over ranks 0 and 2
+    (1 + 3) on both, without an op timeout. Taking the leaver for gone there would rerun the
+    op on rank 2 alone without it, in the next epoch, where that rerun pairs with rank 0's
+    next all_reduce (2 on both, and rank 2's own next all_reduce finds no partner)."""
+    from tests.pg.test_rejoin import RejoinPool, expect_died, expect_ok
+
+    rp = RejoinPool(transport, policy=policy, op_timeout=10.0, world_size=3)
+    try:
+        res = rp.run(rank_leave_in_flight, 1, 2, then_exit)
+        expect_ok(rp, res, (0, 2), "leave")
+        if then_exit:
+            expect_died(rp, res, 1, "leave")
+        else:
+            assert res[1] == {"first": 3.0}, (res, rp.mooncake_lines())
+        for r in (0, 2):
+            got = res[r]
+            assert got["first"] == 3.0, (r, res, rp.mooncake_lines())
+            assert got["value"] == 4.0, (r, res, rp.mooncake_lines())
+            assert got["seconds"] < HOLD_MS / 1000 + 3.0, (r, res, rp.mooncake_lines())
+            assert got["failed"] == [1] and got["active"] == [1, 0, 1], (
+                r,
+                res,
+                rp.mooncake_lines(),
+            )
     finally:
         rp.close()
