@@ -254,6 +254,9 @@ class Group {
     std::vector<int> ranks;   // failed (or joining) ranks
     std::vector<int> active;  // join records: the active set afterwards
     std::string pids;         // join records: the admitted processes (one pid per rank)
+    bool leave = false;       // a leave record (the one rank it names left of its own accord)
+    // leave records: the last round (epoch_base(epoch) + round) the leaver completed
+    uint64_t last_round = 0;
     std::string raw;
   };
   bool read_record_full(uint64_t epoch, Record* rec);
@@ -326,7 +329,8 @@ class Group {
 
   // membership
   // Which of `ranks` are gone while this rank waits for them; round > 0: for their part of
-  // that round of a collective, else for p2p.
+  // that round of a collective (a leaver that completed it sent its part and is not gone),
+  // else for p2p.
   PeersGone probe_dead(const std::vector<int>& ranks, uint64_t round = 0);
   // deactivate_ranks of this rank itself: agreed like a failure, marked as a leave
   void leave();

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <future>
 #include <sstream>
 #include <thread>
@@ -83,29 +84,76 @@ void Group::refresh_active_list() {
 }
 
 namespace {
-// the reason of a leave record (deactivate_ranks of a rank's own seat)
+// the reason of a leave record (deactivate_ranks of a rank's own seat), then the last round
+// the leaver completed (probe_dead)
 constexpr const char* kLeaveReason = ";reason=left the group";
+constexpr const char* kLastRound = ";last_round=";
 }  // namespace
 
-PeersGone Group::probe_dead(const std::vector<int>& ranks, uint64_t) {
-  std::vector<int> dead;
+PeersGone Group::probe_dead(const std::vector<int>& ranks, uint64_t round) {
   // A rank that left is alive and sends nothing more: a newer record that names a missing
   // rank (its leave, or another survivor's verdict) ends the wait at once. Looked up at most
   // every 100 ms, and only while this rank is blocked waiting for a peer.
+  //
+  // In a collective's round, a leaver is gone only once the survivors are in step:
+  // - Not for a round it completed before it left (its leave record gives the last one):
+  //   its part of that round was sent before the record was written, yet may not show here
+  //   yet (a frame in flight or unread in a socket, an arrival flag set just after this
+  //   rank looked, also after the leaver exited), and the survivors that have it finish
+  //   the op with the leaver's data. Taking the leaver for gone would rerun the op without
+  //   it on this rank alone, in the next epoch, where op numbers restart and the rerun
+  //   pairs with the others' next op.
+  // - Not while a survivor has yet to arrive at this round: it may still be in a round the
+  //   leaver completed, reading this rank's part of it, which this rank's rounds of the next
+  //   epoch would overwrite (shared memory) before it moved on; it arrives here, and both
+  //   leave the round together.
+  auto has = [](const std::vector<int>& v, int j) { return std::find(v.begin(), v.end(), j) != v.end(); };
+  std::vector<Record> newer;  // the records after agreed_epoch_ (up to a join)
+  bool looked = false;
+  auto look = [&]() {
+    looked = true;
+    try {
+      Record rec;
+      for (uint64_t e = agreed_epoch_ + 1;
+           newer.size() < static_cast<size_t>(size_) && read_record_full(e, &rec) && !rec.join; ++e)
+        newer.push_back(rec);
+    } catch (const std::exception&) {  // an unreachable store is found out by agree()
+    }
+  };
+  auto left_after = [&](int j, uint64_t* last) {
+    for (const Record& r : newer)
+      if (r.leave && has(r.ranks, j)) {
+        *last = r.last_round;
+        return true;
+      }
+    return false;
+  };
+  auto sift = [&](const std::vector<int>& dead) {
+    if (round == 0 || dead.empty()) return dead;
+    if (!looked) look();
+    uint64_t last = 0;
+    bool survivor_missing = false;
+    for (int j : ranks)
+      if (!left_after(j, &last) && !has(dead, j)) survivor_missing = true;
+    std::vector<int> out;
+    for (int j : dead)
+      if (!(left_after(j, &last) && (round <= last || survivor_missing))) out.push_back(j);
+    return out;
+  };
+
+  std::vector<int> dead;
   const int64_t now = now_ns();
   if (now >= next_record_check_ns_) {
     next_record_check_ns_ = now + 100000000;
-    Record rec;
-    try {
-      if (read_record_full(agreed_epoch_ + 1, &rec) && !rec.join)
-        for (int j : rec.ranks)
-          if (std::find(ranks.begin(), ranks.end(), j) != ranks.end()) dead.push_back(j);
-    } catch (const std::exception&) {  // an unreachable store is found out by agree()
-    }
+    look();
+    for (const Record& r : newer)
+      for (int j : r.ranks)
+        if (has(ranks, j) && !has(dead, j)) dead.push_back(j);
+    dead = sift(dead);
     if (!dead.empty()) return {dead, "named in a newer membership record"};
   }
   if (!one_host_) {
-    dead = heartbeat_lost(ranks);
+    dead = sift(heartbeat_lost(ranks));
     if (!dead.empty())
       return {dead, "no heartbeat for " + std::to_string(kHeartbeatLostMs) + " ms: host cut off or frozen"};
   }
@@ -118,7 +166,7 @@ PeersGone Group::probe_dead(const std::vector<int>& ranks, uint64_t) {
       if (kill(static_cast<pid_t>(peer_pid_[j]), 0) != 0 && errno == ESRCH) dead.push_back(j);
     }
   }
-  return {dead, "process exited"};
+  return {sift(dead), "process exited"};
 }
 
 void Group::start_heartbeat(const std::shared_ptr<ControlStore>& st) {
@@ -277,6 +325,9 @@ Group::Record Group::parse_record(const std::string& raw) {
   std::string first = raw.substr(0, raw.find(';'));
   rec.join = first.rfind("join=", 0) == 0;
   rec.ranks = parse_ranks(rec.join ? first.substr(5) : first);
+  rec.leave = !rec.join && raw.find(kLeaveReason) != std::string::npos;
+  const size_t lr = raw.find(kLastRound);
+  if (rec.leave && lr != std::string::npos) rec.last_round = std::stoull(raw.substr(lr + strlen(kLastRound)));
   if (rec.join) {
     size_t q = raw.find(";pids=");
     if (q != std::string::npos) {
@@ -307,7 +358,7 @@ std::vector<int> Group::catch_up(bool stop_at_join) {
                                "recover_ranks between the same two ops");
     }
     agreed_epoch_++;
-    const bool leave = rec.raw.find(kLeaveReason) != std::string::npos;
+    const bool leave = rec.leave;
     for (int f : rec.ranks)
       if (f >= 0 && f < size_ && !agreed_failed_[f]) {
         agreed_failed_[f] = 1;
@@ -381,7 +432,9 @@ void Group::leave() {
     catch_up();
     if (agreed_failed_[rank_]) break;
     const std::string key = store_ns_ + "epoch/" + std::to_string(agreed_epoch_ + 1);
-    const std::string mine = std::to_string(rank_) + ";decided_by=" + std::to_string(rank_) + kLeaveReason;
+    const uint64_t last_round = coll_ ? coll_->next_round() - 1 : 0;
+    const std::string mine = std::to_string(rank_) + ";decided_by=" + std::to_string(rank_) + kLeaveReason +
+                             kLastRound + std::to_string(last_round);
     bounded_store_call<bool>("proposing a membership record", [key, mine](ControlStore& st) {
       st.compare_set(key, std::string(), mine);
       return true;

@@ -511,7 +511,9 @@ def test_leave_right_after_an_op_whose_data_is_still_in_flight(transport, policy
     way: every rank's result includes it (3), and the next all_reduce runs over ranks 0 and 2
     (1 + 3) on both, without an op timeout. Taking the leaver for gone there would rerun the
     op on rank 2 alone without it, in the next epoch, where that rerun pairs with rank 0's
-    next all_reduce (2 on both, and rank 2's own next all_reduce finds no partner)."""
+    next all_reduce (2 on both, and rank 2's own next all_reduce finds no partner); so would
+    rank 0 moving to the next epoch before rank 2 has arrived at the next all_reduce (shm:
+    rank 2 then finds a peer in a later epoch while still in the held op)."""
     from tests.pg.test_rejoin import RejoinPool, expect_died, expect_ok
 
     rp = RejoinPool(transport, policy=policy, op_timeout=10.0, world_size=3)
