@@ -71,7 +71,9 @@ def test_reuse_across_hosts_survives_a_dead_holder(tmp_path, replicas):
     rng = random.Random(replicas)
     # prompts share a common system prefix, as a serving instance's would
     head = [rng.randrange(1000) for _ in range(32)]
-    prompts = [head + [rng.randrange(1000) for _ in range(16 * (1 + i % 3))] for i in range(PROMPTS)]
+    prompts = [
+        head + [rng.randrange(1000) for _ in range(16 * (1 + i % 3))] for i in range(PROMPTS)
+    ]
     with open(os.path.join(d, "prompts.json"), "w") as f:
         json.dump(prompts, f)
     port = random.randint(20000, 60000)  # the namespaces and their addresses are ours alone
@@ -81,7 +83,9 @@ def test_reuse_across_hosts_survives_a_dead_holder(tmp_path, replicas):
     def start(host_ns: str, host: int, argv: list, name: str):
         log = open(os.path.join(d, f"{name}.log"), "w")
         logs.append(log)
-        p = netns.run_in(host_ns, argv, env=_env(host), stdout=log, stderr=log, start_new_session=True)
+        p = netns.run_in(
+            host_ns, argv, env=_env(host), stdout=log, stderr=log, start_new_session=True
+        )
         procs.append(p)
         return p
 
@@ -91,8 +95,17 @@ def test_reuse_across_hosts_survives_a_dead_holder(tmp_path, replicas):
             start(
                 t.a,
                 0,
-                [sys.executable, "-m", "mooncake_store.master", "--host", t.addr[t.a],
-                 "--port", str(port), "--client-ttl", str(CLIENT_TTL_S)],
+                [
+                    sys.executable,
+                    "-m",
+                    "mooncake_store.master",
+                    "--host",
+                    t.addr[t.a],
+                    "--port",
+                    str(port),
+                    "--client-ttl",
+                    str(CLIENT_TTL_S),
+                ],
                 "master",
             )
             agent = [sys.executable, "-m", "tests.store.kv_host_agent"]
@@ -117,8 +130,10 @@ def test_reuse_across_hosts_survives_a_dead_holder(tmp_path, replicas):
                 assert all(r["ok"] for r in rows), rows
                 assert all(r["s"] < GET_BOUND_S for r in rows), rows
             hit_after = _hit_rate(after)
-            print(f"replicas={replicas} hit rate before {hit_before:.3f}, "
-                  f"at once {_hit_rate(at_once):.3f}, after {hit_after:.3f}")
+            print(
+                f"replicas={replicas} hit rate before {hit_before:.3f}, "
+                f"at once {_hit_rate(at_once):.3f}, after {hit_after:.3f}"
+            )
             if replicas == 2:
                 assert hit_after >= 0.9 * hit_before, after
                 assert _hit_rate(at_once) >= 0.9 * hit_before, at_once
