@@ -2,12 +2,15 @@
 
     python -m tests.store.kv_host_agent ROLE MASTER DIR REPLICA_NUM
 
-Both roles hold a 16 MiB segment and a ``KVCacheStore`` over the prompts in
+The writer holds a 32 MiB segment and the reader a 16 MiB one (so that the master's
+put reservation, in the segment with the most free space, puts single replicas on the
+writer's host), each with a ``KVCacheStore`` over the prompts in
 ``DIR/prompts.json``. ``writer`` puts every prompt's K/V, writes ``DIR/writer.ready`` and
 waits to be killed. ``reader`` writes ``DIR/reader.ready``, then for each ``DIR/go<N>`` that
 appears reads every prompt (``match_prefix`` then ``get``) and writes ``DIR/pass<N>.json``:
 per prompt the tokens matched and got, whether the K/V equals the reference, how long the
-get took and ``explain``'s cause. ``DIR/stop`` ends it.
+get took, ``explain``'s cause and the segments (``writer``, ``reader``)
+holding each chunk. ``DIR/stop`` ends it.
 """
 
 from __future__ import annotations
@@ -28,7 +31,12 @@ def main() -> None:
     with open(os.path.join(d, "prompts.json")) as f:
         prompts = json.load(f)
     cfg = KVCacheConfig(chunk_tokens=CHUNK, replica_num=replicas)
-    with MooncakeStore(master=master, segment_size=16 << 20, serve_tcp=True) as s:
+    with MooncakeStore(
+        master=master,
+        segment_size=(32 if role == "writer" else 16) << 20,
+        serve_tcp=True,
+        name=role,
+    ) as s:
         kv = KVCacheStore(s, tenant="t", config=cfg)
         if role == "writer":
             for p in prompts:
@@ -52,6 +60,12 @@ def main() -> None:
                 dt = time.monotonic() - t0
                 ok = g.tokens == 0 or bool((g.kv == ref[:, :, :, : g.tokens]).all())
                 ex = kv.explain(p)
+                holders = []
+                for k in kv.keys(p):
+                    try:
+                        holders.append(sorted(s.where(k).memory))
+                    except KeyError:
+                        holders.append([])
                 rows.append(
                     {
                         "len": len(p),
@@ -60,6 +74,7 @@ def main() -> None:
                         "ok": ok,
                         "s": dt,
                         "cause": ex.cause,
+                        "holders": holders,
                     }
                 )
             tmp = os.path.join(d, f"pass{n}.tmp")

@@ -119,6 +119,10 @@ def test_reuse_across_hosts_survives_a_dead_holder(tmp_path, replicas):
             assert all(r["ok"] for r in before), before
             assert all(r["got"] == r["len"] == r["matched"] for r in before), before
             hit_before = _hit_rate(before)
+            chunks = [h for r in before for h in r["holders"]]
+            want = [["reader", "writer"]] if replicas == 2 else [["writer"]]
+            # one replica per host with two; the writer's alone with one
+            assert all(h in want for h in chunks), chunks
 
             kill_group(a, wait_s=5)
             procs.remove(a)
