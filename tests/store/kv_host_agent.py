@@ -7,8 +7,9 @@ put reservation, in the segment with the most free space, puts single replicas o
 writer's host), each with a ``KVCacheStore`` over the prompts in
 ``DIR/prompts.json``. ``writer`` puts every prompt's K/V, writes ``DIR/writer.ready`` and
 waits to be killed. ``reader`` writes ``DIR/reader.ready``, then for each ``DIR/go<N>`` that
-appears reads every prompt (``match_prefix`` then ``get``) and writes ``DIR/pass<N>.json``:
-per prompt the tokens matched and got, whether the K/V equals the reference, how long the
+appears reads every prompt (``match_prefix`` then ``get``; round and round until ``DIR/end<N>``
+appears where the go file says ``loop``) and writes ``DIR/pass<N>.json``: per read when it
+started (``time.monotonic()``, one clock for every namespace), the tokens matched and got, whether the K/V equals the reference, how long the
 get took, ``explain``'s cause and the segments (``writer``, ``reader``)
 holding each chunk. ``DIR/stop`` ends it.
 """
@@ -52,8 +53,14 @@ def main() -> None:
             if not os.path.exists(go):
                 time.sleep(0.05)
                 continue
+            # "loop" in the go file: replay the prompts round and round until DIR/end<N>
+            loop = open(go).read() == "loop"
+            end = os.path.join(d, f"end{n}")
             rows = []
-            for p, ref in zip(prompts, refs):
+            i = 0
+            while i < len(prompts) or (loop and not os.path.exists(end)):
+                p, ref = prompts[i % len(prompts)], refs[i % len(prompts)]
+                i += 1
                 t0 = time.monotonic()
                 matched = kv.match_prefix(p)
                 g = kv.get(p)
@@ -72,6 +79,7 @@ def main() -> None:
                         "matched": matched,
                         "got": g.tokens,
                         "ok": ok,
+                        "t": t0,
                         "s": dt,
                         "cause": ex.cause,
                         "holders": holders,
