@@ -79,9 +79,38 @@ def _elsewhere(kv: KVCacheStore, suffix: str) -> tuple[str, str] | None:
     return None
 
 
+def _unreachable(kv: KVCacheStore, m: _Match) -> tuple[int, str] | None:
+    """``(start, segment)`` of the first chunk of ``m`` that no replica can serve to this client.
+
+    Every memory replica of it lies in a segment whose owner this client could not reach
+    lately, and it has no SSD replica: its holder died (or is cut off) and the master has
+    not declared it dead yet, so the chunk is still listed but a ``get`` stops before it.
+    """
+    internal = kv._internal
+    skipped = internal.reader._skipped()
+    if not skipped or not m.pieces:
+        return None
+    where = internal.link.call("where", {"keys": [piece.key for piece in m.pieces]})["where"]
+    for piece, w in zip(m.pieces, where):
+        if w is not None and w["memory"] and not w["ssd"] and set(w["memory"]) <= skipped:
+            return piece.start, w["memory"][0]
+    return None
+
+
 def explain(kv: KVCacheStore, p: _Prompt, m: _Match) -> KVExplain:
     """The diagnosis of prompt ``p`` whose best lookup is ``m`` (see ``KVCacheStore.explain``)."""
     c = p.c
+    lost = _unreachable(kv, m)
+    if lost is not None:
+        start, seg = lost
+        return KVExplain(
+            start,
+            start,
+            start // c,
+            "holder_lost",
+            f"its holder (segment {seg!r}) cannot be reached; the master has not declared it "
+            "dead yet",
+        )
     if m.tokens >= p.n:
         detail = "" if m.version == kv._versions()[0] else f"served from weight version {m.version}"
         return KVExplain(p.n, None, None, "hit", detail)

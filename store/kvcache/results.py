@@ -95,7 +95,8 @@ class KVExplain(NamedTuple):
     * ``"never_stored"``: the chunk holding ``miss_token`` was never stored here;
     * ``"evicted"``: it was evicted (``detail``: the tier and when);
     * ``"invalidated"``: ``invalidate`` retired it (``detail``: the tag and when);
-    * ``"holder_lost"``: the process holding its only replica died;
+    * ``"holder_lost"``: the process holding its only replica died (or this client cannot
+      reach it and the master has not declared it dead yet);
     * ``"removed"``: it was removed (``retire_versions``, or a remove);
     * ``"other_tenant"``: these tokens are stored, for another tenant or salt;
     * ``"other_weight_version"``: these tokens are stored, for other weight versions;

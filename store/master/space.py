@@ -39,6 +39,9 @@ class Space:
     ) -> list:
         """Allocates up to ``r`` replicas in distinct segments, evicting as needed.
 
+        Replicas go to segments on distinct hosts (``StoreConfig.host_id``) first, then to
+        distinct segments of hosts already used.
+
         Not in segments in ``avoid`` (segments a writer could not reach); ``only_pref``: in segment
         ``pref`` alone.
         """
@@ -75,18 +78,23 @@ class Space:
             )
         got: list = []
         used_names: set = set()
+        used_hosts: set = set()
 
         def try_alloc():
-            for s in live:
-                if len(got) >= target:
-                    return
-                if s.name in used_names:
-                    continue
-                off = s.alloc.alloc(n)
-                if off is not None:
-                    rec.used += n
-                    got.append([s.name, off, n])
-                    used_names.add(s.name)
+            # distinct hosts first, so that one dead host (or process) leaves a replica; then
+            # distinct segments on hosts already used, where there are fewer hosts than replicas
+            for spread in (True, False):
+                for s in live:
+                    if len(got) >= target:
+                        return
+                    if s.name in used_names or (spread and seg_host(s) in used_hosts):
+                        continue
+                    off = s.alloc.alloc(n)
+                    if off is not None:
+                        rec.used += n
+                        got.append([s.name, off, n])
+                        used_names.add(s.name)
+                        used_hosts.add(seg_host(s))
 
         try_alloc()
         if len(got) < target and self.reservations.reclaim(
@@ -379,6 +387,11 @@ class Space:
         why = f"group {group!r} over its quota of {quota} bytes"
         for k in picked:
             rec.drop(k, "evicted", why)
+
+
+def seg_host(seg) -> str:
+    """The host a segment lives on (its owner's ``host_id``); its own name where unknown."""
+    return seg.desc.get("host") or seg.name
 
 
 def ssd_links(obj: Obj) -> dict:

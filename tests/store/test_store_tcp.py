@@ -325,3 +325,22 @@ def test_ssd_replica_read_from_another_host(procs, tmp_path):
         # owner's memory cannot be served, see README "Store")
         batch = on_disk[:3]
         assert s.get_batch([f"o{i}" for i in batch]) == [sa.pattern(i, MiB) for i in batch]
+
+
+def test_replicas_go_to_distinct_hosts_first(procs):
+    """Two segments on host0 (the larger ones, which placement by free space alone would
+    pick) and one on host1: two replicas take one segment per host; three take all three."""
+    m = sa.start_master()
+    for name, host, size in (("a0", "host0", 64), ("b0", "host0", 48), ("c1", "host1", 16)):
+        sa.start_agent(
+            {"master": m.address, "segment_size": size * MiB, "name": name},
+            serve_tcp=True,
+            env={"MOONCAKE_HOST_ID": host},
+        )
+    with MooncakeStore(master=m.address, segment_size=0, host_id="client-host") as s:
+        for i in range(4):
+            assert s.put(f"k{i}", b"x" * 5000, ReplicateConfig(replica_num=2)) == 2
+            mem = s.where(f"k{i}").memory
+            assert "c1" in mem and len(set(mem)) == 2, mem
+        assert s.put("k3r", b"y" * 5000, ReplicateConfig(replica_num=3)) == 3
+        assert sorted(s.where("k3r").memory) == ["a0", "b0", "c1"]
