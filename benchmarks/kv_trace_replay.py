@@ -134,15 +134,18 @@ def simulate(reqs: list, block: int, capacity_tokens: int | None, policy: str) -
             tot_b += len(ids)
             hit_t += k * block
             tot_t += n
-        for x in s:
-            if policy == "lru":
+        if policy == "lru":
+            # the store's order: a prefix's blocks after the blocks that continue it, so the
+            # leaves of a chain go first and no block outlives its prefix
+            for x in reversed(s):
                 if x in lru:
                     lru.move_to_end(x)
                 else:
                     lru[x] = None
-                    if cap is not None and len(lru) > cap:
-                        lru.popitem(last=False)
-                continue
+            while cap is not None and len(lru) > cap:
+                lru.popitem(last=False)
+            continue
+        for x in s:
             tick += 1
             if policy == "belady":
                 pri = -nxt[j]
@@ -257,7 +260,7 @@ def _client() -> None:
         kv.put(toks, kv_payload(toks[: (len(toks) // block) * block], head_dim))
         s3 = time.perf_counter()
         recs.append([i, hit, got.tokens, wrong, s1 - s0, s2 - s1, s3 - s2])
-        progress[me] = i
+        progress[me] = i + n_clients  # the next request it runs: all below are done
     progress[me] = 1 << 60
     wall = time.time() - t0
     with open(a["out"], "w") as f:
@@ -399,8 +402,8 @@ def replay(a, reqs: list, topo=None) -> dict:
     for p in holders:
         _readline(p, "a segment holder")
     progress = os.path.join(work, "progress")
-    with open(progress, "wb") as f:
-        f.write(b"\0" * 8 * a.clients)
+    with open(progress, "wb") as f:  # per client, the next request it runs
+        f.write(b"".join(c.to_bytes(8, "little") for c in range(a.clients)))
     clients, outs = [], []
     for c in range(a.clients):
         out = os.path.join(work, f"client{c}.json")
@@ -492,7 +495,9 @@ def main(argv=None) -> int:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--hosts", type=int, default=1, choices=(1, 2))
     ap.add_argument("--speedup", type=float, default=0.0, help="x real time (0: as fast as can)")
-    ap.add_argument("--window", type=int, default=16, help="most requests ahead of the slowest")
+    ap.add_argument(
+        "--window", type=int, default=16, help="most requests ahead of the slowest (0: in order)"
+    )
     ap.add_argument("--requests", type=int, default=None, help="the first N requests only")
     ap.add_argument("--eviction-policy", default=None, help="MasterConfig.eviction_policy")
     ap.add_argument("--lease-ttl", type=float, default=5.0, help="MasterConfig.lease_ttl_s")

@@ -18,6 +18,7 @@ from ..common.errors import ProtocolError, UnknownClientError
 from ..common.layout import SEG_HEADER, aligned
 from .alloc import Allocator
 from .config import MasterConfig
+from .eviction import LfuOrder
 
 # a load from SSD whose object went away meanwhile (removed, overwritten, dropped) may
 # still be writing into its slot: the slot is reused only this long after, or after its
@@ -121,12 +122,14 @@ class Obj:
         "deadline",
         "group",
         "key",
+        "lease_gen",
         "lease_until",
         "loading",
         "meta",
         "offloading",
         "parent",
         "pin",
+        "readers",
         "repl",
         "serial",
         "size",
@@ -150,6 +153,10 @@ class Obj:
         self.ssd: list = []  # [client id, path]
         self.pin = pin
         self.lease_until = 0.0
+        # reads under the current lease not yet reported done; the lease ends early when the
+        # last one is (a generation tells one lease from the next)
+        self.readers = 0
+        self.lease_gen = 0
         self.writer = None
         self.deadline = 0.0
         self.offloading = False  # or the id of the client writing it to its SSD
@@ -187,6 +194,7 @@ class Records:
         pending: key -> put in progress (an upsert keeps the old version readable until the new one
             commits).
         lru: keys of committed objects, least recently used first.
+        lfu: the eviction order of ``eviction_policy="lfu"`` (None under LRU).
         clients: live clients by id.
         segments: their segments by name.
         deferred: ``[until, segment, offset, bytes]`` frees waiting for a read lease (or a load from
@@ -222,6 +230,7 @@ class Records:
         self.objects: dict[str, Obj] = {}
         self.pending: dict[str, Obj] = {}
         self.lru: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.lfu = LfuOrder() if config.eviction_policy == "lfu" else None
         self.clients: dict[str, Client] = {}
         self.segments: dict[str, Segment] = {}
         self.deferred: list = []
@@ -413,6 +422,8 @@ class Records:
         """
         key = obj.key
         self.lru[key] = None
+        if self.lfu is not None:
+            self.lfu.add(key)
         if self.history:
             self.history.pop(key, None)
         if obj.parent is not None:
@@ -465,6 +476,8 @@ class Records:
         """
         key = obj.key
         self.lru.pop(key, None)
+        if self.lfu is not None:
+            self.lfu.remove(key)
         if obj.parent is not None:
             kids = self.children.get(obj.parent)
             if kids is not None:
@@ -492,14 +505,15 @@ class Records:
                 if not self.group_pending.get(g):
                     self.group_quota.pop(g, None)
 
-    def touch(self, keys: Iterable[str]) -> None:
+    def touch(self, keys: Iterable[str], *, use: bool = True) -> None:
         """Marks the committed ``keys`` as just used (LRU order, their groups' too).
 
         Their ancestors (``parent`` links) become more recently used than their descendants,
         so eviction takes the leaves of a chain first and not its root, whose drop would take
-        the whole chain with it.
+        the whole chain with it. ``use``: under LFU, a use to count (a read); False: only the
+        order among equals changes (a put, a lookup before a read).
         """
-        lru, objects = self.lru, self.objects
+        lru, objects, lfu = self.lru, self.objects, self.lfu
         linked = []
         for k in keys:
             o = objects.get(k)
@@ -508,6 +522,11 @@ class Records:
             lru.move_to_end(k)
             if o.group is not None:
                 self.group_lru[o.group].move_to_end(k)
+            if lfu is not None:
+                if use:
+                    lfu.use(k)
+                if o.parent is None:
+                    lfu.push(k)
             if o.parent is not None:
                 linked.append(k)
         if not linked:
@@ -533,9 +552,17 @@ class Records:
                 depth[x] = d
         for k in sorted(depth, key=depth.__getitem__, reverse=True):
             lru.move_to_end(k)
+            if lfu is not None:
+                lfu.push(k)
             g = objects[k].group
             if g is not None:
                 self.group_lru[g].move_to_end(k)
+
+    def eviction_candidates(self) -> Iterable[str]:
+        """Keys in the order memory eviction considers them (``MasterConfig.eviction_policy``)."""
+        if self.lfu is not None:
+            return self.lfu.candidates(self.objects)
+        return list(self.lru)
 
     def descendants(self, key: str) -> list:
         """The committed objects that hang off ``key`` (children, their children, ...), each once."""

@@ -162,7 +162,7 @@ class Space:
         if possible < need:
             return
         self._ssd_waiting.clear()
-        for key in list(rec.lru):
+        for key in rec.eviction_candidates():
             if key == keep:
                 continue
             fits = sum(1 for name in wanted if rec.segments[name].alloc.largest_free() >= n)
@@ -215,7 +215,7 @@ class Space:
         goal = cfg.low_watermark * rec.capacity
         projected = rec.used - rec.reserved_bytes
         self._ssd_waiting.clear()
-        for key in list(rec.lru):
+        for key in rec.eviction_candidates():
             if projected <= goal:
                 break
             obj = rec.objects.get(key)
@@ -237,6 +237,8 @@ class Space:
         """
         rec = self.records
         mem = sum(aligned(r[2]) for r in obj.repl)
+        if rec.lfu is not None:
+            rec.lfu.evicted(obj.key)
         if not obj.ssd and to_ssd:
             for seg_name, off, _n in obj.repl:
                 seg = rec.segments.get(seg_name)

@@ -211,6 +211,8 @@ class SsdTier:
         obj.loading = None
         if ok and seg_name in rec.segments:
             obj.repl.append([seg_name, off, n])
+            if rec.lfu is not None:  # in memory again: back in the eviction order
+                rec.lfu.push(key)
             rec.dirty(key)
         else:
             rec.free_replica(seg_name, off, n, key, 0.0)
