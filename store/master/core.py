@@ -181,6 +181,8 @@ class Core:
                     rec.dirty(key)
                     if not obj.repl and not obj.ssd:
                         rec.drop(key, "holder_lost", c.name, tier="memory")
+                    elif not obj.repl and obj.loading is None:
+                        rec.to_ssd_only(key)
         for key in list(c.ssd_keys):
             obj = rec.objects.get(key)
             if obj is not None:
@@ -222,7 +224,7 @@ class Core:
             if obj.lease_until < until:
                 obj.lease_until = until
             if obj.parent is None and obj.group is None and rec.lfu is None:
-                rec.lru.move_to_end(key)
+                rec.bump(key)
             elif touch is None:
                 touch = [key]
             else:

@@ -193,7 +193,11 @@ class Records:
         objects: key -> committed version.
         pending: key -> put in progress (an upsert keeps the old version readable until the new one
             commits).
-        lru: keys of committed objects, least recently used first.
+        lru: keys of committed objects with a memory replica (or none at all: empty objects,
+            loads in flight), least recently used first: the order of memory eviction.
+        ssd_lru: keys of committed objects that lie on SSD only, least recently used first:
+            the order in which an SSD directory over its bound drops them. Apart, so that
+            memory eviction does not walk past every object on SSD.
         lfu: the eviction order of ``eviction_policy="lfu"`` (None under LRU).
         clients: live clients by id.
         segments: their segments by name.
@@ -230,6 +234,7 @@ class Records:
         self.objects: dict[str, Obj] = {}
         self.pending: dict[str, Obj] = {}
         self.lru: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.ssd_lru: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.lfu = LfuOrder() if config.eviction_policy == "lfu" else None
         self.clients: dict[str, Client] = {}
         self.segments: dict[str, Segment] = {}
@@ -421,7 +426,10 @@ class Records:
         leaves the drop history (it is stored again).
         """
         key = obj.key
-        self.lru[key] = None
+        if obj.ssd and not obj.repl and obj.loading is None:
+            self.ssd_lru[key] = None
+        else:
+            self.lru[key] = None
         if self.lfu is not None:
             self.lfu.add(key)
         if self.history:
@@ -476,6 +484,7 @@ class Records:
         """
         key = obj.key
         self.lru.pop(key, None)
+        self.ssd_lru.pop(key, None)
         if self.lfu is not None:
             self.lfu.remove(key)
         if obj.parent is not None:
@@ -505,6 +514,26 @@ class Records:
                 if not self.group_pending.get(g):
                     self.group_quota.pop(g, None)
 
+    def to_ssd_only(self, key: str) -> None:
+        """``key``'s object lost its last memory replica and lives on SSD: it leaves memory's order.
+
+        It is the most recently used object on SSD (the others went there before it).
+        """
+        if self.lru.pop(key, 0) is None:
+            self.ssd_lru[key] = None
+
+    def to_memory(self, key: str) -> None:
+        """``key``'s object, on SSD only, has a memory replica again (loaded): most recently used."""
+        if self.ssd_lru.pop(key, 0) is None:
+            self.lru[key] = None
+
+    def bump(self, key: str) -> None:
+        """Moves the committed ``key`` to the most recently used end of its order."""
+        if key in self.lru:
+            self.lru.move_to_end(key)
+        elif key in self.ssd_lru:
+            self.ssd_lru.move_to_end(key)
+
     def touch(self, keys: Iterable[str], *, use: bool = True) -> None:
         """Marks the committed ``keys`` as just used (LRU order, their groups' too).
 
@@ -513,13 +542,13 @@ class Records:
         the whole chain with it. ``use``: under LFU, a use to count (a read); False: only the
         order among equals changes (a put, a lookup before a read).
         """
-        lru, objects, lfu = self.lru, self.objects, self.lfu
+        objects, lfu, bump = self.objects, self.lfu, self.bump
         linked = []
         for k in keys:
             o = objects.get(k)
             if o is None:
                 continue
-            lru.move_to_end(k)
+            bump(k)
             if o.group is not None:
                 self.group_lru[o.group].move_to_end(k)
             if lfu is not None:
@@ -551,7 +580,7 @@ class Records:
                 d += 1
                 depth[x] = d
         for k in sorted(depth, key=depth.__getitem__, reverse=True):
-            lru.move_to_end(k)
+            bump(k)
             if lfu is not None:
                 lfu.push(k)
             g = objects[k].group

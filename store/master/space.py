@@ -273,6 +273,7 @@ class Space:
             rec.free_replica(seg_name, off, n, obj.key, 0.0)
         obj.repl = []
         if obj.ssd:
+            rec.to_ssd_only(obj.key)
             rec.dirty(obj.key)
         else:
             rec.drop(obj.key, "evicted", tier="memory")
@@ -294,7 +295,7 @@ class Space:
         if c.ssd_bytes + size <= c.ssd_max:
             return True
         rec = self.records
-        for key in list(rec.lru):
+        for key in list(rec.ssd_lru):
             if c.ssd_bytes + size <= c.ssd_max:
                 break
             o = rec.objects.get(key)

@@ -211,6 +211,7 @@ class SsdTier:
         obj.loading = None
         if ok and seg_name in rec.segments:
             obj.repl.append([seg_name, off, n])
+            rec.to_memory(key)
             if rec.lfu is not None:  # in memory again: back in the eviction order
                 rec.lfu.push(key)
             rec.dirty(key)
@@ -282,6 +283,7 @@ class SsdTier:
             for seg_name, off, n in obj.repl:
                 rec.free_replica(seg_name, off, n, key, obj.lease_until)
             obj.repl = []
+            rec.to_ssd_only(key)
             rec.counters.evictions += 1
             rec.dirty(key)
         else:
