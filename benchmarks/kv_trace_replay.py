@@ -579,7 +579,9 @@ def main(argv=None) -> int:
         "|---|---|---|",
     ]
     if not a.sim_only:
-        lines.append(f"| store | {100 * res['block_hit_rate']:.2f}% | {100 * res['token_hit_rate']:.2f}% |")
+        lines.append(
+            f"| store | {100 * res['block_hit_rate']:.2f}% | {100 * res['token_hit_rate']:.2f}% |"
+        )
     for name in ("lru", "lfu", "belady", "unbounded", "lru_memory_only"):
         if name in sim:
             s = sim[name]

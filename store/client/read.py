@@ -360,7 +360,9 @@ class Reader:
             time.sleep(0.01)
         deadline = t0 + res["ttl_ms"] / 1000.0
         objs = [
-            None if o is None else ObjectMeta(k, o[0], o[1], o[2], o[3], o[5] if len(o) > 5 else None)
+            None
+            if o is None
+            else ObjectMeta(k, o[0], o[1], o[2], o[3], o[5] if len(o) > 5 else None)
             for k, o in zip(keys, res["objs"])
         ]
         if self._cfg.test_pause and self._cfg.test_pause[0] == "get":

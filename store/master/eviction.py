@@ -39,9 +39,7 @@ class LfuOrder:
         self.seq[key] = self._n
         heapq.heappush(self.heap, (self.prio[key], self._n, key))
         if len(self.heap) > 2 * len(self.seq) + 1024:
-            self.heap = [
-                (self.prio[k], n, k) for k, n in self.seq.items() if n is not None
-            ]
+            self.heap = [(self.prio[k], n, k) for k, n in self.seq.items() if n is not None]
             heapq.heapify(self.heap)
 
     def add(self, key: str) -> None:

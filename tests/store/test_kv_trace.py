@@ -39,7 +39,9 @@ def _trace(path: str, seed: int = 0) -> list:
         for _turn in range(rng.randint(1, 8)):
             ids = ids + [new_id() for _ in range(rng.randint(1, 6))]
             n = len(ids) * BLOCK - rng.randint(0, BLOCK - 1)
-            reqs.append({"timestamp": int(t), "input_length": n, "output_length": 1, "hash_ids": ids})
+            reqs.append(
+                {"timestamp": int(t), "input_length": n, "output_length": 1, "hash_ids": ids}
+            )
             t += rng.uniform(1_000, 20_000)
         del conv
     reqs.sort(key=lambda r: r["timestamp"])
