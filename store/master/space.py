@@ -192,7 +192,12 @@ class Space:
         for k in seg.keys:
             o = self.records.objects.get(k)
             if o is not None and k != keep and self.evictable(o, now):
-                spans += [(r[1], aligned(r[2])) for r in o.repl if r[0] == seg.name and r[2] > 0]
+                mine = [(r[1], aligned(r[2])) for r in o.repl if r[0] == seg.name and r[2] > 0]
+                if any(size >= n for _off, size in mine):
+                    # evicting this one object is enough: a cache of equal chunks stops at
+                    # the first evictable key instead of walking the whole segment per put
+                    return True
+                spans += mine
         spans.sort()
         start = end = -1
         for off, size in spans:
