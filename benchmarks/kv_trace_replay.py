@@ -45,6 +45,7 @@ import heapq
 import json
 import mmap
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -86,6 +87,32 @@ def load_trace(path: str, limit: int | None = None) -> list:
             if limit is not None and len(out) >= limit:
                 break
     return out
+
+
+def synthetic_trace(path: str, conversations: int = 120, block: int = 512, seed: int = 0) -> None:
+    """Writes a conversation trace in the FAST'25 format, for where the published one is absent.
+
+    Conversations over a shared system prompt, each turn's prompt its previous one plus a few
+    blocks, turns interleaved in time over a minute.
+    """
+    import random
+
+    rng = random.Random(seed)
+    ids = iter(range(1 << 40))
+    system = [next(ids) for _ in range(4)]
+    reqs = []
+    for _conv in range(conversations):
+        hist = list(system)
+        t = rng.uniform(0, 60_000)
+        for _turn in range(rng.randint(1, 8)):
+            hist = hist + [next(ids) for _ in range(rng.randint(1, 8))]
+            n = len(hist) * block - rng.randint(0, block - 1)
+            reqs.append({"timestamp": int(t), "input_length": n, "hash_ids": hist})
+            t += rng.uniform(1_000, 20_000)
+    reqs.sort(key=lambda r: r["timestamp"])
+    with open(path, "w") as f:
+        for r in reqs:
+            f.write(json.dumps(r) + "\n")
 
 
 def cached_blocks(req, block: int) -> list:
@@ -168,18 +195,24 @@ def simulate(reqs: list, block: int, capacity_tokens: int | None, policy: str) -
     }
 
 
-def kvcache_simulator_figures(path: str, capacity_tokens: int, block: int) -> dict | None:
-    """``kvcache-simulator``'s LRU and Belady hit rates at this budget, when it is installed."""
+def kvcache_simulator_figures(path: str, capacity_tokens: int, block: int, limit) -> dict | None:
+    """``kvcache-simulator``'s token hit rates (LRU, optimal) at this budget, when installed.
+
+    Its LRU evicts leaves of the prefix trie, as the store does; its figures are token hit
+    rates over the last 50% of requests, in its own counting.
+    """
     try:
-        import kvcache_simulator  # noqa: F401
+        from kvcache_sim.plan import build_execution_plan
+        from kvcache_sim.policies import simulate_policy
+        from kvcache_sim.trace import parse_trace_file
     except ImportError:
         return None
-    try:  # its API is not ours to pin down: any failure means no cross-check figures
-        from kvcache_simulator import simulate as ext_simulate
-
+    try:  # its internals are not ours to pin down: any failure means no cross-check figures
+        trace = parse_trace_file(path, block_size=block, max_records=limit or 0)
+        plan = build_execution_plan(trace, 0.5)
+        cap = capacity_tokens // block
         return {
-            p: ext_simulate(path, capacity_tokens=capacity_tokens, block_size=block, policy=p)
-            for p in ("lru", "belady")
+            f"{p}_token_hit_rate": simulate_policy(plan, p, cap).hitRate for p in ("lru", "optimal")
         }
     except Exception as e:
         return {"error": repr(e)}
@@ -320,6 +353,7 @@ def _spawn(argv: list, env: dict, topo=None, host: int = 0):
 
 def _start_master(a, host="127.0.0.1", ns=None) -> str:
     d = tempfile.mkdtemp(prefix="kv-trace-")
+    atexit.register(shutil.rmtree, d, True)
     port_file = os.path.join(d, "port")
     argv = [
         sys.executable,
@@ -442,12 +476,15 @@ def replay(a, reqs: list, topo=None) -> dict:
         store_stats.append(_readline(p, "a segment holder")["stats"])
         p.stdin.write(b"exit\n")
         p.stdin.flush()
+    for p in holders:
+        p.wait(timeout=60)
     recs, kv_stats = [], collections.Counter()
     for out in outs:
         with open(out) as f:
             got = json.load(f)
         recs += got["records"]
         kv_stats.update(got["stats"])
+    shutil.rmtree(work, ignore_errors=True)  # the SSD directories: up to GiBs
     recs.sort()
     half = len(reqs) // 2
     hit_b = tot_b = hit_t = tot_t = 0
@@ -521,11 +558,18 @@ def main(argv=None) -> int:
     if a.smoke:
         a.requests = a.requests or 400
         a.memory_tokens = "256K"
+    if a.smoke and not os.path.exists(a.trace):
+        # a fresh clone without the published trace beside it: the same format, generated
+        missing = a.trace
+        a.trace = os.path.join(tempfile.mkdtemp(prefix="kv-trace-"), "synthetic_trace.jsonl")
+        synthetic_trace(a.trace, block=a.block_tokens)
+        print(f"kv_trace_replay --smoke: no trace at {missing}; a synthetic one: {a.trace}")
     a.memory_tokens = parse_tokens(a.memory_tokens)
     a.ssd_tokens = parse_tokens(a.ssd_tokens)
     if a.token_bytes < 8 or a.token_bytes % 8:
         ap.error("--token-bytes must be a positive multiple of 8")
     atexit.register(_kill_children)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # atexit then kills the children
     sys.path.insert(0, REPO)
     load0 = os.getloadavg()[0]
     reqs = load_trace(a.trace, a.requests)
@@ -540,7 +584,7 @@ def main(argv=None) -> int:
     if a.ssd_tokens:
         sim["lru_memory_only"] = simulate(reqs, a.block_tokens, a.memory_tokens, "lru")
     sim_s = time.perf_counter() - t
-    ext = kvcache_simulator_figures(a.trace, total, a.block_tokens)
+    ext = kvcache_simulator_figures(a.trace, total, a.block_tokens, a.requests)
     res: dict = {
         "lru_block_hit_rate": sim["lru"]["block_hit_rate"],
         "lfu_block_hit_rate": sim["lfu"]["block_hit_rate"],
