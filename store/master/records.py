@@ -591,7 +591,19 @@ class Records:
         """Keys in the order memory eviction considers them (``MasterConfig.eviction_policy``)."""
         if self.lfu is not None:
             return self.lfu.candidates(self.objects)
-        return list(self.lru)
+        return self._lru_candidates()
+
+    def _lru_candidates(self) -> Iterable[str]:
+        # no copy of the whole order per eviction (0.5 ms with 8,000 objects, paid by every
+        # put that evicts): an eviction changes the order, and the walk starts again from its
+        # front, past the few objects that could not be evicted
+        while True:
+            try:
+                for key in self.lru:
+                    yield key
+                return
+            except RuntimeError:  # the order changed under the walk: the caller evicted
+                continue
 
     def descendants(self, key: str) -> list:
         """The committed objects that hang off ``key`` (children, their children, ...), each once."""
