@@ -48,10 +48,16 @@ class LfuOrder:
         self.prio[key] = self.level + 1
         self._push(key)
 
-    def use(self, key: str) -> None:
-        """One more use of ``key`` (a read): its priority rises above the current level."""
+    def use(self, key: str, count: bool = True) -> None:
+        """A use of ``key``: its priority is the current level plus its uses.
+
+        ``count``: one more use (a read); False: the uses stay, only the level is the current
+        one (a lookup before the read, a put under this prefix), so that the object is not
+        evicted first between the lookup and the read.
+        """
         if key in self.uses:
-            self.uses[key] += 1
+            if count:
+                self.uses[key] += 1
             self.prio[key] = self.level + self.uses[key]
 
     def push(self, key: str) -> None:

@@ -539,8 +539,9 @@ class Records:
 
         Their ancestors (``parent`` links) become more recently used than their descendants,
         so eviction takes the leaves of a chain first and not its root, whose drop would take
-        the whole chain with it. ``use``: under LFU, a use to count (a read); False: only the
-        order among equals changes (a put, a lookup before a read).
+        the whole chain with it. ``use``: under LFU, a use to count (a read); False: the
+        priority is brought to the current level without counting a use (a put, a lookup
+        before a read).
         """
         objects, lfu, bump = self.objects, self.lfu, self.bump
         linked = []
@@ -552,8 +553,7 @@ class Records:
             if o.group is not None:
                 self.group_lru[o.group].move_to_end(k)
             if lfu is not None:
-                if use:
-                    lfu.use(k)
+                lfu.use(k, use)
                 if o.parent is None:
                     lfu.push(k)
             if o.parent is not None:
