@@ -517,10 +517,23 @@ class Records:
     def to_ssd_only(self, key: str) -> None:
         """``key``'s object lost its last memory replica and lives on SSD: it leaves memory's order.
 
-        It is the most recently used object on SSD (the others went there before it).
+        It is the most recently used object on SSD (the others went there before it), and its
+        ancestors that lie on SSD only go after it, nearest first: an SSD directory over its
+        bound then drops the leaves of a chain first, not a parent whose drop would take the
+        newer objects below it along.
         """
         if self.lru.pop(key, 0) is None:
-            self.ssd_lru[key] = None
+            ssd_lru = self.ssd_lru
+            ssd_lru[key] = None
+            o = self.objects.get(key)
+            seen = {key}
+            while o is not None and o.parent is not None and o.parent not in seen:
+                p = o.parent
+                if p not in ssd_lru:
+                    break
+                seen.add(p)
+                ssd_lru.move_to_end(p)
+                o = self.objects.get(p)
 
     def to_memory(self, key: str) -> None:
         """``key``'s object, on SSD only, has a memory replica again (loaded): most recently used."""
