@@ -103,6 +103,8 @@ class Reader:
 
         Only within the lease: a note after it could end the lease another reader took since.
         """
+        if not self._cfg.release_leases:
+            return
         notes = [[o.key, o.version, o.lease] for o in objs if o is not None and o.lease]
         if notes and time.monotonic() < deadline:
             with self._done_lock:
