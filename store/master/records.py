@@ -612,8 +612,7 @@ class Records:
         # front, past the few objects that could not be evicted
         while True:
             try:
-                for key in self.lru:
-                    yield key
+                yield from self.lru
                 return
             except RuntimeError:  # the order changed under the walk: the caller evicted
                 continue
