@@ -29,6 +29,7 @@ chunks).
     .venv/bin/python benchmarks/kv_trace_replay.py --memory-tokens 1M --clients 4
     .venv/bin/python benchmarks/kv_trace_replay.py --memory-tokens 1M --ssd-tokens 16M
     .venv/bin/python benchmarks/kv_trace_replay.py --smoke           # CI: 400 requests
+    .venv/bin/python benchmarks/kv_trace_replay.py --hosts 2 --memory-tokens 4M  # 2 emulated hosts
     .venv/bin/python benchmarks/kv_trace_replay.py --sim-only        # the simulations alone
 
 ``--gate`` exits 1 when the store's block hit rate is more than 1 percentage point below
