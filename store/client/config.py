@@ -93,6 +93,10 @@ class StoreConfig:
             takes reserved space back (the client gives it up) before it evicts anything,
             and the client gives it back after a few idle seconds. 0: every put takes two
             round trips (``MOONCAKE_STORE_PUT_RESERVATION_BYTES``).
+        release_leases: tell the master when reads are done (with the next get or exists
+            request) so that their read leases end before ``lease_ttl_s`` once every reader
+            is done (default True); False: every read lease this client takes runs its full
+            TTL, as in Mooncake.
         master_config: options of the embedded master.
         test_pause: tests only: ``("put", s)`` / ``("get", s)`` sleeps ``s`` seconds after the
             master answered put-start / get, before any byte moves (``MOONCAKE_STORE_TEST_PAUSE``).
@@ -119,6 +123,7 @@ class StoreConfig:
     huge_pages: bool = True
     tune_malloc: bool | None = None
     put_reservation_bytes: int | None = None
+    release_leases: bool = True
     master_config: MasterConfig | None = None
     test_pause: tuple | None = None
 
@@ -186,7 +191,7 @@ class StoreConfig:
                 f"StoreConfig: segment_size must be 0 (no segment) or more than {SEG_HEADER} "
                 f"bytes (the segment's header), got {self.segment_size}"
             )
-        for n in ("serve_tcp", "prefault", "huge_pages", "tune_malloc"):
+        for n in ("serve_tcp", "prefault", "huge_pages", "tune_malloc", "release_leases"):
             if not isinstance(getattr(self, n), bool) and not (
                 n == "tune_malloc" and self.tune_malloc is None
             ):

@@ -279,14 +279,20 @@ class StoreInternals:
             quota=quota_bytes,
         )
 
-    def metadata(self, keys: list) -> list:
+    def metadata(self, keys: list, *, touch: bool = False) -> list:
         """Per key ``None`` if it does not exist, else the metadata bytes stored with it.
 
         The metadata is ``b""`` for plain values, dtype and shape for ``put_tensor``; ``True`` where
         the master sends none (an older master). From the master alone: no lease, no bytes read,
         nothing loaded from SSD. A key may repeat.
+
+        Args:
+            keys: the keys.
+            touch: the keys found count as just used for eviction (as a ``get`` does, without a
+                lease): a lookup that precedes a read keeps what it found from being evicted
+                first.
         """
-        return self.reader.exists_meta(check_keys(keys, "metadata", repeats=True))
+        return self.reader.exists_meta(check_keys(keys, "metadata", repeats=True), touch)
 
     def history(self, keys: list) -> list:
         """Why the master dropped each of ``keys`` (a key may repeat).

@@ -8,6 +8,7 @@ transfer engine), segments whose owner could not be reached, and reads that outl
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 import msgpack
@@ -40,9 +41,9 @@ class ObjectMeta:
     ``["s", host, path]`` on SSD.
     """
 
-    __slots__ = ("key", "meta", "replicas", "size", "version")
+    __slots__ = ("key", "lease", "meta", "replicas", "size", "version")
 
-    def __init__(self, key, size, version, meta, replicas):
+    def __init__(self, key, size, version, meta, replicas, lease=None):
         self.key, self.size, self.version, self.meta, self.replicas = (
             key,
             size,
@@ -50,6 +51,7 @@ class ObjectMeta:
             meta,
             replicas,
         )
+        self.lease = lease  # the master's lease generation, for the note that the read is done
 
 
 def _batch_result(keys: list, out: list, deadline: float, return_exceptions: bool) -> list:
@@ -91,6 +93,29 @@ class Reader:
         self._dataplane = dataplane
         self._unreachable: dict = {}  # segment name -> time.monotonic() until which reads skip it
         self._unreachable_marks = 0  # how many times a segment was found unreachable
+        # [key, version, lease generation] of reads done within their lease, sent with the next
+        # get or exists request: the master may evict those objects before their leases end
+        self._done: list = []
+        self._done_lock = threading.Lock()  # a note sent twice would end another reader's lease
+
+    def _finished(self, objs: list, deadline: float) -> None:
+        """Notes that the reads of ``objs`` (None: skipped) are over, copies made or failed.
+
+        Only within the lease: a note after it could end the lease another reader took since.
+        """
+        if not self._cfg.release_leases:
+            return
+        notes = [[o.key, o.version, o.lease] for o in objs if o is not None and o.lease]
+        if notes and time.monotonic() < deadline:
+            with self._done_lock:
+                self._done += notes
+
+    def _take_done(self, req: dict) -> dict:
+        """``req`` with the pending notes of reads done (at most 1024), which leave the queue."""
+        if self._done:
+            with self._done_lock:
+                req["done"], self._done = self._done[:1024], self._done[1024:]
+        return req
 
     def _local_src(self, obj: ObjectMeta, segs: dict):
         """A view of ``obj``'s first replica when it is in a mapped segment, else None."""
@@ -316,7 +341,9 @@ class Reader:
         while True:
             sent = []
             res = self._link.call(
-                "get", {"client": self._link.client_id, "keys": keys}, sent_at=sent
+                "get",
+                self._take_done({"client": self._link.client_id, "keys": keys}),
+                sent_at=sent,
             )
             t0 = sent[0]
             # an object only on another host's SSD is being loaded into memory: ask again
@@ -335,7 +362,9 @@ class Reader:
             time.sleep(0.01)
         deadline = t0 + res["ttl_ms"] / 1000.0
         objs = [
-            None if o is None else ObjectMeta(k, o[0], o[1], o[2], o[3])
+            None
+            if o is None
+            else ObjectMeta(k, o[0], o[1], o[2], o[3], o[5] if len(o) > 5 else None)
             for k, o in zip(keys, res["objs"])
         ]
         if self._cfg.test_pause and self._cfg.test_pause[0] == "get":
@@ -410,6 +439,7 @@ class Reader:
                 todo[-1] = obj
                 views[-1] = memoryview(t.reshape(-1).view(torch.uint8).numpy())
         got = self._read_many(todo, segs, views)
+        self._finished(objs, deadline)
         return [g if isinstance(g, BaseException) else o for o, g in zip(out, got)], deadline
 
     # ------------------------------------------------------------------ reads
@@ -420,7 +450,9 @@ class Reader:
             (obj,), segs, deadline = self.meta([key])
             if obj is None:
                 raise ObjectNotFoundError(f"key {key!r} not found")
-            return self._read_many([obj], segs)[0], deadline
+            got = self._read_many([obj], segs)[0]
+            self._finished([obj], deadline)
+            return got, deadline
 
         out, deadline = self._leased(read)
         if isinstance(out, BaseException):
@@ -441,6 +473,7 @@ class Reader:
         def read():
             objs, segs, deadline = self.meta(keys)
             got = self._read_many(objs, segs)
+            self._finished(objs, deadline)
             return [
                 ObjectNotFoundError(f"key {k!r} not found") if obj is None else g
                 for k, obj, g in zip(keys, objs, got)
@@ -475,13 +508,14 @@ class Reader:
                         f"within its {obj.size} bytes (nothing written)"
                     )
                 reps = [(r[0], r[1], r[2] + offset) for r in obj.replicas if r[0] == "m"]
-                obj = ObjectMeta(obj.key, len(mv), obj.version, obj.meta, reps)
+                obj = ObjectMeta(obj.key, len(mv), obj.version, obj.meta, reps, obj.lease)
             elif obj.size > len(mv):
                 raise ValueError(
                     f"get_into: buffer of {len(mv)} bytes is too small for {key!r} "
                     f"({obj.size} bytes; nothing written)"
                 )
             (err,) = self._read_many([obj], segs, [mv[: obj.size]], scratch)
+            self._finished([obj], deadline)
             return obj.size, err, deadline
 
         size, err, deadline = self._leased(read)
@@ -528,6 +562,7 @@ class Reader:
             got = self._read_many(
                 todo, segs, [mv[: o.size] if o is not None else None for mv, o in zip(mvs, todo)]
             )
+            self._finished(todo, deadline)
             for i, obj in enumerate(todo):
                 if obj is not None:
                     out[i] = got[i] if isinstance(got[i], BaseException) else obj.size
@@ -559,17 +594,20 @@ class Reader:
         out, deadline = self._leased(lambda: self._read_tensors(keys))
         return _batch_result(keys, out, deadline, return_exceptions)
 
-    def exists_meta(self, keys: list) -> list:
+    def exists_meta(self, keys: list, touch: bool = False) -> list:
         """Per checked key ``None`` if it does not exist, else the metadata stored with it.
 
         The metadata is bytes: what ``put_tensor`` records, ``b""`` for plain values; or ``True``
         where the master does not send metadata (an older master). From the master alone: no lease,
-        no bytes read, nothing loaded from SSD.
+        no bytes read, nothing loaded from SSD. ``touch``: the keys found count as used (LRU).
         """
         uniq, pos = dedup(keys)
         out: list = []
         for a, b in chunks(uniq):
-            r = self._link.call("exists", {"keys": uniq[a:b], "meta": True})
+            req = self._take_done({"keys": uniq[a:b], "meta": True})
+            if touch:
+                req["touch"] = True
+            r = self._link.call("exists", req)
             metas = r.get("meta")
             if not isinstance(metas, list) or len(metas) != len(r["exists"]):
                 metas = [True if e else None for e in r["exists"]]

@@ -82,6 +82,97 @@ def _open_regular(path: str):
         raise
 
 
+def _syncfs(root: str) -> bool:
+    """Flushes the file system that holds ``root`` (Linux ``syncfs``); False where unavailable."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            import ctypes
+
+            _LIBC = ctypes.CDLL(None, use_errno=True)
+            _LIBC.syncfs  # noqa: B018 (absent outside Linux: AttributeError)
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC is False:
+        return False
+    fd = os.open(root, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if _LIBC.syncfs(fd) != 0:
+            import ctypes
+
+            raise OSError(ctypes.get_errno(), "syncfs failed")
+    finally:
+        os.close(fd)
+    return True
+
+
+_LIBC = None
+
+
+def write_many(root: str, objs: list) -> list:
+    """Writes several object files with one flush of the disk; per object its path or an error.
+
+    Each file is written under a temporary name, then one ``syncfs`` makes them all durable,
+    then each is renamed: a crash still leaves either a whole file or none, and a burst of
+    evictions costs one flush instead of one ``fsync`` per file (3-6 ms each for 8 KiB files
+    on the 2-core CI VM, which held offloads to a few hundred per second).
+
+    Args:
+        root: the SSD directory.
+        objs: ``(key, version, meta, data, links)`` per object, as for :func:`write`.
+    """
+    out: list = []
+    tmps = []
+    for key, version, meta, data, links in objs:
+        path = path_for(root, key, version)
+        tmp = f"{path}.tmp{os.getpid()}"
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(_head(key, version, meta, data, links))
+                f.write(data)
+            out.append(path)
+            tmps.append((len(out) - 1, tmp, path))
+        except OSError as e:
+            out.append(e)
+    if tmps:
+        try:
+            if not _syncfs(root):
+                for _i, tmp, _path in tmps:
+                    fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+        except OSError as e:
+            for i, tmp, _path in tmps:
+                out[i] = e
+                _unlink_quietly(tmp)
+            return out
+        for i, tmp, path in tmps:
+            try:
+                os.replace(tmp, path)
+            except OSError as e:
+                out[i] = e
+                _unlink_quietly(tmp)
+    return out
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:  # already gone, or the disk failed: the file is not registered either way
+        pass
+
+
+def _head(key: str, version: int, meta: bytes, data, links: dict | None) -> bytes:
+    head = {"k": key, "v": version, "s": len(data), "m": meta, "c": zlib.crc32(data)}
+    if links:
+        head["x"] = links
+    header = msgpack.packb(head, use_bin_type=True)
+    return MAGIC + _HLEN.pack(len(header)) + header
+
+
 def write(
     root: str, key: str, version: int, meta: bytes, data: memoryview, links: dict | None = None
 ) -> str:
@@ -98,13 +189,9 @@ def write(
     """
     path = path_for(root, key, version)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    head = {"k": key, "v": version, "s": len(data), "m": meta, "c": zlib.crc32(data)}
-    if links:
-        head["x"] = links
-    header = msgpack.packb(head, use_bin_type=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
-        f.write(MAGIC + _HLEN.pack(len(header)) + header)
+        f.write(_head(key, version, meta, data, links))
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

@@ -225,17 +225,19 @@ class KVCacheStore:
         return [ns + d.hex() for d in _Prompt(tokens, self.cfg.chunk_tokens, _op).digests]
 
     # ------------------------------------------------------------------ lookups
-    def _lookup(self, p: _Prompt, limit: int, versions: list) -> list[_Match]:
+    def _lookup(self, p: _Prompt, limit: int, versions: list, touch: bool) -> list[_Match]:
         """The longest stored prefix of ``p`` up to ``limit`` tokens under each version.
 
         Two metadata requests at most: the whole chunks of every version, then the
-        partial chunks that could extend each version's prefix.
+        partial chunks that could extend each version's prefix. ``touch``: the chunks found
+        count as used for eviction, so that the ``get`` that follows a lookup finds them
+        (LRU would otherwise take the oldest of them first while other clients put).
         """
         c = p.c
         wanted = min(len(p.digests), -(-limit // c))
         whole = [[self._ns(v) + d.hex() for d in p.digests[:wanted]] for v in versions]
         flat = [k for keys in whole for k in keys]
-        metas = self._internal.metadata(flat) if flat else []
+        metas = self._internal.metadata(flat, touch=touch) if flat else []
         found = []
         for vi, _v in enumerate(versions):
             m = metas[vi * wanted : (vi + 1) * wanted]
@@ -263,7 +265,7 @@ class KVCacheStore:
             probes.append((vi, k, lengths, [ns + "p" + d.hex() for d in digests]))
         if probes:
             flat = [key for *_, keys in probes for key in keys]
-            metas = self._internal.metadata(flat)
+            metas = self._internal.metadata(flat, touch=touch)
             at = 0
             for vi, k, lengths, keys in probes:
                 m = metas[at : at + len(keys)]
@@ -285,9 +287,9 @@ class KVCacheStore:
             out.append(_Match(min(end, limit), versions[vi], pieces, first, stop))
         return out
 
-    def _best(self, p: _Prompt, limit: int) -> _Match:
+    def _best(self, p: _Prompt, limit: int, touch: bool = False) -> _Match:
         """The longest prefix over the versions a lookup may serve (the current one on ties)."""
-        matches = self._lookup(p, limit, self._versions())
+        matches = self._lookup(p, limit, self._versions(), touch)
         best = matches[0]
         for m in matches[1:]:
             if m.tokens > best.tokens:
@@ -330,7 +332,7 @@ class KVCacheStore:
             ValueError: malformed tokens; ``weights`` holds no version yet.
         """
         p = _Prompt(tokens, self.cfg.chunk_tokens, "KVCacheStore.match_prefix")
-        m = self._best(p, p.n)
+        m = self._best(p, p.n, touch=True)
         self._count_lookup(m, p.n)
         self._memo[p.fingerprint] = m
         self._memo.move_to_end(p.fingerprint)
@@ -369,7 +371,7 @@ class KVCacheStore:
             )
         m = self._memo.pop(p.fingerprint, None)
         if m is None:
-            m = self._best(p, upto)
+            m = self._best(p, upto, touch=True)
             self._count_lookup(m, upto)
         want = min(upto, m.tokens)
         res = self._read(m, want)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..common.config import MiB, parse_hostport
+from .eviction import POLICIES
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -46,6 +47,11 @@ class MasterConfig:
             request); the oldest drop is forgotten first; 0: none.
         orphan_grace_s: seconds an object found on SSD at a restart may wait for its
             ``parent`` (from another client's directory) before it is dropped.
+        eviction_policy: which objects memory eviction takes first: ``"lru"`` (least
+            recently used) or ``"lfu"`` (least frequently used, with dynamic aging: a use
+            long ago counts less than one now). Under both an object's ancestors go after
+            it, and one that is dropped takes its descendants with it. Objects that live
+            only on SSD are dropped from there in LRU order whatever the policy.
     """
 
     host: str = "127.0.0.1"
@@ -67,8 +73,14 @@ class MasterConfig:
     advertise: str | None = None
     history_entries: int = 100_000
     orphan_grace_s: float = 30.0
+    eviction_policy: str = "lru"
 
     def __post_init__(self):
+        if self.eviction_policy not in POLICIES:
+            raise ValueError(
+                f"MasterConfig: eviction_policy must be one of {', '.join(POLICIES)}, got "
+                f"{self.eviction_policy!r}"
+            )
         for name in ("client_ttl_s", "put_ttl_s", "lease_ttl_s"):
             v = float(getattr(self, name))
             # inf overflowed when the master converted it to milliseconds; 1e-9 expired

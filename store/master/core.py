@@ -181,6 +181,8 @@ class Core:
                     rec.dirty(key)
                     if not obj.repl and not obj.ssd:
                         rec.drop(key, "holder_lost", c.name, tier="memory")
+                    elif not obj.repl and obj.loading is None:
+                        rec.to_ssd_only(key)
         for key in list(c.ssd_keys):
             obj = rec.objects.get(key)
             if obj is not None:
@@ -206,6 +208,7 @@ class Core:
         rec = self.records
         reader = rec.client(a.get("client"))
         keys = rec.check_keys(a.get("keys"))
+        self.reads_done(a.get("done"))
         now = rec.clock()
         until = now + rec.cfg.lease_ttl_s
         out, segs, touch = [], {}, None
@@ -215,10 +218,13 @@ class Core:
                 rec.counters.misses += 1
                 out.append(None)
                 continue
+            if obj.lease_until <= now:  # a new lease: readers of the last one are over
+                obj.readers = 0
+                obj.lease_gen += 1
             if obj.lease_until < until:
                 obj.lease_until = until
-            if obj.parent is None and obj.group is None:
-                rec.lru.move_to_end(key)
+            if obj.parent is None and obj.group is None and rec.lfu is None:
+                rec.bump(key)
             elif touch is None:
                 touch = [key]
             else:
@@ -245,10 +251,33 @@ class Core:
             if not retry:  # a reader asks again while a load runs: that is one get, not many
                 rec.counters.hits += 1
                 rec.counters.gets += 1
-            out.append([obj.size, obj.version, obj.meta, reps, retry])
+                obj.readers += 1
+            out.append([obj.size, obj.version, obj.meta, reps, retry, obj.lease_gen])
         if touch is not None:
             rec.touch(touch)
         return {"objs": out, "segs": segs, "ttl_ms": int(rec.cfg.lease_ttl_s * 1000)}
+
+    def reads_done(self, done) -> None:
+        """Ends the read leases whose readers all said they are done (``done`` of get, exists).
+
+        ``done``: ``[key, version, lease generation]`` per read finished within its lease. When
+        the last reader of a lease is done, the object may be evicted (and its space reused) at
+        once instead of at the lease's end: a replay faster than real time would otherwise keep
+        every object read in the last ``lease_ttl_s`` from eviction. Malformed entries and
+        notes of another version or lease are ignored.
+        """
+        if not isinstance(done, list):
+            return
+        rec = self.records
+        for e in done[: rec.cfg.max_keys_per_call]:
+            if not (isinstance(e, list) and len(e) == 3 and isinstance(e[0], str)):
+                continue
+            o = rec.objects.get(e[0])
+            if o is None or o.version != e[1] or o.lease_gen != e[2] or o.readers <= 0:
+                continue
+            o.readers -= 1
+            if o.readers == 0:
+                o.lease_until = 0.0
 
     def where(self, a: dict) -> dict:
         """Introspection: the segment names (memory) and SSD client names holding each key."""
@@ -271,12 +300,16 @@ class Core:
     def exists(self, a: dict) -> dict:
         """Which keys have a committed version; with ``meta``, also each one's metadata bytes.
 
-        Metadata is None if missing. No lease, no LRU touch, nothing loaded from SSD.
+        Metadata is None if missing. No lease, nothing loaded from SSD; with ``touch``, the
+        keys found count as used (eviction order), else no LRU touch.
         """
         rec = self.records
         keys = rec.check_keys(a.get("keys"))
+        self.reads_done(a.get("done"))
         if a.get("meta") is True:
             objs = [rec.objects.get(k) for k in keys]
+            if a.get("touch") is True:
+                rec.touch([k for k, o in zip(keys, objs) if o is not None], use=False)
             return {
                 "exists": [o is not None for o in objs],
                 "meta": [None if o is None else o.meta for o in objs],

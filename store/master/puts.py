@@ -278,7 +278,7 @@ class Puts:
                 rec.unpend_group(p)
             out.append([0, len(live) if p.size else p.want])
         if linked:
-            rec.touch(linked)
+            rec.touch(linked, use=False)
         return {"items": out}
 
     def revoke(self, a: dict) -> dict:
@@ -361,7 +361,7 @@ class Puts:
                 out.append([1, e.code, str(e)])
             off += n
         if linked:
-            rec.touch(linked)
+            rec.touch(linked, use=False)
         reply = {"items": out, "resv": left}
         if isinstance(rid, int):
             c.last_put = [rid, reply]

@@ -723,6 +723,12 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds an object found on SSD may wait for its parent before it is dropped",
     )
     p.add_argument(
+        "--eviction-policy",
+        choices=("lru", "lfu"),
+        default="lru",
+        help="which objects memory eviction takes first (default lru)",
+    )
+    p.add_argument(
         "--port-file",
         default=None,
         help="once listening, write 'PORT METRICS_PORT' here (METRICS_PORT 0 without --metrics-port)",
@@ -750,6 +756,7 @@ def main(argv: list[str] | None = None) -> int:
             max_frame_bytes=a.max_frame_bytes,
             history_entries=a.history_entries,
             orphan_grace_s=a.orphan_grace,
+            eviction_policy=a.eviction_policy,
         )
     except ValueError as e:
         p.error(str(e))

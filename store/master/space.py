@@ -131,7 +131,9 @@ class Space:
                     )
                     e.code = "NoSpaceRetry"
                     raise e
-                offl = any(o.offloading for o in rec.objects.values())
+                # offloads in flight, by the clients' counts (a walk over every object cost
+                # milliseconds per refused put with 30,000 objects on SSD)
+                offl = any(c.ssd_inflight > 0 for c in rec.clients.values())
                 msg = f"no space for {size} bytes: every segment is full and nothing can be evicted (leased, pinned or being written)"
                 if offl:
                     e = NoSpaceError(msg + "; offload to SSD in progress")
@@ -170,7 +172,7 @@ class Space:
         if possible < need:
             return
         self._ssd_waiting.clear()
-        for key in list(rec.lru):
+        for key in rec.eviction_candidates():
             if key == keep:
                 continue
             fits = sum(1 for name in wanted if rec.segments[name].alloc.largest_free() >= n)
@@ -198,7 +200,12 @@ class Space:
         for k in seg.keys:
             o = self.records.objects.get(k)
             if o is not None and k != keep and self.evictable(o, now):
-                spans += [(r[1], aligned(r[2])) for r in o.repl if r[0] == seg.name and r[2] > 0]
+                mine = [(r[1], aligned(r[2])) for r in o.repl if r[0] == seg.name and r[2] > 0]
+                if any(size >= n for _off, size in mine):
+                    # evicting this one object is enough: a cache of equal chunks stops at
+                    # the first evictable key instead of walking the whole segment per put
+                    return True
+                spans += mine
         spans.sort()
         start = end = -1
         for off, size in spans:
@@ -218,12 +225,15 @@ class Space:
         """
         rec = self.records
         cfg = rec.cfg
-        if not rec.capacity or rec.used - rec.reserved_bytes <= cfg.high_watermark * rec.capacity:
+        # memory being offloaded to SSD is as good as free: counted as used, every tick would
+        # evict that much again while the disk writes, and the offloads queued would grow
+        offloading = sum(c.ssd_inflight for c in rec.clients.values())
+        projected = rec.used - rec.reserved_bytes - offloading
+        if not rec.capacity or projected <= cfg.high_watermark * rec.capacity:
             return
         goal = cfg.low_watermark * rec.capacity
-        projected = rec.used - rec.reserved_bytes
         self._ssd_waiting.clear()
-        for key in list(rec.lru):
+        for key in rec.eviction_candidates():
             if projected <= goal:
                 break
             obj = rec.objects.get(key)
@@ -245,6 +255,8 @@ class Space:
         """
         rec = self.records
         mem = sum(aligned(r[2]) for r in obj.repl)
+        if rec.lfu is not None:
+            rec.lfu.evicted(obj.key)
         if not obj.ssd and to_ssd:
             for seg_name, off, _n in obj.repl:
                 seg = rec.segments.get(seg_name)
@@ -279,6 +291,7 @@ class Space:
             rec.free_replica(seg_name, off, n, obj.key, 0.0)
         obj.repl = []
         if obj.ssd:
+            rec.to_ssd_only(obj.key)
             rec.dirty(obj.key)
         else:
             rec.drop(obj.key, "evicted", tier="memory")
@@ -300,8 +313,12 @@ class Space:
         if c.ssd_bytes + size <= c.ssd_max:
             return True
         rec = self.records
-        for key in list(rec.lru):
-            if c.ssd_bytes + size <= c.ssd_max:
+        # the victims first, then their drops (which change the order): the walk stops as soon
+        # as enough is found instead of copying the whole order at every offload
+        over = c.ssd_bytes + size - c.ssd_max
+        victims, found = [], 0
+        for key in rec.ssd_lru:
+            if found >= over:
                 break
             o = rec.objects.get(key)
             if (
@@ -315,8 +332,14 @@ class Space:
                 or (key in rec.children and rec.descendants_evictable(key, now) is None)
             ):
                 continue
-            rec.drop(key, "evicted", f"ssd_max_bytes of {c.name}", tier="ssd")
-            rec.counters.ssd_drops += 1
+            victims.append(key)
+            found += o.size
+        for key in victims:
+            if c.ssd_bytes + size <= c.ssd_max:
+                break
+            if key in rec.objects:  # not dropped with an earlier victim
+                rec.drop(key, "evicted", f"ssd_max_bytes of {c.name}", tier="ssd")
+                rec.counters.ssd_drops += 1
         if c.ssd_bytes + size <= c.ssd_max:
             return True
         return None if c.ssd_inflight else False

@@ -211,6 +211,9 @@ class SsdTier:
         obj.loading = None
         if ok and seg_name in rec.segments:
             obj.repl.append([seg_name, off, n])
+            rec.to_memory(key)
+            if rec.lfu is not None:  # in memory again: back in the eviction order
+                rec.lfu.push(key)
             rec.dirty(key)
         else:
             rec.free_replica(seg_name, off, n, key, 0.0)
@@ -259,18 +262,38 @@ class SsdTier:
         return {}
 
     def offload_done(self, a: dict) -> dict:
-        """A client wrote ``key`` to its SSD directory (``ok``, at ``path``) or could not."""
+        """A client wrote ``key`` to its SSD directory (``ok``, at ``path``) or could not.
+
+        Or, with ``items`` (``[key, version, path, ok]`` each, at most ``max_keys_per_call``),
+        several offloads at once: a client that writes a burst of evictions reports them in
+        one request.
+        """
         rec = self.records
         c = rec.client(a.get("client"))
-        key, version, path, ok = a.get("key"), a.get("version"), a.get("path"), a.get("ok")
-        if not (isinstance(key, str) and isinstance(version, int) and isinstance(path, str)):
+        items = a.get("items")
+        if items is None:
+            items = [[a.get("key"), a.get("version"), a.get("path"), a.get("ok")]]
+        if not (isinstance(items, list) and len(items) <= rec.cfg.max_keys_per_call) or not all(
+            isinstance(it, list)
+            and len(it) == 4
+            and isinstance(it[0], str)
+            and isinstance(it[1], int)
+            and isinstance(it[2], str)
+            for it in items
+        ):
             raise ProtocolError("offload_done: bad arguments")
+        for key, version, path, ok in items:
+            self._offload_done(c, key, version, path, ok)
+        return {}
+
+    def _offload_done(self, c: Client, key: str, version: int, path: str, ok) -> None:
+        rec = self.records
         obj = rec.objects.get(key)
         if obj is None or obj.version != version or obj.offloading != c.id:
             # the object changed meanwhile; its reservation went with it (Records.release)
             if ok:
                 rec.queue(c, ["delete", path])
-            return {}
+            return
         obj.offloading = False
         c.ssd_inflight -= obj.size
         if ok:
@@ -280,6 +303,7 @@ class SsdTier:
             for seg_name, off, n in obj.repl:
                 rec.free_replica(seg_name, off, n, key, obj.lease_until)
             obj.repl = []
+            rec.to_ssd_only(key)
             rec.counters.evictions += 1
             rec.dirty(key)
         else:
@@ -290,7 +314,6 @@ class SsdTier:
             c.ssd_failed_at = now
             if self.space.evictable(obj, now):
                 self.space.evict(obj, now, to_ssd=False)
-        return {}
 
 
 def _links(links, key: str) -> tuple:

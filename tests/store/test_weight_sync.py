@@ -1361,7 +1361,7 @@ _RELAY_STATE = {"tensors": 8, "kib": 1024}  # 8 MiB in buckets of one 1 MiB tens
 _PART = 256 << 10  # relays pass each bucket on in 4 parts
 
 
-def _hosts(procs, master, readers_per_host, config, reader_seg=16 * MiB):
+def _hosts(procs, master, readers_per_host, config, reader_seg=16 * MiB, release_leases=True):
     """A trainer agent on host "h0" (it holds the published pieces) and reader agents on
     hosts "h1", "h2", ...: processes that count as different hosts (``host_id``) on one
     machine, so the readers reach the trainer and each other over TCP."""
@@ -1369,6 +1369,8 @@ def _hosts(procs, master, readers_per_host, config, reader_seg=16 * MiB):
 
     def agent(host, size):
         cfg = {"master": master.address, "segment_size": size, "host_id": host}
+        if not release_leases:
+            cfg["release_leases"] = False
         return procs.start_agent(cfg, serve_tcp=True)
 
     trainer = agent("h0", 4 * seg)
@@ -1426,7 +1428,8 @@ def test_store_pull_across_hosts_one_relay_per_host_in_a_chain(procs):
 
 def test_a_relay_without_room_for_its_copies_steps_down_and_the_chain_goes_on(procs):
     """Three hosts of one reader, segments of 1.5 versions: a relay's copies of version 1
-    that the next host read stay leased (``lease_ttl_s``) after its pull of version 2
+    that the next host read stay leased (``lease_ttl_s``: these readers keep their read
+    leases to the end, ``release_leases=False``) after its pull of version 2
     removed them, so it runs out of room midway through version 2. It steps down (its
     position record goes at once, its copies when its pull ends) and every reader still
     ends with the whole version 2. A reader that starts after one stepped down may take the
@@ -1439,7 +1442,9 @@ def test_a_relay_without_room_for_its_copies_steps_down_and_the_chain_goes_on(pr
         "relay_part_bytes": _PART,
     }
     state_bytes = _RELAY_STATE["tensors"] * _RELAY_STATE["kib"] << 10
-    trainer, readers = _hosts(procs, master, [1, 1, 1], config, reader_seg=state_bytes * 3 // 2)
+    trainer, readers = _hosts(
+        procs, master, [1, 1, 1], config, reader_seg=state_bytes * 3 // 2, release_leases=False
+    )
     for v in (1, 2):
         trainer.cmd("ws_publish", model="s", config=config, version=v, **_RELAY_STATE)
         got = _pull_all(readers, "s", config)
