@@ -69,8 +69,10 @@ class Connection:
     that this spinning caller and others occupy, as when more clients than cores share a host)
     turns spinning off for the next calls, twice as many after each further miss (up to
     ``_SPIN_BACKOFF_MAX``), and one that catches the reply resets that. Each turn of the spin
-    yields the core (``sched_yield``), so a master woken on the same core runs at once. On the
-    2-core CI VM with 8 clients, 1-key removes went from 7-12K to TODO/s this way.
+    yields the core (``sched_yield``), so a master woken on the same core runs at once. On a
+    2-core VM at load average 4-5, one client's 1-key removes ran at 7-12K/s with a fixed 200 us
+    spin (p90 257 us: missed spins), 31-32K/s without spinning and 35-38K/s with this one
+    (benchmarks/RESULTS.md, "Metadata load").
 
     Raises ``OSError`` (connection problems; ``TimeoutError`` after ``timeout`` seconds),
     ``ProtocolError`` and the store errors the master replies with.
