@@ -18,8 +18,8 @@ error reply with id -1 (or its id when readable) and the connection goes on.
 from __future__ import annotations
 
 import hashlib
-import os
 import hmac
+import os
 import select
 import socket
 import struct
