@@ -40,14 +40,24 @@ Both masters run as their own process with a 1 s read lease (``--lease-ttl 1``,
 case, outside the timed part) comes back before the next case.
 One torch thread per process; values are fixed random bytes.
 
+Metadata load (``--meta``, ours against Mooncake's master; the smoke runs one client of it
+after its other cases): each of 1, 2, 4 and 8 client processes puts 1024 values of 16 KiB
+(16 keys per call; Mooncake ``batch_put_from``), then makes 512 lookups of 128 keys each
+(``exists_batch``; Mooncake ``batch_is_exist``), then removes its keys one per call
+(``remove``; Mooncake ``remove``, after the 1 s lease, outside the timing). All clients start
+each phase together; calls/s over all clients and p50/p99 per call, medians over ``--reps``.
+Mooncake's master runs with its defaults (16 RPC threads, TCP_NODELAY).
+
     .venv/bin/python benchmarks/store_bench.py                  # full run (minutes)
+    .venv/bin/python benchmarks/store_bench.py --meta           # metadata load only
     .venv/bin/python benchmarks/store_bench.py --smoke          # CI: small, checks it works
     .venv/bin/python benchmarks/store_bench.py --json out.json --markdown table.md
 
 Gates (printed, and ``--gate`` makes a failed one exit 1): batch put/get of 1-64 MiB at
 least 0.9x Mooncake on one host and at least 1x over TCP; batch 4 KiB at least 0.5x
 Mooncake's objects/s (one host and over TCP); at least 5x Redis at 1 MiB and above (one
-host).
+host); metadata load at least 1x Mooncake's calls/s with p99 at most 1.5x its p99, per
+op and client count.
 """
 
 from __future__ import annotations
