@@ -1177,7 +1177,8 @@ def main(argv=None):
         table += meta_markdown(records, args)
     table += (
         f"\nFloors measured in the same run: a 64-byte TCP ping-pong between two processes on "
-        f"127.0.0.1 takes {ceiling['rtt_s'] * 1e6:.0f} us (median); one single-threaded copy, GiB/s: "
+        f"127.0.0.1 takes {ceiling['rtt_s'] * 1e6:.0f} us (median)"
+        + ("; one single-threaded copy, GiB/s: " if len(ceiling) > 1 else "")
         + "; ".join(
             f"{size_name(k)} {v['warm']:.2f} into touched memory, {v['fresh']:.2f} into new bytes"
             for k, v in ceiling.items()
