@@ -40,14 +40,24 @@ Both masters run as their own process with a 1 s read lease (``--lease-ttl 1``,
 case, outside the timed part) comes back before the next case.
 One torch thread per process; values are fixed random bytes.
 
+Metadata load (``--meta``, ours against Mooncake's master; the smoke runs one client of it
+after its other cases): each of 1, 2, 4 and 8 client processes puts 1024 values of 16 KiB
+(16 keys per call; Mooncake ``batch_put_from``), then makes 512 lookups of 128 keys each
+(``exists_batch``; Mooncake ``batch_is_exist``), then removes its keys one per call
+(``remove``; Mooncake ``remove``, after the 1 s lease, outside the timing). All clients start
+each phase together; calls/s over all clients and p50/p99 per call, medians over ``--reps``.
+Mooncake's master runs with its defaults (16 RPC threads, TCP_NODELAY).
+
     .venv/bin/python benchmarks/store_bench.py                  # full run (minutes)
+    .venv/bin/python benchmarks/store_bench.py --meta           # metadata load only
     .venv/bin/python benchmarks/store_bench.py --smoke          # CI: small, checks it works
     .venv/bin/python benchmarks/store_bench.py --json out.json --markdown table.md
 
 Gates (printed, and ``--gate`` makes a failed one exit 1): batch put/get of 1-64 MiB at
 least 0.9x Mooncake on one host and at least 1x over TCP; batch 4 KiB at least 0.5x
 Mooncake's objects/s (one host and over TCP); at least 5x Redis at 1 MiB and above (one
-host).
+host); metadata load at least 1x Mooncake's calls/s with p99 at most 1.5x its p99, per
+op and client count.
 """
 
 from __future__ import annotations
@@ -70,6 +80,12 @@ KiB, MiB = 1 << 10, 1 << 20
 SIZES = [4 * KiB, MiB, 16 * MiB, 64 * MiB]
 BATCH_KEYS, BATCH_BYTES = 128, 16 * MiB
 RECV_BYTES = max(BATCH_BYTES, max(SIZES))  # what one call reads at most
+# --meta: metadata load. Lookups of 128 keys per call (a 64K-token prompt's chunks), puts of
+# 16 KiB values (16 keys per call), removes of one key per call (Mooncake's remove takes one).
+META_SIZE, META_PUT_KEYS, META_LOOKUP_KEYS = 16 * KiB, 16, 128
+META_BUF = META_SIZE * META_PUT_KEYS
+META_SEGMENT = 64 * MiB
+META_OPS = ("put", "lookup", "remove")
 
 
 def size_name(n: int) -> str:
@@ -120,7 +136,15 @@ class OurClient:
                 name=spec["name"],
             )
             self.rc = ReplicateConfig()
-        self.recv = bytearray(RECV_BYTES)  # reads land here (get_into), as Mooncake's do
+        # reads land here (get_into), as Mooncake's do
+        self.recv = bytearray(META_BUF if spec.get("meta") else RECV_BYTES)
+
+    def exists(self, keys):
+        return [bool(x) for x in self.s.exists_batch(keys)]
+
+    def remove_one(self, key):
+        self.s.remove(key)
+        return True
 
     def put(self, keys, vals):
         if len(keys) == 1:
@@ -189,8 +213,9 @@ class MooncakeClient:
         self.rc = ReplicateConfig()
         if spec["setup"] == "host":
             self.rc.preferred_segment = self.s.get_hostname()
-        self.recv = bytearray(RECV_BYTES)
-        self.send = bytearray(max(SIZES))
+        meta = spec.get("meta")
+        self.recv = bytearray(META_BUF if meta else RECV_BYTES)
+        self.send = bytearray(META_BUF if meta else max(SIZES))
         self._ptr = {}
         for name in ("recv", "send"):
             buf = getattr(self, name)
@@ -229,6 +254,12 @@ class MooncakeClient:
         for k in keys:
             self.s.remove(k)
 
+    def exists(self, keys):
+        return [x == 1 for x in self.s.batch_is_exist(keys)]
+
+    def remove_one(self, key):
+        return self.s.remove(key) == 0
+
     def close(self):
         self.s.close()
 
@@ -260,6 +291,9 @@ def worker_main(spec: dict):
         case = json.loads(line)
         if case.get("exit"):
             break
+        if case.get("meta"):
+            meta_case(client, spec, case, out)
+            continue
         size, mode, n = case["size"], case["mode"], case["n"]
         if size not in values:
             values[size] = os.urandom(size)
@@ -304,6 +338,48 @@ def worker_main(spec: dict):
         )
         out.flush()
     client.close()
+
+
+def meta_case(client, spec: dict, case: dict, out):
+    """One repetition of the metadata load: puts, lookups, removes, each phase started by a
+    'go' on stdin so that every client runs the same phase at the same time."""
+    n, calls = case["n"], case["lookups"]
+    v = os.urandom(META_SIZE)
+    keys = [f"{spec['name']}-m{case['tag']}-{i}" for i in range(n)]
+    puts = [keys[i : i + META_PUT_KEYS] for i in range(0, n, META_PUT_KEYS)]
+    windows = [keys[i : i + META_LOOKUP_KEYS] for i in range(0, n, META_LOOKUP_KEYS)]
+    out.write(json.dumps({"armed": True}) + "\n")
+    out.flush()
+    res, ok = {}, True
+    for op in META_OPS:
+        sys.stdin.readline()  # "go"
+        lat = []
+        t0 = time.perf_counter()
+        if op == "put":
+            for g in puts:
+                a = time.perf_counter()
+                client.put(g, [v] * len(g))
+                lat.append(time.perf_counter() - a)
+        elif op == "lookup":
+            for j in range(calls):
+                a = time.perf_counter()
+                got = client.exists(windows[j % len(windows)])
+                lat.append(time.perf_counter() - a)
+                ok = ok and all(got)
+        else:
+            for k in keys:
+                a = time.perf_counter()
+                ok = client.remove_one(k) and ok
+                lat.append(time.perf_counter() - a)
+        t1 = time.perf_counter()
+        res[op] = [t0, t1, lat]
+        if op == "lookup":
+            time.sleep(1.05)  # outside the timing: a leased object cannot be removed (1 s lease)
+        out.write(json.dumps({"phase": op}) + "\n")
+        out.flush()
+    ok = ok and not any(client.exists(keys[:META_LOOKUP_KEYS]))
+    out.write(json.dumps(dict(res, phase="done", ok=ok)) + "\n")
+    out.flush()
 
 
 # =============================================================================== per system
@@ -395,6 +471,28 @@ class WorkerGroup:
             )
         return out
 
+    def run_meta(self, n, lookups, tag) -> dict:
+        """One repetition of the metadata load on every client at once:
+        {op: (seconds, calls, latencies per call)}."""
+        self.tell({"meta": True, "n": n, "lookups": lookups, "tag": tag})
+        for p in self.workers:
+            self.read(p)  # armed
+        for _ in META_OPS:
+            self.tell("go")
+            for p in self.workers:
+                self.read(p)  # phase done
+        res = [self.read(p) for p in self.workers]
+        if not all(r["ok"] for r in res):
+            raise RuntimeError(f"{self.system} meta: a lookup or remove went wrong")
+        return {
+            op: (
+                max(r[op][1] for r in res) - min(r[op][0] for r in res),
+                sum(len(r[op][2]) for r in res),
+                [x for r in res for x in r[op][2]],
+            )
+            for op in META_OPS
+        }
+
     def close(self):
         try:
             self.tell({"exit": True})
@@ -454,6 +552,57 @@ def run_interleaved(groups: list, args) -> list:
                         file=sys.stderr,
                         flush=True,
                     )
+    return records
+
+
+def meta_sizes(smoke: bool) -> tuple:
+    """(keys each client puts and removes, lookup calls each client makes) per repetition."""
+    return (128, 32) if smoke else (1024, 512)
+
+
+def run_meta_interleaved(groups: list, args, tag: int = 10**6) -> list:
+    """The metadata load on every group, systems taking turns repetition by repetition as in
+    :func:`run_interleaved`. One record per (group, op): medians over repetitions of calls/s
+    and keys/s, and p50/p99 of the per-call latency over all repetitions."""
+    n, lookups = meta_sizes(args.smoke)
+    per_call = {"put": META_PUT_KEYS, "lookup": META_LOOKUP_KEYS, "remove": 1}
+    reps = {id(g): {op: [] for op in META_OPS} for g in groups}
+    for rep in range(args.reps):
+        k = rep % len(groups)
+        for g in groups[k:] + groups[:k]:
+            tag += 1
+            res = g.run_meta(n, lookups, tag)
+            for op in META_OPS:
+                reps[id(g)][op].append(res[op])
+        time.sleep(1.1)  # removed objects' space comes back after the 1 s lease
+    records = []
+    for g in groups:
+        for op in META_OPS:
+            rs = reps[id(g)][op]
+            lats = [x for _, _, ls in rs for x in ls]
+            calls_s = statistics.median(c / secs for secs, c, _ in rs)
+            rec = {
+                "system": g.system,
+                "setup": "meta",
+                "clients": g.clients,
+                "size": META_SIZE,
+                "mode": "meta",
+                "op": op,
+                "keys_per_call": per_call[op],
+                "calls_s": calls_s,
+                "objs_s": calls_s * per_call[op],
+                "p50_ms": percentile(lats, 0.5) * 1e3,
+                "p99_ms": percentile(lats, 0.99) * 1e3,
+                "reps": len(rs),
+            }
+            records.append(rec)
+            print(
+                f"  {g.system:8s} meta c={g.clients} {op:6s} ({per_call[op]:3d} keys/call): "
+                f"{calls_s:9.0f} calls/s {rec['objs_s']:10.0f} keys/s p50 {rec['p50_ms']:8.3f} ms "
+                f"p99 {rec['p99_ms']:8.3f} ms",
+                file=sys.stderr,
+                flush=True,
+            )
     return records
 
 
@@ -581,12 +730,16 @@ def suite_main(args):
     """Runs every case of every system (interleaved) and prints the records as one JSON line."""
     procs = Procs()
     log = open(os.path.join(args.logdir, "systems.log"), "a")
-    seg = max(args.sizes) * 2 + (64 * MiB if args.smoke else 512 * MiB)
+    seg = (
+        META_SEGMENT
+        if args.meta_only
+        else max(args.sizes) * 2 + (64 * MiB if args.smoke else 512 * MiB)
+    )
     systems = args.systems.split(",")
     records = []
     try:
         bases = start_services(systems, args, procs, log, seg)
-        for setup in ("host", "tcp"):
+        for setup in ("host", "tcp") if not args.meta_only else ():
             for clients in args.clients:
                 groups = []
                 try:
@@ -601,6 +754,17 @@ def suite_main(args):
                 finally:
                     for g in groups:
                         g.close()
+        for clients in args.meta_clients:
+            groups = []
+            try:
+                for system in systems:
+                    if system in ("ours", "mooncake") and (system, "host") in bases:
+                        spec = dict(bases[(system, "host")], meta=True, segment=META_SEGMENT)
+                        groups.append(WorkerGroup(system, "host", clients, spec, procs, log))
+                records += run_meta_interleaved(groups, args)
+            finally:
+                for g in groups:
+                    g.close()
     finally:
         procs.kill_all()
     print(json.dumps(records), flush=True)
@@ -657,7 +821,10 @@ def run_suite(systems: list, args) -> list:
         ",".join(map(str, args.sizes)),
         "--clients",
         ",".join(map(str, args.clients)),
-    ] + (["--smoke"] if args.smoke else [])
+        "--meta-clients",
+        ",".join(map(str, args.meta_clients)),
+    ]
+    cmd += (["--smoke"] if args.smoke else []) + (["--meta-only"] if args.meta_only else [])
     if "mooncake" in systems:  # every system in one network namespace that has only loopback
         cmd = (
             ["unshare", "-n", "sh", "-c", "ip link set lo up && exec \"$@\"", "sh"]
@@ -834,6 +1001,51 @@ def gates(records, args) -> list:
     return out
 
 
+def meta_gates(records, args) -> list:
+    """Metadata load: ours at least 1x Mooncake's calls/s and p99 at most 1.5x, per op and
+    client count."""
+    out = []
+    for clients in args.meta_clients:
+        for op in META_OPS:
+            o = find(records, system="ours", setup="meta", clients=clients, op=op)
+            m = find(records, system="mooncake", setup="meta", clients=clients, op=op)
+            if o and m:
+                ratio, p99 = o["calls_s"] / m["calls_s"], o["p99_ms"] / m["p99_ms"]
+                out.append(
+                    (
+                        f"meta {op} c={clients} >= 1x Mooncake calls/s, p99 <= 1.5x",
+                        ratio >= 1.0 and p99 <= 1.5,
+                        f"{ratio:.2f}x ({o['calls_s']:.0f} vs {m['calls_s']:.0f} calls/s), "
+                        f"p99 {p99:.2f}x ({o['p99_ms']:.2f} vs {m['p99_ms']:.2f} ms)",
+                    )
+                )
+    return out
+
+
+def meta_markdown(records, args) -> str:
+    """The metadata load's table: per client count and op, both systems and their ratio."""
+    lines = [
+        "| clients | op | keys/call | ours calls/s | Mooncake calls/s | ratio | "
+        "ours p50/p99 ms | Mooncake p50/p99 ms | p99 ours/Mooncake |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for clients in args.meta_clients:
+        for op in META_OPS:
+            o = find(records, system="ours", setup="meta", clients=clients, op=op)
+            m = find(records, system="mooncake", setup="meta", clients=clients, op=op)
+            if o is None:
+                continue
+            cells = [f"{r['p50_ms']:.2f}/{r['p99_ms']:.2f}" if r else "-" for r in (o, m)]
+            ratio = f"{o['calls_s'] / m['calls_s']:.2f}x" if m else "-"
+            p99 = f"{o['p99_ms'] / m['p99_ms']:.2f}x" if m else "-"
+            theirs = f"{m['calls_s']:.0f}" if m else "-"
+            lines.append(
+                f"| {clients} | {op} | {o['keys_per_call']} | {o['calls_s']:.0f} | {theirs} | "
+                f"{ratio} | {cells[0]} | {cells[1]} | {p99} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def markdown(records, args) -> str:
     systems = [s for s in ("ours", "mooncake", "redis") if any(r["system"] == s for r in records)]
     lines = [
@@ -905,6 +1117,17 @@ def main(argv=None):
     p.add_argument("--logdir", default=None)
     p.add_argument("--in-netns", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--timeout", type=float, default=3600, help="seconds for the whole run")
+    p.add_argument(
+        "--meta",
+        action="store_true",
+        help="only the metadata load (lookups, small puts, removes; ours and Mooncake)",
+    )
+    p.add_argument(
+        "--meta-clients",
+        default=None,
+        help="client counts of the metadata load (default 1,2,4,8; smoke 1)",
+    )
+    p.add_argument("--meta-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.role == "worker":
         worker_main(json.loads(args.spec))
@@ -916,11 +1139,18 @@ def main(argv=None):
         else ([4 * KiB, MiB] if args.smoke else SIZES)
     )
     args.clients = [int(x) for x in (args.clients or ("1" if args.smoke else "1,2")).split(",")]
+    if args.role == "driver":
+        args.meta_only = args.meta
+        if args.meta_clients is None:  # the smoke always includes a small metadata run
+            args.meta_clients = "1" if args.smoke else ("1,2,4,8" if args.meta else "")
+    args.meta_clients = [int(x) for x in (args.meta_clients or "").split(",") if x]
     if args.role == "suite":
         suite_main(args)
         return 0
     args.logdir = args.logdir or tempfile.mkdtemp(prefix="store-bench-logs-")
     systems, skipped = [], {}
+    if args.meta_only:  # the metadata load compares with Mooncake's master only
+        args.systems = ",".join(x for x in args.systems.split(",") if x != "redis")
     for system in args.systems.split(","):
         ok, why = available(system)
         if ok:
@@ -937,15 +1167,18 @@ def main(argv=None):
         file=sys.stderr,
         flush=True,
     )
-    ceiling: dict = copy_ceiling([x for x in args.sizes if x >= MiB])
+    ceiling: dict = copy_ceiling([x for x in args.sizes if x >= MiB and not args.meta_only])
     ceiling["rtt_s"] = loopback_rtt()
     cold = [cold_copy_us(0.5 if args.smoke else 2.0)]
     records = run_suite(systems, args)
     cold.append(cold_copy_us(0.5 if args.smoke else 2.0))
-    table = markdown(records, args)
+    table = markdown(records, args) if not args.meta_only else ""
+    if args.meta_clients:
+        table += meta_markdown(records, args)
     table += (
         f"\nFloors measured in the same run: a 64-byte TCP ping-pong between two processes on "
-        f"127.0.0.1 takes {ceiling['rtt_s'] * 1e6:.0f} us (median); one single-threaded copy, GiB/s: "
+        f"127.0.0.1 takes {ceiling['rtt_s'] * 1e6:.0f} us (median)"
+        + ("; one single-threaded copy, GiB/s: " if len(ceiling) > 1 else "")
         + "; ".join(
             f"{size_name(k)} {v['warm']:.2f} into touched memory, {v['fresh']:.2f} into new bytes"
             for k, v in ceiling.items()
@@ -955,7 +1188,7 @@ def main(argv=None):
         f"start and {cold[1]:.0f} us at the end of the run (median)\n"
     )
     print(table)
-    results = gates(records, args)
+    results = gates(records, args) + meta_gates(records, args)
     failed = [g for g in results if g[1] is False]
     for name, ok, detail in results:
         print(f"gate {'PASS' if ok else 'FAIL'}: {name}: {detail}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import select
 import socket
 import struct
@@ -52,6 +53,9 @@ def mac(secret: str, nonce: bytes) -> bytes:
     return hmac.new(secret.encode(), nonce, hashlib.sha256).digest()
 
 
+_SPIN_BACKOFF_MAX = 64  # most calls a missed spin turns spinning off for
+
+
 class Connection:
     """A blocking client connection to a master (one request at a time).
 
@@ -60,6 +64,15 @@ class Connection:
     microseconds to wake (measured on the 2-core CI VM: a 64-byte loopback ping-pong takes 70-80 us
     when the caller sleeps, 21-22 us when it spins), which is as long as the master's whole answer;
     0 always sleeps. The spin is bounded, so a slow answer costs at most this much CPU.
+
+    The spin adapts: one that runs out before the reply (the master is busy, or waits for a core
+    that this spinning caller and others occupy, as when more clients than cores share a host)
+    turns spinning off for the next calls, twice as many after each further miss (up to
+    ``_SPIN_BACKOFF_MAX``), and one that catches the reply resets that. Each turn of the spin
+    yields the core (``sched_yield``), so a master woken on the same core runs at once. On a
+    2-core VM at load average 4-5, one client's 1-key removes ran at 7-12K/s with a fixed 200 us
+    spin (p90 257 us: missed spins), 31-32K/s without spinning and 35-38K/s with this one
+    (benchmarks/RESULTS.md, "Metadata load").
 
     Raises ``OSError`` (connection problems; ``TimeoutError`` after ``timeout`` seconds),
     ``ProtocolError`` and the store errors the master replies with.
@@ -79,6 +92,8 @@ class Connection:
         self.timeout = timeout
         self.max_frame = max_frame
         self.busy_poll_s = busy_poll_us / 1e6
+        self._spin_skip = 0  # calls left that wait without spinning
+        self._spin_backoff = 0  # how many the next miss skips
         self.sock = socket.create_connection((host, port), timeout=timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.setblocking(
@@ -124,12 +139,19 @@ class Connection:
         Raises ``TimeoutError`` at ``deadline`` (``time.monotonic()``).
         """
         if spin and self.busy_poll_s > 0:
-            end = time.perf_counter() + self.busy_poll_s
-            while True:
-                if self._poller.poll(0):
-                    return
-                if time.perf_counter() > end:
-                    break
+            if self._spin_skip > 0:
+                self._spin_skip -= 1
+            else:
+                end = time.perf_counter() + self.busy_poll_s
+                while True:
+                    if self._poller.poll(0):
+                        self._spin_backoff = 0
+                        return
+                    if time.perf_counter() > end:
+                        break
+                    os.sched_yield()
+                self._spin_backoff = min(_SPIN_BACKOFF_MAX, 2 * self._spin_backoff or 1)
+                self._spin_skip = self._spin_backoff
         if events != select.POLLIN:
             self._poller.modify(self.sock, events)
         try:

@@ -110,6 +110,28 @@ def test_answers_fast_late_and_large(busy_poll_us):
         peer.close()
 
 
+def test_busy_poll_backs_off_after_misses():
+    """A spin that misses the reply turns spinning off for the next 1, 2, 4 ... calls (at most
+    64); a spin that catches one resets that. Replies stay whole and in order throughout."""
+    peer = Peer(echo, delay=0.3)  # past the 0.1 s spin
+    c = protocol.Connection("127.0.0.1", peer.port, secret=None, timeout=5, busy_poll_us=100_000)
+    try:
+        assert c.call("x", {"i": 0}) == {"i": 0}  # spun, missed: the next call waits unspun
+        assert (c._spin_skip, c._spin_backoff) == (1, 1)
+        assert c.call("x", {"i": 1}) == {"i": 1}  # not spun
+        assert (c._spin_skip, c._spin_backoff) == (0, 1)
+        assert c.call("x", {"i": 2}) == {"i": 2}  # spun, missed again: twice as many
+        assert (c._spin_skip, c._spin_backoff) == (2, 2)
+        peer.delay = 0.0
+        for i in range(3, 6):  # two unspun calls, then a spin that catches its reply
+            assert c.call("x", {"i": i}) == {"i": i}
+        assert (c._spin_skip, c._spin_backoff) == (0, 0)
+        assert [r[2]["i"] for r in peer.requests] == list(range(6))
+    finally:
+        c.close()
+        peer.close()
+
+
 def test_large_request_to_a_slow_reader():
     """A request larger than the socket's send buffer, to a peer that reads slowly, is sent
     whole (the non-blocking send waits for room instead of dropping bytes)."""
