@@ -57,6 +57,10 @@ if TYPE_CHECKING:
     KV = torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]] | Any
 
 _MEMO_MAX = 1024  # prompts looked up by match_prefix whose get has not come yet
+# the store bounds a tag to 256 bytes and an object to 16 tags; a chunk's tag is "kv" + 16
+# hex digits of its namespace + "#" + the name
+MAX_TAG_NAME_BYTES = 200
+MAX_TAGS_PER_CHUNK = 16
 MAX_HOLD_S = 3600.0  # the master's bound on a hold's TTL
 
 
@@ -170,7 +174,9 @@ class KVCacheStore:
         self.weights = weights
         self._internal = store.internal
         self._tenant_prefix = f"kv/{self.cfg.model}/{tenant}/"
-        self._space = f"{self._tenant_prefix}{self.cfg.salt or '-'}/"
+        # "-" is no salt and a salt is "=<salt>": no salt can name the unsalted namespace
+        salt = "-" if self.cfg.salt is None else f"={self.cfg.salt}"
+        self._space = f"{self._tenant_prefix}{salt}/"
         self._rc = ReplicateConfig(replica_num=self.cfg.replica_num, pin=self.cfg.pin)
         # the tenant's group in the store: its bytes, quota and drops by cause (the store
         # bounds a group's name to 256 bytes)
@@ -320,7 +326,7 @@ class KVCacheStore:
 
         Whole chunks, then the longest partial chunk stored at a breakpoint. Counts one
         lookup (:class:`KVCacheStats`); a ``get`` of the same prompt that follows reuses
-        this lookup.
+        this lookup (one that follows a ``put`` of the same prompt looks again).
 
         Args:
             tokens: a sequence of ints or a 1-D integer tensor or array.
@@ -433,14 +439,18 @@ class KVCacheStore:
             kv: a ``transformers`` ``Cache`` (``DynamicCache``, a batch of one), a CPU
                 tensor ``[layers, 2, kv_heads, T, head_dim]``, or per-layer ``(K, V)`` pairs
                 each ``[kv_heads, T, head_dim]`` (or ``[1, kv_heads, T, head_dim]``), all of
-                one shape and dtype; ``T`` covers at least the tokens stored.
+                one shape and dtype; ``T`` is at most ``len(tokens)`` and covers at least
+                the tokens stored (the K/V of a prompt whose last token is not yet computed
+                serves its whole chunks).
             breakpoints: token counts ``i`` (strictly increasing, in ``[1, len(tokens)]``)
                 whose prefix is stored to its exact end: the partial chunk that ends at
                 ``i`` is stored too (none at a multiple of ``chunk_tokens``: a whole chunk
                 ends there).
             tags: ``{name: (start, end)}``: token ranges ``[start, end)`` (non-empty, within
                 the tokens, not overlapping) that :meth:`invalidate` of ``name`` retires,
-                with every chunk of any prompt that continues them.
+                with every chunk of any prompt that continues them. A name is a non-empty
+                str of at most 200 bytes of UTF-8; a chunk carries at most 16 tags (those of
+                this put and of earlier puts of it).
 
         Returns:
             :class:`KVPutResult`.
@@ -459,6 +469,12 @@ class KVCacheStore:
         bps = self._check_breakpoints(breakpoints, p.n, op)
         ranges = self._check_tags(tags, p.n, op)
         kv = self._as_tensor(kv, op)
+        if kv.shape[3] > p.n:
+            # K/V of tokens not given: the tokens and the K/V are not of one prompt
+            raise ValueError(
+                f"{op}: kv covers {kv.shape[3]} tokens, more than the {p.n} tokens given; "
+                "nothing was written"
+            )
         covered = max([len(p.digests) * c, *bps])
         if kv.shape[3] < covered:
             raise ValueError(
@@ -479,6 +495,9 @@ class KVCacheStore:
             plan.append((ns + "p" + d.hex(), whole_keys[k - 1] if k else None, k * c, n))
         if not plan:
             return KVPutResult(0, 0, 0)
+        # a lookup of this prompt made before this put missed what it stores: the get
+        # that follows looks again
+        self._memo.pop(p.fingerprint, None)
         metas = self._internal.metadata([key for key, *_ in plan])
         for i, ((_key, _parent, _start, n), meta) in enumerate(zip(plan, metas)):
             if meta is None:
@@ -497,6 +516,12 @@ class KVCacheStore:
             [self._tag(t) for t, (a, b) in ranges.items() if a < s + n and s < b]
             for _k, _pa, s, n in plan
         ]
+        for i, ts in enumerate(names):
+            if len(ts) > MAX_TAGS_PER_CHUNK:
+                raise ValueError(
+                    f"{op}: chunk {i} (tokens {plan[i][2]}..{plan[i][2] + plan[i][3]}) would carry "
+                    f"{len(ts)} tags, at most {MAX_TAGS_PER_CHUNK}; nothing was written"
+                )
         todo = [i for i, meta in enumerate(metas) if meta is None]
         existing = len(plan) - len(todo)
         retag = [i for i, meta in enumerate(metas) if meta is not None and names[i]]
@@ -570,9 +595,10 @@ class KVCacheStore:
             raise ValueError(f"{op}: tags must be a dict {{name: (start, end)}}, got {tags!r}")
         out = {}
         for name, rng in tags.items():
-            if not isinstance(name, str) or not name or len(name) > 200:
+            if not isinstance(name, str) or not name or len(name.encode()) > MAX_TAG_NAME_BYTES:
                 raise ValueError(
-                    f"{op}: a tag name must be a non-empty str of at most 200 chars, got {name!r}"
+                    f"{op}: a tag name must be a non-empty str of at most {MAX_TAG_NAME_BYTES} "
+                    f"bytes of UTF-8, got {short_repr(name) if isinstance(name, str) else repr(name)}"
                 )
             ok = (
                 isinstance(rng, (tuple, list))
@@ -775,7 +801,10 @@ class KVCacheStore:
             tokens: a sequence of ints or a 1-D integer tensor or array.
 
         Returns:
-            :class:`KVExplain`.
+            :class:`KVExplain` (an empty prompt: a ``hit`` of 0 tokens).
+
+        Raises:
+            ValueError: malformed tokens; ``weights`` holds no version yet.
         """
         from .explain import explain
 

@@ -69,6 +69,8 @@ class KVCacheConfig:
                     f"KVCacheConfig: {field} must be a non-empty str without '/' (at most 200 "
                     f"chars), got {shown}"
                 )
+        if not isinstance(self.pin, bool):
+            raise ValueError(f"KVCacheConfig: pin must be a bool, got {self.pin!r}")
         if self.weight_version is not None and not _count(self.weight_version, 0):
             raise ValueError(
                 "KVCacheConfig: weight_version must be None or an int >= 0, got "

@@ -9,7 +9,8 @@ hash of its parent and those tokens::
     key = "kv/<model>/<tenant>/<salt>/<version>/<hex(h_i)>"   (partial: ".../p<hex(p)>")
 
 (tokens as little-endian int64, BLAKE2b-128: equal in every process and on every host,
-unlike Python's ``hash``; ``-`` stands for no salt and no weight version). Two prompts
+unlike Python's ``hash``; ``-`` stands for no salt and no weight version, a salt is
+written ``=<salt>``). Two prompts
 share exactly the chunks of their common prefix; the namespace in front keeps models,
 tenants, salts and weight versions apart at every tier, since the SSD tier and other hosts
 use the same keys.

@@ -123,6 +123,53 @@ def test_tenant_and_model_isolation(procs):
             KVCacheStore(s, tenant="x/y")
 
 
+def test_salt_dash_is_its_own_namespace_and_bad_puts_write_nothing(procs):
+    """A salt spelled like the no-salt marker ("-") is a namespace of its own; K/V of more
+    tokens than given, more than 16 tags on a chunk, a long tag name and a non-bool pin are
+    ValueErrors before anything is written; an empty prompt is a hit of 0 tokens."""
+    m = sa.start_master()
+    sa.start_agent({"master": m.address, "segment_size": 16 * MiB, "name": "node"})
+    with _client(m.address) as s:
+        plain = KVCacheStore(s, tenant="a", config=KVCacheConfig(chunk_tokens=4))
+        dash = KVCacheStore(s, tenant="a", config=KVCacheConfig(chunk_tokens=4, salt="-"))
+        eq = KVCacheStore(s, tenant="a", config=KVCacheConfig(chunk_tokens=4, salt="=-"))
+        p = list(range(8))
+        plain.put(p, _kv_for(p))
+        assert dash.match_prefix(p) == 0 and eq.match_prefix(p) == 0
+        assert dash.put(p, _kv_for(p) + 1).stored_chunks == 2
+        assert eq.match_prefix(p) == 0
+        assert torch.equal(plain.get(p).kv, _kv_for(p))
+        assert torch.equal(dash.get(p).kv, _kv_for(p) + 1)
+
+        q = list(range(50, 58))
+        with pytest.raises(
+            ValueError, match=r"^KVCacheStore\.put: kv covers 9 tokens, more than the 8"
+        ):
+            plain.put(q, _kv_for(q + [1]))
+        assert plain.match_prefix(q) == 0
+        plain.put(q, _kv_for(q))  # stored: the same check holds for chunks already stored
+        with pytest.raises(ValueError, match="more than the 8 tokens given"):
+            plain.put(q, _kv_for(q + [1]))
+        many = {f"t{i}": (i, i + 1) for i in range(4)} | {f"u{i}": (4 + i, 5 + i) for i in range(4)}
+        r = list(range(200, 240))
+        tags = {f"t{i}": (i, i + 1) for i in range(17)}
+        with pytest.raises(ValueError, match="chunk 0 .* would carry 17 tags, at most 16"):
+            KVCacheStore(s, tenant="a", config=KVCacheConfig(chunk_tokens=20)).put(
+                r, _kv_for(r), tags=tags
+            )
+        assert plain.match_prefix(r) == 0
+        assert plain.put(r[:8], _kv_for(r[:8]), tags=many).stored_chunks == 2
+        with pytest.raises(ValueError, match="at most 200 bytes of UTF-8"):
+            plain.put(r, _kv_for(r), tags={"\u00e9" * 101: (0, 1)})
+        with pytest.raises(ValueError, match="pin must be a bool"):
+            KVCacheConfig(pin="yes")
+
+        assert plain.put([], _kv_for([1])[:, :, :, :0]).stored_chunks == 0
+        assert plain.get([]).kv is None and plain.match_prefix([]) == 0
+        e = plain.explain([])
+        assert (e.cause, e.hit_tokens) == ("hit", 0)
+
+
 def test_eviction_only_misses_never_wrong_data(procs):
     m = sa.start_master(high_watermark=0.8, low_watermark=0.5)
     sa.start_agent({"master": m.address, "segment_size": 2 * MiB + 4096, "name": "node"})
