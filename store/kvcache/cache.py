@@ -187,7 +187,10 @@ class KVCacheStore:
         self._metrics = _Metrics.get()
         self._labels = (self.cfg.model, tenant)
         # prompt fingerprint -> the lookup match_prefix made, for the get that follows it
-        self._memo: collections.OrderedDict[bytes, _Match] = collections.OrderedDict()
+        # (prompt fingerprint, the versions looked in) -> the lookup match_prefix made, for
+        # the get that follows it; the versions are in the key so that a lookup made before a
+        # new weight version is installed never serves the get after it
+        self._memo: collections.OrderedDict[tuple, _Match] = collections.OrderedDict()
 
     # ------------------------------------------------------------------ namespaces
     @property
@@ -302,6 +305,9 @@ class KVCacheStore:
                 best = m
         return best
 
+    def _memo_key(self, p: _Prompt) -> tuple:
+        return (p.fingerprint, tuple(self._versions()))
+
     def _count_lookup(self, m: _Match, looked_up: int) -> None:
         st = self.stats
         hit = m.tokens
@@ -340,8 +346,9 @@ class KVCacheStore:
         p = _Prompt(tokens, self.cfg.chunk_tokens, "KVCacheStore.match_prefix")
         m = self._best(p, p.n, touch=True)
         self._count_lookup(m, p.n)
-        self._memo[p.fingerprint] = m
-        self._memo.move_to_end(p.fingerprint)
+        key = self._memo_key(p)
+        self._memo[key] = m
+        self._memo.move_to_end(key)
         while len(self._memo) > _MEMO_MAX:
             self._memo.popitem(last=False)
         return m.tokens
@@ -375,7 +382,7 @@ class KVCacheStore:
             raise ValueError(
                 f"{op}: upto must be an int in [0, {p.n}] (the prompt's tokens), got {upto!r}"
             )
-        m = self._memo.pop(p.fingerprint, None)
+        m = self._memo.pop(self._memo_key(p), None)
         if m is None:
             m = self._best(p, upto, touch=True)
             self._count_lookup(m, upto)
@@ -497,7 +504,7 @@ class KVCacheStore:
             return KVPutResult(0, 0, 0)
         # a lookup of this prompt made before this put missed what it stores: the get
         # that follows looks again
-        self._memo.pop(p.fingerprint, None)
+        self._memo.pop(self._memo_key(p), None)
         metas = self._internal.metadata([key for key, *_ in plan])
         for i, ((_key, _parent, _start, n), meta) in enumerate(zip(plan, metas)):
             if meta is None:
@@ -563,7 +570,7 @@ class KVCacheStore:
         st.partial_chunks += partial
         st.existing_chunks += existing
         st.skipped_chunks += skipped
-        return KVPutResult(stored, existing, covered)
+        return KVPutResult(stored, existing, covered, skipped)
 
     @staticmethod
     def _check_breakpoints(breakpoints: Sequence[int] | None, n: int, op: str) -> list[int]:
@@ -699,11 +706,13 @@ class KVCacheStore:
             How many chunks were retired (descendants included).
 
         Raises:
-            ValueError: ``tag`` is not a non-empty str.
+            ValueError: ``tag`` is not a non-empty str of at most 200 bytes of UTF-8.
         """
-        if not isinstance(tag, str) or not tag or len(tag) > 200:
+        if not isinstance(tag, str) or not tag or len(tag.encode()) > MAX_TAG_NAME_BYTES:
+            shown = short_repr(tag) if isinstance(tag, str) else repr(tag)
             raise ValueError(
-                f"KVCacheStore.invalidate: tag must be a non-empty str of at most 200 chars, got {tag!r}"
+                "KVCacheStore.invalidate: tag must be a non-empty str of at most "
+                f"{MAX_TAG_NAME_BYTES} bytes of UTF-8, got {shown}"
             )
         n = self._internal.invalidate([self._tag(tag)])
         self._metrics.invalidated_chunks.labels(*self._labels).inc(n)

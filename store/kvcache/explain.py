@@ -5,7 +5,8 @@ became of the chunk there (evicted, invalidated, its holder lost, removed); a sc
 key namespaces says whether the same tokens are stored under another weight version, or
 another tenant or salt. Each question costs one or a few metadata requests; the scans of
 tenants and versions read key listings, so ``explain`` is for diagnosis, not for every
-request.
+request (it also reads the prefix it finds, as ``get`` would, to tell a listed chunk that
+can no longer be read).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def _from_history(entry: list) -> tuple[str, str]:
     cause, tier, unix_s, detail = entry
     when = _when(unix_s)
     if cause == "evicted":
-        text = f"evicted from {tier} at {when}"
+        text = f"evicted from {tier} at {when}" + (f" ({detail})" if detail else "")
     elif cause == "invalidated":
         inherited = detail.startswith("with parent ")
         own = detail.rsplit(": ", 1)[-1] if inherited else detail
@@ -111,6 +112,23 @@ def explain(kv: KVCacheStore, p: _Prompt, m: _Match) -> KVExplain:
             f"its holder (segment {seg!r}) cannot be reached; the master has not declared it "
             "dead yet",
         )
+    if m.tokens:
+        # the lookup lists what the master knows; a chunk whose holder died before the
+        # master noticed (or that was dropped since) is listed but cannot be read: read the
+        # prefix as get would, and explain the first chunk it could not
+        got = kv._read(m, m.tokens).tokens
+        if got < m.tokens:
+            piece = next(pc for pc in m.pieces if pc.start <= got < pc.start + pc.tokens)
+            (entry,) = kv._internal.history([piece.key])
+            if entry is not None:
+                cause, detail = _from_history(entry)
+            else:
+                cause, detail = (
+                    "holder_lost",
+                    f"chunk {got // c} is listed but could not be read: its holder died or is "
+                    "cut off, and the master has not declared it dead yet",
+                )
+            return KVExplain(got, got, got // c, cause, detail)
     if m.tokens >= p.n:
         detail = "" if m.version == kv._versions()[0] else f"served from weight version {m.version}"
         return KVExplain(p.n, None, None, "hit", detail)

@@ -50,11 +50,19 @@ class KVCacheStats:
 
 
 class KVPutResult(NamedTuple):
-    """What one ``put`` stored."""
+    """What one ``put`` stored.
+
+    ``stored_chunks + existing_chunks + skipped_chunks`` are the chunks the put had (whole
+    chunks, and partial chunks at breakpoints). A prompt is then a hit up to its first
+    skipped chunk at most (and less after evictions).
+    """
 
     stored_chunks: int  #: chunks written now (whole and partial)
     existing_chunks: int  #: chunks that were already there (hits)
-    tokens: int  #: tokens covered by the chunks put (whole chunks, and breakpoints past them)
+    tokens: int  #: tokens the put's chunks cover (whole chunks, and breakpoints past them)
+    #: chunks not stored: their parent was dropped meanwhile (evicted to make room for
+    #: the put, invalidated, removed) or their tag was invalidated while they were written
+    skipped_chunks: int = 0
 
 
 class KVGetResult(NamedTuple):

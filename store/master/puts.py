@@ -187,7 +187,7 @@ class Puts:
                 if parent is not None and parent not in started:
                     self._check_parent(key, parent, rec.pending)
                 if group is not None:
-                    self.space.fit_group(key, size, group, quota)
+                    self.space.fit_group(key, size, group, quota, parent)
                 repl = self.space.place(
                     key, size, r, pref, require_all, set(avoid), only_pref=bool(a.get("only"))
                 )
@@ -345,7 +345,7 @@ class Puts:
                 self._check_new(key, upsert)
                 self._check_parent(key, parent)
                 if group is not None:
-                    self.space.fit_group(key, size, group, quota)
+                    self.space.fit_group(key, size, group, quota, parent)
                 obj = Obj(key, size, rec.next_version(), meta, pin, parent, tags, group)
                 if n:  # an empty object lives in the master alone (see Space.place)
                     obj.repl = [[seg_name, off, n]]

@@ -344,14 +344,17 @@ class Space:
             return True
         return None if c.ssd_inflight else False
 
-    def fit_group(self, key: str, size: int, group: str, quota: int | None) -> None:
+    def fit_group(
+        self, key: str, size: int, group: str, quota: int | None, parent: str | None = None
+    ) -> None:
         """Makes room for a put of ``size`` bytes under ``key`` within quota group ``group``.
 
         When the group's committed bytes, those of its puts in progress and ``size`` (less the
         value of ``key`` it replaces) exceed its quota (``quota``, or the last one a put named),
         drops the group's least recently used objects that may be evicted (not pinned, leased
-        or held, nor with such a descendant), with what hangs off them. A drop does not offload
-        to SSD: the group's bytes count wherever its objects lie.
+        or held, nor with such a descendant), with what hangs off them, never ``parent`` or
+        its ancestors (the put would hang off a dropped object). A drop does not offload to
+        SSD: the group's bytes count wherever its objects lie.
 
         Raises:
             NoSpaceError: even dropping all of those would not be enough (nothing is dropped
@@ -372,7 +375,14 @@ class Space:
         if over <= 0:
             return
         now = rec.clock()
-        picked, taken, freed = [], {key}, 0
+        # the put's parent chain stays: its ancestors are what makes it reachable
+        keep = {key}
+        x = parent
+        while x is not None and x not in keep:
+            keep.add(x)
+            o = rec.objects.get(x)
+            x = o.parent if o is not None else None
+        picked, taken, freed = [], set(keep), 0
         if size <= quota and now >= rec.no_evict_until:
             for k in rec.group_lru.get(group, ()):
                 if freed >= over:
@@ -382,13 +392,16 @@ class Space:
                     continue
                 sub = rec.descendants(k) if k in rec.children else []
                 if any(
-                    d.key in taken or d.pin or d.lease_until > now or d.key in rec.held for d in sub
+                    d.key in keep or d.pin or d.lease_until > now or d.key in rec.held for d in sub
                 ):
                     continue
+                # descendants already picked (a chain's leaves come first in LRU order) are
+                # counted once
+                new = [d for d in sub if d.key not in taken]
                 taken.add(k)
-                taken.update(d.key for d in sub)
+                taken.update(d.key for d in new)
                 picked.append(k)
-                freed += o.size + sum(d.size for d in sub if d.group == group)
+                freed += o.size + sum(d.size for d in new if d.group == group)
         if size > quota:
             raise NoSpaceError(
                 f"no space for {size} bytes in group {group!r}: larger than its quota of {quota} bytes"
@@ -409,7 +422,8 @@ class Space:
             )
         why = f"group {group!r} over its quota of {quota} bytes"
         for k in picked:
-            rec.drop(k, "evicted", why)
+            if k in rec.objects:  # not dropped with an ancestor picked after it
+                rec.drop(k, "evicted", why)
 
 
 def seg_host(seg) -> str:

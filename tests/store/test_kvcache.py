@@ -341,7 +341,7 @@ def test_one_layout_per_prefix(procs):
         assert g.tokens == 16 and torch.equal(g.kv, first)
         # the same layout is accepted and extends the prefix; another tenant has its own layout
         rest = torch.randn(2, 2, 2, 48, 8)
-        assert kv.put(X, rest) == (2, 1, 48)
+        assert kv.put(X, rest) == (2, 1, 48, 0)
         g = kv.get(X)
         assert (
             g.tokens == 48

@@ -219,6 +219,8 @@ def test_weight_version_taken_from_a_weight_sync_reader(procs):
         assert kv.match_prefix(p) == 32 and kv.keys(p)[0].split("/")[4] == "v1"
         trainer.publish({"w": torch.ones(1024)}, version=2)
         reader.pull(into={"w": torch.empty(1024)})
+        # the get after a match_prefix made at version 1 looks again at version 2
+        assert kv.get(p).tokens == 0
         assert reader.version == 2 and kv.match_prefix(p) == 0
         assert kv.explain(p).cause == "other_weight_version"
         with pytest.raises(ValueError, match="either as config.weight_version or"):
@@ -300,7 +302,47 @@ def test_a_tenant_over_its_quota_evicts_its_own_chunks_first(procs):
         assert 0 < held <= quota // 4096 * 16, held  # at most the quota's worth of chunks
         assert a.match_prefix(prompts[-1]) == 64  # the newest stay
         assert b.match_prefix(bp) == 64  # b's chunks were not evicted for a's quota
-        assert a.explain(prompts[0]).cause == "evicted"
+        e = a.explain(prompts[0])
+        assert e.cause == "evicted" and "quota" in e.detail, e
+
+
+def test_a_quota_evicts_whole_chains_and_never_what_a_put_continues(procs):
+    """A tenant over a new, smaller quota makes room by evicting whole chains of its own (a
+    parent after the chunks that continue it), and a put larger than the room stores its
+    leading chunks, then raises NoSpaceError: never a chunk whose parent the quota
+    evicted."""
+    from mooncake_store import NoSpaceError
+
+    m = sa.start_master()
+    _node(m, size=32 * MiB)
+    chunk_bytes = L * 2 * H * 16 * D * 4  # 4 KiB: 16 tokens
+    with _client(m.address) as s:
+        free = KVCacheStore(s, tenant="q", config=KVCacheConfig(chunk_tokens=16))
+        prompts = [[i] + list(range(i * 1000, i * 1000 + 159)) for i in range(20)]  # 10 chunks
+        for q in prompts:
+            assert free.put(q, _kv_for(q)).stored_chunks == 10
+        quota = 25 * chunk_bytes
+        capped = KVCacheStore(
+            s, tenant="q", config=KVCacheConfig(chunk_tokens=16, tenant_quota_bytes=quota)
+        )
+        new = list(range(50_000, 50_064))
+        assert capped.put(new, _kv_for(new)).stored_chunks == 4
+        held = sum(capped.match_prefix(q) for q in prompts) // 16 + 4
+        assert held <= 25, held
+        assert capped.match_prefix(new) == 64
+        # reachable chunks only: every stored key's prefix is stored
+        for q in prompts:
+            there = s.exists_batch(capped.keys(q))
+            assert there == sorted(there, reverse=True), there
+
+        big = list(range(90_000, 90_000 + 16 * 40))  # 40 chunks, 25 fit the quota
+        with pytest.raises(NoSpaceError):
+            capped.put(big, _kv_for(big))
+        there = s.exists_batch(capped.keys(big))
+        assert there == sorted(there, reverse=True), there  # a prefix, never orphans
+        n = sum(there)
+        assert 0 < n <= 25 and capped.match_prefix(big) == 16 * n
+        assert torch.equal(capped.get(big).kv, _kv_for(big)[:, :, :, : 16 * n])
 
 
 # ---------------------------------------------------------------------- invalidation
@@ -443,6 +485,11 @@ def test_explain_names_every_cause(procs, tmp_path):
         last = prompts[-1]
         assert ev.match_prefix(last) == 64
         node.kill()
+        # until the master notices, explain says what a get does: a hit while the dead
+        # owner's memory can still be read (same host), holder_lost once it cannot
+        e, g = ev.explain(last), ev.get(last)
+        assert e.hit_tokens in (g.tokens, 0), (e, g.tokens)
+        assert e.cause == ("hit" if e.hit_tokens == 64 else "holder_lost"), e
         deadline = time.monotonic() + 20
         while ev.match_prefix(last):
             assert time.monotonic() < deadline
