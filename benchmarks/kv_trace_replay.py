@@ -31,6 +31,16 @@ chunks).
     .venv/bin/python benchmarks/kv_trace_replay.py --smoke           # CI: 400 requests
     .venv/bin/python benchmarks/kv_trace_replay.py --hosts 2 --memory-tokens 4M  # 2 emulated hosts
     .venv/bin/python benchmarks/kv_trace_replay.py --sim-only        # the simulations alone
+    .venv/bin/python benchmarks/kv_trace_replay.py --hosts 2 --memory-tokens 4M --kill-holder --replicas 2
+
+``--kill-holder`` (with ``--hosts 2``): host 0's serving clients also hold a segment each
+(host 0's memory budget split between them and its holder), the master runs outside both
+hosts, and when every request before the trace's midpoint is done every process of host 0
+is SIGKILLed; host 1's clients replay the second half alone. Reported over host 1's
+requests: block hit rate before the kill (requests 25-50%) and after it (50-100%), the
+same requests' simulated LRU at the budget of distinct chunks (memory / ``--replicas``),
+chunks the master dropped because their holder died, misses ``explain`` attributes to
+``holder_lost`` and wrong K/V (which must stay 0).
 
 ``--gate`` exits 1 when the store's block hit rate is more than 1 percentage point below
 the simulated LRU (memory only) or below 0.97x of it (with SSD), or when the replay is
@@ -219,6 +229,138 @@ def kvcache_simulator_figures(path: str, capacity_tokens: int, block: int, limit
         return {"error": repr(e)}
 
 
+# ---------------------------------------------------------------------- --kill-holder
+def lru_block_hits(reqs: list, block: int, capacity_tokens: int) -> list:
+    """Per request, the prefix blocks a block LRU of ``capacity_tokens`` hits (``simulate``'s LRU)."""
+    cap = capacity_tokens // block
+    lru: collections.OrderedDict = collections.OrderedDict()
+    out = []
+    for r in reqs:
+        s = cached_blocks(r, block)
+        k = 0
+        while k < len(s) and s[k] in lru:
+            k += 1
+        out.append(k)
+        for x in reversed(s):
+            if x in lru:
+                lru.move_to_end(x)
+            else:
+                lru[x] = None
+        while len(lru) > cap:
+            lru.popitem(last=False)
+    return out
+
+
+def _share(a: dict, n: int) -> list:
+    """The requests client ``a["index"]`` runs: round-robin; with ``--kill-holder`` the second
+    half goes round-robin to host 1's clients only (host 0 is dead by then)."""
+    me, clients = a["index"], a["clients"]
+    if not a.get("kill_holder"):
+        return list(range(me, n, clients))
+    mid = n // 2
+    mine = list(range(me, mid, clients))
+    survivors = [c for c in range(clients) if c % 2 == 1]
+    if me in survivors:
+        k = survivors.index(me)
+        mine += range(mid + k, n, len(survivors))
+    return mine
+
+
+def _kill_host_at_midpoint(a, n: int, progress_path: str, victims: list, clients: list) -> float:
+    """SIGKILLs ``victims`` (host 0's processes) once every request before ``n // 2`` is done.
+
+    Returns:
+        the wall-clock time (``time.time()``) the kill began.
+    Raises:
+        RuntimeError: a replay client died first, or ``a.timeout`` seconds passed.
+    """
+    import numpy as np
+
+    from tests.faults import kill_group
+
+    fd = os.open(progress_path, os.O_RDONLY)
+    try:
+        progress = np.frombuffer(mmap.mmap(fd, 8 * a.clients, prot=mmap.PROT_READ), dtype=np.int64)
+        deadline = time.monotonic() + a.timeout
+        while progress.min() < n // 2:
+            if any(p.poll() is not None for p in clients):
+                raise RuntimeError("kv_trace_replay --kill-holder: a replay client died")
+            if time.monotonic() > deadline:
+                raise RuntimeError("kv_trace_replay --kill-holder: timed out before the midpoint")
+            time.sleep(0.005)
+    finally:
+        os.close(fd)
+    t = time.time()
+    for p in victims:
+        kill_group(p, wait_s=10)
+    return t
+
+
+def kill_holder_figures(a, reqs: list, recs: list, kill_t: float, drops: dict) -> dict:
+    """Host 1's block hit rates before and after host 0's kill, next to the simulated LRU.
+
+    ``recs`` are the clients' records (``[i, hit, got, wrong, 3 latencies, start, cause]``);
+    before: host 1's requests in [25%, 50%) of the trace, after: in [50%, 100%).
+    """
+    n, b = len(reqs), a.block_tokens
+    sim = lru_block_hits(reqs, b, a.memory_tokens // a.replicas)
+    # after the kill host 1's memory alone holds the distinct chunks
+    sim1 = sim if a.replicas == 2 else lru_block_hits(reqs, b, a.memory_tokens // 2)
+    on_b = [r for r in recs if r[0] % a.clients % 2 == 1 or r[0] >= n // 2]
+
+    def rates(rows):
+        tot = sum(len(reqs[r[0]][2]) for r in rows)
+        return (
+            sum(r[2] // b for r in rows) / tot if tot else 0.0,
+            sum(sim[r[0]] for r in rows) / tot if tot else 0.0,
+        )
+
+    before = [r for r in on_b if n // 4 <= r[0] < n // 2]
+    after = [r for r in on_b if r[0] >= n // 2]
+    (hb, sb), (ha, sa) = rates(before), rates(after)
+    sa1 = sum(sim1[r[0]] for r in after) / max(1, sum(len(reqs[r[0]][2]) for r in after))
+    causes = collections.Counter(r[8] for r in after if r[8])
+    return {
+        "replicas": a.replicas,
+        "b_requests_before": len(before),
+        "b_requests_after": len(after),
+        "after_started_before_kill": sum(r[7] < kill_t for r in after),
+        "block_hit_rate_before": hb,
+        "block_hit_rate_after": ha,
+        "after_over_before": ha / hb if hb else 0.0,
+        "lru_block_hit_rate_before": sb,
+        "lru_block_hit_rate_after": sa,
+        "lru_after_over_before": sa / sb if sb else 0.0,
+        "lru_capacity_tokens": a.memory_tokens // a.replicas,
+        "lru_block_hit_rate_after_host1_memory": sa1,
+        "holder_lost_drops": drops.get("holder_lost", 0),
+        "holder_lost_misses": causes.get("holder_lost", 0),
+        "miss_causes_after": dict(causes),
+        "lost_chunks_after": sum(
+            (r[1] - r[2] + b - 1) // b for r in after
+        ),  # found by the lookup, not readable by get
+        "wrong_chunks": sum(r[3] > 0 for r in recs),
+    }
+
+
+def kill_holder_lines(k: dict) -> list:
+    """The report lines of ``kill_holder_figures``."""
+    return [
+        "",
+        f"--kill-holder, replica_num {k['replicas']}: host 1's block hit rate before the kill "
+        f"{100 * k['block_hit_rate_before']:.2f}% ({k['b_requests_before']} requests), after "
+        f"{100 * k['block_hit_rate_after']:.2f}% ({k['b_requests_after']}, "
+        f"{k['after_started_before_kill']} started before the kill): "
+        f"{k['after_over_before']:.3f}x; simulated LRU at "
+        f"{k['lru_capacity_tokens'] / (1 << 20):g}M tokens {100 * k['lru_block_hit_rate_before']:.2f}%"
+        f" -> {100 * k['lru_block_hit_rate_after']:.2f}% ({k['lru_after_over_before']:.3f}x); "
+        f"at host 1's memory alone after: {100 * k['lru_block_hit_rate_after_host1_memory']:.2f}%",
+        f"chunks dropped as holder_lost {k['holder_lost_drops']}, misses explained as "
+        f"holder_lost {k['holder_lost_misses']} (causes after: {k['miss_causes_after']}), "
+        f"found but unreadable after {k['lost_chunks_after']}, wrong K/V {k['wrong_chunks']}",
+    ]
+
+
 # ---------------------------------------------------------------------- payload
 def prompt_tokens(req, block: int):
     """The prompt of a request: block id ``h`` is tokens ``h*B .. h*B+B-1``, cut to its length."""
@@ -261,18 +403,24 @@ def _client() -> None:
     reqs = load_trace(a["trace"], a["requests"])
     fd = os.open(a["progress"], os.O_RDWR)
     progress = np.frombuffer(mmap.mmap(fd, 8 * n_clients), dtype=np.int64)
+    seg = a.get("segment_bytes", 0)  # --kill-holder: host 0's clients hold a segment
     store = MooncakeStore(
         master=a["master"],
-        segment_size=0,
+        segment_size=seg,
         serve_tcp=a["serve_tcp"],
         name=f"replay{me}",
+        **({"put_reservation_bytes": 0} if seg else {}),
     )
-    kv = KVCacheStore(store, config=KVCacheConfig(chunk_tokens=block, model="trace"))
+    kv = KVCacheStore(
+        store,
+        config=KVCacheConfig(chunk_tokens=block, model="trace", replica_num=a.get("replicas", 1)),
+    )
+    mine = _share(a, len(reqs))
     print(json.dumps({"ready": True}), flush=True)
     sys.stdin.readline()  # the start signal
     t0 = time.time()
     recs = []
-    for i in range(me, len(reqs), n_clients):
+    for j, i in enumerate(mine):
         while progress.min() < i - a["window"]:
             time.sleep(0.0005)
         if a["speedup"] > 0:
@@ -280,6 +428,7 @@ def _client() -> None:
             if wait > 0:
                 time.sleep(wait)
         toks = prompt_tokens(reqs[i], block)
+        w0 = time.time()
         s0 = time.perf_counter()
         hit = kv.match_prefix(toks)
         s1 = time.perf_counter()
@@ -291,14 +440,22 @@ def _client() -> None:
             if not torch.equal(got.kv, want):
                 bad = (got.kv != want).reshape(-1, got.tokens, head_dim)
                 wrong = int(bad.any(dim=2).any(dim=0).reshape(-1).nonzero()[0]) // block + 1
+        cause = ""
+        if a.get("kill_holder") and i >= len(reqs) // 2 and got.tokens < len(toks) // block * block:
+            cause = kv.explain(toks).cause  # after the kill: why B misses (before B's put)
+        s25 = time.perf_counter()
         kv.put(toks, kv_payload(toks[: (len(toks) // block) * block], head_dim))
         s3 = time.perf_counter()
-        recs.append([i, hit, got.tokens, wrong, s1 - s0, s2 - s1, s3 - s2])
-        progress[me] = i + n_clients  # the next request it runs: all below are done
+        # the wall-clock start (one clock in every namespace) places it against the kill
+        recs.append([i, hit, got.tokens, wrong, s1 - s0, s2 - s1, s3 - s25, w0, cause])
+        # the next request it runs: all below are done
+        progress[me] = mine[j + 1] if j + 1 < len(mine) else 1 << 60
     progress[me] = 1 << 60
     wall = time.time() - t0
     with open(a["out"], "w") as f:
         json.dump({"records": recs, "wall_s": wall, "stats": vars(kv.stats)}, f)
+    if a.get("kill_holder") and a.get("segment_bytes"):
+        sys.stdin.readline()  # host 0 holds its segment until it is SIGKILLed
     store.close()
 
 
@@ -414,16 +571,23 @@ def replay(a, reqs: list, topo=None) -> dict:
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
     me = os.path.abspath(__file__)
     work = tempfile.mkdtemp(prefix="kv-trace-")
-    if topo is not None:
+    if topo is not None and getattr(a, "kill_holder", False):  # the master outlives host 0
+        master = _start_master(a, topo.addr[topo.hub], topo.hub)
+    elif topo is not None:
         master = _start_master(a, topo.addr[topo.hosts[0]], topo.hosts[0])
     else:
         master = _start_master(a)
     from mooncake_store.common.layout import SEG_HEADER
 
     hosts = a.hosts
+    kill = getattr(a, "kill_holder", False)
+    # --kill-holder: host 0's memory is split between its holder and its clients
+    share0 = a.memory_tokens // hosts * a.token_bytes // (1 + len(range(0, a.clients, 2)))
     holders = []
     for h in range(hosts):
         mem = a.memory_tokens // hosts * a.token_bytes
+        if h == 0 and kill:
+            mem = share0
         ssd = a.ssd_tokens // hosts * a.token_bytes if a.ssd_tokens else None
         cfg = {
             "index": h,
@@ -456,7 +620,12 @@ def replay(a, reqs: list, topo=None) -> dict:
             "progress": progress,
             "out": out,
             "serve_tcp": topo is not None,
+            "replicas": getattr(a, "replicas", 1),
         }
+        if kill:
+            cfg["kill_holder"] = True
+            if c % hosts == 0:
+                cfg["segment_bytes"] = SEG_HEADER + share0
         clients.append(
             _spawn([sys.executable, me, "--client", json.dumps(cfg)], env, topo, c % hosts)
         )
@@ -466,6 +635,11 @@ def replay(a, reqs: list, topo=None) -> dict:
     for p in clients:
         p.stdin.write(b"go\n")
         p.stdin.flush()
+    kill_t = None
+    if kill:
+        victims = [holders[0]] + clients[0::2]
+        kill_t = _kill_host_at_midpoint(a, len(reqs), progress, victims, clients)
+        clients, holders = clients[1::2], holders[1:]
     for p in clients:
         if p.wait(timeout=a.timeout) != 0:
             raise RuntimeError("kv_trace_replay: a replay client failed")
@@ -487,6 +661,10 @@ def replay(a, reqs: list, topo=None) -> dict:
         kv_stats.update(got["stats"])
     shutil.rmtree(work, ignore_errors=True)  # the SSD directories: up to GiBs
     recs.sort()
+    killed = {}
+    if kill_t is not None:
+        drops = store_stats[0].get("drops", {}) if store_stats else {}
+        killed = {"kill_holder": kill_holder_figures(a, reqs, recs, kill_t, drops)}
     half = len(reqs) // 2
     hit_b = tot_b = hit_t = tot_t = 0
     lost = wrong = 0
@@ -520,6 +698,7 @@ def replay(a, reqs: list, topo=None) -> dict:
         "put_p99_ms": 1000 * _pct(puts, 99),
         "kv_stats": dict(kv_stats),
         "store_stats": store_stats[0] if store_stats else {},
+        **killed,
     }
 
 
@@ -547,6 +726,10 @@ def main(argv=None) -> int:
     ap.add_argument("--gate", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None)
+    ap.add_argument(
+        "--kill-holder", action="store_true", help="SIGKILL host 0 at the midpoint (--hosts 2)"
+    )
+    ap.add_argument("--replicas", type=int, default=1, choices=(1, 2), help="KV replica_num")
     ap.add_argument("--client", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--holder", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -569,6 +752,8 @@ def main(argv=None) -> int:
     a.ssd_tokens = parse_tokens(a.ssd_tokens)
     if a.token_bytes < 8 or a.token_bytes % 8:
         ap.error("--token-bytes must be a positive multiple of 8")
+    if a.kill_holder and (a.hosts != 2 or a.clients < 2 or a.sim_only):
+        ap.error("--kill-holder needs --hosts 2, --clients >= 2 and a store (not --sim-only)")
     atexit.register(_kill_children)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # atexit then kills the children
     sys.path.insert(0, REPO)
@@ -660,6 +845,16 @@ def main(argv=None) -> int:
         if not a.smoke and a.requests is None:
             gates[">= 20x real time"] = res["speedup_vs_trace"] >= 20
         gates["0 lost or wrong chunks"] = res["wrong_chunks"] == 0 and res["lost_chunks"] == 0
+        if "kill_holder" in res:
+            lines += kill_holder_lines(res["kill_holder"])
+            k = res["kill_holder"]
+            # the whole run's rate mixes two hosts and one; a dead holder's chunks are lost
+            gates = {}
+            if a.replicas >= 2:
+                gates["host 1's hit rate after the kill >= 0.9x before"] = (
+                    k["after_over_before"] >= 0.9
+                )
+            gates["0 wrong K/V"] = k["wrong_chunks"] == 0
         lines.append("")
         lines += [f"gate {'PASS' if ok else 'FAIL'}: {name}" for name, ok in gates.items()]
     print("\n".join(lines))

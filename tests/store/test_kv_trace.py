@@ -117,3 +117,82 @@ def test_replay_hit_rate_equals_lru_simulation(tmp_path, clients):
     assert got["wrong_chunks"] == 0 and got["lost_chunks"] == 0
     assert want > 0.05  # the trace reuses prefixes at this budget
     assert got["block_hit_rate"] == pytest.approx(want, abs=1e-9), (got["block_hit_rate"], want)
+
+
+def _prefix_hits(reqs: list, rows: list) -> float:
+    """Block hit rate of ``rows`` (request indices) under a cache that keeps every block."""
+    seen: set = set()
+    hits = {}
+    for i, r in enumerate(reqs):
+        blocks = r["hash_ids"][: r["input_length"] // BLOCK]
+        k = 0
+        while k < len(blocks) and blocks[k] in seen:
+            k += 1
+        hits[i] = k
+        seen.update(blocks)
+    return sum(hits[i] for i in rows) / sum(len(reqs[i]["hash_ids"]) for i in rows)
+
+
+@pytest.mark.timeout(240)
+# one replica: tests/store/test_kv_hosts.py covers it in the default run
+@pytest.mark.parametrize("replicas", [2, pytest.param(1, marks=pytest.mark.slow)])
+def test_replay_kill_holder(tmp_path, replicas):
+    """``--kill-holder``: host 0 dies at the midpoint; host 1 keeps its hits with 2 replicas."""
+    from tests import netns
+
+    ok, why = netns.available()
+    if not ok:
+        pytest.skip(f"network namespaces: {why}")
+    trace = str(tmp_path / "trace.jsonl")
+    reqs = _trace(trace, seed=1)
+    clients, n = 4, len(reqs)
+    blocks = len({b for r in reqs for b in r["hash_ids"][: r["input_length"] // BLOCK]})
+    # every chunk fits, evictions aside. 2 replicas: host 1's holder takes one of each (2x);
+    # 1 replica: 1.5x, host 1's holder 0.75x of them, host 0's holder and 2 clients 0.25x
+    # each, so host 0 holds a good part (placement picks the segment with most free space)
+    memory = blocks * BLOCK * 4 if replicas == 2 else blocks * BLOCK * 3 // 2
+    out = str(tmp_path / "out.json")
+    subprocess.run(
+        [
+            sys.executable,
+            BENCH,
+            "--trace",
+            trace,
+            "--block-tokens",
+            str(BLOCK),
+            "--memory-tokens",
+            str(memory),
+            "--clients",
+            str(clients),
+            "--hosts",
+            "2",
+            "--kill-holder",
+            "--replicas",
+            str(replicas),
+            "--window",
+            "0",
+            "--json",
+            out,
+        ],
+        check=True,
+        timeout=230,
+        env={**os.environ, "PYTHONPATH": REPO},
+        stdout=subprocess.DEVNULL,
+    )
+    with open(out) as f:
+        got = json.load(f)["kill_holder"]
+    # host 1's requests: its clients' (odd) share of the first half, all of the second
+    before = [i for i in range(n // 4, n // 2) if i % clients % 2 == 1]
+    after = list(range(n // 2, n))
+    assert got["b_requests_before"] == len(before) and got["b_requests_after"] == len(after)
+    assert got["wrong_chunks"] == 0
+    want_before, want_after = _prefix_hits(reqs, before), _prefix_hits(reqs, after)
+    assert want_after > 0.3  # the second half reuses prefixes of the first
+    assert got["block_hit_rate_before"] == pytest.approx(want_before, abs=1e-9)
+    if replicas == 2:
+        assert got["holder_lost_drops"] == 0
+        assert got["block_hit_rate_after"] == pytest.approx(want_after, abs=1e-9)
+    else:
+        assert got["holder_lost_drops"] > 0
+        assert got["block_hit_rate_after"] < want_after
+        assert got["holder_lost_misses"] > 0
