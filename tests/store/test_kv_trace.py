@@ -134,8 +134,10 @@ def _prefix_hits(reqs: list, rows: list) -> float:
 
 
 @pytest.mark.timeout(240)
-# one replica: tests/store/test_kv_hosts.py covers it in the default run
-@pytest.mark.parametrize("replicas", [2, pytest.param(1, marks=pytest.mark.slow)])
+# in the full run: tests/store/test_kv_hosts.py covers a dead holder with 1 and 2 replicas
+# in the default run
+@pytest.mark.slow
+@pytest.mark.parametrize("replicas", [2, 1])
 def test_replay_kill_holder(tmp_path, replicas):
     """``--kill-holder``: host 0 dies at the midpoint; host 1 keeps its hits with 2 replicas."""
     from tests import netns
