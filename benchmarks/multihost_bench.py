@@ -34,7 +34,11 @@ link rate (S = size, H hosts, G ranks on the largest host):
 
 (Thakur, Rabenseifner and Gropp 2005 for the collective lower bounds; the factors are the
 standard ones of a full-duplex link per host.) %bound = bound / time. "MB out" is the
-busiest host's counted bytes per call.
+busiest host's counted bytes per call. "CPU ms" is the user + system time of every rank
+process (all its threads, ``time.process_time``) during one timed call, summed over the
+ranks, median over calls: what the collective costs the hosts' cores, waiting included
+(a rank that spins while it waits shows here, not in the time). "CPU mc/gloo" is ours
+over gloo's; below 1 we use fewer cores.
 
 Output: a table per topology on stdout, JSON (--json, default bench_out/multihost_bench.json)
 and the same tables in markdown beside it (.md).
@@ -176,6 +180,7 @@ def worker() -> None:
                 )
                 rec[b]["iters"] = iters
             times = {b: [] for b in cells if "error" not in rec[b]}
+            cpus = {b: [] for b in times}
             n_iters = max((rec[b]["iters"] for b in times), default=0)
             order = list(times)
             for it in range(n_iters):
@@ -185,16 +190,22 @@ def worker() -> None:
                     call, _, _, reset, _ = cells[b]
                     reset()
                     dist.barrier(group=ctrl)
-                    t0 = time.perf_counter()
+                    c0, t0 = time.process_time(), time.perf_counter()
                     call()
-                    times[b].append(time.perf_counter() - t0)
+                    t1 = time.perf_counter()
+                    times[b].append(t1 - t0)
+                    cpus[b].append(time.process_time() - c0)
             for b, ts in times.items():
-                mine = torch.tensor(ts, dtype=torch.float64)
+                mine = torch.tensor([ts, cpus[b]], dtype=torch.float64)
                 gathered = [torch.zeros_like(mine) for _ in range(world)]
                 dist.all_gather(gathered, mine, group=ctrl)
-                per_call = torch.stack(gathered).max(dim=0).values
+                every = torch.stack(gathered)  # [rank, time / cpu, call]
+                per_call = every[:, 0].max(dim=0).values
                 rec[b]["time_s"] = float(per_call.median())
                 rec[b]["times_s"] = per_call.tolist()
+                # user + system seconds of every rank process (all its threads) per call
+                cpu_call = every[:, 1].sum(dim=0)
+                rec[b]["cpu_s"] = float(cpu_call.median())
             records.append(rec)
     for g in groups.values():
         dist.destroy_process_group(g)
@@ -254,6 +265,9 @@ def render(topo: dict, args, md: bool = False) -> str:
         "MB out mc",
         "MB out gloo",
         "bound MB",
+        "CPU ms mc",
+        "CPU ms gloo",
+        "CPU mc/gloo",
     ]
     rows = []
     for rec in topo["records"]:
@@ -262,6 +276,7 @@ def render(topo: dict, args, md: bool = False) -> str:
         bb = bound_bytes(op, size, h, g)
         bound_s = bb / rate
         t_mc, t_gl = mc.get("time_s"), gl.get("time_s")
+        c_mc, c_gl = mc.get("cpu_s"), gl.get("cpu_s")
         busbw = size / t_mc * BUS_FACTOR[op](n) / 1e9 if t_mc else None
 
         def f(x, fmt):
@@ -281,6 +296,9 @@ def render(topo: dict, args, md: bool = False) -> str:
                 f(mc.get("bytes_out_max", 0) / 1e6, ".2f"),
                 f(gl.get("bytes_out_max", 0) / 1e6, ".2f"),
                 f(bb / 1e6, ".2f"),
+                f(c_mc and c_mc * 1e3, ".2f"),
+                f(c_gl and c_gl * 1e3, ".2f"),
+                f(c_mc / c_gl if c_mc and c_gl else None, ".2f") + ("x" if c_mc and c_gl else ""),
             ]
         )
     if md:

@@ -26,7 +26,11 @@ over ranks, the reported time the median over calls. Columns follow nccl-tests: 
 bytes of the largest buffer (all_gather: output, reduce_scatter: input; the element count
 is rounded down to a multiple of the world size where the op splits it), algbw = size /
 time, busbw = algbw times 2(n-1)/n (all_reduce), (n-1)/n (all_gather, reduce_scatter,
-all_to_all) or 1 (broadcast). float32 throughout, one torch thread per rank.
+all_to_all) or 1 (broadcast). float32 throughout, one torch thread per rank. CPU(us) is
+the user + system time of every rank process (all its threads, ``time.process_time``)
+per timed call, summed over the ranks (each rank's CPU over a block divided by its
+calls; median over blocks): waiting that spins shows here and not in the time. "CPU
+ratio" is a backend's over gloo's.
 
 The copy ceiling: two processes, one thread each, move the bytes from one's private buffer
 to the other's through a ring of shared-memory slots (copy in, copy out, pipelined in
@@ -384,7 +388,7 @@ def worker_main(args) -> int:
                 tw_t = torch.tensor([statistics.median(tw) if tw else 0.0], dtype=torch.float64)
                 dist.all_reduce(tw_t, op=dist.ReduceOp.MAX, group=ctrl)
                 n = iters_for(tw_t.item(), args)
-                cells[label] = [call, rec, n, []]
+                cells[label] = [call, rec, n, [], []]
             # 3. timed calls in rounds; in each round every backend runs one block of
             # calls after a barrier, so the backends alternate in small blocks and a slow
             # phase of the machine hits them alike; the order rotates between rounds
@@ -395,19 +399,25 @@ def worker_main(args) -> int:
             for rnd in range(rounds):
                 k = rnd % len(order) if order else 0
                 for label in order[k:] + order[:k]:
-                    call, rec, per_block, times = cells[label]
+                    call, rec, per_block, times, cpus = cells[label]
                     dist.barrier(group=ctrl)
+                    c0 = time.process_time()
                     for _ in range(per_block):
                         t0 = time.perf_counter()
                         call()
                         times.append(time.perf_counter() - t0)
+                    cpus.append((time.process_time() - c0) / per_block)
             for label in order:
-                call, rec, per_block, times = cells[label]
+                call, rec, per_block, times, cpus = cells[label]
                 tt = torch.tensor(times, dtype=torch.float64)
                 dist.all_reduce(tt, op=dist.ReduceOp.MAX, group=ctrl)  # max over ranks, per call
                 tl = sorted(tt.tolist())
                 tmed = statistics.median(tl)
                 algbw = rec["size"] / tmed / 1e9
+                # CPU seconds per call of every rank (all threads), summed over the ranks
+                ct = torch.tensor(cpus, dtype=torch.float64)
+                dist.all_reduce(ct, op=dist.ReduceOp.SUM, group=ctrl)
+                rec["cpu_us"] = statistics.median(ct.tolist()) * 1e6
                 rec.update(
                     iters=len(times),
                     rounds=rounds,
@@ -653,11 +663,11 @@ def render_tables(results, ceiling, args, backends, world_sizes, md=False, sizes
         head = ["op", "size", "count"]
         widths = [21, 10, 9]
         for b in backends:
-            head += [f"{b[:14]} time(us)", "algbw", "busbw", "%ceil"]
-            widths += [max(14, len(b[:14]) + 9), 7, 7, 6]
+            head += [f"{b[:14]} time(us)", "algbw", "busbw", "%ceil", "CPU(us)"]
+            widths += [max(14, len(b[:14]) + 9), 7, 7, 6, 9]
         for b in others:
-            head += [f"{b[:10]}/{ref} busbw", "time ratio"]
-            widths += [max(13, len(b[:10]) + len(ref) + 7), 10]
+            head += [f"{b[:10]}/{ref} busbw", "time ratio", "CPU ratio"]
+            widths += [max(13, len(b[:10]) + len(ref) + 7), 10, 9]
         title = (
             f"world size {world}: float32, one torch thread per rank, time = median over calls "
             f"of the slowest rank; GB/s; %ceil = busbw / shm copy ceiling"
@@ -682,19 +692,23 @@ def render_tables(results, ceiling, args, backends, world_sizes, md=False, sizes
                 for b in backends:
                     r = row.get(b)
                     if r is None or "time_us" not in r:
-                        cells += ["ERROR" if r else "-", "-", "-", "-"]
+                        cells += ["ERROR" if r else "-", "-", "-", "-", "-"]
                     else:
                         t = f"{r['time_us']:.1f}" + ("" if r.get("ok") else " WRONG")
-                        cells += [t, f"{r['algbw_gbs']:.2f}", f"{r['busbw_gbs']:.2f}", pct(r)]
+                        cpu = f"{r['cpu_us']:.1f}" if "cpu_us" in r else "-"
+                        cells += [t, f"{r['algbw_gbs']:.2f}", f"{r['busbw_gbs']:.2f}", pct(r), cpu]
                 for b in others:
                     r, g = row.get(b), row.get(ref)
                     if r and g and "time_us" in r and "time_us" in g:
                         cells += [
                             f"{r['busbw_gbs'] / g['busbw_gbs']:.2f}x",
                             f"{r['time_us'] / g['time_us']:.2f}x" if size < SMALL else "",
+                            f"{r['cpu_us'] / g['cpu_us']:.2f}x"
+                            if r.get("cpu_us") and g.get("cpu_us")
+                            else "-",
                         ]
                     else:
-                        cells += ["-", ""]
+                        cells += ["-", "", "-"]
                 lines.append(
                     "| " + " | ".join(str(c) for c in cells) + " |"
                     if md

@@ -87,12 +87,12 @@ void ShmEngine::wait_arrived(int64_t deadline_ns) {
     return m;
   };
   if (!all_here()) {
-    if (spin_) {
-      // Waking a futex sleeper costs ~150 us on small VMs: spin up to 2 ms when every
-      // local rank has a CPU of its own, giving the CPU away every 20 us in case the rank
-      // we wait for (or anything else) is queued behind us on it.
-      const int64_t start = now_ns();
-      const int64_t spin_until = start + 2000000;
+    const int64_t start = now_ns();
+    if (spin_ && spin_ns_ > 0) {
+      // Waking a futex sleeper costs ~150 us on small VMs: spin first when every local
+      // rank has a CPU of its own, giving the CPU away every 20 us in case the rank we
+      // wait for (or anything else) is queued behind us on it.
+      const int64_t spin_until = start + spin_ns_;
       int64_t next_yield = start + 20000;
       for (int i = 1; !all_here(); ++i) {
         cpu_relax();
@@ -106,6 +106,21 @@ void ShmEngine::wait_arrived(int64_t deadline_ns) {
         }
       }
     }
+    // The spin adapts to the waits this rank sees: a wait that a longer spin would have
+    // caught (shorter than kSpinMaxNs) sets the spin to twice its length; a longer one halves
+    // it, down to kSpinMinNs. Where peers arrive together (ranks <= cores) it stays at the
+    // cap; where they arrive late (more ranks than cores, a peer still computing) it
+    // drops to a few microseconds per wait within a dozen waits, and the rank sleeps.
+    struct Adapt {
+      ShmEngine* e;
+      int64_t start;
+      ~Adapt() {
+        if (!e->spin_) return;
+        const int64_t w = now_ns() - start;
+        e->spin_ns_ = w < kSpinMaxNs ? std::max(e->spin_ns_, std::min(kSpinMaxNs, 2 * w))
+                                     : std::max(kSpinMinNs, e->spin_ns_ / 2);
+      }
+    } adapt{this, start};
     int64_t next_probe = now_ns() + 20000000;  // liveness of missing peers every 20 ms
     while (!all_here()) {
       sleepers()->fetch_add(1, std::memory_order_seq_cst);
@@ -266,8 +281,9 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
     std::vector<uint8_t> meta;  // FrameHead + ranges + header
     std::vector<Range> ranges;
     DirectSrc direct;
-    uint64_t trailer = 0;        // the frame's round: a frame finished with zeros has 0
-    size_t idx = 0, done = 0;    // idx: 0 = meta, 1.. = range idx-1, then direct bytes, trailer
+    uint64_t trailer = 0;  // the frame's round: a frame finished with zeros has 0
+    // meta, the ranges' bytes, the direct bytes, the trailer (empty pieces left out)
+    std::vector<ConstBytes> pieces;
     size_t total = 0, sent = 0;  // the frame's bytes, and those sent so far
     bool finished = false;
   };
@@ -314,16 +330,24 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
       std::memcpy(o.meta.data() + sizeof(fh), o.ranges.data(), o.ranges.size() * sizeof(Range));
     std::memcpy(o.meta.data() + sizeof(fh) + o.ranges.size() * sizeof(Range), mine_ptr_[b], hdr_len);
     o.trailer = k;
-    o.total = o.meta.size() + o.direct.len + sizeof(o.trailer);
-    for (const Range& r : o.ranges) o.total += r.len;
+    o.pieces.push_back(ConstBytes{o.meta.data(), o.meta.size()});
+    for (const Range& r : o.ranges) o.pieces.push_back(ConstBytes{mine_ptr_[b] + hdr_cap_ + r.off, r.len});
+    if (o.direct.len > 0) o.pieces.push_back(ConstBytes{o.direct.ptr, o.direct.len});
+    o.pieces.push_back(ConstBytes{&o.trailer, sizeof(o.trailer)});
+    for (const ConstBytes& pc : o.pieces) o.total += pc.len;
   }
   while (true) {
     bool progress = false, all_done = true;
     std::vector<int> rd, wr, dead;
-    for (int j = 0; j < size_; ++j) {
-      if (j == rank_ || !active_[j]) continue;
+    // peers in the order rank+1, rank+2, ...: frames queue in the kernel in this order, so
+    // at the start of a round each host sends towards a different host instead of every
+    // host towards the lowest ranks' (whose incoming link would then set the pace)
+    for (int step = 1; step < size_; ++step) {
+      const int j = (rank_ + step) % size_;
+      if (!active_[j]) continue;
       try {
-        // send side
+        // send side: the frame's pieces go out gathered, so a frame that fits the socket
+        // buffer leaves in one system call (and a small one as one packet)
         Out& o = out[j];
         while (!o.finished) {
           if (owe_[j] > 0) {  // the rest of a frame an earlier exchange() left half-sent
@@ -333,30 +357,21 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
             if (owe_[j] > 0) break;
             continue;
           }
-          const uint8_t* p;
-          size_t len;
-          if (o.idx == 0) {
-            p = o.meta.data();
-            len = o.meta.size();
-          } else if (o.idx <= o.ranges.size()) {
-            const Range& r = o.ranges[o.idx - 1];
-            p = mine_ptr_[b] + hdr_cap_ + r.off;
-            len = r.len;
-          } else if (o.idx == o.ranges.size() + 1 && o.direct.len > 0) {
-            p = o.direct.ptr;
-            len = o.direct.len;
-          } else {
-            p = reinterpret_cast<const uint8_t*>(&o.trailer);
-            len = sizeof(o.trailer);
+          ConstBytes rest[kMaxRanges + 3];
+          size_t nrest = 0, skip = o.sent;
+          for (const ConstBytes& pc : o.pieces) {
+            if (skip >= pc.len) {
+              skip -= pc.len;
+              continue;
+            }
+            rest[nrest++] = ConstBytes{static_cast<const uint8_t*>(pc.ptr) + skip, pc.len - skip};
+            skip = 0;
           }
-          size_t m = send_some(fds_[j], p + o.done, len - o.done);
+          const size_t m = send_some_v(fds_[j], rest, nrest);
           if (m > 0) progress = true;
-          o.done += m;
           o.sent += m;
-          if (o.done < len) break;
-          o.idx++;
-          o.done = 0;
-          if (o.idx > o.ranges.size() + (o.direct.len > 0 ? 1 : 0) + 1) o.finished = true;
+          if (o.sent == o.total) o.finished = true;
+          if (m == 0) break;
         }
         if (!o.finished) wr.push_back(fds_[j]);
         // receive side

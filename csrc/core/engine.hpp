@@ -204,6 +204,9 @@ class ShmEngine : public CollEngine {
   ShmLayout layout_;
   uint8_t* base_;
   bool spin_;
+  // How long wait_arrived() spins before it sleeps; adapts to the waits seen (engine.cpp).
+  static constexpr int64_t kSpinMaxNs = 2000000, kSpinMinNs = 5000;
+  int64_t spin_ns_ = kSpinMaxNs;
 };
 
 class ShmP2P : public P2PChannel {

@@ -8,6 +8,7 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -185,6 +186,23 @@ void set_nonblocking(int fd) {
 size_t send_some(int fd, const void* buf, size_t n) {
   if (n == 0) return 0;
   ssize_t k = ::send(fd, buf, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+  if (k < 0) {
+    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return 0;
+    throw sys_error("send to peer");
+  }
+  return static_cast<size_t>(k);
+}
+
+size_t send_some_v(int fd, const ConstBytes* pieces, size_t npieces) {
+  iovec iov[64];
+  size_t n = 0;
+  for (size_t q = 0; q < npieces && n < 64; ++q)
+    if (pieces[q].len > 0) iov[n++] = iovec{const_cast<void*>(pieces[q].ptr), pieces[q].len};
+  if (n == 0) return 0;
+  msghdr msg{};
+  msg.msg_iov = iov;
+  msg.msg_iovlen = n;
+  ssize_t k = ::sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
   if (k < 0) {
     if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return 0;
     throw sys_error("send to peer");

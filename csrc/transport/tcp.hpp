@@ -41,6 +41,14 @@ void set_socket_options(int fd);
 // Non-blocking I/O: bytes moved (0 if it would block); throws on a closed or broken peer.
 size_t send_some(int fd, const void* buf, size_t n);
 size_t recv_some(int fd, void* buf, size_t n);
+// A piece of bytes for send_some_v (what struct iovec holds, without <sys/uio.h> here).
+struct ConstBytes {
+  const void* ptr;
+  size_t len;
+};
+// Gathering send_some: the pieces in order, as one byte stream, in one system call (a
+// small frame leaves as one packet, not one per piece); at most 64 pieces are used.
+size_t send_some_v(int fd, const ConstBytes* pieces, size_t npieces);
 
 // Waits until one of the fds is ready (read for rd, write for wr) or wake_fd is readable
 // or timeout_ms passes.
