@@ -23,6 +23,7 @@ import os
 import select
 import socket
 import struct
+import threading
 import time
 from typing import Any
 
@@ -34,9 +35,19 @@ VERSION = 1
 _LEN = struct.Struct(">I")
 
 
+_tls = threading.local()  # a Packer per thread: ``msgpack.packb`` builds one per call
+
+
 def pack(obj: Any) -> bytes:
-    """One frame of ``obj``: the 4-byte big-endian length, then its msgpack bytes."""
-    body = msgpack.packb(obj, use_bin_type=True)
+    """One frame of ``obj``: the 4-byte big-endian length, then its msgpack bytes.
+
+    Raises ``TypeError`` (or ``ValueError``/``OverflowError``) for what msgpack cannot encode.
+    """
+    try:
+        packer = _tls.packer
+    except AttributeError:
+        packer = _tls.packer = msgpack.Packer(use_bin_type=True)
+    body = packer.pack(obj)  # a failed pack leaves the packer's buffer empty
     return _LEN.pack(len(body)) + body
 
 

@@ -525,6 +525,19 @@ class _Connection(asyncio.Protocol):
         self.transport.close()
 
     def data_received(self, data):
+        # the common case, one whole request in one read, is answered without buffering it
+        if (
+            not self.buf
+            and self.authed
+            and not self.busy
+            and not self.write_paused
+            and not self.closed
+            and len(data) >= 4
+        ):
+            n = _LEN.unpack_from(data, 0)[0]
+            if len(data) == 4 + n and n <= self.m.cfg.max_frame_bytes:
+                self._request(memoryview(data)[4:])
+                return
         self.buf += data
         self._process()
 
@@ -556,11 +569,11 @@ class _Connection(asyncio.Protocol):
             if self._frame_timer is not None:
                 self._frame_timer.cancel()
                 self._frame_timer = None
-            body = bytes(self.buf[4 : 4 + n])
+            body = self.buf[4 : 4 + n]
             del self.buf[: 4 + n]
             self._request(body)
 
-    def _request(self, body: bytes):
+    def _request(self, body):
         mid = -1
         try:
             req = protocol.unpack(body, self.m.cfg.max_frame_bytes)
