@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -112,8 +113,15 @@ def plain_round_trip(x, idx, w, E, group, W):
     return out.to(x.dtype), rows.numel() * rows.element_size() * 2
 
 
+# seconds the last mooncake round trip spent in its dispatch (the rest is the weighting and
+# combine): the per-phase split the --hosts table prints
+_LAST_DISPATCH_S = [float("nan")]
+
+
 def mooncake_round_trip(buf, x, idx, w, E):
+    t0 = time.perf_counter()
     r = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+    _LAST_DISPATCH_S[0] = time.perf_counter() - t0
     # the caller's weighting, in bf16 and in place: recv_x is the caller's (an out-of-place
     # product is a fresh [N_recv, H] tensor, whose first touch costs a page fault per 4 KiB)
     y = r.recv_x.mul_(r.recv_topk_weights.sum(1, keepdim=True).to(x.dtype))
@@ -171,6 +179,7 @@ def rank_bench(rank, ws, cfg, count_host_tx=False):
             "moved_bytes": moved,
             "times": [],
             "cpu": [],
+            "dispatch": [],
         }
         if count_host_tx:
             dist.barrier(group=gloo)
@@ -189,9 +198,11 @@ def rank_bench(rank, ws, cfg, count_host_tx=False):
         for name in impls[k:] + impls[:k]:
             dist.barrier(group=gloo)
             for _ in range(cfg["block"]):
+                _LAST_DISPATCH_S[0] = float("nan")
                 t0, c0 = time.perf_counter(), time.process_time()
                 calls[name]()
                 res[name]["times"].append(time.perf_counter() - t0)
+                res[name]["dispatch"].append(_LAST_DISPATCH_S[0])
                 res[name]["cpu"].append(time.process_time() - c0)  # all threads, user + sys
     dist.barrier(group=gloo)
     dist.destroy_process_group(gloo)
@@ -300,9 +311,18 @@ def measure_hosts(rph, cfg, rate_bit, timeout):
         cpu_s = statistics.median(
             sum(per_rank[r][name]["cpu"][i] for r in range(ws)) for i in range(n)
         )
+        # dispatch and combine (with the weighting) of each call, slowest rank; nan where the
+        # implementation has no separate dispatch
+        disp = [max(per_rank[r][name]["dispatch"][i] for r in range(ws)) for i in range(n)]
+        comb = [
+            max(per_rank[r][name]["times"][i] - per_rank[r][name]["dispatch"][i] for r in range(ws))
+            for i in range(n)
+        ]
         out[name] = {
             "impl": name,
             "time_ms": t * 1e3,
+            "dispatch_ms": statistics.median(disp) * 1e3,
+            "combine_ms": statistics.median(comb) * 1e3,
             "calls": len(times),
             # the CPU time of a round trip, all ranks together, over the machine's cores: a
             # floor the round trip cannot beat on this machine whatever the links
@@ -330,14 +350,28 @@ def _table(title, head, rows, md) -> str:
     return "\n".join(lines)
 
 
+def _ms(v) -> str:
+    return "-" if v is None or math.isnan(v) else f"{v:.0f}"
+
+
 def render_hosts(topo, per, cfg, rate_bit, md=False):
-    head = ["implementation", "round trip (ms)", "vs plain-gloo", "MB out (busiest host)"]
-    head += ["bound MB", "bound ms", "% of bound", "CPU s (all ranks)", "CPU / cores ms", "check"]
+    head = ["implementation", "round trip (ms)", "dispatch ms", "combine ms", "vs plain-gloo"]
+    head += [
+        "MB out (busiest host)",
+        "bound MB",
+        "bound ms",
+        "% of bound",
+        "CPU s (all ranks)",
+        "CPU / cores ms",
+        "check",
+    ]
     base = per.get("plain-gloo")
     rows = [
         [
             name,
             f"{r['time_ms']:.0f}",
+            _ms(r.get("dispatch_ms")),
+            _ms(r.get("combine_ms")),
             f"{base['time_ms'] / r['time_ms']:.2f}x" if base else "-",
             f"{r['mb_out_busiest_host']:.1f}",
             f"{r['bound_mb']:.1f}",
