@@ -291,6 +291,7 @@ def _hosts_worker() -> None:
     # from the version's start to the end of this reader's pull
     pull_end_s: dict = {way: [] for way in store_ways}
     timeline: list = []  # store-relay, last rep: this reader's pull, phase by phase
+    pull_s: dict = {way: [] for way in store_ways}  # this reader's pull alone
     digests = {}
     version = 0
     for rep in range(a["reps"]):
@@ -309,9 +310,13 @@ def _hosts_worker() -> None:
                     publish_s[way].append(time.perf_counter() - t0)
                 dist.barrier()  # published: every reader pulls at once
                 if rank > 0:
+                    # --stagger-ms: the readers of rollout host h start h - 1 staggers late
+                    time.sleep(a.get("stagger_ms", 0) / 1e3 * (a["host_of"][rank] - 1))
+                    t1 = time.perf_counter()
                     pr = ws[way].pull(into=model, version=version)
                     relay[way].append(pr.relay_position)
                     pull_end_s[way].append(time.perf_counter() - t0)
+                    pull_s[way].append(time.perf_counter() - t1)
                     if way == "store-relay" and rep == a["reps"] - 1 and a.get("verbose"):
                         from mooncake_store.weight_sync.timeline import format_timeline
 
@@ -334,6 +339,7 @@ def _hosts_worker() -> None:
         "publish_s": publish_s,
         "pull_end_s": pull_end_s,
         "timeline": timeline,
+        "pull_s": pull_s,
     }
     print("RESULT " + json.dumps(res), flush=True)
     if store is not None:
@@ -368,6 +374,8 @@ def _run_hosts(a) -> int:
         "ways": ways,
         "verbose": a.verbose,
         "part_mib": a.part_mib,
+        "stagger_ms": a.stagger_ms,
+        "host_of": rank_hosts(rph),
     }
     load0 = os.getloadavg()[0]
     argv = [sys.executable, os.path.abspath(__file__), "--hosts-worker"]
@@ -447,6 +455,20 @@ def _run_hosts(a) -> int:
                 if hosts[r] in pos:
                     per = ends.setdefault(pos[hosts[r]], {})
                     per[i] = max(per.get(i, 0.0), res[r]["pull_end_s"]["store-relay"][i])
+        slowest = [
+            max(res[r]["pull_s"]["store-relay"][i] for r in range(1, world)) for i in range(a.reps)
+        ]
+        lines.append(
+            f"store-relay, slowest reader's pull alone (median over reps): "
+            f"{statistics.median(slowest):.3f} s, {statistics.median(slowest) / bound_s:.2f}x "
+            f"one link-time"
+            + (
+                f" (host h readers start {a.stagger_ms:g} ms x (h - 1) late)"
+                if a.stagger_ms
+                else ""
+            )
+        )
+        rows["store-relay"]["slowest_pull_s"] = statistics.median(slowest)
         if ends:
             lines.append(
                 "store-relay, median time to the end of the pulls of each chain position's host: "
@@ -510,6 +532,12 @@ def main(argv=None) -> int:
         type=int,
         default=4,
         help="with --hosts: WeightSyncConfig.relay_part_bytes in MiB (default 4, the config's)",
+    )
+    ap.add_argument(
+        "--stagger-ms",
+        type=float,
+        default=0.0,
+        help="with --hosts: the readers of rollout host h start their pulls (h - 1) x this late",
     )
     ap.add_argument(
         "--verbose",
