@@ -274,6 +274,7 @@ def _hosts_worker() -> None:
                     bucket_bytes=bucket,
                     keep_versions=0,
                     relay_part_bytes=a["part_mib"] * MiB,
+                    install=a["install"],
                 ),
             )
             for way in store_ways
@@ -375,6 +376,7 @@ def _run_hosts(a) -> int:
         "verbose": a.verbose,
         "part_mib": a.part_mib,
         "stagger_ms": a.stagger_ms,
+        "install": a.install,
         "host_of": rank_hosts(rph),
     }
     load0 = os.getloadavg()[0]
@@ -411,7 +413,7 @@ def _run_hosts(a) -> int:
     lines = [
         f"1 trainer host (1 rank) -> {len(rph) - 1} rollout hosts ({'+'.join(map(str, rph[1:]))} "
         f"readers), {nbytes / MiB:.0f} MiB bf16 in {a.tensor_mib} MiB tensors, buckets "
-        f"{a.bucket_mib} MiB, relay parts {a.part_mib} MiB, links {rate_bit / 1e9:g} Gbit/s, median of {a.reps}, "
+        f"{a.bucket_mib} MiB, relay parts {a.part_mib} MiB, install {a.install}, links {rate_bit / 1e9:g} Gbit/s, median of {a.reps}, "
         f"{time.strftime('%Y-%m-%d %H:%M')}, load {load0:.1f} before",
         "",
         "| path | seconds | GB/s | vs gloo | link bound s | % of bound | MB out of the trainer's host |",
@@ -532,6 +534,12 @@ def main(argv=None) -> int:
         type=int,
         default=4,
         help="with --hosts: WeightSyncConfig.relay_part_bytes in MiB (default 4, the config's)",
+    )
+    ap.add_argument(
+        "--install",
+        default="copy",
+        choices=("copy", "swap"),
+        help="with --hosts: the readers' WeightSyncConfig.install (default copy)",
     )
     ap.add_argument(
         "--stagger-ms",

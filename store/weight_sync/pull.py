@@ -279,6 +279,7 @@ class Puller:
                     v = newer
                     self._hold(kept + [v])
             handed = set()
+            swap, swapped_out = self.cfg.install == "swap", {}
             self._view_targets = {k: e for k, e in self._view_targets.items() if e[0]() is not None}
             tl.mark("fetched")
             with torch.no_grad():
@@ -304,11 +305,25 @@ class Puller:
                             )
                         else:
                             self._view_targets.pop(id(targets[name]), None)
+                    elif (
+                        swap
+                        and tgt.device == t.device
+                        and tgt.dtype == t.dtype
+                        and tgt.shape == t.shape
+                        and tgt.stride() == t.stride()
+                        and raw.get(name) is t
+                    ):
+                        # install="swap": the staged tensor becomes the target's storage, and
+                        # the target's old storage stages the next pull
+                        swapped_out[name] = tgt.data
+                        tgt.data = t
+                        handed.add(name)
                     else:
                         targets[name].copy_(t)
             # keep the staging tensors for the next pull (into given and they were not handed out)
             if into is not None and (dtype is None or raw is not staged):
                 self._spare = {k: t for k, t in raw.items() if k not in handed and k not in viewed}
+                self._spare.update(swapped_out)
             else:
                 self._spare = {}
             staged = staged if into is None else None

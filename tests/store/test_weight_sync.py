@@ -1570,3 +1570,39 @@ def test_bucket_digests_taken_part_by_part_equal_whole_digests():
         d.feed(buf[256 << 10 : 512 << 10], 256 << 10)
         d.feed(buf[: 256 << 10], 0)
         assert all(d.result(p) is None for p in pieces)
+
+
+def test_swap_install_hands_the_staged_storage_over_and_stages_in_the_old_one():
+    """``install="swap"``: after a pull the module's parameters (the same Parameter objects)
+    hold the published values in the staged storage, with no install copy; the next pull
+    stages into the storage the parameters gave up, so two pulls alternate between two
+    buffers. A cast pull, or a target of other strides, is copied into as before."""
+    import torch
+
+    from mooncake_store import MooncakeStore, WeightSync, WeightSyncConfig
+
+    with MooncakeStore(segment_size=16 << 20, serve_tcp=False) as s:
+        pub = WeightSync(s, "sw")
+        reader = WeightSync(s, "sw", config=WeightSyncConfig(install="swap"))
+        model = torch.nn.Linear(64, 32)
+        w, b = model.weight, model.bias
+        ptrs = {w.data_ptr()}
+        for v in range(1, 4):
+            sd = {"weight": torch.randn(32, 64), "bias": torch.randn(32)}
+            pub.publish(sd, v)
+            assert reader.pull(into=model).version == v
+            assert model.weight is w and model.bias is b
+            assert torch.equal(w, sd["weight"]) and torch.equal(b, sd["bias"])
+            ptrs.add(w.data_ptr())
+        assert len(ptrs) == 2, ptrs  # the original storage and one staging buffer, in turn
+        target = {"weight": torch.zeros(64, 32).t(), "bias": torch.zeros(32)}  # other strides
+        before = target["weight"].data_ptr()
+        sd = {"weight": torch.randn(32, 64), "bias": torch.randn(32)}
+        pub.publish(sd, 4)
+        reader.pull(into=target)
+        assert target["weight"].data_ptr() == before
+        assert torch.equal(target["weight"], sd["weight"])
+        half = torch.nn.Linear(64, 32).to(torch.bfloat16)
+        pub.publish(sd, 5)
+        reader.pull(into=half, dtype=torch.bfloat16)
+        assert torch.equal(half.weight, sd["weight"].to(torch.bfloat16))
