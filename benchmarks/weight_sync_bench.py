@@ -269,7 +269,12 @@ def _hosts_worker() -> None:
                 store,
                 "bench-" + _STORE_MODELS[way],
                 config=WeightSyncConfig(
-                    relay=way == "store-relay", pin=True, bucket_bytes=bucket, keep_versions=0
+                    relay=way == "store-relay",
+                    pin=True,
+                    bucket_bytes=bucket,
+                    keep_versions=0,
+                    relay_part_bytes=a["part_mib"] * MiB,
+                    install=a["install"],
                 ),
             )
             for way in store_ways
@@ -286,6 +291,8 @@ def _hosts_worker() -> None:
     publish_s: dict = {way: [] for way in store_ways}  # the trainer's publish alone
     # from the version's start to the end of this reader's pull
     pull_end_s: dict = {way: [] for way in store_ways}
+    timeline: list = []  # store-relay, last rep: this reader's pull, phase by phase
+    pull_s: dict = {way: [] for way in store_ways}  # this reader's pull alone
     digests = {}
     version = 0
     for rep in range(a["reps"]):
@@ -304,8 +311,17 @@ def _hosts_worker() -> None:
                     publish_s[way].append(time.perf_counter() - t0)
                 dist.barrier()  # published: every reader pulls at once
                 if rank > 0:
-                    relay[way].append(ws[way].pull(into=model, version=version).relay_position)
+                    # --stagger-ms: the readers of rollout host h start h - 1 staggers late
+                    time.sleep(a.get("stagger_ms", 0) / 1e3 * (a["host_of"][rank] - 1))
+                    t1 = time.perf_counter()
+                    pr = ws[way].pull(into=model, version=version)
+                    relay[way].append(pr.relay_position)
                     pull_end_s[way].append(time.perf_counter() - t0)
+                    pull_s[way].append(time.perf_counter() - t1)
+                    if way == "store-relay" and rep == a["reps"] - 1 and a.get("verbose"):
+                        from mooncake_store.weight_sync.timeline import format_timeline
+
+                        timeline = format_timeline(pr.timeline, ws[way].puller.timeline.requests)
             elif way == "pg":
                 gs.sync(model, version if rank == 0 else None)
             else:
@@ -323,6 +339,8 @@ def _hosts_worker() -> None:
         "relay": relay,
         "publish_s": publish_s,
         "pull_end_s": pull_end_s,
+        "timeline": timeline,
+        "pull_s": pull_s,
     }
     print("RESULT " + json.dumps(res), flush=True)
     if store is not None:
@@ -355,6 +373,11 @@ def _run_hosts(a) -> int:
         "bucket_mib": a.bucket_mib,
         "reps": a.reps,
         "ways": ways,
+        "verbose": a.verbose,
+        "part_mib": a.part_mib,
+        "stagger_ms": a.stagger_ms,
+        "install": a.install,
+        "host_of": rank_hosts(rph),
     }
     load0 = os.getloadavg()[0]
     argv = [sys.executable, os.path.abspath(__file__), "--hosts-worker"]
@@ -390,7 +413,7 @@ def _run_hosts(a) -> int:
     lines = [
         f"1 trainer host (1 rank) -> {len(rph) - 1} rollout hosts ({'+'.join(map(str, rph[1:]))} "
         f"readers), {nbytes / MiB:.0f} MiB bf16 in {a.tensor_mib} MiB tensors, buckets "
-        f"{a.bucket_mib} MiB, links {rate_bit / 1e9:g} Gbit/s, median of {a.reps}, "
+        f"{a.bucket_mib} MiB, relay parts {a.part_mib} MiB, install {a.install}, links {rate_bit / 1e9:g} Gbit/s, median of {a.reps}, "
         f"{time.strftime('%Y-%m-%d %H:%M')}, load {load0:.1f} before",
         "",
         "| path | seconds | GB/s | vs gloo | link bound s | % of bound | MB out of the trainer's host |",
@@ -434,6 +457,20 @@ def _run_hosts(a) -> int:
                 if hosts[r] in pos:
                     per = ends.setdefault(pos[hosts[r]], {})
                     per[i] = max(per.get(i, 0.0), res[r]["pull_end_s"]["store-relay"][i])
+        slowest = [
+            max(res[r]["pull_s"]["store-relay"][i] for r in range(1, world)) for i in range(a.reps)
+        ]
+        lines.append(
+            f"store-relay, slowest reader's pull alone (median over reps): "
+            f"{statistics.median(slowest):.3f} s, {statistics.median(slowest) / bound_s:.2f}x "
+            f"one link-time"
+            + (
+                f" (host h readers start {a.stagger_ms:g} ms x (h - 1) late)"
+                if a.stagger_ms
+                else ""
+            )
+        )
+        rows["store-relay"]["slowest_pull_s"] = statistics.median(slowest)
         if ends:
             lines.append(
                 "store-relay, median time to the end of the pulls of each chain position's host: "
@@ -441,6 +478,12 @@ def _run_hosts(a) -> int:
                     f"{p}: {statistics.median(ends[p].values()):.3f} s" for p in sorted(ends)
                 )
             )
+    if a.verbose and "store-relay" in ways:
+        for r in range(1, world):
+            if res[r].get("timeline"):
+                pos = res[r]["relay"]["store-relay"][-1]
+                print(f"--- rank {r} (host {hosts[r]}, chain position {pos}), last version's pull:")
+                print("\n".join(res[r]["timeline"]))
     _report(
         a,
         lines,
@@ -485,6 +528,29 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--link-rate", default="2G", help="with --hosts: each host link's rate (bit/s; K/M/G)"
+    )
+    ap.add_argument(
+        "--part-mib",
+        type=int,
+        default=4,
+        help="with --hosts: WeightSyncConfig.relay_part_bytes in MiB (default 4, the config's)",
+    )
+    ap.add_argument(
+        "--install",
+        default="copy",
+        choices=("copy", "swap"),
+        help="with --hosts: the readers' WeightSyncConfig.install (default copy)",
+    )
+    ap.add_argument(
+        "--stagger-ms",
+        type=float,
+        default=0.0,
+        help="with --hosts: the readers of rollout host h start their pulls (h - 1) x this late",
+    )
+    ap.add_argument(
+        "--verbose",
+        action="store_true",
+        help="with --hosts: print each reader's last store-relay pull, phase by phase",
     )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--hosts-worker", action="store_true", help=argparse.SUPPRESS)

@@ -68,6 +68,9 @@ class Link:
         self._poll_etcd = None  # the heartbeat thread's own etcd client
         self._epoch = -1  # the master's segment epoch last seen by the heartbeat
         self._poll_thread: threading.Thread | None = None
+        # when a list: each request that answered appends (sent, answered, method), in
+        # time.monotonic() seconds (a pull's timeline, weight_sync/timeline.py)
+        self.trace: list | None = None
 
     def register(self) -> None:
         """Registers this client with the master, and takes the master's lease and client TTLs.
@@ -219,6 +222,9 @@ class Link:
                     res = conn.call(method, args, timeout=left)
                     if sent_at is not None:
                         sent_at.append(t)
+                    trace = self.trace
+                    if trace is not None:
+                        trace.append((t, time.monotonic(), method))
                     return res
                 finally:
                     self._lock.release()

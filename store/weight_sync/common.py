@@ -40,6 +40,8 @@ class PullResult(NamedTuple):
     #: this reader's place in the version's chain of relay hosts (0: reads from the
     #: publisher's host), None when it was no relay (``WeightSyncConfig.relay``)
     relay_position: int | None = None
+    #: when each phase of the pull happened (``timeline.PullEvent`` tuples, in time order)
+    timeline: tuple = ()
 
 
 class GroupSyncResult(NamedTuple):
@@ -82,6 +84,52 @@ def _piece_digest(data, algo: str) -> str:
     if algo == "blake2b":
         return "blake2b:" + hashlib.blake2b(buf, digest_size=16).hexdigest()
     raise WeightSyncAbortedError(f"unknown checksum algorithm {algo!r} in a manifest")
+
+
+class _StreamDigests:
+    """Digests of a bucket's pieces, fed part by part while the bucket's later parts are on the wire.
+
+    ``pieces``: the manifest's pieces of one bucket (``boff``, ``nbytes``, ``digest``); parts must be
+    fed in order of their offsets. :meth:`result` gives a piece's ``algo:hex`` once every byte of it
+    was fed, else None (the caller digests it whole).
+    """
+
+    def __init__(self, pieces: list):
+        self._todo = []  # [boff, end, algo, hasher, name], by offset
+        for p in pieces:
+            algo = str(p["digest"]).partition(":")[0] if p["digest"] is not None else None
+            if algo in ("xxh3", "blake2b") and p["nbytes"]:
+                if algo == "xxh3":
+                    import xxhash
+
+                    h = xxhash.xxh3_128()
+                else:
+                    h = hashlib.blake2b(digest_size=16)
+                self._todo.append([p["boff"], p["boff"] + p["nbytes"], algo, h, p["name"]])
+        self._todo.sort(key=lambda e: e[0])
+        self._fed = 0  # bytes of the bucket fed so far (parts come in order)
+        self._done: dict = {}  # (name, boff) -> "algo:hex"
+
+    def feed(self, data, offset: int) -> None:
+        """Feeds the bucket's bytes ``[offset, offset + len(data))`` (a flat uint8 tensor)."""
+        if offset != self._fed:  # out of order: nothing more is digested on the way
+            self._todo = []
+            return
+        end = offset + data.numel()
+        self._fed = end
+        while self._todo and self._todo[0][0] < end:
+            boff, pend, algo, h, name = self._todo[0]
+            lo, hi = max(boff, offset), min(pend, end)
+            if hi > lo:
+                h.update(data[lo - offset : hi - offset].numpy())
+            if pend > end:
+                break
+            self._done[(name, boff)] = f"{algo}:{h.hexdigest()}"
+            self._todo.pop(0)
+
+    def result(self, piece: dict) -> str | None:
+        """The digest of ``piece`` if all its bytes were fed, else None."""
+        return self._done.get((piece["name"], piece["boff"]))
 
 
 def _default_algo() -> str:

@@ -34,7 +34,12 @@ class WeightSyncConfig:
             (``param.data = view``; no copy, one copy of the weights per host however many
             readers; needs ``pin=True`` and ``into`` an ``nn.Module`` or ``None``); the
             reader holds the version (refreshed every ``hold_ttl_s / 4``) until its next
-            pull or ``release()``. The rest is copied.
+            pull or ``release()``. The rest is copied. ``"swap"``: as ``"copy"``, but a
+            staged tensor with the target's dtype, shape, strides and device becomes the
+            target's storage (``param.data = staged``: no copy at install) and the target's
+            old storage stages the next pull; for readers that keep no other reference to
+            their tensors' storage (a view of a target, or a flat buffer the targets view,
+            no longer sees the new version).
         relay: readers on a host other than the one holding a version's pieces share one
             pull per host, and the hosts pass the pieces on to each other in a chain,
             bucket by bucket, so the publisher host's link carries each byte about once
@@ -73,9 +78,9 @@ class WeightSyncConfig:
     relay_part_bytes: int = 4 * MiB
 
     def __post_init__(self):
-        if self.install not in ("copy", "view"):
+        if self.install not in ("copy", "view", "swap"):
             raise ValueError(
-                f"WeightSyncConfig: install must be 'copy' or 'view', got {self.install!r}"
+                f"WeightSyncConfig: install must be 'copy', 'view' or 'swap', got {self.install!r}"
             )
         if self.install == "view" and not self.pin:
             raise ValueError(

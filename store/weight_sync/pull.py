@@ -30,6 +30,7 @@ from .common import (
     _byte_view,
     _dtype_of,
     _piece_digest,
+    _StreamDigests,
     _target_dict,
     _torch,
     _unref,
@@ -37,6 +38,7 @@ from .common import (
 from .config import WeightSyncConfig
 from .records import ModelRecords
 from .relay import RelayPull
+from .timeline import PullTimeline
 
 # logs under the name of the module WeightSync lives in
 log = logging.getLogger("mooncake_store.weight_sync")
@@ -81,6 +83,7 @@ class Puller:
         self._into = None  # (id, weakref or None) of the last `into`, or "none" (into=None)
         self._refresher: threading.Thread | None = None
         self.relay: RelayPull | None = None
+        self.timeline: PullTimeline | None = None  # the last pull's
         self._stop = threading.Event()
         self.lapsed_versions: list = []
 
@@ -190,7 +193,16 @@ class Puller:
 
         Its docstring says what it does and raises.
         """
+        self.timeline = tl = PullTimeline(self.store.internal.link)
+        try:
+            res = self._pull(into, version, dtype, strict, stage_hook)
+        finally:
+            events = tl.close()
+        return res._replace(timeline=events)
+
+    def _pull(self, into, version, dtype, strict: bool, stage_hook) -> PullResult:
         torch = _torch()
+        tl = self.timeline
         view_mode = self.cfg.install == "view"
         if view_mode and into is not None and not isinstance(into, torch.nn.Module):
             raise ValueError(
@@ -217,6 +229,7 @@ class Puller:
             )
         if version == "latest":
             v, pid = self.records.latest()
+            tl.mark("latest", f"v{v}")
             if 0 <= v < prev and not self._warned_behind:
                 self._warned_behind = True
                 log.warning(
@@ -250,6 +263,7 @@ class Puller:
             view_mode = (
                 False  # every reader slot taken: unprotected memory must not be viewed; copy
             )
+        tl.mark("hold")
         try:
             for attempt in range(3 if version == "latest" else 1):
                 try:
@@ -265,7 +279,9 @@ class Puller:
                     v = newer
                     self._hold(kept + [v])
             handed = set()
+            swap, swapped_out = self.cfg.install == "swap", {}
             self._view_targets = {k: e for k, e in self._view_targets.items() if e[0]() is not None}
+            tl.mark("fetched")
             with torch.no_grad():
                 for name, t in staged.items():
                     if name not in targets:
@@ -289,15 +305,30 @@ class Puller:
                             )
                         else:
                             self._view_targets.pop(id(targets[name]), None)
+                    elif (
+                        swap
+                        and tgt.device == t.device
+                        and tgt.dtype == t.dtype
+                        and tgt.shape == t.shape
+                        and tgt.stride() == t.stride()
+                        and raw.get(name) is t
+                    ):
+                        # install="swap": the staged tensor becomes the target's storage, and
+                        # the target's old storage stages the next pull
+                        swapped_out[name] = tgt.data
+                        tgt.data = t
+                        handed.add(name)
                     else:
                         targets[name].copy_(t)
             # keep the staging tensors for the next pull (into given and they were not handed out)
             if into is not None and (dtype is None or raw is not staged):
                 self._spare = {k: t for k, t in raw.items() if k not in handed and k not in viewed}
+                self._spare.update(swapped_out)
             else:
                 self._spare = {}
             staged = staged if into is None else None
             raw = None
+            tl.mark("installed")
         finally:
             try:
                 self._hold(self.held_versions())  # the new version if viewed, and views still alive
@@ -333,6 +364,8 @@ class Puller:
             raise ObjectNotFoundError(
                 f"{self.model}: version {v} cannot be read ({self._why_gone(v)})"
             ) from None
+        tl = self.timeline
+        tl.mark("records", "commit")
         n = int(commit["num_shards"])
         self._staged_pid = commit.get("pid")
         pp = vp + (
@@ -347,6 +380,7 @@ class Puller:
             raise WeightSyncAbortedError(
                 f"{self.model} v{v}: a manifest is missing ({e}); kept version {self.version}"
             ) from None
+        tl.mark("records", "manifests")
         # full tensors, in the published dtype
         specs: dict = {}
         for m in mans:
@@ -463,13 +497,20 @@ class Puller:
             )
         relay = self.relay
         if relay is None:
+            tl.mark("role", "reads the publisher's pieces")
 
             def get_into(key, dst):  # staging memory: a failed read only costs this pull
+                tl.first_byte(key[len(pp) :])
                 self.store.internal.read_into(key, memoryview(dst.numpy()), scratch=True)
                 return dst
 
         else:
+            relay.timeline = tl
+            tl.mark("role", relay.describe())
             get_into = relay.read_into
+        # digests of the pieces of the buckets read in parts, taken part by part while the next
+        # part is on the wire (bucket key -> _StreamDigests); the others are digested whole
+        streamed: dict = {}
 
         def fetch(b):
             for attempt in range(
@@ -483,15 +524,23 @@ class Puller:
 
         def fetch_once(b):
             key, nb, pieces = b
+            if relay is None or not nb:
+                read = get_into
+            else:
+                dig = streamed[key] = _StreamDigests([p for p in pieces if p["name"] not in views])
+
+                def read(key, dst):
+                    return relay.read_into(key, dst, dig.feed)
+
             # a bucket that is one whole tensor is read straight into the staged tensor (a
             # relay's land in its copy, which is staged from there)
             if len(pieces) == 1 and pieces[0]["shape"] == pieces[0]["gshape"] and nb:
-                return get_into(key, _byte_view(staged[pieces[0]["name"]]))
+                return read(key, _byte_view(staged[pieces[0]["name"]]))
             buf = torch.empty(nb, dtype=torch.uint8)
-            return get_into(key, buf) if nb else buf
+            return read(key, buf) if nb else buf
 
         try:
-            self._fetch_all(v, fetched, fetch, staged, views, stage_hook)
+            self._fetch_all(v, fetched, fetch, staged, views, stage_hook, streamed)
             if relay is not None:
                 relay.finish()
         except BaseException:
@@ -527,10 +576,11 @@ class Puller:
             "host cut off for longer than the master's client_ttl_s; publish a newer version"
         )
 
-    def _fetch_all(self, v, fetched, fetch, staged, views, stage_hook) -> None:
+    def _fetch_all(self, v, fetched, fetch, staged, views, stage_hook, streamed) -> None:
         """Reads the buckets and checks every piece's digest.
 
         The next buckets are read while this one is checked and copied into the staged tensors.
+        ``streamed``: bucket key -> the ``_StreamDigests`` its read fed (pieces digested on the way).
         """
         # two in flight for a relay too: transfers from one peer go one at a time over its
         # connection, so the copies still come in order, and the next bucket's requests to
@@ -541,6 +591,7 @@ class Puller:
             for i, b in enumerate(fetched):
                 try:
                     buf = futs[i].result()
+                    self.timeline.mark("bucket", str(i))
                 except ObjectNotFoundError as e:
                     raise WeightSyncAbortedError(
                         f"{self.model} v{v}: {e} ({self._why_gone(v)}); kept version {self.version}"
@@ -555,7 +606,10 @@ class Puller:
                         continue
                     piece = buf[p["boff"] : p["boff"] + p["nbytes"]]
                     if p["digest"] is not None:
-                        if _piece_digest(piece, str(p["digest"]).partition(":")[0]) != p["digest"]:
+                        got = streamed[b[0]].result(p) if b[0] in streamed else None
+                        if got is None:
+                            got = _piece_digest(piece, str(p["digest"]).partition(":")[0])
+                        if got != p["digest"]:
                             raise WeightSyncAbortedError(
                                 f"{self.model} v{v}: checksum of {p['name']!r} differs; "
                                 f"kept version {self.version}"
@@ -568,3 +622,4 @@ class Puller:
                         dst[tuple(slice(o, o + s) for o, s in zip(p["offset"], p["shape"]))].copy_(
                             src
                         )
+                self.timeline.mark("staged", str(i))

@@ -137,6 +137,17 @@ class RelayPull:
         # `own`, `sources` and `position`: the pull's two read threads and its caller
         self._lock = threading.Lock()
         self._stepped_down = False
+        self.timeline = None  # the pull's PullTimeline (timeline.py), set by the puller
+
+    def describe(self) -> str:
+        """This reader's role and sources, for a pull's timeline."""
+        role = "follower" if self.position is None else f"relay c{self.position}"
+        src = ", ".join(f"c{j}" for j, _ in self.sources)
+        return f"{role}, reads from {src + ', ' if src else ''}the publisher"
+
+    def _mark(self, phase: str, detail: str) -> None:
+        if self.timeline is not None:
+            self.timeline.mark(phase, detail)
 
     @classmethod
     def start(
@@ -267,14 +278,16 @@ class RelayPull:
             time.sleep(pause)
             pause = min(pause * 2, 0.004)
 
-    def read_into(self, key: str, dst: torch.Tensor) -> torch.Tensor:
+    def read_into(self, key: str, dst: torch.Tensor, on_part=None) -> torch.Tensor:
         """Reads bucket ``key`` into ``dst`` part by part, each from the nearest source that has it.
 
         ``dst`` is of its size, uint8, non-empty; returns ``dst``. As a relay, each part lands first
         in its copy in this reader's segment (placed before the read: no staging copy on the next
         host's path) and is committed, readable by the next host, before it is copied into ``dst``.
         A relay without room for the copies, or whose copy could not be committed, stops relaying
-        (:meth:`_step_down`) and reads into ``dst``.
+        (:meth:`_step_down`) and reads into ``dst``. ``on_part(part, offset)``, if given, is called
+        with each part's bytes (a uint8 view of ``dst``) once they are in ``dst``, in order of
+        offset, while the next part is read (the reader digests them on the way).
         """
         mv = memoryview(dst.numpy())
         parts = part_ranges(dst.numel(), self.part_bytes)
@@ -286,12 +299,16 @@ class RelayPull:
             if placed is None:
                 self._step_down()
         elif not self.sources:  # the publisher's piece alone: one read
+            if self.timeline is not None:
+                self.timeline.first_byte(key[len(self.pp) :])
             self.store.internal.read_into(key, mv, scratch=True)
             return dst
         torch = _torch()
         for j, (off, n) in enumerate(parts):
             if placed is None:
                 self._read_part(key, j, off, mv[off : off + n])
+                if on_part is not None:
+                    on_part(dst[off : off + n], off)
                 continue
             view, version = placed[j]
             unused = [[k, p[1]] for k, p in zip(keys[j:], placed[j:])]  # given back on failure
@@ -304,9 +321,12 @@ class RelayPull:
                 self.store.internal.commit(keys[j], version)
                 with self._lock:
                     self.own.append(keys[j])
+                self._mark("committed", f"{key[len(self.pp) :]}.p{j}")
             except StoreError:  # not committed (a leader change lost it): no more copies
                 placed = None
             dst[off : off + n].copy_(torch.frombuffer(view, dtype=torch.uint8))
+            if on_part is not None:
+                on_part(dst[off : off + n], off)
             if placed is None:  # after the copy: the space of this part goes back too
                 self.store.internal.revoke(unused)
                 self._step_down()
@@ -317,20 +337,27 @@ class RelayPull:
 
         From the nearest source that has it (the publisher's piece last).
         """
+        name = f"{key[len(self.pp) :]}.p{part}"
         while self.sources:
             src = self.sources[0]
             j, rid = src
             ck = copy_key(self.pp, rid, key, part)
             if self._wait(j, rid, ck):
                 try:
+                    if self.timeline is not None:
+                        self.timeline.first_byte(name)
                     if self.store.internal.read_into(ck, mv, scratch=True) == len(mv):
+                        self._mark("part", f"{name} from c{j}")
                         return
                 except (ObjectNotFoundError, TransferError, ValueError):
                     pass
             with self._lock:  # gone, unreadable, stalled or of another size: the next one up
                 if self.sources and self.sources[0] == src:
                     self.sources.pop(0)
+        if self.timeline is not None:
+            self.timeline.first_byte(name)
         self.store.internal.read_into(key, mv, scratch=True, offset=offset)
+        self._mark("part", f"{name} from the publisher")
 
     def _step_down(self) -> None:
         """Stops relaying this version: its position record goes at once.

@@ -302,8 +302,10 @@ def _weight_sync(store, weight_syncs: dict, op: str, req: dict):
     """``ws_publish``: publishes ``ws_state(version, tensors, kib)``. ``ws_pull``: pulls the
     latest version into zeros and answers which version's state the result equals (the
     digests are the agent's own, of the state it generates), its relay position, its reader
-    and publish ids and the error, if any; ``kill_relay_at``: the relay at chain position 0
-    SIGKILLs itself before it stages that bucket."""
+    and publish ids, the phases of its pull's timeline and the error, if any;
+    ``kill_relay_at``: the relay at chain position 0 SIGKILLs itself before it stages that
+    bucket; ``kill_relay_at_part``: it SIGKILLs itself once it has committed that many parts
+    (mid-bucket: the next host has read part of the bucket from it)."""
     from mooncake_store import WeightSync, WeightSyncConfig, tensor_digest
 
     ws = weight_syncs.get(req["model"])
@@ -322,9 +324,28 @@ def _weight_sync(store, weight_syncs: dict, op: str, req: dict):
         if i == kill_at and ws.puller.relay is not None and ws.puller.relay.position == 0:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    out = {"error": None, "position": None}
+    kill_part = req.get("kill_relay_at_part")
+    if kill_part is not None:
+        from mooncake_store.weight_sync import relay as relay_mod
+
+        mark, seen = relay_mod.RelayPull._mark, []
+
+        def mark_then_kill(self, phase, detail):  # fault injection: dies after a commit
+            mark(self, phase, detail)
+            if phase == "committed" and self.position == 0:
+                seen.append(detail)
+                if len(seen) == kill_part:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+        relay_mod.RelayPull._mark = mark_then_kill
+    out = {"error": None, "position": None, "phases": [], "first_byte_requests": None}
     try:
-        out["position"] = ws.pull(model, stage_hook=hook).relay_position
+        res = ws.pull(model, stage_hook=hook)
+        out["position"] = res.relay_position
+        out["phases"] = [[e.phase, e.detail] for e in res.timeline]
+        out["first_byte_requests"] = next(
+            (e.master_requests for e in res.timeline if e.phase == "first_byte"), None
+        )
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {e}"
     got = {k: tensor_digest(t) for k, t in model.items()}

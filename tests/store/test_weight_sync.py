@@ -1483,3 +1483,126 @@ def test_store_pull_across_hosts_survives_a_relay_killed_mid_pull(procs):
     for g in survivors:
         assert g["equals"] == [g["version"]], g  # one whole version
         assert g["error"] is None and g["version"] == 2, g
+
+
+@pytest.mark.slow
+def test_a_relay_killed_mid_bucket_leaves_the_readers_after_it_whole(procs):
+    """Three hosts of one reader; buckets of three 320 KiB tensors passed on in 256 KiB parts
+    (pieces straddle parts, so their digests are taken part by part across part borders).
+    The relay at position 0 is SIGKILLed once it has committed five parts: mid-bucket, with
+    the next host reading that bucket from it part by part. The readers after it finish the
+    bucket from the next source up (the publisher) and end with the whole version 2 (digests
+    of the state they generate themselves). The first pull's timeline says where the time
+    went: the phases come in order, one per part read."""
+    master = procs.start_master(client_ttl=1.0)
+    config = {"bucket_bytes": MiB, "relay_wait_s": 5.0, "relay_part_bytes": _PART}
+    state = {"tensors": 12, "kib": 320}  # 4 buckets of 960 KiB, 4 parts each
+    trainer, readers = _hosts(procs, master, [1, 1, 1], config)
+    trainer.cmd("ws_publish", model="p", config=config, version=1, **state)
+    for a in readers:
+        a.send("ws_pull", model="p", config=config, **state)
+    first = [a.reply(timeout=120) for a in readers]
+    for g in first:
+        assert g["error"] is None and g["equals"] == [1], g
+        phases = [p for p, _ in g["phases"]]
+        assert phases[: phases.index("first_byte")].count("part") == 0, phases
+        assert phases.count("part") == 4 * 4 and phases.count("staged") == 4, phases
+        assert phases[-2:] == ["fetched", "installed"], phases
+        assert g["first_byte_requests"] > 0, g
+    trainer.cmd("ws_publish", model="p", config=config, version=2, **state)
+    for a in readers:
+        a.send("ws_pull", model="p", config=config, kill_relay_at_part=5, **state)
+    dead, survivors = [], []
+    for a in readers:
+        try:
+            survivors.append(a.reply(timeout=120))
+        except RuntimeError:  # exited: the killed relay
+            dead.append(a)
+    assert len(dead) == 1 and len(survivors) == 2, (len(dead), survivors)
+    for g in survivors:
+        assert g["error"] is None and g["version"] == 2 and g["equals"] == [2], g
+
+
+def test_bucket_digests_taken_part_by_part_equal_whole_digests():
+    """``_StreamDigests`` fed a bucket part by part (parts of several sizes, pieces that
+    straddle parts, an empty piece) gives each piece the digest xxhash or hashlib computes
+    over the whole piece; a flipped byte changes only its piece's; parts out of order give
+    no digest (the reader then digests the piece whole)."""
+    import hashlib
+
+    import torch
+
+    xxhash = pytest.importorskip("xxhash")
+    from mooncake_store.weight_sync.common import _StreamDigests
+
+    g = torch.Generator().manual_seed(3)
+    buf = torch.randint(0, 256, (MiB,), dtype=torch.uint8, generator=g)
+    spans = [(0, 100_000), (100_032, 300_000), (400_064, 0), (400_064, MiB - 400_064)]
+    refs = {
+        "xxh3": xxhash.xxh3_128_hexdigest,
+        "blake2b": lambda b: hashlib.blake2b(b, digest_size=16).hexdigest(),
+    }
+    for algo, ref in refs.items():
+        pieces = [
+            {
+                "name": f"p{i}",
+                "boff": o,
+                "nbytes": n,
+                "digest": f"{algo}:{ref(buf[o : o + n].numpy())}",
+            }
+            for i, (o, n) in enumerate(spans)
+        ]
+        for part in (64 << 10, 256 << 10, 99_999, MiB):
+            d = _StreamDigests(pieces)
+            for off in range(0, MiB, part):
+                d.feed(buf[off : off + part], off)
+            assert [d.result(p) for p in pieces] == [
+                p["digest"] if p["nbytes"] else None for p in pieces
+            ], (algo, part)
+        bad = buf.clone()
+        bad[200_000] ^= 1  # in piece 1
+        d = _StreamDigests(pieces)
+        for off in range(0, MiB, 256 << 10):
+            d.feed(bad[off : off + (256 << 10)], off)
+        ok = [d.result(p) == p["digest"] for p in pieces]
+        assert ok == [True, False, False, True], ok  # the empty piece has no streamed digest
+        d = _StreamDigests(pieces)
+        d.feed(buf[256 << 10 : 512 << 10], 256 << 10)
+        d.feed(buf[: 256 << 10], 0)
+        assert all(d.result(p) is None for p in pieces)
+
+
+def test_swap_install_hands_the_staged_storage_over_and_stages_in_the_old_one():
+    """``install="swap"``: after a pull the module's parameters (the same Parameter objects)
+    hold the published values in the staged storage, with no install copy; the next pull
+    stages into the storage the parameters gave up, so two pulls alternate between two
+    buffers. A cast pull, or a target of other strides, is copied into as before."""
+    import torch
+
+    from mooncake_store import MooncakeStore, WeightSync, WeightSyncConfig
+
+    with MooncakeStore(segment_size=16 << 20, serve_tcp=False) as s:
+        pub = WeightSync(s, "sw")
+        reader = WeightSync(s, "sw", config=WeightSyncConfig(install="swap"))
+        model = torch.nn.Linear(64, 32)
+        w, b = model.weight, model.bias
+        ptrs = {w.data_ptr()}
+        for v in range(1, 4):
+            sd = {"weight": torch.randn(32, 64), "bias": torch.randn(32)}
+            pub.publish(sd, v)
+            assert reader.pull(into=model).version == v
+            assert model.weight is w and model.bias is b
+            assert torch.equal(w, sd["weight"]) and torch.equal(b, sd["bias"])
+            ptrs.add(w.data_ptr())
+        assert len(ptrs) == 2, ptrs  # the original storage and one staging buffer, in turn
+        target = {"weight": torch.zeros(64, 32).t(), "bias": torch.zeros(32)}  # other strides
+        before = target["weight"].data_ptr()
+        sd = {"weight": torch.randn(32, 64), "bias": torch.randn(32)}
+        pub.publish(sd, 4)
+        reader.pull(into=target)
+        assert target["weight"].data_ptr() == before
+        assert torch.equal(target["weight"], sd["weight"])
+        half = torch.nn.Linear(64, 32).to(torch.bfloat16)
+        pub.publish(sd, 5)
+        reader.pull(into=half, dtype=torch.bfloat16)
+        assert torch.equal(half.weight, sd["weight"].to(torch.bfloat16))
