@@ -21,7 +21,7 @@ from .reservation import Reservations
 
 log = logging.getLogger("mooncake_store")
 
-MAX_OFFLOAD_BURST = 64  # offloads reported in one offload_done request, at most
+MAX_OFFLOAD_BURST = 256  # offloads written with one syncfs and reported in one request, at most
 
 
 class Tasks:

@@ -28,6 +28,11 @@ from .link import Link
 from .reservation import Reservations, Unreachable, put_items
 
 _NOSPACE_RETRY_S = 6.0  # a new leader evicts nothing for lease_ttl_s (5 s by default)
+# waits between put_start tries while the master answers NoSpaceRetry: room usually comes
+# back within milliseconds (an offload burst reported, a lease ended), so the first waits are
+# short and double up to the longest, which bounds the retries sent to a master under load
+_NOSPACE_WAIT_FIRST_S = 0.002
+_NOSPACE_WAIT_MAX_S = 0.05
 
 
 class _PutOptions(NamedTuple):
@@ -250,6 +255,7 @@ class Writer:
                 return fast
         args = self._start_args(opts, avoid)
         deadline = time.monotonic() + _NOSPACE_RETRY_S
+        wait_s = _NOSPACE_WAIT_FIRST_S
         results: list = [None] * len(keys)
         todo = list(range(len(keys)))
         started = []  # (index, version, replica list)
@@ -274,7 +280,8 @@ class Writer:
                     results[i] = from_code(code, item[2])
             todo = retry
             if todo:
-                time.sleep(0.05)
+                time.sleep(wait_s)
+                wait_s = min(2 * wait_s, _NOSPACE_WAIT_MAX_S)
         if started and self._cfg.test_pause and self._cfg.test_pause[0] == "put":
             time.sleep(self._cfg.test_pause[1])
         jobs = [(s, off, views[i]) for i, _, reps in started for s, off in reps]
