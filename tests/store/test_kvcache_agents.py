@@ -395,6 +395,7 @@ def test_invalidate_retires_tagged_chunks_everywhere_with_concurrent_readers(pro
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
             time.sleep(0.5)
+            began = time.monotonic()
             retired = kv.invalidate("tools@v3")
             done = time.monotonic()
             time.sleep(1.0)
@@ -413,7 +414,8 @@ def test_invalidate_retires_tagged_chunks_everywhere_with_concurrent_readers(pro
             os.remove(f"{out}.{i}")
             os.remove(f"{out}.{i}.ready")
         after = [x for x in samples if x["start"] > done]
-        before = [x for x in samples if x["end"] < done]
+        # whole before the invalidate began (a get that overlapped it may serve less)
+        before = [x for x in samples if x["end"] < began]
         assert after and before, (len(samples), len(after), len(before))
         assert all(x["tokens"] == len(prompts[0]) and x["ok"] for x in before)
         assert all(x["tokens"] <= 32 and x["ok"] for x in after), [
