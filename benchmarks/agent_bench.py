@@ -41,10 +41,8 @@ import argparse
 import atexit
 import json
 import os
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -54,11 +52,10 @@ _children: list = []
 
 
 def _kill_children():
+    from tests.faults import kill_group
+
     for p in _children:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        kill_group(p)
 
 
 # ---------------------------------------------------------------------- prompts
@@ -302,40 +299,13 @@ def _replay(a, master: str, topo=None) -> dict:
     return results
 
 
-def _start_master(host: str = "127.0.0.1", ns: str | None = None) -> tuple:
-    d = tempfile.mkdtemp(prefix="agent-bench-")
-    port_file = os.path.join(d, "port")
-    argv = [
-        sys.executable,
-        "-m",
-        "mooncake_store.master",
-        "--host",
-        host,
-        "--port",
-        "0",
-        "--port-file",
-        port_file,
-    ]
-    env = {**os.environ, "PYTHONPATH": REPO}
-    if ns is not None:
-        from tests import netns
+def _start_master(host: str = "127.0.0.1", ns: str | None = None) -> str:
+    from tests.store import store_agents as sa
 
-        p = netns.run_in(ns, argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    else:
-        p = subprocess.Popen(
-            argv,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-    _children.append(p)
-    deadline = time.monotonic() + 30
-    while not os.path.exists(port_file) or not open(port_file).read().strip():
-        if p.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("agent_bench: the store master did not start")
-        time.sleep(0.05)
-    return f"{host}:{open(port_file).read().split()[0]}", p
+    m = sa.start_master(host=host, ns=ns)
+    atexit.register(sa.cleanup)  # its log and port file
+    _children.append(m.p)
+    return m.address
 
 
 def main(argv=None) -> int:
@@ -383,10 +353,10 @@ def main(argv=None) -> int:
             print(f"agent_bench --hosts 2: skipped: network namespaces: {why}")
             return 0
         with netns.hosts(2, "mcagb", rate_bit=parse_rate(a.link_rate)) as topo:
-            master, _ = _start_master(topo.addr[topo.hosts[0]], topo.hosts[0])
+            master = _start_master(topo.addr[topo.hosts[0]], topo.hosts[0])
             res = _replay(a, master, topo)
     else:
-        master, _ = _start_master()
+        master = _start_master()
         res = _replay(a, master)
     where = "1 host" if a.hosts == 1 else f"2 emulated hosts, {a.link_rate}bit/s links"
     lines = [

@@ -72,11 +72,10 @@ _children: list = []
 
 
 def _kill_children():
+    from tests.faults import kill_group
+
     for p in _children:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        kill_group(p)
 
 
 def parse_tokens(s: str) -> int:
@@ -510,48 +509,19 @@ def _spawn(argv: list, env: dict, topo=None, host: int = 0):
 
 
 def _start_master(a, host="127.0.0.1", ns=None) -> str:
-    d = tempfile.mkdtemp(prefix="kv-trace-")
-    atexit.register(shutil.rmtree, d, True)
-    port_file = os.path.join(d, "port")
-    argv = [
-        sys.executable,
-        "-m",
-        "mooncake_store.master",
-        "--host",
-        host,
-        "--port",
-        "0",
-        "--port-file",
-        port_file,
-        "--lease-ttl",
-        str(a.lease_ttl),
-        "--high-watermark",
-        str(a.high_watermark),
-        "--low-watermark",
-        str(a.low_watermark),
-    ]
-    if a.eviction_policy:
-        argv += ["--eviction-policy", a.eviction_policy]
-    env = {**os.environ, "PYTHONPATH": REPO}
-    if ns is not None:
-        from tests import netns
+    from tests.store import store_agents as sa
 
-        p = netns.run_in(ns, argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    else:
-        p = subprocess.Popen(
-            argv,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-    _children.append(p)
-    deadline = time.monotonic() + 30
-    while not os.path.exists(port_file) or not open(port_file).read().strip():
-        if p.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("kv_trace_replay: the store master did not start")
-        time.sleep(0.05)
-    return f"{host}:{open(port_file).read().split()[0]}"
+    flags = {
+        "lease_ttl": a.lease_ttl,
+        "high_watermark": a.high_watermark,
+        "low_watermark": a.low_watermark,
+    }
+    if a.eviction_policy:
+        flags["eviction_policy"] = a.eviction_policy
+    m = sa.start_master(host=host, ns=ns, **flags)
+    atexit.register(sa.cleanup)  # its log and port file
+    _children.append(m.p)
+    return m.address
 
 
 def _readline(p, what: str) -> dict:

@@ -112,33 +112,36 @@ class AgentError(Exception):
         self.msg = msg
 
 
-def _spawn(args, env_extra=None) -> tuple:
+def _spawn(args, env_extra=None, ns=None) -> tuple:
+    """Starts ``args`` in a session of its own (inside network namespace ``ns`` if given),
+    stderr to a log file; returns ``(Popen, log path)``."""
     fd, log_path = tempfile.mkstemp(prefix="mooncake-store-test-", suffix=".log")
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("MOONCAKE_STORE_MASTER", None)
     env.update(env_extra or {})
-    p = subprocess.Popen(
-        args,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=fd,
-        env=env,
-        start_new_session=True,
-        cwd=REPO,
-    )
+    kw = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=fd, env=env, cwd=REPO)
+    if ns is not None:
+        from tests import netns
+
+        p = netns.run_in(ns, args, **kw)
+    else:
+        p = subprocess.Popen(args, start_new_session=True, **kw)
     os.close(fd)
     return p, log_path
 
 
-def start_master(timeout=30, env=None, **flags) -> Proc:
-    """A master process on 127.0.0.1 (flags: e.g. client_ttl=1.0 -> --client-ttl 1.0)."""
+def start_master(timeout=30, env=None, host="127.0.0.1", ns=None, **flags) -> Proc:
+    """A master process listening on ``host`` (inside network namespace ``ns`` if given;
+    flags: e.g. client_ttl=1.0 -> --client-ttl 1.0)."""
     d = tempfile.mkdtemp(prefix="mooncake-master-")
     port_file = os.path.join(d, "port")
     args = [
         PY,
         "-m",
         "mooncake_store.master",
+        "--host",
+        host,
         "--port",
         str(flags.pop("port", 0)),
         "--port-file",
@@ -146,18 +149,19 @@ def start_master(timeout=30, env=None, **flags) -> Proc:
     ]
     for k, v in flags.items():
         args += ["--" + k.replace("_", "-"), str(v)]
-    p, log = _spawn(args, env)
+    p, log = _spawn(args, env, ns)
     proc = Proc(p, log)
     proc.paths.append(d)
     deadline = time.monotonic() + timeout
-    while not os.path.exists(port_file):
+    # the master writes the file whole once listening; an empty one is still being written
+    while not os.path.exists(port_file) or not os.path.getsize(port_file):
         if p.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError(f"master did not start; log:\n{proc.log()}")
         time.sleep(0.02)
     with open(port_file) as f:
         port, mport = f.read().split()
-    proc.address = f"127.0.0.1:{port}"
+    proc.address = f"{host}:{port}"
     proc.metrics_port = int(mport)
     return proc
 

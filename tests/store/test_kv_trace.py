@@ -76,12 +76,9 @@ def _lru_block_hits(reqs: list, capacity_blocks: int) -> float:
     return hit / total
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("clients", [1, 2])
-def test_replay_hit_rate_equals_lru_simulation(tmp_path, clients):
-    trace = str(tmp_path / "trace.jsonl")
-    reqs = _trace(trace)
-    capacity = 96  # blocks: well below the trace's working set, so eviction decides the hits
+def _replay(tmp_path, trace: str, memory_tokens: int, clients: int, extra: list, timeout_s):
+    """Runs the benchmark on ``trace`` in strict order (``--window 0``: each request after
+    the previous one, whichever client serves it) and returns its ``--json`` figures."""
     out = str(tmp_path / "out.json")
     subprocess.run(
         [
@@ -92,26 +89,39 @@ def test_replay_hit_rate_equals_lru_simulation(tmp_path, clients):
             "--block-tokens",
             str(BLOCK),
             "--memory-tokens",
-            str(capacity * BLOCK),
+            str(memory_tokens),
             "--clients",
             str(clients),
             "--window",
             "0",
-            # evict on demand only: the cache holds all of its memory, as the simulation does
-            "--high-watermark",
-            "1",
-            "--low-watermark",
-            "1",
+            *extra,
             "--json",
             out,
         ],
         check=True,
-        timeout=170,
+        timeout=timeout_s,
         env={**os.environ, "PYTHONPATH": REPO},
         stdout=subprocess.DEVNULL,
     )
     with open(out) as f:
-        got = json.load(f)
+        return json.load(f)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("clients", [1, 2])
+def test_replay_hit_rate_equals_lru_simulation(tmp_path, clients):
+    trace = str(tmp_path / "trace.jsonl")
+    reqs = _trace(trace)
+    capacity = 96  # blocks: well below the trace's working set, so eviction decides the hits
+    got = _replay(
+        tmp_path,
+        trace,
+        capacity * BLOCK,
+        clients,
+        # evict on demand only: the cache holds all of its memory, as the simulation does
+        ["--high-watermark", "1", "--low-watermark", "1"],
+        timeout_s=170,
+    )
     want = _lru_block_hits(reqs, capacity)
     assert got["requests"] == len(reqs)
     assert got["wrong_chunks"] == 0 and got["lost_chunks"] == 0
@@ -153,36 +163,8 @@ def test_replay_kill_holder(tmp_path, replicas):
     # 1 replica: 1.5x, host 1's holder 0.75x of them, host 0's holder and 2 clients 0.25x
     # each, so host 0 holds a good part (placement picks the segment with most free space)
     memory = blocks * BLOCK * 4 if replicas == 2 else blocks * BLOCK * 3 // 2
-    out = str(tmp_path / "out.json")
-    subprocess.run(
-        [
-            sys.executable,
-            BENCH,
-            "--trace",
-            trace,
-            "--block-tokens",
-            str(BLOCK),
-            "--memory-tokens",
-            str(memory),
-            "--clients",
-            str(clients),
-            "--hosts",
-            "2",
-            "--kill-holder",
-            "--replicas",
-            str(replicas),
-            "--window",
-            "0",
-            "--json",
-            out,
-        ],
-        check=True,
-        timeout=230,
-        env={**os.environ, "PYTHONPATH": REPO},
-        stdout=subprocess.DEVNULL,
-    )
-    with open(out) as f:
-        got = json.load(f)["kill_holder"]
+    extra = ["--hosts", "2", "--kill-holder", "--replicas", str(replicas)]
+    got = _replay(tmp_path, trace, memory, clients, extra, timeout_s=230)["kill_holder"]
     # host 1's requests: its clients' (odd) share of the first half, all of the second
     before = [i for i in range(n // 4, n // 2) if i % clients % 2 == 1]
     after = list(range(n // 2, n))

@@ -1386,6 +1386,20 @@ def _pull_all(readers, model, config, **kw):
     return [a.reply(timeout=120) for a in readers]
 
 
+def _pull_with_a_kill(readers, model, config, state, **kill):
+    """Every reader pulls, the relay named by ``kill`` dying on the way: ``(dead agents,
+    the survivors' replies)``."""
+    for a in readers:
+        a.send("ws_pull", model=model, config=config, **state, **kill)
+    dead, survivors = [], []
+    for a in readers:
+        try:
+            survivors.append(a.reply(timeout=120))
+        except RuntimeError:  # exited: the killed relay
+            dead.append(a)
+    return dead, survivors
+
+
 @pytest.mark.slow
 def test_store_pull_across_hosts_one_relay_per_host_in_a_chain(procs):
     """Three hosts of two readers: one reader per host relays (chain positions 0, 1, 2),
@@ -1471,14 +1485,7 @@ def test_store_pull_across_hosts_survives_a_relay_killed_mid_pull(procs):
     for g in _pull_all(readers, "k", config):
         assert g["error"] is None and g["equals"] == [1], g
     trainer.cmd("ws_publish", model="k", config=config, version=2, **_RELAY_STATE)
-    for a in readers:
-        a.send("ws_pull", model="k", config=config, kill_relay_at=2, **_RELAY_STATE)
-    dead, survivors = [], []
-    for a in readers:
-        try:
-            survivors.append(a.reply(timeout=120))
-        except RuntimeError:  # exited: the killed relay
-            dead.append(a)
+    dead, survivors = _pull_with_a_kill(readers, "k", config, _RELAY_STATE, kill_relay_at=2)
     assert len(dead) == 1, (len(dead), survivors)
     for g in survivors:
         assert g["equals"] == [g["version"]], g  # one whole version
@@ -1510,14 +1517,7 @@ def test_a_relay_killed_mid_bucket_leaves_the_readers_after_it_whole(procs):
         assert phases[-2:] == ["fetched", "installed"], phases
         assert g["first_byte_requests"] > 0, g
     trainer.cmd("ws_publish", model="p", config=config, version=2, **state)
-    for a in readers:
-        a.send("ws_pull", model="p", config=config, kill_relay_at_part=5, **state)
-    dead, survivors = [], []
-    for a in readers:
-        try:
-            survivors.append(a.reply(timeout=120))
-        except RuntimeError:  # exited: the killed relay
-            dead.append(a)
+    dead, survivors = _pull_with_a_kill(readers, "p", config, state, kill_relay_at_part=5)
     assert len(dead) == 1 and len(survivors) == 2, (len(dead), survivors)
     for g in survivors:
         assert g["error"] is None and g["version"] == 2 and g["equals"] == [2], g
