@@ -445,17 +445,11 @@ _children: list[subprocess.Popen] = []
 
 
 def _kill_children():
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests.faults import kill_group
+
     for p in _children:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # each rank leads its own session
-            except ProcessLookupError:
-                pass
-    for p in _children:
-        try:
-            p.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
+        kill_group(p, wait_s=5)  # each rank leads its own session
     _children.clear()
 
 

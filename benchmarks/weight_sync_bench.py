@@ -58,7 +58,6 @@ import atexit
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -74,11 +73,11 @@ _children: list = []
 
 
 def _kill_children():
+    sys.path.insert(0, REPO)
+    from tests.faults import kill_group
+
     for p in _children:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        kill_group(p)
 
 
 def _model(mib, tensor_mib, seed):
