@@ -392,8 +392,11 @@ class KVCacheStore:
         self._metrics.get_seconds.labels(*self._labels).observe(time.perf_counter() - t0)
         return res
 
-    def _read(self, m: _Match, want: int) -> KVGetResult:
-        """Reads the pieces of ``m`` that cover ``[0, want)``: the longest readable prefix."""
+    def _read(self, m: _Match, want: int, *, count: bool = True) -> KVGetResult:
+        """Reads the pieces of ``m`` that cover ``[0, want)``: the longest readable prefix.
+
+        ``count=False`` (``explain``) leaves ``stats`` alone: a diagnosis is not a get.
+        """
         import torch
 
         stale = m.version != self._versions()[0]
@@ -413,7 +416,7 @@ class KVCacheStore:
                 else None
             )
             if lay is None or (m.layout is not None and lay != m.layout):
-                self.stats.inconsistent_chunks += 1
+                self.stats.inconsistent_chunks += count
                 break
             take = min(pc.tokens, want - pc.start)
             parts.append(g if take == pc.tokens else g[:, :, :, :take])

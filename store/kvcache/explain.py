@@ -116,7 +116,7 @@ def explain(kv: KVCacheStore, p: _Prompt, m: _Match) -> KVExplain:
         # the lookup lists what the master knows; a chunk whose holder died before the
         # master noticed (or that was dropped since) is listed but cannot be read: read the
         # prefix as get would, and explain the first chunk it could not
-        got = kv._read(m, m.tokens).tokens
+        got = kv._read(m, m.tokens, count=False).tokens
         if got < m.tokens:
             piece = next(pc for pc in m.pieces if pc.start <= got < pc.start + pc.tokens)
             (entry,) = kv._internal.history([piece.key])
