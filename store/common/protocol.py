@@ -226,7 +226,17 @@ class Connection:
         mid = self._next
         self._next += 1
         deadline = time.monotonic() + (timeout or self.timeout)
-        self._send(pack([mid, method, args]), deadline)
+        data = pack([mid, method, args])
+        try:
+            sent = self.sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(data):
+            self._send(memoryview(data)[sent:], deadline)
+        if self._pos == len(self._buf):
+            # nothing buffered: wait for the reply before reading (a read now would find
+            # nothing, costing a system call and an exception on every call)
+            self._wait(select.POLLIN, deadline, True)
         while True:
             rep = self._read_frame(deadline)
             if not (isinstance(rep, list) and len(rep) == 3):
