@@ -106,6 +106,7 @@ class Master:
         self._last_request = 0.0  # time.perf_counter() when the last request arrived
         self._spinning = False  # a _spin callback is queued
         self._requests = self._requests_seen = 0  # reads of requests; as of the last _spin turn
+        self._last_conn = None  # the connection of the last request
         self._install_core(self.core)
         # read at each scrape: the core in use then (a new leader installs its own)
         self.metrics = Metrics(lambda: (self.core.stats(), self.leader))
@@ -554,9 +555,15 @@ class _Connection(asyncio.Protocol):
         if m._spin_s:
             m._last_request = time.perf_counter()
             m._requests += 1
-            if not m._spinning:
-                m._spinning = True
-                m.loop.call_soon(m._spin)
+            # only while one connection keeps the master busy: with several, their requests
+            # queue up and keep it awake anyway, and a spin only takes their clients' cores
+            if m._last_conn is self:
+                if not m._spinning:
+                    m._spinning = True
+                    m.loop.call_soon(m._spin)
+            else:
+                m._last_conn = self
+                m._last_request = 0.0  # a queued _spin stops
         # the common case, one whole request in one read, is answered without buffering it
         if (
             not self.buf
