@@ -65,6 +65,10 @@ def mac(secret: str, nonce: bytes) -> bytes:
 
 
 _SPIN_BACKOFF_MAX = 64  # most calls a missed spin turns spinning off for
+# a sched_yield that took longer than this ran another task: a spinner that shares its core
+# burns the CPU time that the scheduler's fairness would give it back at a wake-up, and each
+# yield can hand the core over for a whole time slice, so the spin ends as a miss
+YIELD_LOST_S = 50e-6
 
 
 class Connection:
@@ -80,7 +84,9 @@ class Connection:
     that this spinning caller and others occupy, as when more clients than cores share a host)
     turns spinning off for the next calls, twice as many after each further miss (up to
     ``_SPIN_BACKOFF_MAX``), and one that catches the reply resets that. Each turn of the spin
-    yields the core (``sched_yield``), so a master woken on the same core runs at once. On a
+    yields the core (``sched_yield``), so a master woken on the same core runs at once; a
+    yield that ran another task for more than ``YIELD_LOST_S`` (the core is shared with other
+    work) ends the spin as a miss. On a
     2-core VM at load average 4-5, one client's 1-key removes ran at 7-12K/s with a fixed 200 us
     spin (p90 257 us: missed spins), 31-32K/s without spinning and 35-38K/s with this one
     (benchmarks/RESULTS.md, "Metadata load").
@@ -158,9 +164,12 @@ class Connection:
                     if self._poller.poll(0):
                         self._spin_backoff = 0
                         return
-                    if time.perf_counter() > end:
+                    now = time.perf_counter()
+                    if now > end:
                         break
                     os.sched_yield()
+                    if time.perf_counter() - now > YIELD_LOST_S:
+                        break  # another task had the core: the core is shared, a miss
                 self._spin_backoff = min(_SPIN_BACKOFF_MAX, 2 * self._spin_backoff or 1)
                 self._spin_skip = self._spin_backoff
         if events != select.POLLIN:

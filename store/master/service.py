@@ -341,11 +341,17 @@ class Master:
         about as much as the whole answer. A turn that found no new request yields the core
         (``sched_yield``), so a client waiting to run on it is not held up; turns that keep
         finding requests do not (yielding on every turn, 8 clients on 2 cores waited
-        230-300 us per call at the median instead of 100-130 us).
+        230-300 us per call at the median instead of 100-130 us). A yield that ran another
+        task for long (``protocol.YIELD_LOST_S``) ends the spin: on a shared core a spinner
+        loses the priority a sleeper gets back at its wake-up.
         """
         if time.perf_counter() - self._last_request < self._spin_s:
             if self._requests == self._requests_seen:
+                t = time.perf_counter()
                 os.sched_yield()
+                if time.perf_counter() - t > protocol.YIELD_LOST_S:
+                    self._spinning = False  # the core is shared with other work: sleep
+                    return
             self._requests_seen = self._requests
             self.loop.call_soon(self._spin)
         else:
