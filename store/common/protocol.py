@@ -86,10 +86,9 @@ class Connection:
     ``_SPIN_BACKOFF_MAX``), and one that catches the reply resets that. Each turn of the spin
     yields the core (``sched_yield``), so a master woken on the same core runs at once; a
     yield that ran another task for more than ``YIELD_LOST_S`` (the core is shared with other
-    work) ends the spin as a miss. On a
-    2-core VM at load average 4-5, one client's 1-key removes ran at 7-12K/s with a fixed 200 us
-    spin (p90 257 us: missed spins), 31-32K/s without spinning and 35-38K/s with this one
-    (benchmarks/RESULTS.md, "Metadata load").
+    work) ends the spin as a miss. On a 2-core VM at load average 4-5, one client's 1-key
+    removes ran at 7-12K/s with a fixed 200 us spin (p90 257 us: missed spins), 31-32K/s
+    without spinning and 35-38K/s with this one (benchmarks/RESULTS.md, "Metadata load").
 
     Raises ``OSError`` (connection problems; ``TimeoutError`` after ``timeout`` seconds),
     ``ProtocolError`` and the store errors the master replies with.
