@@ -209,6 +209,28 @@ class Connection:
                 raise ConnectionResetError("master closed the connection")
             self._buf += chunk
 
+    def _read_whole(self):
+        """One read into an empty buffer: the frame it holds whole, decoded, or None.
+
+        The usual reply comes whole in one read and is decoded from it without being buffered;
+        anything else (part of a frame, several frames, nothing yet) is buffered for
+        :meth:`_read_frame`.
+        """
+        try:
+            chunk = self.sock.recv(65536)
+        except BlockingIOError:
+            return None
+        if not chunk:
+            raise ConnectionResetError("master closed the connection")
+        if len(chunk) >= 4:
+            (n,) = _LEN.unpack_from(chunk, 0)
+            if n == len(chunk) - 4 and n <= self.max_frame:
+                return unpack(memoryview(chunk)[4:], self.max_frame)
+        del self._buf[:]
+        self._pos = 0
+        self._buf += chunk
+        return None
+
     def _read_frame(self, deadline: float, spin: bool = True):
         self._fill(4, deadline, spin)
         (n,) = _LEN.unpack_from(self._buf, self._pos)
@@ -241,18 +263,22 @@ class Connection:
             sent = 0
         if sent < len(data):
             self._send(memoryview(data)[sent:], deadline)
+        rep = None
         if self._pos == len(self._buf):
             # nothing buffered: wait for the reply before reading (a read now would find
             # nothing, costing a system call and an exception on every call)
             self._wait(select.POLLIN, deadline, True)
+            rep = self._read_whole()
         while True:
-            rep = self._read_frame(deadline)
+            if rep is None:
+                rep = self._read_frame(deadline)
             if not (isinstance(rep, list) and len(rep) == 3):
                 raise ProtocolError("malformed reply")
             if rep[0] == mid:
                 break
             if rep[0] == -1 and rep[1] == 1:  # a protocol error about our request
                 break
+            rep = None
         if rep[1] == 0:
             return rep[2]
         code, message = rep[2][0], rep[2][1]
