@@ -186,7 +186,8 @@ class MooncakeStore:
         if cfg.master is None and cfg.etcd is None:
             from ..master import Master
 
-            mc = cfg.master_config or MasterConfig(secret=cfg.secret)
+            # no busy polling: an embedded master shares the GIL and the cores with its client
+            mc = cfg.master_config or MasterConfig(secret=cfg.secret, busy_poll_us=0)
             self._embedded = Master(mc).start()
             cfg.master = self._embedded.address
         try:

@@ -65,6 +65,10 @@ def mac(secret: str, nonce: bytes) -> bytes:
 
 
 _SPIN_BACKOFF_MAX = 64  # most calls a missed spin turns spinning off for
+# a sched_yield that took longer than this ran another task: a spinner that shares its core
+# burns the CPU time that the scheduler's fairness would give it back at a wake-up, and each
+# yield can hand the core over for a whole time slice, so the spin ends as a miss
+YIELD_LOST_S = 50e-6
 
 
 class Connection:
@@ -80,10 +84,11 @@ class Connection:
     that this spinning caller and others occupy, as when more clients than cores share a host)
     turns spinning off for the next calls, twice as many after each further miss (up to
     ``_SPIN_BACKOFF_MAX``), and one that catches the reply resets that. Each turn of the spin
-    yields the core (``sched_yield``), so a master woken on the same core runs at once. On a
-    2-core VM at load average 4-5, one client's 1-key removes ran at 7-12K/s with a fixed 200 us
-    spin (p90 257 us: missed spins), 31-32K/s without spinning and 35-38K/s with this one
-    (benchmarks/RESULTS.md, "Metadata load").
+    yields the core (``sched_yield``), so a master woken on the same core runs at once; a
+    yield that ran another task for more than ``YIELD_LOST_S`` (the core is shared with other
+    work) ends the spin as a miss. On a 2-core VM at load average 4-5, one client's 1-key
+    removes ran at 7-12K/s with a fixed 200 us spin (p90 257 us: missed spins), 31-32K/s
+    without spinning and 35-38K/s with this one (benchmarks/RESULTS.md, "Metadata load").
 
     Raises ``OSError`` (connection problems; ``TimeoutError`` after ``timeout`` seconds),
     ``ProtocolError`` and the store errors the master replies with.
@@ -158,9 +163,12 @@ class Connection:
                     if self._poller.poll(0):
                         self._spin_backoff = 0
                         return
-                    if time.perf_counter() > end:
+                    now = time.perf_counter()
+                    if now > end:
                         break
                     os.sched_yield()
+                    if time.perf_counter() - now > YIELD_LOST_S:
+                        break  # another task had the core: the core is shared, a miss
                 self._spin_backoff = min(_SPIN_BACKOFF_MAX, 2 * self._spin_backoff or 1)
                 self._spin_skip = self._spin_backoff
         if events != select.POLLIN:
@@ -201,6 +209,28 @@ class Connection:
                 raise ConnectionResetError("master closed the connection")
             self._buf += chunk
 
+    def _read_whole(self):
+        """One read into an empty buffer: the frame it holds whole, decoded, or None.
+
+        The usual reply comes whole in one read and is decoded from it without being buffered;
+        anything else (part of a frame, several frames, nothing yet) is buffered for
+        :meth:`_read_frame`.
+        """
+        try:
+            chunk = self.sock.recv(65536)
+        except BlockingIOError:
+            return None
+        if not chunk:
+            raise ConnectionResetError("master closed the connection")
+        if len(chunk) >= 4:
+            (n,) = _LEN.unpack_from(chunk, 0)
+            if n == len(chunk) - 4 and n <= self.max_frame:
+                return unpack(memoryview(chunk)[4:], self.max_frame)
+        del self._buf[:]
+        self._pos = 0
+        self._buf += chunk
+        return None
+
     def _read_frame(self, deadline: float, spin: bool = True):
         self._fill(4, deadline, spin)
         (n,) = _LEN.unpack_from(self._buf, self._pos)
@@ -226,15 +256,29 @@ class Connection:
         mid = self._next
         self._next += 1
         deadline = time.monotonic() + (timeout or self.timeout)
-        self._send(pack([mid, method, args]), deadline)
+        data = pack([mid, method, args])
+        try:
+            sent = self.sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        if sent < len(data):
+            self._send(memoryview(data)[sent:], deadline)
+        rep = None
+        if self._pos == len(self._buf):
+            # nothing buffered: wait for the reply before reading (a read now would find
+            # nothing, costing a system call and an exception on every call)
+            self._wait(select.POLLIN, deadline, True)
+            rep = self._read_whole()
         while True:
-            rep = self._read_frame(deadline)
+            if rep is None:
+                rep = self._read_frame(deadline)
             if not (isinstance(rep, list) and len(rep) == 3):
                 raise ProtocolError("malformed reply")
             if rep[0] == mid:
                 break
             if rep[0] == -1 and rep[1] == 1:  # a protocol error about our request
                 break
+            rep = None
         if rep[1] == 0:
             return rep[2]
         code, message = rep[2][0], rep[2][1]

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from ..common.errors import ProtocolError, UnknownClientError
-from ..common.layout import SEG_HEADER, aligned
+from ..common.layout import ALIGN, SEG_HEADER, aligned
 from .alloc import Allocator
 from .config import MasterConfig
 from .eviction import LfuOrder
@@ -344,14 +344,20 @@ class Records:
         seg = self.segments.get(seg_name)
         if seg is None:
             return
-        seg.drop_key(key)
+        # Segment.drop_key, inline: a remove's one replica is on every remove's path
+        keys = seg.keys
+        left = keys.get(key, 0) - 1
+        if left > 0:
+            keys[key] = left
+        else:
+            keys.pop(key, None)
         if n <= 0:
             return
         if until > self.clock():
             self.deferred.append([until, seg_name, off, n])
             return
         seg.alloc.free(off, n)
-        self.used -= aligned(n)
+        self.used -= (n + ALIGN - 1) & ~(ALIGN - 1)
 
     def free_deferred(self, now: float) -> None:
         """Frees the deferred ranges whose time has come."""
@@ -676,6 +682,7 @@ class Records:
         if obj is None:
             return 0
         now_s = time.time()
+        remember = self.cfg.history_entries > 0
         inherited = None
         stack, n = [key], 0
         while stack:
@@ -686,22 +693,26 @@ class Records:
             kids = self.children.pop(k, None)
             if kids:
                 stack.extend(kids)
-            t = tier if k == key and tier is not None else self.tier_of(o)
             if o.group is not None:
                 per = self.counters.group_drops.setdefault(o.group, {})
                 per[cause] = per.get(cause, 0) + 1
+            if remember:
+                t = tier if k == key and tier is not None else self.tier_of(o)
             self.unlink(o)
             self.release(o)
-            self.orphans.pop(k, None)
-            if k == key:
-                self.remember(k, cause, t, now_s, detail)
-            else:
-                if inherited is None:  # one string for the whole cascade
-                    inherited = sys.intern(
-                        f"with parent {key}: {detail}" if detail else f"with parent {key}"
-                    )
-                self.remember(k, cause, t, now_s, inherited)
-            self.dirty(k)
+            if self.orphans:
+                self.orphans.pop(k, None)
+            if remember:
+                if k == key:
+                    self.remember(k, cause, t, now_s, detail)
+                else:
+                    if inherited is None:  # one string for the whole cascade
+                        inherited = sys.intern(
+                            f"with parent {key}: {detail}" if detail else f"with parent {key}"
+                        )
+                    self.remember(k, cause, t, now_s, inherited)
+            if self.track_dirty:
+                self.dirty_objs.add(k)
             n += 1
         self.counters.drops[cause] = self.counters.drops.get(cause, 0) + n
         return n

@@ -639,3 +639,33 @@ def test_client_argument_checks_from_the_trial():
         ValueError, match="more than this machine's memory"
     ):  # it ate the machine's memory
         MooncakeStore(serve_tcp=False, segment_size=phys + (1 << 30))
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_busy_polling_master_answers_each_connection_and_stops_spinning_when_idle(procs):
+    """A master that busy-polls after requests (``--busy-poll-us``) answers requests from
+    one connection and from two taking turns, each with its own id and the right result,
+    and stops polling once requests stop: idle for a second it uses at most a tenth of a
+    second of CPU (its 0.25 s tick included). A bad ``busy_poll_us`` is refused."""
+    from mooncake_store.master import MasterConfig
+
+    with pytest.raises(ValueError, match="busy_poll_us"):
+        MasterConfig(busy_poll_us=-1)
+    with pytest.raises(ValueError, match="busy_poll_us"):
+        MasterConfig(busy_poll_us=True)
+    m = sa.start_master(busy_poll_us=1000)
+    a, b = Raw(m.address), Raw(m.address)
+    mid = 0
+    for turn in range(400):  # a run of requests on one connection, then the two in turns
+        conn = a if turn < 200 or turn % 2 else b
+        mid += 1
+        conn.send_frame(msgpack.packb([mid, "leader", {}]))
+        assert conn.read() == [mid, 0, {"leader": True, "addr": m.address}]
+    before = _cpu_s(m.p.pid)
+    time.sleep(1.0)
+    assert _cpu_s(m.p.pid) - before <= 0.1
