@@ -40,7 +40,7 @@ import torch
 
 from . import kernels as K_
 
-PIECE_BYTES = 4 << 20  # the stages crossing hosts move in pieces of about this much ...
+PIECE_BYTES = 2 << 20  # the stages crossing hosts move in pieces of about this much ...
 # ... and at most this many (each piece is one more collective). A power of two: the
 # header counts each source's rows per destination in MAX_PIECES ranges of its tokens,
 # and a route's pieces are unions of those ranges.
