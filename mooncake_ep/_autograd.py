@@ -12,38 +12,69 @@ import torch
 from . import kernels as K_
 
 
+def _rows_per_expert(recv_idx, num_local_experts):
+    """int64 [L]: received rows that name each local expert (a row once per expert; -1 skipped)."""
+    L = num_local_experts
+    idx = recv_idx.long()
+    idx = torch.where(idx < 0, torch.full_like(idx, L), idx)
+    mask = torch.zeros((idx.shape[0], L + 1), dtype=torch.bool, device=idx.device)
+    mask.scatter_(1, idx, True)
+    return mask[:, :L].sum(0)
+
+
 class DispatchFn(torch.autograd.Function):
-    """(local idx of sent rows, x, topk_weights) -> (recv_x, recv_topk_weights, recv_topk_idx)."""
+    """(local idx of sent rows, x, topk_weights) -> (recv_x, recv_topk_weights, recv_topk_idx).
+
+    The local idx (int32 [N_send, K]) may be given as the function that returns it (called while
+    the rows move). ``stats``: ``None``, or a dict with ``"num_local_experts"`` L, which gets ``"rows_per_expert"``
+    (int64 [L], the received rows that name each local expert).
+    """
 
     @staticmethod
-    def forward(ctx, buf, handle, local_idx, x, w):
+    def forward(ctx, buf, handle, local_idx, x, w, stats=None):
         ctx.buf, ctx.handle = buf, handle
         ctx.x_dtype = x.dtype
-        recv_w = recv_idx = None
+        got = {}
+        tasks = ()
         if local_idx is not None:
-            if w is not None:
-                w_rows = w.detach().index_select(0, handle.send_token_idx)
-                w_rows = torch.where(local_idx >= 0, w_rows, torch.zeros_like(w_rows))
-                meta = torch.cat([local_idx, w_rows.view(torch.int32)], 1)
-            else:
-                meta = local_idx
-            # started first: its latency hides behind the rows' gathers and stages
-            meta_wait = buf._fwd_start(handle, meta)
-        recv_x = buf._fwd_tokens(handle, x.detach())
-        if local_idx is not None:
-            recv_meta = meta_wait()
-            k = local_idx.shape[1]
-            recv_idx = recv_meta[:, :k].contiguous()
-            # rows an inactive source did not send are zero: make their slots "no expert"
-            if w is not None:
-                recv_w = recv_meta[:, k:].contiguous().view(torch.float32)
-            if buf._mooncake is not None and recv_idx.numel():
-                active, _ = buf._membership()
-                start = 0
-                for s, c in enumerate(handle.recv_counts):
-                    if c and not active[s]:
-                        recv_idx[start : start + c] = -1
-                    start += c
+
+            def start_meta():  # the rows' expert ids and weights, rank to rank
+                local_idx_ = local_idx() if callable(local_idx) else local_idx
+                got["k"] = local_idx_.shape[1]
+                if w is not None:
+                    w_rows = w.detach().index_select(0, handle.send_token_idx)
+                    w_rows = torch.where(local_idx_ >= 0, w_rows, torch.zeros_like(w_rows))
+                    meta = torch.cat([local_idx_, w_rows.view(torch.int32)], 1)
+                else:
+                    meta = local_idx_
+                got["wait"] = buf._fwd_start(handle, meta)
+
+            def finish_meta():
+                recv_meta = got.pop("wait")()
+                k = got["k"]
+                recv_idx = recv_meta[:, :k].contiguous()
+                # rows an inactive source did not send are zero: make their slots "no expert"
+                if w is not None:
+                    got["w"] = recv_meta[:, k:].contiguous().view(torch.float32)
+                if buf._mooncake is not None and recv_idx.numel():
+                    active, _ = buf._membership()
+                    start = 0
+                    for s, c in enumerate(handle.recv_counts):
+                        if c and not active[s]:
+                            recv_idx[start : start + c] = -1
+                        start += c
+                got["idx"] = recv_idx
+                if stats is not None:
+                    stats["rows_per_expert"] = _rows_per_expert(
+                        recv_idx, stats["num_local_experts"]
+                    )
+
+            # started after the rows' first all-to-all and finished while the rows move (across
+            # hosts), or around the rows rank to rank: their latency and CPU hide behind the rows
+            tasks = (start_meta, finish_meta)
+        recv_x = buf._fwd_tokens(handle, x.detach(), tasks)
+        recv_w, recv_idx = got.get("w"), got.get("idx")
+        if recv_idx is not None:
             ctx.mark_non_differentiable(recv_idx)
         ctx.recv_idx = recv_idx
         return recv_x, recv_w, recv_idx
@@ -65,7 +96,7 @@ class DispatchFn(torch.autograd.Function):
             g_w = torch.where(ctx.recv_idx >= 0, g_w, torch.zeros_like(g_w))
             rows = buf._bwd(h, g_w.float().contiguous())
             gw = K_.scatter_add_rows(rows, h.send_token_idx, h.num_tokens, out_dtype=torch.float32)
-        return None, None, None, gx, gw
+        return None, None, None, gx, gw, None
 
 
 class CombineFn(torch.autograd.Function):

@@ -40,7 +40,7 @@ import torch
 
 from . import kernels as K_
 
-PIECE_BYTES = 4 << 20  # the stages crossing hosts move in pieces of about this much ...
+PIECE_BYTES = 2 << 20  # the stages crossing hosts move in pieces of about this much ...
 # ... and at most this many (each piece is one more collective). A power of two: the
 # header counts each source's rows per destination in MAX_PIECES ranges of its tokens,
 # and a route's pieces are unions of those ranges.
@@ -374,7 +374,7 @@ def _positions(spans, dev) -> torch.Tensor:
     )
 
 
-def forward(a2a_start, route: HostRoute, x: torch.Tensor, alloc) -> torch.Tensor:
+def forward(a2a_start, route: HostRoute, x: torch.Tensor, alloc, tasks=()) -> torch.Tensor:
     """Rows of tokens ``x`` [T, H] to the ranks the dispatch sends them to.
 
     Returns [N_recv, H] by source rank, then token (a flat dispatch's layout).
@@ -384,7 +384,9 @@ def forward(a2a_start, route: HostRoute, x: torch.Tensor, alloc) -> torch.Tensor
     with the next piece crossing the links; the next all-to-all is started while one is in flight,
     and the rows of one that ended are laid out meanwhile. ``a2a_start(rows, send_counts,
     recv_counts)`` starts the group's row all-to-all and returns the function that waits for its
-    rows (by source).
+    rows (by source). ``tasks``: callables, the ``k``-th run right after all-to-all ``k`` is started
+    (those left over at the end), so that their work and any collectives they start (the same on
+    every rank) overlap the rows in flight.
     """
     dev, H = x.device, tuple(x.shape[1:])
     P = route.pieces
@@ -447,9 +449,13 @@ def forward(a2a_start, route: HostRoute, x: torch.Tensor, alloc) -> torch.Tensor
             stage2(k, send, prev)
         waits.append(a2a_start(send, send_counts, P.recv_fwd[k]))
         del send  # held by the all-to-all until it has moved
+        if k < len(tasks):
+            tasks[k]()
         if prev is not None:
             waits[k - P.lag] = None
             lay_out(k - P.lag, prev)
+    for task in tasks[P.ops :]:
+        task()
     for k in range(P.ops - P.lag, P.ops):
         lay_out(k, waits[k]())
         waits[k] = None

@@ -330,21 +330,32 @@ class Transport:
             return None
         return route
 
-    def _fwd_tokens(self, handle, x):
+    def _fwd_tokens(self, handle, x, tasks=()):
         """A normal-mode dispatch's rows of tokens ``x`` [T, H] to its destinations.
 
         Returns [N_recv, H], by source rank then token (two-level across hosts when the handle has a
         route; a membership change during it reruns the op rank to rank).
+
+        ``tasks``: callables run once each while the rows move, in order and at the same point on
+        every rank (they may start collectives): across hosts one after each of the route's
+        all-to-alls is started (:func:`mooncake_ep._hosts.forward`), rank to rank the first
+        before the rows' all-to-all and the others after it.
         """
         kern = self._cfg["kernels"]
         route = self._route(handle)
         if route is not None:
             epoch = self._membership()[1]
-            out = _hosts.forward(self._a2a_start, route, x, self._recycler.empty)
+            out = _hosts.forward(self._a2a_start, route, x, self._recycler.empty, tasks)
             if self._membership()[1] == epoch:
                 return out
+            tasks = ()  # they ran
+        if tasks:
+            tasks[0]()
         rows = K_.gather_rows(x, handle.send_token_idx, kern, self._recycler.empty)
-        return self._fwd(handle, rows)
+        out = self._fwd(handle, rows)
+        for task in tasks[1:]:
+            task()
+        return out
 
     def _bwd_tokens(self, handle, rows, out_dtype):
         """The reverse of :meth:`_fwd_tokens`: ``rows`` [N_recv, H] -> [T, H] of ``out_dtype``.

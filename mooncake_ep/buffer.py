@@ -56,6 +56,7 @@ functions in :mod:`mooncake_ep._autograd`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.distributed as dist
@@ -97,6 +98,19 @@ def _token_expert_counts(topk_idx, num_experts):
     cnt = torch.zeros((T, num_experts + 1), dtype=torch.int32, device=topk_idx.device)
     cnt.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.int32))
     return cnt[:, :num_experts]
+
+
+def _token_rank_mask(topk_idx, num_experts, world_size):
+    """Which ranks each token goes to: bool [T, W], rank r holding experts ``r * L .. r * L + L - 1``.
+
+    The ids are checked (-1 or in ``[0, E)``); a [T, W] scatter rather than a [T, E] count.
+    """
+    T, W = topk_idx.shape[0], world_size
+    idx = topk_idx.long()
+    dest = torch.where(idx < 0, torch.full_like(idx, W), idx // (num_experts // W))
+    mask = torch.zeros((T, W + 1), dtype=torch.bool, device=topk_idx.device)
+    mask.scatter_(1, dest, True)
+    return mask[:, :W]
 
 
 class Buffer(Transport):
@@ -371,8 +385,7 @@ class Buffer(Transport):
         in_rank = None
         if err is None:
             L = E // W
-            cnt = _token_expert_counts(topk_idx, E) > 0
-            in_rank = cnt.view(T, W, L).any(2)
+            in_rank = _token_rank_mask(topk_idx, E, W)
         hierarchical = bool(self._cfg["hierarchical"])
         fields = [
             E,
@@ -401,7 +414,8 @@ class Buffer(Transport):
                 topo,
                 x.element_size(),
             )
-            recv_x, recv_w, recv_idx = DispatchFn.apply(self, h, local, x, topk_weights)
+            stats = {"num_local_experts": L}
+            recv_x, recv_w, recv_idx = DispatchFn.apply(self, h, local, x, topk_weights, stats)
             if self._membership()[1] == epoch or attempt == tries:
                 break
         if self._membership()[1] != epoch:
@@ -409,15 +423,15 @@ class Buffer(Transport):
                 op, f"the group's membership changed {tries + 1} times during one dispatch"
             )
         recv_idx = recv_idx.long()
-        per_expert = (_token_expert_counts(recv_idx, L) > 0).sum(0)
+        per_expert = stats["rows_per_expert"]
         counts_list = [int((c + align - 1) // align * align) for c in per_expert.tolist()]
         return DispatchResult(recv_x, recv_idx, recv_w, counts_list, h)
 
     def _rows_handle(self, dims, topk_idx, sent, active, epoch, counts, topo, row_bytes):
         """The handle of one row per (token, destination rank); collective in two levels.
 
-        Returns that :class:`DispatchHandle` and the local expert ids of each row sent
-        (int32 [N_send, K], -1 where that slot's expert is on another rank).
+        Returns that :class:`DispatchHandle` and the function (cached) that returns the local expert
+        ids of each row sent (int32 [N_send, K], -1 where that slot's expert is on another rank).
 
         ``dims`` (T, H, E, K); ``sent`` bool [T, W]: where each token goes (active ranks only);
         ``counts`` int64 [W, >= 2 W + 1]: per source rank, as :meth:`_row_counts` lays them out,
@@ -462,12 +476,17 @@ class Buffer(Transport):
                 route = None  # on every survivor: the op restarts
         h = DispatchHandle(T, H, E, Kk, send_tok, send_counts, recv_counts, sent, epoch, mx, route)
         dest = nz[:, 0]
-        rows_idx = topk_idx.long().index_select(0, send_tok)
-        local = rows_idx - (dest * L).unsqueeze(1)
-        local = torch.where(
-            (rows_idx >= 0) & (local >= 0) & (local < L), local, torch.full_like(local, -1)
-        )
-        return h, local.to(torch.int32)
+
+        @functools.cache
+        def local_ids():  # computed while the rows move (DispatchFn)
+            rows_idx = topk_idx.long().index_select(0, send_tok)
+            local = rows_idx - (dest * L).unsqueeze(1)
+            local = torch.where(
+                (rows_idx >= 0) & (local >= 0) & (local < L), local, torch.full_like(local, -1)
+            )
+            return local.to(torch.int32)
+
+        return h, local_ids
 
     def _row_counts(self, in_rank, active, epoch, topo) -> torch.Tensor:
         """This rank's part of a header for :meth:`_rows_handle`.
@@ -824,7 +843,12 @@ class Buffer(Transport):
             rx, _, recv_idx = DispatchFn.apply(self, rows, local, x, None)
         pair_row, recv_dst, slot_dst = _hosts.ll_pairs(recv_idx.long(), L, WT)
         h = dataclasses.replace(
-            h, recv_dst=recv_dst, rows=rows, pair_row=pair_row, slot_dst=slot_dst, send_local=local
+            h,
+            recv_dst=recv_dst,
+            rows=rows,
+            pair_row=pair_row,
+            slot_dst=slot_dst,
+            send_local=local(),
         )
         if not h.use_fp8:
             return LowLatencyDispatchFn.apply(self, h, rx), h
