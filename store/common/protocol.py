@@ -51,8 +51,11 @@ def pack(obj: Any) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-def unpack(body: bytes, max_len: int) -> Any:
-    """Decodes one frame body; raises ``ProtocolError`` if it is not valid msgpack."""
+def unpack(body: bytes) -> Any:
+    """Decodes one frame body; raises ``ProtocolError`` if it is not valid msgpack.
+
+    The caller checks the frame's length against its limit before reading the body.
+    """
     try:
         return msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
     except Exception as e:  # msgpack raises several types (ExtraData, ValueError, ...)
@@ -225,7 +228,7 @@ class Connection:
         if len(chunk) >= 4:
             (n,) = _LEN.unpack_from(chunk, 0)
             if n == len(chunk) - 4 and n <= self.max_frame:
-                return unpack(memoryview(chunk)[4:], self.max_frame)
+                return unpack(memoryview(chunk)[4:])
         del self._buf[:]
         self._pos = 0
         self._buf += chunk
@@ -240,7 +243,7 @@ class Connection:
         start = self._pos + 4
         body = memoryview(self._buf)[start : start + n]
         try:
-            return unpack(body, self.max_frame)
+            return unpack(body)
         finally:
             body.release()
             self._pos = start + n

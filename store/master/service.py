@@ -621,7 +621,7 @@ class _Connection(asyncio.Protocol):
     def _request(self, body):
         mid = -1
         try:
-            req = protocol.unpack(body, self.m.cfg.max_frame_bytes)
+            req = protocol.unpack(body)
             if not (
                 isinstance(req, list)
                 and len(req) == 3
