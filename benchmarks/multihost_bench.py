@@ -18,7 +18,7 @@ backend under test has its own group over all ranks. For every (op, size) and ba
 checked call (outputs compared exactly with values computed independently on each rank),
 one counted call (the bytes that left each host's eth0 during it, read from the kernel's
 counters: traffic that was measured, not assumed), one warm-up, then N timed calls in
-rounds that alternate the backends after a barrier. The time of a call is the maximum over
+rounds that alternate the backends, every call started on all ranks at once (below). The time of a call is the maximum over
 ranks, the reported time the median over calls.
 
 Columns. size is the largest buffer, as in nccl-tests (all_gather: the output,
@@ -39,6 +39,17 @@ process (all its threads, ``time.process_time``) during one timed call, summed o
 ranks, median over calls: what the collective costs the hosts' cores, waiting included
 (a rank that spins while it waits shows here, not in the time). "CPU mc/gloo" is ours
 over gloo's; below 1 we use fewer cores.
+
+Start. Before every timed call the ranks agree (one control all_reduce) on a moment 10 ms
+ahead and sleep until it, so they enter the call together, within the wake-up spread of
+8 processes on 2 cores (about 0.5 ms). A barrier alone releases them one by one, up to
+4 ms apart, and that spread would count in the time of an op that waits for every rank
+but not in one whose late ranks find their data already there (gloo's broadcast). The
+moment comes from ``time.perf_counter`` (CLOCK_MONOTONIC), one clock for every rank
+because the hosts are namespaces of one kernel. "start spread" is the median over calls of
+how far apart the ranks entered (ours / gloo's; a rank that keeps the cores busy when it
+enters shows here too), and the JSON adds ``after_last_start_s``, the median time from
+the last rank's entry to the last exit.
 
 Output: a table per topology on stdout, JSON (--json, default bench_out/multihost_bench.json)
 and the same tables in markdown beside it (.md).
@@ -113,6 +124,25 @@ def _tx_bytes() -> int:
         return int(f.read())
 
 
+# How far ahead of the control all_reduce the ranks agree to start a timed call: more than
+# that all_reduce's release spread (1-4 ms measured for 8 ranks on 2 cores).
+START_AHEAD_S = 0.010
+
+
+def aligned_start(dist, torch, ctrl) -> None:
+    """Returns on every rank at one moment (within the wake-up spread): START_AHEAD_S after
+    the last rank entered, taken from ``time.perf_counter`` (CLOCK_MONOTONIC), which is one
+    clock for every rank because the hosts are namespaces of one kernel. A barrier alone
+    releases 8 ranks on 2 cores up to a few ms apart, and that spread would count in the
+    time of an op that waits for every rank but not in one whose late ranks find their
+    data already there (gloo's broadcast)."""
+    at = torch.tensor([time.perf_counter() + START_AHEAD_S], dtype=torch.float64)
+    dist.all_reduce(at, op=dist.ReduceOp.MAX, group=ctrl)
+    left = at.item() - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
+
+
 def worker() -> None:
     from datetime import timedelta
 
@@ -181,6 +211,7 @@ def worker() -> None:
                 rec[b]["iters"] = iters
             times = {b: [] for b in cells if "error" not in rec[b]}
             cpus = {b: [] for b in times}
+            starts = {b: [] for b in times}
             n_iters = max((rec[b]["iters"] for b in times), default=0)
             order = list(times)
             for it in range(n_iters):
@@ -189,14 +220,15 @@ def worker() -> None:
                         continue
                     call, _, _, reset, _ = cells[b]
                     reset()
-                    dist.barrier(group=ctrl)
+                    aligned_start(dist, torch, ctrl)
                     c0, t0 = time.process_time(), time.perf_counter()
                     call()
                     t1 = time.perf_counter()
                     times[b].append(t1 - t0)
                     cpus[b].append(time.process_time() - c0)
+                    starts[b].append(t0)
             for b, ts in times.items():
-                mine = torch.tensor([ts, cpus[b]], dtype=torch.float64)
+                mine = torch.tensor([ts, cpus[b], starts[b]], dtype=torch.float64)
                 gathered = [torch.zeros_like(mine) for _ in range(world)]
                 dist.all_gather(gathered, mine, group=ctrl)
                 every = torch.stack(gathered)  # [rank, time / cpu, call]
@@ -206,6 +238,16 @@ def worker() -> None:
                 # user + system seconds of every rank process (all its threads) per call
                 cpu_call = every[:, 1].sum(dim=0)
                 rec[b]["cpu_s"] = float(cpu_call.median())
+                # perf_counter is one clock for every rank (aligned_start): how far apart
+                # the ranks entered the call, and how long it ran after the last one did
+                start = every[:, 2]
+                rec[b]["start_spread_s"] = float(
+                    (start.max(0).values - start.min(0).values).median()
+                )
+                end = start + every[:, 0]
+                rec[b]["after_last_start_s"] = float(
+                    (end.max(0).values - start.max(0).values).median()
+                )
             records.append(rec)
     for g in groups.values():
         dist.destroy_process_group(g)
@@ -268,6 +310,7 @@ def render(topo: dict, args, md: bool = False) -> str:
         "CPU ms mc",
         "CPU ms gloo",
         "CPU mc/gloo",
+        "start spread ms mc/gloo",
     ]
     rows = []
     for rec in topo["records"]:
@@ -299,6 +342,9 @@ def render(topo: dict, args, md: bool = False) -> str:
                 f(c_mc and c_mc * 1e3, ".2f"),
                 f(c_gl and c_gl * 1e3, ".2f"),
                 f(c_mc / c_gl if c_mc and c_gl else None, ".2f") + ("x" if c_mc and c_gl else ""),
+                f(mc.get("start_spread_s", 0) * 1e3, ".2f")
+                + "/"
+                + f(gl.get("start_spread_s", 0) * 1e3, ".2f"),
             ]
         )
     if md:

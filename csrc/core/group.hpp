@@ -316,7 +316,7 @@ class Group {
   void run_allreduce_hier(const Buffer& t, RedOp rop, double premul, int root, const HostLayout& hl,
                           const OpHeader& h, int64_t deadline_ns);
   void run_broadcast_hier(const Buffer& t, int root, const HostLayout& hl, const OpHeader& h,
-                          int64_t deadline_ns);
+                          int64_t deadline_ns, bool star);
   void run_allgather_hier(const Buffer& in, const std::vector<uint8_t*>& outs, const HostLayout& hl,
                           const OpHeader& h, int64_t deadline_ns);
   void run_reduce_scatter_hier(const std::vector<const uint8_t*>& ins, const Buffer& out, RedOp rop,

@@ -239,13 +239,24 @@ def test_a_host_later_than_the_timeout_is_fenced_not_given_a_result(policy):
         ([2, 2, 2, 2], 8192, [4099, 20011]),
         ([3, 1], 8192, [4099, 70001]),
         ([1, 2, 2], 8192, [4099, 70001]),
+        ([2, 2, 2, 2], None, [5003, 40009, 70001]),
+        ([1, 2, 2], None, [5003, 40009, 70001]),
     ],
-    ids=["2x2", "2x2-small-slot", "4x2-small-slot", "3+1-small-slot", "1+2+2-small-slot"],
+    ids=[
+        "2x2",
+        "2x2-small-slot",
+        "4x2-small-slot",
+        "3+1-small-slot",
+        "1+2+2-small-slot",
+        "4x2",
+        "1+2+2",
+    ],
 )
 def test_large_messages_across_hosts_match_torch(ranks_per_host, slot, counts):
     """The two-level collectives (all_reduce, reduce, reduce_scatter, all_gather, broadcast;
-    uniform hosts; broadcast also on uneven ones) and the flat ones (3+1) at sizes above the one-round path, with pieces
-    ending mid-stripe (a small shm_slot_bytes cuts them into many pieces): float, integer,
+    uniform hosts; broadcast also on uneven ones) and the flat ones (3+1) at sizes above the one-round path, in one
+    piece (broadcast's star) and in pieces ending mid-stripe (a small shm_slot_bytes cuts
+    them into many: broadcast's chain): float, integer,
     bfloat16/float16, uint8 and bool with SUM, AVG, MAX and PREMUL_SUM, roots on every host,
     each result equal to torch's reduction of every rank's input."""
     options = {"shm_slot_bytes": slot} if slot else {}

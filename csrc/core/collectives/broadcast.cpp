@@ -11,6 +11,12 @@ namespace mooncake {
 
 namespace {
 constexpr size_t kHierBroadcastMinBytes = 256 << 10;
+// Below that, the star (2 rounds; H - 1 copies over the root's link) against one round from
+// the root (a copy for every rank outside the root's host): taken where it saves the root's
+// link this many bytes. The crossover measured at 4 hosts x 2 ranks, 2 Gbit/s: one round
+// is faster at 64 KiB (192 KiB saved), the star at 128 KiB (384 KiB saved; RESULTS.md,
+// "Across hosts").
+constexpr size_t kStarMinSavedBytes = 256 << 10;
 }  // namespace
 
 void Group::broadcast(const Buffer& t, int root, int64_t deadline_ns) {
@@ -30,11 +36,14 @@ void Group::broadcast(const Buffer& t, int root, int64_t deadline_ns) {
   // The chain takes H + 1 rounds at least: below a few slots one round from the root is
   // faster. It pays where the root's link would carry more than one copy: more ranks
   // outside the root's host than one.
-  if (nbytes >= kHierBroadcastMinBytes && run_hierarchical(nbytes, &hl, /*uneven=*/true)) {
+  if (run_hierarchical(nbytes, &hl, /*uneven=*/true)) {
     int hr = 0, gr = 0;
     hl.where(root, &hr, &gr);
-    if (static_cast<int>(act_.size() - hl.hosts[hr].size()) >= 2)
-      return run_broadcast_hier(t, root, hl, h, deadline_ns);
+    const size_t outside = act_.size() - hl.hosts[hr].size();
+    if (nbytes >= kHierBroadcastMinBytes && outside >= 2)
+      return run_broadcast_hier(t, root, hl, h, deadline_ns, /*star=*/false);
+    if ((outside - (hl.H - 1)) * nbytes >= kStarMinSavedBytes)
+      return run_broadcast_hier(t, root, hl, h, deadline_ns, /*star=*/true);
   }
   const size_t S = e->slot_bytes();
   const size_t npieces = std::max<size_t>(1, (nbytes + S - 1) / S);

@@ -10,7 +10,8 @@
 // each stripe among the ranks with the same local index, intra-host all_gather; Thakur,
 // Rabenseifner and Gropp, "Optimization of Collective Communication Operations in
 // MPICH", 2005, for the reduce-scatter/all-gather decomposition), and broadcast a
-// pipelined chain across hosts (each host's link carries the tensor once).
+// pipelined chain across hosts (each host's link carries the tensor once) or, for one
+// mid-sized piece, a star from the root to one rank per stripe on every other host.
 //
 // Every op runs in slot-sized pieces over the engine's rounds (core/engine.hpp) with its
 // stages pipelined: in round t, stage s works on piece t - s, so the transfers inside a
@@ -311,9 +312,10 @@ void Group::run_allgather_hier(const Buffer& in, const std::vector<uint8_t*>& ou
 // which also hands it to its local peers. Host i of the chain holds piece p after round
 // p + i; the last one shares it in round p + H. Hosts of different sizes: as many stripes
 // as the smallest host has ranks (a trainer host of 1 rank and rollout hosts of 8: one
-// stripe, carried by local index 0, read in place by the other 7).
+// stripe, carried by local index 0, read in place by the other 7). With `star` and one
+// piece: the star below instead (the caller picks it, core/collectives/broadcast.cpp).
 void Group::run_broadcast_hier(const Buffer& t, int root, const HostLayout& hl, const OpHeader& h,
-                               int64_t deadline_ns) {
+                               int64_t deadline_ns, bool star) {
   CollEngine* e = coll_.get();
   const int H = hl.H, hm = hl.h, gm = hl.g;
   const int Gs = hl.min_G;                               // stripes, carried by local indices < Gs
@@ -339,6 +341,54 @@ void Group::run_broadcast_hier(const Buffer& t, int root, const HostLayout& hl, 
     *len = std::min(L, c * (g + 1)) - *off;
   };
   auto out_copy = nbytes >= kStreamThreshold ? copy_stream : copy_plain;
+  if (star && npieces == 1) {
+    // The star, for one piece: the root sends stripe g straight to (h, g) on every other
+    // host, which hands it to its local peers: 2 rounds and H - 1 copies over the root's
+    // link (the chain: H + 1 rounds, one copy per link).
+    const uint64_t k = e->next_round();
+    PeerRanges sends(size_);
+    if (rank_ == root) {
+      if (nbytes) std::memcpy(e->my_slot(k), data, nbytes);
+      for (int g = 0; g < Gh; ++g)
+        if (g != gm) sends[hl.at(hm, g)].push_back({0, nbytes});
+      for (int hh = 0; hh < H; ++hh) {
+        if (hh == hm) continue;
+        for (int g = 0; g < Gs; ++g) {
+          size_t so, sl;
+          stripe(0, g, &so, &sl);
+          sends[hl.at(hh, g)].push_back({so, sl});
+        }
+      }
+    }
+    write_header(e, k, h, noextra);
+    exchange(&sends, header_len(noextra), deadline_ns);
+    check_headers(e, k, root, act_);
+    // round 2: on the other hosts a carrier hands its stripe to its local peers
+    size_t so = 0, sl = 0;
+    if (hm == hr) {
+      if (rank_ != root && nbytes) out_copy(data, e->peer_slot(root, k), nbytes);
+    } else if (carrier) {
+      stripe(0, gm, &so, &sl);
+      if (sl) {
+        const uint8_t* src = e->peer_slot(root, k) + so;
+        std::memcpy(e->my_slot(k + 1) + oF, src, sl);
+        out_copy(data + so, src, sl);
+      }
+    }
+    const uint64_t k1 = e->next_round();
+    PeerRanges shares(size_);
+    if (sl)
+      for (int g = 0; g < Gh; ++g)
+        if (g != gm) shares[hl.at(hm, g)].push_back({oF, sl});
+    exchange(&shares, 0, deadline_ns);
+    if (hm != hr)
+      for (int g = 0; g < Gs; ++g) {
+        if (g == gm) continue;
+        stripe(0, g, &so, &sl);
+        if (sl) out_copy(data + so, e->peer_slot(hl.at(hm, g), k1) + oF, sl);
+      }
+    return;
+  }
   for (int64_t tt = 0; tt < static_cast<int64_t>(npieces) + H; ++tt) {
     const uint64_t k = e->next_round();
     uint8_t* slot = e->my_slot(k);
