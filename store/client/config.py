@@ -53,11 +53,11 @@ class StoreConfig:
         ifname: network interface for ``listen_host``.
         rpc_timeout_s: seconds one metadata request may take.
         rpc_busy_poll_us: microseconds a client checks for the master's reply without
-            sleeping before it waits in ``poll()`` (default 200; 0: always sleeps). On VMs
-            waking a sleeping vCPU costs about as much as the master's answer (the 2-core
-            CI VM: a loopback ping-pong 70-80 us when the caller sleeps, 21-22 us when it
-            spins; see ``protocol.Connection``); the spin is bounded, so at most this much
-            CPU per request (``MOONCAKE_STORE_RPC_BUSY_POLL_US``).
+            sleeping before it waits in ``poll()`` (0: always sleeps). Default 200 with the
+            embedded master, 0 with a master process, which busy-polls itself
+            (``MasterConfig.busy_poll_us``): measured in docs/store.md, "Metadata path". The
+            spin is bounded, so at most this much CPU per request
+            (``MOONCAKE_STORE_RPC_BUSY_POLL_US``).
         failover_timeout_s: seconds a request keeps retrying, from its first failure, while no
             leader answers (the first failure may itself take ``rpc_timeout_s``: a stopped
             leader that accepts connections but never answers), each retry cut to what is
@@ -147,7 +147,9 @@ class StoreConfig:
         if out.put_reservation_bytes is None:
             out.put_reservation_bytes = 64 * MiB
         if out.rpc_busy_poll_us is None:
-            out.rpc_busy_poll_us = 200
+            # an embedded master (no address, no etcd) does not busy-poll; a master process
+            # does, and against it a client that sleeps is the faster one (docs/store.md)
+            out.rpc_busy_poll_us = 200 if out.master is None and out.etcd is None else 0
         if out.tune_malloc is None:
             out.tune_malloc = True
         if out.transfer is None:

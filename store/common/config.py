@@ -16,7 +16,7 @@ part's options are a keyword-only dataclass next to it: ``StoreConfig`` and ``Re
 | ``MOONCAKE_STORE_SSD_DIR`` | directory a client contributes as SSD tier | none |
 | ``MOONCAKE_STORE_SSD_MAX_BYTES`` | bytes of object data a client's SSD directory may hold | unlimited |
 | ``MOONCAKE_STORE_PUT_RESERVATION_BYTES`` | bytes a client asks to reserve for one-round-trip puts (0: off) | 64 MiB |
-| ``MOONCAKE_STORE_RPC_BUSY_POLL_US`` | microseconds a client checks for a metadata reply without sleeping (0: always sleeps) | 200 |
+| ``MOONCAKE_STORE_RPC_BUSY_POLL_US`` | microseconds a client checks for a metadata reply without sleeping (0: always sleeps) | 200 with the embedded master, 0 with a master process |
 | ``MOONCAKE_STORE_TUNE_MALLOC`` | ``0``: a client leaves glibc malloc's thresholds alone (``StoreConfig.tune_malloc``) | ``1`` |
 | ``MOONCAKE_STORE_TRANSFER`` | ``auto`` (map same-host segments, TCP otherwise) or ``tcp`` (always TCP) | ``auto`` |
 | ``MOONCAKE_HOST_ID`` | processes with equal ids count as one host and map each other's segments | hostname + boot id |

@@ -195,7 +195,7 @@ def test_greeting_timeout_and_closed_peer():
     [
         (
             "rpc_busy_poll_us",
-            200,
+            0,  # with a master address; the embedded master's default is the next test's
             (-1, 1_000_001, 1.5, True, "200"),
             "MOONCAKE_STORE_RPC_BUSY_POLL_US",
             "50",
@@ -237,6 +237,17 @@ def test_config_and_env(monkeypatch, field, default, bad, var, good, malformed, 
     monkeypatch.setenv(var, too_big)
     with pytest.raises(ValueError, match=f"{field} .*\\(from {var}\\)"):
         resolved()
+
+
+def test_rpc_busy_poll_default_spins_only_for_the_embedded_master():
+    """A client spins for its reply (200 us) only with the embedded master, which does not
+    busy-poll; with a master process (an address or etcd) it sleeps (docs/store.md)."""
+    assert StoreConfig().resolved().rpc_busy_poll_us == 200
+    assert StoreConfig(master="127.0.0.1:1").resolved().rpc_busy_poll_us == 0
+    assert StoreConfig(etcd="127.0.0.1:1").resolved().rpc_busy_poll_us == 0
+    assert (
+        StoreConfig(master="127.0.0.1:1", rpc_busy_poll_us=200).resolved().rpc_busy_poll_us == 200
+    )
 
 
 def test_touch_pages_reads_and_changes_nothing():
