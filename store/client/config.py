@@ -55,7 +55,7 @@ class StoreConfig:
         rpc_busy_poll_us: microseconds a client checks for the master's reply without
             sleeping before it waits in ``poll()`` (0: always sleeps). Default 200 with the
             embedded master, 0 with a master process, which busy-polls itself
-            (``MasterConfig.busy_poll_us``): measured in docs/store.md, "Metadata path". The
+            (``MasterConfig.busy_poll_us``): measured in docs/store.md, "Metadata RPC". The
             spin is bounded, so at most this much CPU per request
             (``MOONCAKE_STORE_RPC_BUSY_POLL_US``).
         failover_timeout_s: seconds a request keeps retrying, from its first failure, while no
