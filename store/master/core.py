@@ -264,7 +264,8 @@ class Core:
         the last reader of a lease is done, the object may be evicted (and its space reused) at
         once instead of at the lease's end: a replay faster than real time would otherwise keep
         every object read in the last ``lease_ttl_s`` from eviction. Malformed entries and
-        notes of another version or lease are ignored.
+        notes of another lease are ignored; a note of a version replaced or removed while
+        read ends that version's deferred frees once its last reader is done.
         """
         if not isinstance(done, list):
             return
@@ -273,7 +274,11 @@ class Core:
             if not (isinstance(e, list) and len(e) == 3 and isinstance(e[0], str)):
                 continue
             o = rec.objects.get(e[0])
-            if o is None or o.version != e[1] or o.lease_gen != e[2] or o.readers <= 0:
+            if o is None or o.version != e[1]:
+                if rec.retired:  # replaced or removed while read: its space may go now
+                    rec.end_retired_read(e[0], e[1], e[2])
+                continue
+            if o.lease_gen != e[2] or o.readers <= 0:
                 continue
             o.readers -= 1
             if o.readers == 0:

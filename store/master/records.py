@@ -205,6 +205,10 @@ class Records:
             SSD) to end.
         orphan_loads: ``(key, version) -> (segment, offset)`` of a load slot whose object went away
             while its owner loaded it.
+        retired: ``(key, version) -> [lease generation, readers, until, [(segment, offset)]]``
+            of an object released (replaced, removed) while readers held its lease: its
+            replicas wait in ``deferred``, and once its last reader says it is done
+            (``Core.reads_done``) they are freed at once (``end_retired_read``).
         capacity: bytes of all segments.
         used: bytes allocated (put reservations included).
         reserved_bytes: bytes of put reservations.
@@ -240,6 +244,7 @@ class Records:
         self.segments: dict[str, Segment] = {}
         self.deferred: list = []
         self.orphan_loads: dict = {}
+        self.retired: dict = {}
         self.counters = Counters()
         self.capacity = 0
         self.used = 0
@@ -359,6 +364,32 @@ class Records:
         seg.alloc.free(off, n)
         self.used -= (n + ALIGN - 1) & ~(ALIGN - 1)
 
+    def end_retired_read(self, key: str, version: int, lease_gen: int) -> None:
+        """A reader of the retired ``(key, version)`` is done.
+
+        After the last one, its replicas' deferred space is freed now rather than at the
+        lease's end.
+        """
+        r = self.retired.get((key, version))
+        if r is None or r[0] != lease_gen or r[1] <= 0:
+            return
+        r[1] -= 1
+        if r[1] > 0:
+            return
+        del self.retired[(key, version)]
+        slots = set(r[3])
+        keep = []
+        for d in self.deferred:
+            if (d[1], d[2]) in slots and (d[1], d[2]) not in self.orphan_loads.values():
+                slots.discard((d[1], d[2]))
+                seg = self.segments.get(d[1])
+                if seg is not None:
+                    seg.alloc.free(d[2], d[3])
+                    self.used -= aligned(d[3])
+            else:
+                keep.append(d)
+        self.deferred = keep
+
     def free_deferred(self, now: float) -> None:
         """Frees the deferred ranges whose time has come."""
         if self.deferred:
@@ -372,6 +403,8 @@ class Records:
                 else:
                     keep.append(d)
             self.deferred = keep
+        if self.retired:
+            self.retired = {k: r for k, r in self.retired.items() if r[2] > now}
         if self.orphan_loads:
             live = {(d[1], d[2]) for d in self.deferred}
             self.orphan_loads = {k: v for k, v in self.orphan_loads.items() if v in live}
@@ -398,6 +431,13 @@ class Records:
             obj.loading = None
             self.orphan_loads[(obj.key, obj.version)] = (seg_name, off)
             self.free_replica(seg_name, off, n, obj.key, self.clock() + LOAD_ORPHAN_S)
+        if obj.repl and obj.readers > 0 and obj.lease_until > self.clock():
+            self.retired[(obj.key, obj.version)] = [
+                obj.lease_gen,
+                obj.readers,
+                obj.lease_until,
+                [(seg_name, off) for seg_name, off, _ in obj.repl],
+            ]
         for seg_name, off, n in obj.repl:
             self.free_replica(seg_name, off, n, obj.key, obj.lease_until)
         obj.repl = []

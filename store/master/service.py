@@ -825,6 +825,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ValueError as e:
         p.error(str(e))
+    if a.port_file:  # a supervisor waits for this file: a master that cannot write it stops
+        try:
+            with open(a.port_file + ".tmp", "w"):
+                pass
+            os.remove(a.port_file + ".tmp")
+        except OSError as e:
+            p.error(f"--port-file: cannot write {a.port_file}.tmp: {e}")
     m = Master(cfg)
     if a.port_file:
 

@@ -569,7 +569,7 @@ def test_master_cli_refuses_what_it_cannot_serve(tmp_path):
     """A port in use exits 1 with the reason and writes no port file (it exited 0 silently);
     a metrics port past 65535 (it wrapped around to another port), infinite TTLs (every
     client then failed with OverflowError) or tiny ones, and a wildcard host with etcd but
-    no --advertise are refused as usage errors."""
+    no --advertise, and a --port-file that cannot be written are refused as usage errors."""
     import subprocess
 
     with socket.socket() as busy:
@@ -605,6 +605,8 @@ def test_master_cli_refuses_what_it_cannot_serve(tmp_path):
             "lease_ttl_s must be >= 0.1",
         ),  # every get's lease expired at once
         (["--host", "0.0.0.0", "--etcd", "127.0.0.1:1"], "give advertise"),
+        # it served on without ever writing the file a supervisor waited for
+        (["--port-file", str(tmp_path / "no-such-dir" / "port")], "--port-file: cannot write"),
     ):  # it published 0.0.0.0
         r = subprocess.run(
             [sys.executable, "-m", "mooncake_store.master", "--port", "0", *bad],

@@ -408,3 +408,18 @@ def test_core_new_leader_grace_asks_puts_to_retry():
     now[0] += 5.1
     (it,) = core.put_start({"client": "o", "items": [["c", MiB, b""]], "r": 1})["items"]
     assert it[0] == 0, it  # evicts "a" now
+
+
+def test_space_of_a_version_replaced_while_read_comes_back_when_its_reader_is_done(procs):
+    """A client upserts a 1 MiB value and reads it back, 100 times, in a 32 MiB segment
+    with the 5 s default lease: each get leases the version the next upsert replaces, so
+    its space waits for the lease; the client's next request says its read is done, and
+    that frees the replaced version's space at once (docs/store.md, leases), so no upsert
+    finds the segment full and nothing stays deferred for long."""
+    m = sa.start_master(high_watermark=1.0, low_watermark=1.0)
+    with MooncakeStore(serve_tcp=False, master=m.address, segment_size=32 * MiB) as s:
+        for i in range(100):
+            s.upsert("u", bytes([i % 251]) * MiB)
+            assert s.get("u") == bytes([i % 251]) * MiB
+        s.exists("u")  # the last read's done note
+        assert s.stats().deferred <= 1
