@@ -8,8 +8,18 @@ from ..common.errors import short_repr
 
 
 def _name_ok(value: object) -> bool:
-    """Whether ``value`` can stand in a key path: a non-empty str without ``/``, at most 200 chars."""
-    return isinstance(value, str) and bool(value) and "/" not in value and len(value) <= 200
+    """Whether ``value`` can stand in a key path.
+
+    That is a non-empty str without ``/``, at most 200 chars, encodable as UTF-8 (keys
+    are; a lone surrogate is not).
+    """
+    if not (isinstance(value, str) and value and "/" not in value and len(value) <= 200):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _count(value: object, minimum: int) -> bool:

@@ -371,3 +371,8 @@ def test_weight_sync_and_kv_cache_configs_name_the_bad_value():
         WeightSync(None, "m" * 5000)
     with pytest.raises(ValueError, match=r"\.\.\. \(5000 chars\)$"):
         KVCacheStore(None, tenant="t" * 5000)
+    # found by a new-user trial: a lone surrogate raised UnicodeEncodeError at the first call
+    with pytest.raises(ValueError, match="tenant must be"):
+        KVCacheStore(None, tenant="\udcff")
+    with pytest.raises(ValueError, match="model"):
+        KVCacheConfig(model="m\ud800")
