@@ -277,9 +277,9 @@ def _iput(store, req: dict, config) -> list:
 
 
 def _get_loop(store, req: dict) -> list:
-    """Gets each of ``keys`` in turn for ``seconds``: per get ``[start, key index, found]``
-    (``start``: ``time.monotonic()`` when it was called, the same clock in every process
-    of the machine)."""
+    """Gets each of ``keys`` in turn for ``seconds``: per get ``[start, key index, found,
+    end]`` (``start`` and ``end``: ``time.monotonic()`` when it was called and when it
+    returned, the same clock in every process of the machine)."""
     keys, out = req["keys"], []
     end = time.monotonic() + req["seconds"]
     while time.monotonic() < end:
@@ -290,7 +290,7 @@ def _get_loop(store, req: dict) -> list:
                 found = True
             except KeyError:
                 found = False
-            out.append([t, i, found])
+            out.append([t, i, found, time.monotonic()])
     return out
 
 
