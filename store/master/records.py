@@ -378,17 +378,10 @@ class Records:
             return
         del self.retired[(key, version)]
         slots = set(r[3])
-        keep = []
         for d in self.deferred:
-            if (d[1], d[2]) in slots and (d[1], d[2]) not in self.orphan_loads.values():
-                slots.discard((d[1], d[2]))
-                seg = self.segments.get(d[1])
-                if seg is not None:
-                    seg.alloc.free(d[2], d[3])
-                    self.used -= aligned(d[3])
-            else:
-                keep.append(d)
-        self.deferred = keep
+            if (d[1], d[2]) in slots:
+                d[0] = 0.0  # due now: free_deferred gives it back
+        self.free_deferred(self.clock())
 
     def free_deferred(self, now: float) -> None:
         """Frees the deferred ranges whose time has come."""
