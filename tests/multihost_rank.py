@@ -499,6 +499,21 @@ def loop_all_reduce(rank, world_size, ops, count, linger_s=3.0):
     return _loop(ops, one, linger_s)
 
 
+def loop_broadcast(rank, world_size, ops, count, src=0, linger_s=3.0):
+    """ops broadcasts from src of count float32 elements, op i's equal to 10 + i on src and
+    -1 elsewhere (see _loop); each op's value (every element equal, else "uneven"). A rank
+    may SIGKILL itself through MOONCAKE_FAULT_INJECT."""
+    done = [0]
+
+    def one():
+        t = torch.full((count,), 10.0 + done[0] if rank == src else -1.0)
+        done[0] += 1
+        dist.broadcast(t, src=src)
+        return t[0].item() if bool((t == t[0]).all()) else "uneven"
+
+    return _loop(ops, one, linger_s)
+
+
 def loop_all_to_all(
     rank, world_size, ops, count, local_count, kill_at=None, kill_after_s=0.0, linger_s=3.0
 ):
@@ -534,6 +549,7 @@ def loop_all_to_all(
 SCENARIOS = {
     "loop_all_reduce": loop_all_reduce,
     "loop_all_to_all": loop_all_to_all,
+    "loop_broadcast": loop_broadcast,
     "large_ops": large_ops,
     "bytes_out": bytes_out,
     "every_op": every_op,

@@ -232,15 +232,16 @@ def test_a_host_later_than_the_timeout_is_fenced_not_given_a_result(policy):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "ranks_per_host, slot, counts",
+    "ranks_per_host, options, counts",
     [
-        ([2, 2], None, [5003, 300007]),
-        ([2, 2], 8192, [4099, 20011]),
-        ([2, 2, 2, 2], 8192, [4099, 20011]),
-        ([3, 1], 8192, [4099, 70001]),
-        ([1, 2, 2], 8192, [4099, 70001]),
-        ([2, 2, 2, 2], None, [5003, 40009, 70001]),
-        ([1, 2, 2], None, [5003, 40009, 70001]),
+        ([2, 2], {}, [5003, 300007]),
+        ([2, 2], {"shm_slot_bytes": 8192}, [4099, 20011]),
+        ([2, 2, 2, 2], {"shm_slot_bytes": 8192}, [4099, 20011]),
+        ([3, 1], {"shm_slot_bytes": 8192}, [4099, 70001]),
+        ([1, 2, 2], {"shm_slot_bytes": 8192}, [4099, 70001]),
+        ([2, 2, 2, 2], {}, [5003, 40009, 70001]),
+        ([1, 2, 2], {}, [5003, 40009, 70001]),
+        ([2, 2, 2, 2], {"transport": "tcp"}, [40009]),
     ],
     ids=[
         "2x2",
@@ -250,16 +251,17 @@ def test_a_host_later_than_the_timeout_is_fenced_not_given_a_result(policy):
         "1+2+2-small-slot",
         "4x2",
         "1+2+2",
+        "4x2-tcp",
     ],
 )
-def test_large_messages_across_hosts_match_torch(ranks_per_host, slot, counts):
+def test_large_messages_across_hosts_match_torch(ranks_per_host, options, counts):
     """The two-level collectives (all_reduce, reduce, reduce_scatter, all_gather, broadcast;
-    uniform hosts; broadcast also on uneven ones) and the flat ones (3+1) at sizes above the one-round path, in one
-    piece (broadcast's star) and in pieces ending mid-stripe (a small shm_slot_bytes cuts
-    them into many: broadcast's chain): float, integer,
-    bfloat16/float16, uint8 and bool with SUM, AVG, MAX and PREMUL_SUM, roots on every host,
-    each result equal to torch's reduction of every rank's input."""
-    options = {"shm_slot_bytes": slot} if slot else {}
+    uniform hosts; broadcast also on uneven ones) and the flat ones (3+1) at sizes above the
+    one-round path, in one piece (broadcast's star: one relay round, two rounds under
+    transport "tcp") and in pieces ending mid-stripe (a small shm_slot_bytes cuts them into
+    many: broadcast's chain): float, integer, bfloat16/float16, uint8 and bool with SUM, AVG,
+    MAX and PREMUL_SUM, roots on every host, each result equal to torch's reduction of every
+    rank's input."""
     with netns.hosts(len(ranks_per_host), "mcmh") as t:
         res = run_ranks(
             t, ranks_per_host, "large_ops", {"counts": counts, "options": options}, timeout_s=200
@@ -378,6 +380,38 @@ def test_sigkill_on_another_host_mid_all_reduce(policy):
             assert got["active"] == [1, 1, 1, 0], got
     else:
         assert len(seq) == 4 and seq[3] in ("RankFailureError", "DistBackendError"), seq
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["mask", "raise"])
+def test_sigkill_of_a_carrier_mid_star_broadcast(policy):
+    """4 hosts x 2 ranks, broadcasts of 160 KB from rank 0 (the star: the root sends stripe g
+    to (h, g) on every other host, which hands it to its local peer in the same round).
+    Rank 3, a carrier on host 1, SIGKILLs itself at its fourth. mask: every survivor gets
+    every op's value (the rerun: 7 ranks, host 1 with one, one stripe); raise: every
+    survivor raises at the same op."""
+    with netns.hosts(4, "mcmh") as t:
+        res = run_ranks(
+            t,
+            [2, 2, 2, 2],
+            "loop_broadcast",
+            {"ops": 6, "count": 40009, "options": {"on_failure": policy}},
+            rank_env={3: {"MOONCAKE_FAULT_INJECT": "3:0"}},
+            timeout_s=150,
+        )
+    assert "error" in res[3] or "results" not in res[3], res[3]  # it died
+    survivors = [r for r in range(8) if r != 3]
+    for r in survivors:
+        assert "results" in res[r], (r, res[r])
+    seqs = {r: res[r]["results"] for r in survivors}
+    if policy == "mask":
+        for r in survivors:
+            assert seqs[r] == [10.0 + i for i in range(6)], (r, seqs[r])
+            assert res[r]["active"] == [1, 1, 1, 0, 1, 1, 1, 1], (r, res[r])
+    else:
+        for r in survivors:
+            assert seqs[r][:3] == [10.0, 11.0, 12.0], (r, seqs[r])
+            assert seqs[r][3:] in (["RankFailureError"], ["DistBackendError"]), (r, seqs[r])
 
 
 @pytest.mark.slow
