@@ -129,9 +129,9 @@ class StoreConfig:
 
     def resolved(self) -> StoreConfig:
         """A copy with environment values and defaults filled in; raises ``ValueError``."""
-        env = env_defaults()
         vals = dataclasses.asdict(self)
         vals["master_config"] = self.master_config
+        env = env_defaults(frozenset(k for k, v in vals.items() if v is not None))
         for k, v in env.items():
             if k in vals and vals[k] is None:
                 vals[k] = v
@@ -149,7 +149,7 @@ class StoreConfig:
         if out.rpc_busy_poll_us is None:
             # an embedded master (no address, no etcd) does not busy-poll; a master process
             # does, and against it a client that sleeps is the faster one (docs/store.md)
-            out.rpc_busy_poll_us = 200 if out.master is None and out.etcd is None else 0
+            out.rpc_busy_poll_us = 200 if out.embedded_master else 0
         if out.tune_malloc is None:
             out.tune_malloc = True
         if out.transfer is None:
@@ -166,6 +166,11 @@ class StoreConfig:
                 raise
             raise ValueError(f"{e} (from {var})") from None
         return out
+
+    @property
+    def embedded_master(self) -> bool:
+        """Whether this client starts a master of its own (neither ``master`` nor ``etcd``)."""
+        return self.master is None and self.etcd is None
 
     def validate(self) -> None:
         """Checks every field; raises ``ValueError`` naming the field that is invalid.

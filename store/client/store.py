@@ -183,7 +183,7 @@ class MooncakeStore:
         self._close_hooks: list = []  # weakref.WeakMethod, run by close() and at exit
         if cfg.tune_malloc:
             tune_malloc()
-        if cfg.master is None and cfg.etcd is None:
+        if cfg.embedded_master:
             from ..master import Master
 
             # no busy polling: an embedded master shares the GIL and the cores with its client

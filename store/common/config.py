@@ -76,18 +76,20 @@ ENV_INT = {
 }
 
 
-def env_defaults() -> dict:
+def env_defaults(given: frozenset = frozenset()) -> dict:
     """The store's ``MOONCAKE_*`` environment variables, parsed (absent ones omitted).
 
-    Raises ``ValueError`` for a malformed value, naming the variable.
+    given: fields set explicitly, whose variables are neither read nor checked (an explicit
+    argument wins, also over a malformed variable). Raises ``ValueError`` for a malformed
+    value, naming the variable.
     """
     env = os.environ
     out: dict = {}
     for var, field in ENV_STR.items():
-        if env.get(var):
+        if env.get(var) and field not in given:
             out[field] = env[var]
     for var, (field, what) in ENV_INT.items():
-        if env.get(var):
+        if env.get(var) and field not in given:
             if not (env[var].isascii() and env[var].isdigit()):
                 raise ValueError(f"{var} must be {what}, got {env[var]!r}")
             out[field] = int(env[var])
@@ -95,11 +97,11 @@ def env_defaults() -> dict:
         ("MOONCAKE_STORE_TUNE_MALLOC", "tune_malloc"),
         ("MOONCAKE_STORE_NO_UVLOOP", "no_uvloop"),
     ):
-        if env.get(var):
+        if env.get(var) and field not in given:
             if env[var] not in ("0", "1"):
                 raise ValueError(f"{var} must be 0 or 1, got {env[var]!r}")
             out[field] = env[var] == "1"
-    if env.get("MOONCAKE_STORE_TEST_PAUSE"):
+    if env.get("MOONCAKE_STORE_TEST_PAUSE") and "test_pause" not in given:
         v = env["MOONCAKE_STORE_TEST_PAUSE"]
         what, _, secs = v.partition(":")
         try:

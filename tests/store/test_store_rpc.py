@@ -217,8 +217,8 @@ def test_greeting_timeout_and_closed_peer():
 )
 def test_config_and_env(monkeypatch, field, default, bad, var, good, malformed, says, too_big):
     """The default; bad values raise naming the field; the variable is read, an explicit
-    argument wins over it, a malformed one (also non-ASCII digits) raises naming the
-    variable, and so does one out of range."""
+    argument wins over it (also over a malformed one), a malformed one (also non-ASCII
+    digits) raises naming the variable, and so does one out of range."""
 
     def resolved(**kw):
         return getattr(StoreConfig(master="127.0.0.1:1", **kw).resolved(), field)
@@ -234,6 +234,7 @@ def test_config_and_env(monkeypatch, field, default, bad, var, good, malformed, 
         monkeypatch.setenv(var, m)
         with pytest.raises(ValueError, match=f"{var} {says}"):
             resolved()
+        assert resolved(**{field: int(good)}) == int(good)
     monkeypatch.setenv(var, too_big)
     with pytest.raises(ValueError, match=f"{field} .*\\(from {var}\\)"):
         resolved()
