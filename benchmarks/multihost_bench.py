@@ -18,8 +18,8 @@ backend under test has its own group over all ranks. For every (op, size) and ba
 checked call (outputs compared exactly with values computed independently on each rank),
 one counted call (the bytes that left each host's eth0 during it, read from the kernel's
 counters: traffic that was measured, not assumed), one warm-up, then N timed calls in
-rounds that alternate the backends, every call started on all ranks at once (below). The time of a call is the maximum over
-ranks, the reported time the median over calls.
+rounds that alternate the backends, every call started on all ranks at once (below). The
+time of a call is the maximum over ranks, the reported time the median over calls.
 
 Columns. size is the largest buffer, as in nccl-tests (all_gather: the output,
 reduce_scatter: the input, all_to_all: each rank's input); busbw follows nccl-tests. The
@@ -130,12 +130,8 @@ START_AHEAD_S = 0.010
 
 
 def aligned_start(dist, torch, ctrl) -> None:
-    """Returns on every rank at one moment (within the wake-up spread): START_AHEAD_S after
-    the last rank entered, taken from ``time.perf_counter`` (CLOCK_MONOTONIC), which is one
-    clock for every rank because the hosts are namespaces of one kernel. A barrier alone
-    releases 8 ranks on 2 cores up to a few ms apart, and that spread would count in the
-    time of an op that waits for every rank but not in one whose late ranks find their
-    data already there (gloo's broadcast)."""
+    """Returns on every rank at one moment, START_AHEAD_S after the last rank entered (the
+    module docstring's "Start" says why)."""
     at = torch.tensor([time.perf_counter() + START_AHEAD_S], dtype=torch.float64)
     dist.all_reduce(at, op=dist.ReduceOp.MAX, group=ctrl)
     left = at.item() - time.perf_counter()
