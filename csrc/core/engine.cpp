@@ -37,10 +37,6 @@ std::string gone_msg(const char* engine, const PeersGone& gone) {
   return s + " gone (" + gone.reason + ")";
 }
 
-void CollEngine::exchange_relay(const PeerRanges*, size_t, int64_t, const std::function<void()>&) {
-  throw std::logic_error(std::string(name()) + " engine: no relay rounds");
-}
-
 // ---- ShmEngine ---------------------------------------------------------------------
 ShmEngine::ShmEngine(int rank, int size, std::shared_ptr<ShmSegment> seg, const ShmLayout& layout, bool spin)
     : CollEngine(rank, size, layout.slot, layout.hdr_cap),
@@ -583,15 +579,6 @@ void HybridEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t dea
   // come meanwhile, then this host's stragglers are awaited
   shm_.arrive();
   tcp_->exchange(sends, hdr_len, deadline_ns);
-  shm_.wait_arrived(deadline_ns);
-  round_ = tcp_->next_round() - 1;
-}
-
-void HybridEngine::exchange_relay(const PeerRanges* sends, size_t hdr_len, int64_t deadline_ns,
-                                  const std::function<void()>& relay) {
-  tcp_->exchange(sends, hdr_len, deadline_ns);
-  relay();
-  shm_.arrive();
   shm_.wait_arrived(deadline_ns);
   round_ = tcp_->next_round() - 1;
 }

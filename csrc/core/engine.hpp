@@ -103,13 +103,6 @@ class CollEngine {
   // Completes round next_round(). `sends` (may be null: whole slot not needed by anyone)
   // lists per peer which ranges of my slot it reads; shm ignores it.
   virtual void exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadline_ns) = 0;
-  // exchange() in which this rank's local peers may read, in the same round, bytes it
-  // received from other hosts: `relay` runs once the other hosts' frames of the round are
-  // in (it copies what they brought into my_slot), and the local peers see this rank
-  // arrive only after it. HybridEngine, and TcpEngine for a rank alone on its host (no
-  // local peers); others throw std::logic_error.
-  virtual void exchange_relay(const PeerRanges* sends, size_t hdr_len, int64_t deadline_ns,
-                              const std::function<void()>& relay);
   virtual const char* name() const = 0;
   // Whether this engine moves direct bytes at all (its kind: the same on every rank of a
   // group), and to peer j.
@@ -260,11 +253,6 @@ class TcpEngine : public CollEngine {
     return j == rank_ ? my_hdr(k) : peers_[j][k % 3].data();
   }
   void exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadline_ns) override;
-  void exchange_relay(const PeerRanges* sends, size_t hdr_len, int64_t deadline_ns,
-                      const std::function<void()>& relay) override {
-    exchange(sends, hdr_len, deadline_ns);
-    relay();
-  }
   const char* name() const override { return "tcp"; }
   bool direct() const override { return true; }
   bool direct_to(int j) const override { return j != rank_; }
@@ -309,8 +297,6 @@ class HybridEngine : public CollEngine {
     return local_[j] ? shm_.peer_hdr(j, k) : tcp_->peer_hdr(j, k);
   }
   void exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadline_ns) override;
-  void exchange_relay(const PeerRanges* sends, size_t hdr_len, int64_t deadline_ns,
-                      const std::function<void()>& relay) override;
   const char* name() const override { return "shm+tcp"; }
   bool direct() const override { return true; }
   bool direct_to(int j) const override { return j != rank_ && !local_[j]; }

@@ -322,10 +322,8 @@ class Group {
   void run_reduce_scatter_hier(const std::vector<const uint8_t*>& ins, const Buffer& out, RedOp rop,
                                double premul, const HostLayout& hl, const OpHeader& h, int64_t deadline_ns);
   // One engine round of the running collective (hdr_len > 0: its first round, which carries
-  // the header). MOONCAKE_FAULT_INJECT's SIGKILL fires here. With `relay`: the engine's
-  // exchange_relay() (under transport "auto" only: see CollEngine::exchange_relay).
-  void exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadline_ns,
-                const std::function<void()>& relay = nullptr);
+  // the header). MOONCAKE_FAULT_INJECT's SIGKILL fires here.
+  void exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadline_ns);
 
   struct P2POp;
 

@@ -149,8 +149,7 @@ void check_headers(CollEngine* e, uint64_t k, int ref, const std::vector<int>& a
 
 // One engine round of the running collective (hdr_len > 0: its first round, which carries
 // the header). MOONCAKE_FAULT_INJECT's SIGKILL and MOONCAKE_FAULT_DELAY's hold fire here.
-void Group::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadline_ns,
-                     const std::function<void()>& relay) {
+void Group::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadline_ns) {
   if (hdr_len > 0) op_round_ = 0;  // the first round of every collective carries the header
   if (cfg_.inject_delay_op >= 0 && static_cast<int64_t>(seq_exec_) - 1 == cfg_.inject_delay_op &&
       op_round_ == 0 && cfg_.inject_delay_peer >= 0 && cfg_.inject_delay_peer < size_) {
@@ -166,10 +165,7 @@ void Group::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadline_n
     fflush(stderr);
     raise(SIGKILL);
   }
-  if (relay)
-    coll_->exchange_relay(sends, hdr_len, deadline_ns, relay);
-  else
-    coll_->exchange(sends, hdr_len, deadline_ns);
+  coll_->exchange(sends, hdr_len, deadline_ns);
   op_round_++;
 }
 

@@ -257,8 +257,8 @@ def test_a_host_later_than_the_timeout_is_fenced_not_given_a_result(policy):
 def test_large_messages_across_hosts_match_torch(ranks_per_host, options, counts):
     """The two-level collectives (all_reduce, reduce, reduce_scatter, all_gather, broadcast;
     uniform hosts; broadcast also on uneven ones) and the flat ones (3+1) at sizes above the
-    one-round path, in one piece (broadcast's star: one relay round, two rounds under
-    transport "tcp") and in pieces ending mid-stripe (a small shm_slot_bytes cuts them into
+    one-round path, in one piece (broadcast's star, also under transport "tcp", where a
+    host's ranks reach each other over TCP) and in pieces ending mid-stripe (a small shm_slot_bytes cuts them into
     many: broadcast's chain): float, integer, bfloat16/float16, uint8 and bool with SUM, AVG,
     MAX and PREMUL_SUM, roots on every host, each result equal to torch's reduction of every
     rank's input."""
@@ -383,20 +383,25 @@ def test_sigkill_on_another_host_mid_all_reduce(policy):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("where", ["entry", "hand_over"])
 @pytest.mark.parametrize("policy", ["mask", "raise"])
-def test_sigkill_of_a_carrier_mid_star_broadcast(policy):
+def test_sigkill_of_a_carrier_mid_star_broadcast(policy, where):
     """4 hosts x 2 ranks, broadcasts of 160 KB from rank 0 (the star: the root sends stripe g
-    to (h, g) on every other host, which hands it to its local peer in the same round).
-    Rank 3, a carrier on host 1, SIGKILLs itself at its fourth. mask: every survivor gets
-    every op's value (the rerun: 7 ranks, host 1 with one, one stripe); raise: every
-    survivor raises at the same op."""
+    to (h, g) on every other host, which hands it to its local peer in a second round).
+    Rank 3, a carrier on host 1, SIGKILLs itself at its fourth: as it enters, or before the
+    hand-over (its stripe arrived, its local peer's not yet given). A hand-over in the
+    first round would let the other hosts finish the op while rank 3's local peer fails
+    (benchmarks/RESULTS.md, "Across hosts"). mask: every survivor gets every op's value
+    (the rerun: 7 ranks, host 1 with one, one stripe); raise: every survivor raises at the
+    same op."""
+    kill = "3:0" if where == "entry" else "3:1"
     with netns.hosts(4, "mcmh") as t:
         res = run_ranks(
             t,
             [2, 2, 2, 2],
             "loop_broadcast",
             {"ops": 6, "count": 40009, "options": {"on_failure": policy}},
-            rank_env={3: {"MOONCAKE_FAULT_INJECT": "3:0"}},
+            rank_env={3: {"MOONCAKE_FAULT_INJECT": kill}},
             timeout_s=150,
         )
     assert "error" in res[3] or "results" not in res[3], res[3]  # it died

@@ -11,11 +11,11 @@ namespace mooncake {
 
 namespace {
 constexpr size_t kHierBroadcastMinBytes = 256 << 10;
-// Below that, the star (one relay round; H - 1 copies over the root's link) against one
-// round from the root (a copy for every rank outside the root's host): taken where it saves
-// the root's link this many bytes. Measured at 4 hosts x 2 ranks, 2 Gbit/s: one round is
-// faster at 32 KiB (96 KiB saved), the two the same at 64 KiB (192 KiB saved), the star
-// at 128 KiB (384 KiB saved; RESULTS.md, "Across hosts").
+// Below that, the star (2 rounds; H - 1 copies over the root's link) against one round from
+// the root (a copy for every rank outside the root's host): taken where it saves the root's
+// link this many bytes. The crossover measured at 4 hosts x 2 ranks, 2 Gbit/s: one round
+// is faster at 64 KiB (192 KiB saved), the star at 128 KiB (384 KiB saved; RESULTS.md,
+// "Across hosts").
 constexpr size_t kStarMinSavedBytes = 256 << 10;
 }  // namespace
 

@@ -343,8 +343,8 @@ void Group::run_broadcast_hier(const Buffer& t, int root, const HostLayout& hl, 
   auto out_copy = nbytes >= kStreamThreshold ? copy_stream : copy_plain;
   if (star && npieces == 1) {
     // The star, for one piece: the root sends stripe g straight to (h, g) on every other
-    // host, which hands it to its local peers: H - 1 copies over the root's link (the chain:
-    // H + 1 rounds, one copy per link), in one round (two under transport "tcp").
+    // host, which hands it to its local peers: 2 rounds and H - 1 copies over the root's
+    // link (the chain: H + 1 rounds, one copy per link).
     const uint64_t k = e->next_round();
     PeerRanges sends(size_);
     if (rank_ == root) {
@@ -361,29 +361,10 @@ void Group::run_broadcast_hier(const Buffer& t, int root, const HostLayout& hl, 
       }
     }
     write_header(e, k, h, noextra);
-    size_t so = 0, sl = 0;
-    // Under "auto" a host's ranks share memory (a rank alone on its host has none to share
-    // with): on the other hosts a carrier copies its stripe into its slot before its local
-    // peers see it arrive in this round, and they read it from there.
-    if (cfg_.transport == "auto") {
-      if (hm != hr && carrier) stripe(0, gm, &so, &sl);
-      std::function<void()> relay;
-      if (sl) relay = [&] { std::memcpy(e->my_slot(k) + so, e->peer_slot(root, k) + so, sl); };
-      exchange(&sends, header_len(noextra), deadline_ns, relay);
-      check_headers(e, k, root, act_);
-      if (hm == hr) {
-        if (rank_ != root && nbytes) out_copy(data, e->peer_slot(root, k), nbytes);
-        return;
-      }
-      for (int g = 0; g < Gs; ++g) {
-        stripe(0, g, &so, &sl);
-        if (sl) out_copy(data + so, e->peer_slot(g == gm ? root : hl.at(hm, g), k) + so, sl);
-      }
-      return;
-    }
     exchange(&sends, header_len(noextra), deadline_ns);
     check_headers(e, k, root, act_);
     // round 2: on the other hosts a carrier hands its stripe to its local peers
+    size_t so = 0, sl = 0;
     if (hm == hr) {
       if (rank_ != root && nbytes) out_copy(data, e->peer_slot(root, k), nbytes);
     } else if (carrier) {
