@@ -383,36 +383,39 @@ def test_sigkill_on_another_host_mid_all_reduce(policy):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where", ["entry", "hand_over"])
+@pytest.mark.parametrize(
+    "victim, count, kill",
+    [(3, 40009, "3:0"), (3, 40009, "3:1"), (1, 5003, "3:0")],
+    ids=["star-carrier-entry", "star-carrier-hand-over", "one-round"],
+)
 @pytest.mark.parametrize("policy", ["mask", "raise"])
-def test_sigkill_of_a_carrier_mid_star_broadcast(policy, where):
-    """4 hosts x 2 ranks, broadcasts of 160 KB from rank 0 (the star: the root sends stripe g
-    to (h, g) on every other host, which hands it to its local peer in a second round).
-    Rank 3, a carrier on host 1, SIGKILLs itself at its fourth: as it enters, or before the
-    hand-over (its stripe arrived, its local peer's not yet given). A hand-over in the
-    first round would let the other hosts finish the op while rank 3's local peer fails
-    (benchmarks/RESULTS.md, "Across hosts"). mask: every survivor gets every op's value
-    (the rerun: 7 ranks, host 1 with one, one stripe); raise: every survivor raises at the
-    same op."""
-    kill = "3:0" if where == "entry" else "3:1"
+def test_sigkill_mid_broadcast_across_hosts(policy, victim, count, kill):
+    """4 hosts x 2 ranks, broadcasts from rank 0; one rank SIGKILLs itself at its fourth.
+    160 KB, the star (the root sends stripe g to (h, g) on every other host, which hands it
+    to its local peer in a second round): rank 3, a carrier on host 1, as it enters or
+    before the hand-over (its stripe arrived, its local peer's not yet given; a hand-over
+    in the first round would let the other hosts finish the op while rank 3's local peer
+    fails: benchmarks/RESULTS.md, "Across hosts"). 20 KB, one round from the root: rank 1,
+    the root's local peer, as it enters. mask: every survivor gets every op's value (the
+    rerun over 7 ranks); raise: every survivor raises at the same op."""
     with netns.hosts(4, "mcmh") as t:
         res = run_ranks(
             t,
             [2, 2, 2, 2],
             "loop_broadcast",
-            {"ops": 6, "count": 40009, "options": {"on_failure": policy}},
-            rank_env={3: {"MOONCAKE_FAULT_INJECT": kill}},
+            {"ops": 6, "count": count, "options": {"on_failure": policy}},
+            rank_env={victim: {"MOONCAKE_FAULT_INJECT": kill}},
             timeout_s=150,
         )
-    assert "error" in res[3] or "results" not in res[3], res[3]  # it died
-    survivors = [r for r in range(8) if r != 3]
+    assert "error" in res[victim] or "results" not in res[victim], res[victim]  # it died
+    survivors = [r for r in range(8) if r != victim]
     for r in survivors:
         assert "results" in res[r], (r, res[r])
     seqs = {r: res[r]["results"] for r in survivors}
     if policy == "mask":
         for r in survivors:
             assert seqs[r] == [10.0 + i for i in range(6)], (r, seqs[r])
-            assert res[r]["active"] == [1, 1, 1, 0, 1, 1, 1, 1], (r, res[r])
+            assert res[r]["active"] == [int(j != victim) for j in range(8)], (r, res[r])
     else:
         for r in survivors:
             assert seqs[r][:3] == [10.0, 11.0, 12.0], (r, seqs[r])
