@@ -86,24 +86,41 @@ class EPConfig:
             self.max_membership_retries = operator.index(n)
 
 
-def env_defaults() -> dict:
-    """``mooncake_ep``'s settings from ``MOONCAKE_EP_*`` variables (the only place they are read)."""
-    env = os.environ
+def _kernels_env(env) -> str:
     kernels = env.get("MOONCAKE_EP_KERNELS", "auto") or "auto"
     if kernels not in _KERNELS:
         raise ValueError(f"MOONCAKE_EP_KERNELS must be one of {_KERNELS}, got {kernels!r}")
+    return kernels
+
+
+def _ll_env(env) -> str:
     ll = env.get("MOONCAKE_EP_LOW_LATENCY_BACKEND") or "auto"  # exact, as MOONCAKE_EP_KERNELS
     if ll not in _LL_BACKENDS:
         raise ValueError(
             f"MOONCAKE_EP_LOW_LATENCY_BACKEND must be one of {_LL_BACKENDS}, "
             f"got {env.get('MOONCAKE_EP_LOW_LATENCY_BACKEND')!r}"
         )
-    return {
-        "kernels": kernels,
-        "fp32_accumulate": bool_env(env, "MOONCAKE_EP_FP32_ACCUMULATE", True),
-        "hierarchical": bool_env(env, "MOONCAKE_EP_HIERARCHICAL", True),
-        "low_latency_backend": ll,
-    }
+    return ll
+
+
+# setting -> how it is read from the environment (each variable in one place)
+_FROM_ENV = {
+    "kernels": _kernels_env,
+    "fp32_accumulate": lambda env: bool_env(env, "MOONCAKE_EP_FP32_ACCUMULATE", True),
+    "hierarchical": lambda env: bool_env(env, "MOONCAKE_EP_HIERARCHICAL", True),
+    "low_latency_backend": _ll_env,
+}
+
+
+def env_defaults(given: frozenset = frozenset()) -> dict:
+    """``mooncake_ep``'s settings from ``MOONCAKE_EP_*`` variables (the only place they are read).
+
+    given: settings set explicitly, whose variables are neither read nor checked (an
+    explicit argument wins, also over a malformed variable). Raises ``ValueError`` naming a
+    malformed variable.
+    """
+    env = os.environ
+    return {k: read(env) for k, read in _FROM_ENV.items() if k not in given}
 
 
 def resolve(cfg: EPConfig | None, world_size: int) -> dict:
@@ -113,7 +130,13 @@ def resolve(cfg: EPConfig | None, world_size: int) -> dict:
             f"mooncake_ep: config must be an EPConfig or None, got {type(cfg).__name__}"
         )
     cfg = cfg or EPConfig()
-    env = env_defaults()
+    explicit = {
+        "kernels": bool(cfg.kernels),
+        "fp32_accumulate": cfg.fp32_accumulate is not None,
+        "hierarchical": cfg.hierarchical is not None,
+        "low_latency_backend": bool(cfg.low_latency_backend),
+    }
+    env = env_defaults(frozenset(k for k, v in explicit.items() if v))
     return {
         "kernels": cfg.kernels or env["kernels"],
         "fp32_accumulate": env["fp32_accumulate"]

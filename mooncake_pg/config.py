@@ -242,32 +242,50 @@ def bool_env(env, name: str, default: bool) -> bool:
     )
 
 
-def env_defaults() -> dict[str, Any]:
-    """The process group's settings from ``MOONCAKE_*`` variables (the only place they are read)."""
+# setting -> how it is read from the environment (each variable in one place)
+_FROM_ENV = {
+    "transport": lambda env: env.get("MOONCAKE_TRANSPORT", "auto") or "auto",
+    "host_id": lambda env: env.get("MOONCAKE_HOST_ID") or f"{socket.gethostname()}/{_boot_id()}",
+    "socket_ifname": lambda env: env.get("MOONCAKE_SOCKET_IFNAME") or None,
+    "debug": lambda env: bool_env(env, "MOONCAKE_DEBUG", False),
+    "shm_slot_bytes": lambda env: _int_env(
+        env, "MOONCAKE_SHM_SLOT_BYTES", 1 << 20, minimum=MIN_SHM_SLOT_BYTES
+    ),
+    "fault_inject": lambda env: env.get("MOONCAKE_FAULT_INJECT") or None,
+    "fault_delay": lambda env: env.get("MOONCAKE_FAULT_DELAY") or None,
+    "active_ranks": lambda env: _ranks_env(env, "MOONCAKE_ACTIVE_RANKS"),
+    "is_recovery": lambda env: bool_env(env, "MOONCAKE_IS_RECOVERY", False),
+    "rdma_device": lambda env: env.get("MOONCAKE_RDMA_DEVICE") or "",
+    "rdma_gid_index": lambda env: _int_env(env, "MOONCAKE_RDMA_GID_INDEX", -1, "a GID index"),
+    "cuda_ipc": lambda env: bool_env(env, "MOONCAKE_CUDA_IPC", True),
+    "hierarchical": lambda env: bool_env(env, "MOONCAKE_HIERARCHICAL", True),
+}
+
+
+def env_defaults(given: frozenset = frozenset()) -> dict[str, Any]:
+    """The process group's settings from ``MOONCAKE_*`` variables (the only place they are read).
+
+    given: settings set explicitly, whose variables are neither read nor checked (an
+    explicit argument wins, also over a malformed variable). Raises ``ValueError`` naming a
+    malformed variable.
+    """
     env = os.environ
-    return {
-        "transport": env.get("MOONCAKE_TRANSPORT", "auto") or "auto",
-        "host_id": env.get("MOONCAKE_HOST_ID") or f"{socket.gethostname()}/{_boot_id()}",
-        "socket_ifname": env.get("MOONCAKE_SOCKET_IFNAME") or None,
-        "debug": bool_env(env, "MOONCAKE_DEBUG", False),
-        "shm_slot_bytes": _int_env(
-            env, "MOONCAKE_SHM_SLOT_BYTES", 1 << 20, minimum=MIN_SHM_SLOT_BYTES
-        ),
-        "fault_inject": env.get("MOONCAKE_FAULT_INJECT") or None,
-        "fault_delay": env.get("MOONCAKE_FAULT_DELAY") or None,
-        "active_ranks": _ranks_env(env, "MOONCAKE_ACTIVE_RANKS"),
-        "is_recovery": bool_env(env, "MOONCAKE_IS_RECOVERY", False),
-        "rdma_device": env.get("MOONCAKE_RDMA_DEVICE") or "",
-        "rdma_gid_index": _int_env(env, "MOONCAKE_RDMA_GID_INDEX", -1, "a GID index"),
-        "cuda_ipc": bool_env(env, "MOONCAKE_CUDA_IPC", True),
-        "hierarchical": bool_env(env, "MOONCAKE_HIERARCHICAL", True),
-    }
+    return {k: read(env) for k, read in _FROM_ENV.items() if k not in given}
 
 
 def resolve(opts: MooncakeOptions | None) -> dict:
     """Merge explicit options over the environment; returns plain values."""
     opts = opts or MooncakeOptions()
-    env = env_defaults()
+    explicit = {
+        "transport": bool(opts.transport),
+        "shm_slot_bytes": bool(opts.shm_slot_bytes),
+        "debug": opts.debug is not None,
+        "active_ranks": opts.active_ranks is not None,
+        "is_recovery": opts.is_recovery is not None,
+        "cuda_ipc": opts.cuda_ipc is not None,
+        "hierarchical": opts.hierarchical is not None,
+    }
+    env = env_defaults(frozenset(k for k, v in explicit.items() if v))
     transport = opts.transport or env["transport"]
     if transport not in _TRANSPORTS:
         raise ValueError(f"MOONCAKE_TRANSPORT must be one of {_TRANSPORTS}, got {transport!r}")

@@ -62,6 +62,11 @@ def test_config_and_environment(monkeypatch):
         ValueError, match="MOONCAKE_EP_LOW_LATENCY_BACKEND must be one of .*'ibgda'"
     ):
         env_defaults()
+    # an explicit option wins, also over a malformed variable (which is then not read)
+    assert (
+        resolve(mooncake_ep.EPConfig(low_latency_backend="group"), 2)["low_latency_backend"]
+        == "group"
+    )
     with pytest.raises(ValueError, match="low_latency_backend must be one of .*'nccl'"):
         mooncake_ep.EPConfig(low_latency_backend="nccl")
 

@@ -698,6 +698,15 @@ def test_shm_slot_bytes_env_not_a_number(monkeypatch):
     assert "abc" in str(ei.value)
     with pytest.raises(ValueError, match="MOONCAKE_SHM_SLOT_BYTES"):
         mooncake_pg.config.resolve(mooncake_pg.MooncakeOptions())
+    # an explicit argument wins, also over a malformed variable (which is then not read)
+    opts = mooncake_pg.MooncakeOptions(shm_slot_bytes=65536)
+    assert mooncake_pg.config.resolve(opts)["shm_slot_bytes"] == 65536
+    monkeypatch.setenv("MOONCAKE_HIERARCHICAL", "maybe")
+    with pytest.raises(ValueError, match="MOONCAKE_HIERARCHICAL"):
+        mooncake_pg.config.resolve(opts)
+    opts = mooncake_pg.MooncakeOptions(shm_slot_bytes=65536, hierarchical=False)
+    assert mooncake_pg.config.resolve(opts)["hierarchical"] is False
+    monkeypatch.delenv("MOONCAKE_HIERARCHICAL")
     monkeypatch.setenv("MOONCAKE_SHM_SLOT_BYTES", "")
     assert mooncake_pg.config.env_defaults()["shm_slot_bytes"] == 1 << 20
     monkeypatch.setenv("MOONCAKE_SHM_SLOT_BYTES", "65536")
