@@ -76,6 +76,23 @@ ENV_INT = {
 }
 
 
+ENV_BOOL = {
+    "MOONCAKE_STORE_TUNE_MALLOC": "tune_malloc",
+    "MOONCAKE_STORE_NO_UVLOOP": "no_uvloop",
+}
+ENV_FIELDS = frozenset(
+    [*ENV_STR.values(), *(f for f, _ in ENV_INT.values()), *ENV_BOOL.values(), "test_pause"]
+)
+
+
+def env_value(field: str):
+    """The one variable of ``field`` (a key of :func:`env_defaults`), parsed; None when unset.
+
+    Raises ``ValueError`` for that variable only (a malformed other one is not read).
+    """
+    return env_defaults(ENV_FIELDS - {field}).get(field)
+
+
 def env_defaults(given: frozenset = frozenset()) -> dict:
     """The store's ``MOONCAKE_*`` environment variables, parsed (absent ones omitted).
 
@@ -93,10 +110,7 @@ def env_defaults(given: frozenset = frozenset()) -> dict:
             if not (env[var].isascii() and env[var].isdigit()):
                 raise ValueError(f"{var} must be {what}, got {env[var]!r}")
             out[field] = int(env[var])
-    for var, field in (
-        ("MOONCAKE_STORE_TUNE_MALLOC", "tune_malloc"),
-        ("MOONCAKE_STORE_NO_UVLOOP", "no_uvloop"),
-    ):
+    for var, field in ENV_BOOL.items():
         if env.get(var) and field not in given:
             if env[var] not in ("0", "1"):
                 raise ValueError(f"{var} must be 0 or 1, got {env[var]!r}")

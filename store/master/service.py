@@ -45,9 +45,9 @@ _INF = float("inf")
 
 def _loop_factory():
     """The event loop: uvloop's when installed (a faster drop-in), else asyncio's default."""
-    from ..common.config import env_defaults
+    from ..common.config import env_value
 
-    if env_defaults().get("no_uvloop"):
+    if env_value("no_uvloop"):
         return None
     try:
         import uvloop
@@ -798,9 +798,9 @@ def main(argv: list[str] | None = None) -> int:
         help="once listening, write 'PORT METRICS_PORT' here (METRICS_PORT 0 without --metrics-port)",
     )
     a = p.parse_args(argv)
-    from ..common.config import env_defaults
+    from ..common.config import env_value
 
-    secret = env_defaults().get("secret")
+    secret = env_value("secret")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         cfg = MasterConfig(

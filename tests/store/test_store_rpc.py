@@ -240,6 +240,23 @@ def test_config_and_env(monkeypatch, field, default, bad, var, good, malformed, 
         resolved()
 
 
+def test_env_value_reads_one_variable(monkeypatch):
+    """The master reads its secret and event-loop choice one variable at a time: a malformed
+    store variable it does not use does not stop it; the malformed one itself raises,
+    naming it."""
+    from store.common.config import env_value
+
+    monkeypatch.setenv("MOONCAKE_STORE_SEGMENT_SIZE", "lots")
+    monkeypatch.setenv("MOONCAKE_STORE_SECRET", "s3")
+    monkeypatch.setenv("MOONCAKE_STORE_NO_UVLOOP", "1")
+    assert env_value("secret") == "s3"
+    assert env_value("no_uvloop") is True
+    monkeypatch.delenv("MOONCAKE_STORE_SECRET")
+    assert env_value("secret") is None
+    with pytest.raises(ValueError, match="MOONCAKE_STORE_SEGMENT_SIZE must be a byte count"):
+        env_value("segment_size")
+
+
 def test_rpc_busy_poll_default_spins_only_for_the_embedded_master():
     """A client spins for its reply (200 us) only with the embedded master, which does not
     busy-poll; with a master process (an address or etcd) it sleeps (docs/store.md)."""
