@@ -17,7 +17,7 @@ import dataclasses
 import operator
 import os
 
-from mooncake_pg.config import bool_env
+from mooncake_pg.config import LazyEnv, bool_env
 
 _KERNELS = ("auto", "torch", "triton")
 _LL_BACKENDS = ("auto", "nvshmem", "group")
@@ -112,15 +112,12 @@ _FROM_ENV = {
 }
 
 
-def env_defaults(given: frozenset = frozenset()) -> dict:
+def env_defaults() -> dict:
     """``mooncake_ep``'s settings from ``MOONCAKE_EP_*`` variables (the only place they are read).
 
-    given: settings set explicitly, whose variables are neither read nor checked (an
-    explicit argument wins, also over a malformed variable). Raises ``ValueError`` naming a
-    malformed variable.
+    Raises ``ValueError`` naming a malformed variable.
     """
-    env = os.environ
-    return {k: read(env) for k, read in _FROM_ENV.items() if k not in given}
+    return {k: read(os.environ) for k, read in _FROM_ENV.items()}
 
 
 def resolve(cfg: EPConfig | None, world_size: int) -> dict:
@@ -130,13 +127,7 @@ def resolve(cfg: EPConfig | None, world_size: int) -> dict:
             f"mooncake_ep: config must be an EPConfig or None, got {type(cfg).__name__}"
         )
     cfg = cfg or EPConfig()
-    explicit = {
-        "kernels": bool(cfg.kernels),
-        "fp32_accumulate": cfg.fp32_accumulate is not None,
-        "hierarchical": cfg.hierarchical is not None,
-        "low_latency_backend": bool(cfg.low_latency_backend),
-    }
-    env = env_defaults(frozenset(k for k, v in explicit.items() if v))
+    env = LazyEnv(_FROM_ENV)
     return {
         "kernels": cfg.kernels or env["kernels"],
         "fp32_accumulate": env["fp32_accumulate"]

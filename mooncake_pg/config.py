@@ -262,30 +262,34 @@ _FROM_ENV = {
 }
 
 
-def env_defaults(given: frozenset = frozenset()) -> dict[str, Any]:
+class LazyEnv(dict):
+    """Settings read from the environment when first looked up.
+
+    A resolver that looks up only the settings whose option is not given never reads (nor
+    rejects) the others' variables, so an explicit argument wins, also over a malformed one.
+    """
+
+    def __init__(self, readers: dict):
+        super().__init__()
+        self._readers = readers
+
+    def __missing__(self, key: str):
+        value = self[key] = self._readers[key](os.environ)
+        return value
+
+
+def env_defaults() -> dict[str, Any]:
     """The process group's settings from ``MOONCAKE_*`` variables (the only place they are read).
 
-    given: settings set explicitly, whose variables are neither read nor checked (an
-    explicit argument wins, also over a malformed variable). Raises ``ValueError`` naming a
-    malformed variable.
+    Raises ``ValueError`` naming a malformed variable.
     """
-    env = os.environ
-    return {k: read(env) for k, read in _FROM_ENV.items() if k not in given}
+    return {k: read(os.environ) for k, read in _FROM_ENV.items()}
 
 
 def resolve(opts: MooncakeOptions | None) -> dict:
     """Merge explicit options over the environment; returns plain values."""
     opts = opts or MooncakeOptions()
-    explicit = {
-        "transport": bool(opts.transport),
-        "shm_slot_bytes": bool(opts.shm_slot_bytes),
-        "debug": opts.debug is not None,
-        "active_ranks": opts.active_ranks is not None,
-        "is_recovery": opts.is_recovery is not None,
-        "cuda_ipc": opts.cuda_ipc is not None,
-        "hierarchical": opts.hierarchical is not None,
-    }
-    env = env_defaults(frozenset(k for k, v in explicit.items() if v))
+    env = LazyEnv(_FROM_ENV)
     transport = opts.transport or env["transport"]
     if transport not in _TRANSPORTS:
         raise ValueError(f"MOONCAKE_TRANSPORT must be one of {_TRANSPORTS}, got {transport!r}")
