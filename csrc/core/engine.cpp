@@ -65,6 +65,17 @@ void ShmEngine::arrive() {
   if (sleepers()->load(std::memory_order_seq_cst) > 0) futex_wake_all(bell());
 }
 
+bool ShmEngine::arrived_now() {
+  const uint64_t k = round_ + 1;
+  const uint64_t next_epoch_base = epoch_base(epoch() + 1);
+  for (int j = 0; j < size_; ++j) {
+    if (!active_[j]) continue;
+    const uint64_t a = arrived(j)->load(std::memory_order_acquire);
+    if (a < k || a >= next_epoch_base || delayed(j)) return false;
+  }
+  return true;
+}
+
 void ShmEngine::wait_arrived(int64_t deadline_ns) {
   const uint64_t k = round_ + 1;
 
@@ -290,6 +301,15 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
   std::vector<Out> out(size_);
   std::vector<DirectSrc> direct_src;
   direct_src.swap(direct_src_);  // this round's only
+  ArrivalHook hook;
+  hook.swap(hook_);
+  std::function<bool()> others_in;
+  others_in.swap(hook_others_in_);
+  std::vector<int> others;
+  others.swap(hook_others_);
+  bool headers_in = false;  // every peer's header of round k is in: the hook may run
+  std::vector<char> told;   // peers passed to the hook
+  if (hook) told.assign(size_, 0);
   // A frame left half-sent by an exception (a peer died mid-round) is finished with zeros
   // (owe_) at once while the peer reads, else by the next exchange(), so the stream to a
   // live peer stays aligned on frames: that peer drops the frame, as stale when it is in
@@ -492,6 +512,27 @@ void TcpEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t deadli
     if (!dead.empty())
       throw PeerFailure(missing_msg("tcp exchange: lost the connection to:", dead), dead, false,
                         "connection lost");
+    if (hook) {
+      if (!headers_in) {
+        headers_in = true;
+        for (int j = 0; j < size_ && headers_in; ++j) {
+          if (j == rank_ || !active_[j]) continue;
+          const In& i = *in_[j];
+          // stage 3 on: the frame's head, ranges and header are in
+          if (delayed(j) || i.fh.round != k || !(i.complete || i.stage >= 3)) headers_in = false;
+        }
+        if (headers_in && others_in && !others_in()) headers_in = false;
+        if (headers_in)
+          for (int j : others) hook(j);
+      }
+      if (headers_in)
+        for (int j = 0; j < size_; ++j)
+          if (j != rank_ && active_[j] && !told[j] && !delayed(j) && in_[j]->complete &&
+              in_[j]->fh.round == k) {
+            told[j] = 1;
+            hook(j);
+          }
+    }
     if (all_done) break;
     if (!progress) {
       if (aborted()) throw EngineAborted();
@@ -578,6 +619,13 @@ void HybridEngine::exchange(const PeerRanges* sends, size_t hdr_len, int64_t dea
   // the ranks of this host may read my slot from now on; the other hosts' frames go and
   // come meanwhile, then this host's stragglers are awaited
   shm_.arrive();
+  if (hook_) {
+    std::vector<int> here;
+    for (int j = 0; j < size_; ++j)
+      if (j != rank_ && local_[j] && active_[j]) here.push_back(j);
+    tcp_->set_arrival_hook(std::move(hook_), [this] { return shm_.arrived_now(); }, std::move(here));
+    hook_ = nullptr;
+  }
   tcp_->exchange(sends, hdr_len, deadline_ns);
   shm_.wait_arrived(deadline_ns);
   round_ = tcp_->next_round() - 1;

@@ -78,6 +78,14 @@ std::string gone_msg(const char* engine, const PeersGone& gone);
 // (epoch_base(epoch) + round within the epoch).
 using LivenessProbe = std::function<PeersGone(const std::vector<int>& missing, uint64_t round)>;
 
+// Called by exchange() with a peer whose part of the round is in (its slot of the round
+// readable in full), but only once every active peer's header of the round is in
+// (peer_hdr): the caller may check the headers and read that peer's slot while other
+// peers' frames are still on the wire. Each peer at most once, before exchange()
+// returns; peers never passed to it (engines that cannot tell, a host's peers that arrived
+// after the last frame) are the caller's after that. It must not throw.
+using ArrivalHook = std::function<void(int peer)>;
+
 class CollEngine {
  public:
   CollEngine(int rank, int size, size_t slot_bytes, size_t hdr_cap)
@@ -115,6 +123,9 @@ class CollEngine {
   // call (empty: none; direct bytes then make the frame malformed). Set before the
   // exchange() whose frames carry them: a peer never runs a round ahead within an epoch.
   virtual void set_direct_dst(std::vector<DirectDst>) {}
+  // The ArrivalHook of the next exchange() (which consumes it); engines that cannot tell
+  // when a peer's part is in ignore it.
+  virtual void set_arrival_hook(ArrivalHook) {}
   // Tests only (MOONCAKE_FAULT_DELAY): peer j's part of every round counts as not arrived
   // until now_ns() reaches until_ns, as if it were still in flight (liveness probes go on).
   virtual void delay_peer(int j, int64_t until_ns) {
@@ -183,6 +194,9 @@ class ShmEngine : public CollEngine {
   // next_round(), then wait until they all did (and complete the round).
   void arrive();
   void wait_arrived(int64_t deadline_ns);
+  // Whether every active peer has arrived at the round after the last completed one
+  // (never blocks or throws; wait_arrived() reports a peer ahead in epoch).
+  bool arrived_now();
 
  protected:
   void wake() override { futex_wake_all(bell()); }
@@ -261,9 +275,20 @@ class TcpEngine : public CollEngine {
     direct_dst_ = std::move(dst);
     direct_at_.assign(size_, 0);
   }
+  void set_arrival_hook(ArrivalHook hook) override { set_arrival_hook(std::move(hook), nullptr, {}); }
+  // others (ranks this engine does not carry, HybridEngine's local peers): passed to the
+  // hook first, once others_in() says they are all in as well.
+  void set_arrival_hook(ArrivalHook hook, std::function<bool()> others_in, std::vector<int> others) {
+    hook_ = std::move(hook);
+    hook_others_in_ = std::move(others_in);
+    hook_others_ = std::move(others);
+  }
 
  private:
   struct In;
+  ArrivalHook hook_;  // for the next exchange()
+  std::function<bool()> hook_others_in_;
+  std::vector<int> hook_others_;
   std::vector<DirectSrc> direct_src_;  // for the next exchange()
   std::vector<DirectDst> direct_dst_;
   std::vector<size_t> direct_at_;  // per peer: direct bytes received since set_direct_dst()
@@ -302,6 +327,7 @@ class HybridEngine : public CollEngine {
   bool direct_to(int j) const override { return j != rank_ && !local_[j]; }
   void set_direct_src(std::vector<DirectSrc> src) override { tcp_->set_direct_src(std::move(src)); }
   void set_direct_dst(std::vector<DirectDst> dst) override { tcp_->set_direct_dst(std::move(dst)); }
+  void set_arrival_hook(ArrivalHook hook) override { hook_ = std::move(hook); }
   void start_epoch(uint64_t e) override;
   void set_active(const std::vector<char>& active) override;
   void set_liveness(LivenessProbe p) override;
@@ -320,6 +346,7 @@ class HybridEngine : public CollEngine {
   ShmEngine shm_;
   std::vector<char> local_;
   std::unique_ptr<TcpEngine> tcp_;
+  ArrivalHook hook_;  // for the next exchange()
 };
 
 class TcpP2P : public P2PChannel {

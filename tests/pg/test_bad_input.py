@@ -34,6 +34,7 @@ BACKEND, TRANSPORT = default_backend()
 OP_TIMEOUT = 10.0  # short op timeout for these pools
 LOCAL_ERROR_LIMIT_S = 1.0  # a local check answers at once
 SENTINEL = -7.0
+LARGE_ROW = 1 << 16  # float32 elements: 256 KiB
 
 
 def pool(ws):
@@ -363,6 +364,20 @@ def _mismatch_call(rank, ws, case, off):
                 out, x, output_split_sizes=outs, input_split_sizes=[1] * ws
             )
         ), [(out, out.clone()), (x, x.clone())]
+    if case == "all_to_all_single_output_splits_large_rows":
+        # rows of 256 KiB, the last rank 0.2 s late: over TCP the others hold every other
+        # sender's bytes, ready to copy out, while the last frames are still coming; the
+        # splits must be checked first
+        x = torch.arange(float(ws * LARGE_ROW)).view(ws, LARGE_ROW) + 100 * rank
+        out = torch.full((ws, LARGE_ROW), SENTINEL)
+        outs = [2] + [1] * (ws - 2) + [0] if me else [1] * ws
+
+        def late_a2a():
+            if rank == ws - 1:
+                time.sleep(0.2)
+            dist.all_to_all_single(out, x, output_split_sizes=outs, input_split_sizes=[1] * ws)
+
+        return late_a2a, [(out, out.clone()), (x, x.clone())]
     if case == "all_to_all_single_input_splits":
         k = 2 if me else 1
         x = torch.arange(float(k * ws)) + 100 * rank
@@ -476,8 +491,19 @@ def test_cross_rank_mismatch_other_offenders(ws, off):
     _check_mismatch(ws, off, "all_to_all_single_input_splits")
 
 
-def _check_mismatch(ws, off, case):
-    res = pool(ws).run(rank_mismatch, case, off, timeout=90)
+@needs_mooncake
+@pytest.mark.parametrize("case", ["all_to_all_single_output_splits_large_rows"])
+def test_cross_rank_mismatch_over_tcp_leaves_outputs_untouched(case):
+    """(b) over TCP an all_to_all copies each sender's bytes out as they arrive, while
+    other frames are still coming: only after every rank's splits are in and agree, so a
+    mismatch still leaves every output untouched and raises ValueError on every rank."""
+    _check_mismatch(4, 2, case, transport="tcp")
+
+
+def _check_mismatch(ws, off, case, transport=TRANSPORT):
+    res = get_pool(ws, BACKEND, transport, timeout=OP_TIMEOUT).run(
+        rank_mismatch, case, off, timeout=90
+    )
     problems = []
     for r, o in enumerate(res):
         if o["raised"] is None:

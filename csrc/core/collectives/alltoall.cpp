@@ -4,9 +4,11 @@
 // to, sized in proportion to those bytes, so a rank that sends to one peer (the stage
 // inside a host of mooncake_ep's two-level route) uses its whole slot per round, and
 // every pair finishes in about the same round. Across hosts, bytes for another host's
-// ranks go as direct bytes after the first round (see Group::alltoall).
+// ranks go as direct bytes after the first round, and the first round's bytes are copied
+// out per sender while later frames are still on the wire (see Group::alltoall).
 #include <algorithm>
 #include <cstring>
+#include <exception>
 
 #include "core/group.hpp"
 #include "core/op_header.hpp"
@@ -110,10 +112,46 @@ void Group::alltoall(const uint8_t* in, uint8_t* out, DType dt, int64_t row_elem
   std::vector<size_t> chunk(W, 0);                   // direct bytes per round to each peer
   size_t rounds = 1;                                 // known after round 1 (needs every rank's splits)
   auto out_copy = roff[W] >= kStreamThreshold ? copy_stream : copy_plain;
-  struct DirectReset {  // the engine forgets `out` when the op ends, also by an exception
+  struct DirectReset {  // the engine forgets `out` and the hook when the op ends, also by an exception
     CollEngine* e;
-    ~DirectReset() { e->set_direct_dst({}); }
+    ~DirectReset() {
+      e->set_direct_dst({});
+      e->set_arrival_hook({});
+    }
   } reset{e};
+  // Round 0's headers (every rank's splits): checked, then where each sender's bytes for
+  // me lie and how many rounds the op takes. Nothing is written to `out` before this.
+  auto read_headers = [&](uint64_t k) {
+    check_headers(e, k, act_[0], act_);
+    std::vector<size_t> bytes(W), off, q;
+    for (int i : act_) {
+      const int64_t* xi = reinterpret_cast<const int64_t*>(e->peer_hdr(i, k) + sizeof(OpHeader));
+      for (int j = 0; j < W; ++j) bytes[j] = (j != i && active_[j]) ? static_cast<size_t>(xi[j]) * R : 0;
+      sub_slots(bytes, S, &off, &q);
+      if (direct) {
+        rounds = std::max(rounds, 1 + static_cast<size_t>(xi[2 * W]));
+        if (i != r && !e->direct_to(i)) {  // i's rest by slot, to this host's ranks
+          std::vector<size_t> ro, rq;
+          sub_slots(slot_rest(i, bytes, q), S, &ro, &rq);
+          rest_off[i] = ro[r];
+          rest_q[i] = rq[r];
+        }
+      } else {
+        for (int j : act_)
+          if (bytes[j]) rounds = std::max(rounds, (bytes[j] + q[j] - 1) / q[j]);
+      }
+      from_off[i] = off[r];
+      from_q[i] = q[r];
+    }
+    const size_t self = soff[r + 1] - soff[r];
+    if (self) (self >= kStreamThreshold ? copy_stream : copy_plain)(out + roff[r], in + soff[r], self);
+  };
+  // sender i's round-0 bytes for me, from its slot
+  auto copy_round0 = [&](int i, uint64_t k) {
+    if (from_q[i] == 0) return;
+    const size_t len = std::min(from_q[i], roff[i + 1] - roff[i]);
+    if (len) out_copy(out + roff[i], e->peer_slot(i, k) + from_off[i], len);
+  };
   for (size_t p = 0; p < rounds; ++p) {
     const uint64_t k = e->next_round();
     PeerRanges sends(W);
@@ -139,32 +177,32 @@ void Group::alltoall(const uint8_t* in, uint8_t* out, DType dt, int64_t row_elem
       sends[j].push_back({so, len});
     }
     if (!dsrc.empty()) e->set_direct_src(std::move(dsrc));
+    // Round 0: each sender's bytes are copied out as its part arrives, once every header
+    // is in and checked, while the other parts are still on the wire (the engine's
+    // ArrivalHook; a header error is kept and raised after the exchange, as without it).
+    std::vector<char> copied(W, 0);
+    bool headers_read = false;
+    std::exception_ptr header_error;
+    if (p == 0)
+      e->set_arrival_hook([&](int i) {
+        if (header_error) return;
+        if (!headers_read) {
+          try {
+            read_headers(k);
+          } catch (...) {
+            header_error = std::current_exception();
+            return;
+          }
+          headers_read = true;
+        }
+        copy_round0(i, k);
+        copied[i] = 1;
+      });
     if (p == 0) write_header(e, k, h, extra);
     exchange(&sends, p == 0 ? header_len(extra) : 0, deadline_ns);
     if (p == 0) {
-      check_headers(e, k, act_[0], act_);
-      std::vector<size_t> bytes(W), off, q;
-      for (int i : act_) {
-        const int64_t* xi = reinterpret_cast<const int64_t*>(e->peer_hdr(i, k) + sizeof(OpHeader));
-        for (int j = 0; j < W; ++j) bytes[j] = (j != i && active_[j]) ? static_cast<size_t>(xi[j]) * R : 0;
-        sub_slots(bytes, S, &off, &q);
-        if (direct) {
-          rounds = std::max(rounds, 1 + static_cast<size_t>(xi[2 * W]));
-          if (i != r && !e->direct_to(i)) {  // i's rest by slot, to this host's ranks
-            std::vector<size_t> ro, rq;
-            sub_slots(slot_rest(i, bytes, q), S, &ro, &rq);
-            rest_off[i] = ro[r];
-            rest_q[i] = rq[r];
-          }
-        } else {
-          for (int j : act_)
-            if (bytes[j]) rounds = std::max(rounds, (bytes[j] + q[j] - 1) / q[j]);
-        }
-        from_off[i] = off[r];
-        from_q[i] = q[r];
-      }
-      const size_t self = soff[r + 1] - soff[r];
-      if (self) (self >= kStreamThreshold ? copy_stream : copy_plain)(out + roff[r], in + soff[r], self);
+      if (header_error) std::rethrow_exception(header_error);
+      if (!headers_read) read_headers(k);
       if (direct && rounds > 1) {
         std::vector<DirectDst> ddst(W);
         for (int j : act_) {
@@ -185,6 +223,10 @@ void Group::alltoall(const uint8_t* in, uint8_t* out, DType dt, int64_t row_elem
         const size_t off = std::min(tot, from_q[i] + (p - 1) * rest_q[i]);
         const size_t len = std::min(rest_q[i], tot - off);
         if (len) out_copy(out + roff[i] + off, e->peer_slot(i, k) + rest_off[i], len);
+        continue;
+      }
+      if (p == 0) {
+        if (!copied[i]) copy_round0(i, k);
         continue;
       }
       if (from_q[i] == 0) continue;
